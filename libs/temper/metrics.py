@@ -1,0 +1,81 @@
+"""The catalogue of Prometheus metrics. Every service imports its metrics from here,
+so names and labels stay consistent with the alert rules in deploy/prometheus/."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets from 0.5 ms to 60 s: sandbox execs and bus hops are millisecond-scale.
+FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# --- bus -------------------------------------------------------------------------------
+BUS_PRODUCED = Counter("temper_bus_messages_produced_total", "Messages produced", ["topic"])
+BUS_CONSUMED = Counter("temper_bus_messages_consumed_total", "Messages handled and committed", ["topic", "group"])
+BUS_HANDLER_FAILURES = Counter(
+    "temper_bus_handler_failures_total", "Handler attempts that raised", ["topic", "group"]
+)
+BUS_DEAD_LETTERS = Counter("temper_bus_dead_letters_total", "Messages sent to a dead-letter topic", ["topic"])
+BUS_CONSUMER_LAG = Gauge("temper_bus_consumer_lag", "Messages not yet committed by a group", ["topic", "group"])
+BUS_PAUSED = Gauge("temper_bus_paused", "1 while a consumer has paused its partitions", ["topic", "group"])
+OUTBOX_PENDING = Gauge("temper_outbox_pending", "Outbox rows committed but not yet published")
+OUTBOX_PUBLISHED = Counter("temper_outbox_published_total", "Outbox rows published", ["topic"])
+
+# --- episodes (dispatcher) -------------------------------------------------------------
+EPISODE_TRANSITIONS = Counter("temper_episode_transitions_total", "Episode state transitions", ["to_state"])
+EPISODES_ACTIVE = Gauge("temper_episodes_active", "Episodes neither finished nor failed", ["job"])
+EPISODE_FAILURES = Counter("temper_episode_failures_total", "Episodes failed", ["reason"])
+STEP_LEASES_EXPIRED = Counter("temper_step_leases_expired_total", "Step leases that expired", ["kind"])
+EPISODES_STUCK = Gauge("temper_episodes_stuck", "Episodes whose current step is past its lease")
+TURN_SECONDS = Histogram("temper_turn_seconds", "Wall time of one turn", ["kind"], buckets=FAST_BUCKETS)
+JOB_ITERATION = Gauge("temper_job_iteration", "Current iteration of a job", ["job"])
+
+# --- sandbox ---------------------------------------------------------------------------
+SANDBOX_ACTIVE = Gauge("temper_sandbox_active", "Sandboxes in use")
+SANDBOX_POOL_SIZE = Gauge("temper_sandbox_pool_size", "Warm sandboxes ready in the pool")
+SANDBOX_POOL_HITS = Counter("temper_sandbox_pool_hits_total", "Acquisitions served from the warm pool")
+SANDBOX_POOL_MISSES = Counter("temper_sandbox_pool_misses_total", "Acquisitions that had to create a sandbox")
+SANDBOX_ACQUIRE_SECONDS = Histogram(
+    "temper_sandbox_acquire_seconds", "Time to acquire a sandbox", buckets=FAST_BUCKETS
+)
+SANDBOX_EXEC_SECONDS = Histogram("temper_sandbox_exec_seconds", "Time of one sandbox action", buckets=FAST_BUCKETS)
+SANDBOX_KILLS = Counter("temper_sandbox_kills_total", "Sandbox actions killed", ["reason"])
+SANDBOX_LEAKED_PROCESSES = Gauge(
+    "temper_sandbox_leaked_processes", "Processes left behind by destroyed sandboxes (must stay 0)"
+)
+
+# --- rewards ---------------------------------------------------------------------------
+REWARDS_SCORED = Counter("temper_rewards_scored_total", "Episodes scored", ["status"])
+REWARD_COMPONENT_SECONDS = Histogram(
+    "temper_reward_component_seconds", "Time to compute one reward component", ["component"], buckets=FAST_BUCKETS
+)
+REWARD_FAILURES = Counter("temper_reward_failures_total", "Reward components that failed", ["component", "reason"])
+
+# --- inference -------------------------------------------------------------------------
+INFERENCE_REQUESTS = Counter("temper_inference_requests_total", "Generation requests", ["backend", "status"])
+INFERENCE_SECONDS = Histogram(
+    "temper_inference_seconds", "Generation latency per request", ["backend"], buckets=FAST_BUCKETS
+)
+INFERENCE_INFLIGHT = Gauge("temper_inference_inflight", "Requests in flight", ["backend"])
+INFERENCE_BACKEND_HEALTHY = Gauge("temper_inference_backend_healthy", "1 if a backend is healthy", ["backend"])
+WEIGHT_SWITCH_SECONDS = Histogram(
+    "temper_weight_switch_seconds", "Time to switch a backend to new weights", buckets=FAST_BUCKETS
+)
+
+# --- trainer ---------------------------------------------------------------------------
+POLICY_VERSION = Gauge("temper_policy_version", "Latest policy version", ["job"])
+TRAINER_STEPS = Counter("temper_trainer_steps_total", "Optimizer steps", ["job"])
+TRAINER_LOSS = Gauge("temper_trainer_loss", "Loss of the last step", ["job"])
+TRAINER_REWARD_MEAN = Gauge("temper_trainer_reward_mean", "Mean reward of the last batch", ["job"])
+TRAINER_REWARD_STD = Gauge("temper_trainer_reward_std", "Reward std of the last batch", ["job"])
+TRAINER_KL = Gauge("temper_trainer_kl", "KL to the reference policy, last step", ["job"])
+TRAINER_CLIP_FRACTION = Gauge("temper_trainer_clip_fraction", "Fraction of clipped ratios, last step", ["job"])
+TRAINER_TOKENS_PER_SECOND = Gauge("temper_trainer_tokens_per_second", "Training throughput", ["job"])
+TRAINER_STALENESS = Histogram(
+    "temper_trainer_staleness", "Policy versions between behaviour and trained policy", buckets=(0, 1, 2, 3, 4, 8, 16)
+)
+TRAINER_SKIPPED_GROUPS = Counter("temper_trainer_skipped_groups_total", "Groups skipped for zero reward variance", ["job"])
+
+
+def render_latest() -> tuple[bytes, str]:
+    """The body and content type of a /metrics response."""
+    return generate_latest(), CONTENT_TYPE_LATEST
