@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from temper import metrics
+from temper.events import BadMessage, Message, Topics
+from temper.logs import log_event
+
+log = logging.getLogger("temper.bus")
+
+
+class BusUnavailable(RuntimeError):
+    """The bus cannot be reached; the message names the setting to check."""
+
+
+class Poison(Exception):
+    """Raised by a handler for a message that can never succeed: it goes straight to
+    the dead-letter topic instead of being retried."""
+
+
+@dataclass(frozen=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    value: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[Record], Awaitable[None]]
+
+
+class Consumer(ABC):
+    """A member of a consumer group. ``pause``/``resume`` stop and restart fetching
+    (backpressure); ``stop`` leaves the group after the work in hand is committed."""
+
+    topics: tuple[str, ...]
+    group: str
+
+    @abstractmethod
+    def pause(self) -> None: ...
+
+    @abstractmethod
+    def resume(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def paused(self) -> bool: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+
+class Bus(ABC):
+    def __init__(self, *, partitions: int, max_retries: int, retry_backoff_s: float) -> None:
+        self.partitions = partitions
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Connect; raises :class:`BusUnavailable` naming the setting if it can't."""
+
+    async def stop(self) -> None:  # noqa: B027 - optional hook
+        """Flush and disconnect."""
+
+    @abstractmethod
+    async def create_topics(self, topics: Iterable[str], partitions: int | None = None) -> None:
+        """Create topics and their dead-letter twins; existing ones are left as they are."""
+
+    @abstractmethod
+    async def send(
+        self, topic: str, value: bytes | Message, key: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        """Send and wait until the bus has durably accepted the message."""
+
+    @abstractmethod
+    async def subscribe(
+        self, topics: Iterable[str], group: str, handler: Handler, *, concurrency: int = 1
+    ) -> Consumer:
+        """Join ``group`` and run ``handler`` for each record. Records of one partition are
+        handled in order; up to ``concurrency`` partitions are handled at once."""
+
+    @abstractmethod
+    async def check(self) -> None:
+        """Raise :class:`BusUnavailable` if the bus does not answer (for /health)."""
+
+    async def send_message(self, topic: str, message: Message) -> None:
+        await self.send(topic, message.to_bytes(), key=message.key())
+
+
+class Delivery:
+    """Runs a handler on one record with the bus's retry and dead-letter policy.
+    Returns when the record may be committed: handled, or parked in the DLQ."""
+
+    def __init__(self, bus: Bus, group: str, handler: Handler) -> None:
+        self.bus = bus
+        self.group = group
+        self.handler = handler
+
+    async def run(self, record: Record) -> None:
+        attempts = self.bus.max_retries + 1
+        error: BaseException | None = None
+        for attempt in range(1, attempts + 1):
+            try:
+                await self.handler(record)
+                metrics.BUS_CONSUMED.labels(record.topic, self.group).inc()
+                return
+            except (Poison, BadMessage) as exc:
+                error = exc
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
+                error = exc
+                metrics.BUS_HANDLER_FAILURES.labels(record.topic, self.group).inc()
+                log_event(
+                    log,
+                    "handler failed",
+                    logging.WARNING,
+                    topic=record.topic,
+                    partition=record.partition,
+                    offset=record.offset,
+                    group=self.group,
+                    attempt=attempt,
+                    error=repr(exc),
+                )
+                if attempt < attempts:
+                    await asyncio.sleep(self.bus.retry_backoff_s * attempt)
+        await self._dead_letter(record, error, attempts)
+
+    async def _dead_letter(self, record: Record, error: BaseException | None, attempts: int) -> None:
+        dlq = Topics.dead_letter(record.topic)
+        headers = {
+            **record.headers,
+            "temper.dlq.error": repr(error)[:2000],
+            "temper.dlq.source": f"{record.topic}/{record.partition}/{record.offset}",
+            "temper.dlq.group": self.group,
+            "temper.dlq.attempts": str(attempts),
+        }
+        await self.bus.send(dlq, record.value, key=record.key, headers=headers)
+        metrics.BUS_DEAD_LETTERS.labels(record.topic).inc()
+        log_event(log, "message dead-lettered", logging.ERROR, topic=record.topic, dlq=dlq, error=repr(error))

@@ -1,0 +1,128 @@
+"""Typed settings for every Temper process.
+
+One object, nested per subsystem, read from the environment with the prefix
+``TEMPER_`` and ``__`` between levels (``TEMPER_BUS__BOOTSTRAP``). The same code
+runs embedded or distributed by these settings alone.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from functools import lru_cache
+from pathlib import Path
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_API_SECRET = "temper-dev-secret-change-me"
+
+
+class Mode(StrEnum):
+    embedded = "embedded"
+    distributed = "distributed"
+
+
+class BusKind(StrEnum):
+    inprocess = "inprocess"
+    kafka = "kafka"
+
+
+class StorageKind(StrEnum):
+    local = "local"
+    s3 = "s3"
+
+
+class DatabaseSettings(BaseModel):
+    url: str = "sqlite+aiosqlite:///./.temper/temper.db"
+    echo: bool = False
+    pool_size: int = Field(10, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _supported_driver(cls, url: str) -> str:
+        if not url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
+            raise ValueError(
+                "TEMPER_DB__URL must start with postgresql+asyncpg:// or sqlite+aiosqlite:// "
+                f"(got {url.split('://', 1)[0]}://...)"
+            )
+        return url
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.url.startswith("sqlite")
+
+
+class BusSettings(BaseModel):
+    kind: BusKind | None = None  # None: in-process when embedded, Kafka when distributed
+    bootstrap: str = "127.0.0.1:59092"
+    partitions: int = Field(6, ge=1)
+    max_retries: int = Field(3, ge=0, description="handler attempts before a message goes to <topic>.dlq")
+    retry_backoff_s: float = Field(0.2, ge=0)
+    connect_timeout_s: float = Field(15.0, gt=0)
+    client_id: str = "temper"
+
+
+class StorageSettings(BaseModel):
+    kind: StorageKind | None = None  # None: local directory when embedded, S3 when distributed
+    root: Path = Path(".temper/objects")
+    endpoint: str = "127.0.0.1:59000"
+    access_key: str = "temper"
+    secret_key: SecretStr = SecretStr("temper-secret-key")
+    bucket: str = "temper"
+    secure: bool = False
+    region: str = "us-east-1"
+
+
+class RedisSettings(BaseModel):
+    url: str = "redis://127.0.0.1:56379/0"
+
+
+class ApiSettings(BaseModel):
+    secret: SecretStr = SecretStr(DEFAULT_API_SECRET)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    bootstrap_key: SecretStr | None = Field(
+        None, description="if set, an admin API key with this value is created for tenant 'default' at start"
+    )
+
+
+class LogSettings(BaseModel):
+    level: str = "INFO"
+    json_lines: bool = True
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TEMPER_", env_nested_delimiter="__", extra="ignore")
+
+    mode: Mode = Mode.embedded
+    service: str = "temper"
+    data_dir: Path = Path(".temper")
+    db: DatabaseSettings = DatabaseSettings()
+    bus: BusSettings = BusSettings()
+    storage: StorageSettings = StorageSettings()
+    redis: RedisSettings = RedisSettings()
+    api: ApiSettings = ApiSettings()
+    log: LogSettings = LogSettings()
+    allow_unsafe: bool = Field(False, description="allow the no-isolation sandbox backend in distributed mode")
+
+    @model_validator(mode="after")
+    def _resolve_and_refuse_unsafe(self) -> Settings:
+        distributed = self.mode is Mode.distributed
+        if self.bus.kind is None:
+            self.bus.kind = BusKind.kafka if distributed else BusKind.inprocess
+        if self.storage.kind is None:
+            self.storage.kind = StorageKind.s3 if distributed else StorageKind.local
+        if distributed:
+            if self.bus.kind is BusKind.inprocess:
+                raise ValueError("TEMPER_BUS__KIND=inprocess cannot be used with TEMPER_MODE=distributed")
+            if self.api.secret.get_secret_value() == DEFAULT_API_SECRET:
+                raise ValueError("TEMPER_API__SECRET must be set to a non-default value in distributed mode")
+            if self.db.is_sqlite:
+                raise ValueError("TEMPER_DB__URL must point at Postgres in distributed mode")
+        return self
+
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()
