@@ -1,0 +1,240 @@
+"""The policy model: a transformers ``Qwen2ForCausalLM`` (an architecture vLLM serves).
+
+Created from a small preset with seeded random weights, or loaded from a local model
+directory (``config.json`` + ``model.safetensors`` + ``tokenizer.json``). Nothing is
+fetched from a model hub. :func:`token_logprobs` is the one function that turns a
+model and token ids into per-token logprobs; the CPU engine checks its sampled
+logprobs against it and the trainer uses it for the loss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from temper.policy.tokenizer import ByteTokenizer, default_tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+META_FILE = "temper.json"
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int = 2048
+
+
+PRESETS: dict[str, Preset] = {
+    # ~0.5M parameters: trains on two CPU cores in minutes, generates at ~1 ms/token.
+    "tiny": Preset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=384),
+    # ~3M parameters: still CPU-friendly, more capacity for the example job.
+    "small": Preset(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    intermediate_size=768),
+}
+
+
+def model_config(preset: str = "tiny", *, tokenizer: ByteTokenizer | None = None) -> Qwen2Config:
+    """The ``Qwen2Config`` of a preset, sized to the byte tokenizer."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    tok = tokenizer or default_tokenizer()
+    p = PRESETS[preset]
+    return Qwen2Config(
+        vocab_size=tok.vocab_size,  # exact: no unused ids a sampler could draw
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.end_id,
+        pad_token_id=tok.pad_id,
+        torch_dtype="float32",
+    )
+
+
+def create_model(preset: str = "tiny", *, seed: int = 0, tokenizer: ByteTokenizer | None = None) -> Qwen2ForCausalLM:
+    """A fresh model of ``preset`` with random weights drawn from ``seed`` (same seed, same weights)."""
+    cfg = model_config(preset, tokenizer=tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    return model.eval()
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    directory: str | Path,
+    *,
+    tokenizer: ByteTokenizer | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Write a loadable model directory: config.json, model.safetensors, tokenizer.json (+ temper.json).
+
+    Tied embeddings are stored once (as ``model.embed_tokens.weight``), as vLLM expects.
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        cfg.to_json_file(str(d / CONFIG_FILE))
+    save_weights(model, d / WEIGHTS_FILE, metadata=metadata)
+    (tokenizer or default_tokenizer()).save(d)
+    if metadata:
+        (d / META_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+    return d
+
+
+def save_weights(model: torch.nn.Module, path: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
+    """The model's weights alone, as one safetensors file."""
+    state = model.state_dict()
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    tensors = {
+        k: v.detach().to("cpu").contiguous().clone()
+        for k, v in state.items()
+        if not (tied and k == "lm_head.weight")
+    }
+    meta = {k: str(v) for k, v in (metadata or {}).items()}
+    save_file(tensors, str(path), metadata=meta or None)
+    return Path(path)
+
+
+def weights_path(path: str | Path) -> Path:
+    """Accept a model directory or a ``.safetensors`` file."""
+    p = Path(path)
+    return p / WEIGHTS_FILE if p.is_dir() else p
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
+    """Load safetensors weights into an existing model of the same architecture (in place)."""
+    tensors = load_file(str(weights_path(path)))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
+    if tied and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def load_model(directory: str | Path) -> tuple[Qwen2ForCausalLM, ByteTokenizer]:
+    """Model and tokenizer from a local model directory."""
+    d = Path(directory)
+    cfg = Qwen2Config.from_json_file(str(d / CONFIG_FILE))
+    model = Qwen2ForCausalLM(cfg)
+    load_weights(model, d / WEIGHTS_FILE)
+    tok = ByteTokenizer.load(d) if (d / "tokenizer.json").exists() else default_tokenizer()
+    return model.eval(), tok
+
+
+def read_metadata(directory: str | Path) -> dict[str, Any]:
+    p = Path(directory) / META_FILE
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+# --- forward passes ----------------------------------------------------------------------
+
+_FORWARD_CACHE_ARG: dict[type, str] = {}
+
+
+def _cache_arg(model: torch.nn.Module) -> str:
+    """``cache`` in recent transformers, ``past_key_values`` before."""
+    cls = type(model)
+    if cls not in _FORWARD_CACHE_ARG:
+        params = inspect.signature(model.forward).parameters
+        _FORWARD_CACHE_ARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return _FORWARD_CACHE_ARG[cls]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore padding: the first real token of each row is position 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    position_ids: torch.Tensor | None = None,
+    cache: Any = None,
+    use_cache: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """Logits ``[B, T, V]`` (float32) and the updated KV cache."""
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    kwargs: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "use_cache": use_cache,
+    }
+    if cache is not None:
+        kwargs[_cache_arg(model)] = cache
+    out = model(**kwargs)
+    name = "cache" if _cache_arg(model) == "cache" else "past_key_values"
+    new_cache = getattr(out, name, None)
+    return out.logits.float(), new_cache
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    completion_mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-token logprobs ``[B, T]``: ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``.
+
+    The first real token of each row has no context and is 0; so are padded positions (``attention_mask == 0``)
+    and, when ``completion_mask`` is given, every position where it is 0 (prompt and
+    observation tokens). Works with left or right padding. Gradients flow when called
+    outside ``torch.no_grad()``. ``temperature`` divides the logits first (1.0 = the raw
+    model distribution, which is what the CPU engine reports).
+    """
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    logits, _ = forward(model, input_ids, attention_mask)
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    out = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    am = attention_mask.to(out.dtype)
+    # a token is scored only if it and the token before it are real (the first real token is not)
+    mask = torch.cat([torch.zeros_like(am[:, :1]), am[:, 1:] * am[:, :-1]], dim=1)
+    if completion_mask is not None:
+        mask = mask * completion_mask.to(out.dtype)
+    return out * mask
+
+
+def pad_batch(sequences: list[list[int]], pad_id: int, *, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad id lists into ``(input_ids, attention_mask)`` (right padding unless ``left``)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if left:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+        else:
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = 1
+    return ids, mask

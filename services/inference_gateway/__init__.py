@@ -1,0 +1,1 @@
+"""The inference gateway: routes generation requests to model backends (vLLM or the CPU engine)."""

@@ -1,0 +1,56 @@
+"""``python -m services.inference_gateway.engine --preset tiny --port 8010`` (or ``--model-dir DIR``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import uvicorn
+
+from services.inference_gateway.engine.app import create_app
+from services.inference_gateway.engine.core import BatchScheduler, Engine
+from temper.policy import create_model, default_tokenizer, load_model, read_metadata
+
+
+def build_engine(
+    *, model_dir: str | None = None, preset: str = "tiny", seed: int = 0, version: int | None = None
+) -> Engine:
+    if model_dir:
+        model, tok = load_model(model_dir)
+        v = version if version is not None else int(read_metadata(model_dir).get("version", 0))
+    else:
+        model, tok, v = create_model(preset, seed=seed), default_tokenizer(), version or 0
+    return Engine(model, tok, version=v)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m services.inference_gateway.engine")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model-dir", help="local dir with config.json, model.safetensors, tokenizer.json")
+    src.add_argument("--preset", default="tiny", help="create a model with random weights (default: tiny)")
+    ap.add_argument("--seed", type=int, default=0, help="weight seed for --preset")
+    ap.add_argument("--version", type=int, default=None, help="policy version of the initial weights")
+    ap.add_argument("--model-name", default="temper-policy")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8010)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--batch-window-ms", type=float, default=3.0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--checkpoint-root", default=None, help="local object-store root that load_weights keys resolve in")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.INFO)
+    engine = build_engine(model_dir=args.model_dir, preset=args.preset, seed=args.seed, version=args.version)
+    if args.checkpoint_root is None:
+        from temper.settings import get_settings
+
+        args.checkpoint_root = str(get_settings().storage.root)
+    sched = BatchScheduler(engine, max_batch=args.max_batch, window_ms=args.batch_window_ms)
+    app = create_app(sched, model_name=args.model_name, checkpoint_root=args.checkpoint_root)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""The CPU engine: batched token-in/token-out generation with a KV cache.
+
+One batch at a time: prompts are left-padded, positions come from the attention mask,
+and each step feeds one token per row through the cached model. Every request owns a
+``torch.Generator`` seeded from its ``seed``, and sampling is done row by row with it,
+so a request's tokens do not depend on which other requests share its batch.
+
+The logprob reported for a sampled token is the raw model distribution's (log-softmax
+of the logits, before temperature and top-p), as vLLM V1 reports by default
+(``logprobs_mode=raw_logprobs``); ``temper.policy.token_logprobs`` recomputes exactly
+this from a forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from temper.policy import ByteTokenizer, forward, load_weights, pad_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class GenOutput:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    stop_reason: int | str | None
+    policy_version: int
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
+    """One token from a row of logits ``[V]``; returns ``(token, raw logprob)``."""
+    raw = torch.log_softmax(logits, dim=-1)
+    if params.temperature <= 1e-5:
+        tok = int(torch.argmax(logits))
+        return tok, float(raw[tok])
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
+        sorted_p = torch.where(before < params.top_p, sorted_p, torch.zeros_like(sorted_p))
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    tok = int(torch.multinomial(probs, 1, generator=gen))
+    return tok, float(raw[tok])
+
+
+class _Row:
+    """The decoding state of one request inside a batch."""
+
+    def __init__(self, req: GenRequest, tok: ByteTokenizer, version: int, max_len: int) -> None:
+        self.req = req
+        self.p = req.params
+        seed = self.p.seed if self.p.seed is not None else random.getrandbits(63)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.stop_ids = set(self.p.stop_token_ids)
+        self.eos_ids = set() if self.p.ignore_eos else {tok.end_id, tok.eos_id}
+        self.budget = max(0, min(self.p.max_tokens, max_len - len(req.prompt_ids)))
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.finish: str | None = None if self.budget > 0 else "length"
+        self.stop_reason: int | str | None = None
+        self.version = version
+        self.tok = tok
+
+    def push(self, token: int, logprob: float) -> None:
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish, self.stop_reason = "stop", token
+        elif token in self.eos_ids:
+            self.finish = "stop"
+        if self.p.stop and self.finish is None:
+            text = self.tok.decode(self.ids)
+            for s in self.p.stop:
+                at = text.find(s)
+                if at >= 0:
+                    self.finish, self.stop_reason, self.text = "stop", s, text[:at]
+                    return
+        if self.finish is None and len(self.ids) >= self.budget:
+            self.finish = "length"
+
+    def output(self) -> GenOutput:
+        text = self.text if isinstance(self.stop_reason, str) else self.tok.decode(self.ids)
+        return GenOutput(
+            prompt_ids=list(self.req.prompt_ids),
+            token_ids=self.ids,
+            logprobs=self.logprobs,
+            text=text,
+            finish_reason=self.finish or "length",
+            stop_reason=self.stop_reason,
+            policy_version=self.version,
+        )
+
+
+class Engine:
+    """A model, its tokenizer and its policy version; ``generate`` runs one batch synchronously."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: ByteTokenizer, *, version: int = 0) -> None:
+        self.model = model.eval()
+        self.tok = tokenizer
+        self.version = version
+        self.max_len = int(getattr(model.config, "max_position_embeddings", 2048))
+
+    @torch.inference_mode()
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
+        version = self.version
+        rows = [_Row(r, self.tok, version, self.max_len) for r in requests]
+        live = [r for r in rows if r.finish is None]
+        if not live:
+            return [r.output() for r in rows]
+        for r in live:
+            if not r.req.prompt_ids:
+                raise ValueError("empty prompt")
+        ids, mask = pad_batch([r.req.prompt_ids for r in live], self.tok.pad_id, left=True)
+        logits, cache = forward(self.model, ids, mask, use_cache=True)
+        pos = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)
+        while True:
+            nxt = torch.full((len(live), 1), self.tok.pad_id, dtype=torch.long)
+            for i, r in enumerate(live):
+                if r.finish is None:
+                    t, lp = sample_token(logits[i, -1], r.p, r.gen)
+                    r.push(t, lp)
+                    nxt[i, 0] = t
+            if all(r.finish is not None for r in live):
+                break
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
+            pos = pos + 1
+            logits, cache = forward(self.model, nxt, mask, position_ids=pos, cache=cache, use_cache=True)
+        return [r.output() for r in rows]
+
+    def load_weights(self, path: str | Path, version: int) -> float:
+        """Swap in new weights (same architecture); returns the switch time in seconds."""
+        t0 = time.perf_counter()
+        load_weights(self.model, path)
+        self.model.eval()
+        self.version = version
+        return time.perf_counter() - t0
+
+
+@dataclass
+class _Pending:
+    req: GenRequest
+    fut: asyncio.Future[GenOutput]
+
+
+class BatchScheduler:
+    """Collects requests that arrive within ``window_ms`` of each other into one batch.
+
+    Batches run one at a time in a worker thread (torch releases the GIL), so the event
+    loop keeps accepting requests. A weight reload waits for the running batch, swaps
+    the weights, and the next batch runs on the new version: a request is never lost,
+    and its output names the version that produced it.
+    """
+
+    def __init__(self, engine: Engine, *, max_batch: int = 16, window_ms: float = 3.0) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self.window_s = window_ms / 1000
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0
+        self.inflight = 0
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="engine-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def submit(self, req: GenRequest) -> GenOutput:
+        fut: asyncio.Future[GenOutput] = asyncio.get_running_loop().create_future()
+        self.inflight += 1
+        try:
+            await self._queue.put(_Pending(req, fut))
+            return await fut
+        finally:
+            self.inflight -= 1
+
+    async def reload(self, path: str | Path, version: int) -> float:
+        async with self._lock:
+            return await asyncio.to_thread(self.engine.load_weights, path, version)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            deadline = loop.time() + self.window_s
+            while len(batch) < self.max_batch:
+                timeout = deadline - loop.time()
+                if timeout <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
+                except TimeoutError:
+                    break
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            live = [p for p in batch if not p.fut.done()]
+            if not live:
+                continue
+            async with self._lock:
+                try:
+                    outs = await asyncio.to_thread(self.engine.generate, [p.req for p in live])
+                except Exception as exc:  # one bad batch fails its requests, not the engine
+                    log.exception("batch failed")
+                    for p in live:
+                        if not p.fut.done():
+                            p.fut.set_exception(exc)
+                    continue
+            self.batches += 1
+            for p, out in zip(live, outs, strict=True):
+                if not p.fut.done():
+                    p.fut.set_result(out)
