@@ -180,7 +180,13 @@ class KafkaConsumer(Consumer):
             if self._paused:
                 # Partitions assigned after pause() must be paused too.
                 self._consumer.pause(*self._consumer.assignment())
-            batches = await self._consumer.getmany(timeout_ms=200, max_records=100)
+            try:
+                batches = await self._consumer.getmany(timeout_ms=200, max_records=100)
+            except KafkaError as exc:
+                # The client reconnects by itself; keep the loop alive and say so.
+                log_event(log, "fetch failed", logging.WARNING, group=self.group, error=repr(exc))
+                await asyncio.sleep(1)
+                continue
             items = list(batches.items())
             for i in range(0, len(items), self.concurrency):
                 await asyncio.gather(*(self._drain(tp, recs) for tp, recs in items[i : i + self.concurrency]))

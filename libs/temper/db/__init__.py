@@ -1,0 +1,33 @@
+"""The database: SQLAlchemy 2 async models that run on Postgres (asyncpg) and SQLite
+(aiosqlite), the engine and sessions, and the migration entry point."""
+
+from temper.db.engine import Database, DatabaseUnavailable
+from temper.db.models import (
+    ApiKey,
+    Base,
+    Episode,
+    Job,
+    OutboxRow,
+    PolicyVersion,
+    Step,
+    Task,
+    TaskSet,
+    Tenant,
+    TrainedTrajectory,
+)
+
+__all__ = [
+    "ApiKey",
+    "Base",
+    "Database",
+    "DatabaseUnavailable",
+    "Episode",
+    "Job",
+    "OutboxRow",
+    "PolicyVersion",
+    "Step",
+    "Task",
+    "TaskSet",
+    "Tenant",
+    "TrainedTrajectory",
+]

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sqlalchemy import event, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+from temper.settings import DatabaseSettings
+
+
+class DatabaseUnavailable(RuntimeError):
+    """The database cannot be reached; the message names the setting to check."""
+
+
+def masked_url(url: str) -> str:
+    return re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", url)
+
+
+class Database:
+    """An engine plus a session factory. ``session()`` opens a transaction that commits
+    when the block ends and rolls back if it raises."""
+
+    def __init__(self, settings: DatabaseSettings) -> None:
+        self.url = settings.url
+        kwargs: dict = {"echo": settings.echo}
+        if settings.is_sqlite:
+            self._ensure_sqlite_dir(settings.url)
+            kwargs["connect_args"] = {"timeout": 30}
+        else:
+            kwargs.update(pool_size=settings.pool_size, pool_pre_ping=True)
+        self.engine: AsyncEngine = create_async_engine(settings.url, **kwargs)
+        if settings.is_sqlite:
+            event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
+        self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    @staticmethod
+    def _ensure_sqlite_dir(url: str) -> None:
+        from pathlib import Path
+
+        path = url.split(":///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[AsyncSession]:
+        async with self.sessions() as session, session.begin():
+            yield session
+
+    async def check(self) -> None:
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except Exception as exc:  # noqa: BLE001 - every driver error means the same to the caller
+            raise DatabaseUnavailable(
+                f"cannot connect to the database at TEMPER_DB__URL={masked_url(self.url)}: "
+                f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
+
+    async def dispose(self) -> None:
+        await self.engine.dispose()
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()

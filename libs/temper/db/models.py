@@ -1,0 +1,177 @@
+"""Tables. Postgres is the source of truth; every column type here also exists in SQLite."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments INTEGER PRIMARY KEY, so big ids are plain integers there.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    max_concurrent_episodes: Mapped[int] = mapped_column(Integer, default=64)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    prefix: Mapped[str] = mapped_column(String(16), doc="first characters of the key, for display")
+    key_hash: Mapped[str] = mapped_column(String(128), unique=True, doc="sha256 of the key; the key is never stored")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class TaskSet(Base):
+    __tablename__ = "task_sets"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    source: Mapped[str] = mapped_column(String(200), default="")
+    status: Mapped[str] = mapped_column(String(32), default="pending")
+    task_count: Mapped[int] = mapped_column(Integer, default=0)
+    storage_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Task(Base):
+    __tablename__ = "tasks"
+    __table_args__ = (UniqueConstraint("task_set_id", "key", name="uq_tasks_set_key"),)
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    task_set_id: Mapped[str] = mapped_column(ForeignKey("task_sets.id", ondelete="CASCADE"), index=True)
+    key: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(32))
+    prompt: Mapped[str] = mapped_column(Text)
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict, doc="files, tests, solution, answer, limits")
+    meta: Mapped[dict[str, Any]] = mapped_column(default=dict, doc="source, tags, difficulty")
+    status: Mapped[str] = mapped_column(String(32), default="pending", doc="pending | valid | invalid")
+    status_reasons: Mapped[list[Any]] = mapped_column(default=list)
+    prompt_hash: Mapped[str] = mapped_column(String(64), default="", index=True)
+    tests_hash: Mapped[str] = mapped_column(String(64), default="", index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, doc="episodes scored on this task, all jobs")
+    passes: Mapped[int] = mapped_column(Integer, default=0)
+    difficulty: Mapped[float | None] = mapped_column(Float, default=None, doc="1 - pass rate, once measured")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[dict[str, Any]] = mapped_column()
+    state: Mapped[str] = mapped_column(String(32), default="pending", index=True)
+    state_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    iteration: Mapped[int] = mapped_column(Integer, default=0)
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Episode(Base):
+    __tablename__ = "episodes"
+    __table_args__ = (Index("ix_episodes_job_state", "job_id", "state"),)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    task_id: Mapped[str] = mapped_column(String(200))
+    group_id: Mapped[str] = mapped_column(String(64), index=True)
+    iteration: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[str] = mapped_column(String(32), default="pending")
+    state_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    turn: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    behaviour_version: Mapped[int | None] = mapped_column(Integer, default=None)
+    reward: Mapped[float | None] = mapped_column(Float, default=None)
+    rewards: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    session_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    snapshot_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    trajectory_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
+    timings: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Step(Base):
+    """One command of a turn and, once it arrives, its result. The unique key makes a
+    redelivered result a no-op."""
+
+    __tablename__ = "steps"
+    __table_args__ = (UniqueConstraint("episode_id", "turn", "kind", name="uq_steps_episode_turn_kind"),)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
+    turn: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(32), doc="inference | sandbox | reward")
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[str] = mapped_column(String(16), default="leased", doc="leased | done | failed")
+    request: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class PolicyVersion(Base):
+    __tablename__ = "policy_versions"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_key: Mapped[str] = mapped_column(String(512))
+    step: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TrainedTrajectory(Base):
+    """The trainer's ledger: which trajectory was consumed by which optimizer step, so a
+    restarted trainer neither trains on one twice nor drops one."""
+
+    __tablename__ = "trained_trajectories"
+    episode_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(64), index=True)
+    trajectory_key: Mapped[str] = mapped_column(String(512))
+    group_id: Mapped[str] = mapped_column(String(64))
+    step: Mapped[int | None] = mapped_column(Integer, default=None, doc="None while buffered, else the step")
+    skipped: Mapped[str | None] = mapped_column(String(64), default=None, doc="why it was not trained on")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class OutboxRow(Base):
+    """A command written in the same transaction as the state change that caused it."""
+
+    __tablename__ = "outbox"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(String(200))
+    key: Mapped[str | None] = mapped_column(String(200), default=None)
+    payload: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    published_at: Mapped[datetime | None] = mapped_column(default=None, index=True)

@@ -1,0 +1,352 @@
+"""The in-sandbox agent. NOT imported by the worker: its source is handed to the sandbox's
+own interpreter (``python3 -S -c <source>``) and runs as the sandbox's first process.
+
+It is what makes a warm sandbox cheap: the sandbox (namespaces, mounts, cgroup) and this
+interpreter start once, then each action costs one ``fork`` (plus an ``exec`` for a
+command). Under the bwrap backend the agent is PID 1 of the sandbox's pid namespace,
+so code in the sandbox cannot kill it (init ignores signals it has no handler for), every
+orphan is re-parented to it, and ``kill(-1, SIGKILL)`` reaches every process in the
+sandbox but itself — the setsid and double-fork escapes included.
+
+Protocol on fds 3 (requests) and 4 (replies), duplicated away from the children:
+request  = u32 length + marshal(dict)      (from the trusted worker)
+reply    = u32 length + u32 head length + head + stdout + stderr + data
+head     = ASCII ``key=value`` pairs joined by ``;`` (parsed on the worker without eval)
+
+Standard library only; imports kept to what ``python3 -S`` loads in a few milliseconds.
+"""
+
+import marshal
+import os
+import resource
+import select
+import signal
+import struct
+import sys
+import time
+
+REQ_FD, REP_FD = 3, 4
+WORKSPACE = sys.argv[1] if len(sys.argv) > 1 else "/workspace"
+PIDNS = len(sys.argv) > 2 and sys.argv[2] == "pidns"
+CHUNK = 65536
+
+
+def _set_dumpable(flag):
+    # Non-dumpable: code in the sandbox (same uid) cannot ptrace the agent or open its fds.
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, flag, 0, 0, 0)  # PR_SET_DUMPABLE
+    except Exception:
+        pass
+
+
+def read_exact(n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(REQ_FD, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def send(head, out=b"", err=b"", data=b""):
+    head = dict(head, out=len(out), err=len(err), data=len(data))
+    h = ";".join("%s=%s" % (k, v) for k, v in head.items()).encode()
+    body = struct.pack("<I", len(h)) + h + out + err + data
+    msg = struct.pack("<I", len(body)) + body
+    view = memoryview(msg)
+    while view:
+        view = view[os.write(REP_FD, view):]
+
+
+children = {}  # pid -> wait status, for children reaped while looking for another
+
+
+def reap_all():
+    """Reap every exited process (as PID 1 we inherit the sandbox's orphans)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children[pid] = status
+
+
+def kill_all(main_pid):
+    """Kill every process of the action: all of the pid namespace but the agent."""
+    for _ in range(200):
+        try:
+            if PIDNS:
+                os.kill(-1, signal.SIGKILL)
+            else:
+                os.killpg(main_pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            reap_all()
+            return
+        reap_all()
+        time.sleep(0.0005)
+    reap_all()
+
+
+def resolve(path):
+    if not path:
+        return WORKSPACE
+    return path if path.startswith("/") else os.path.join(WORKSPACE, path)
+
+
+def child(req, rin, wout, werr):
+    try:
+        os.setsid()
+        os.dup2(rin, 0)
+        os.dup2(wout, 1)
+        os.dup2(werr, 2)
+        os.closerange(3, 65536)
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        _set_dumpable(1)
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")  # the OOM killer takes the action's processes, not the agent
+        except OSError:
+            pass
+        for name, (soft, hard) in req["rlimits"].items():
+            try:
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+            except (ValueError, OSError):
+                pass
+        os.chdir(resolve(req.get("cwd")))
+        env = req["env"]
+        argv = req.get("argv")
+        if argv:
+            os.execvpe(argv[0], argv, env)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = ["<code>"]
+        sys.path[0:0] = [os.getcwd()]
+        code = req["code"]
+        glb = {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "<code>"}
+        status = 0
+        try:
+            exec(compile(code, "<code>", "exec"), glb)
+        except SystemExit as e:
+            if e.code is None:
+                status = 0
+            elif isinstance(e.code, int):
+                status = e.code & 0xFF
+            else:
+                sys.stderr.write(str(e.code) + "\n")
+                status = 1
+        except BaseException:
+            import linecache
+            import traceback
+
+            linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
+            traceback.print_exc()
+            status = 1
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BaseException:
+            status = status or 120
+        os._exit(status)
+    except FileNotFoundError as e:
+        os.write(2, ("%s: command not found\n" % e.filename).encode())
+        os._exit(127)
+    except BaseException as e:
+        try:
+            os.write(2, ("sandbox: %r\n" % (e,)).encode())
+        finally:
+            os._exit(126)
+
+
+def run(req):
+    cap = req["out_cap"]
+    deadline = time.monotonic() + req["wall"]
+    rin, win = os.pipe()
+    rout, wout = os.pipe()
+    rerr, werr = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        child(req, rin, wout, werr)
+    os.close(rin)
+    os.close(wout)
+    os.close(werr)
+    stdin = req.get("stdin") or b""
+    if not stdin:
+        os.close(win)
+        win = -1
+    bufs = {rout: bytearray(), rerr: bytearray()}
+    trunc = {rout: 0, rerr: 0}
+    poller = select.poll()
+    poller.register(rout, select.POLLIN)
+    poller.register(rerr, select.POLLIN)
+    if win >= 0:
+        os.set_blocking(win, False)
+        poller.register(win, select.POLLOUT)
+    open_fds = {rout, rerr}
+    reason = ""
+    status = None
+    idle_ms = 1
+    while True:
+        if status is None:
+            reap_all()
+            status = children.pop(pid, None)
+        if status is not None and (not open_fds or not PIDNS):
+            break
+        if status is not None:
+            # The main process is gone but something still holds its pipes: an orphan.
+            # Give it no more time; what it wrote so far is drained below.
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            reason = "timeout"
+            break
+        wait_ms = min(remaining * 1000, idle_ms if not open_fds else 50)
+        events = poller.poll(max(1, int(wait_ms)))
+        if not events:
+            idle_ms = min(idle_ms * 2, 20)
+        for fd, ev in events:
+            if fd == win:
+                try:
+                    n = os.write(win, stdin[:CHUNK])
+                    stdin = stdin[n:]
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    stdin = b""
+                if not stdin:
+                    poller.unregister(win)
+                    os.close(win)
+                    win = -1
+                continue
+            try:
+                chunk = os.read(fd, CHUNK)
+            except (BlockingIOError, InterruptedError):
+                continue
+            if not chunk:
+                poller.unregister(fd)
+                open_fds.discard(fd)
+                continue
+            room = cap - len(bufs[fd])
+            if room > 0:
+                bufs[fd] += chunk[:room]
+            if len(chunk) > room:
+                trunc[fd] += len(chunk) - max(room, 0)
+                reason = "output"
+        if reason:
+            break
+    kill_all(pid)
+    if status is None:
+        reap_all()
+        status = children.pop(pid, None)
+    wall = time.monotonic() - t0
+    # Everything that could write is dead: drain what is left without blocking.
+    for fd in list(open_fds):
+        os.set_blocking(fd, False)
+        while True:
+            try:
+                chunk = os.read(fd, CHUNK)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            room = cap - len(bufs[fd])
+            if room > 0:
+                bufs[fd] += chunk[:room]
+            if len(chunk) > room:
+                trunc[fd] += len(chunk) - max(room, 0)
+    for fd in (rout, rerr, win):
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    children.clear()
+    head = {"ok": 1, "wall": "%.6f" % wall, "reason": reason, "otr": int(trunc[rout] > 0), "etr": int(trunc[rerr] > 0)}
+    if status is not None:
+        if os.WIFSIGNALED(status):
+            head["sig"] = os.WTERMSIG(status)
+        else:
+            head["exit"] = os.WEXITSTATUS(status)
+    send(head, bytes(bufs[rout]), bytes(bufs[rerr]))
+
+
+def op_write(req):
+    path = resolve(req["path"])
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, req.get("mode", 0o644))
+    try:
+        view = memoryview(req["data"])
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    send({"ok": 1})
+
+
+def op_read(req):
+    path = resolve(req["path"])
+    limit = req["max"]
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    send({"ok": 1, "dtr": int(len(data) > limit)}, data=data[:limit])
+
+
+def op_list(req):
+    root = resolve(req.get("path"))
+    entries = []
+    limit = req.get("max", 10000)
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(dirnames) + sorted(filenames):
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue
+            kind = "d" if os.path.isdir(full) and not os.path.islink(full) else "f"
+            entries.append("%s%d\t%s" % (kind, st.st_size, os.path.relpath(full, root)))
+            if len(entries) >= limit:
+                break
+        if len(entries) >= limit or not req.get("recursive", True):
+            break
+    send({"ok": 1}, data="\0".join(entries).encode("utf-8", "surrogateescape"))
+
+
+OPS = {"exec": run, "write": op_write, "read": op_read, "list": op_list}
+
+
+def main():
+    # Keep the protocol on fds 3/4 and give stdio to /dev/null, so nothing a child
+    # inherits by accident can reach the worker.
+    os.dup2(0, REQ_FD)
+    os.dup2(1, REP_FD)
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    _set_dumpable(0)
+    os.chdir(WORKSPACE)
+    send({"ok": 1, "pid": os.getpid()})
+    while True:
+        try:
+            (n,) = struct.unpack("<I", read_exact(4))
+            req = marshal.loads(read_exact(n))
+        except EOFError:
+            os._exit(0)
+        try:
+            OPS[req["op"]](req)
+        except Exception as e:
+            send({"ok": 0}, data=("%s: %s" % (type(e).__name__, e)).encode("utf-8", "replace"))
+
+
+main()

@@ -1,0 +1,35 @@
+"""Settings of the sandbox subsystem (``TEMPER_SANDBOX__*``)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from temper.sandbox.models import SandboxLimits
+
+
+class BackendKind(StrEnum):
+    bwrap = "bwrap"  # namespaces + cgroups + rlimits (the default)
+    process = "process"  # no isolation at all: for hosts without user namespaces
+
+
+class SandboxSettings(BaseModel):
+    backend: BackendKind = BackendKind.bwrap
+    allow_unsafe: bool = Field(False, description="allow the process backend in distributed mode")
+    pool_size: int = Field(4, ge=0, le=256, description="warm sandboxes kept ready")
+    max_sessions: int = Field(64, ge=1, description="sessions held at once by one worker")
+    idle_expiry_s: float = Field(900.0, gt=0, description="a session idle this long is destroyed")
+    concurrency: int = Field(8, ge=1, description="actions running at once in one worker")
+    default_limits: SandboxLimits = SandboxLimits()
+    workspace_root: Path = Path(".temper/sandboxes")
+    python: str = "/usr/bin/python3"  # the interpreter inside the sandbox (host path, bound read-only)
+    bwrap: str = "bwrap"
+    run_as_uid: int = Field(65534, description="host uid the sandbox runs as when the worker is root")
+    run_as_gid: int = 65534
+    ro_binds: list[str] = Field(
+        default_factory=lambda: ["/usr", "/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime", "/etc/ssl"],
+        description="host paths bound read-only at the same place (missing ones are skipped)",
+    )
+    snapshot_prefix: str = "sandbox-snapshots"

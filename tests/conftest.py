@@ -1,0 +1,124 @@
+"""Fixtures shared by every level. Real servers come from `make stack-up`, which
+writes their addresses to .stack/env; a test that needs a server that does not
+answer fails with a message saying so — it is never skipped."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_stack_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    path = ROOT / ".stack" / "env"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if line.startswith("export "):
+                line = line[len("export ") :]
+            if "=" in line and not line.startswith("#"):
+                k, v = line.split("=", 1)
+                env[k] = shlex.split(v)[0] if v else ""
+    return env
+
+
+STACK_ENV = _load_stack_env()
+
+
+def stack_setting(name: str, default: str) -> str:
+    return os.environ.get(name) or STACK_ENV.get(name) or default
+
+
+def require_port(host_port: str, what: str) -> None:
+    host, _, port = host_port.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except OSError as exc:
+        pytest.fail(f"{what} is not answering at {host_port} ({exc}); start it with `make stack-up`")
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique suffix for topic, bucket, group and database names."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    bootstrap = stack_setting("TEMPER_BUS__BOOTSTRAP", "127.0.0.1:59092")
+    require_port(bootstrap.split(",")[0], "Kafka")
+    return bootstrap
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    url = stack_setting("TEMPER_DB__URL", "postgresql+asyncpg://temper:temper@127.0.0.1:55432/temper")
+    hostport = url.split("@", 1)[1].split("/", 1)[0]
+    require_port(hostport, "Postgres")
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    url = stack_setting("TEMPER_REDIS__URL", "redis://127.0.0.1:56379/0")
+    require_port(url.split("//", 1)[1].split("/", 1)[0], "Redis")
+    return url
+
+
+@pytest.fixture(scope="session")
+def s3_settings():
+    from pydantic import SecretStr
+
+    from temper.settings import StorageKind, StorageSettings
+
+    endpoint = stack_setting("TEMPER_STORAGE__ENDPOINT", "127.0.0.1:59000")
+    require_port(endpoint, "the S3 server")
+    return StorageSettings(
+        kind=StorageKind.s3,
+        endpoint=endpoint,
+        access_key=stack_setting("TEMPER_STORAGE__ACCESS_KEY", "temper"),
+        secret_key=SecretStr(stack_setting("TEMPER_STORAGE__SECRET_KEY", "temper-secret-key")),
+        bucket=stack_setting("TEMPER_STORAGE__BUCKET", "temper"),
+    )
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+async def database_url(request, tmp_path, unique):
+    """An empty database on SQLite and on a throwaway database in the real Postgres."""
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path}/temper.db"
+        return
+    import asyncpg
+
+    base = request.getfixturevalue("postgres_url")
+    dsn = base.replace("postgresql+asyncpg://", "postgresql://")
+    name = f"test_{unique}"
+    conn = await asyncpg.connect(dsn)
+    await conn.execute(f'CREATE DATABASE "{name}"')
+    await conn.close()
+    yield base.rsplit("/", 1)[0] + f"/{name}"
+    conn = await asyncpg.connect(dsn)
+    await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    await conn.close()
+
+
+@pytest.fixture
+async def database(database_url):
+    """A migrated database."""
+    import asyncio
+
+    from temper.db import Database
+    from temper.db.migrate import upgrade
+    from temper.settings import DatabaseSettings
+
+    await asyncio.to_thread(upgrade, database_url)
+    db = Database(DatabaseSettings(url=database_url))
+    yield db
+    await db.dispose()

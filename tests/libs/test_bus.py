@@ -1,0 +1,190 @@
+"""The bus contract. Every test runs on the in-process bus and on real Kafka, so the
+embedded mode keeps Kafka's semantics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import pytest
+
+from temper.bus import Bus, InProcessBus, KafkaBus, Poison, Record
+from temper.events import InferenceRequest, Topics
+
+
+@pytest.fixture(params=["inprocess", pytest.param("kafka", marks=pytest.mark.kafka)])
+async def bus(request):
+    if request.param == "kafka":
+        bootstrap = request.getfixturevalue("kafka_bootstrap")
+        b: Bus = KafkaBus(bootstrap=bootstrap, partitions=3, max_retries=2, retry_backoff_s=0.01)
+    else:
+        b = InProcessBus(partitions=3, max_retries=2, retry_backoff_s=0.01)
+    await b.start()
+    yield b
+    await b.stop()
+
+
+async def wait_for(predicate, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_keyed_messages_keep_their_order_within_a_key(bus: Bus, unique: str):
+    topic = f"t-order-{unique}"
+    await bus.create_topics([topic])
+    seen: dict[str, list[int]] = defaultdict(list)
+    partitions: dict[str, set[int]] = defaultdict(set)
+
+    async def handle(record: Record) -> None:
+        seen[record.key].append(int(record.value))
+        partitions[record.key].add(record.partition)
+
+    await bus.subscribe([topic], f"g-{unique}", handle)
+    for i in range(20):
+        for key in ("episode-a", "episode-b", "episode-c"):
+            await bus.send(topic, str(i).encode(), key=key)
+    await wait_for(lambda: sum(len(v) for v in seen.values()) == 60)
+    for key in ("episode-a", "episode-b", "episode-c"):
+        assert seen[key] == list(range(20))
+        assert len(partitions[key]) == 1
+
+
+async def test_group_members_share_partitions_and_each_message_is_handled_once(bus: Bus, unique: str):
+    topic = f"t-group-{unique}"
+    await bus.create_topics([topic])
+    handled: dict[str, list[int]] = {"a": [], "b": []}
+
+    def handler(name: str):
+        async def handle(record: Record) -> None:
+            handled[name].append(int(record.value))
+
+        return handle
+
+    a = await bus.subscribe([topic], f"g-{unique}", handler("a"))
+    b = await bus.subscribe([topic], f"g-{unique}", handler("b"))
+    await asyncio.sleep(3 if isinstance(bus, KafkaBus) else 0)  # let the group settle
+    for i in range(60):
+        await bus.send(topic, str(i).encode(), key=f"k{i}")
+    await wait_for(lambda: len(handled["a"]) + len(handled["b"]) >= 60)
+    await asyncio.sleep(0.5)
+    everything = sorted(handled["a"] + handled["b"])
+    assert everything == list(range(60))
+    assert handled["a"] and handled["b"], "both members got partitions"
+    await a.stop()
+    await b.stop()
+
+
+async def test_a_member_that_dies_before_committing_has_its_messages_redelivered(bus: Bus, unique: str):
+    topic = f"t-crash-{unique}"
+    group = f"g-{unique}"
+    await bus.create_topics([topic], partitions=1)
+    started = asyncio.Event()
+
+    async def dies_mid_handling(record: Record) -> None:
+        started.set()
+        await asyncio.sleep(3600)  # the process "dies" here: it never returns, never commits
+
+    survivor_got: list[bytes] = []
+
+    async def survivor(record: Record) -> None:
+        survivor_got.append(record.value)
+
+    doomed = await bus.subscribe([topic], group, dies_mid_handling)
+    await bus.send(topic, b"work-1", key="e1")
+    await asyncio.wait_for(started.wait(), 30)
+    other = await bus.subscribe([topic], group, survivor)
+    await doomed.stop()
+    await wait_for(lambda: survivor_got == [b"work-1"], timeout=45)
+    await bus.send(topic, b"work-2", key="e1")
+    await wait_for(lambda: survivor_got == [b"work-1", b"work-2"])
+    await other.stop()
+
+
+async def test_poison_messages_go_to_the_dead_letter_topic_after_the_retry_bound(bus: Bus, unique: str):
+    topic = f"t-poison-{unique}"
+    await bus.create_topics([topic])
+    attempts: dict[bytes, int] = defaultdict(int)
+    good: list[bytes] = []
+
+    async def handle(record: Record) -> None:
+        attempts[record.value] += 1
+        if record.value == b"bad":
+            raise RuntimeError("cannot handle this")
+        if record.value == b"never":
+            raise Poison("malformed beyond repair")
+        good.append(record.value)
+
+    dead: list[Record] = []
+
+    async def collect(record: Record) -> None:
+        dead.append(record)
+
+    await bus.subscribe([topic], f"g-{unique}", handle)
+    await bus.subscribe([Topics.dead_letter(topic)], f"dlq-{unique}", collect)
+    for value in (b"bad", b"ok-1", b"never", b"ok-2"):
+        await bus.send(topic, value, key="same-key")
+    await wait_for(lambda: len(dead) == 2 and len(good) == 2)
+    assert attempts[b"bad"] == bus.max_retries + 1
+    assert attempts[b"never"] == 1, "a Poison is not retried"
+    assert good == [b"ok-1", b"ok-2"], "the partition keeps flowing past a poison message"
+    by_value = {r.value: r for r in dead}
+    assert "cannot handle this" in by_value[b"bad"].headers["temper.dlq.error"]
+    assert by_value[b"bad"].headers["temper.dlq.source"].startswith(f"{topic}/")
+    assert by_value[b"never"].headers["temper.dlq.attempts"] == str(bus.max_retries + 1)
+
+
+async def test_pause_stops_delivery_and_resume_restarts_it(bus: Bus, unique: str):
+    topic = f"t-pause-{unique}"
+    await bus.create_topics([topic])
+    got: list[bytes] = []
+
+    async def handle(record: Record) -> None:
+        got.append(record.value)
+
+    consumer = await bus.subscribe([topic], f"g-{unique}", handle)
+    await bus.send(topic, b"before", key="k")
+    await wait_for(lambda: got == [b"before"])
+    consumer.pause()
+    assert consumer.paused
+    await bus.send(topic, b"while-paused", key="k")
+    await asyncio.sleep(1.5)
+    assert got == [b"before"]
+    consumer.resume()
+    await wait_for(lambda: got == [b"before", b"while-paused"])
+
+
+async def test_messages_round_trip_as_typed_events(bus: Bus, unique: str):
+    from temper.events import decode
+
+    topic = f"t-typed-{unique}"
+    await bus.create_topics([topic])
+    got = []
+
+    async def handle(record: Record) -> None:
+        got.append((record.key, decode(record.value)))
+
+    await bus.subscribe([topic], f"g-{unique}", handle)
+    msg = InferenceRequest(job_id="j1", episode_id="e1", turn=2, attempt=1, model="tiny", prompt_ids=[1, 2, 3])
+    await bus.send_message(topic, msg)
+    await wait_for(lambda: len(got) == 1)
+    key, decoded = got[0]
+    assert key == "e1"
+    assert decoded == msg
+
+
+async def test_sending_to_a_missing_topic_fails_on_the_in_process_bus():
+    bus = InProcessBus()
+    with pytest.raises(KeyError, match="does not exist"):
+        await bus.send("nope", b"x")
+
+
+async def test_an_unreachable_broker_gives_an_error_naming_the_setting():
+    from temper.bus import BusUnavailable
+
+    bus = KafkaBus(bootstrap="127.0.0.1:1", connect_timeout_s=2)
+    with pytest.raises(BusUnavailable, match="TEMPER_BUS__BOOTSTRAP='127.0.0.1:1'"):
+        await bus.start()

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import func, select
+
+from temper.bus import InProcessBus, Record
+from temper.db import Database, OutboxRow
+from temper.events import LifecycleEvent
+from temper.outbox import OutboxRelay, enqueue
+
+
+class RelayCrashed(Exception):
+    pass
+
+
+def event(n: int) -> LifecycleEvent:
+    return LifecycleEvent(event="job.state", job_id=f"job-{n}", state="running")
+
+
+async def test_relay_delivers_exactly_the_committed_rows_even_after_a_crash(database: Database):
+    bus = InProcessBus(partitions=2)
+    await bus.create_topics(["events"])
+    delivered: list[str] = []
+
+    async def collect(record: Record) -> None:
+        delivered.append(LifecycleEvent.model_validate_json(record.value).job_id)
+
+    await bus.subscribe(["events"], "analytics", collect)
+
+    # Committed rows 0..4, a rolled-back transaction that wrote 100..102, committed 5..9.
+    async with database.session() as s:
+        for n in range(5):
+            enqueue(s, "events", event(n))
+    with pytest.raises(RuntimeError):
+        async with database.session() as s:
+            for n in range(100, 103):
+                enqueue(s, "events", event(n))
+            raise RuntimeError("the state change failed")
+    async with database.session() as s:
+        for n in range(5, 10):
+            enqueue(s, "events", event(n))
+
+    async def crash(ids: list[int]) -> None:
+        raise RelayCrashed("killed between publishing and marking")
+
+    with pytest.raises(RelayCrashed):
+        await OutboxRelay(database, bus, batch=4, after_publish=crash).publish_pending()
+
+    relay = OutboxRelay(database, bus, batch=4)
+    while await relay.publish_pending():
+        pass
+    assert await relay.pending() == 0
+    import asyncio
+
+    for _ in range(100):
+        if len(set(delivered)) == 10:
+            break
+        await asyncio.sleep(0.01)
+    expected = {f"job-{n}" for n in range(10)}
+    assert set(delivered) == expected, "every committed row, and no rolled-back one"
+    assert len(delivered) == 14, "the 4 rows published before the crash went out twice (at-least-once)"
+    async with database.session() as s:
+        assert await s.scalar(select(func.count()).select_from(OutboxRow)) == 10
+
+
+async def test_rows_of_one_key_are_published_in_commit_order(database: Database):
+    bus = InProcessBus(partitions=3)
+    await bus.create_topics(["events"])
+    async with database.session() as s:
+        for n in range(20):
+            enqueue(s, "events", LifecycleEvent(event="episode.state", episode_id="e1", state=f"s{n}"))
+    relay = OutboxRelay(database, bus, batch=7)
+    while await relay.publish_pending():
+        pass
+    records = [r for part in bus.topics["events"] for r in part]
+    assert [LifecycleEvent.model_validate_json(r.value).state for r in records] == [f"s{n}" for n in range(20)]
