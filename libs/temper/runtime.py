@@ -1,0 +1,214 @@
+"""What every service process shares: settings loaded with clear errors, JSON logs,
+the database, bus and object store started in a fixed order, and the ``/health``
+and ``/metrics`` endpoints.
+
+A service builds a :class:`Runtime`, names the components it needs, starts it in its
+FastAPI lifespan and stops it in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, FastAPI, Response
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from temper import metrics
+from temper.bus import Bus, BusUnavailable, Consumer, Record, make_bus
+from temper.db import Database, DatabaseUnavailable
+from temper.events import Message, Topics, decode
+from temper.logs import configure_logging, log_context, log_event
+from temper.settings import Settings
+from temper.storage import ObjectStore, S3Store, make_store
+
+log = logging.getLogger("temper.runtime")
+
+
+class StartupError(RuntimeError):
+    """A component could not start; the message says which setting to check."""
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read settings from the environment; a bad value becomes one readable line per field."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = "__".join(str(p) for p in err["loc"]).upper()
+            name = f"TEMPER_{loc}" if loc else "settings"
+            lines.append(f"{name}: {err['msg']}")
+        raise StartupError("invalid settings:\n  " + "\n  ".join(lines)) from None
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    service: str
+    needs_db: bool = True
+    needs_bus: bool = True
+    needs_store: bool = True
+    db: Database | None = None
+    bus: Bus | None = None
+    store: ObjectStore | None = None
+    # Extra health checks a service adds (name -> coroutine that raises when unhealthy).
+    checks: dict[str, Callable[[], Awaitable[None]]] = field(default_factory=dict)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def start(self) -> None:
+        configure_logging(self.service, self.settings.log.level, self.settings.log.json_lines)
+        try:
+            if self.needs_db:
+                self.db = Database(self.settings.db)
+                await self.db.check()
+            if self.needs_bus:
+                self.bus = make_bus(self.settings)
+                await self.bus.start()
+                await self.bus.create_topics(Topics.ALL)
+            if self.needs_store:
+                self.store = make_store(self.settings)
+                if isinstance(self.store, S3Store):
+                    await self.store.ensure_bucket()
+                await self.store.check()
+        except (DatabaseUnavailable, BusUnavailable) as exc:
+            await self.stop()
+            raise StartupError(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - storage clients raise many kinds
+            await self.stop()
+            if self.needs_store and self.store is not None:
+                raise StartupError(
+                    f"cannot use the object store ({self.settings.storage.kind}) at "
+                    f"TEMPER_STORAGE__ENDPOINT={self.settings.storage.endpoint!r}: {exc}"
+                ) from None
+            raise
+        log_event(log, "service started", service=self.service, mode=str(self.settings.mode))
+
+    async def consume(
+        self,
+        topics: tuple[str, ...] | list[str],
+        handler: Callable[[Message], Awaitable[None]],
+        *,
+        group: str | None = None,
+        concurrency: int = 1,
+    ) -> Consumer:
+        """Subscribe ``handler`` to typed messages; a message that does not parse goes
+        to the dead-letter topic at once (see :class:`temper.bus.base.Delivery`)."""
+        assert self.bus is not None, "consume() needs the bus"
+
+        async def on_record(record: Record) -> None:
+            message = decode(record.value)
+            with log_context(
+                job_id=message.job_id, episode_id=message.episode_id, turn=message.turn, attempt=message.attempt
+            ):
+                await handler(message)
+
+        return await self.bus.subscribe(list(topics), group or self.service, on_record, concurrency=concurrency)
+
+    def spawn(self, coro: Awaitable[None], name: str) -> None:
+        """Run a background loop for the life of the service; a crash is logged loudly."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background task %s crashed", name)
+                raise
+
+        self._tasks.append(asyncio.create_task(guarded(), name=name))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - already logged
+                pass
+        self._tasks.clear()
+        if self.bus is not None:
+            await self.bus.stop()
+        if self.db is not None:
+            await self.db.dispose()
+
+    async def health(self) -> dict[str, str]:
+        """Each component's state: ``ok`` or the error."""
+        components: dict[str, Callable[[], Awaitable[None]]] = {}
+        if self.db is not None:
+            components["database"] = self.db.check
+        if self.bus is not None:
+            components["bus"] = self.bus.check
+        if self.store is not None:
+            components["storage"] = self.store.check
+        components.update(self.checks)
+        for task in self._tasks:
+            if task.done() and not task.cancelled():
+                components[f"task:{task.get_name()}"] = _raise_task_error(task)
+        report = {}
+        for name, check in components.items():
+            try:
+                await asyncio.wait_for(check(), 5)
+                report[name] = "ok"
+            except Exception as exc:  # noqa: BLE001 - report, don't raise
+                report[name] = f"down: {exc.__class__.__name__}: {exc}"[:300]
+        return report
+
+
+def _raise_task_error(task: asyncio.Task[None]) -> Callable[[], Awaitable[None]]:
+    async def check() -> None:
+        exc = task.exception()
+        raise RuntimeError(f"stopped: {exc!r}" if exc else "stopped")
+
+    return check
+
+
+def health_router(runtime: Runtime) -> APIRouter:
+    router = APIRouter(tags=["operations"])
+
+    @router.get("/health", summary="Component health; 503 names what is down")
+    async def health() -> JSONResponse:
+        report = await runtime.health()
+        down = [name for name, state in report.items() if state != "ok"]
+        body = {"service": runtime.service, "status": "down" if down else "ok", "components": report}
+        if down:
+            body["down"] = down
+        return JSONResponse(body, status_code=503 if down else 200)
+
+    @router.get("/metrics", summary="Prometheus metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render_latest()
+        return Response(body, media_type=content_type)
+
+    return router
+
+
+def run_service(app_factory: Callable[[Settings], FastAPI], service: str, default_port: int) -> None:
+    """Entry point of ``python -m services.<name>``: settings, the app's lifespan, then
+    uvicorn. A startup error is printed as one message with exit status 2, not a stack
+    trace. ``TEMPER_HOST``/``TEMPER_PORT`` choose where it listens."""
+    import uvicorn
+
+    async def serve(app: FastAPI) -> None:
+        async with app.router.lifespan_context(app):
+            config = uvicorn.Config(
+                app,
+                host=os.environ.get("TEMPER_HOST", "127.0.0.1"),
+                port=int(os.environ.get("TEMPER_PORT", default_port)),
+                log_config=None,
+                lifespan="off",  # already entered above, so startup errors surface here
+            )
+            await uvicorn.Server(config).serve()
+
+    try:
+        settings = load_settings(service=service)
+        asyncio.run(serve(app_factory(settings)))
+    except StartupError as exc:
+        sys.stderr.write(f"{service}: {exc}\n")
+        raise SystemExit(2) from None
