@@ -1,0 +1,50 @@
+"""scripts/check_deploy.sh passes on the repository, and its alert tests can fail."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROM = ROOT / "deploy" / "prometheus"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a cold run builds kustomize from source
+def test_check_deploy_passes() -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "check_deploy.sh")], cwd=ROOT, capture_output=True, text=True, timeout=880
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "check-deploy: all passed" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_promtool_reports_a_broken_rule(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (scripts/check_deploy.sh installs it: apt-get install prometheus)")
+    rules = (PROM / "rules.yml").read_text()
+    broken = rules.replace("max by (instance) (temper_sandbox_leaked_processes) > 0",
+                           "max by (instance) (temper_sandbox_leaked_processes) > 5")
+    assert broken != rules, "the rule this test breaks is gone from rules.yml"
+    (tmp_path / "rules.yml").write_text(broken)
+    shutil.copy(PROM / "rules_test.yml", tmp_path / "rules_test.yml")
+
+    proc = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=tmp_path, capture_output=True, text=True)
+
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "FAILED" in out and "TemperSandboxLeakedProcesses" in out
+
+
+@pytest.mark.timeout(60)
+def test_unchanged_rules_pass_promtool(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (scripts/check_deploy.sh installs it: apt-get install prometheus)")
+    proc = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=PROM, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
