@@ -1,0 +1,127 @@
+"""The job spec: what a team submits to ``POST /v1/jobs`` (JSON or YAML).
+
+Every field is documented in docs/job-spec.md; a bad spec is refused with the path of
+the offending field (``schedule.iterations: Input should be greater than 0``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Sampling(_Spec):
+    temperature: float = Field(1.0, ge=0, le=5)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(128, ge=1, le=32768, description="tokens per model turn")
+    stop: list[str] = []
+
+
+class PolicySpec(_Spec):
+    model: str = Field(description="policy model name, as the inference gateway's backends know it")
+    backend_pool: str = Field("default", description="which gateway backend pool serves it")
+    init: str | None = Field(None, description="object-store key or local directory of initial weights")
+    sampling: Sampling = Sampling()
+
+
+class Curriculum(StrEnum):
+    uniform = "uniform"
+    learnable = "learnable"  # prefer tasks whose recorded pass rate is strictly between 0 and 1
+
+
+class TaskSampling(_Spec):
+    taskset: str = Field(description="task set id")
+    group_size: int = Field(4, ge=1, le=256, description="samples per task: the GRPO group")
+    curriculum: Curriculum = Curriculum.learnable
+    seed: int = 0
+
+
+class ActionFormat(StrEnum):
+    code_block = "code_block"  # ```python ...``` / ```bash ...``` blocks
+    tool_call = "tool_call"  # <tool>{"name": ..., "arguments": ...}</tool>
+
+
+class EnvironmentSpec(_Spec):
+    kind: str = Field("code", description="code | math | shell")
+    max_turns: int = Field(4, ge=1, le=100)
+    action_format: ActionFormat = ActionFormat.code_block
+    limits: dict[str, Any] = Field(default_factory=dict, description="sandbox limits (see docs/sandbox.md)")
+
+
+class Algorithm(StrEnum):
+    grpo = "grpo"
+    ppo = "ppo"
+
+
+class AlgorithmSpec(_Spec):
+    name: Algorithm = Algorithm.grpo
+    learning_rate: float = Field(1e-4, gt=0, le=1)
+    clip_eps: float = Field(0.2, gt=0, le=1)
+    kl_coef: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    groups_per_step: int = Field(4, ge=1, description="groups in one optimizer batch")
+    checkpoint_every: int = Field(1, ge=1, description="optimizer steps between checkpoints / policy versions")
+    skip_zero_variance: bool = True
+
+
+class Schedule(_Spec):
+    iterations: int = Field(10, ge=1, le=100000)
+    episodes_per_iteration: int = Field(16, ge=1)
+    max_concurrent_episodes: int = Field(16, ge=1)
+    max_staleness: int = Field(1, ge=0, description="how many policy versions behind a trajectory may be")
+
+
+class JobSpec(_Spec):
+    name: str = Field(min_length=1, max_length=200)
+    policy: PolicySpec
+    tasks: TaskSampling
+    environment: EnvironmentSpec = EnvironmentSpec()
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: {"tests_passed": 1.0},
+        description="reward component -> weight; the scalar reward is their weighted sum",
+    )
+    algorithm: AlgorithmSpec = AlgorithmSpec()
+    schedule: Schedule = Schedule()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.schedule.episodes_per_iteration % self.tasks.group_size:
+            raise ValueError(
+                f"schedule.episodes_per_iteration ({self.schedule.episodes_per_iteration}) must be a multiple "
+                f"of tasks.group_size ({self.tasks.group_size})"
+            )
+        if not self.rewards:
+            raise ValueError("rewards: name at least one reward component")
+        return self
+
+
+class SpecError(ValueError):
+    """A spec that does not validate; ``errors`` lists (field path, message)."""
+
+    def __init__(self, errors: list[tuple[str, str]]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{path}: {msg}" for path, msg in errors))
+
+
+def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
+    """Validate a spec given as a mapping, or as JSON/YAML text."""
+    if isinstance(data, bytes | str):
+        try:
+            data = yaml.safe_load(data)
+        except yaml.YAMLError as exc:
+            raise SpecError([("(document)", f"not valid YAML/JSON: {exc}")]) from None
+    if not isinstance(data, dict):
+        raise SpecError([("(document)", "the spec must be a mapping")])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(
+            [(".".join(str(p) for p in e["loc"]) or "(root)", e["msg"]) for e in exc.errors()]
+        ) from None
