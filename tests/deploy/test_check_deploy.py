@@ -16,7 +16,11 @@ PROM = ROOT / "deploy" / "prometheus"
 @pytest.mark.timeout(900)  # a cold run builds kustomize from source
 def test_check_deploy_passes() -> None:
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "check_deploy.sh")], cwd=ROOT, capture_output=True, text=True, timeout=880
+        ["bash", str(ROOT / "scripts" / "check_deploy.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=880,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "check-deploy: all passed" in proc.stdout
@@ -26,15 +30,21 @@ def test_check_deploy_passes() -> None:
 def test_promtool_reports_a_broken_rule(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (scripts/check_deploy.sh installs it: apt-get install prometheus)")
+        pytest.skip(
+            "promtool not installed (scripts/check_deploy.sh installs it: apt-get install prometheus)"
+        )
     rules = (PROM / "rules.yml").read_text()
-    broken = rules.replace("max by (instance) (temper_sandbox_leaked_processes) > 0",
-                           "max by (instance) (temper_sandbox_leaked_processes) > 5")
+    broken = rules.replace(
+        "max by (instance) (temper_sandbox_leaked_processes) > 0",
+        "max by (instance) (temper_sandbox_leaked_processes) > 5",
+    )
     assert broken != rules, "the rule this test breaks is gone from rules.yml"
     (tmp_path / "rules.yml").write_text(broken)
     shutil.copy(PROM / "rules_test.yml", tmp_path / "rules_test.yml")
 
-    proc = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=tmp_path, capture_output=True, text=True)
+    proc = subprocess.run(
+        [promtool, "test", "rules", "rules_test.yml"], cwd=tmp_path, capture_output=True, text=True
+    )
 
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
@@ -45,6 +55,10 @@ def test_promtool_reports_a_broken_rule(tmp_path: Path) -> None:
 def test_unchanged_rules_pass_promtool(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (scripts/check_deploy.sh installs it: apt-get install prometheus)")
-    proc = subprocess.run([promtool, "test", "rules", "rules_test.yml"], cwd=PROM, capture_output=True, text=True)
+        pytest.skip(
+            "promtool not installed (scripts/check_deploy.sh installs it: apt-get install prometheus)"
+        )
+    proc = subprocess.run(
+        [promtool, "test", "rules", "rules_test.yml"], cwd=PROM, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
