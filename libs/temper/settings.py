@@ -10,8 +10,12 @@ from __future__ import annotations
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
+
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from temper.policy.config import InferenceSettings
+from temper.sandbox.config import SandboxSettings
 
 DEFAULT_API_SECRET = "temper-dev-secret-change-me"
 
@@ -102,6 +106,8 @@ class Settings(BaseSettings):
     redis: RedisSettings = RedisSettings()
     api: ApiSettings = ApiSettings()
     log: LogSettings = LogSettings()
+    sandbox: SandboxSettings = SandboxSettings()
+    inference: InferenceSettings = InferenceSettings()
     allow_unsafe: bool = Field(False, description="allow the no-isolation sandbox backend in distributed mode")
 
     @model_validator(mode="after")

@@ -1,5 +1,11 @@
 """Temper's CPU inference engine: a torch causal LM behind vLLM's OpenAI-compatible API subset."""
 
-from services.inference_gateway.engine.core import BatchScheduler, Engine, GenOutput, GenRequest, SamplingParams
+from services.inference_gateway.engine.core import (
+    BatchScheduler,
+    Engine,
+    GenOutput,
+    GenRequest,
+    SamplingParams,
+)
 
 __all__ = ["BatchScheduler", "Engine", "GenOutput", "GenRequest", "SamplingParams"]

@@ -7,10 +7,12 @@ import logging
 
 import torch
 import uvicorn
+from temper.policy import create_model, default_tokenizer, load_model, read_metadata
+from temper.settings import get_settings
+from temper.storage import make_store
 
 from services.inference_gateway.engine.app import create_app
 from services.inference_gateway.engine.core import BatchScheduler, Engine
-from temper.policy import create_model, default_tokenizer, load_model, read_metadata
 
 
 def build_engine(
@@ -37,18 +39,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--batch-window-ms", type=float, default=3.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--checkpoint-root", default=None, help="local object-store root that load_weights keys resolve in")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
     engine = build_engine(model_dir=args.model_dir, preset=args.preset, seed=args.seed, version=args.version)
-    if args.checkpoint_root is None:
-        from temper.settings import get_settings
-
-        args.checkpoint_root = str(get_settings().storage.root)
+    settings = get_settings()
     sched = BatchScheduler(engine, max_batch=args.max_batch, window_ms=args.batch_window_ms)
-    app = create_app(sched, model_name=args.model_name, checkpoint_root=args.checkpoint_root)
+    app = create_app(
+        sched,
+        model_name=args.model_name,
+        store=make_store(settings),
+        cache_dir=settings.data_dir / "engine-checkpoints",
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

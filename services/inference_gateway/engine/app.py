@@ -6,7 +6,8 @@
   response has vLLM's shape (``choices[].token_ids``/``prompt_token_ids`` as in vLLM >= 0.10.2)
   plus ``policy_version`` at the top level and in the ``X-Temper-Policy-Version`` header.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
-- ``POST /v1/load_weights`` ``{"path"|"key", "version"}``: switch weights between batches.
+- ``POST /v1/load_weights`` ``{"version", "path"?, "key"?}``: switch weights between batches; a
+  local ``path`` wins when it exists here, else ``key`` is fetched from the object store.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-
-from services.inference_gateway.engine.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
 from temper import metrics
+from temper.storage import NotFound, ObjectStore
+
+from services.inference_gateway.checkpoints import fetch_checkpoint
+from services.inference_gateway.engine.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
 
 VERSION_HEADER = "X-Temper-Policy-Version"
 
@@ -128,7 +131,8 @@ def create_app(
     scheduler: BatchScheduler,
     *,
     model_name: str = "temper-policy",
-    checkpoint_root: str | Path | None = None,
+    store: ObjectStore | None = None,
+    cache_dir: str | Path = ".temper/engine-checkpoints",
 ) -> FastAPI:
     engine = scheduler.engine
     tok = engine.tok
@@ -210,16 +214,16 @@ def create_app(
 
     @app.post("/v1/load_weights")
     async def load(body: LoadWeightsBody) -> dict[str, Any]:
-        if body.path:
-            path = Path(body.path)
-        elif body.key:
-            if checkpoint_root is None:
-                raise HTTPException(400, "this engine has no --checkpoint-root to resolve object keys")
-            path = Path(checkpoint_root) / body.key
-        else:
-            raise HTTPException(400, "give path or key")
-        if not (path.exists() or path.with_suffix(".safetensors").exists()):
-            raise HTTPException(404, f"no checkpoint at {path}")
+        path = Path(body.path) if body.path else None
+        if path is None or not path.exists():
+            if not body.key:
+                raise HTTPException(404 if path else 400, f"no checkpoint at {path}" if path else "give path or key")
+            if store is None:
+                raise HTTPException(400, "this engine has no object store to resolve keys")
+            try:
+                path = await fetch_checkpoint(store, body.key, cache_dir, body.version)
+            except NotFound as exc:
+                raise HTTPException(404, f"no checkpoint at key {body.key}") from exc
         try:
             seconds = await scheduler.reload(path, body.version)
         except ValueError as exc:

@@ -1,0 +1,272 @@
+"""Model backends behind one interface, both spoken to over vLLM's OpenAI-compatible HTTP API.
+
+- :class:`EngineBackend`: Temper's CPU engine. Reports ``policy_version`` in every
+  response; reloads with ``POST /v1/load_weights``.
+- :class:`VLLMBackend`: a vLLM server. Targets vLLM >= 0.10.2 (``return_token_ids``:
+  ``choices[].token_ids``); for 0.6.x-0.10.1 token ids are read from
+  ``logprobs.tokens`` (``"token_id:<id>"``, via ``return_tokens_as_token_ids``). Reload:
+  a LoRA adapter per policy version (``/v1/load_lora_adapter``, needs
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), or a full reload through
+  ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``). See docs/inference.md.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import httpx
+from temper.events import SamplingParams
+from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+
+
+class ErrorKind(StrEnum):
+    timeout = "timeout"
+    connect = "connect"
+    server = "server_error"  # 5xx, 429
+    client = "client_error"  # other 4xx: the request is wrong, retrying will not help
+    protocol = "protocol_error"  # a 2xx we cannot read
+
+
+class BackendError(Exception):
+    def __init__(self, kind: ErrorKind, detail: str, *, status: int | None = None) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+        self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in (ErrorKind.timeout, ErrorKind.connect, ErrorKind.server)
+
+
+@dataclass
+class GenerateRequest:
+    """What the router asks a backend for: token ids in, token ids out."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    episode_id: str | None = None
+    request_id: str | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class BackendResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    policy_version: int
+    backend: str = ""
+
+
+def parse_token_id(token: str) -> int:
+    """``"token_id:123"`` (vLLM's ``return_tokens_as_token_ids`` spelling) to ``123``."""
+    if not token.startswith("token_id:"):
+        raise ValueError(f"not a token-id token: {token!r}")
+    return int(token.split(":", 1)[1])
+
+
+def parse_completion(data: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+    """The first choice of a vLLM ``/v1/completions`` response as our fields.
+
+    Token ids come from ``choices[0].token_ids`` (vLLM >= 0.10.2 with ``return_token_ids``),
+    else from ``choices[0].logprobs.tokens`` spelled ``token_id:<id>``.
+    """
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise BackendError(ErrorKind.protocol, "response has no choices") from exc
+    lp = choice.get("logprobs") or {}
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        try:
+            token_ids = [parse_token_id(t) for t in lp.get("tokens") or []]
+        except ValueError as exc:
+            raise BackendError(ErrorKind.protocol, "no token ids in response (set return_token_ids)") from exc
+        if not token_ids and choice.get("text"):
+            raise BackendError(ErrorKind.protocol, "no token ids in response (set return_token_ids)")
+    logprobs = lp.get("token_logprobs") or []
+    if len(logprobs) != len(token_ids):
+        raise BackendError(ErrorKind.protocol, f"{len(token_ids)} token ids but {len(logprobs)} logprobs")
+    return {
+        "prompt_ids": choice.get("prompt_token_ids") or prompt_ids,
+        "token_ids": [int(t) for t in token_ids],
+        "logprobs": [float(x) if x is not None else 0.0 for x in logprobs],
+        "text": choice.get("text", ""),
+        "finish_reason": choice.get("finish_reason"),
+        "stop_reason": choice.get("stop_reason"),
+    }
+
+
+class Backend(ABC):
+    """One model server. ``version`` is the policy version it currently serves."""
+
+    def __init__(self, spec: BackendSpec, *, model_name: str, timeout_s: float = 60.0,
+                 connect_timeout_s: float = 2.0) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.url = spec.url.rstrip("/")
+        self.model_name = spec.model or model_name
+        self.version = 0
+        self.client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+
+    # --- the interface ---------------------------------------------------------------------
+    @abstractmethod
+    async def complete(self, req: GenerateRequest) -> BackendResult: ...
+
+    @abstractmethod
+    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
+        """Switch to ``version``'s weights; returns the switch time in seconds."""
+
+    async def health(self) -> bool:
+        try:
+            r = await self.client.get("/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    async def post(self, path: str, body: dict[str, Any], *, raw: bool = False,
+                   wait_s: float | None = None) -> Any:
+        """POST JSON; transport failures and error statuses become :class:`BackendError`."""
+        kwargs: dict[str, Any] = {"json": body}
+        if wait_s is not None:
+            kwargs["timeout"] = wait_s
+        try:
+            r = await self.client.post(path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise BackendError(ErrorKind.timeout, f"{self.name}{path}: {type(exc).__name__}") from exc
+        except httpx.TransportError as exc:
+            raise BackendError(ErrorKind.connect, f"{self.name}{path}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code >= 500 or r.status_code == 429:
+            raise BackendError(ErrorKind.server, f"{self.name}{path}: HTTP {r.status_code} {r.text[:200]}",
+                               status=r.status_code)
+        if r.status_code >= 400:
+            raise BackendError(ErrorKind.client, f"{self.name}{path}: HTTP {r.status_code} {r.text[:200]}",
+                               status=r.status_code)
+        if raw:
+            return r
+        try:
+            return r.json()
+        except ValueError as exc:
+            raise BackendError(ErrorKind.protocol, f"{self.name}{path}: body is not JSON") from exc
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    # --- shared request building -------------------------------------------------------------
+    def completion_body(self, req: GenerateRequest, *, model: str) -> dict[str, Any]:
+        s = req.sampling
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": req.prompt_ids,
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "logprobs": 0,  # the sampled token's logprob only
+            "return_token_ids": True,  # vLLM >= 0.10.2
+            "return_tokens_as_token_ids": True,  # older vLLM: ids spelled in logprobs.tokens
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.stop:
+            body["stop"] = s.stop
+        if s.stop_token_ids:
+            body["stop_token_ids"] = s.stop_token_ids
+        if req.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+class EngineBackend(Backend):
+    """Temper's CPU engine (``python -m services.inference_gateway.engine``)."""
+
+    async def complete(self, req: GenerateRequest) -> BackendResult:
+        data = await self.post("/v1/completions", self.completion_body(req, model=self.model_name))
+        fields = parse_completion(data, req.prompt_ids)
+        version = data.get("policy_version")
+        if version is not None:
+            self.version = max(self.version, int(version))
+        return BackendResult(**fields, policy_version=int(version if version is not None else self.version),
+                             backend=self.name)
+
+    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
+        body: dict[str, Any] = {"version": version}
+        if path is not None:
+            body["path"] = str(path)
+        if key is not None:
+            body["key"] = key
+        data = await self.post("/v1/load_weights", body, wait_s=300.0)
+        self.version = int(data["policy_version"])
+        return float(data["switch_ms"]) / 1000
+
+    async def served_version(self) -> int | None:
+        try:
+            r = await self.client.get("/health", timeout=2.0)
+            return int(r.json().get("policy_version"))
+        except (httpx.HTTPError, ValueError, TypeError):
+            return None
+
+
+class VLLMBackend(Backend):
+    """A vLLM OpenAI-compatible server.
+
+    With ``reload_mode=lora`` each policy version is a LoRA adapter named
+    ``<model>-v<version>``: requests name the adapter of the version they should run on,
+    so a request in flight keeps its adapter while new ones use the new one; the
+    adapter two versions back is unloaded. With ``reload_mode=full`` the server reloads
+    its weights in place through ``/collective_rpc``.
+    """
+
+    def __init__(self, spec: BackendSpec, *, model_name: str, reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
+                 **kwargs: Any) -> None:
+        super().__init__(spec, model_name=model_name, **kwargs)
+        self.reload_mode = reload_mode
+        self.served_model = self.model_name
+        self.adapters: list[str] = []
+
+    async def complete(self, req: GenerateRequest) -> BackendResult:
+        version, model = self.version, self.served_model
+        data = await self.post("/v1/completions", self.completion_body(req, model=model))
+        fields = parse_completion(data, req.prompt_ids)
+        return BackendResult(**fields, policy_version=version, backend=self.name)
+
+    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
+        if path is None:
+            raise BackendError(ErrorKind.client, "vLLM reload needs a path the vLLM server can read")
+        t0 = time.perf_counter()
+        if self.reload_mode is VLLMReloadMode.lora:
+            name = f"{self.model_name}-v{version}"
+            await self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True,
+                            wait_s=300.0)
+            self.adapters.append(name)
+            self.served_model = name
+            while len(self.adapters) > 2:
+                old = self.adapters.pop(0)
+                try:
+                    await self.post("/v1/unload_lora_adapter", {"lora_name": old}, raw=True)
+                except BackendError:
+                    pass  # a leftover adapter costs memory, not correctness
+        else:
+            await self.post("/collective_rpc", {"method": "reload_weights"}, raw=True, wait_s=600.0)
+        self.version = version
+        return time.perf_counter() - t0
+
+
+def make_backend(spec: BackendSpec, *, model_name: str, timeout_s: float, connect_timeout_s: float,
+                 vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora) -> Backend:
+    kw: dict[str, Any] = {"model_name": model_name, "timeout_s": timeout_s, "connect_timeout_s": connect_timeout_s}
+    if spec.kind is BackendKind.vllm:
+        return VLLMBackend(spec, reload_mode=vllm_reload_mode, **kw)
+    return EngineBackend(spec, **kw)

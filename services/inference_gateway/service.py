@@ -1,0 +1,192 @@
+"""The gateway's logic, independent of HTTP and Kafka.
+
+The bus handlers call :meth:`InferenceService.handle` for each ``inference.requests``
+message and :meth:`InferenceService.apply_update` for each ``policy.updates`` message;
+they pause the ``inference.requests`` partitions while :meth:`has_capacity` is false
+and resume when it turns true again. The HTTP proxy (``app.py``) calls :meth:`generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from temper import metrics
+from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
+from temper.policy import ByteTokenizer, default_tokenizer, encode_chat, extend_chat
+from temper.policy.config import InferenceSettings
+from temper.storage import ObjectStore
+
+from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest, make_backend
+from services.inference_gateway.checkpoints import fetch_checkpoint
+from services.inference_gateway.router import RequestFailed, Router
+from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
+
+log = logging.getLogger(__name__)
+
+
+class ChatSessions:
+    """Per-episode conversation state, so each turn extends the previous ids token-wise.
+
+    A session remembers the messages it has seen (including the assistant replies it
+    produced) and the exact ids behind them. When the next call's messages start with
+    those, only the new messages are encoded and appended; otherwise the conversation is
+    encoded afresh (and the session restarts).
+    """
+
+    def __init__(self, tokenizer: ByteTokenizer, max_sessions: int = 10_000) -> None:
+        self.tok = tokenizer
+        self.max_sessions = max_sessions
+        self._s: OrderedDict[str, tuple[list[dict[str, Any]], list[int]]] = OrderedDict()
+        self.extended = 0
+        self.encoded = 0
+
+    @staticmethod
+    def _norm(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+        return [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+
+    def prompt_ids(self, episode_id: str | None, messages: list[dict[str, Any]]) -> list[int]:
+        msgs = self._norm(messages)
+        if episode_id and episode_id in self._s:
+            seen, ids = self._s[episode_id]
+            if len(msgs) > len(seen) and msgs[: len(seen)] == seen:
+                self.extended += 1
+                return extend_chat(self.tok, ids, msgs[len(seen):])
+        self.encoded += 1
+        return encode_chat(self.tok, msgs)
+
+    def remember(self, episode_id: str, messages: list[dict[str, Any]], prompt_ids: list[int],
+                 reply_text: str, reply_ids: list[int]) -> None:
+        seen = [*self._norm(messages), {"role": "assistant", "content": reply_text}]
+        self._s[episode_id] = (seen, [*prompt_ids, *reply_ids])
+        self._s.move_to_end(episode_id)
+        while len(self._s) > self.max_sessions:
+            self._s.popitem(last=False)
+
+
+class InferenceService:
+    def __init__(
+        self,
+        settings: InferenceSettings,
+        *,
+        store: ObjectStore | None = None,
+        traces: TraceStore | None = None,
+        backends: list[Backend] | None = None,
+        tokenizer: ByteTokenizer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.traces = traces or InMemoryTraceStore()
+        self.tokenizer = tokenizer or default_tokenizer()
+        self.sessions = ChatSessions(self.tokenizer)
+        if backends is None:
+            backends = [
+                make_backend(
+                    spec,
+                    model_name=settings.model_name,
+                    timeout_s=settings.request_timeout_s,
+                    connect_timeout_s=settings.connect_timeout_s,
+                    vllm_reload_mode=settings.vllm_reload_mode,
+                )
+                for spec in settings.backends
+            ]
+        self.router = Router(backends, settings)
+        self.policy_version = 0
+        self._update_lock = asyncio.Lock()
+        self.last_switch_s: dict[str, float] = {}
+
+    async def start(self) -> None:
+        await self.router.start()
+        for s in self.router.slots.values():
+            served = getattr(s.backend, "served_version", None)
+            if served is not None:
+                v = await served()
+                if v is not None:
+                    s.backend.version = v
+        self.policy_version = max(s.backend.version for s in self.router.slots.values())
+
+    async def stop(self) -> None:
+        await self.router.stop()
+
+    # --- requests -------------------------------------------------------------------------------
+    def has_capacity(self) -> bool:
+        """False while every backend is full, down or open: pause consuming then."""
+        return self.router.has_capacity()
+
+    async def generate(self, req: GenerateRequest) -> BackendResult:
+        """Route one request; raises :class:`RequestFailed` with the reason after the retry budget."""
+        return await self.router.generate(req)
+
+    async def handle(self, request: InferenceRequest) -> InferenceResult:
+        """One ``inference.requests`` message to its ``inference.results`` message (never raises
+        for backend trouble: a failure is a result with ``error`` set)."""
+        envelope = {
+            "job_id": request.job_id,
+            "episode_id": request.episode_id,
+            "turn": request.turn,
+            "attempt": request.attempt,
+        }
+        req = GenerateRequest(
+            prompt_ids=request.prompt_ids,
+            sampling=request.sampling,
+            episode_id=request.episode_id,
+            request_id=str(request.id),
+        )
+        try:
+            res = await self.router.generate(req)
+        except RequestFailed as exc:
+            return InferenceResult(**envelope, error=exc.reason, policy_version=self.policy_version)
+        return InferenceResult(
+            **envelope,
+            token_ids=res.token_ids,
+            logprobs=res.logprobs,
+            text=res.text,
+            finish_reason=res.finish_reason,
+            policy_version=res.policy_version,
+            backend=res.backend,
+        )
+
+    # --- weights --------------------------------------------------------------------------------
+    async def apply_update(self, update: PolicyUpdate) -> dict[str, float]:
+        """Switch every backend to ``update.version`` (idempotent; older versions are ignored).
+
+        Requests already running finish on the old weights and report the old version;
+        requests that start after a backend switched report the new one. Returns the
+        switch time per backend in seconds.
+        """
+        return await self.reload(version=update.version, key=update.checkpoint_key)
+
+    async def reload(self, *, version: int, key: str | None = None, path: str | Path | None = None) -> dict[str, float]:
+        async with self._update_lock:
+            local: Path | None = Path(path) if path else None
+            if local is None and key is not None and self.store is not None:
+                local = await fetch_checkpoint(self.store, key, self.settings.checkpoint_cache_dir, version)
+            todo = [s for s in self.router.slots.values() if s.backend.version < version]
+            results = await asyncio.gather(
+                *(s.backend.load_weights(version=version, path=local, key=key) for s in todo),
+                return_exceptions=True,
+            )
+            times: dict[str, float] = {}
+            for s, r in zip(todo, results, strict=True):
+                if isinstance(r, BaseException):
+                    log.error("backend %s failed to load version %s: %s", s.name, version, r)
+                    continue
+                times[s.name] = r
+                metrics.WEIGHT_SWITCH_SECONDS.observe(r)
+            if todo and not times:
+                raise RuntimeError(f"no backend could load policy version {version}")
+            self.policy_version = max(self.policy_version, version)
+            self.last_switch_s.update(times)
+            return times
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "policy_version": self.policy_version,
+            "has_capacity": self.has_capacity(),
+            "backends": self.router.snapshot(),
+            "time": time.time(),
+        }
