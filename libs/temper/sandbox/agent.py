@@ -53,12 +53,12 @@ def read_exact(n):
 
 def send(head, out=b"", err=b"", data=b""):
     head = dict(head, out=len(out), err=len(err), data=len(data))
-    h = ";".join("%s=%s" % (k, v) for k, v in head.items()).encode()
+    h = ";".join(f"{k}={v}" for k, v in head.items()).encode()
     body = struct.pack("<I", len(h)) + h + out + err + data
     msg = struct.pack("<I", len(body)) + body
     view = memoryview(msg)
     while view:
-        view = view[os.write(REP_FD, view):]
+        view = view[os.write(REP_FD, view) :]
 
 
 children = {}  # pid -> wait status, for children reaped while looking for another
@@ -148,17 +148,24 @@ def child(req, rin, wout, werr):
             traceback.print_exc()
             status = 1
         try:
+            # What a normal interpreter exit does: join non-daemon threads, run atexit.
+            threading = sys.modules.get("threading")
+            if threading is not None:
+                threading._shutdown()
+            import atexit
+
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
         except BaseException:
             status = status or 120
         os._exit(status)
     except FileNotFoundError as e:
-        os.write(2, ("%s: command not found\n" % e.filename).encode())
+        os.write(2, f"{e.filename}: command not found\n".encode())
         os._exit(127)
     except BaseException as e:
         try:
-            os.write(2, ("sandbox: %r\n" % (e,)).encode())
+            os.write(2, f"sandbox: {e!r}\n".encode())
         finally:
             os._exit(126)
 
@@ -210,7 +217,7 @@ def run(req):
         events = poller.poll(max(1, int(wait_ms)))
         if not events:
             idle_ms = min(idle_ms * 2, 20)
-        for fd, ev in events:
+        for fd, _ev in events:
             if fd == win:
                 try:
                     n = os.write(win, stdin[:CHUNK])
@@ -267,7 +274,13 @@ def run(req):
             except OSError:
                 pass
     children.clear()
-    head = {"ok": 1, "wall": "%.6f" % wall, "reason": reason, "otr": int(trunc[rout] > 0), "etr": int(trunc[rerr] > 0)}
+    head = {
+        "ok": 1,
+        "wall": f"{wall:.6f}",
+        "reason": reason,
+        "otr": int(trunc[rout] > 0),
+        "etr": int(trunc[rerr] > 0),
+    }
     if status is not None:
         if os.WIFSIGNALED(status):
             head["sig"] = os.WTERMSIG(status)
@@ -285,7 +298,7 @@ def op_write(req):
     try:
         view = memoryview(req["data"])
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
     send({"ok": 1})
@@ -312,7 +325,7 @@ def op_list(req):
             except OSError:
                 continue
             kind = "d" if os.path.isdir(full) and not os.path.islink(full) else "f"
-            entries.append("%s%d\t%s" % (kind, st.st_size, os.path.relpath(full, root)))
+            entries.append(f"{kind}{st.st_size}\t{os.path.relpath(full, root)}")
             if len(entries) >= limit:
                 break
         if len(entries) >= limit or not req.get("recursive", True):
@@ -346,7 +359,7 @@ def main():
         try:
             OPS[req["op"]](req)
         except Exception as e:
-            send({"ok": 0}, data=("%s: %s" % (type(e).__name__, e)).encode("utf-8", "replace"))
+            send({"ok": 0}, data=f"{type(e).__name__}: {e}".encode("utf-8", "replace"))
 
 
 main()

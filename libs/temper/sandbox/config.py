@@ -29,7 +29,13 @@ class SandboxSettings(BaseModel):
     run_as_uid: int = Field(65534, description="host uid the sandbox runs as when the worker is root")
     run_as_gid: int = 65534
     ro_binds: list[str] = Field(
-        default_factory=lambda: ["/usr", "/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime", "/etc/ssl"],
+        default_factory=lambda: [
+            "/usr",
+            "/etc/alternatives",
+            "/etc/ld.so.cache",
+            "/etc/localtime",
+            "/etc/ssl",
+        ],
         description="host paths bound read-only at the same place (missing ones are skipped)",
     )
     snapshot_prefix: str = "sandbox-snapshots"

@@ -27,7 +27,9 @@ class SandboxLimits(BaseModel):
     cpu_s: float = Field(10.0, gt=0, le=3600, description="CPU-time limit of one action (all its processes)")
     memory_mb: int = Field(512, ge=16, le=65536, description="memory of the whole sandbox (cgroup)")
     pids: int = Field(128, ge=4, le=32768, description="processes and threads in the sandbox")
-    output_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="kept bytes per stream (stdout, stderr)")
+    output_bytes: int = Field(
+        1 << 20, ge=1024, le=64 << 20, description="kept bytes per stream (stdout, stderr)"
+    )
     file_size_mb: int = Field(64, ge=1, le=16384, description="largest file an action may write")
     open_files: int = Field(256, ge=16, le=65536)
     workspace_mb: int = Field(256, ge=1, le=65536, description="size of the writable workspace")
@@ -52,7 +54,9 @@ class Action(BaseModel):
     stdin: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = Field(None, description="relative to the workspace")
-    timeout_s: float | None = Field(None, gt=0, le=3600, description="overrides limits.wall_s for this action")
+    timeout_s: float | None = Field(
+        None, gt=0, le=3600, description="overrides limits.wall_s for this action"
+    )
 
 
 class FileInfo(BaseModel):

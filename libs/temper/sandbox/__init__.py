@@ -1,0 +1,28 @@
+"""Isolated sandboxes for agent actions: bubblewrap namespaces, cgroups and rlimits,
+a warm pool, stateful sessions and workspace snapshots. See docs/sandbox.md."""
+
+from temper.sandbox.backends import Backend, BwrapBackend, ProcessBackend, make_backend
+from temper.sandbox.config import BackendKind, SandboxSettings
+from temper.sandbox.manager import SandboxManager, SessionNotFound
+from temper.sandbox.models import Action, ExecResult, FileInfo, KillReason, SandboxLimits
+from temper.sandbox.sandbox import Sandbox, SandboxError
+from temper.sandbox.snapshot import SnapshotError
+
+__all__ = [
+    "Action",
+    "Backend",
+    "BackendKind",
+    "BwrapBackend",
+    "ExecResult",
+    "FileInfo",
+    "KillReason",
+    "ProcessBackend",
+    "Sandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxManager",
+    "SandboxSettings",
+    "SessionNotFound",
+    "SnapshotError",
+    "make_backend",
+]

@@ -1,0 +1,165 @@
+"""Sandbox backends: an enum of names (``BackendKind``) and one interface.
+
+A backend only decides how the in-sandbox agent is started: which namespaces,
+mounts and credentials wrap it. Limits (cgroups, rlimits), the workspace and the
+agent protocol are shared by all backends (``temper.sandbox.sandbox``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from temper.sandbox.config import BackendKind, SandboxSettings
+from temper.sandbox.models import SandboxLimits
+
+log = logging.getLogger(__name__)
+
+AGENT_SOURCE = (Path(__file__).parent / "agent.py").read_text()
+SANDBOX_WORKSPACE = "/workspace"
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+class Backend(ABC):
+    kind: BackendKind
+    isolated: bool
+    pid_namespace: bool  # the agent is PID 1 of its own pid namespace
+
+    def __init__(self, settings: SandboxSettings) -> None:
+        self.settings = settings
+
+    @abstractmethod
+    def agent_argv(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+        """The command line that starts the agent for a sandbox on ``workspace``."""
+
+    @abstractmethod
+    def inner_workspace(self, workspace: Path) -> str:
+        """Where the workspace is, seen from inside the sandbox."""
+
+    def check(self) -> None:  # noqa: B027 - optional hook
+        """Raise if this backend cannot run on this host."""
+
+    def base_env(self, workspace: Path) -> dict[str, str]:
+        home = self.inner_workspace(workspace)
+        return {
+            "PATH": SANDBOX_PATH,
+            "HOME": home,
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "TMPDIR": "/tmp",
+        }
+
+
+class BwrapBackend(Backend):
+    """bubblewrap: user, pid, mount, net, ipc, uts and cgroup namespaces; read-only
+    system mounts; the workspace is the only writable place besides a small /tmp."""
+
+    kind = BackendKind.bwrap
+    isolated = True
+    pid_namespace = True
+
+    def __init__(self, settings: SandboxSettings) -> None:
+        super().__init__(settings)
+        self.bwrap = shutil.which(settings.bwrap) or settings.bwrap
+
+    def check(self) -> None:
+        if not os.path.exists(self.bwrap):
+            raise RuntimeError(f"bwrap not found ({self.settings.bwrap}); run scripts/setup_system.sh")
+
+    def inner_workspace(self, workspace: Path) -> str:
+        return SANDBOX_WORKSPACE
+
+    def mount_args(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+        args: list[str] = []
+        for path in self.settings.ro_binds:
+            args += ["--ro-bind-try", path, path]
+        for link, target in (
+            ("/bin", "usr/bin"),
+            ("/lib", "usr/lib"),
+            ("/lib64", "usr/lib64"),
+            ("/sbin", "usr/sbin"),
+        ):
+            if os.path.islink(link):
+                args += ["--symlink", target, link]
+            elif os.path.isdir(link):
+                args += ["--ro-bind", link, link]
+        if limits.network:
+            for path in ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf"):
+                args += ["--ro-bind-try", path, path]
+        args += [
+            "--dev", "/dev",
+            "--proc", "/proc",
+            "--size", str(16 << 20), "--tmpfs", "/tmp",
+            "--bind", str(workspace), SANDBOX_WORKSPACE,
+            "--chdir", SANDBOX_WORKSPACE,
+        ]  # fmt: skip
+        return args
+
+    def namespace_args(self, limits: SandboxLimits) -> list[str]:
+        args = [
+            "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--hostname", "sandbox", "--clearenv",
+        ]  # fmt: skip
+        if limits.network:
+            args.append("--share-net")
+        return args
+
+    def agent_argv(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+        return [
+            self.bwrap,
+            *self.namespace_args(limits),
+            "--as-pid-1",
+            *self.mount_args(workspace, limits),
+            self.settings.python, "-S", "-c", AGENT_SOURCE, SANDBOX_WORKSPACE, "pidns",
+        ]  # fmt: skip
+
+    def floor_argv(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+        """A bare bwrap with the same namespaces and mounts running ``python3 -S -c pass``
+        (the benchmark's floor)."""
+        return [
+            self.bwrap, *self.namespace_args(limits), *self.mount_args(workspace, limits),
+            self.settings.python, "-S", "-c", "pass",
+        ]  # fmt: skip
+
+
+class ProcessBackend(Backend):
+    """No isolation: the agent runs as a plain child process. Limits that cgroups and
+    rlimits give still hold, but the code sees the host's files, network and processes."""
+
+    kind = BackendKind.process
+    isolated = False
+    pid_namespace = False
+
+    def __init__(self, settings: SandboxSettings) -> None:
+        super().__init__(settings)
+        log.warning(
+            "SANDBOX BACKEND 'process' HAS NO ISOLATION: code it runs can read host files, "
+            "use the network and signal host processes. Use it only on a trusted dev box."
+        )
+
+    def inner_workspace(self, workspace: Path) -> str:
+        return str(workspace)
+
+    def agent_argv(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+        return [self.settings.python, "-S", "-c", AGENT_SOURCE, str(workspace), "nopidns"]
+
+
+BACKENDS: dict[BackendKind, type[Backend]] = {
+    BackendKind.bwrap: BwrapBackend,
+    BackendKind.process: ProcessBackend,
+}
+
+
+def make_backend(settings: SandboxSettings, *, distributed: bool = False) -> Backend:
+    if settings.backend is BackendKind.process and distributed and not settings.allow_unsafe:
+        raise ValueError(
+            "the 'process' sandbox backend has no isolation and is refused in distributed mode; "
+            "set TEMPER_SANDBOX__ALLOW_UNSAFE=true to run it anyway"
+        )
+    backend = BACKENDS[settings.backend](settings)
+    backend.check()
+    return backend

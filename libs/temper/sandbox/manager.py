@@ -1,0 +1,280 @@
+"""Sessions and the warm pool.
+
+A session is a sandbox that lives across actions (create → act, act, … → destroy) and
+is destroyed after ``idle_expiry_s`` without use. The pool keeps ``pool_size`` sandboxes
+started (namespaces set up, agent ready) with the default limits, so acquiring one costs
+a pop and a few cgroup writes. A sandbox is never handed out twice: once released it is
+destroyed and the pool refilled in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from temper import metrics
+from temper.sandbox import snapshot
+from temper.sandbox.backends import Backend, make_backend
+from temper.sandbox.cgroups import CgroupManager, detect
+from temper.sandbox.config import SandboxSettings
+from temper.sandbox.models import Action, ExecResult, SandboxLimits
+from temper.sandbox.sandbox import Sandbox, SandboxError
+
+log = logging.getLogger(__name__)
+
+
+class SessionNotFound(KeyError):
+    pass
+
+
+class SandboxManager:
+    def __init__(
+        self, settings: SandboxSettings, *, distributed: bool = False, store: object | None = None
+    ) -> None:
+        self.settings = settings
+        self.distributed = distributed
+        self.store = store  # a temper.storage.ObjectStore, for snapshots
+        self.backend: Backend | None = None
+        self.cgroups: CgroupManager | None = None
+        self.root = Path(settings.workspace_root).absolute() / f"w{uuid.uuid4().hex[:8]}"
+        self.sessions: dict[str, Sandbox] = {}
+        self._pool: deque[Sandbox] = deque()
+        self._in_use: set[Sandbox] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._refill_lock = asyncio.Lock()
+        self._reaper: asyncio.Task[None] | None = None
+        self.leaked = 0
+        self.started = False
+
+    # --- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        self.backend = make_backend(self.settings, distributed=self.distributed)
+        self.cgroups = await asyncio.to_thread(detect)
+        if (
+            self.cgroups is None
+            and self.backend.isolated
+            and self.distributed
+            and not self.settings.allow_unsafe
+        ):
+            raise SandboxError("no usable cgroups: memory and pids limits cannot be enforced")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o711)
+        self.started = True
+        await self.refill()
+        self._reaper = asyncio.create_task(self._reap_idle())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        doomed = [*self.sessions.values(), *self._pool, *self._in_use]
+        self.sessions.clear()
+        self._pool.clear()
+        self._in_use.clear()
+        for sb in doomed:
+            await self._destroy(sb)
+        self._update_gauges()
+        if self.cgroups is not None:
+            self.cgroups.close()
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
+        self.started = False
+
+    def health(self) -> dict[str, str]:
+        """Component -> 'ok' or what is wrong."""
+        out = {"backend": "ok" if self.backend is not None else "not started"}
+        out["cgroups"] = (
+            f"v{self.cgroups.version}" if self.cgroups is not None else "unavailable (rlimits only)"
+        )
+        out["leaked_processes"] = str(self.leaked)
+        return out
+
+    # --- sandboxes ------------------------------------------------------------------
+    def _new(self, limits: SandboxLimits, sandbox_id: str | None = None) -> Sandbox:
+        assert self.backend is not None, "SandboxManager.start() first"
+        run_as = (self.settings.run_as_uid, self.settings.run_as_gid)
+        return Sandbox(
+            backend=self.backend, cgroups=self.cgroups, limits=limits,
+            workspace_root=self.root, run_as=run_as, sandbox_id=sandbox_id,
+        )  # fmt: skip
+
+    async def _destroy(self, sb: Sandbox) -> None:
+        try:
+            leaked = await sb.destroy()
+        except Exception:
+            log.exception("sandbox %s: destroy failed", sb.id)
+            leaked = 1
+        if leaked:
+            self.leaked += leaked
+            metrics.SANDBOX_LEAKED_PROCESSES.set(self.leaked)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def refill(self) -> None:
+        """Bring the pool up to ``pool_size``, one sandbox at a time."""
+        async with self._refill_lock:
+            while self.started and len(self._pool) < self.settings.pool_size:
+                sb = self._new(self.settings.default_limits)
+                try:
+                    await sb.start()
+                except Exception:
+                    log.exception("warm pool: could not start a sandbox")
+                    return
+                self._pool.append(sb)
+                self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        metrics.SANDBOX_POOL_SIZE.set(len(self._pool))
+        metrics.SANDBOX_ACTIVE.set(len(self.sessions) + len(self._in_use))
+
+    async def acquire(self, limits: SandboxLimits | None = None, *, sandbox_id: str | None = None) -> Sandbox:
+        """A started sandbox with these limits: from the pool when one fits, else a new one."""
+        limits = limits or self.settings.default_limits
+        t0 = time.perf_counter()
+        sb: Sandbox | None = None
+        # Pooled sandboxes all carry the default network setting; the rest can change.
+        while self._pool and sb is None and limits.network == self.settings.default_limits.network:
+            candidate = self._pool.popleft()
+            try:
+                if candidate.dead:
+                    raise SandboxError("pooled sandbox died")
+                await candidate.apply_limits(limits)
+                sb = candidate
+            except SandboxError:
+                self._spawn(self._destroy(candidate))
+        if sb is not None:
+            metrics.SANDBOX_POOL_HITS.inc()
+            if sandbox_id is not None:
+                sb.id = sandbox_id
+        else:
+            metrics.SANDBOX_POOL_MISSES.inc()
+            sb = self._new(limits, sandbox_id)
+            await sb.start()
+        self._in_use.add(sb)
+        self._update_gauges()
+        metrics.SANDBOX_ACQUIRE_SECONDS.observe(time.perf_counter() - t0)
+        if len(self._pool) < self.settings.pool_size:
+            self._spawn(self.refill())
+        return sb
+
+    async def release(self, sb: Sandbox, *, wait: bool = False) -> None:
+        """Destroy a sandbox that is no longer needed (in the background unless ``wait``)."""
+        self._in_use.discard(sb)
+        self._update_gauges()
+        if wait:
+            await self._destroy(sb)
+        else:
+            self._spawn(self._destroy(sb))
+
+    @contextlib.asynccontextmanager
+    async def sandbox(self, limits: SandboxLimits | None = None) -> AsyncIterator[Sandbox]:
+        sb = await self.acquire(limits)
+        try:
+            yield sb
+        finally:
+            await self.release(sb)
+
+    async def execute(self, sb: Sandbox, action: Action) -> ExecResult:
+        t0 = time.perf_counter()
+        result = await sb.act(action)
+        metrics.SANDBOX_EXEC_SECONDS.observe(time.perf_counter() - t0)
+        if result.kill_reason is not None:
+            metrics.SANDBOX_KILLS.labels(reason=result.kill_reason.value).inc()
+        return result
+
+    # --- sessions -------------------------------------------------------------------
+    async def create_session(
+        self, limits: SandboxLimits | None = None, *, session_id: str | None = None
+    ) -> str:
+        if session_id is not None and session_id in self.sessions:
+            raise SandboxError(f"session {session_id} exists")
+        if len(self.sessions) >= self.settings.max_sessions:
+            await self._expire(force_oldest=True)
+        sid = session_id or uuid.uuid4().hex
+        sb = await self.acquire(limits)
+        self._in_use.discard(sb)
+        self.sessions[sid] = sb
+        self._update_gauges()
+        return sid
+
+    def get(self, session_id: str) -> Sandbox:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise SessionNotFound(session_id) from None
+
+    async def act(self, session_id: str, action: Action) -> ExecResult:
+        return await self.execute(self.get(session_id), action)
+
+    async def destroy_session(self, session_id: str) -> None:
+        sb = self.sessions.pop(session_id, None)
+        if sb is None:
+            raise SessionNotFound(session_id)
+        self._update_gauges()
+        await self._destroy(sb)
+
+    async def snapshot(self, session_id: str, key: str | None = None) -> str:
+        """Put a tar.gz of the session's workspace to object storage; returns its key."""
+        if self.store is None:
+            raise SandboxError("no object store configured for snapshots")
+        sb = self.get(session_id)
+        key = key or f"{self.settings.snapshot_prefix}/{session_id}/{time.time_ns()}.tar.gz"
+        async with sb._lock:  # no action may write while the workspace is read
+            data = await asyncio.to_thread(snapshot.pack, sb.workspace.path)
+        await self.store.put(key, data, snapshot.SNAPSHOT_CONTENT_TYPE)  # type: ignore[attr-defined]
+        return key
+
+    async def restore(
+        self, key: str, limits: SandboxLimits | None = None, *, session_id: str | None = None
+    ) -> str:
+        """A new session whose workspace is the snapshot at ``key``."""
+        if self.store is None:
+            raise SandboxError("no object store configured for snapshots")
+        data = await self.store.get(key)  # type: ignore[attr-defined]
+        sid = await self.create_session(limits, session_id=session_id)
+        sb = self.sessions[sid]
+        owner = sb.run_as
+        try:
+            await asyncio.to_thread(
+                snapshot.unpack, data, sb.workspace.path, max_bytes=sb.limits.workspace_mb << 20, owner=owner
+            )
+        except BaseException:
+            await self.destroy_session(sid)
+            raise
+        return sid
+
+    async def _expire(self, *, force_oldest: bool = False) -> None:
+        now = time.monotonic()
+        idle = [sid for sid, sb in self.sessions.items() if now - sb.last_used > self.settings.idle_expiry_s]
+        if force_oldest and not idle and self.sessions:
+            idle = [min(self.sessions, key=lambda s: self.sessions[s].last_used)]
+        for sid in idle:
+            sb = self.sessions.get(sid)
+            if sb is None or sb._lock.locked():
+                continue
+            log.info("sandbox session %s expired", sid)
+            self.sessions.pop(sid, None)
+            await self._destroy(sb)
+        self._update_gauges()
+
+    async def _reap_idle(self) -> None:
+        interval = max(0.05, min(self.settings.idle_expiry_s / 4, 30.0))
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._expire()
+            except Exception:
+                log.exception("sandbox session reaper failed")

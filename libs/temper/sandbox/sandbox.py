@@ -1,0 +1,504 @@
+"""One sandbox, seen from the worker: a workspace, a cgroup, and the agent process
+that the backend started inside its namespaces.
+
+The worker is the trusted side. It enforces the wall-clock backstop, CPU time summed
+over all of an action's processes, workspace size and memory/pids (through the cgroup),
+and it decides the kill reason from the kernel's counters, not from what runs inside.
+The agent (``agent.py``) forks each action, drains and caps its output and kills the
+action's whole process tree when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ctypes
+import logging
+import math
+import os
+import shutil
+import signal
+import struct
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from temper.sandbox.backends import Backend
+from temper.sandbox.cgroups import Cgroup, CgroupManager, CgroupStats
+from temper.sandbox.models import Action, ExecResult, FileInfo, KillReason, SandboxLimits
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+MS_NOSUID, MS_NODEV, MS_REMOUNT = 0x2, 0x4, 0x20
+MNT_DETACH = 0x2
+GRACE_S = 1.0  # the agent enforces wall_s itself; the worker steps in this much later
+FULL_BYTES = 64 << 10  # a workspace with less free space than this counts as full
+
+
+class SandboxError(RuntimeError):
+    """The sandbox machinery failed (not the code inside it)."""
+
+
+class Workspace:
+    """The sandbox's writable directory on the host. When the worker may mount (root),
+    it is a tmpfs of exactly ``workspace_mb``: the kernel enforces the size, and files
+    survive a restart of the agent. Otherwise a plain directory whose size is checked
+    after each action."""
+
+    def __init__(self, path: Path, *, size_mb: int, uid: int | None, gid: int | None) -> None:
+        self.path = path
+        self.size_mb = size_mb
+        self.uid, self.gid = uid, gid
+        self.mounted = False
+
+    def create(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=False)
+        if os.geteuid() == 0:
+            opts = f"size={self.size_mb}m,mode=0755"
+            if self.uid is not None:
+                opts += f",uid={self.uid},gid={self.gid}"
+            rc = _libc.mount(b"tmpfs", str(self.path).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode())
+            if rc == 0:
+                self.mounted = True
+                return
+            log.warning(
+                "workspace tmpfs mount failed (errno %d): size is checked, not enforced", ctypes.get_errno()
+            )
+        if self.uid is not None:
+            os.chown(self.path, self.uid, self.gid or self.uid)
+
+    def resize(self, size_mb: int) -> None:
+        if self.mounted and size_mb != self.size_mb:
+            opts = f"size={size_mb}m".encode()
+            if (
+                _libc.mount(
+                    b"tmpfs", str(self.path).encode(), b"tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, opts
+                )
+                != 0
+            ):
+                raise SandboxError(f"cannot resize workspace (errno {ctypes.get_errno()})")
+        self.size_mb = size_mb
+
+    def used_bytes(self) -> int:
+        if self.mounted:
+            st = os.statvfs(self.path)
+            return (st.f_blocks - st.f_bfree) * st.f_frsize
+        total = 0
+        for root, _dirs, files in os.walk(self.path):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                except OSError:
+                    pass
+        return total
+
+    def full(self) -> bool:
+        if self.mounted:
+            st = os.statvfs(self.path)
+            return st.f_bavail * st.f_frsize < FULL_BYTES
+        return self.used_bytes() >= self.size_mb * (1 << 20)
+
+    def remove(self) -> None:
+        if self.mounted:
+            if _libc.umount2(str(self.path).encode(), MNT_DETACH) != 0:
+                log.error("workspace %s: umount failed (errno %d)", self.path, ctypes.get_errno())
+            self.mounted = False
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _parse_head(raw: bytes) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in raw.decode("ascii", "replace").split(";"):
+        key, _, value = part.partition("=")
+        out[key] = value
+    return out
+
+
+class Reply:
+    __slots__ = ("head", "out", "err", "data")
+
+    def __init__(self, head: dict[str, str], out: bytes, err: bytes, data: bytes) -> None:
+        self.head, self.out, self.err, self.data = head, out, err, data
+
+    def int(self, key: str) -> int | None:
+        v = self.head.get(key)
+        return int(v) if v not in (None, "") else None
+
+
+class Sandbox:
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        cgroups: CgroupManager | None,
+        limits: SandboxLimits,
+        workspace_root: Path,
+        run_as: tuple[int, int] | None,
+        sandbox_id: str | None = None,
+    ) -> None:
+        self.id = sandbox_id or uuid.uuid4().hex[:16]
+        self.backend = backend
+        self.cgroups = cgroups
+        self.limits = limits
+        self.run_as = run_as if os.geteuid() == 0 else None
+        uid, gid = self.run_as or (None, None)
+        self.workspace = Workspace(workspace_root / self.id, size_mb=limits.workspace_mb, uid=uid, gid=gid)
+        self.cgroup: Cgroup | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.keep: set[int] = set()
+        self.dead = True
+        self.destroyed = False
+        self.created_at = time.monotonic()
+        self.last_used = self.created_at
+        self._lock = asyncio.Lock()
+
+    # --- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        self.workspace.create()
+        try:
+            if self.cgroups is not None:
+                self.cgroup = self.cgroups.create(f"sb-{self.id}")
+                self.cgroup.set_limits(memory_bytes=self.limits.memory_mb << 20, pids=self.limits.pids)
+            await self._spawn()
+        except BaseException:
+            await self.destroy()
+            raise
+
+    def _preexec(self) -> Any:
+        join = self.cgroup.join_paths() if self.cgroup else []
+        run_as = self.run_as
+
+        def pre() -> None:
+            for path in join:
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.write(fd, b"0")
+                finally:
+                    os.close(fd)
+            os.setsid()
+            if run_as is not None:
+                os.setgroups([])
+                os.setgid(run_as[1])
+                os.setuid(run_as[0])
+
+        return pre
+
+    async def _spawn(self) -> None:
+        argv = self.backend.agent_argv(self.workspace.path, self.limits)
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            cwd=str(self.workspace.path),
+            preexec_fn=self._preexec(),
+        )
+        try:
+            ready = await asyncio.wait_for(self._read_reply(), timeout=10)
+        except (TimeoutError, asyncio.IncompleteReadError) as e:
+            self._hard_kill()
+            raise SandboxError(f"sandbox agent did not start ({type(e).__name__})") from e
+        # At this instant the group holds only the backend's wrapper and the agent:
+        # those are spared when an action's processes are killed.
+        self.keep = {self.proc.pid, *(self.cgroup.procs() if self.cgroup else [])}
+        self.agent_pid = ready.int("pid")
+        self.dead = False
+
+    async def _respawn(self) -> None:
+        self._hard_kill()
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout=5)
+            except TimeoutError:
+                pass
+        if self.cgroup is not None:
+            self.cgroup.kill_except(set())
+        await self._spawn()
+
+    def _hard_kill(self) -> None:
+        """Kill the whole sandbox, agent included."""
+        self.dead = True
+        if self.cgroup is not None:
+            self.cgroup.kill_except(set())
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    async def destroy(self) -> int:
+        """Destroy the sandbox; returns how many of its processes could not be killed."""
+        if self.destroyed:
+            return 0
+        self.destroyed = True
+        self._hard_kill()
+        if self.proc is not None:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout=5)
+            except TimeoutError:
+                log.error("sandbox %s: agent did not exit", self.id)
+        leaked = 0
+        if self.cgroup is not None:
+            leaked = await asyncio.to_thread(self.cgroup.destroy)
+        await asyncio.to_thread(self.workspace.remove)
+        return leaked
+
+    async def apply_limits(self, limits: SandboxLimits) -> None:
+        """Change a (pooled) sandbox's limits; the network setting cannot change."""
+        if limits.network != self.limits.network:
+            raise SandboxError("network access cannot change after a sandbox starts")
+        if self.cgroup is not None and (limits.memory_mb, limits.pids) != (
+            self.limits.memory_mb,
+            self.limits.pids,
+        ):
+            self.cgroup.set_limits(memory_bytes=limits.memory_mb << 20, pids=limits.pids)
+        self.workspace.resize(limits.workspace_mb)
+        self.limits = limits
+
+    # --- protocol -------------------------------------------------------------------
+    def _max_frame(self) -> int:
+        return 2 * self.limits.output_bytes + (self.limits.file_size_mb << 20) + (1 << 20)
+
+    async def _read_reply(self) -> Reply:
+        assert self.proc is not None and self.proc.stdout is not None
+        stdout = self.proc.stdout
+        (n,) = struct.unpack("<I", await stdout.readexactly(4))
+        if n > self._max_frame():
+            raise SandboxError(f"oversized reply from sandbox agent ({n} bytes)")
+        body = await stdout.readexactly(n)
+        (hlen,) = struct.unpack_from("<I", body)
+        head = _parse_head(body[4 : 4 + hlen])
+        pos = 4 + hlen
+        sizes = [int(head.get(k) or 0) for k in ("out", "err", "data")]
+        parts = []
+        for size in sizes:
+            parts.append(body[pos : pos + size])
+            pos += size
+        return Reply(head, *parts)
+
+    def _send(self, req: dict[str, Any]) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        import marshal
+
+        payload = marshal.dumps(req)
+        self.proc.stdin.write(struct.pack("<I", len(payload)) + payload)
+
+    # --- actions --------------------------------------------------------------------
+    async def act(self, action: Action) -> ExecResult:
+        if self.destroyed:
+            raise SandboxError(f"sandbox {self.id} is destroyed")
+        async with self._lock:
+            try:
+                if self.dead:
+                    await self._respawn()
+                if action.kind in ("run_command", "run_python"):
+                    return await self._exec(action)
+                return await self._file_op(action)
+            finally:
+                self.last_used = time.monotonic()
+
+    def _rlimits(self, cpu_s: float) -> dict[str, tuple[int, int]]:
+        lim = self.limits
+        cpu = max(1, math.ceil(cpu_s))
+        rl = {
+            "RLIMIT_CPU": (cpu, cpu + 1),
+            "RLIMIT_FSIZE": (lim.file_size_mb << 20, lim.file_size_mb << 20),
+            "RLIMIT_NOFILE": (lim.open_files, lim.open_files),
+            "RLIMIT_CORE": (0, 0),
+        }
+        if self.cgroup is None:
+            rl["RLIMIT_AS"] = (lim.memory_mb << 20, lim.memory_mb << 20)
+        return rl
+
+    async def _exec(self, action: Action) -> ExecResult:
+        lim = self.limits
+        wall = action.timeout_s or lim.wall_s
+        inner_ws = self.backend.inner_workspace(self.workspace.path)
+        env = {**self.backend.base_env(self.workspace.path), **action.env}
+        req: dict[str, Any] = {
+            "op": "exec",
+            "wall": wall,
+            "out_cap": lim.output_bytes,
+            "rlimits": self._rlimits(lim.cpu_s),
+            "env": env,
+            "cwd": os.path.join(inner_ws, action.cwd) if action.cwd else inner_ws,
+            "stdin": (action.stdin or "").encode(),
+        }
+        if action.kind == "run_python":
+            req["code"] = action.code or ""
+        else:
+            cmd = action.command or ""
+            req["argv"] = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+            if not req["argv"]:
+                return ExecResult(error="empty command")
+        cg = self.cgroup
+        if cg is not None:
+            cg.reset_peak()
+        before = cg.stats() if cg is not None else CgroupStats()
+        was_full = self.workspace.full()
+        t0 = time.monotonic()
+        self._send(req)
+        reply, host_reason = await self._await_reply(wall, lim.cpu_s, before, was_full)
+        elapsed = time.monotonic() - t0
+        after = cg.stats() if cg is not None else CgroupStats()
+        if cg is not None and not self.dead:
+            # Belt and braces: nothing of the action may outlive it.
+            cg.kill_except(self.keep)
+        result = ExecResult(
+            wall_s=round(elapsed, 6),
+            cpu_s=round(max(0, after.cpu_ns - before.cpu_ns) / 1e9, 6),
+            peak_memory_mb=round(after.peak_bytes / (1 << 20), 3),
+        )
+        sig: int | None = None
+        agent_reason = ""
+        if reply is None:
+            sig = signal.SIGKILL
+            result.stderr = (
+                "sandbox: the sandbox's agent died; the sandbox will be restarted on its workspace\n"
+            )
+        else:
+            result.stdout = reply.out.decode("utf-8", "replace")
+            result.stderr = reply.err.decode("utf-8", "replace")
+            result.stdout_truncated = reply.head.get("otr") == "1"
+            result.stderr_truncated = reply.head.get("etr") == "1"
+            result.exit_code = reply.int("exit")
+            sig = reply.int("sig")
+            agent_reason = reply.head.get("reason", "")
+        result.signal = sig
+        result.kill_reason = self._kill_reason(
+            before, after, host_reason, agent_reason, sig, result, was_full
+        )
+        if result.kill_reason is not None and result.exit_code is None and sig is None:
+            result.signal = signal.SIGKILL
+        return result
+
+    def _kill_reason(
+        self,
+        before: CgroupStats,
+        after: CgroupStats,
+        host_reason: KillReason | None,
+        agent_reason: str,
+        sig: int | None,
+        result: ExecResult,
+        was_full: bool,
+    ) -> KillReason | None:
+        if after.oom_kills > before.oom_kills:
+            return KillReason.memory
+        if after.pids_max_events > before.pids_max_events:
+            return KillReason.pids
+        if host_reason is not None:
+            return host_reason
+        if agent_reason:
+            return KillReason(agent_reason)
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and result.cpu_s >= self.limits.cpu_s):
+            return KillReason.cpu
+        if sig == signal.SIGXFSZ:
+            return KillReason.disk
+        if self.workspace.full() and (not was_full or sig is not None or result.exit_code != 0):
+            # Filled during this action, or failed against a full workspace.
+            return KillReason.disk
+        if sig is not None:
+            return KillReason.signal
+        return None
+
+    async def _await_reply(
+        self, wall: float, cpu_s: float, before: CgroupStats, was_full: bool
+    ) -> tuple[Reply | None, KillReason | None]:
+        """Wait for the agent's reply while watching CPU, disk and the clock."""
+        task = asyncio.ensure_future(self._read_reply())
+        start = time.monotonic()
+        deadline = start + wall + GRACE_S
+        host_reason: KillReason | None = None
+        poll = 0.02
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll)
+                if done:
+                    try:
+                        return task.result(), host_reason
+                    except (asyncio.IncompleteReadError, ConnectionError, SandboxError, struct.error):
+                        self._hard_kill()
+                        return None, host_reason
+                poll = min(poll * 2, 0.1)
+                now = time.monotonic()
+                if host_reason is None and self.cgroup is not None:
+                    if (self.cgroup.stats().cpu_ns - before.cpu_ns) / 1e9 > cpu_s:
+                        host_reason = KillReason.cpu
+                    elif self.workspace.mounted and not was_full and self.workspace.full():
+                        host_reason = KillReason.disk
+                    if host_reason is not None:
+                        self.cgroup.kill_except(self.keep)
+                elif (
+                    host_reason is None
+                    and not was_full
+                    and not self.workspace.mounted
+                    and now - start > 1
+                    and self.workspace.full()
+                ):
+                    host_reason = KillReason.disk
+                    self._hard_kill()
+                if now > deadline:
+                    if host_reason is None:
+                        host_reason = KillReason.timeout
+                        if self.cgroup is not None:
+                            self.cgroup.kill_except(self.keep)
+                        else:
+                            self._hard_kill()
+                    if now > deadline + 3 * GRACE_S:
+                        log.error("sandbox %s: agent unresponsive after a kill; restarting it", self.id)
+                        self._hard_kill()
+                        task.cancel()
+                        return None, host_reason
+        finally:
+            if not task.done():
+                # Cancelled mid-frame: the stream can no longer be trusted.
+                task.cancel()
+                self._hard_kill()
+
+    async def _file_op(self, action: Action) -> ExecResult:
+        t0 = time.monotonic()
+        path = action.path or ""
+        if action.kind == "write_file":
+            if not path:
+                return ExecResult(error="write_file needs a path")
+            raw = action.content or ""
+            data = base64.b64decode(raw) if action.encoding == "base64" else raw.encode()
+            if len(data) > self.limits.file_size_mb << 20:
+                return ExecResult(error="file larger than file_size_mb", kill_reason=KillReason.disk)
+            self._send({"op": "write", "path": path, "data": data})
+        elif action.kind == "read_file":
+            if not path:
+                return ExecResult(error="read_file needs a path")
+            self._send({"op": "read", "path": path, "max": self.limits.file_size_mb << 20})
+        else:
+            self._send({"op": "list", "path": path, "recursive": True})
+        try:
+            reply = await asyncio.wait_for(self._read_reply(), timeout=max(5.0, self.limits.wall_s))
+        except (TimeoutError, asyncio.IncompleteReadError, SandboxError) as e:
+            self._hard_kill()
+            return ExecResult(error=f"sandbox agent failed: {type(e).__name__}", wall_s=time.monotonic() - t0)
+        result = ExecResult(wall_s=round(time.monotonic() - t0, 6))
+        if reply.head.get("ok") != "1":
+            result.error = reply.data.decode("utf-8", "replace")
+            if "No space left" in result.error or "File too large" in result.error:
+                result.kill_reason = KillReason.disk
+            return result
+        if action.kind == "read_file":
+            result.encoding = action.encoding
+            if action.encoding == "base64":
+                result.content = base64.b64encode(reply.data).decode()
+            else:
+                result.content = reply.data.decode("utf-8", "replace")
+            result.stdout_truncated = reply.head.get("dtr") == "1"
+        elif action.kind == "list_files":
+            files = []
+            for entry in reply.data.decode("utf-8", "replace").split("\0") if reply.data else []:
+                meta, _, rel = entry.partition("\t")
+                files.append(FileInfo(path=rel, size=int(meta[1:] or 0), is_dir=meta[:1] == "d"))
+            result.files = files
+        return result
