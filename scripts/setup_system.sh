@@ -5,6 +5,7 @@ set -euo pipefail
 
 PACKAGES=(
   bubblewrap   # the sandbox backend (user/pid/mount/net namespaces)
+  prometheus   # promtool, for the alert-rule checks (make check-deploy)
 )
 
 missing=()

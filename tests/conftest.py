@@ -122,3 +122,35 @@ async def database(database_url):
     db = Database(DatabaseSettings(url=database_url))
     yield db
     await db.dispose()
+
+
+# --- proof that the integration tests ran -----------------------------------------------
+# `make test` sets TEMPER_REQUIRE_INTEGRATION=1: a run in which no test against a real
+# Kafka, Postgres, S3 or Redis passed is a failure, never a quiet success.
+INTEGRATION_MARKERS = ("kafka", "postgres", "s3", "redis")
+_integration_passed = dict.fromkeys(INTEGRATION_MARKERS, 0)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        for marker in INTEGRATION_MARKERS:
+            if marker in report.keywords:
+                _integration_passed[marker] += 1
+
+
+def _missing_integration() -> list[str]:
+    return [m for m, n in _integration_passed.items() if n == 0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("TEMPER_REQUIRE_INTEGRATION") == "1" and exitstatus == 0 and _missing_integration():
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    counts = ", ".join(f"{m}={n}" for m, n in _integration_passed.items())
+    terminalreporter.write_line(f"integration tests passed against real servers: {counts}")
+    if os.environ.get("TEMPER_REQUIRE_INTEGRATION") == "1" and _missing_integration():
+        terminalreporter.write_line(
+            f"FAILED: no passing integration test for {', '.join(_missing_integration())}", red=True
+        )

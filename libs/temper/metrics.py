@@ -22,12 +22,12 @@ OUTBOX_PUBLISHED = Counter("temper_outbox_published_total", "Outbox rows publish
 
 # --- episodes (dispatcher) -------------------------------------------------------------
 EPISODE_TRANSITIONS = Counter("temper_episode_transitions_total", "Episode state transitions", ["to_state"])
-EPISODES_ACTIVE = Gauge("temper_episodes_active", "Episodes neither finished nor failed", ["job"])
+EPISODES_ACTIVE = Gauge("temper_episodes_active", "Episodes neither finished nor failed", ["job_id"])
 EPISODE_FAILURES = Counter("temper_episode_failures_total", "Episodes failed", ["reason"])
 STEP_LEASES_EXPIRED = Counter("temper_step_leases_expired_total", "Step leases that expired", ["kind"])
 EPISODES_STUCK = Gauge("temper_episodes_stuck", "Episodes whose current step is past its lease")
 TURN_SECONDS = Histogram("temper_turn_seconds", "Wall time of one turn", ["kind"], buckets=FAST_BUCKETS)
-JOB_ITERATION = Gauge("temper_job_iteration", "Current iteration of a job", ["job"])
+JOB_ITERATION = Gauge("temper_job_iteration", "Current iteration of a job", ["job_id"])
 
 # --- sandbox ---------------------------------------------------------------------------
 SANDBOX_ACTIVE = Gauge("temper_sandbox_active", "Sandboxes in use")
@@ -62,18 +62,18 @@ WEIGHT_SWITCH_SECONDS = Histogram(
 )
 
 # --- trainer ---------------------------------------------------------------------------
-POLICY_VERSION = Gauge("temper_policy_version", "Latest policy version", ["job"])
-TRAINER_STEPS = Counter("temper_trainer_steps_total", "Optimizer steps", ["job"])
-TRAINER_LOSS = Gauge("temper_trainer_loss", "Loss of the last step", ["job"])
-TRAINER_REWARD_MEAN = Gauge("temper_trainer_reward_mean", "Mean reward of the last batch", ["job"])
-TRAINER_REWARD_STD = Gauge("temper_trainer_reward_std", "Reward std of the last batch", ["job"])
-TRAINER_KL = Gauge("temper_trainer_kl", "KL to the reference policy, last step", ["job"])
-TRAINER_CLIP_FRACTION = Gauge("temper_trainer_clip_fraction", "Fraction of clipped ratios, last step", ["job"])
-TRAINER_TOKENS_PER_SECOND = Gauge("temper_trainer_tokens_per_second", "Training throughput", ["job"])
+POLICY_VERSION = Gauge("temper_policy_version", "Latest policy version", ["job_id"])
+TRAINER_STEPS = Counter("temper_trainer_steps_total", "Optimizer steps", ["job_id"])
+TRAINER_LOSS = Gauge("temper_trainer_loss", "Loss of the last step", ["job_id"])
+TRAINER_REWARD_MEAN = Gauge("temper_trainer_reward_mean", "Mean reward of the last batch", ["job_id"])
+TRAINER_REWARD_STD = Gauge("temper_trainer_reward_std", "Reward std of the last batch", ["job_id"])
+TRAINER_KL = Gauge("temper_trainer_kl", "KL to the reference policy, last step", ["job_id"])
+TRAINER_CLIP_FRACTION = Gauge("temper_trainer_clip_fraction", "Fraction of clipped ratios, last step", ["job_id"])
+TRAINER_TOKENS_PER_SECOND = Gauge("temper_trainer_tokens_per_second", "Training throughput", ["job_id"])
 TRAINER_STALENESS = Histogram(
     "temper_trainer_staleness", "Policy versions between behaviour and trained policy", buckets=(0, 1, 2, 3, 4, 8, 16)
 )
-TRAINER_SKIPPED_GROUPS = Counter("temper_trainer_skipped_groups_total", "Groups skipped for zero reward variance", ["job"])
+TRAINER_SKIPPED_GROUPS = Counter("temper_trainer_skipped_groups_total", "Groups skipped for zero reward variance", ["job_id"])
 
 
 def render_latest() -> tuple[bytes, str]:

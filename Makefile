@@ -1,0 +1,70 @@
+# The front door. Each target is a thin call of a script or module that also runs on its own.
+SHELL := /bin/bash
+PY := .venv/bin/python
+export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
+
+.PHONY: help setup system stack-up stack-down stack-status test test-unit run run-stack lint schemas \
+        check-deploy bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
+
+help:
+	@echo "make run          set up and run the example RL job end to end (embedded mode)"
+	@echo "make test         set up, start the real stack, run every test"
+	@echo "make test-unit    tests that need no server"
+	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed)"
+	@echo "make run-stack    the example job on the real stack, services as separate processes"
+	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
+	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
+
+system:
+	bash scripts/setup_system.sh
+
+setup: system
+	bash scripts/setup.sh
+
+stack-up: setup
+	bash scripts/stack/up.sh
+
+stack-down:
+	bash scripts/stack/down.sh
+
+stack-status:
+	bash scripts/stack/status.sh
+
+test: setup stack-up
+	bash scripts/run_tests.sh
+
+test-unit: setup
+	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis" $(ARGS)
+
+run: setup
+	$(PY) -m temper.cli run examples/code-job.yaml
+
+run-stack: setup stack-up
+	bash scripts/run_stack.sh examples/code-job.yaml
+
+lint: setup
+	$(PY) -m ruff check libs services tests bench scripts examples
+	$(PY) -m mypy
+
+schemas: setup
+	$(PY) -m temper.events docs/events
+
+check-deploy: setup system
+	bash scripts/check_deploy.sh
+
+bench: bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
+
+bench-sandbox: setup
+	$(PY) bench/sandbox.py
+
+bench-rewards: setup
+	$(PY) bench/rewards.py
+
+bench-gateway: setup
+	$(PY) bench/gateway.py
+
+bench-dispatch: setup stack-up
+	$(PY) bench/dispatch.py
+
+bench-trainer: setup
+	$(PY) bench/trainer.py

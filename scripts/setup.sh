@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv and install Temper with its dev tools. Idempotent: it reinstalls only
+# when pyproject.toml changed since the last install. pip's own cache (~/.cache/pip)
+# keeps the large wheels (torch and its CUDA libraries from PyPI, ~3 GB unpacked) so a
+# second clone on the same machine installs in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Temper needs Python 3.11, found {sys.version}"'
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.temper-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ] && .venv/bin/python -c 'import temper, services' 2>/dev/null; then
+  exit 0
+fi
+start=$(date +%s)
+.venv/bin/python -m pip install -q --upgrade pip
+# torch from PyPI is the CUDA build; it runs on CPU, and the same wheel uses a GPU when one is there.
+.venv/bin/python -m pip install -q -e '.[dev]'
+rm -f .venv/.temper-installed-*
+touch "$stamp"
+echo "setup: installed in $(( $(date +%s) - start ))s"
