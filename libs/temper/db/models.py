@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -47,6 +48,7 @@ class ApiKey(Base):
     name: Mapped[str] = mapped_column(String(200), default="")
     prefix: Mapped[str] = mapped_column(String(16), doc="first characters of the key, for display")
     key_hash: Mapped[str] = mapped_column(String(128), unique=True, doc="sha256 of the key; the key is never stored")
+    admin: Mapped[bool] = mapped_column(Boolean, default=False, doc="may create tenants and change quotas")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
 
