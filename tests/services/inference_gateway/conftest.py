@@ -1,0 +1,116 @@
+"""Engine servers for the gateway tests: in-process (a uvicorn thread) or real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from services.inference_gateway.engine.app import create_app
+from services.inference_gateway.engine.core import BatchScheduler, Engine
+from temper.policy import create_model, default_tokenizer
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server at {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server at {url} did not become healthy")
+
+
+@dataclass
+class ThreadServer:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+    engine: Engine
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve_app(app, port: int | None = None) -> tuple[str, uvicorn.Server, threading.Thread]:  # noqa: ANN001
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url)
+    return url, server, thread
+
+
+def start_engine_thread(seed: int = 0, *, max_batch: int = 16, window_ms: float = 3.0, store=None) -> ThreadServer:  # noqa: ANN001
+    engine = Engine(create_model(seed=seed), default_tokenizer())
+    app = create_app(BatchScheduler(engine, max_batch=max_batch, window_ms=window_ms), store=store)
+    url, server, thread = serve_app(app)
+    return ThreadServer(url, server, thread, engine)
+
+
+@pytest.fixture
+def engine_server() -> Iterator[ThreadServer]:
+    srv = start_engine_thread()
+    yield srv
+    srv.stop()
+
+
+@dataclass
+class ProcServer:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def start_engine_process(seed: int = 0) -> ProcServer:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "libs")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.inference_gateway.engine", "--preset", "tiny", "--seed", str(seed),
+         "--port", str(port), "--threads", "1"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=90, proc=proc)
+    except Exception:
+        proc.kill()
+        raise
+    return ProcServer(url, proc)
+
+
+@pytest.fixture
+def two_engine_processes() -> Iterator[list[ProcServer]]:
+    servers = [start_engine_process(0), start_engine_process(0)]
+    yield servers
+    for s in servers:
+        s.kill()

@@ -1,0 +1,161 @@
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from services.inference_gateway.engine.app import create_app
+from services.inference_gateway.engine.core import BatchScheduler, Engine, GenRequest, SamplingParams
+from temper.policy import create_model, default_tokenizer, encode_chat, pad_batch, save_checkpoint, token_logprobs
+
+pytestmark = pytest.mark.timeout(60)
+
+TOK = default_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(create_model(seed=0), TOK)
+
+
+def req(text: str, **kw) -> GenRequest:  # noqa: ANN003
+    kw.setdefault("ignore_eos", True)
+    return GenRequest(encode_chat(TOK, [{"role": "user", "content": text}]), SamplingParams(**kw))
+
+
+def test_same_seed_same_tokens_alone_and_inside_a_batch(engine: Engine) -> None:
+    target = req("hello", max_tokens=12, seed=42, temperature=1.0)
+    alone = engine.generate([target])[0]
+    again = engine.generate([target])[0]
+    others = [req("x" * n, max_tokens=n % 7 + 3, seed=n) for n in (1, 9, 30)]
+    batched = engine.generate([others[0], target, *others[1:]])[1]
+    assert alone.token_ids == again.token_ids == batched.token_ids
+    assert len(alone.token_ids) == 12 and alone.finish_reason == "length"
+    assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    other_seed = engine.generate([req("hello", max_tokens=12, seed=43)])[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_sampled_logprobs_equal_a_forward_pass(engine: Engine) -> None:
+    outs = engine.generate([req("abc", max_tokens=10, seed=1), req("a much longer prompt", max_tokens=10, seed=2)])
+    seqs = [o.prompt_ids + o.token_ids for o in outs]
+    ids, mask = pad_batch(seqs, TOK.pad_id)
+    with torch.no_grad():
+        lp = token_logprobs(engine.model, ids, mask)
+    for row, o in enumerate(outs):
+        start = len(o.prompt_ids)
+        recomputed = lp[row, start : start + len(o.token_ids)].tolist()
+        assert recomputed == pytest.approx(o.logprobs, abs=1e-4)
+
+
+def test_greedy_and_tiny_top_p_agree(engine: Engine) -> None:
+    greedy = engine.generate([req("q", max_tokens=8, temperature=0.0)])[0]
+    nucleus = engine.generate([req("q", max_tokens=8, temperature=1.0, top_p=1e-6, seed=5)])[0]
+    assert greedy.token_ids == nucleus.token_ids
+
+
+def test_stop_token_ids_and_eos(engine: Engine) -> None:
+    first = engine.generate([req("s", max_tokens=8, seed=3)])[0]
+    stop_at = first.token_ids[2]
+    out = engine.generate([req("s", max_tokens=8, seed=3, stop_token_ids=[stop_at])])[0]
+    k = first.token_ids.index(stop_at)
+    assert out.token_ids == first.token_ids[: k + 1]  # the stop token is kept, as vLLM does
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
+
+
+def test_stop_strings_cut_the_text(engine: Engine) -> None:
+    first = engine.generate([req("t", max_tokens=32, seed=11)])[0]
+    printable = [i for i, t in enumerate(first.token_ids) if 32 <= t < 127]
+    assert printable, "the random model produced no ASCII token; pick another seed"
+    i = printable[0]
+    stop = chr(first.token_ids[i])
+    out = engine.generate([req("t", max_tokens=32, seed=11, stop=[stop])])[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text
+    assert out.token_ids == first.token_ids[: len(out.token_ids)]
+
+
+def test_max_tokens_zero_returns_nothing(engine: Engine) -> None:
+    out = engine.generate([req("z", max_tokens=0)])[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+
+
+async def test_scheduler_batches_concurrent_requests(engine: Engine) -> None:
+    sched = BatchScheduler(engine, max_batch=8, window_ms=20)
+    await sched.start()
+    try:
+        outs = await asyncio.gather(*(sched.submit(req(f"r{i}", max_tokens=4, seed=i)) for i in range(6)))
+    finally:
+        await sched.stop()
+    assert all(len(o.token_ids) == 4 for o in outs)
+    assert sched.batches < 6
+
+
+@pytest.fixture
+async def client(engine: Engine):  # noqa: ANN201
+    sched = BatchScheduler(engine, max_batch=8, window_ms=2)
+    app = create_app(sched, model_name="tiny")
+    await sched.start()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine") as c:
+        yield c
+    await sched.stop()
+
+
+async def test_http_completions_shape(client: httpx.AsyncClient) -> None:
+    prompt = encode_chat(TOK, [{"role": "user", "content": "hi"}])
+    r = await client.post("/v1/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 5, "seed": 7, "logprobs": 0,
+        "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "text_completion" and data["model"] == "tiny"
+    assert r.headers["X-Temper-Policy-Version"] == "0" and data["policy_version"] == 0
+    ch = data["choices"][0]
+    assert ch["prompt_token_ids"] == prompt and len(ch["token_ids"]) == 5
+    assert ch["logprobs"]["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
+    assert len(ch["logprobs"]["token_logprobs"]) == 5 and ch["logprobs"]["top_logprobs"] is None
+    assert data["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5,
+                             "total_tokens": len(prompt) + 5, "prompt_tokens_details": None}
+    # text prompt, no ids requested: vLLM's default shape
+    r2 = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": 1})
+    assert r2.json()["choices"][0]["token_ids"] is None and r2.json()["choices"][0]["logprobs"] is None
+    assert (await client.get("/v1/models")).json()["data"][0]["id"] == "tiny"
+    assert (await client.get("/health")).status_code == 200
+    assert b"temper_inference_requests_total" in (await client.get("/metrics")).content
+
+
+async def test_http_rejects_bad_prompts(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/v1/completions", json={"prompt": [], "max_tokens": 2})).status_code == 400
+    assert (await client.post("/v1/completions", json={"prompt": [99999], "max_tokens": 2})).status_code == 400
+
+
+async def test_weight_reload_bumps_version_and_loses_nothing(tmp_path) -> None:
+    engine = Engine(create_model(seed=0), TOK)
+    sched = BatchScheduler(engine, max_batch=4, window_ms=1)
+    app = create_app(sched)
+    save_checkpoint(create_model(seed=99), tmp_path / "v1")
+    body = {"prompt": encode_chat(TOK, [{"role": "user", "content": "w"}]), "max_tokens": 6, "seed": 3,
+            "return_token_ids": True, "ignore_eos": True, "temperature": 0}
+    await sched.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e") as c:
+            before = (await c.post("/v1/completions", json=body)).json()
+            inflight = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(8)]
+            await asyncio.sleep(0.01)
+            r = await c.post("/v1/load_weights", json={"path": str(tmp_path / "v1"), "version": 1})
+            assert r.status_code == 200, r.text
+            assert r.json()["policy_version"] == 1 and r.json()["switch_ms"] > 0
+            done = [x.json() for x in await asyncio.gather(*inflight)]
+            after = (await c.post("/v1/completions", json=body)).json()
+            missing = await c.post("/v1/load_weights", json={"path": str(tmp_path / "nope"), "version": 2})
+    finally:
+        await sched.stop()
+    assert len(done) == 8 and all(d["policy_version"] in (0, 1) for d in done)
+    for d in done:  # each finished on one version, with that version's tokens
+        want = before if d["policy_version"] == 0 else after
+        assert d["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    assert before["policy_version"] == 0 and after["policy_version"] == 1
+    assert after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]
+    assert missing.status_code == 404
