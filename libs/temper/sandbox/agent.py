@@ -125,6 +125,7 @@ def child(req, rin, wout, werr):
             os.execvpe(argv[0], argv, env)
         os.environ.clear()
         os.environ.update(env)
+        sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
         sys.argv = ["<code>"]
         sys.path[0:0] = [os.getcwd()]
         code = req["code"]

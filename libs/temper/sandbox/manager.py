@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -65,6 +66,14 @@ class SandboxManager:
             raise SandboxError("no usable cgroups: memory and pids limits cannot be enforced")
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o711)
+        if os.geteuid() == 0 and self.backend.isolated:
+            # bwrap runs as the unprivileged sandbox uid: it must be able to reach the workspace.
+            for parent in [self.root, *self.root.parents]:
+                if not parent.stat().st_mode & 0o001:
+                    raise SandboxError(
+                        f"{parent} is not searchable by other users; the sandbox uid cannot reach "
+                        f"{self.root} (set TEMPER_SANDBOX__WORKSPACE_ROOT to a path under a mode o+x tree)"
+                    )
         self.started = True
         await self.refill()
         self._reaper = asyncio.create_task(self._reap_idle())
@@ -74,9 +83,9 @@ class SandboxManager:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.started = False  # refills stop after the sandbox they are starting
+        while self._tasks:  # background destroys and refills run to the end: none may leak
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
         doomed = [*self.sessions.values(), *self._pool, *self._in_use]
         self.sessions.clear()
         self._pool.clear()

@@ -1,0 +1,309 @@
+"""The sandbox worker's logic, free of HTTP and of the bus: sessions, the one-shot
+"code + tests" run, SandboxFusion's ``/run_code`` and the idempotent handler the Kafka
+consumer calls (``await worker.handle(request) -> result``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections import OrderedDict
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+from temper.events import SandboxRequest, SandboxResult
+from temper.logs import log_context
+from temper.sandbox import Action, ExecResult, KillReason, SandboxError, SandboxLimits, SandboxManager
+from temper.sandbox.config import SandboxSettings
+
+log = logging.getLogger(__name__)
+
+IDEMPOTENCY_CACHE = 4096
+
+
+# --- HTTP-facing schemas ---------------------------------------------------------------
+class CreateSession(BaseModel):
+    limits: SandboxLimits | None = None
+    session_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
+
+
+class SessionCreated(BaseModel):
+    session_id: str
+
+
+class RestoreSession(CreateSession):
+    key: str
+
+
+class SnapshotTaken(BaseModel):
+    key: str
+
+
+class RunTests(BaseModel):
+    """Run ``code`` followed by ``tests`` (e.g. a solution and its check function) as one
+    Python program in a fresh sandbox. Passed means: exit 0, nothing killed or cut."""
+
+    code: str
+    tests: str = ""
+    files: dict[str, str] = Field(default_factory=dict, description="path -> base64 content, written first")
+    stdin: str | None = None
+    limits: SandboxLimits | None = None
+
+
+class RunTestsResult(BaseModel):
+    passed: bool
+    result: ExecResult
+
+
+# SandboxFusion's /run_code shapes, plus Temper's explicit truncation fields.
+class RunCodeRequest(BaseModel):
+    code: str
+    language: str = "python"
+    compile_timeout: float = 10
+    run_timeout: float = 10
+    memory_limit_MB: int = -1
+    stdin: str | None = None
+    files: dict[str, str | None] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+
+
+class CommandRunResult(BaseModel):
+    status: Literal["Finished", "Error", "TimeLimitExceeded"]
+    execution_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    # Temper additions (SandboxFusion clients ignore unknown fields):
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    kill_reason: KillReason | None = None
+
+
+class RunCodeResponse(BaseModel):
+    status: Literal["Success", "Failed", "SandboxError"]
+    message: str = ""
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+LANGUAGES = {"python": "python", "python3": "python", "bash": "bash", "sh": "sh"}
+
+
+class SandboxWorker:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        *,
+        store: Any | None = None,
+        distributed: bool = False,
+        worker_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.manager = SandboxManager(settings, distributed=distributed, store=store)
+        self._slots = asyncio.Semaphore(settings.concurrency)
+        self._running = 0
+        self._recent: OrderedDict[tuple[str, int, int], asyncio.Future[SandboxResult]] = OrderedDict()
+
+    async def start(self) -> None:
+        await self.manager.start()
+
+    async def close(self) -> None:
+        await self.manager.close()
+
+    @property
+    def full(self) -> bool:
+        """True while every action slot is taken: a consumer should pause its partitions."""
+        return self._running >= self.settings.concurrency
+
+    async def _run(self, coro: Any) -> Any:
+        async with self._slots:
+            self._running += 1
+            try:
+                return await coro
+            finally:
+                self._running -= 1
+
+    def health(self) -> dict[str, str]:
+        return self.manager.health()
+
+    # --- sessions ---------------------------------------------------------------------
+    async def create_session(self, body: CreateSession) -> SessionCreated:
+        sid = await self.manager.create_session(body.limits, session_id=body.session_id)
+        return SessionCreated(session_id=sid)
+
+    async def act(self, session_id: str, action: Action) -> ExecResult:
+        return await self._run(self.manager.act(session_id, action))
+
+    async def snapshot(self, session_id: str) -> SnapshotTaken:
+        return SnapshotTaken(key=await self.manager.snapshot(session_id))
+
+    async def restore(self, body: RestoreSession) -> SessionCreated:
+        sid = await self.manager.restore(body.key, body.limits, session_id=body.session_id)
+        return SessionCreated(session_id=sid)
+
+    async def delete(self, session_id: str) -> None:
+        await self.manager.destroy_session(session_id)
+
+    # --- one-shot runs ----------------------------------------------------------------
+    async def _one_shot(
+        self,
+        limits: SandboxLimits | None,
+        files: dict[str, str | None],
+        main: Action,
+        fetch: list[str] = (),  # type: ignore[assignment]
+    ) -> tuple[ExecResult, dict[str, str]]:
+        async def go() -> tuple[ExecResult, dict[str, str]]:
+            async with self.manager.sandbox(limits) as sb:
+                for path, content in files.items():
+                    r = await sb.act(
+                        Action(kind="write_file", path=path, content=content or "", encoding="base64")
+                    )
+                    if r.error:
+                        raise ValueError(f"cannot write {path}: {r.error}")
+                result = await self.manager.execute(sb, main)
+                fetched: dict[str, str] = {}
+                for path in fetch:
+                    r = await sb.act(Action(kind="read_file", path=path, encoding="base64"))
+                    if r.content is not None:
+                        fetched[path] = r.content
+                return result, fetched
+
+        return await self._run(go())
+
+    async def run_tests(self, body: RunTests) -> RunTestsResult:
+        program = body.code if not body.tests else f"{body.code}\n\n{body.tests}\n"
+        action = Action(kind="run_python", code=program, stdin=body.stdin)
+        result, _ = await self._one_shot(body.limits, dict(body.files), action)
+        return RunTestsResult(passed=result.ok, result=result)
+
+    async def run_code(self, body: RunCodeRequest) -> RunCodeResponse:
+        lang = LANGUAGES.get(body.language.lower())
+        if lang is None:
+            return RunCodeResponse(
+                status="SandboxError", message=f"unsupported language {body.language!r}; use python or bash"
+            )
+        base = self.settings.default_limits
+        update: dict[str, Any] = {"wall_s": body.run_timeout, "cpu_s": body.run_timeout}
+        if body.memory_limit_MB > 0:
+            update["memory_mb"] = max(16, body.memory_limit_MB)
+        try:
+            limits = SandboxLimits.model_validate({**base.model_dump(), **update})
+        except ValidationError as e:
+            return RunCodeResponse(status="SandboxError", message=f"bad limits: {e.errors()[0]['msg']}")
+        if lang == "python":
+            action = Action(kind="run_python", code=body.code, stdin=body.stdin)
+        else:
+            action = Action(kind="run_command", command=[f"/bin/{lang}", "-c", body.code], stdin=body.stdin)
+        try:
+            result, fetched = await self._one_shot(limits, body.files, action, body.fetch_files)
+        except (SandboxError, ValueError, OSError) as e:
+            return RunCodeResponse(status="SandboxError", message=str(e), executor_pod_name=self.worker_id)
+        return fusion_response(result, fetched, self.worker_id, limits)
+
+    # --- the bus handler --------------------------------------------------------------
+    async def handle(self, request: SandboxRequest) -> SandboxResult:
+        """Run one step for an episode. Idempotent by (episode, turn, attempt): a
+        redelivered request gets the recorded result, a concurrent duplicate waits for the
+        first. A session this worker does not hold is restored from ``snapshot_key``."""
+        key = (request.episode_id or request.session_id, request.turn or 0, request.attempt)
+        fut = self._recent.get(key)
+        if fut is not None:
+            self._recent.move_to_end(key)
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self._recent[key] = fut
+        while len(self._recent) > IDEMPOTENCY_CACHE:
+            self._recent.popitem(last=False)
+        try:
+            with log_context(job_id=request.job_id, episode_id=request.episode_id, turn=request.turn):
+                result = await self._handle(request)
+        except BaseException as e:
+            self._recent.pop(key, None)  # not recorded: a retry runs it again
+            fut.set_exception(e)
+            fut.exception()  # mark retrieved
+            raise
+        fut.set_result(result)
+        return result
+
+    def _result(self, request: SandboxRequest, **fields: Any) -> SandboxResult:
+        return SandboxResult(
+            job_id=request.job_id,
+            episode_id=request.episode_id,
+            turn=request.turn,
+            attempt=request.attempt,
+            session_id=request.session_id,
+            worker=self.worker_id,
+            **fields,
+        )
+
+    async def _handle(self, request: SandboxRequest) -> SandboxResult:
+        sid = request.session_id
+        if request.action.get("kind") == "destroy":
+            if sid in self.manager.sessions:
+                await self.manager.destroy_session(sid)
+            return self._result(request)
+        try:
+            action = Action.model_validate(request.action)
+            limits = SandboxLimits.model_validate(request.limits) if request.limits else None
+        except ValidationError as e:
+            return self._result(request, error=f"invalid request: {e.errors()[0]['msg']}")
+        if sid not in self.manager.sessions:
+            if request.snapshot_key and self.store is not None:
+                log.info("session %s not held here: restoring %s", sid, request.snapshot_key)
+                await self.manager.restore(request.snapshot_key, limits, session_id=sid)
+            else:
+                await self.manager.create_session(limits, session_id=sid)
+        result = await self._run(self.manager.act(sid, action))
+        snapshot_key = None
+        if request.snapshot_after and self.store is not None:
+            turn = request.turn or 0
+            snapshot_key = f"{self.settings.snapshot_prefix}/{sid}/turn-{turn:06d}-a{request.attempt}.tar.gz"
+            await self.manager.snapshot(sid, snapshot_key)
+        return self._result(request, result=result.model_dump(mode="json"), snapshot_key=snapshot_key)
+
+
+def fusion_response(
+    result: ExecResult, fetched: dict[str, str], worker_id: str, limits: SandboxLimits
+) -> RunCodeResponse:
+    """Map an ExecResult onto SandboxFusion's response. Unlike SandboxFusion, output cut at
+    the limit is never a success: status is Failed, the message says which stream was cut,
+    and ``stdout_truncated``/``stderr_truncated``/``kill_reason`` say it in fields."""
+    if result.kill_reason is KillReason.timeout or result.kill_reason is KillReason.cpu:
+        status = "TimeLimitExceeded"
+    elif result.kill_reason is not None or result.exit_code is None:
+        status = "Error"
+    else:
+        status = "Finished"
+    run = CommandRunResult(
+        status=status,
+        execution_time=result.wall_s,
+        return_code=result.exit_code,
+        stdout=result.stdout,
+        stderr=result.stderr,
+        stdout_truncated=result.stdout_truncated,
+        stderr_truncated=result.stderr_truncated,
+        kill_reason=result.kill_reason,
+    )
+    cut = [
+        name
+        for name, flag in (("stdout", result.stdout_truncated), ("stderr", result.stderr_truncated))
+        if flag
+    ]
+    messages = []
+    if cut:
+        messages.append(f"output truncated: {' and '.join(cut)} cut at {limits.output_bytes} bytes")
+    if result.kill_reason is not None:
+        messages.append(f"killed: {result.kill_reason.value}")
+    ok = status == "Finished" and result.exit_code == 0 and not cut
+    return RunCodeResponse(
+        status="Success" if ok else "Failed",
+        message="; ".join(messages),
+        run_result=run,
+        executor_pod_name=worker_id,
+        files=fetched,
+    )

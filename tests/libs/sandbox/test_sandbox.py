@@ -1,0 +1,176 @@
+"""Sessions, file actions, limits, the pool and snapshots on the real bwrap backend."""
+
+from __future__ import annotations
+
+import pytest
+from temper.sandbox import Action, KillReason, SandboxError, SandboxLimits, SandboxManager, SandboxSettings
+from temper.sandbox.backends import make_backend
+from temper.sandbox.config import BackendKind
+from temper.storage import LocalStore, NotFound
+
+from tests.libs.sandbox.conftest import SMALL, assert_clean_close, make_settings
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(60)]
+
+
+def py(code: str, **kw: object) -> Action:
+    return Action(kind="run_python", code=code, **kw)
+
+
+async def test_session_keeps_files_between_actions(manager: SandboxManager) -> None:
+    sid = await manager.create_session()
+    r = await manager.act(sid, Action(kind="write_file", path="src/a.py", content="X = 41\n"))
+    assert r.error is None
+    r = await manager.act(sid, py("import os; from src.a import X; open('out.txt','w').write(str(X + 1))"))
+    assert r.ok, r.stderr
+    r = await manager.act(sid, Action(kind="run_command", command="cat out.txt; echo; pwd; echo $HOME"))
+    assert r.ok and r.stdout.split() == ["42", "/workspace", "/workspace"]
+    r = await manager.act(sid, Action(kind="read_file", path="out.txt"))
+    assert r.content == "42"
+    r = await manager.act(sid, Action(kind="list_files"))
+    assert {f.path for f in r.files or []} == {"src", "src/a.py", "out.txt"}
+    r = await manager.act(sid, Action(kind="read_file", path="missing.txt"))
+    assert r.error and "FileNotFoundError" in r.error
+    await manager.destroy_session(sid)
+
+
+async def test_exit_codes_stdin_env_and_argv(manager: SandboxManager) -> None:
+    async with manager.sandbox() as sb:
+        r = await sb.act(py("import sys; print(sys.stdin.read().upper()); sys.exit(3)", stdin="hello"))
+        assert r.exit_code == 3 and r.stdout == "HELLO\n" and r.kill_reason is None and not r.ok
+        r = await sb.act(py("raise ValueError('boom')"))
+        assert r.exit_code == 1 and "ValueError: boom" in r.stderr and "raise ValueError" in r.stderr
+        r = await sb.act(Action(kind="run_command", command=["printenv", "GREETING"], env={"GREETING": "hi"}))
+        assert r.ok and r.stdout == "hi\n"
+        r = await sb.act(Action(kind="run_command", command="exit 7"))
+        assert r.exit_code == 7
+        r = await sb.act(Action(kind="run_command", command=["no-such-binary"]))
+        assert r.exit_code == 127
+        r = await sb.act(py("import threading, time\nt = threading.Thread(target=lambda: (time.sleep(0.2), print('joined')))\nt.start()"))
+        assert r.ok and r.stdout == "joined\n", "non-daemon threads are joined as in a normal exit"
+        assert r.wall_s > 0 and r.peak_memory_mb > 0
+
+
+@pytest.mark.parametrize(
+    ("code", "limits", "reason"),
+    [
+        ("import time; time.sleep(30)", {"wall_s": 0.5}, KillReason.timeout),
+        ("while True: pass", {"cpu_s": 0.5, "wall_s": 5}, KillReason.cpu),
+        ("a = []\nwhile True: a.append(bytearray(1 << 20))", {"memory_mb": 64}, KillReason.memory),
+        ("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", {"pids": 16, "wall_s": 1}, KillReason.pids),
+        ("import os\nwhile True: os.write(1, b'y' * 65536)", {}, KillReason.output),
+        ("open('big', 'wb').write(b'z' * (8 << 20))", {"file_size_mb": 2}, KillReason.disk),
+        ("import os; os.kill(os.getpid(), 15)", {}, KillReason.signal),
+    ],
+)
+async def test_kill_reasons(manager: SandboxManager, code: str, limits: dict, reason: KillReason) -> None:
+    lim = SMALL.model_copy(update=limits)
+    async with manager.sandbox(lim) as sb:
+        r = await sb.act(py(code))
+        assert r.kill_reason is reason, r
+        assert not r.ok
+        again = await sb.act(py("print('still here')"))
+        assert again.ok and again.stdout == "still here\n"
+
+
+async def test_truncated_output_is_flagged(manager: SandboxManager) -> None:
+    async with manager.sandbox() as sb:
+        r = await sb.act(py("import sys; sys.stderr.write('b' * 10); sys.stderr.flush(); sys.stdout.write('a' * 200000)"))
+        assert r.stdout_truncated and not r.stderr_truncated
+        assert len(r.stdout) == SMALL.output_bytes and r.stderr == "b" * 10
+        assert r.kill_reason is KillReason.output and not r.ok  # past the limit is a kill, not a success
+
+
+async def test_pool_hits_and_misses(sandbox_root) -> None:
+    from temper import metrics
+
+    m = SandboxManager(make_settings(sandbox_root, pool_size=2))
+    await m.start()
+    try:
+        hits = metrics.SANDBOX_POOL_HITS._value.get()
+        misses = metrics.SANDBOX_POOL_MISSES._value.get()
+        sb = await m.acquire()
+        assert metrics.SANDBOX_POOL_HITS._value.get() == hits + 1
+        r = await sb.act(py("print(1)"))
+        assert r.ok
+        await m.release(sb, wait=True)
+        await m.refill()
+        assert len(m._pool) == 2
+        net = await m.acquire(SMALL.model_copy(update={"network": True}))  # pooled ones have no network
+        assert metrics.SANDBOX_POOL_MISSES._value.get() == misses + 1
+        await m.release(net, wait=True)
+        bigger = await m.acquire(SMALL.model_copy(update={"memory_mb": 200, "workspace_mb": 16}))
+        r = await bigger.act(Action(kind="run_command", command="df -m /workspace | tail -1"))
+        assert r.stdout.split()[1] == "16"
+        await m.release(bigger, wait=True)
+    finally:
+        await assert_clean_close(m)
+
+
+async def test_idle_sessions_expire(sandbox_root) -> None:
+    m = SandboxManager(make_settings(sandbox_root, pool_size=0, idle_expiry_s=0.3))
+    await m.start()
+    try:
+        sid = await m.create_session()
+        assert sid in m.sessions
+        for _ in range(40):
+            if sid not in m.sessions:
+                break
+            import asyncio
+
+            await asyncio.sleep(0.05)
+        assert sid not in m.sessions
+    finally:
+        await assert_clean_close(m)
+
+
+async def test_snapshot_restores_into_a_new_session(sandbox_root, tmp_path) -> None:
+    store = LocalStore(tmp_path / "objects")
+    first = SandboxManager(make_settings(sandbox_root / "a"), store=store)
+    await first.start()
+    sid = await first.create_session()
+    await first.act(sid, Action(kind="write_file", path="notes/plan.md", content="step 1\n"))
+    await first.act(sid, Action(kind="run_command", command="echo built > notes/out && ln -s /etc/passwd link"))
+    key = await first.snapshot(sid)
+    await assert_clean_close(first)  # the worker "dies"
+
+    second = SandboxManager(make_settings(sandbox_root / "b"), store=store)
+    await second.start()
+    try:
+        new = await second.restore(key, session_id="episode-1")
+        r = await second.act(new, Action(kind="run_command", command="cat notes/plan.md notes/out; echo more >> notes/out"))
+        assert r.ok and r.stdout == "step 1\nbuilt\n", r
+        r = await second.act(new, Action(kind="run_command", command="readlink link; id -u; stat -c %u notes/out"))
+        assert r.stdout.split() == ["/etc/passwd", "65534", "65534"]
+        with pytest.raises(NotFound):
+            await second.restore("sandbox-snapshots/nope.tar.gz")
+    finally:
+        await assert_clean_close(second)
+
+
+async def test_process_backend_is_refused_in_distributed_mode(sandbox_root) -> None:
+    settings = SandboxSettings(backend=BackendKind.process, workspace_root=sandbox_root)
+    with pytest.raises(ValueError, match="refused in distributed mode"):
+        make_backend(settings, distributed=True)
+    make_backend(settings.model_copy(update={"allow_unsafe": True}), distributed=True)
+
+
+async def test_process_backend_runs_without_isolation(sandbox_root, caplog) -> None:
+    m = SandboxManager(make_settings(sandbox_root, backend=BackendKind.process, pool_size=0))
+    await m.start()
+    try:
+        assert "NO ISOLATION" in caplog.text
+        async with m.sandbox() as sb:
+            r = await sb.act(py("import os; print(os.getcwd() != '/workspace')"))
+            assert r.ok and r.stdout == "True\n"
+            r = await sb.act(py("import time; time.sleep(10)", timeout_s=0.3))
+            assert r.kill_reason is KillReason.timeout
+    finally:
+        await assert_clean_close(m)
+
+
+async def test_network_cannot_change_on_a_pooled_sandbox(manager: SandboxManager) -> None:
+    sb = await manager.acquire()
+    with pytest.raises(SandboxError):
+        await sb.apply_limits(SandboxLimits(network=True))
+    await manager.release(sb, wait=True)
