@@ -162,10 +162,13 @@ class InferenceService:
 
     async def reload(self, *, version: int, key: str | None = None, path: str | Path | None = None) -> dict[str, float]:
         async with self._update_lock:
+            todo = [s for s in self.router.slots.values() if s.backend.version < version]
+            if not todo:
+                self.policy_version = max(self.policy_version, version)
+                return {}
             local: Path | None = Path(path) if path else None
             if local is None and key is not None and self.store is not None:
                 local = await fetch_checkpoint(self.store, key, self.settings.checkpoint_cache_dir, version)
-            todo = [s for s in self.router.slots.values() if s.backend.version < version]
             results = await asyncio.gather(
                 *(s.backend.load_weights(version=version, path=local, key=key) for s in todo),
                 return_exceptions=True,

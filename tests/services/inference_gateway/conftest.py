@@ -80,6 +80,15 @@ def engine_server() -> Iterator[ThreadServer]:
     srv.stop()
 
 
+@pytest.fixture
+def engines() -> Iterator[list[ThreadServer]]:
+    """Two in-process engines with the same weights (seed 0)."""
+    servers = [start_engine_thread(0), start_engine_thread(0)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
 @dataclass
 class ProcServer:
     url: str
