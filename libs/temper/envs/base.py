@@ -1,0 +1,306 @@
+"""The environment interface: what turns a task into a conversation with the policy.
+
+An environment is stateless: everything it needs between turns is in the episode's
+steps (the parsed action of each turn, the sandbox result), so a restarted dispatcher
+rebuilds it from the task and the job spec alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar, Literal
+
+from temper.jobspec import ActionFormat  # code_block | tool_call
+from temper.policy.tokenizer import ByteTokenizer, encode_chat, encode_message, generation_prompt
+
+
+class EnvKind(StrEnum):
+    code = "code"  # edit files and run commands and tests over several turns, then submit
+    math = "math"  # give a final answer, optionally after running Python
+
+
+@dataclass(frozen=True)
+class TaskView:
+    """The fields of a task an environment reads (a ``temper.db.Task`` row or a dict)."""
+
+    id: str
+    kind: str
+    prompt: str
+    spec: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, task: Any) -> TaskView:
+        if isinstance(task, TaskView):
+            return task
+        get = task.get if isinstance(task, Mapping) else lambda k, d=None: getattr(task, k, d)
+        return cls(
+            id=str(get("id", "")),
+            kind=str(get("kind", "code")),
+            prompt=str(get("prompt", "")),
+            spec=dict(get("spec", None) or {}),
+            meta=dict(get("meta", None) or {}),
+        )
+
+
+ActionKind = Literal["sandbox", "submit", "invalid"]
+
+
+@dataclass
+class ParsedAction:
+    """What the model's output asks for.
+
+    ``sandbox``: run ``command`` (a ``temper.sandbox.Action`` as a dict) in the episode's
+    session, then (if ``submit_after``) score. ``submit``: score now (``answer`` for math).
+    ``invalid``: nothing runs; ``error`` goes back to the model as the observation and the
+    episode's format flag turns false.
+    """
+
+    kind: ActionKind
+    command: dict[str, Any] | None = None
+    answer: str | None = None
+    submit_after: bool = False
+    format_ok: bool = True
+    error: str | None = None
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ParsedAction:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    @classmethod
+    def invalid(cls, error: str) -> ParsedAction:
+        return cls(kind="invalid", format_ok=False, error=error)
+
+
+# ```lang [path]\n body ``` — an info string, then the body up to the closing fence.
+_FENCE = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.S)
+_TOOL = re.compile(r"<tool>(.*?)</tool>", re.S)
+_UNCLOSED_TOOL = re.compile(r"<tool>(?!.*</tool>)", re.S)
+_SUBMIT_LINE = re.compile(r"^\s*(?:`{0,3})\s*(?:<submit\s*/?>|submit|SUBMIT|Submit)\s*(?:`{0,3})\s*\.?\s*$", re.M)
+
+PYTHON_LANGS = frozenset({"python", "py", "python3"})
+SHELL_LANGS = frozenset({"bash", "sh", "shell", "console", "zsh"})
+SAFE_PATH = re.compile(r"^(?!/)(?!.*\.\.)[A-Za-z0-9_./-]{1,200}$")
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    path: str | None
+    body: str
+
+
+def fenced_blocks(text: str) -> list[Block]:
+    """Fenced code blocks in order; ``python src/x.py`` or ``file src/x.py`` names a path."""
+    blocks = []
+    for info, body in _FENCE.findall(text):
+        words = info.strip().split()
+        lang = words[0].lower() if words else ""
+        path = None
+        if len(words) > 1:
+            path = words[1].removeprefix("path=").strip("\"'")
+        elif lang.startswith(("file:", "path=")):
+            lang, path = "file", lang.split(":", 1)[-1].split("=", 1)[-1]
+        blocks.append(Block(lang, path, body))
+    return blocks
+
+
+def has_unclosed_fence(text: str) -> bool:
+    return text.count("```") % 2 == 1
+
+
+def wants_submit(text: str) -> bool:
+    """``submit`` (or ``<submit/>``) on a line of its own, outside code blocks."""
+    return bool(_SUBMIT_LINE.search(_FENCE.sub("", text)))
+
+
+def truncate_middle(text: str, limit: int) -> str:
+    """Keep the head and the tail (errors are often at the end); say how much was cut."""
+    if len(text) <= limit:
+        return text
+    head = int(limit * 0.6)
+    tail = limit - head
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[... {cut} characters cut ...]\n{text[-tail:]}"
+
+
+class Environment(ABC):
+    """An enum member names each implementation; :func:`temper.envs.make_environment` picks it."""
+
+    kind: ClassVar[EnvKind]
+    observation_role: ClassVar[str] = "tool"
+
+    def __init__(
+        self,
+        task: Any,
+        *,
+        max_turns: int = 4,
+        action_format: ActionFormat | str = ActionFormat.code_block,
+        limits: Mapping[str, Any] | None = None,
+        max_observation_chars: int = 4000,
+    ) -> None:
+        self.task = TaskView.of(task)
+        self.max_turns = max(1, max_turns)
+        self.action_format = ActionFormat(action_format)
+        self.limits = {**dict(self.task.spec.get("limits") or {}), **dict(limits or {})}
+        self.max_observation_chars = max_observation_chars
+
+    # --- the first prompt ---------------------------------------------------------------------
+    @abstractmethod
+    def system_prompt(self) -> str: ...
+
+    def user_prompt(self) -> str:
+        return self.task.prompt
+
+    def first_messages(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": self.user_prompt()}]
+
+    def first_prompt_ids(self, tok: ByteTokenizer) -> list[int]:
+        return encode_chat(tok, self.first_messages())
+
+    def setup_files(self) -> dict[str, str]:
+        """Files the sandbox session starts with (the task's visible files; never its tests)."""
+        files = self.task.spec.get("files") or {}
+        return {str(k): str(v) for k, v in files.items()} if isinstance(files, Mapping) else {}
+
+    # --- one turn -----------------------------------------------------------------------------
+    @abstractmethod
+    def parse(self, text: str, *, turn: int) -> ParsedAction:
+        """The model's output to an action; never raises (malformed output is ``invalid``)."""
+
+    def observe(self, action: ParsedAction, result: Mapping[str, Any] | None) -> str:
+        """The observation text for a sandbox result (or for an invalid action)."""
+        if action.kind == "invalid":
+            return f"Error: {action.error}\n{self.format_help()}"
+        text = render_result(action.command or {}, result or {}, self.max_observation_chars)
+        if action.note:
+            text = f"{text}\nNote: {action.note}"
+        return text
+
+    def observation_ids(self, tok: ByteTokenizer, model_ids: Sequence[int], text: str) -> list[int]:
+        """The ids that extend the conversation after the model's sampled ``model_ids``:
+        ``<|end|>`` if the model's turn did not close itself, the observation message, and
+        the opening of the next assistant turn. Sampled ids are never changed."""
+        ids: list[int] = []
+        if not model_ids or model_ids[-1] != tok.end_id:
+            ids.append(tok.end_id)
+        ids += encode_message(tok, {"role": self.observation_role, "content": text})
+        ids += generation_prompt(tok)
+        return ids
+
+    def is_last_turn(self, turn: int) -> bool:
+        return turn + 1 >= self.max_turns
+
+    @abstractmethod
+    def submission(
+        self, action: ParsedAction | None, *, final_text: str, snapshot_key: str | None, session_id: str
+    ) -> dict[str, Any]:
+        """What the reward scorer judges."""
+
+    @abstractmethod
+    def format_help(self) -> str:
+        """One or two lines reminding the model of the action format."""
+
+    # --- shared parsing -----------------------------------------------------------------------
+    def parse_tool_call(self, text: str, tools: Mapping[str, str]) -> ParsedAction | None:
+        """``<tool>{"name": ..., "arguments": {...}}</tool>``: None if there is none."""
+        calls = _TOOL.findall(text)
+        if not calls:
+            if _UNCLOSED_TOOL.search(text):
+                return ParsedAction.invalid("a <tool> tag was opened but never closed with </tool>")
+            return None
+        try:
+            call = json.loads(calls[0])
+        except json.JSONDecodeError as exc:
+            return ParsedAction.invalid(f"the tool call is not valid JSON ({exc.msg} at char {exc.pos})")
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return ParsedAction.invalid('a tool call must be a JSON object with a "name"')
+        args = call.get("arguments") or {}
+        if not isinstance(args, dict):
+            return ParsedAction.invalid('"arguments" must be a JSON object')
+        name = call["name"]
+        if name not in tools:
+            return ParsedAction.invalid(f"unknown tool {name!r}; available: {', '.join(sorted(tools))}")
+        note = "only the first tool call ran; make one call per turn" if len(calls) > 1 else None
+        action = self.tool_action(name, args)
+        if action.kind != "invalid" and note:
+            action.note = note
+        return action
+
+    def tool_action(self, name: str, args: Mapping[str, Any]) -> ParsedAction:
+        if name == "python":
+            code = args.get("code")
+            if not isinstance(code, str) or not code.strip():
+                return ParsedAction.invalid('python needs {"code": "..."}')
+            return ParsedAction("sandbox", command={"kind": "run_python", "code": code})
+        if name == "bash":
+            cmd = args.get("command")
+            if not isinstance(cmd, str) or not cmd.strip():
+                return ParsedAction.invalid('bash needs {"command": "..."}')
+            return ParsedAction("sandbox", command={"kind": "run_command", "command": cmd})
+        if name == "write_file":
+            path, content = args.get("path"), args.get("content")
+            if not isinstance(path, str) or not SAFE_PATH.match(path):
+                return ParsedAction.invalid("write_file needs a relative \"path\" inside the workspace")
+            if not isinstance(content, str):
+                return ParsedAction.invalid('write_file needs a string "content"')
+            return ParsedAction("sandbox", command={"kind": "write_file", "path": path, "content": content})
+        if name == "submit":
+            answer = args.get("answer")
+            return ParsedAction("submit", answer=None if answer is None else str(answer))
+        return ParsedAction.invalid(f"unknown tool {name!r}")
+
+
+def render_result(command: Mapping[str, Any], result: Mapping[str, Any], limit: int) -> str:
+    """A sandbox ``ExecResult`` (as a dict) as text the model reads."""
+    kind = command.get("kind")
+    parts: list[str] = []
+    error = result.get("error")
+    if kind == "write_file":
+        if error:
+            return f"Could not write {command.get('path')}: {error}"
+        return f"Wrote {command.get('path')} ({len((command.get('content') or '').encode())} bytes)."
+    if kind == "read_file":
+        return f"Error: {error}" if error else truncate_middle(result.get("content") or "", limit)
+    if kind == "list_files":
+        files = result.get("files") or []
+        return "\n".join(f["path"] + ("/" if f.get("is_dir") else "") for f in files) or "(empty)"
+    kill = result.get("kill_reason")
+    exit_code = result.get("exit_code")
+    status = f"exit code {exit_code}" if exit_code is not None else "no exit code"
+    if kill:
+        status = f"killed ({_KILL_TEXT.get(kill, kill)})"
+    elif result.get("signal"):
+        status = f"died of signal {result['signal']}"
+    parts.append(f"[{status}; {float(result.get('wall_s') or 0):.2f}s]")
+    budget = max(200, limit - 100)
+    for stream in ("stdout", "stderr"):
+        out = result.get(stream) or ""
+        if out:
+            cut = " (truncated by the sandbox)" if result.get(f"{stream}_truncated") else ""
+            parts.append(f"{stream}{cut}:\n{truncate_middle(out.rstrip(), budget // 2)}")
+    if error:
+        parts.append(f"error: {error}")
+    if len(parts) == 1:
+        parts.append("(no output)")
+    return "\n".join(parts)
+
+
+_KILL_TEXT = {
+    "timeout": "wall-clock time limit",
+    "cpu": "CPU time limit",
+    "memory": "out of memory",
+    "pids": "too many processes",
+    "output": "too much output",
+    "disk": "disk or file size limit",
+    "signal": "killed by a signal",
+}

@@ -1,0 +1,107 @@
+"""The ``code`` environment: the agent edits files and runs commands and tests in its
+sandbox session over several turns, then submits the workspace for scoring."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from temper.envs.base import (
+    PYTHON_LANGS,
+    SAFE_PATH,
+    SHELL_LANGS,
+    ActionFormat,
+    Environment,
+    EnvKind,
+    ParsedAction,
+    fenced_blocks,
+    has_unclosed_fence,
+    truncate_middle,
+    wants_submit,
+)
+
+CODE_TOOLS = {
+    "python": '{"code": "..."} runs Python',
+    "bash": '{"command": "..."} runs a shell command',
+    "write_file": '{"path": "...", "content": "..."} writes a file',
+    "submit": "{} submits the workspace",
+}
+
+
+class CodeEnvironment(Environment):
+    kind = EnvKind.code
+    max_file_chars = 2000
+    max_listing_chars = 6000
+
+    def system_prompt(self) -> str:
+        turns = f"You have {self.max_turns} turn{'s' if self.max_turns != 1 else ''}."
+        if self.action_format is ActionFormat.tool_call:
+            tools = "\n".join(f"- {name}: {desc}" for name, desc in CODE_TOOLS.items())
+            how = f'Act with one tool call per turn: <tool>{{"name": ..., "arguments": {{...}}}}</tool>\n{tools}'
+        else:
+            how = (
+                "Act with one fenced block per turn:\n"
+                "- ```bash runs a shell command; ```python runs Python;\n"
+                "- ```python path/to/file.py (any language, then a path) writes that file;\n"
+                "- a line with only `submit` submits the workspace (after the block, if there is one)."
+            )
+        return (
+            "You are a software engineer working in a sandboxed workspace (the current directory). "
+            f"Change the files so the task is solved, test your work, then submit. {turns}\n{how}"
+        )
+
+    def user_prompt(self) -> str:
+        files = self.setup_files()
+        if not files:
+            return self.task.prompt
+        shown, budget = [], self.max_listing_chars
+        for path, content in sorted(files.items()):
+            body = truncate_middle(content, min(self.max_file_chars, max(200, budget)))
+            budget -= len(body)
+            shown.append(f"--- {path}\n{body}")
+        return f"{self.task.prompt}\n\nFiles in the workspace:\n" + "\n".join(shown)
+
+    def format_help(self) -> str:
+        if self.action_format is ActionFormat.tool_call:
+            return 'Reply with one <tool>{"name": "bash"|"python"|"write_file"|"submit", "arguments": {...}}</tool>.'
+        return "Reply with one ```bash or ```python block, a ```python path/file.py block to write a file, or `submit`."
+
+    def parse(self, text: str, *, turn: int) -> ParsedAction:
+        submit = wants_submit(text)
+        if self.action_format is ActionFormat.tool_call:
+            action = self.parse_tool_call(text, CODE_TOOLS)
+            if action is None:
+                return ParsedAction("submit") if submit else ParsedAction.invalid("no tool call found")
+            return action
+        if has_unclosed_fence(text):
+            return ParsedAction.invalid("a ``` block was opened but never closed")
+        blocks = fenced_blocks(text)
+        actionable = []
+        for b in blocks:
+            if b.path is not None:
+                if not SAFE_PATH.match(b.path):
+                    return ParsedAction.invalid(f"cannot write {b.path!r}: use a relative path inside the workspace")
+                actionable.append({"kind": "write_file", "path": b.path, "content": b.body})
+            elif b.lang in PYTHON_LANGS:
+                actionable.append({"kind": "run_python", "code": b.body})
+            elif b.lang in SHELL_LANGS:
+                actionable.append({"kind": "run_command", "command": b.body})
+        if not actionable:
+            if submit:
+                return ParsedAction("submit")
+            if blocks:
+                return ParsedAction.invalid(
+                    "a code block needs a language to run (```bash, ```python) or a path to write (```python x.py)"
+                )
+            return ParsedAction.invalid("no action found")
+        note = "only the first block ran; send one block per turn" if len(actionable) > 1 else None
+        return ParsedAction("sandbox", command=actionable[0], submit_after=submit, note=note)
+
+    def submission(
+        self, action: ParsedAction | None, *, final_text: str, snapshot_key: str | None, session_id: str
+    ) -> dict[str, Any]:
+        return {
+            "kind": "code",
+            "session_id": session_id,
+            "snapshot_key": snapshot_key,
+            "final_text": final_text,
+        }

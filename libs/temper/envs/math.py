@@ -1,0 +1,85 @@
+"""The ``math`` environment: the model answers (``\\boxed{...}``, ``#### 42`` or
+``Answer: 42``), optionally after running Python in its sandbox."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from temper.envs.base import (
+    PYTHON_LANGS,
+    ActionFormat,
+    Environment,
+    EnvKind,
+    ParsedAction,
+    fenced_blocks,
+    has_unclosed_fence,
+)
+
+MATH_TOOLS = {"python": '{"code": "..."} runs Python and shows its output', "submit": '{"answer": "..."}'}
+_HASHES = re.compile(r"^\s*####\s*(.+?)\s*$", re.M)
+_ANSWER = re.compile(r"(?:^|\n)\s*\**(?:final\s+)?answer\**\s*[:=]\s*\**(.+?)\**\s*$", re.I | re.M)
+
+
+def boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (nested braces allowed), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """``\\boxed{}`` first, then a ``#### x`` line, then ``Answer: x``; the last one wins."""
+    found = boxed(text)
+    if found:
+        return found
+    for pattern in (_HASHES, _ANSWER):
+        matches = pattern.findall(text)
+        if matches and matches[-1].strip():
+            return matches[-1].strip().rstrip(".").strip("$ ")
+    return None
+
+
+class MathEnvironment(Environment):
+    kind = EnvKind.math
+
+    def system_prompt(self) -> str:
+        if self.action_format is ActionFormat.tool_call:
+            tool = 'To compute, call <tool>{"name": "python", "arguments": {"code": "..."}}</tool>; its output comes back.'
+        else:
+            tool = "To compute, write a ```python block; its output comes back to you."
+        return f"Solve the problem. {tool} Give the final answer as \\boxed{{...}}."
+
+    def format_help(self) -> str:
+        return "Give the final answer as \\boxed{...}, or run Python in a ```python block."
+
+    def parse(self, text: str, *, turn: int) -> ParsedAction:
+        answer = extract_answer(text)
+        if answer is not None:
+            return ParsedAction("submit", answer=answer)
+        if self.action_format is ActionFormat.tool_call:
+            action = self.parse_tool_call(text, MATH_TOOLS)
+            if action is not None:
+                return action
+        else:
+            if has_unclosed_fence(text):
+                return ParsedAction.invalid("a ``` block was opened but never closed")
+            for block in fenced_blocks(text):
+                if block.lang in PYTHON_LANGS and block.path is None:
+                    return ParsedAction("sandbox", command={"kind": "run_python", "code": block.body})
+        return ParsedAction.invalid("no final answer found")
+
+    def submission(
+        self, action: ParsedAction | None, *, final_text: str, snapshot_key: str | None, session_id: str
+    ) -> dict[str, Any]:
+        return {"kind": "math", "answer": action.answer if action else None, "final_text": final_text}

@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import pytest
+from temper.envs import (
+    ActionFormat,
+    CodeEnvironment,
+    MathEnvironment,
+    ParsedAction,
+    UnknownEnvironment,
+    extract_answer,
+    make_environment,
+    render_result,
+)
+from temper.policy.tokenizer import default_tokenizer
+
+TASK = {"id": "t1", "kind": "code", "prompt": "Fix add().", "spec": {"files": {"add.py": "def add(a, b):\n    return a - b\n"}}}
+FENCE = "```"
+
+
+def code(**kw) -> CodeEnvironment:
+    return make_environment("code", TASK, **kw)  # type: ignore[return-value]
+
+
+def test_unknown_kind_names_the_choices():
+    with pytest.raises(UnknownEnvironment, match="code, math"):
+        make_environment("chess", TASK)
+
+
+def test_first_prompt_shows_the_files_and_is_chat_encoded():
+    env = code(max_turns=3)
+    tok = default_tokenizer()
+    ids = env.first_prompt_ids(tok)
+    text = tok.decode(ids, skip_special=False)
+    assert "Fix add()." in text and "--- add.py" in text and "3 turns" in text
+    assert ids[0] == tok.bos_id and ids[-1] == tok.role_ids["assistant"]
+
+
+@pytest.mark.parametrize(
+    ("text", "command"),
+    [
+        (f"look\n{FENCE}bash\ncat add.py\n{FENCE}", {"kind": "run_command", "command": "cat add.py\n"}),
+        (f"{FENCE}python\nprint(1)\n{FENCE}", {"kind": "run_python", "code": "print(1)\n"}),
+        (f"{FENCE}python add.py\nx = 1\n{FENCE}", {"kind": "write_file", "path": "add.py", "content": "x = 1\n"}),
+        (f"{FENCE}file:src/a.txt\nhi\n{FENCE}", {"kind": "write_file", "path": "src/a.txt", "content": "hi\n"}),
+    ],
+)
+def test_code_blocks_become_sandbox_actions(text, command):
+    action = code().parse(text, turn=0)
+    assert action.kind == "sandbox" and action.command == command and action.format_ok
+
+
+def test_block_then_submit_runs_then_submits():
+    action = code().parse(f"{FENCE}python add.py\nx=1\n{FENCE}\nsubmit", turn=0)
+    assert action.kind == "sandbox" and action.submit_after
+
+
+def test_submit_alone_and_the_word_in_prose():
+    assert code().parse("All tests pass.\n`submit`", turn=1).kind == "submit"
+    assert code().parse("I will submit once the tests pass.", turn=1).kind == "invalid"
+
+
+def test_extra_blocks_are_noted_not_run():
+    action = code().parse(f"{FENCE}bash\nls\n{FENCE}\n{FENCE}bash\npwd\n{FENCE}", turn=0)
+    assert action.command == {"kind": "run_command", "command": "ls\n"} and "first block" in (action.note or "")
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("no idea", "no action found"),
+        (f"{FENCE}bash\nls", "never closed"),
+        (f"{FENCE}\nls\n{FENCE}", "needs a language"),
+        (f"{FENCE}python ../etc/passwd\nx\n{FENCE}", "relative path"),
+        (f"{FENCE}python /abs.py\nx\n{FENCE}", "relative path"),
+    ],
+)
+def test_malformed_output_is_an_invalid_action_not_an_exception(text, error):
+    env = code()
+    action = env.parse(text, turn=0)
+    assert action.kind == "invalid" and not action.format_ok and error in (action.error or "")
+    obs = env.observe(action, None)
+    assert obs.startswith("Error: ") and "```bash" in obs
+
+
+def test_tool_calls():
+    env = code(action_format=ActionFormat.tool_call)
+    ok = env.parse('<tool>{"name": "bash", "arguments": {"command": "pytest -q"}}</tool>', turn=0)
+    assert ok.command == {"kind": "run_command", "command": "pytest -q"}
+    w = env.parse('<tool>{"name": "write_file", "arguments": {"path": "a.py", "content": "x"}}</tool>', turn=0)
+    assert w.command == {"kind": "write_file", "path": "a.py", "content": "x"}
+    assert env.parse('<tool>{"name": "submit"}</tool>', turn=0).kind == "submit"
+    for bad, why in [
+        ("<tool>{nope}</tool>", "not valid JSON"),
+        ('<tool>{"name": "rm"}</tool>', "unknown tool"),
+        ('<tool>{"name": "bash", "arguments": {}}</tool>', "needs"),
+        ('<tool>{"name": "bash"', "never closed"),
+        ("just text", "no tool call"),
+    ]:
+        action = env.parse(bad, turn=0)
+        assert action.kind == "invalid" and why in (action.error or ""), bad
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("so the result is \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("work...\n#### 1,234", "1,234"),
+        ("Final answer: 7.", "7"),
+        ("**Answer:** $x = 3$", "x = 3"),
+        ("no answer here", None),
+        ("\\boxed{unclosed", None),
+    ],
+)
+def test_math_answer_extraction(text, answer):
+    assert extract_answer(text) == answer
+
+
+def test_math_tool_use_and_submission():
+    env: MathEnvironment = make_environment("math", {"id": "m", "kind": "math", "prompt": "2+2?"})  # type: ignore[assignment]
+    run = env.parse(f"{FENCE}python\nprint(2+2)\n{FENCE}", turn=0)
+    assert run.kind == "sandbox" and run.command == {"kind": "run_python", "code": "print(2+2)\n"}
+    done = env.parse("\\boxed{4}", turn=1)
+    assert done.kind == "submit"
+    assert env.submission(done, final_text="\\boxed{4}", snapshot_key=None, session_id="e")["answer"] == "4"
+    assert env.parse("I think it's four", turn=0).kind == "invalid"
+
+
+def test_observation_text_reports_exit_kill_and_cuts_floods():
+    cmd = {"kind": "run_command", "command": "yes"}
+    flood = render_result(cmd, {"exit_code": None, "kill_reason": "output", "stdout": "y\n" * 50_000, "stdout_truncated": True, "wall_s": 0.5}, 1000)
+    assert "killed (too much output)" in flood and "characters cut" in flood and len(flood) < 1500
+    ok = render_result(cmd, {"exit_code": 1, "stderr": "Traceback\nAssertionError", "wall_s": 0.01}, 1000)
+    assert "exit code 1" in ok and "AssertionError" in ok
+    assert "(no output)" in render_result(cmd, {"exit_code": 0}, 1000)
+    assert render_result({"kind": "write_file", "path": "a", "content": "xy"}, {}, 100) == "Wrote a (2 bytes)."
+
+
+def test_observation_ids_extend_token_wise_and_keep_sampled_ids():
+    env = code()
+    tok = default_tokenizer()
+    prompt = env.first_prompt_ids(tok)
+    sampled = tok.encode("```bash\nls\n```")  # stopped without <|end|>
+    obs = env.observation_ids(tok, sampled, "add.py")
+    full = prompt + sampled + obs
+    assert full[: len(prompt) + len(sampled)] == prompt + sampled
+    assert obs[0] == tok.end_id and obs[1] == tok.role_ids["tool"] and obs[-1] == tok.role_ids["assistant"]
+    closed = env.observation_ids(tok, [*sampled, tok.end_id], "x")
+    assert closed[0] == tok.role_ids["tool"]
+
+
+def test_parsed_action_round_trips():
+    a = ParsedAction("sandbox", command={"kind": "run_python", "code": "1"}, submit_after=True)
+    assert ParsedAction.from_dict(a.to_dict()) == a
