@@ -117,6 +117,11 @@ class SandboxRequest(Message):
     limits: dict[str, Any] | None = None
     snapshot_key: str | None = Field(None, description="where to restore the session from if this worker lacks it")
     snapshot_after: bool = True
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="the task's starting files: written into the workspace when the session is created "
+        "fresh (not when it is restored from snapshot_key)",
+    )
 
 
 class SandboxResult(Message):

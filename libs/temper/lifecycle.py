@@ -47,7 +47,8 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     J.cancelled: frozenset({J.pending, J.running, J.paused}),
 }
 EPISODE_TRANSITIONS: dict[EpisodeState, frozenset[EpisodeState]] = {
-    E.awaiting_action: frozenset({E.pending, E.acting}),
+    # from awaiting_action itself: a malformed action is answered with an observation, no sandbox step
+    E.awaiting_action: frozenset({E.pending, E.acting, E.awaiting_action}),
     E.acting: frozenset({E.awaiting_action}),
     E.scoring: frozenset({E.awaiting_action, E.acting}),
     E.scored: frozenset({E.scoring}),
