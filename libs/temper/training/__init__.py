@@ -1,0 +1,38 @@
+"""GRPO training: the loss, batching of variable-length trajectories, and the
+:class:`Learner` that holds a policy and its optimizer.
+
+- loss: :func:`group_advantages`, :func:`grpo_token_loss` (``temper.training.grpo``)
+- batching: :class:`Sample`, :func:`samples_from_groups`, :func:`collate` (``temper.training.batch``)
+- learner: :class:`Learner`, :class:`LearnerConfig`, :func:`pick_device` (``temper.training.learner``)
+
+Names are imported lazily, so ``temper.training.config`` (read by ``temper.settings``)
+does not pull in torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_NAMES = {
+    "group_advantages": "grpo",
+    "grpo_token_loss": "grpo",
+    "is_zero_variance": "grpo",
+    "Sample": "batch",
+    "Batch": "batch",
+    "collate": "batch",
+    "samples_from_groups": "batch",
+    "micro_batches": "batch",
+    "Learner": "learner",
+    "LearnerConfig": "learner",
+    "StepStats": "learner",
+    "pick_device": "learner",
+    "TrainerSettings": "config",
+}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"temper.training.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'temper.training' has no attribute {name!r}")

@@ -1,0 +1,109 @@
+"""From trajectories to padded tensors.
+
+A :class:`Sample` is one trajectory flattened: every token id, a mask that is True on
+the model's own tokens, the behaviour logprob of each token and the sample's
+advantage. :func:`micro_batches` packs samples of similar length under a padded-token
+budget; :func:`collate` right-pads one micro-batch into tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from temper.training.grpo import group_advantages, is_zero_variance
+from temper.trajectory import Trajectory
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    mask: list[bool]
+    behaviour_logprobs: list[float]
+    advantage: float
+    reward: float
+    behaviour_version: int = 0
+    episode_id: str = ""
+    group_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not (len(self.ids) == len(self.mask) == len(self.behaviour_logprobs)):
+            raise ValueError("ids, mask and behaviour_logprobs must have the same length")
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] long, right-padded
+    attention_mask: torch.Tensor  # [B, T] long
+    completion_mask: torch.Tensor  # [B, T] bool: the model's own tokens
+    behaviour_logprobs: torch.Tensor  # [B, T] float32, 0 where masked
+    advantages: torch.Tensor  # [B] float32
+
+    @property
+    def tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def samples_from_groups(
+    groups: Sequence[Sequence[Trajectory]], *, eps: float = 1e-4, skip_zero_variance: bool = True
+) -> tuple[list[Sample], int]:
+    """One :class:`Sample` per trajectory with its group-normalised advantage; returns
+    the samples and how many groups were dropped for zero reward variance."""
+    samples: list[Sample] = []
+    skipped = 0
+    for group in groups:
+        rewards = [t.reward for t in group]
+        if skip_zero_variance and is_zero_variance(rewards):
+            skipped += 1
+            continue
+        for traj, adv in zip(group, group_advantages(rewards, eps), strict=True):
+            ids, mask, logprobs = traj.flat()
+            samples.append(
+                Sample(ids, mask, logprobs, adv, traj.reward, traj.behaviour_version, traj.episode_id, traj.group_id)
+            )
+    return samples, skipped
+
+
+def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[Sample]]:
+    """Split into micro-batches of similar length whose padded size (rows x longest row)
+    stays within ``token_budget`` (a sample longer than the budget goes alone)."""
+    ordered = sorted(samples, key=lambda s: len(s.ids), reverse=True)
+    out: list[list[Sample]] = []
+    current: list[Sample] = []
+    width = 0
+    for s in ordered:
+        w = max(width, len(s.ids))
+        if current and w * (len(current) + 1) > token_budget:
+            out.append(current)
+            current, w = [], len(s.ids)
+        current.append(s)
+        width = w
+    if current:
+        out.append(current)
+    return out
+
+
+def collate(samples: Sequence[Sample], pad_id: int, device: torch.device | str = "cpu") -> Batch:
+    """Right-pad samples into tensors on ``device``."""
+    width = max(len(s.ids) for s in samples)
+    n = len(samples)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    comp = torch.zeros((n, width), dtype=torch.bool)
+    old = torch.zeros((n, width), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        k = len(s.ids)
+        ids[i, :k] = torch.tensor(s.ids, dtype=torch.long)
+        attn[i, :k] = 1
+        comp[i, :k] = torch.tensor(s.mask, dtype=torch.bool)
+        old[i, :k] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+    # The first token has no context, so it can never be scored (token_logprobs gives 0 there).
+    comp[:, 0] = False
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return Batch(ids.to(device), attn.to(device), comp.to(device), old.to(device), adv.to(device))

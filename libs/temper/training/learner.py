@@ -1,0 +1,386 @@
+"""The :class:`Learner`: a policy model, its AdamW optimizer and the GRPO step.
+
+``step(groups)`` takes groups of trajectories (same task, several samples), computes
+group-normalised advantages, and makes one optimizer step over all of them:
+micro-batches of similar length are forwarded and backpropagated in turn and their
+gradients accumulate, normalised by the model-token count of the whole step, so the
+result does not depend on how the batch was split. Gradients are clipped by global
+norm before AdamW.
+
+The same code runs on CPU and GPU: on CUDA the forward runs under bf16 autocast
+while weights, gradients and optimizer state stay float32.
+
+Checkpoints are two safetensors files: the weights (``<key>``, the format
+``temper.policy.load_weights`` and the inference gateway read) and the optimizer
+state (``<key minus .safetensors>.optimizer.safetensors``) with step and version in
+its metadata. No pickle is involved.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from temper.jobspec import AlgorithmSpec
+from temper.policy import load_weights, save_weights, token_logprobs
+from temper.storage import ObjectStore
+from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
+from temper.training.config import Device, TrainerSettings
+from temper.training.grpo import grpo_token_loss
+from temper.trajectory import Trajectory
+
+OPTIMIZER_FORMAT = "temper-adamw-v1"
+
+
+def pick_device(device: Device | str = Device.auto) -> torch.device:
+    """``auto``: the first CUDA device when one is visible, else the CPU."""
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("TEMPER_TRAINER__DEVICE=cuda but no CUDA device is visible")
+    return torch.device(name)
+
+
+def optimizer_key(weights_key: str) -> str:
+    """Where the optimizer state of the checkpoint at ``weights_key`` lives."""
+    base = weights_key[: -len(".safetensors")] if weights_key.endswith(".safetensors") else weights_key
+    return base + ".optimizer.safetensors"
+
+
+@dataclass
+class LearnerConfig:
+    learning_rate: float = 1e-4
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adv_eps: float = 1e-4
+    skip_zero_variance: bool = True
+    micro_batch_tokens: int = 8192
+    bf16: bool = True
+
+    @classmethod
+    def from_spec(cls, algorithm: AlgorithmSpec, settings: TrainerSettings | None = None) -> LearnerConfig:
+        """The job's algorithm settings plus the trainer process's own knobs."""
+        s = settings or TrainerSettings()
+        return cls(
+            learning_rate=algorithm.learning_rate,
+            clip_eps=algorithm.clip_eps,
+            kl_coef=algorithm.kl_coef,
+            max_grad_norm=algorithm.max_grad_norm,
+            skip_zero_variance=algorithm.skip_zero_variance,
+            weight_decay=s.weight_decay,
+            adv_eps=s.adv_eps,
+            micro_batch_tokens=s.micro_batch_tokens,
+            bf16=s.bf16,
+        )
+
+
+@dataclass
+class StepStats:
+    """What one call of :meth:`Learner.step` did. ``updated`` is False when nothing was
+    left to learn from (every group skipped), and then the weights did not change."""
+
+    step: int
+    version: int
+    updated: bool
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    ratio_mean: float = 1.0
+    abs_log_ratio: float = 0.0  # mean |log pi_theta - log pi_behaviour| over model tokens
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    grad_norm: float = 0.0
+    groups: int = 0
+    skipped_groups: int = 0
+    samples: int = 0
+    tokens: int = 0  # every real (non-pad) token forwarded and backpropagated
+    model_tokens: int = 0  # the tokens the loss is averaged over
+    micro_batches: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    staleness: list[int] = field(default_factory=list)
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
+
+    def as_dict(self, *, with_staleness: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_staleness:
+            d.pop("staleness")
+        return d
+
+
+@dataclass
+class Accumulated:
+    """Sums over the model tokens of a step's micro-batches."""
+
+    pg: float = 0.0
+    kl: float = 0.0
+    clipped: float = 0.0
+    ratio: float = 0.0
+    abs_log_ratio: float = 0.0
+    tokens: int = 0
+    micro_batches: int = 0
+
+
+class Learner:
+    """Holds the policy, an optional frozen reference policy (for the KL term) and AdamW.
+
+    ``step`` counts optimizer steps; ``version`` is the policy version the weights
+    correspond to (bumped by whoever publishes a checkpoint, see :meth:`save_checkpoint`).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: LearnerConfig | None = None,
+        *,
+        device: torch.device | str | None = None,
+        reference: torch.nn.Module | None = None,
+        pad_id: int | None = None,
+        step: int = 0,
+        version: int = 0,
+    ) -> None:
+        self.config = config or LearnerConfig()
+        self.device = torch.device(device) if device is not None else pick_device()
+        self.model = model.to(self.device).float()
+        self.model.train()
+        if self.config.kl_coef > 0 and reference is None:
+            reference = copy.deepcopy(model)  # the policy as it is now: normally the initial weights
+        self.reference = reference.to(self.device).eval() if reference is not None else None
+        if self.reference is not None:
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+        cfg = getattr(model, "config", None)
+        self.pad_id = pad_id if pad_id is not None else int(getattr(cfg, "pad_token_id", None) or 0)
+        self.max_len = int(getattr(cfg, "max_position_embeddings", 0) or 0) or None
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.config.learning_rate,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
+        self.step_count = step
+        self.version = version
+
+    @property
+    def autocast_enabled(self) -> bool:
+        return self.device.type == "cuda" and self.config.bf16
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast_enabled)
+
+    # --- training ----------------------------------------------------------------------
+
+    def step(self, groups: Sequence[Sequence[Trajectory]]) -> StepStats:
+        """One optimizer step on ``groups`` (each: the trajectories of one task)."""
+        samples, skipped = samples_from_groups(
+            groups, eps=self.config.adv_eps, skip_zero_variance=self.config.skip_zero_variance
+        )
+        return self.step_samples(samples, groups=len(groups), skipped_groups=skipped)
+
+    def step_samples(self, samples: Sequence[Sample], *, groups: int = 0, skipped_groups: int = 0) -> StepStats:
+        """One optimizer step on samples whose advantages are already set."""
+        started = time.perf_counter()
+        samples = [self._truncate(s) for s in samples]
+        stats = StepStats(step=self.step_count, version=self.version, updated=False, groups=groups,
+                          skipped_groups=skipped_groups, samples=len(samples))
+        if samples:
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+            stats.reward_mean = float(rewards.mean())
+            stats.reward_std = float(rewards.std(unbiased=False))
+            stats.staleness = [self.version - s.behaviour_version for s in samples]
+            stats.staleness_mean = sum(stats.staleness) / len(stats.staleness)
+            stats.staleness_max = max(stats.staleness)
+        # token 0 of a sample has no context and is never scored (see collate)
+        normalizer = sum(sum(s.mask[1:]) for s in samples)
+        if normalizer == 0:
+            stats.seconds = time.perf_counter() - started
+            return stats
+
+        self.optimizer.zero_grad(set_to_none=True)
+        acc = self.backward(samples, normalizer)
+        pg, kl, clipped, ratio, alr = acc.pg, acc.kl, acc.clipped, acc.ratio, acc.abs_log_ratio
+        tokens, batches = acc.tokens, acc.micro_batches
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.step_count += 1
+            stats.updated = True
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        stats.step = self.step_count
+        stats.pg_loss = pg / normalizer
+        stats.kl = kl / normalizer
+        stats.loss = stats.pg_loss + self.config.kl_coef * stats.kl
+        stats.clip_fraction = clipped / normalizer
+        stats.ratio_mean = ratio / normalizer
+        stats.abs_log_ratio = alr / normalizer
+        stats.grad_norm = grad_norm
+        stats.tokens = tokens
+        stats.model_tokens = normalizer
+        stats.micro_batches = batches
+        stats.seconds = seconds
+        stats.tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+        return stats
+
+    def backward(self, samples: Sequence[Sample], normalizer: int | None = None) -> Accumulated:
+        """Forward and backward every micro-batch of ``samples``, adding the gradient of
+        the step's loss to ``.grad`` (the optimizer is not touched). ``normalizer`` is the
+        model-token count of the whole step (default: that of ``samples``)."""
+        if normalizer is None:
+            normalizer = sum(sum(s.mask[1:]) for s in samples)
+        self.model.train()
+        acc = Accumulated()
+        batches = micro_batches(samples, self.config.micro_batch_tokens)
+        for mb in batches:
+            b = collate(mb, self.pad_id, self.device)
+            with self._autocast():
+                logprobs = token_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask)
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref = token_logprobs(self.reference, b.input_ids, b.attention_mask, b.completion_mask)
+            parts = grpo_token_loss(
+                logprobs.float(), b.behaviour_logprobs, b.advantages, b.completion_mask,
+                clip_eps=self.config.clip_eps, normalizer=float(max(normalizer, 1)),
+                ref_logprobs=None if ref is None else ref.float(), kl_coef=self.config.kl_coef,
+            )
+            parts.loss.backward()
+            acc.pg += parts.pg_sum
+            acc.kl += parts.kl_sum
+            acc.clipped += parts.clipped
+            acc.ratio += parts.ratio_sum
+            acc.abs_log_ratio += parts.abs_log_ratio_sum
+            acc.tokens += b.tokens
+        acc.micro_batches = len(batches)
+        return acc
+
+    def _truncate(self, s: Sample) -> Sample:
+        if self.max_len is None or len(s.ids) <= self.max_len:
+            return s
+        k = self.max_len
+        return Sample(s.ids[:k], s.mask[:k], s.behaviour_logprobs[:k], s.advantage, s.reward,
+                      s.behaviour_version, s.episode_id, s.group_id)
+
+    @torch.no_grad()
+    def logprobs(self, trajectory: Trajectory) -> list[float]:
+        """The current policy's logprob of every token of ``trajectory`` (0 where masked)."""
+        ids, mask, _ = trajectory.flat()
+        t = torch.tensor([ids], device=self.device)
+        m = torch.tensor([mask], device=self.device)
+        self.model.eval()
+        out = token_logprobs(self.model, t, torch.ones_like(t), m)[0].float().cpu().tolist()
+        self.model.train()
+        return out
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def weights_bytes(self, metadata: dict[str, Any] | None = None) -> bytes:
+        """The weights as one safetensors file (tied embeddings stored once)."""
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "model.safetensors"
+            save_weights(self.model, path, metadata=metadata)
+            return path.read_bytes()
+
+    def optimizer_bytes(self, *, version: int | None = None) -> bytes:
+        """AdamW state as safetensors: ``state.<param>.<name>`` tensors; param groups,
+        step and version in the metadata."""
+        sd = self.optimizer.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        for idx, state in sd["state"].items():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"state.{idx}.{name}"] = value.detach().to("cpu").contiguous()
+                else:
+                    scalars[f"{idx}.{name}"] = value
+        meta = {
+            "format": OPTIMIZER_FORMAT,
+            "param_groups": json.dumps(sd["param_groups"]),
+            "scalars": json.dumps(scalars),
+            "step": str(self.step_count),
+            "version": str(self.version if version is None else version),
+        }
+        return st_save(tensors, metadata=meta)
+
+    def load_weights_bytes(self, data: bytes) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "model.safetensors"
+            path.write_bytes(data)
+            load_weights(self.model, path)
+        self.model.to(self.device)
+
+    def load_optimizer_bytes(self, data: bytes) -> dict[str, str]:
+        """Restore AdamW state; returns the file's metadata (step, version)."""
+        from safetensors import safe_open
+
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "optimizer.safetensors"
+            path.write_bytes(data)
+            with safe_open(str(path), framework="pt") as f:
+                meta = dict(f.metadata() or {})
+        if meta.get("format") != OPTIMIZER_FORMAT:
+            raise ValueError(f"not a Temper optimizer checkpoint (format={meta.get('format')!r})")
+        tensors = st_load(data)
+        state: dict[int, dict[str, Any]] = {}
+        for name, value in tensors.items():
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = value
+        for name, value in json.loads(meta["scalars"]).items():
+            idx, key = name.split(".", 1)
+            state.setdefault(int(idx), {})[key] = value
+        groups = json.loads(meta["param_groups"])
+        for g in groups:
+            if isinstance(g.get("betas"), list):
+                g["betas"] = tuple(g["betas"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        return meta
+
+    async def save_checkpoint(self, store: ObjectStore, key: str, *, version: int | None = None) -> list[str]:
+        """Write weights to ``key`` and optimizer state beside it; returns both keys.
+        ``version`` (default: the current one) is recorded in both files."""
+        import asyncio
+
+        v = self.version if version is None else version
+        meta = {"step": self.step_count, "version": v, "format": "temper-policy-v1"}
+        weights, optim = await asyncio.to_thread(lambda: (self.weights_bytes(meta), self.optimizer_bytes(version=v)))
+        okey = optimizer_key(key)
+        # optimizer first: the weights file is what readers look for, so it lands last
+        await store.put(okey, optim)
+        await store.put(key, weights)
+        return [key, okey]
+
+    async def load_checkpoint(self, store: ObjectStore, key: str) -> None:
+        """Restore weights, optimizer state, step and version from a checkpoint written by
+        :meth:`save_checkpoint`."""
+        import asyncio
+
+        weights = await store.get(key)
+        optim = await store.get(optimizer_key(key))
+
+        def restore() -> dict[str, str]:
+            self.load_weights_bytes(weights)
+            return self.load_optimizer_bytes(optim)
+
+        meta = await asyncio.to_thread(restore)
+        self.step_count = int(meta["step"])
+        self.version = int(meta["version"])
