@@ -95,6 +95,7 @@ class BwrapBackend(Backend):
             "--size", str(16 << 20), "--tmpfs", "/tmp",
             "--bind", str(workspace), SANDBOX_WORKSPACE,
             "--chdir", SANDBOX_WORKSPACE,
+            "--remount-ro", "/",
         ]  # fmt: skip
         return args
 

@@ -395,9 +395,12 @@ class Sandbox:
             return host_reason
         if agent_reason:
             return KillReason(agent_reason)
+        # A shell reports a child killed by a signal as exit status 128 + signal.
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and result.cpu_s >= self.limits.cpu_s):
             return KillReason.cpu
-        if sig == signal.SIGXFSZ:
+        if result.exit_code == 128 + signal.SIGXCPU:
+            return KillReason.cpu
+        if sig == signal.SIGXFSZ or result.exit_code == 128 + signal.SIGXFSZ:
             return KillReason.disk
         if self.workspace.full() and (not was_full or sig is not None or result.exit_code != 0):
             # Filled during this action, or failed against a full workspace.

@@ -38,9 +38,22 @@ def pack(workspace: Path) -> bytes:
     return buf.getvalue()
 
 
+def _member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """tarfile's ``data`` filter, except that a symlink may point anywhere: its target is
+    resolved inside the sandbox, never followed here. The link itself must land inside
+    the workspace, and ``data`` refuses any later member whose real path leaves it."""
+    if member.issym():
+        dest = os.path.realpath(dest)
+        parent = os.path.realpath(os.path.join(dest, os.path.dirname(member.name)))
+        if member.name.startswith("/") or not (parent == dest or parent.startswith(dest + os.sep)):
+            raise tarfile.OutsideDestinationError(member, os.path.join(dest, member.name))
+        return member.replace(uid=None, gid=None, uname=None, gname=None, deep=False)
+    return tarfile.data_filter(member, dest)
+
+
 def unpack(data: bytes, workspace: Path, *, max_bytes: int, owner: tuple[int, int] | None) -> None:
     """Unpack a snapshot into an empty workspace. Members are checked by tarfile's
-    ``data`` filter (no absolute paths, no links out, no devices, no setuid bits) and
+    ``data`` filter (no absolute paths, no writes through links, no devices, no setuid bits) and
     their total size is bounded by the workspace size."""
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
@@ -48,7 +61,7 @@ def unpack(data: bytes, workspace: Path, *, max_bytes: int, owner: tuple[int, in
             total = sum(m.size for m in members if m.isfile())
             if total > max_bytes:
                 raise SnapshotError(f"snapshot holds {total} bytes, more than the workspace's {max_bytes}")
-            tar.extractall(workspace, members=members, filter="data")
+            tar.extractall(workspace, members=members, filter=_member_filter)
     except (tarfile.TarError, EOFError, OSError) as e:
         if isinstance(e, tarfile.FilterError):
             raise SnapshotError(f"unsafe snapshot member: {e}") from e

@@ -13,7 +13,14 @@ import pytest
 from temper.sandbox import BackendKind, SandboxLimits, SandboxManager, SandboxSettings
 
 SMALL = SandboxLimits(
-    wall_s=3, cpu_s=2, memory_mb=96, pids=48, output_bytes=64 << 10, file_size_mb=4, open_files=64, workspace_mb=8
+    wall_s=3,
+    cpu_s=2,
+    memory_mb=96,
+    pids=48,
+    output_bytes=64 << 10,
+    file_size_mb=4,
+    open_files=64,
+    workspace_mb=8,
 )
 
 

@@ -46,7 +46,11 @@ async def test_exit_codes_stdin_env_and_argv(manager: SandboxManager) -> None:
         assert r.exit_code == 7
         r = await sb.act(Action(kind="run_command", command=["no-such-binary"]))
         assert r.exit_code == 127
-        r = await sb.act(py("import threading, time\nt = threading.Thread(target=lambda: (time.sleep(0.2), print('joined')))\nt.start()"))
+        r = await sb.act(
+            py(
+                "import threading, time\nt = threading.Thread(target=lambda: (time.sleep(0.2), print('joined')))\nt.start()"
+            )
+        )
         assert r.ok and r.stdout == "joined\n", "non-daemon threads are joined as in a normal exit"
         assert r.wall_s > 0 and r.peak_memory_mb > 0
 
@@ -57,7 +61,11 @@ async def test_exit_codes_stdin_env_and_argv(manager: SandboxManager) -> None:
         ("import time; time.sleep(30)", {"wall_s": 0.5}, KillReason.timeout),
         ("while True: pass", {"cpu_s": 0.5, "wall_s": 5}, KillReason.cpu),
         ("a = []\nwhile True: a.append(bytearray(1 << 20))", {"memory_mb": 64}, KillReason.memory),
-        ("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", {"pids": 16, "wall_s": 1}, KillReason.pids),
+        (
+            "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
+            {"pids": 16, "wall_s": 1},
+            KillReason.pids,
+        ),
         ("import os\nwhile True: os.write(1, b'y' * 65536)", {}, KillReason.output),
         ("open('big', 'wb').write(b'z' * (8 << 20))", {"file_size_mb": 2}, KillReason.disk),
         ("import os; os.kill(os.getpid(), 15)", {}, KillReason.signal),
@@ -75,7 +83,9 @@ async def test_kill_reasons(manager: SandboxManager, code: str, limits: dict, re
 
 async def test_truncated_output_is_flagged(manager: SandboxManager) -> None:
     async with manager.sandbox() as sb:
-        r = await sb.act(py("import sys; sys.stderr.write('b' * 10); sys.stderr.flush(); sys.stdout.write('a' * 200000)"))
+        r = await sb.act(
+            py("import sys; sys.stderr.write('b' * 10); sys.stderr.flush(); sys.stdout.write('a' * 200000)")
+        )
         assert r.stdout_truncated and not r.stderr_truncated
         assert len(r.stdout) == SMALL.output_bytes and r.stderr == "b" * 10
         assert r.kill_reason is KillReason.output and not r.ok  # past the limit is a kill, not a success
@@ -130,7 +140,9 @@ async def test_snapshot_restores_into_a_new_session(sandbox_root, tmp_path) -> N
     await first.start()
     sid = await first.create_session()
     await first.act(sid, Action(kind="write_file", path="notes/plan.md", content="step 1\n"))
-    await first.act(sid, Action(kind="run_command", command="echo built > notes/out && ln -s /etc/passwd link"))
+    await first.act(
+        sid, Action(kind="run_command", command="echo built > notes/out && ln -s /etc/passwd link")
+    )
     key = await first.snapshot(sid)
     await assert_clean_close(first)  # the worker "dies"
 
@@ -138,9 +150,13 @@ async def test_snapshot_restores_into_a_new_session(sandbox_root, tmp_path) -> N
     await second.start()
     try:
         new = await second.restore(key, session_id="episode-1")
-        r = await second.act(new, Action(kind="run_command", command="cat notes/plan.md notes/out; echo more >> notes/out"))
+        r = await second.act(
+            new, Action(kind="run_command", command="cat notes/plan.md notes/out; echo more >> notes/out")
+        )
         assert r.ok and r.stdout == "step 1\nbuilt\n", r
-        r = await second.act(new, Action(kind="run_command", command="readlink link; id -u; stat -c %u notes/out"))
+        r = await second.act(
+            new, Action(kind="run_command", command="readlink link; id -u; stat -c %u notes/out")
+        )
         assert r.stdout.split() == ["/etc/passwd", "65534", "65534"]
         with pytest.raises(NotFound):
             await second.restore("sandbox-snapshots/nope.tar.gz")
@@ -174,3 +190,35 @@ async def test_network_cannot_change_on_a_pooled_sandbox(manager: SandboxManager
     with pytest.raises(SandboxError):
         await sb.apply_limits(SandboxLimits(network=True))
     await manager.release(sb, wait=True)
+
+
+def test_snapshot_refuses_members_that_escape(tmp_path) -> None:
+    import io
+    import tarfile
+
+    from temper.sandbox import SnapshotError
+    from temper.sandbox.snapshot import unpack
+
+    for build in ("abs", "dotdot", "through-link"):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            if build == "through-link":
+                link = tarfile.TarInfo("etc")
+                link.type, link.linkname = tarfile.SYMTYPE, str(tmp_path / "outside")
+                tar.addfile(link)
+                name = "etc/passwd"
+            else:
+                name = "/abs/file" if build == "abs" else "../escape"
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"bad"))
+        ws = tmp_path / f"ws-{build}"
+        ws.mkdir()
+        (tmp_path / "outside").mkdir(exist_ok=True)
+        if build == "abs":
+            unpack(buf.getvalue(), ws, max_bytes=1 << 20, owner=None)  # made relative by the filter
+            assert (ws / "abs" / "file").read_bytes() == b"bad"
+            continue
+        with pytest.raises(SnapshotError):
+            unpack(buf.getvalue(), ws, max_bytes=1 << 20, owner=None)
+        assert not (tmp_path / "escape").exists() and not (tmp_path / "outside" / "passwd").exists()

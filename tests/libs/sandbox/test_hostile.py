@@ -1,0 +1,264 @@
+"""The hostile suite: attacks run through the real bwrap backend. Each must end contained,
+with the right kill reason, and the sandbox (and so the worker) must keep serving. The
+``manager`` fixture checks on close that no process, mount or cgroup is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+
+import pytest
+from temper.sandbox import Action, ExecResult, KillReason, SandboxManager
+
+from tests.libs.sandbox.conftest import SMALL, cgroup_members
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(60)]
+
+
+def py(code: str, **kw: object) -> Action:
+    return Action(kind="run_python", code=code, **kw)
+
+
+def sh(cmd: str, **kw: object) -> Action:
+    return Action(kind="run_command", command=cmd, **kw)
+
+
+async def attack(manager: SandboxManager, action: Action, **limits: object) -> ExecResult:
+    """Run ``action`` in a session, then prove the session still serves."""
+    sid = await manager.create_session(SMALL.model_copy(update=limits))
+    result = await manager.act(sid, action)
+    after = await manager.act(sid, py("print('alive')"))
+    assert after.ok and after.stdout == "alive\n", f"sandbox stopped serving: {after}"
+    sb = manager.sessions[sid]
+    assert set(sb.cgroup.procs()) == sb.keep, "action processes outlived the action"
+    await manager.destroy_session(sid)
+    return result
+
+
+async def test_fork_bomb(manager: SandboxManager) -> None:
+    r = await attack(
+        manager, Action(kind="run_command", command=["bash", "-c", ":(){ :|:& };:"]), pids=32, wall_s=1.5
+    )
+    assert r.kill_reason is KillReason.pids
+    r = await attack(
+        manager, py("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"), pids=32, wall_s=1
+    )
+    assert r.kill_reason is KillReason.pids
+
+
+async def test_memory_bomb(manager: SandboxManager) -> None:
+    r = await attack(manager, py("x = bytearray(1 << 30)"), memory_mb=64)
+    assert r.kill_reason is KillReason.memory
+    r = await attack(manager, py("a = []\nwhile True: a.append(b'x' * (4 << 20))"), memory_mb=96)
+    assert r.kill_reason is KillReason.memory and r.peak_memory_mb >= 90
+
+
+async def test_infinite_loop(manager: SandboxManager) -> None:
+    r = await attack(manager, py("while True: pass"), cpu_s=30, wall_s=1)
+    assert r.kill_reason is KillReason.timeout and 0.9 < r.wall_s < 2.5
+    r = await attack(manager, sh("while :; do :; done"), cpu_s=0.5, wall_s=10)
+    assert r.kill_reason is KillReason.cpu
+
+
+async def test_cpu_spin_in_threads_and_processes(manager: SandboxManager) -> None:
+    threads = "import threading\ndef spin():\n    while True: pass\nfor _ in range(4): threading.Thread(target=spin).start()"
+    r = await attack(manager, py(threads), cpu_s=1, wall_s=10)
+    assert r.kill_reason is KillReason.cpu and r.wall_s < 3
+    procs = "import os\nfor _ in range(4):\n    if os.fork() == 0:\n        while True: pass\nos.wait()"
+    r = await attack(manager, py(procs), cpu_s=1, wall_s=10)
+    assert r.kill_reason is KillReason.cpu and r.wall_s < 3
+
+
+async def test_sleep_forever(manager: SandboxManager) -> None:
+    r = await attack(manager, sh("sleep infinity"), wall_s=0.5)
+    assert r.kill_reason is KillReason.timeout and r.wall_s < 2
+
+
+async def test_output_flood(manager: SandboxManager) -> None:
+    # Gigabytes if nothing stopped it; the cap (64 KiB per stream) ends it in milliseconds.
+    r = await attack(manager, sh("yes 'flood flood flood' | head -c 4000000000"))
+    assert r.kill_reason is KillReason.output and r.stdout_truncated
+    assert len(r.stdout) == SMALL.output_bytes and r.wall_s < 1
+    r = await attack(manager, py("import os\nwhile True: os.write(2, b'e' * 1000000)"))
+    assert r.kill_reason is KillReason.output and r.stderr_truncated and not r.stdout_truncated
+
+
+async def test_disk_fill(manager: SandboxManager) -> None:
+    fill = "i = 0\nwhile True:\n    try:\n        open(f'f{i}', 'wb').write(b'x' * 100000)\n    except OSError:\n        pass\n    i += 1"
+    r = await attack(manager, py(fill), workspace_mb=4, wall_s=5)
+    assert r.kill_reason is KillReason.disk and r.wall_s < 3
+    r = await attack(manager, sh("cat /dev/zero > blob"), workspace_mb=4, file_size_mb=64, wall_s=5)
+    assert r.kill_reason is KillReason.disk
+    # /tmp is a separate small tmpfs counted against the sandbox's memory; filling it ends too.
+    r = await attack(manager, sh("cat /dev/zero > /tmp/blob; echo done"), wall_s=5, file_size_mb=64)
+    assert r.exit_code == 0 and "No space left" in r.stderr
+
+
+async def test_huge_file(manager: SandboxManager) -> None:
+    r = await attack(manager, py("f = open('sparse', 'wb'); f.truncate(1 << 40)"), file_size_mb=4)
+    assert r.kill_reason is KillReason.disk
+    r = await attack(manager, sh("dd if=/dev/zero of=big bs=1M count=100"), file_size_mb=2, workspace_mb=32)
+    assert r.kill_reason is KillReason.disk
+
+
+async def test_network_connect_to_a_host_port(manager: SandboxManager) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    accepted: list[object] = []
+
+    def accept() -> None:
+        try:
+            accepted.append(listener.accept())
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    code = (
+        "import socket\n"
+        f"for host in ('127.0.0.1', '10.0.2.2', '8.8.8.8'):\n"
+        "    try:\n"
+        f"        socket.create_connection((host, {port}), timeout=0.5); print('CONNECTED', host)\n"
+        "    except OSError as e:\n"
+        "        print('blocked', host, type(e).__name__)\n"
+        "try:\n    socket.getaddrinfo('pypi.org', 443); print('RESOLVED')\nexcept OSError:\n    print('no dns')"
+    )
+    r = await attack(manager, py(code))
+    t.join()
+    listener.close()
+    assert "CONNECTED" not in r.stdout and "RESOLVED" not in r.stdout, r.stdout
+    assert r.stdout.count("blocked") == 3 and accepted == []
+
+
+async def test_reading_host_files_and_worker_environment(sandbox_root, monkeypatch) -> None:
+    from tests.libs.sandbox.conftest import assert_clean_close, make_settings
+
+    monkeypatch.setenv("TEMPER_TEST_SECRET", "hunter2-must-not-leak")
+    m = SandboxManager(make_settings(sandbox_root))
+    await m.start()
+    try:
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        code = (
+            "import os, glob\n"
+            f"for p in ['/etc/shadow', '/etc/passwd', '/root', '{repo}/pyproject.toml', '/proc/1/environ', '{sandbox_root}']:\n"
+            "    try:\n"
+            "        print('READ', p, open(p, 'rb').read(20) if os.path.isfile(p) else os.listdir(p))\n"
+            "    except OSError as e:\n"
+            "        print('denied', p, type(e).__name__)\n"
+            "print(sorted(os.environ))\n"
+            "for f in glob.glob('/proc/*/environ'):\n"
+            "    try: print(open(f, 'rb').read())\n"
+            "    except OSError: pass\n"
+        )
+        async with m.sandbox() as sb:
+            r = await sb.act(py(code))
+            r2 = await sb.act(sh("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; ls /"))
+        assert "hunter2" not in r.stdout + r.stderr + r2.stdout + r2.stderr
+        assert "READ" not in r.stdout.replace("READ /proc/1/environ", ""), r.stdout
+        assert sorted(r2.stdout.split("\n")[-1:]) is not None
+        assert "work" not in r2.stdout.split() and "root" not in r2.stdout.split()
+    finally:
+        await assert_clean_close(m)
+
+
+async def test_writing_outside_the_workspace(manager: SandboxManager) -> None:
+    marker = f"/tmp/temper-escape-{os.getpid()}"
+    code = (
+        "import os\n"
+        f"for p in ['/usr/evil', '/etc/evil', '/evil', '/proc/evil', '/dev/evil', '{marker}', '/workspace/../evil']:\n"
+        "    try:\n"
+        "        open(p, 'w').write('x'); print('WROTE', p)\n"
+        "    except OSError as e:\n"
+        "        print('denied', p, type(e).__name__)\n"
+        "os.system('mount -t tmpfs none /usr 2>&1; mount -o remount,rw /usr 2>&1; unshare -U true 2>&1 || echo nouserns')\n"
+    )
+    r = await attack(manager, py(code))
+    for denied in ("/usr/evil", "/etc/evil", "/evil", "/workspace/../evil", "/proc/evil"):
+        assert f"denied {denied}" in r.stdout, r.stdout
+    # /tmp and /dev are the sandbox's own small tmpfs mounts: writable, private, gone with it.
+    assert "nouserns" in r.stdout
+    assert not os.path.exists("/usr/evil") and not os.path.exists("/etc/evil") and not os.path.exists(marker)
+
+
+async def test_killing_the_parent(manager: SandboxManager) -> None:
+    code = "import os, signal\nfor sig in (9, 15, 2, 19):\n    os.kill(os.getppid(), sig)\n    os.kill(1, sig)\nprint('parent still there')"
+    r = await attack(manager, py(code))
+    assert r.ok and r.stdout == "parent still there\n"
+    r = await attack(manager, sh("kill -9 -1; kill -9 0; echo after"))
+    assert r.kill_reason is KillReason.signal  # it killed itself, nothing else
+
+
+async def test_setsid_and_double_fork_escape(manager: SandboxManager) -> None:
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        while True:\n"
+        "            open('beacon', 'a').write('x'); time.sleep(0.05)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.2)\nprint('parent exits')"
+    )
+    sid = await manager.create_session()
+    r = await manager.act(sid, py(code))
+    assert r.ok
+    sb = manager.sessions[sid]
+    size = os.path.getsize(sb.workspace.path / "beacon")
+    await asyncio.sleep(0.3)
+    assert os.path.getsize(sb.workspace.path / "beacon") == size, "the daemon outlived its action"
+    assert set(sb.cgroup.procs()) == sb.keep
+    r = await manager.act(sid, sh("nohup sleep 1000 > /dev/null 2>&1 & setsid sleep 1000 & disown; echo bg"))
+    assert r.ok and set(sb.cgroup.procs()) == sb.keep
+    await manager.destroy_session(sid)
+
+
+async def test_zombies_and_orphans(manager: SandboxManager) -> None:
+    code = (
+        "import os, time\n"
+        "for _ in range(10):\n"
+        "    if os.fork() == 0: os._exit(0)\n"  # zombies: never waited for
+        "for _ in range(10):\n"
+        "    if os.fork() == 0:\n"
+        "        if os.fork() == 0: time.sleep(100)\n"  # orphans: their parent exits at once
+        "        os._exit(0)\n"
+        "time.sleep(0.1)\n"
+        "print(len([p for p in os.listdir('/proc') if p.isdigit()]))"
+    )
+    r = await attack(manager, py(code))
+    assert r.ok and int(r.stdout) >= 11
+    r = await attack(
+        manager, py("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    )
+    assert r.stdout.strip() == "[1, 2]", "only the agent and this process are in a fresh action"
+
+
+async def test_signals_to_other_sandboxes(manager: SandboxManager) -> None:
+    victim = await manager.create_session()
+    attacker = await manager.create_session()
+    host_pids = manager.sessions[victim].cgroup.procs()
+    slow = asyncio.create_task(manager.act(victim, py("import time; time.sleep(1); print('survived')")))
+    await asyncio.sleep(0.2)
+    code = (
+        "import os\nhits = 0\n"
+        f"for pid in list(range(1, 4096)) + {host_pids}:\n"
+        "    if pid == os.getpid(): continue\n"
+        "    try:\n        os.kill(pid, 9); hits += 1\n    except OSError:\n        pass\n"
+        "print('visible', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+    )
+    r = await manager.act(attacker, py(code))
+    v = await slow
+    assert v.ok and v.stdout == "survived\n", v
+    assert "visible [1, 2]" in r.stdout
+    for sid in (victim, attacker):
+        await manager.destroy_session(sid)
+
+
+async def test_worker_keeps_serving_after_the_suite(manager: SandboxManager) -> None:
+    r = await attack(manager, py("print(sum(range(10)))"))
+    assert r.ok and r.stdout == "45\n"
+    assert cgroup_members("no-such-tag") == []
