@@ -27,6 +27,13 @@ from services.sandbox_worker.service import (
 )
 
 
+def get_worker(request: Request) -> SandboxWorker:
+    return request.app.state.worker
+
+
+WorkerDep = Annotated[SandboxWorker, Depends(get_worker)]
+
+
 def _make_store(settings: Settings) -> object | None:
     try:
         from temper.storage import make_store
@@ -64,11 +71,6 @@ def create_app(settings: Settings | None = None, worker: SandboxWorker | None = 
     )
     if worker is not None:
         app.state.worker = worker
-
-    def get_worker(request: Request) -> SandboxWorker:
-        return request.app.state.worker
-
-    WorkerDep = Annotated[SandboxWorker, Depends(get_worker)]
 
     @app.exception_handler(SessionNotFound)
     async def _not_found(request: Request, exc: SessionNotFound) -> JSONResponse:

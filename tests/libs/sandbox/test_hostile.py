@@ -1,3 +1,4 @@
+# ruff: noqa: ASYNC240 - the tests inspect the host file system on purpose
 """The hostile suite: attacks run through the real bwrap backend. Each must end contained,
 with the right kill reason, and the sandbox (and so the worker) must keep serving. The
 ``manager`` fixture checks on close that no process, mount or cgroup is left behind."""

@@ -1,0 +1,163 @@
+"""The sandbox worker over HTTP (sessions, run_tests, SandboxFusion /run_code) and its
+idempotent bus handler, on the real bwrap backend."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shutil
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from temper.events import SandboxRequest
+from temper.sandbox import SandboxLimits, SandboxSettings
+from temper.storage import LocalStore
+
+from services.sandbox_worker.app import create_app
+from services.sandbox_worker.service import SandboxWorker
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(60)]
+
+LIMITS = SandboxLimits(wall_s=3, cpu_s=3, memory_mb=128, pids=64, output_bytes=32 << 10, workspace_mb=16)
+
+
+@pytest.fixture
+def root():
+    path = Path("/tmp") / f"temper-sbw-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def make_worker(root: Path, store: LocalStore, name: str = "a") -> SandboxWorker:
+    settings = SandboxSettings(pool_size=1, default_limits=LIMITS, workspace_root=root / name)
+    return SandboxWorker(settings, store=store, worker_id=f"worker-{name}")
+
+
+@pytest.fixture
+async def worker(root, tmp_path):
+    w = make_worker(root, LocalStore(tmp_path / "objects"))
+    await w.start()
+    yield w
+    await w.close()
+    assert w.manager.leaked == 0
+
+
+@pytest.fixture
+async def client(worker):
+    app = create_app(worker=worker)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+        yield c
+
+
+async def test_health_and_metrics(client, worker) -> None:
+    r = await client.get("/health")
+    assert r.status_code == 200 and r.json()["components"]["cgroups"] in ("v1", "v2")
+    worker.manager.leaked = 1
+    r = await client.get("/health")
+    assert r.status_code == 503 and "leaked" in r.json()["failing"][0]
+    worker.manager.leaked = 0
+    r = await client.get("/metrics")
+    assert "temper_sandbox_pool_size" in r.text and "temper_sandbox_kills_total" in r.text
+
+
+async def test_session_lifecycle_over_http(client) -> None:
+    r = await client.post("/v1/sessions", json={"limits": LIMITS.model_dump()})
+    assert r.status_code == 201
+    sid = r.json()["session_id"]
+    act = f"/v1/sessions/{sid}/actions"
+    r = await client.post(act, json={"kind": "write_file", "path": "a.txt", "content": "hello"})
+    assert r.json()["error"] is None
+    r = await client.post(act, json={"kind": "run_command", "command": "cat a.txt | tr a-z A-Z"})
+    assert r.json()["stdout"] == "HELLO" and r.json()["exit_code"] == 0
+    r = await client.post(act, json={"kind": "run_python", "code": "while True: pass", "timeout_s": 0.5})
+    assert r.json()["kill_reason"] == "timeout"
+    key = (await client.post(f"/v1/sessions/{sid}/snapshot")).json()["key"]
+    r = await client.post("/v1/sessions/restore", json={"key": key})
+    other = r.json()["session_id"]
+    r = await client.post(f"/v1/sessions/{other}/actions", json={"kind": "read_file", "path": "a.txt"})
+    assert r.json()["content"] == "hello"
+    assert (await client.post("/v1/sessions/restore", json={"key": "nope/x.tar.gz"})).status_code == 404
+    for s in (sid, other):
+        assert (await client.delete(f"/v1/sessions/{s}")).status_code == 204
+    assert (await client.post(act, json={"kind": "list_files"})).status_code == 404
+
+
+async def test_run_tests(client) -> None:
+    code = "def add(a, b):\n    return a + b\n"
+    r = await client.post("/v1/run_tests", json={"code": code, "tests": "assert add(2, 3) == 5"})
+    assert r.json()["passed"] is True
+    r = await client.post("/v1/run_tests", json={"code": code, "tests": "assert add(2, 2) == 5"})
+    assert r.json()["passed"] is False and "AssertionError" in r.json()["result"]["stderr"]
+
+
+async def test_run_code_is_sandboxfusion_compatible(client) -> None:
+    r = (
+        await client.post(
+            "/run_code", json={"code": "print(input()[::-1])", "language": "python", "stdin": "abc"}
+        )
+    ).json()
+    assert r["status"] == "Success" and r["run_result"]["status"] == "Finished"
+    assert r["run_result"]["stdout"] == "cba\n" and r["run_result"]["return_code"] == 0
+    assert isinstance(r["run_result"]["execution_time"], float)
+    r = (await client.post("/run_code", json={"code": "echo $((6*7)); exit 3", "language": "bash"})).json()
+    assert (
+        r["status"] == "Failed"
+        and r["run_result"]["return_code"] == 3
+        and r["run_result"]["stdout"] == "42\n"
+    )
+    r = (
+        await client.post("/run_code", json={"code": "import time; time.sleep(5)", "run_timeout": 0.5})
+    ).json()
+    assert r["status"] == "Failed" and r["run_result"]["status"] == "TimeLimitExceeded"
+    files = {"data/in.txt": base64.b64encode(b"7\n").decode()}
+    code = "n = int(open('data/in.txt').read()); open('out.txt', 'w').write(str(n * 6))"
+    r = (
+        await client.post("/run_code", json={"code": code, "files": files, "fetch_files": ["out.txt"]})
+    ).json()
+    assert r["status"] == "Success" and base64.b64decode(r["files"]["out.txt"]) == b"42"
+    r = (
+        await client.post("/run_code", json={"code": "x = bytearray(1 << 30)", "memory_limit_MB": 64})
+    ).json()
+    assert r["status"] == "Failed" and r["run_result"]["kill_reason"] == "memory"
+    r = (await client.post("/run_code", json={"code": "print(1)", "language": "cobol"})).json()
+    assert r["status"] == "SandboxError"
+
+
+async def test_truncated_output_is_not_success(client) -> None:
+    r = (await client.post("/run_code", json={"code": "print('x' * 200000)"})).json()
+    assert r["status"] == "Failed", "SandboxFusion would say Success here"
+    assert r["run_result"]["stdout_truncated"] is True and "truncated" in r["message"]
+    assert len(r["run_result"]["stdout"]) == LIMITS.output_bytes
+
+
+async def test_handle_is_idempotent_and_restores_on_another_worker(root, tmp_path) -> None:
+    store = LocalStore(tmp_path / "objects")
+    a = make_worker(root, store, "a")
+    await a.start()
+    req = SandboxRequest(
+        episode_id="ep-1", turn=1, attempt=0, session_id="ep-1",
+        action={"kind": "run_command", "command": "echo $RANDOM >> log; wc -l < log"},
+    )  # fmt: skip
+    first, dup = await asyncio.gather(a.handle(req), a.handle(req))
+    again = await a.handle(req.model_copy(update={"id": uuid.uuid4()}))
+    assert first.result["stdout"] == "1\n" and dup.result == first.result and again.result == first.result
+    assert first.snapshot_key and first.worker == "worker-a" and first.episode_id == "ep-1"
+    await a.close()  # the worker dies; its session is gone
+
+    b = make_worker(root, store, "b")
+    await b.start()
+    try:
+        turn2 = SandboxRequest(
+            episode_id="ep-1", turn=2, attempt=0, session_id="ep-1", snapshot_key=first.snapshot_key,
+            action={"kind": "run_command", "command": "echo more >> log; wc -l < log"},
+        )  # fmt: skip
+        r = await b.handle(turn2)
+        assert r.result["stdout"] == "2\n" and r.worker == "worker-b"
+        bad = await b.handle(turn2.model_copy(update={"turn": 3, "action": {"kind": "fly"}}))
+        assert bad.error and "invalid request" in bad.error
+        done = await b.handle(turn2.model_copy(update={"turn": 4, "action": {"kind": "destroy"}}))
+        assert done.error is None and "ep-1" not in b.manager.sessions
+    finally:
+        await b.close()
