@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from temper.policy.config import InferenceSettings
 from temper.sandbox.config import SandboxSettings
+from temper.training.config import TrainerSettings
 
 DEFAULT_API_SECRET = "temper-dev-secret-change-me"
 
@@ -108,6 +109,7 @@ class Settings(BaseSettings):
     log: LogSettings = LogSettings()
     sandbox: SandboxSettings = SandboxSettings()
     inference: InferenceSettings = InferenceSettings()
+    trainer: TrainerSettings = TrainerSettings()
     allow_unsafe: bool = Field(False, description="allow the no-isolation sandbox backend in distributed mode")
 
     @model_validator(mode="after")
