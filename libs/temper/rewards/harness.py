@@ -1,0 +1,151 @@
+"""The test harness. NOT imported by Temper: its source runs inside a fresh scoring
+sandbox (``python3 -S``, standard library only), never in the scorer's process.
+
+It reads its spec as JSON from stdin (so the hidden tests are never a file the code
+under test could open), then for each candidate solution: compiles it, loads it as a
+module, runs the test prelude and each test chunk in that module's namespace with a
+per-test timer, and writes one result line per event to the original stdout, tagged
+with a per-run nonce. The code under test writes to /dev/null: its prints cannot
+forge result lines or flood the output.
+
+spec = {"nonce", "workspace", "module", "file", "candidates": [{"label", "source"|None}],
+        "prelude", "tests": [{"name", "code"}], "entry_point", "param",
+        "per_test_s", "max_timeouts", "repeat"}
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+spec = json.loads(sys.stdin.read())
+NONCE = spec["nonce"]
+OUT = os.dup(1)
+_null = os.open(os.devnull, os.O_WRONLY)
+os.dup2(_null, 1)
+os.dup2(_null, 2)
+sys.stdout = open(1, "w", closefd=False)
+sys.stderr = open(2, "w", closefd=False)
+_write = os.write
+_dumps = json.dumps
+_clock = time.perf_counter
+
+
+def emit(**event):
+    data = (NONCE + " " + _dumps(event) + "\n").encode("utf-8", "replace")
+    while data:
+        data = data[_write(OUT, data) :]
+
+
+class TestTimeout(BaseException):
+    pass
+
+
+def _alarm(signum, frame):
+    raise TestTimeout()
+
+
+signal.signal(signal.SIGALRM, _alarm)
+
+
+def describe(exc, code_name):
+    if isinstance(exc, TestTimeout):
+        return "timeout: the test ran past %.1fs" % spec["per_test_s"]
+    if isinstance(exc, AssertionError):
+        tb = traceback.extract_tb(exc.__traceback__)
+        frame = next((f for f in reversed(tb) if f.filename == code_name), None)
+        where = (frame.line or "").strip() if frame else ""
+        msg = "assertion failed"
+        if where:
+            msg += ": " + where
+        if exc.args:
+            msg += " (" + str(exc.args[0])[:200] + ")"
+        return msg
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return last[:500]
+
+
+def timed(code, glb, limit):
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        exec(code, glb)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+os.chdir(spec["workspace"])
+sys.path[0:0] = [spec["workspace"]]
+path = os.path.join(spec["workspace"], spec["file"])
+tests = []
+for i, t in enumerate(spec["tests"]):
+    name = "<test %d>" % i
+    tests.append((t["name"], name, compile(t["code"], name, "exec")))
+prelude = compile(spec["prelude"] or "pass", "<tests>", "exec")
+
+for cand in spec["candidates"]:
+    label = cand["label"]
+    source = cand.get("source")
+    if source is None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            emit(ev="candidate", label=label, compile="cannot read %s: %s" % (spec["file"], exc), load=None)
+            continue
+    try:
+        code = compile(source, path, "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        emit(ev="candidate", label=label, compile=traceback.format_exception_only(type(exc), exc)[-1].strip(), load=None)
+        continue
+    module = type(sys)(spec["module"])
+    module.__file__ = path
+    sys.modules[spec["module"]] = module
+    glb = module.__dict__
+    load_error = None
+    try:
+        timed(code, glb, spec["per_test_s"] * 2)
+        timed(prelude, glb, spec["per_test_s"])
+        if spec.get("entry_point"):
+            fn = glb.get(spec["entry_point"])
+            if fn is None:
+                raise NameError("the solution does not define %s" % spec["entry_point"])
+            glb["candidate"] = fn
+            glb[spec.get("param") or "candidate"] = fn
+    except BaseException as exc:  # noqa: BLE001 - anything the code under test raises
+        load_error = describe(exc, path) if not isinstance(exc, SystemExit) else "the solution called exit()"
+    emit(ev="candidate", label=label, compile=None, load=load_error)
+    if load_error is not None:
+        continue
+    timeouts = 0
+    total = 0.0
+    for i, (name, code_name, chunk) in enumerate(tests):
+        if timeouts >= spec["max_timeouts"]:
+            emit(ev="test", label=label, i=i, name=name, ok=False, msg="not run: earlier tests timed out", s=0.0)
+            continue
+        t0 = _clock()
+        try:
+            timed(chunk, glb, spec["per_test_s"])
+            ok, msg = True, None
+        except BaseException as exc:  # noqa: BLE001
+            ok = False
+            msg = describe(exc, code_name) if not isinstance(exc, SystemExit) else "the code called exit()"
+            if isinstance(exc, TestTimeout):
+                timeouts += 1
+        dt = _clock() - t0
+        total += dt
+        emit(ev="test", label=label, i=i, name=name, ok=ok, msg=msg, s=round(dt, 7))
+    best = total
+    for _ in range(max(0, spec.get("repeat", 1) - 1)):
+        t0 = _clock()
+        try:
+            for _name, _cn, chunk in tests:
+                timed(chunk, glb, spec["per_test_s"])
+        except BaseException:  # noqa: BLE001
+            break
+        best = min(best, _clock() - t0)
+    emit(ev="timing", label=label, best_s=best)
+    sys.modules.pop(spec["module"], None)
+
+emit(ev="end")

@@ -1,0 +1,82 @@
+"""Schemas of the reward side: component names, what an agent submitted, and the
+outcome of one run of the hidden tests."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ComponentName(StrEnum):
+    tests_passed = "tests_passed"  # fraction of hidden tests passed
+    compiles = "compiles"  # 1 if every submitted Python file compiles
+    coverage = "coverage"  # line and branch coverage of the agent's code under the hidden tests
+    efficiency = "efficiency"  # reference run time / agent run time, bounded to [0, 1]
+    answer_match = "answer_match"  # math: the final answer equals the known one
+    format = "format"  # the agent followed the action format
+    turn_penalty = "turn_penalty"  # share of the turn budget used beyond the first turn (weight it negatively)
+
+
+class Submission(BaseModel):
+    """What the dispatcher sends in ``RewardRequest.submission``: the agent's workspace
+    files (path -> text), its final answer if it gave one, and its last message."""
+
+    model_config = ConfigDict(extra="allow")
+    files: dict[str, str] = Field(default_factory=dict)
+    answer: str | None = None
+    text: str = ""
+
+    def code_for(self, solution_file: str) -> str | None:
+        """The agent's code for ``solution_file``: that file, else the only Python file it
+        wrote, else the last fenced Python block of its final message."""
+        if solution_file in self.files:
+            return self.files[solution_file]
+        py = [p for p in self.files if p.endswith(".py")]
+        if len(py) == 1:
+            return self.files[py[0]]
+        blocks = re.findall(r"```(?:python|py)?[ \t]*\n(.*?)```", self.text, re.S)
+        return blocks[-1] if blocks else None
+
+
+class TestOutcome(BaseModel):
+    name: str
+    passed: bool
+    message: str | None = None
+    seconds: float = 0.0
+
+
+class CandidateRun(BaseModel):
+    """One solution run against the hidden tests in a sandbox."""
+
+    label: str
+    started: bool = False  # the harness reported compiling and loading it
+    compile_error: str | None = None
+    load_error: str | None = None
+    tests: list[TestOutcome] = []
+    best_s: float | None = None  # fastest full pass over the tests (efficiency)
+    kill_reason: str | None = None  # the sandbox killed the run
+    wall_s: float = 0.0
+
+    @property
+    def passed(self) -> int:
+        return sum(t.passed for t in self.tests)
+
+    @property
+    def fraction(self) -> float:
+        return self.passed / len(self.tests) if self.tests else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return bool(self.tests) and all(t.passed for t in self.tests)
+
+    def first_failure(self) -> str | None:
+        if self.compile_error:
+            return f"does not compile: {self.compile_error}"
+        if self.load_error:
+            return f"fails to load: {self.load_error}"
+        for t in self.tests:
+            if not t.passed:
+                return f"{t.name}: {t.message}"
+        return None

@@ -1,0 +1,227 @@
+"""Run hidden tests against solutions inside fresh sandboxes.
+
+Every run takes a new sandbox from the scorer's own :class:`SandboxManager` (warm, never
+used before, destroyed afterwards), writes the task's starting files and the code
+under test into its workspace, and runs the harness (``harness.py``) there. Nothing
+the agent's code does can reach the tests of another run or the scorer's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from temper.rewards.models import CandidateRun, TestOutcome
+from temper.rewards.testsplit import SplitTests, split_tests
+from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings
+from temper.tasks.models import TaskSpec
+
+HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
+HARNESS_PATH = "/tmp/temper_harness.py"
+COVERAGE_DATA = "/tmp/.temper_coverage"
+COVERAGE_JSON = "/tmp/temper_coverage.json"
+
+# Scoring limits when a task names none: generous for tests, tight enough for a loop.
+SCORING_LIMITS = SandboxLimits(wall_s=20.0, cpu_s=20.0, memory_mb=512, pids=64)
+
+
+def coverage_site_dir() -> str | None:
+    """The directory holding the ``coverage`` package on this host; the scoring sandbox
+    binds only that package read-only and puts this directory on PYTHONPATH."""
+    try:
+        import coverage
+    except ImportError:
+        return None
+    return str(Path(coverage.__file__).resolve().parent.parent)
+
+
+def scoring_sandbox_settings(base: SandboxSettings) -> SandboxSettings:
+    """The sandbox settings of a scoring manager: ``base`` plus a read-only bind of the
+    coverage.py package (only that package, not the rest of the host's site-packages)."""
+    site = coverage_site_dir()
+    binds = list(base.ro_binds)
+    if site is not None:
+        package = str(Path(site) / "coverage")
+        if package not in binds:
+            binds.append(package)
+    return base.model_copy(update={"ro_binds": binds})
+
+
+class ScoringError(RuntimeError):
+    """The sandbox machinery failed (not the code under test)."""
+
+
+@dataclass
+class RunSettings:
+    per_test_s: float = 3.0
+    max_timeouts: int = 2
+    python: str = "/usr/bin/python3"
+
+
+class TestRunner:
+    def __init__(self, manager: SandboxManager, settings: RunSettings | None = None) -> None:
+        self.manager = manager
+        self.settings = settings or RunSettings(python=manager.settings.python)
+        self._splits: dict[str, SplitTests] = {}
+
+    def split(self, task: TaskSpec) -> SplitTests:
+        key = task.tests_hash
+        if key not in self._splits:
+            if len(self._splits) > 4096:
+                self._splits.clear()
+            self._splits[key] = split_tests(task.tests or "", task.entry_point)
+        return self._splits[key]
+
+    def _limits(self, task: TaskSpec) -> SandboxLimits:
+        return task.limits or SCORING_LIMITS
+
+    def _spec(self, task: TaskSpec, split: SplitTests, workspace: str, candidates: list[tuple[str, str | None]], repeat: int) -> tuple[str, dict[str, Any]]:
+        nonce = secrets.token_hex(16)
+        module = os.path.splitext(os.path.basename(task.solution_file))[0] or "solution"
+        spec = {
+            "nonce": nonce,
+            "workspace": workspace,
+            "module": module,
+            "file": task.solution_file,
+            "candidates": [{"label": label, "source": src} for label, src in candidates],
+            "prelude": split.prelude,
+            "tests": [{"name": c.name, "code": c.code} for c in split.chunks],
+            "entry_point": task.entry_point,
+            "param": split.param,
+            "per_test_s": self.settings.per_test_s,
+            "max_timeouts": self.settings.max_timeouts,
+            "repeat": repeat,
+        }
+        return nonce, spec
+
+    async def run(
+        self,
+        task: TaskSpec,
+        candidates: list[tuple[str, str | None]],
+        *,
+        files: dict[str, str] | None = None,
+        repeat: int = 1,
+        coverage: bool = False,
+    ) -> tuple[list[CandidateRun], dict[str, Any] | None]:
+        """Run each candidate (label, source; ``None`` = the solution file in ``files``)
+        against the task's tests in one fresh sandbox. With ``coverage`` the run goes
+        under coverage.py (line and branch) and its JSON report is returned too."""
+        split = self.split(task)
+        limits = self._limits(task)
+        try:
+            sb = await self.manager.acquire(limits)
+        except Exception as exc:  # noqa: BLE001 - any failure to start is the machinery's
+            raise ScoringError(f"cannot start a scoring sandbox: {exc}") from exc
+        try:
+            backend = self.manager.backend
+            assert backend is not None
+            workspace = backend.inner_workspace(sb.workspace.path)
+            for path, content in {**task.files, **(files or {})}.items():
+                res = await self.manager.execute(sb, Action(kind="write_file", path=path, content=content))
+                if res.error:
+                    raise ScoringError(f"cannot write {path} into the scoring sandbox: {res.error}")
+            nonce, spec = self._spec(task, split, workspace, candidates, repeat)
+            stdin = json.dumps(spec)
+            if coverage:
+                site = coverage_site_dir()
+                if site is None:
+                    raise ScoringError("coverage.py is not installed on the scorer host")
+                await self.manager.execute(sb, Action(kind="write_file", path=HARNESS_PATH, content=HARNESS_SOURCE))
+                include = f"--include={workspace.rstrip('/')}/{task.solution_file}"
+                env = {"PYTHONPATH": site}
+                result = await self.manager.execute(
+                    sb,
+                    Action(
+                        kind="run_command",
+                        command=[self.settings.python, "-m", "coverage", "run", "--branch",
+                                 f"--data-file={COVERAGE_DATA}", include, HARNESS_PATH],
+                        stdin=stdin, env=env,
+                    ),
+                )  # fmt: skip
+            else:
+                result = await self.manager.execute(sb, Action(kind="run_python", code=HARNESS_SOURCE, stdin=stdin))
+            runs = parse_output(result.stdout, nonce, [c[0] for c in candidates], [c.name for c in split.chunks])
+            if result.kill_reason is not None:
+                for run in runs:
+                    run.kill_reason = str(result.kill_reason)
+                _mark_unfinished(runs, f"killed by the sandbox: {result.kill_reason}")
+            elif not result.stdout.rstrip().endswith('"ev": "end"}'):
+                detail = (result.stderr.strip().splitlines() or [f"exit status {result.exit_code}"])[-1][:300]
+                _mark_unfinished(runs, f"the test process ended early: {detail}")
+            for run in runs:
+                run.wall_s = result.wall_s
+            report = None
+            if coverage:
+                report = await self._coverage_report(sb, env)
+            return runs, report
+        finally:
+            await self.manager.release(sb)
+
+    async def _coverage_report(self, sb: Any, env: dict[str, str]) -> dict[str, Any]:
+        res = await self.manager.execute(
+            sb,
+            Action(
+                kind="run_command",
+                command=[self.settings.python, "-m", "coverage", "json", f"--data-file={COVERAGE_DATA}",
+                         "-o", COVERAGE_JSON, "-q"],
+                env=env,
+            ),
+        )  # fmt: skip
+        if res.exit_code != 0:
+            raise ScoringError(f"coverage json failed: {(res.stdout + res.stderr).strip()[-300:]}")
+        read = await self.manager.execute(sb, Action(kind="read_file", path=COVERAGE_JSON))
+        if read.error or read.content is None:
+            raise ScoringError(f"cannot read the coverage report: {read.error}")
+        return json.loads(read.content)
+
+
+def _mark_unfinished(runs: list[CandidateRun], why: str) -> None:
+    for run in runs:
+        for t in run.tests:
+            if t.message == "__missing__":
+                t.message = why
+                why = "not run: " + why.split(": ", 1)[-1]
+
+
+def parse_output(stdout: str, nonce: str, labels: list[str], test_names: list[str]) -> list[CandidateRun]:
+    """Result lines tagged with the nonce; tests without a line are marked missing."""
+    runs = {label: CandidateRun(label=label) for label in labels}
+    seen: dict[str, dict[int, TestOutcome]] = {label: {} for label in labels}
+    started: set[str] = set()
+    prefix = nonce + " "
+    for line in stdout.splitlines():
+        if not line.startswith(prefix):
+            continue
+        try:
+            ev = json.loads(line[len(prefix) :])
+        except json.JSONDecodeError:
+            continue
+        label = ev.get("label")
+        if ev.get("ev") == "end" or label not in runs:
+            continue
+        run = runs[label]
+        if ev["ev"] == "candidate":
+            started.add(label)
+            run.compile_error = ev.get("compile")
+            run.load_error = ev.get("load")
+        elif ev["ev"] == "test":
+            seen[label][int(ev["i"])] = TestOutcome(
+                name=ev.get("name", ""), passed=bool(ev["ok"]), message=ev.get("msg"), seconds=float(ev.get("s", 0))
+            )
+        elif ev["ev"] == "timing":
+            run.best_s = float(ev["best_s"])
+    for label, run in runs.items():
+        run.started = label in started
+        if run.compile_error or run.load_error:
+            reason = f"does not compile: {run.compile_error}" if run.compile_error else f"load failed: {run.load_error}"
+            run.tests = [TestOutcome(name=n, passed=False, message=reason) for n in test_names]
+            continue
+        outcomes = []
+        for i, name in enumerate(test_names):
+            outcomes.append(seen[label].get(i) or TestOutcome(name=name, passed=False, message="__missing__"))
+        run.tests = outcomes
+    return list(runs.values())

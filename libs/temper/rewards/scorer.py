@@ -1,0 +1,118 @@
+"""Score one submission: compute the components a job weights (plus the cheap ones, for
+the record) and their weighted sum.
+
+The scalar reward is ``sum(weight * value)`` over the weighted components that were
+measured. A weighted component that could not be measured adds nothing and says why in
+its ``reason``; :func:`combine` also lists it under ``missing`` so that nothing turns
+into a silent zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from temper import metrics
+from temper.events import RewardComponent
+from temper.rewards.components import COMPONENTS, Component, ScoreContext
+from temper.rewards.models import ComponentName, Submission
+from temper.rewards.runner import ScoringError, TestRunner
+from temper.sandbox import SandboxManager
+from temper.tasks.models import TaskKind, TaskSpec
+
+DEFAULT_WEIGHTS = {TaskKind.code: {"tests_passed": 1.0}, TaskKind.shell: {"tests_passed": 1.0}, TaskKind.math: {"answer_match": 1.0}}
+ALWAYS = {
+    TaskKind.code: ("tests_passed", "compiles", "format", "turn_penalty"),
+    TaskKind.shell: ("tests_passed", "format", "turn_penalty"),
+    TaskKind.math: ("answer_match", "format", "turn_penalty"),
+}
+
+
+def combine(weights: dict[str, float], components: dict[str, RewardComponent]) -> tuple[float, list[str]]:
+    """The weighted sum, and the weighted components that are missing or failed."""
+    total = 0.0
+    missing = []
+    for name, weight in weights.items():
+        comp = components.get(name)
+        if comp is None or not comp.ok or comp.value is None:
+            missing.append(name)
+            continue
+        total += weight * comp.value
+    return round(total, 9), missing
+
+
+class Scorer:
+    """Computes reward components with hidden tests run in fresh sandboxes from
+    ``manager``. ``overrides`` replace a component's verifier (re-scoring with a new
+    verifier) or add new ones by name."""
+
+    def __init__(self, manager: SandboxManager, *, overrides: dict[str, Component] | None = None) -> None:
+        self.runner = TestRunner(manager)
+        self.components: dict[str, Component] = {str(k): v for k, v in COMPONENTS.items()}
+        self.components.update(overrides or {})
+        self.reference_times: dict[str, float] = {}
+
+    async def score(
+        self,
+        task: TaskSpec,
+        submission: Submission | dict[str, Any],
+        weights: dict[str, float] | None = None,
+        *,
+        turns_used: int = 1,
+        max_turns: int = 1,
+        format_ok: bool = True,
+        only: list[str] | None = None,
+    ) -> tuple[float, dict[str, RewardComponent]]:
+        """Returns (reward, components). Raises :class:`ScoringError` only when the sandbox
+        machinery itself failed for a weighted component."""
+        sub = submission if isinstance(submission, Submission) else Submission.model_validate(submission)
+        weights = dict(weights or DEFAULT_WEIGHTS[task.kind])
+        names = list(dict.fromkeys([*(only or ALWAYS[task.kind]), *weights]))
+        ctx = ScoreContext(
+            task=task, submission=sub, runner=self.runner, turns_used=turns_used, max_turns=max_turns,
+            format_ok=format_ok, want_timing="efficiency" in weights, reference_times=self.reference_times,
+        )  # fmt: skip
+        results = await asyncio.gather(*(self._one(name, ctx, weighted=name in weights) for name in names))
+        components = dict(zip(names, results, strict=True))
+        reward, missing = combine(weights, components)
+        for name in missing:
+            components[name].details.setdefault("weight", weights[name])
+        return reward, components
+
+    async def _one(self, name: str, ctx: ScoreContext, *, weighted: bool) -> RewardComponent:
+        comp = self.components.get(name)
+        if comp is None:
+            known = ", ".join(sorted(self.components))
+            metrics.REWARD_FAILURES.labels(component=name[:40], reason="unknown").inc()
+            return RewardComponent(ok=False, reason=f"unknown reward component {name!r} (known: {known})")
+        t0 = time.perf_counter()
+        try:
+            result = await comp.compute(ctx)
+        except ScoringError as exc:
+            metrics.REWARD_FAILURES.labels(component=name, reason="sandbox").inc()
+            if weighted:
+                raise
+            return RewardComponent(ok=False, reason=f"sandbox failure: {exc}")
+        finally:
+            metrics.REWARD_COMPONENT_SECONDS.labels(component=name).observe(time.perf_counter() - t0)
+        if not result.ok:
+            metrics.REWARD_FAILURES.labels(component=name, reason=_reason_label(result.reason)).inc()
+        return result
+
+
+def _reason_label(reason: str | None) -> str:
+    if not reason:
+        return "unknown"
+    if "does not apply" in reason:
+        return "not_applicable"
+    if "reference" in reason:
+        return "no_reference"
+    if "killed" in reason:
+        return "killed"
+    if "not measured" in reason:
+        return "tests_failed"
+    return "other"
+
+
+__all__ = ["ComponentName", "Scorer", "ScoringError", "combine"]

