@@ -52,7 +52,7 @@ signal.signal(signal.SIGALRM, _alarm)
 
 def describe(exc, code_name):
     if isinstance(exc, TestTimeout):
-        return "timeout: the test ran past %.1fs" % spec["per_test_s"]
+        return "timeout: the test ran past {:.1f}s".format(spec["per_test_s"])
     if isinstance(exc, AssertionError):
         tb = traceback.extract_tb(exc.__traceback__)
         frame = next((f for f in reversed(tb) if f.filename == code_name), None)
@@ -80,7 +80,7 @@ sys.path[0:0] = [spec["workspace"]]
 path = os.path.join(spec["workspace"], spec["file"])
 tests = []
 for i, t in enumerate(spec["tests"]):
-    name = "<test %d>" % i
+    name = f"<test {i}>"
     tests.append((t["name"], name, compile(t["code"], name, "exec")))
 prelude = compile(spec["prelude"] or "pass", "<tests>", "exec")
 
@@ -92,7 +92,7 @@ for cand in spec["candidates"]:
             with open(path, encoding="utf-8") as f:
                 source = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            emit(ev="candidate", label=label, compile="cannot read %s: %s" % (spec["file"], exc), load=None)
+            emit(ev="candidate", label=label, compile="cannot read {}: {}".format(spec["file"], exc), load=None)
             continue
     try:
         code = compile(source, path, "exec")
@@ -110,7 +110,7 @@ for cand in spec["candidates"]:
         if spec.get("entry_point"):
             fn = glb.get(spec["entry_point"])
             if fn is None:
-                raise NameError("the solution does not define %s" % spec["entry_point"])
+                raise NameError("the solution does not define {}".format(spec["entry_point"]))
             glb["candidate"] = fn
             glb[spec.get("param") or "candidate"] = fn
     except BaseException as exc:  # noqa: BLE001 - anything the code under test raises
