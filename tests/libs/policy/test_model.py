@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from temper.policy import (
     create_model,
     default_tokenizer,

@@ -5,10 +5,17 @@ import asyncio
 import httpx
 import pytest
 import torch
+from temper.policy import (
+    create_model,
+    default_tokenizer,
+    encode_chat,
+    pad_batch,
+    save_checkpoint,
+    token_logprobs,
+)
 
 from services.inference_gateway.engine.app import create_app
 from services.inference_gateway.engine.core import BatchScheduler, Engine, GenRequest, SamplingParams
-from temper.policy import create_model, default_tokenizer, encode_chat, pad_batch, save_checkpoint, token_logprobs
 
 pytestmark = pytest.mark.timeout(60)
 
