@@ -110,6 +110,7 @@ def upgrade() -> None:
     sa.Column('state_reason', sa.Text(), nullable=True),
     sa.Column('turn', sa.Integer(), nullable=False),
     sa.Column('attempt', sa.Integer(), nullable=False),
+    sa.Column('format_errors', sa.Integer(), nullable=False, server_default='0'),
     sa.Column('behaviour_version', sa.Integer(), nullable=True),
     sa.Column('reward', sa.Float(), nullable=True),
     sa.Column('rewards', sa.JSON(), nullable=False),

@@ -112,6 +112,7 @@ class Episode(Base):
     state_reason: Mapped[str | None] = mapped_column(Text, default=None)
     turn: Mapped[int] = mapped_column(Integer, default=0)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
+    format_errors: Mapped[int] = mapped_column(Integer, default=0, doc="turns whose output did not parse")
     behaviour_version: Mapped[int | None] = mapped_column(Integer, default=None)
     reward: Mapped[float | None] = mapped_column(Float, default=None)
     rewards: Mapped[dict[str, Any]] = mapped_column(default=dict)
