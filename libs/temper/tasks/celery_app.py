@@ -1,0 +1,87 @@
+"""The Celery app (``temper.tasks.app``): batch and periodic work that is not a stream.
+
+- ``temper.validate_taskset(taskset_id)`` runs the validation pipeline, reporting
+  progress as task state ``PROGRESS`` with ``{"current", "total"}``;
+- ``temper.reap_leases()`` runs every ``lease_reap_interval_s`` under ``celery beat``
+  and marks expired step leases (:func:`temper.leases.reap_expired`).
+
+Broker and result backend are ``TEMPER_REDIS__URL``. Start a worker with
+``celery -A temper.tasks worker`` and the schedule with ``celery -A temper.tasks beat``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from celery import Celery
+
+from temper.settings import get_settings
+
+LEASE_REAP_INTERVAL_S = 30.0
+
+
+def make_app(redis_url: str | None = None) -> Celery:
+    url = redis_url or get_settings().redis.url
+    app = Celery("temper", broker=url, backend=url)
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_track_started=True,
+        task_acks_late=True,  # a worker that dies mid-validation leaves the task to another
+        worker_prefetch_multiplier=1,
+        result_expires=7 * 24 * 3600,
+        broker_connection_retry_on_startup=True,
+        beat_schedule={
+            "reap-expired-step-leases": {"task": "temper.reap_leases", "schedule": LEASE_REAP_INTERVAL_S},
+        },
+    )
+    return app
+
+
+app = make_app()
+
+
+async def _validate(taskset_id: str, progress: Any) -> dict[str, int]:
+    from temper.db import Database
+    from temper.rewards.runner import TestRunner, scoring_sandbox_settings
+    from temper.sandbox import SandboxManager
+    from temper.tasks.validation import validate_taskset
+
+    settings = get_settings()
+    db = Database(settings.db)
+    manager = SandboxManager(
+        scoring_sandbox_settings(settings.sandbox), distributed=settings.mode == "distributed"
+    )
+    await manager.start()
+    try:
+        return await validate_taskset(db, TestRunner(manager), taskset_id, progress=progress)
+    finally:
+        await manager.close()
+        await db.dispose()
+
+
+@app.task(name="temper.validate_taskset", bind=True)
+def validate_taskset_task(self: Any, taskset_id: str) -> dict[str, Any]:
+    def progress(current: int, total: int) -> None:
+        self.update_state(state="PROGRESS", meta={"current": current, "total": total, "taskset_id": taskset_id})
+
+    counts = asyncio.run(_validate(taskset_id, progress))
+    return {"taskset_id": taskset_id, "counts": counts, "current": sum(counts.values()), "total": sum(counts.values())}
+
+
+async def _reap() -> int:
+    from temper.db import Database
+    from temper.leases import reap_expired
+
+    db = Database(get_settings().db)
+    try:
+        return len(await reap_expired(db))
+    finally:
+        await db.dispose()
+
+
+@app.task(name="temper.reap_leases")
+def reap_leases_task() -> int:
+    return asyncio.run(_reap())

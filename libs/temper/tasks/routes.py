@@ -1,0 +1,158 @@
+"""``/v1/tasksets``: upload (JSONL or YAML), list, show with per-task validation status,
+and (re)start validation. The dispatcher's app mounts the router:
+
+    app.include_router(make_router(CurrentTenant))
+
+``tenant_dependency`` is the app's auth dependency; it returns the tenant id, or an
+object with an ``id``. The app keeps its started :class:`temper.runtime.Runtime` (with
+database and object store) at ``app.state.runtime``, or passes ``runtime_dependency``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+
+from temper.runtime import Runtime
+from temper.tasks import service
+from temper.tasks.models import TaskFormatError, TaskSpec, parse_tasks
+
+MAX_UPLOAD_BYTES = 64 << 20
+
+Enqueue = Callable[[str], str]
+
+
+def celery_enqueue(taskset_id: str) -> str:
+    """Queue ``temper.validate_taskset`` on Celery; returns the Celery task id."""
+    from temper.tasks.celery_app import app
+
+    return str(app.send_task("temper.validate_taskset", args=[taskset_id]).id)
+
+
+def _runtime_from_app(request: Request) -> Runtime:
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the API has no runtime")
+    return runtime  # type: ignore[no-any-return]
+
+
+def _tenant_id(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    for attr in ("id", "tenant_id"):
+        if isinstance(getattr(value, attr, None), str):
+            return str(getattr(value, attr))
+    raise HTTPException(status.HTTP_500_INTERNAL_SERVER_ERROR, "tenant dependency returned no tenant id")
+
+
+async def _enqueue(enqueue: Enqueue, taskset_id: str) -> dict[str, Any]:
+    try:
+        job = await asyncio.wait_for(asyncio.to_thread(enqueue, taskset_id), 10)
+        return {"queued": True, "celery_task_id": job}
+    except Exception as exc:  # noqa: BLE001 - report, the upload itself succeeded
+        return {"queued": False, "error": f"{exc.__class__.__name__}: {exc}"[:300]}
+
+
+def make_router(
+    tenant_dependency: Callable[..., Any],
+    *,
+    runtime_dependency: Callable[..., Runtime] = _runtime_from_app,
+    enqueue: Enqueue = celery_enqueue,
+) -> APIRouter:
+    router = APIRouter(prefix="/v1/tasksets", tags=["tasksets"])
+
+    @router.post("", status_code=status.HTTP_201_CREATED, summary="Upload a task set (JSONL or YAML)")
+    async def upload(
+        request: Request,
+        tenant: Any = Depends(tenant_dependency),
+        runtime: Runtime = Depends(runtime_dependency),
+        name: str = Query("taskset", min_length=1, max_length=200),
+        validate: bool = Query(True, description="queue the validation pipeline"),
+    ) -> dict[str, Any]:
+        tenant_id = _tenant_id(tenant)
+        body = await request.body()
+        if len(body) > MAX_UPLOAD_BYTES:
+            raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, f"task sets are limited to {MAX_UPLOAD_BYTES} bytes")
+        tasks = _parse_body(body, request.headers.get("content-type", ""))
+        assert runtime.db is not None
+        async with runtime.db.session() as session:
+            row = await service.create_taskset(session, runtime.store, tenant_id, name, tasks, source="upload")
+            view = service.taskset_view(row, {"pending": len(tasks)})
+        view["validation"] = await _enqueue(enqueue, row.id) if validate else {"queued": False}
+        return view
+
+    @router.get("", summary="Task sets of the tenant")
+    async def list_all(
+        tenant: Any = Depends(tenant_dependency), runtime: Runtime = Depends(runtime_dependency)
+    ) -> list[dict[str, Any]]:
+        assert runtime.db is not None
+        async with runtime.db.session() as session:
+            rows = await service.list_tasksets(session, _tenant_id(tenant))
+            return [service.taskset_view(r, await service.status_counts(session, r.id)) for r in rows]
+
+    @router.get("/{taskset_id}", summary="A task set with each task's validation status")
+    async def show(
+        taskset_id: str,
+        tenant: Any = Depends(tenant_dependency),
+        runtime: Runtime = Depends(runtime_dependency),
+        tasks: bool = Query(True, description="include the per-task status list"),
+    ) -> dict[str, Any]:
+        assert runtime.db is not None
+        async with runtime.db.session() as session:
+            try:
+                row = await service.get_taskset(session, taskset_id, tenant=_tenant_id(tenant))
+            except service.TaskSetNotFound:
+                raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
+            counts = await service.status_counts(session, taskset_id)
+            view = service.taskset_view(row, counts)
+            done = counts.get("valid", 0) + counts.get("invalid", 0)
+            view["progress"] = {"current": done, "total": row.task_count}
+            if tasks:
+                view["tasks"] = [service.task_view(t) for t in await service.task_rows(session, taskset_id)]
+        return view
+
+    @router.post("/{taskset_id}/validate", status_code=status.HTTP_202_ACCEPTED, summary="Queue validation")
+    async def validate_again(
+        taskset_id: str, tenant: Any = Depends(tenant_dependency), runtime: Runtime = Depends(runtime_dependency)
+    ) -> dict[str, Any]:
+        assert runtime.db is not None
+        async with runtime.db.session() as session:
+            try:
+                await service.get_taskset(session, taskset_id, tenant=_tenant_id(tenant))
+            except service.TaskSetNotFound:
+                raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
+        result = await _enqueue(enqueue, taskset_id)
+        if not result["queued"]:
+            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"cannot queue validation: {result['error']}")
+        return {"id": taskset_id, "validation": result}
+
+    return router
+
+
+def _parse_body(body: bytes, content_type: str) -> list[TaskSpec]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "the task set must be UTF-8 text") from None
+    filename = ".yaml" if "yaml" in content_type else ".jsonl" if ("ndjson" in content_type or "jsonl" in content_type) else ""
+    if "application/json" in content_type:
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, f"not JSON: {exc}") from None
+        items = doc.get("tasks") if isinstance(doc, dict) else doc
+        if not isinstance(items, list):
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "expected a list of tasks or {'tasks': [...]}")
+        text = "".join(json.dumps(t) + "\n" for t in items)
+        filename = ".jsonl"
+    try:
+        return parse_tasks(text, filename=filename)
+    except TaskFormatError as exc:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_ENTITY,
+            {"message": "invalid task set", "errors": [{"line": ln, "field": f, "message": m} for ln, f, m in exc.errors]},
+        ) from None

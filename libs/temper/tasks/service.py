@@ -1,0 +1,166 @@
+"""Task sets in the database and the object store.
+
+Keyword-only functions that take their session (and store) explicitly. A task set is a
+``task_sets`` row plus one ``tasks`` row per task (prompt, spec, hashes, validation
+status, pass counts); the uploaded file is kept as JSONL in the object store under
+``tenants/<tenant>/tasksets/<id>/tasks.jsonl``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from temper.db.models import Task, TaskSet
+from temper.storage import ObjectStore
+from temper.storage.base import check_key
+from temper.tasks.models import TaskSpec, TaskStatus, dump_jsonl
+
+MIN_ATTEMPTS_FOR_DIFFICULTY = 1
+
+
+class TaskSetNotFound(LookupError):
+    pass
+
+
+def task_row_id(taskset_id: str, key: str) -> str:
+    return f"{taskset_id}:{key}"
+
+
+def taskset_storage_key(tenant: str, taskset_id: str) -> str:
+    return check_key(f"tenants/{tenant}/tasksets/{taskset_id}/tasks.jsonl")
+
+
+async def create_taskset(
+    session: AsyncSession,
+    store: ObjectStore | None,
+    tenant: str,
+    name: str,
+    tasks: list[TaskSpec],
+    *,
+    source: str = "",
+    taskset_id: str | None = None,
+) -> TaskSet:
+    """Store a parsed task set: its file in the object store, its rows in the session's
+    transaction (status ``pending`` until validated)."""
+    ts_id = taskset_id or f"ts-{uuid.uuid4().hex[:12]}"
+    key = taskset_storage_key(tenant, ts_id)
+    if store is not None:
+        await store.put(key, dump_jsonl(tasks).encode(), "application/x-ndjson")
+    row = TaskSet(
+        id=ts_id, tenant_id=tenant, name=name, source=source, status="pending", task_count=len(tasks),
+        storage_key=key if store is not None else None,
+    )  # fmt: skip
+    session.add(row)
+    await session.flush()
+    for task in tasks:
+        meta = task.metadata.model_dump(mode="json", exclude_none=True)
+        session.add(
+            Task(
+                id=task_row_id(ts_id, task.id), task_set_id=ts_id, key=task.id, kind=str(task.kind),
+                prompt=task.prompt, spec=task.spec_dict(), meta=meta, status=str(TaskStatus.pending),
+                status_reasons=[], prompt_hash=task.prompt_hash, tests_hash=task.tests_hash,
+                difficulty=task.metadata.difficulty,
+            )  # fmt: skip
+        )
+    await session.flush()
+    return row
+
+
+async def list_tasksets(session: AsyncSession, tenant: str) -> list[TaskSet]:
+    rows = await session.scalars(select(TaskSet).where(TaskSet.tenant_id == tenant).order_by(TaskSet.created_at))
+    return list(rows)
+
+
+async def get_taskset(session: AsyncSession, taskset_id: str, *, tenant: str | None = None) -> TaskSet:
+    row = await session.get(TaskSet, taskset_id)
+    if row is None or (tenant is not None and row.tenant_id != tenant):
+        raise TaskSetNotFound(taskset_id)
+    return row
+
+
+async def task_rows(session: AsyncSession, taskset_id: str) -> list[Task]:
+    rows = await session.scalars(select(Task).where(Task.task_set_id == taskset_id).order_by(Task.key))
+    return list(rows)
+
+
+def spec_of(row: Task) -> TaskSpec:
+    return TaskSpec.from_row(row.key, row.kind, row.prompt, row.spec, row.meta)
+
+
+async def load_task(session: AsyncSession, task_id: str) -> TaskSpec:
+    """A task by its row id (``<taskset>:<key>``, what episodes carry)."""
+    row = await session.get(Task, task_id)
+    if row is None:
+        raise LookupError(f"task {task_id} not found")
+    return spec_of(row)
+
+
+async def status_counts(session: AsyncSession, taskset_id: str) -> dict[str, int]:
+    rows = await session.execute(
+        select(Task.status, func.count()).where(Task.task_set_id == taskset_id).group_by(Task.status)
+    )
+    return {status: n for status, n in rows.all()}
+
+
+async def sampleable_tasks(session: AsyncSession, taskset_id: str) -> list[Task]:
+    """Tasks an episode may be given: every task not marked invalid (pending ones too, so
+    a set can be used before its validation finishes)."""
+    rows = await session.scalars(
+        select(Task).where(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid)).order_by(Task.key)
+    )
+    return list(rows)
+
+
+async def set_task_status(session: AsyncSession, task_id: str, status: TaskStatus, reasons: list[str]) -> None:
+    await session.execute(update(Task).where(Task.id == task_id).values(status=str(status), status_reasons=reasons))
+
+
+async def set_taskset_status(session: AsyncSession, taskset_id: str, status: str) -> None:
+    await session.execute(update(TaskSet).where(TaskSet.id == taskset_id).values(status=status))
+
+
+async def record_outcome(session: AsyncSession, task_id: str, passed: bool) -> None:
+    """Count one scored episode on a task (across all jobs) and update its difficulty:
+    ``1 - (passes + 1) / (attempts + 2)`` (a pass rate with one imagined pass and one
+    imagined failure, so a single episode does not swing it to 0 or 1). One UPDATE, so
+    concurrent scorers never lose a count."""
+    p = 1 if passed else 0
+    await session.execute(
+        update(Task)
+        .where(Task.id == task_id)
+        .values(
+            attempts=Task.attempts + 1,
+            passes=Task.passes + p,
+            difficulty=1.0 - (Task.passes + p + 1.0) / (Task.attempts + 3.0),
+        )
+    )
+
+
+def taskset_view(row: TaskSet, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "name": row.name,
+        "source": row.source,
+        "status": row.status,
+        "task_count": row.task_count,
+        "storage_key": row.storage_key,
+        "created_at": row.created_at.isoformat() if row.created_at else None,
+        **({"counts": counts} if counts is not None else {}),
+    }
+
+
+def task_view(row: Task) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "key": row.key,
+        "kind": row.kind,
+        "status": row.status,
+        "reasons": row.status_reasons,
+        "attempts": row.attempts,
+        "passes": row.passes,
+        "difficulty": row.difficulty,
+    }

@@ -1,0 +1,171 @@
+"""The reward scorer component: ``reward.requests`` in, ``reward.results`` out.
+
+Idempotent: every scored request leaves a durable record in the object store under
+``rewards/<job>/<episode>/t<turn>-a<attempt>.json`` (the request and its result). A
+redelivered request with the same (episode, turn, attempt) finds its record and the
+stored result is published again, never re-scored. Scoring runs at most
+``concurrency`` submissions at once, each component in fresh sandboxes from the
+scorer's own pool (never the agent's sandbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from temper import metrics
+from temper.events import Message, RewardComponent, RewardRequest, RewardResult, Topics
+from temper.logs import log_event
+from temper.rewards import Scorer, ScoringError, Submission
+from temper.rewards.runner import scoring_sandbox_settings
+from temper.runtime import Runtime
+from temper.sandbox import SandboxManager
+from temper.storage import NotFound, ObjectStore
+from temper.storage.base import check_key
+from temper.tasks import service as tasks
+from temper.tasks.models import TaskSpec
+
+log = logging.getLogger("temper.reward_scorer")
+PASS_COMPONENTS = ("tests_passed", "answer_match")
+
+
+def record_key(job_id: str | None, episode_id: str | None, turn: int | None, attempt: int, fallback: str) -> str:
+    def part(value: str | None, default: str) -> str:
+        text = (value or default).replace("/", "_")
+        return text[:120]
+
+    return check_key(f"rewards/{part(job_id, 'no-job')}/{part(episode_id, fallback)}/t{turn or 0}-a{attempt}.json")
+
+
+def passed(components: dict[str, RewardComponent]) -> bool | None:
+    """Whether the episode solved its task (for difficulty estimates)."""
+    for name in PASS_COMPONENTS:
+        comp = components.get(name)
+        if comp is not None and comp.ok and comp.value is not None:
+            return comp.value >= 1.0
+    return None
+
+
+class RewardScorer:
+    def __init__(
+        self, runtime: Runtime, *, manager: SandboxManager | None = None, concurrency: int = 8, task_cache: int = 2048
+    ) -> None:
+        self.runtime = runtime
+        self._own_manager = manager is None
+        self.manager = manager
+        self.concurrency = concurrency
+        self._gate = asyncio.Semaphore(concurrency)
+        self._inflight: dict[str, asyncio.Lock] = {}
+        self._tasks: OrderedDict[str, TaskSpec] = OrderedDict()
+        self._task_cache = task_cache
+        self.scorer: Scorer | None = None
+        self.scored = 0
+        self.duplicates = 0
+
+    async def start(self) -> None:
+        if self.manager is None:
+            settings = self.runtime.settings
+            self.manager = SandboxManager(
+                scoring_sandbox_settings(settings.sandbox), distributed=settings.mode == "distributed"
+            )
+            await self.manager.start()
+        self.scorer = Scorer(self.manager)
+        self.runtime.checks["sandbox"] = self._check_sandbox
+        await self.runtime.consume([Topics.REWARD_REQUESTS], self.handle, group="reward-scorer", concurrency=self.concurrency)
+
+    async def stop(self) -> None:
+        if self.manager is not None and self._own_manager:
+            await self.manager.close()
+
+    async def _check_sandbox(self) -> None:
+        if self.manager is None or self.manager.backend is None:
+            raise RuntimeError("sandbox manager not started")
+
+    @property
+    def store(self) -> ObjectStore:
+        assert self.runtime.store is not None, "the reward scorer needs the object store"
+        return self.runtime.store
+
+    async def task(self, task_id: str) -> TaskSpec:
+        if task_id in self._tasks:
+            self._tasks.move_to_end(task_id)
+            return self._tasks[task_id]
+        assert self.runtime.db is not None
+        async with self.runtime.db.session() as session:
+            spec = await tasks.load_task(session, task_id)
+        self._tasks[task_id] = spec
+        while len(self._tasks) > self._task_cache:
+            self._tasks.popitem(last=False)
+        return spec
+
+    async def handle(self, message: Message) -> None:
+        if not isinstance(message, RewardRequest):
+            return
+        key = record_key(message.job_id, message.episode_id, message.turn, message.attempt, str(message.id))
+        lock = self._inflight.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                result = await self._result_for(message, key)
+                assert self.runtime.bus is not None
+                await self.runtime.bus.send_message(Topics.REWARD_RESULTS, result)
+        finally:
+            if not lock.locked():
+                self._inflight.pop(key, None)
+
+    async def _result_for(self, request: RewardRequest, key: str) -> RewardResult:
+        try:
+            stored = json.loads(await self.store.get(key))
+        except NotFound:
+            stored = None
+        if stored is not None:
+            self.duplicates += 1
+            metrics.REWARDS_SCORED.labels(status="duplicate").inc()
+            log_event(log, "reward request redelivered; publishing the stored result", key=key)
+            return RewardResult.model_validate(stored["result"])
+        async with self._gate:
+            result = await self.score(request)
+        record = {"request": request.model_dump(mode="json"), "result": result.model_dump(mode="json")}
+        await self.store.put(key, json.dumps(record).encode(), "application/json")
+        outcome = passed(result.components)
+        if outcome is not None and result.error is None and self.runtime.db is not None:
+            try:
+                async with self.runtime.db.session() as session:
+                    await tasks.record_outcome(session, request.task_id, outcome)
+            except Exception:  # noqa: BLE001 - difficulty stats must not block the reward
+                log.exception("could not record the outcome of task %s", request.task_id)
+        return result
+
+    async def score(self, request: RewardRequest) -> RewardResult:
+        ids: dict[str, Any] = {
+            "job_id": request.job_id, "episode_id": request.episode_id, "turn": request.turn,
+            "attempt": request.attempt, "task_id": request.task_id,
+        }  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            task = await self.task(request.task_id)
+        except LookupError as exc:
+            metrics.REWARDS_SCORED.labels(status="error").inc()
+            metrics.REWARD_FAILURES.labels(component="*", reason="unknown_task").inc()
+            return RewardResult(**ids, error=str(exc))
+        assert self.scorer is not None
+        try:
+            submission = Submission.model_validate(request.submission)
+            reward, components = await self.scorer.score(
+                task, submission, request.weights or None, turns_used=request.turns_used,
+                max_turns=request.max_turns, format_ok=request.format_ok,
+            )  # fmt: skip
+        except ScoringError as exc:
+            metrics.REWARDS_SCORED.labels(status="error").inc()
+            return RewardResult(**ids, error=f"scoring failed: {exc}")
+        except ValueError as exc:
+            metrics.REWARDS_SCORED.labels(status="error").inc()
+            metrics.REWARD_FAILURES.labels(component="*", reason="bad_submission").inc()
+            return RewardResult(**ids, error=f"bad submission: {exc}")
+        self.scored += 1
+        metrics.REWARDS_SCORED.labels(status="ok").inc()
+        log_event(log, "scored", task_id=request.task_id, reward=reward, seconds=round(time.perf_counter() - t0, 4))
+        return RewardResult(**ids, reward=reward, components=components)
