@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 
@@ -64,12 +64,14 @@ def make_router(
     enqueue: Enqueue = celery_enqueue,
 ) -> APIRouter:
     router = APIRouter(prefix="/v1/tasksets", tags=["tasksets"])
+    TenantDep = Annotated[Any, Depends(tenant_dependency)]  # noqa: N806 - a type alias
+    RuntimeDep = Annotated[Runtime, Depends(runtime_dependency)]  # noqa: N806
 
     @router.post("", status_code=status.HTTP_201_CREATED, summary="Upload a task set (JSONL or YAML)")
     async def upload(
         request: Request,
-        tenant: Any = Depends(tenant_dependency),
-        runtime: Runtime = Depends(runtime_dependency),
+        tenant: TenantDep,
+        runtime: RuntimeDep,
         name: str = Query("taskset", min_length=1, max_length=200),
         validate: bool = Query(True, description="queue the validation pipeline"),
     ) -> dict[str, Any]:
@@ -87,7 +89,7 @@ def make_router(
 
     @router.get("", summary="Task sets of the tenant")
     async def list_all(
-        tenant: Any = Depends(tenant_dependency), runtime: Runtime = Depends(runtime_dependency)
+        tenant: TenantDep, runtime: RuntimeDep
     ) -> list[dict[str, Any]]:
         assert runtime.db is not None
         async with runtime.db.session() as session:
@@ -97,8 +99,8 @@ def make_router(
     @router.get("/{taskset_id}", summary="A task set with each task's validation status")
     async def show(
         taskset_id: str,
-        tenant: Any = Depends(tenant_dependency),
-        runtime: Runtime = Depends(runtime_dependency),
+        tenant: TenantDep,
+        runtime: RuntimeDep,
         tasks: bool = Query(True, description="include the per-task status list"),
     ) -> dict[str, Any]:
         assert runtime.db is not None
@@ -117,7 +119,7 @@ def make_router(
 
     @router.post("/{taskset_id}/validate", status_code=status.HTTP_202_ACCEPTED, summary="Queue validation")
     async def validate_again(
-        taskset_id: str, tenant: Any = Depends(tenant_dependency), runtime: Runtime = Depends(runtime_dependency)
+        taskset_id: str, tenant: TenantDep, runtime: RuntimeDep
     ) -> dict[str, Any]:
         assert runtime.db is not None
         async with runtime.db.session() as session:
