@@ -1,0 +1,1 @@
+"""The dispatcher's REST API under ``/v1``: jobs, episodes, tenants and keys."""

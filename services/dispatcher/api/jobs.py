@@ -1,0 +1,193 @@
+"""``/v1/jobs``: submit a job spec (JSON, YAML, or an uploaded YAML file), list, read,
+pause, resume, cancel, and read a job's metrics."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+from fastapi.responses import JSONResponse
+from starlette.datastructures import UploadFile
+from temper.db import Job
+from temper.jobspec import JobSpec, SpecError, parse_spec
+from temper.lifecycle import IllegalTransition, JobState
+
+from services.dispatcher.api import repo, schemas
+from services.dispatcher.api.auth import bearer_scheme
+from services.dispatcher.api.deps import CurrentTenant, SessionDep
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(bearer_scheme)])
+
+MAX_SPEC_BYTES = 1 << 20
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain")
+NOT_FOUND = {404: {"model": schemas.Problem, "description": "no such job for this tenant"}}
+AUTH = {401: {"model": schemas.Problem, "description": "missing or invalid API key"}}
+
+SPEC_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "the job spec (docs/job-spec.md) as JSON, as YAML text, or as an uploaded YAML/JSON file "
+        "in the form field `spec`",
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
+            "application/yaml": {"schema": {"type": "string"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"spec": {"type": "string", "format": "binary"}},
+                    "required": ["spec"],
+                }
+            },
+        },
+    }
+}
+
+
+def spec_problem(exc: SpecError) -> JSONResponse:
+    body = schemas.SpecProblem(
+        detail=f"invalid job spec: {exc}",
+        errors=[schemas.FieldError(field=path, message=msg) for path, msg in exc.errors],
+    )
+    return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+async def read_spec(request: Request) -> JobSpec:
+    """The spec from whichever form the request carries it in."""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype == "multipart/form-data":
+        async with request.form() as form:  # closes the uploaded files' temporary storage
+            upload = form.get("spec")
+            if upload is None:
+                upload = next((v for v in form.values() if isinstance(v, UploadFile)), None)
+            if upload is None:
+                raise SpecError([("(document)", "upload the spec in the form field 'spec'")])
+            raw: bytes = await upload.read() if isinstance(upload, UploadFile) else str(upload).encode()
+    else:
+        raw = await request.body()
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError([("(document)", f"the spec is larger than {MAX_SPEC_BYTES} bytes")])
+    if ctype in ("application/json", ""):
+        try:
+            data = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SpecError([("(document)", f"not valid JSON: {exc}")]) from None
+        return parse_spec(data)
+    if ctype in YAML_TYPES or ctype == "multipart/form-data":
+        return parse_spec(raw)
+    raise HTTPException(
+        status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+        "send the spec as application/json, application/yaml, or multipart/form-data with a 'spec' file",
+    )
+
+
+async def job_or_404(session: SessionDep, tenant: CurrentTenant, job_id: str) -> Job:
+    job = await repo.get_job(session, tenant_id=tenant.id, job_id=job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} not found")
+    return job
+
+
+JobDep = Annotated[Job, Depends(job_or_404)]
+
+
+def job_detail(job: Job) -> schemas.Job:
+    return schemas.Job(**repo.job_summary(job), spec=job.spec)
+
+
+@router.post(
+    "",
+    summary="Submit a job",
+    description="Validates the spec and checks that its task set belongs to the caller; the job starts "
+    "in state `pending` and the scheduler picks it up.",
+    status_code=status.HTTP_201_CREATED,
+    response_model=schemas.Job,
+    responses={422: {"model": schemas.SpecProblem, "description": "the spec is invalid; each bad field is named"},
+               415: {"model": schemas.Problem}, **AUTH},
+    openapi_extra=SPEC_BODY,
+)
+async def submit_job(request: Request, session: SessionDep, tenant: CurrentTenant) -> Any:
+    try:
+        spec = await read_spec(request)
+        job = await repo.create_job(session, tenant=tenant, spec=spec)
+    except SpecError as exc:
+        return spec_problem(exc)
+    await session.commit()
+    return job_detail(job)
+
+
+@router.get("", summary="List jobs", response_model=schemas.JobPage, responses=AUTH)
+async def list_jobs(
+    session: SessionDep,
+    tenant: CurrentTenant,
+    state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
+    name: Annotated[str | None, Query(description="only jobs whose name contains this (case-insensitive)")] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
+    offset: Annotated[int, Query(ge=0, description="skip this many (ignored with cursor)")] = 0,
+) -> schemas.JobPage:
+    try:
+        page = await repo.list_jobs(
+            session, tenant_id=tenant.id, state=state.value if state else None, name=name,
+            limit=limit, cursor=cursor, offset=offset,
+        )
+    except repo.BadCursor as exc:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
+    return schemas.JobPage(
+        items=[schemas.JobSummary(**repo.job_summary(j)) for j in page.rows],
+        next_cursor=page.next_cursor,
+        total=page.total,
+    )
+
+
+@router.get("/{job_id}", summary="Get a job", response_model=schemas.Job, responses={**NOT_FOUND, **AUTH})
+async def get_job(job: JobDep) -> schemas.Job:
+    return job_detail(job)
+
+
+async def _command(session: SessionDep, job: Job, command: str) -> schemas.Job:
+    try:
+        await repo.command_job(session, job=job, command=command)
+    except IllegalTransition:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"cannot {command} a job that is {job.state}") from None
+    await session.commit()
+    return job_detail(job)
+
+
+CONFLICT = {409: {"model": schemas.Problem, "description": "the job's state does not allow this"}}
+
+
+@router.post("/{job_id}/pause", summary="Pause a running job", response_model=schemas.Job,
+             description="No new episodes start; episodes in flight finish.",
+             responses={**NOT_FOUND, **CONFLICT, **AUTH})
+async def pause_job(session: SessionDep, job: JobDep) -> schemas.Job:
+    return await _command(session, job, "pause")
+
+
+@router.post("/{job_id}/resume", summary="Resume a paused job", response_model=schemas.Job,
+             responses={**NOT_FOUND, **CONFLICT, **AUTH})
+async def resume_job(session: SessionDep, job: JobDep) -> schemas.Job:
+    return await _command(session, job, "resume")
+
+
+@router.post("/{job_id}/cancel", summary="Cancel a job", response_model=schemas.Job,
+             description="The job and its unfinished episodes become `cancelled`.",
+             responses={**NOT_FOUND, **CONFLICT, **AUTH})
+async def cancel_job(session: SessionDep, job: JobDep) -> schemas.Job:
+    return await _command(session, job, "cancel")
+
+
+@router.get(
+    "/{job_id}/metrics",
+    summary="Job metrics",
+    description="Reward curve per iteration (mean/std of scored episodes), pass rate per task, throughput, "
+    "staleness and progress.",
+    response_model=schemas.JobMetrics,
+    responses={**NOT_FOUND, **AUTH},
+)
+async def job_metrics(
+    session: SessionDep,
+    job: JobDep,
+    pass_threshold: Annotated[float, Query(description="an episode passes when its reward is at least this")] = 1.0,
+) -> schemas.JobMetrics:
+    return await repo.job_metrics(session, job=job, pass_threshold=pass_threshold)

@@ -1,0 +1,333 @@
+"""Persistence behind the API and the console: every read is scoped to a tenant, every
+write goes through :mod:`temper.lifecycle`. Functions take the session explicitly and
+never commit; the route does."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Select, and_, case, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from temper.db import Episode, Job, TaskSet, Tenant
+from temper.db.models import utcnow
+from temper.events import LifecycleEvent, Topics
+from temper.jobspec import JobSpec, SpecError
+from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
+from temper.outbox import enqueue
+
+from services.dispatcher.api import schemas
+
+SCORED = (EpisodeState.scored.value, EpisodeState.trained.value)
+FINISHED = tuple(s.value for s in EPISODE_FINISHED)
+UNUSABLE_TASKSET_STATES = frozenset({"invalid", "failed", "deleted"})
+
+
+# --- cursors --------------------------------------------------------------------------
+
+
+class BadCursor(ValueError):
+    pass
+
+
+def encode_cursor(created_at: datetime, row_id: str) -> str:
+    raw = json.dumps([created_at.isoformat(), row_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created, row_id = json.loads(raw)
+        return datetime.fromisoformat(created), str(row_id)
+    except (ValueError, TypeError) as exc:
+        raise BadCursor("cursor is not one this API handed out") from exc
+
+
+@dataclass
+class Page:
+    rows: list[Any]
+    next_cursor: str | None
+    total: int
+
+
+async def _page(
+    session: AsyncSession, query: Select[Any], model: Any, *, limit: int, cursor: str | None, offset: int, newest_first: bool
+) -> Page:
+    total = (await session.execute(select(func.count()).select_from(query.subquery()))).scalar_one()
+    if cursor:
+        created, row_id = decode_cursor(cursor)
+        if newest_first:
+            query = query.where(or_(model.created_at < created, and_(model.created_at == created, model.id < row_id)))
+        else:
+            query = query.where(or_(model.created_at > created, and_(model.created_at == created, model.id > row_id)))
+    order = (model.created_at.desc(), model.id.desc()) if newest_first else (model.created_at, model.id)
+    query = query.order_by(*order).limit(limit + 1)
+    if offset and not cursor:
+        query = query.offset(offset)
+    rows = list((await session.execute(query)).scalars())
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        next_cursor = encode_cursor(rows[-1].created_at, rows[-1].id)
+    return Page(rows, next_cursor, total)
+
+
+# --- jobs -----------------------------------------------------------------------------
+
+
+def new_job_id() -> str:
+    return "job-" + uuid.uuid4().hex[:12]
+
+
+async def create_job(session: AsyncSession, *, tenant: Tenant, spec: JobSpec) -> Job:
+    """Insert a pending job; :class:`SpecError` if its task set is not the tenant's or unusable."""
+    taskset = await session.get(TaskSet, spec.tasks.taskset)
+    if taskset is None or taskset.tenant_id != tenant.id:
+        raise SpecError([("tasks.taskset", f"task set {spec.tasks.taskset!r} does not exist")])
+    if taskset.status in UNUSABLE_TASKSET_STATES:
+        raise SpecError([("tasks.taskset", f"task set {taskset.id!r} is {taskset.status}")])
+    job = Job(
+        id=new_job_id(),
+        tenant_id=tenant.id,
+        name=spec.name,
+        spec=spec.model_dump(mode="json"),
+        state=JobState.pending.value,
+    )
+    session.add(job)
+    enqueue(
+        session,
+        Topics.EVENTS,
+        LifecycleEvent(event="job.state", job_id=job.id, tenant=tenant.id, state=JobState.pending.value),
+    )
+    await session.flush()
+    return job
+
+
+async def list_jobs(
+    session: AsyncSession,
+    *,
+    tenant_id: str,
+    state: str | None = None,
+    name: str | None = None,
+    limit: int = 50,
+    cursor: str | None = None,
+    offset: int = 0,
+) -> Page:
+    query = select(Job).where(Job.tenant_id == tenant_id)
+    if state:
+        query = query.where(Job.state == state)
+    if name:
+        query = query.where(func.lower(Job.name).contains(name.lower(), autoescape=True))
+    return await _page(session, query, Job, limit=limit, cursor=cursor, offset=offset, newest_first=True)
+
+
+async def get_job(session: AsyncSession, *, tenant_id: str, job_id: str) -> Job | None:
+    job = await session.get(Job, job_id)
+    return job if job is not None and job.tenant_id == tenant_id else None
+
+
+JOB_COMMANDS = {"pause": JobState.paused, "resume": JobState.running, "cancel": JobState.cancelled}
+
+
+async def command_job(session: AsyncSession, *, job: Job, command: str, reason: str | None = None) -> None:
+    """Pause, resume or cancel; raises :class:`temper.lifecycle.IllegalTransition`. Cancelling
+    also cancels the job's unfinished episodes in the same transaction; results that
+    arrive for them later find them finished and are ignored."""
+    to = JOB_COMMANDS[command]
+    transition_job(session, job, to, reason=reason or f"{command} requested over the API")
+    if to is JobState.cancelled:
+        rows = await session.execute(
+            select(Episode).where(Episode.job_id == job.id, Episode.state.not_in(FINISHED)).with_for_update()
+        )
+        for episode in rows.scalars():
+            transition_episode(session, episode, EpisodeState.cancelled, reason="job cancelled")
+            episode.lease_expires_at = None
+
+
+def job_summary(job: Job) -> dict[str, Any]:
+    spec = job.spec or {}
+    return {
+        "id": job.id,
+        "name": job.name,
+        "state": job.state,
+        "state_reason": job.state_reason,
+        "iteration": job.iteration,
+        "iterations": int(spec.get("schedule", {}).get("iterations", 0)),
+        "policy_version": job.policy_version,
+        "taskset": str(spec.get("tasks", {}).get("taskset", "")),
+        "created_at": job.created_at,
+        "updated_at": job.updated_at,
+        "finished_at": job.finished_at,
+    }
+
+
+# --- episodes -------------------------------------------------------------------------
+
+
+async def list_episodes(
+    session: AsyncSession,
+    *,
+    job: Job,
+    state: str | None = None,
+    task: str | None = None,
+    iteration: int | None = None,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    limit: int = 50,
+    cursor: str | None = None,
+    offset: int = 0,
+) -> Page:
+    query = select(Episode).where(Episode.job_id == job.id, Episode.tenant_id == job.tenant_id)
+    if state:
+        query = query.where(Episode.state == state)
+    if task:
+        query = query.where(Episode.task_id == task)
+    if iteration is not None:
+        query = query.where(Episode.iteration == iteration)
+    if min_reward is not None:
+        query = query.where(Episode.reward >= min_reward)
+    if max_reward is not None:
+        query = query.where(Episode.reward <= max_reward)
+    return await _page(session, query, Episode, limit=limit, cursor=cursor, offset=offset, newest_first=False)
+
+
+async def get_episode(session: AsyncSession, *, tenant_id: str, episode_id: str) -> Episode | None:
+    episode = await session.get(Episode, episode_id)
+    return episode if episode is not None and episode.tenant_id == tenant_id else None
+
+
+def episode_out(episode: Episode) -> schemas.Episode:
+    out = schemas.Episode.model_validate(episode)
+    out.has_trajectory = bool(episode.trajectory_key)
+    return out
+
+
+async def active_episodes(session: AsyncSession, *, tenant_id: str) -> int:
+    query = select(func.count()).where(Episode.tenant_id == tenant_id, Episode.state.not_in(FINISHED))
+    return int((await session.execute(query)).scalar_one())
+
+
+# --- metrics --------------------------------------------------------------------------
+
+
+def _aware(ts: datetime) -> datetime:
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float = 1.0) -> schemas.JobMetrics:
+    spec = job.spec or {}
+    schedule = spec.get("schedule", {})
+    iterations = int(schedule.get("iterations", 0))
+    per_iteration = int(schedule.get("episodes_per_iteration", 0))
+    of_job = Episode.job_id == job.id
+    scored = and_(of_job, Episode.state.in_(SCORED), Episode.reward.is_not(None))
+
+    curve_rows = await session.execute(
+        select(
+            Episode.iteration,
+            func.count(),
+            func.avg(Episode.reward),
+            func.avg(Episode.reward * Episode.reward),
+            func.min(Episode.reward),
+            func.max(Episode.reward),
+        )
+        .where(scored)
+        .group_by(Episode.iteration)
+        .order_by(Episode.iteration)
+    )
+    curve = [
+        schemas.IterationReward(
+            iteration=it, episodes=n, mean=mean, std=math.sqrt(max(0.0, sq - mean * mean)), min=lo, max=hi
+        )
+        for it, n, mean, sq, lo, hi in curve_rows
+    ]
+
+    passed = func.sum(case((Episode.reward >= pass_threshold, 1), else_=0))
+    task_rows = await session.execute(
+        select(Episode.task_id, func.count(), passed, func.avg(Episode.reward))
+        .where(scored)
+        .group_by(Episode.task_id)
+        .order_by(Episode.task_id)
+    )
+    pass_rates = [
+        schemas.TaskPassRate(task_id=t, episodes=n, passed=int(p or 0), pass_rate=(p or 0) / n, mean_reward=m)
+        for t, n, p, m in task_rows
+    ]
+
+    by_state = {s: int(n) for s, n in await session.execute(
+        select(Episode.state, func.count()).where(of_job).group_by(Episode.state)
+    )}
+    finished = sum(n for s, n in by_state.items() if s in FINISHED)
+
+    now = utcnow()
+    first_created, last_done = (
+        await session.execute(
+            select(func.min(Episode.created_at), func.max(case((Episode.state.in_(FINISHED), Episode.updated_at))))
+            .where(of_job)
+        )
+    ).one()
+    recent = (
+        await session.execute(
+            select(func.count()).where(
+                of_job, Episode.state.in_(FINISHED), Episode.updated_at >= now - timedelta(minutes=5)
+            )
+        )
+    ).scalar_one()
+    rate = 0.0
+    if first_created is not None and finished:
+        end = _aware(last_done) if job.state not in ("pending", "running", "paused") and last_done else now
+        minutes = max((end - _aware(first_created)).total_seconds() / 60, 1 / 60)
+        rate = finished / minutes
+    throughput = schemas.Throughput(
+        episodes_finished=finished, episodes_per_min=rate, recent_episodes_per_min=recent / 5.0
+    )
+
+    lag = job.policy_version - Episode.behaviour_version
+    waiting = (
+        await session.execute(
+            select(func.avg(lag), func.max(lag)).where(
+                of_job, Episode.state == EpisodeState.scored.value, Episode.behaviour_version.is_not(None)
+            )
+        )
+    ).one()
+    in_flight = (
+        await session.execute(
+            select(func.max(lag)).where(
+                of_job, Episode.state.not_in(FINISHED), Episode.behaviour_version.is_not(None)
+            )
+        )
+    ).scalar_one()
+    staleness = schemas.Staleness(
+        current_version=job.policy_version,
+        max_staleness=int(schedule.get("max_staleness", 0)),
+        mean=float(waiting[0]) if waiting[0] is not None else None,
+        max=int(waiting[1]) if waiting[1] is not None else None,
+        in_flight_max=int(in_flight) if in_flight is not None else None,
+    )
+
+    total = iterations * per_iteration
+    progress = schemas.Progress(
+        state=job.state,
+        iteration=job.iteration,
+        iterations=iterations,
+        episodes_per_iteration=per_iteration,
+        episodes_total=total,
+        episodes_by_state=by_state,
+        finished=finished,
+        fraction=min(1.0, finished / total) if total else 0.0,
+    )
+    return schemas.JobMetrics(
+        job_id=job.id,
+        progress=progress,
+        reward_curve=curve,
+        pass_rates=pass_rates,
+        throughput=throughput,
+        staleness=staleness,
+        pass_threshold=pass_threshold,
+    )

@@ -1,0 +1,217 @@
+"""Response and request bodies of the dispatcher's REST API (``/v1``)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class Problem(BaseModel):
+    detail: str
+
+
+class FieldError(BaseModel):
+    field: str = Field(description="dotted path of the offending field, e.g. schedule.iterations")
+    message: str
+
+
+class SpecProblem(BaseModel):
+    detail: str = "invalid job spec"
+    errors: list[FieldError]
+
+
+# --- jobs -----------------------------------------------------------------------------
+
+
+class JobSummary(_Out):
+    id: str
+    name: str
+    state: str
+    state_reason: str | None = None
+    iteration: int = Field(description="iterations started so far")
+    iterations: int = Field(description="iterations the spec asks for")
+    policy_version: int
+    taskset: str
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+
+
+class Job(JobSummary):
+    spec: dict[str, Any] = Field(description="the validated spec, defaults filled in")
+
+
+class JobPage(BaseModel):
+    items: list[JobSummary]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= to get the next page; null on the last")
+    total: int = Field(description="jobs matching the filters")
+
+
+# --- episodes -------------------------------------------------------------------------
+
+
+class Episode(_Out):
+    id: str
+    job_id: str
+    task_id: str
+    group_id: str
+    iteration: int
+    state: str
+    state_reason: str | None = None
+    turn: int
+    attempt: int
+    behaviour_version: int | None = None
+    reward: float | None = None
+    rewards: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
+    has_trajectory: bool = False
+    created_at: datetime
+    updated_at: datetime
+
+
+class EpisodePage(BaseModel):
+    items: list[Episode]
+    next_cursor: str | None = None
+    total: int
+
+
+class TranscriptTurn(BaseModel):
+    turn: int
+    prompt: str = Field(description="what the model read before this turn's action (decoded prompt tokens)")
+    prompt_tokens: int = 0
+    action_text: str = Field(description="the model's output, decoded")
+    action_tokens: int = 0
+    action: dict[str, Any] = Field({}, description="the action the environment parsed from it")
+    observation: str = ""
+    exit_code: int | None = None
+    kill_reason: str | None = None
+    policy_version: int | None = None
+    timings: dict[str, float] = {}
+
+
+class Transcript(BaseModel):
+    episode: Episode
+    source: str = Field(description="'trajectory' (stored after scoring) or 'steps' (an episode in progress)")
+    turns: list[TranscriptTurn]
+    final_observation: str = Field("", description="environment text after the last action, if any")
+    reward: float | None = None
+    rewards: dict[str, Any] = Field({}, description="the reward vector: each component's value and details")
+    policy_versions: list[int] = Field([], description="policy versions that produced the model's tokens")
+    timings: dict[str, Any] = {}
+
+
+# --- metrics --------------------------------------------------------------------------
+
+
+class IterationReward(BaseModel):
+    iteration: int
+    episodes: int = Field(description="scored episodes in this iteration")
+    mean: float
+    std: float
+    min: float
+    max: float
+
+
+class TaskPassRate(BaseModel):
+    task_id: str
+    episodes: int
+    passed: int
+    pass_rate: float
+    mean_reward: float
+
+
+class Throughput(BaseModel):
+    episodes_finished: int
+    episodes_per_min: float = Field(description="finished episodes per minute over the job's life so far")
+    recent_episodes_per_min: float = Field(description="over the last five minutes")
+
+
+class Staleness(BaseModel):
+    current_version: int = Field(description="the job's latest policy version")
+    max_staleness: int = Field(description="the bound from the spec")
+    mean: float | None = Field(None, description="mean (version at scoring - behaviour version) of scored episodes")
+    max: int | None = None
+    in_flight_max: int | None = Field(None, description="largest staleness among unfinished episodes")
+
+
+class Progress(BaseModel):
+    state: str
+    iteration: int
+    iterations: int
+    episodes_per_iteration: int
+    episodes_total: int = Field(description="episodes the whole job will run")
+    episodes_by_state: dict[str, int]
+    finished: int
+    fraction: float = Field(description="finished / episodes_total, 0..1")
+
+
+class JobMetrics(BaseModel):
+    job_id: str
+    progress: Progress
+    reward_curve: list[IterationReward]
+    pass_rates: list[TaskPassRate]
+    throughput: Throughput
+    staleness: Staleness
+    pass_threshold: float = Field(description="an episode passes when its reward is at least this")
+
+
+# --- tenants and keys -----------------------------------------------------------------
+
+
+class TenantOut(_Out):
+    id: str
+    name: str
+    max_concurrent_episodes: int = Field(description="quota: episodes this tenant may run at once")
+    created_at: datetime
+
+
+class TenantUsage(TenantOut):
+    active_episodes: int = Field(description="episodes of this tenant currently in flight")
+    admin: bool = Field(description="whether the calling key is an admin key")
+
+
+class KeyOut(_Out):
+    id: int
+    name: str
+    prefix: str
+    admin: bool
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+
+class NewKey(BaseModel):
+    id: int
+    tenant_id: str
+    prefix: str
+    admin: bool
+    key: str = Field(description="the API key; shown only in this response")
+
+
+class NewTenant(BaseModel):
+    tenant: TenantOut
+    key: NewKey
+
+
+class CreateTenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200)
+    id: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,63}$", description="defaults to a slug of name")
+    max_concurrent_episodes: int = Field(64, ge=1)
+    admin: bool = Field(False, description="whether its first key is an admin key")
+
+
+class UpdateTenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(None, min_length=1, max_length=200)
+    max_concurrent_episodes: int | None = Field(None, ge=1)
+
+
+class CreateKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("", max_length=200)

@@ -1,0 +1,186 @@
+"""An episode as a person reads it: each turn's prompt (decoded), the model's action, the
+sandbox's observation with its kill reason, and the reward vector.
+
+A scored episode is read from its stored :class:`temper.trajectory.Trajectory`; one still
+in progress (or one whose trajectory was never written) from its ``steps`` rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+from temper.db import Episode, Step
+from temper.storage import NotFound, ObjectStore
+from temper.trajectory import Trajectory
+
+from services.dispatcher.api import schemas
+from services.dispatcher.api.repo import episode_out
+
+log = logging.getLogger("temper.dispatcher.transcripts")
+
+
+def decode_tokens(ids: Iterable[int] | None) -> str:
+    """Token ids as text with the policy tokenizer; empty if there is none to use."""
+    ids = list(ids or [])
+    if not ids:
+        return ""
+    try:
+        from temper.policy import default_tokenizer
+
+        return default_tokenizer().decode(ids, skip_special=False)
+    except Exception:  # noqa: BLE001 - a transcript without text beats no transcript
+        return f"<{len(ids)} tokens>"
+
+
+async def load_trajectory(store: ObjectStore, key: str) -> Trajectory | None:
+    try:
+        return Trajectory.model_validate_json(await store.get(key))
+    except NotFound:
+        return None
+    except ValueError:
+        log.warning("trajectory %s does not parse", key)
+        return None
+
+
+def from_trajectory(episode: Episode, traj: Trajectory) -> schemas.Transcript:
+    turns: list[schemas.TranscriptTurn] = []
+    pending: list[str] = []
+    pending_tokens = 0
+    for seg in traj.segments:
+        text = seg.text or decode_tokens(seg.token_ids)
+        if seg.role == "model":
+            turns.append(
+                schemas.TranscriptTurn(
+                    turn=len(turns),
+                    prompt="".join(pending),
+                    prompt_tokens=pending_tokens,
+                    action_text=text,
+                    action_tokens=len(seg.token_ids),
+                    policy_version=seg.policy_version,
+                )
+            )
+            pending, pending_tokens = [], 0
+        else:
+            pending.append(text)
+            pending_tokens += len(seg.token_ids)
+    final_observation = "".join(pending)
+    for i, record in enumerate(sorted(traj.turns, key=lambda r: r.turn)):
+        if i >= len(turns):
+            turns.append(schemas.TranscriptTurn(turn=i, prompt="", action_text=record.action_text))
+        t = turns[i]
+        t.turn = record.turn
+        t.action = record.action
+        t.observation = record.observation
+        t.exit_code = record.exit_code
+        t.kill_reason = record.kill_reason
+        t.timings = record.timings
+        if t.policy_version is None:
+            t.policy_version = record.policy_version
+        if not t.action_text:
+            t.action_text = record.action_text
+    if traj.turns and turns and final_observation and final_observation == turns[-1].observation:
+        final_observation = ""
+    versions = sorted({s.policy_version for s in traj.segments if s.role == "model" and s.policy_version is not None})
+    return schemas.Transcript(
+        episode=episode_out(episode),
+        source="trajectory",
+        turns=turns,
+        final_observation=final_observation,
+        reward=traj.reward,
+        rewards=traj.rewards or episode.rewards,
+        policy_versions=versions,
+        timings={**episode.timings, **traj.timings},
+    )
+
+
+def _dig(data: dict[str, Any] | None, *names: str) -> Any:
+    """The first of ``names`` found in ``data`` or in its nested ``result``/``observation``."""
+    if not isinstance(data, dict):
+        return None
+    for scope in (data, data.get("result"), data.get("observation")):
+        if isinstance(scope, dict):
+            for name in names:
+                if scope.get(name) is not None:
+                    return scope[name]
+    return None
+
+
+def _observation_text(result: dict[str, Any] | None) -> str:
+    text = _dig(result, "observation_text", "text")
+    if isinstance(text, str):
+        return text
+    obs = _dig(result, "observation")
+    if isinstance(obs, str):
+        return obs
+    parts = []
+    for stream in ("stdout", "stderr"):
+        value = _dig(result, stream)
+        if value:
+            parts.append(f"[{stream}]\n{value}")
+    if not parts and result:
+        return json.dumps(result, default=str)[:4000]
+    return "\n".join(parts)
+
+
+async def from_steps(session: AsyncSession, episode: Episode) -> schemas.Transcript:
+    steps = list(
+        (await session.execute(select(Step).where(Step.episode_id == episode.id).order_by(Step.turn, Step.id))).scalars()
+    )
+    turns: dict[int, schemas.TranscriptTurn] = {}
+    seen_ids: list[int] = []
+    versions: set[int] = set()
+    rewards: dict[str, Any] = dict(episode.rewards or {})
+    for step in steps:
+        if step.kind == "reward":
+            components = _dig(step.result, "components")
+            if isinstance(components, dict):
+                rewards = rewards or components
+            continue
+        turn = turns.setdefault(step.turn, schemas.TranscriptTurn(turn=step.turn, prompt="", action_text=""))
+        if step.kind == "inference":
+            prompt_ids = list(step.request.get("prompt_ids") or [])
+            new_ids = prompt_ids[len(seen_ids):] if prompt_ids[: len(seen_ids)] == seen_ids else prompt_ids
+            turn.prompt = step.request.get("prompt_text") or decode_tokens(new_ids)
+            turn.prompt_tokens = len(new_ids)
+            token_ids = list(_dig(step.result, "token_ids") or [])
+            turn.action_text = _dig(step.result, "text") or decode_tokens(token_ids)
+            turn.action_tokens = len(token_ids)
+            version = _dig(step.result, "policy_version")
+            if isinstance(version, int):
+                turn.policy_version = version
+                versions.add(version)
+            seen_ids = prompt_ids + token_ids
+        elif step.kind == "sandbox":
+            action = step.request.get("action")
+            turn.action = action if isinstance(action, dict) else {}
+            if step.result is not None:
+                turn.observation = _observation_text(step.result)
+                exit_code = _dig(step.result, "exit_code", "exit_status", "returncode")
+                turn.exit_code = exit_code if isinstance(exit_code, int) else None
+                kill = _dig(step.result, "kill_reason", "killed")
+                turn.kill_reason = kill if isinstance(kill, str) else None
+                duration = _dig(step.result, "duration_s", "duration")
+                if isinstance(duration, int | float):
+                    turn.timings["sandbox_s"] = float(duration)
+    return schemas.Transcript(
+        episode=episode_out(episode),
+        source="steps",
+        turns=[turns[k] for k in sorted(turns)],
+        reward=episode.reward,
+        rewards=rewards,
+        policy_versions=sorted(versions),
+        timings=episode.timings,
+    )
+
+
+async def transcript(session: AsyncSession, store: ObjectStore, episode: Episode) -> schemas.Transcript:
+    if episode.trajectory_key:
+        traj = await load_trajectory(store, episode.trajectory_key)
+        if traj is not None:
+            return from_trajectory(episode, traj)
+    return await from_steps(session, episode)

@@ -1,0 +1,85 @@
+"""Charts drawn on the server as inline SVG (no JavaScript, no CDN)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from html import escape
+
+from markupsafe import Markup
+
+from services.dispatcher.api.schemas import IterationReward
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    out, v = [], first
+    while v <= hi + 1e-9:
+        out.append(round(v, 10))
+        v += step
+    return out
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}"
+
+
+def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, height: int = 260) -> Markup:
+    """Mean reward per iteration with a ±1 std band; each point has a tooltip."""
+    if not curve:
+        return Markup(
+            f'<svg id="reward-curve" class="chart empty" viewBox="0 0 {width} 80" role="img" '
+            'aria-label="reward curve"><text x="12" y="44">No scored episodes yet.</text></svg>'
+        )
+    left, right, top, bottom = 52, 16, 14, 34
+    w, h = width - left - right, height - top - bottom
+    xs = [p.iteration for p in curve]
+    lo = min(min(p.mean - p.std, p.min) for p in curve)
+    hi = max(max(p.mean + p.std, p.max) for p in curve)
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    pad = (hi - lo) * 0.05
+    lo, hi = lo - pad, hi + pad
+    x0, x1 = min(xs), max(xs)
+
+    def sx(x: float) -> float:
+        return left + (w / 2 if x1 == x0 else (x - x0) / (x1 - x0) * w)
+
+    def sy(y: float) -> float:
+        return top + h - (y - lo) / (hi - lo) * h
+
+    parts = [
+        f'<svg id="reward-curve" class="chart" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="mean reward per iteration" data-points="{len(curve)}">'
+    ]
+    for t in _ticks(lo, hi):
+        y = sy(t)
+        parts.append(f'<line class="grid" x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}"/>')
+        parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+    for it in _ticks(x0, x1, min(8, max(1, x1 - x0))) if x1 > x0 else [x0]:
+        if float(it).is_integer():
+            x = sx(it)
+            parts.append(
+                f'<text class="tick" x="{x:.1f}" y="{top + h + 18}" text-anchor="middle">{int(it)}</text>'
+            )
+    parts.append(f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>')
+    band = [f"{sx(p.iteration):.1f},{sy(p.mean + p.std):.1f}" for p in curve]
+    band += [f"{sx(p.iteration):.1f},{sy(p.mean - p.std):.1f}" for p in reversed(curve)]
+    parts.append(f'<polygon class="band" points="{" ".join(band)}"/>')
+    mean_pts = " ".join(f"{sx(p.iteration):.1f},{sy(p.mean):.1f}" for p in curve)
+    parts.append(f'<polyline class="mean" points="{mean_pts}"/>')
+    for p in curve:
+        tip = escape(
+            f"iteration {p.iteration}: mean {p.mean:.3f} ± {p.std:.3f} (min {p.min:.3f}, max {p.max:.3f}, "
+            f"{p.episodes} episodes)"
+        )
+        parts.append(
+            f'<circle class="point" cx="{sx(p.iteration):.1f}" cy="{sy(p.mean):.1f}" r="3.5"><title>{tip}</title></circle>'
+        )
+    parts.append("</svg>")
+    return Markup("".join(parts))

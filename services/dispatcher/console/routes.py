@@ -1,0 +1,189 @@
+"""``/console``: jobs list, job page (reward curve, pass rates, throughput, staleness,
+live progress) and episode page (full transcript).
+
+Login: the user pastes an API key once; it is kept in an HttpOnly, SameSite=Strict
+cookie scoped to ``/console`` and checked on every page exactly like a Bearer key.
+Forms that change state also check the Origin header.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import quote, urlsplit
+
+from fastapi import APIRouter, Depends, FastAPI, Form, HTTPException, Query, Request, status
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+from temper.lifecycle import JOB_TERMINAL, IllegalTransition
+from temper.tenants import Caller, authenticate
+
+from services.dispatcher.api import repo
+from services.dispatcher.api.deps import SessionDep, StoreDep
+from services.dispatcher.api.transcripts import transcript
+from services.dispatcher.console.charts import reward_curve_svg
+
+HERE = Path(__file__).parent
+COOKIE = "temper_key"
+PREFIX = "/console"
+REFRESH_S = 3
+
+templates = Jinja2Templates(directory=str(HERE / "templates"))
+templates.env.globals["prefix"] = PREFIX
+router = APIRouter(prefix=PREFIX, include_in_schema=False)
+
+
+class LoginRequired(Exception):
+    def __init__(self, next_path: str) -> None:
+        self.next_path = next_path
+
+
+async def console_caller(request: Request, session: SessionDep) -> Caller:
+    key = request.cookies.get(COOKIE, "")
+    caller = await authenticate(session, key) if key else None
+    if caller is None:
+        raise LoginRequired(request.url.path)
+    return caller
+
+
+ConsoleCaller = Annotated[Caller, Depends(console_caller)]
+
+
+def same_origin(request: Request) -> None:
+    origin = request.headers.get("origin")
+    if origin and origin != "null" and urlsplit(origin).netloc != request.headers.get("host"):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "cross-origin form")
+
+
+def _safe_next(path: str | None) -> str:
+    return path if path and path.startswith(PREFIX + "/") and not path.startswith("//") else PREFIX + "/"
+
+
+def page(request: Request, name: str, code: int = 200, **context: Any) -> HTMLResponse:
+    return templates.TemplateResponse(request, name, context, status_code=code)
+
+
+@router.get("/login")
+async def login_form(request: Request, next: str | None = None) -> HTMLResponse:
+    return page(request, "login.html", next=_safe_next(next), error=None)
+
+
+@router.post("/login")
+async def login(
+    request: Request, session: SessionDep, key: Annotated[str, Form()], next: Annotated[str, Form()] = PREFIX + "/"
+) -> Response:
+    same_origin(request)
+    caller = await authenticate(session, key.strip())
+    if caller is None:
+        return page(request, "login.html", code=401, next=_safe_next(next), error="That API key is not valid.")
+    response = RedirectResponse(_safe_next(next), status_code=status.HTTP_303_SEE_OTHER)
+    response.set_cookie(
+        COOKIE, key.strip(), httponly=True, samesite="strict", path=PREFIX, secure=request.url.scheme == "https",
+        max_age=7 * 24 * 3600,
+    )
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    same_origin(request)
+    response = RedirectResponse(PREFIX + "/login", status_code=status.HTTP_303_SEE_OTHER)
+    response.delete_cookie(COOKIE, path=PREFIX)
+    return response
+
+
+@router.get("/")
+async def jobs_page(
+    request: Request,
+    session: SessionDep,
+    caller: ConsoleCaller,
+    state: str | None = None,
+    name: str | None = None,
+    cursor: str | None = None,
+) -> HTMLResponse:
+    try:
+        result = await repo.list_jobs(session, tenant_id=caller.tenant.id, state=state or None, name=name or None,
+                                      limit=50, cursor=cursor)
+    except repo.BadCursor:
+        result = await repo.list_jobs(session, tenant_id=caller.tenant.id, limit=50)
+    jobs = [repo.job_summary(j) for j in result.rows]
+    return page(request, "jobs.html", caller=caller, jobs=jobs, next_cursor=result.next_cursor,
+                total=result.total, state=state or "", name=name or "")
+
+
+async def _job(session: SessionDep, caller: Caller, job_id: str) -> Any:
+    job = await repo.get_job(session, tenant_id=caller.tenant.id, job_id=job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} not found")
+    return job
+
+
+async def _live_context(session: SessionDep, job: Any) -> dict[str, Any]:
+    metrics = await repo.job_metrics(session, job=job)
+    return {
+        "job": repo.job_summary(job),
+        "m": metrics,
+        "chart": reward_curve_svg(metrics.reward_curve),
+        "live": job.state not in JOB_TERMINAL,
+        "refresh_s": REFRESH_S,
+    }
+
+
+@router.get("/jobs/{job_id}")
+async def job_page(
+    request: Request,
+    session: SessionDep,
+    caller: ConsoleCaller,
+    job_id: str,
+    state: Annotated[str | None, Query()] = None,
+    task: Annotated[str | None, Query()] = None,
+) -> HTMLResponse:
+    job = await _job(session, caller, job_id)
+    episodes = await repo.list_episodes(session, job=job, state=state or None, task=task or None, limit=200)
+    return page(
+        request, "job.html", caller=caller, spec=job.spec, episodes=episodes.rows, episodes_total=episodes.total,
+        state=state or "", task=task or "", **await _live_context(session, job),
+    )
+
+
+@router.get("/jobs/{job_id}/live")
+async def job_live(request: Request, session: SessionDep, caller: ConsoleCaller, job_id: str) -> HTMLResponse:
+    """The job page's live section alone; console.js swaps it in every few seconds."""
+    job = await _job(session, caller, job_id)
+    return page(request, "_live.html", **await _live_context(session, job))
+
+
+@router.post("/jobs/{job_id}/{command}")
+async def job_command(request: Request, session: SessionDep, caller: ConsoleCaller, job_id: str,
+                      command: str) -> Response:
+    same_origin(request)
+    if command not in repo.JOB_COMMANDS:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, "unknown command")
+    job = await _job(session, caller, job_id)
+    try:
+        await repo.command_job(session, job=job, command=command, reason=f"{command} from the console")
+        await session.commit()
+    except IllegalTransition:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"cannot {command} a job that is {job.state}") from None
+    return RedirectResponse(f"{PREFIX}/jobs/{quote(job_id)}", status_code=status.HTTP_303_SEE_OTHER)
+
+
+@router.get("/episodes/{episode_id}")
+async def episode_page(
+    request: Request, session: SessionDep, store: StoreDep, caller: ConsoleCaller, episode_id: str
+) -> HTMLResponse:
+    episode = await repo.get_episode(session, tenant_id=caller.tenant.id, episode_id=episode_id)
+    if episode is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode_id} not found")
+    t = await transcript(session, store, episode)
+    return page(request, "episode.html", caller=caller, t=t, ep=t.episode)
+
+
+def mount(app: FastAPI) -> None:
+    app.include_router(router)
+    app.mount(PREFIX + "/static", StaticFiles(directory=str(HERE / "static")), name="console-static")
+
+    @app.exception_handler(LoginRequired)
+    async def _to_login(request: Request, exc: LoginRequired) -> Response:
+        return RedirectResponse(f"{PREFIX}/login?next={quote(exc.next_path)}", status_code=status.HTTP_303_SEE_OTHER)
