@@ -18,7 +18,7 @@ from typing import Any
 from temper.rewards.models import CandidateRun, TestOutcome
 from temper.rewards.testsplit import SplitTests, split_tests
 from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings
-from temper.tasks.models import TaskSpec
+from temper.tasks.models import TaskKind, TaskSpec
 
 HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
 HARNESS_PATH = "/tmp/temper_harness.py"
@@ -95,6 +95,7 @@ class TestRunner:
             "per_test_s": self.settings.per_test_s,
             "max_timeouts": self.settings.max_timeouts,
             "repeat": repeat,
+            "load": task.kind is TaskKind.code,
         }
         return nonce, spec
 

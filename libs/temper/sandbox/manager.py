@@ -29,6 +29,8 @@ from temper.sandbox.sandbox import Sandbox, SandboxError
 
 log = logging.getLogger(__name__)
 
+REFILL_DELAY_S = 0.02
+
 
 class SessionNotFound(KeyError):
     pass
@@ -139,6 +141,9 @@ class SandboxManager:
                 sb = self._new(self.settings.default_limits)
                 try:
                     await sb.start()
+                    # One trivial action first, so the first real one finds the agent's
+                    # pages faulted in and its code paths warm.
+                    await sb.act(Action(kind="run_python", code="pass"))
                 except Exception:
                     log.exception("warm pool: could not start a sandbox")
                     return
@@ -176,8 +181,14 @@ class SandboxManager:
         self._update_gauges()
         metrics.SANDBOX_ACQUIRE_SECONDS.observe(time.perf_counter() - t0)
         if len(self._pool) < self.settings.pool_size:
-            self._spawn(self.refill())
+            self._spawn(self._refill_later())
         return sb
+
+    async def _refill_later(self) -> None:
+        # Off the caller's critical path: starting a sandbox forks this process, which
+        # would otherwise delay the action that just acquired one.
+        await asyncio.sleep(REFILL_DELAY_S)
+        await self.refill()
 
     async def release(self, sb: Sandbox, *, wait: bool = False) -> None:
         """Destroy a sandbox that is no longer needed (in the background unless ``wait``)."""

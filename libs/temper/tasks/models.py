@@ -109,10 +109,10 @@ def sha256(text: str) -> str:
 
 
 def normalise_prompt(prompt: str) -> str:
-    """Case, accents, punctuation and whitespace removed: two prompts that differ only in
-    those are duplicates."""
-    text = unicodedata.normalize("NFKD", prompt).lower()
-    text = re.sub(r"[^\w\s]", " ", text)
+    """Case, Unicode compatibility forms and whitespace normalised: two prompts that differ
+    only in those are duplicates. Punctuation is kept — in code prompts it is meaning
+    (HumanEval/56 and /61 differ only in ``<>`` versus ``()``)."""
+    text = unicodedata.normalize("NFKC", prompt).casefold()
     return " ".join(text.split())
 
 

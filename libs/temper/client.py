@@ -1,0 +1,144 @@
+"""A small client for the dispatcher's REST API.
+
+    from temper.client import TemperClient
+    with TemperClient("http://127.0.0.1:8000", key) as api:
+        job = api.submit("spec.yaml")
+        print(api.metrics(job["id"])["progress"])
+
+URL and key default to ``TEMPER_URL`` and ``TEMPER_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class ApiError(RuntimeError):
+    """A non-2xx answer; ``errors`` lists (field, message) for an invalid spec."""
+
+    def __init__(self, status: int, detail: str, errors: list[tuple[str, str]] | None = None) -> None:
+        self.status = status
+        self.detail = detail
+        self.errors = errors or []
+        super().__init__(f"{status}: {detail}")
+
+
+class TemperClient:
+    def __init__(
+        self,
+        url: str | None = None,
+        key: str | None = None,
+        *,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = (url or os.environ.get("TEMPER_URL") or DEFAULT_URL).rstrip("/")
+        key = key or os.environ.get("TEMPER_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=transport)
+
+    def __enter__(self) -> TemperClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ApiError(0, f"cannot reach the dispatcher at {self.url}: {exc}") from None
+        if response.is_success:
+            if response.status_code == 204 or not response.content:
+                return None
+            return response.json()
+        try:
+            body = response.json()
+        except ValueError:
+            body = {"detail": response.text[:500] or response.reason_phrase}
+        detail = body.get("detail") if isinstance(body, dict) else str(body)
+        if not isinstance(detail, str):  # FastAPI's own validation errors
+            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail or [])
+        errors = [(e["field"], e["message"]) for e in body.get("errors", [])] if isinstance(body, dict) else []
+        raise ApiError(response.status_code, detail, errors)
+
+    # --- jobs ---------------------------------------------------------------------------
+
+    def submit(self, spec: dict[str, Any] | str | Path) -> dict[str, Any]:
+        """Submit a spec: a mapping, a path to a YAML/JSON file, or YAML/JSON text."""
+        if isinstance(spec, dict):
+            return self._call("POST", "/v1/jobs", json=spec)  # type: ignore[no-any-return]
+        text = Path(spec).read_text() if isinstance(spec, Path) or _is_file(spec) else spec
+        return self._call(  # type: ignore[no-any-return]
+            "POST", "/v1/jobs", content=text.encode(), headers={"Content-Type": "application/yaml"}
+        )
+
+    def jobs(self, *, state: str | None = None, name: str | None = None, limit: int = 50,
+             cursor: str | None = None) -> dict[str, Any]:
+        params = {k: v for k, v in {"state": state, "name": name, "limit": limit, "cursor": cursor}.items() if v}
+        return self._call("GET", "/v1/jobs", params=params)  # type: ignore[no-any-return]
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}")  # type: ignore[no-any-return]
+
+    def pause(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/pause")  # type: ignore[no-any-return]
+
+    def resume(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/resume")  # type: ignore[no-any-return]
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")  # type: ignore[no-any-return]
+
+    def metrics(self, job_id: str, *, pass_threshold: float | None = None) -> dict[str, Any]:
+        params = {"pass_threshold": pass_threshold} if pass_threshold is not None else {}
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)  # type: ignore[no-any-return]
+
+    # --- episodes -----------------------------------------------------------------------
+
+    def episodes(self, job_id: str, **filters: Any) -> dict[str, Any]:
+        """``state``, ``task``, ``iteration``, ``min_reward``, ``max_reward``, ``limit``, ``cursor``."""
+        params = {k: v for k, v in filters.items() if v is not None}
+        return self._call("GET", f"/v1/jobs/{job_id}/episodes", params=params)  # type: ignore[no-any-return]
+
+    def episode(self, episode_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/episodes/{episode_id}")  # type: ignore[no-any-return]
+
+    def transcript(self, episode_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/episodes/{episode_id}/transcript")  # type: ignore[no-any-return]
+
+    def trajectory(self, episode_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/episodes/{episode_id}/trajectory")  # type: ignore[no-any-return]
+
+    # --- tenant -------------------------------------------------------------------------
+
+    def tenant(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/tenant")  # type: ignore[no-any-return]
+
+    def create_key(self, name: str = "") -> dict[str, Any]:
+        return self._call("POST", "/v1/keys", json={"name": name})  # type: ignore[no-any-return]
+
+    def create_tenant(self, name: str, *, tenant_id: str | None = None, max_concurrent_episodes: int = 64,
+                      admin: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"name": name, "max_concurrent_episodes": max_concurrent_episodes, "admin": admin}
+        if tenant_id:
+            body["id"] = tenant_id
+        return self._call("POST", "/v1/tenants", json=body)  # type: ignore[no-any-return]
+
+
+def _is_file(text: str) -> bool:
+    if "\n" in text or len(text) > 4096:
+        return False
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
