@@ -1,0 +1,1 @@
+"""The trainer service: GRPO on scored trajectories, checkpoints and policy versions."""

@@ -1,0 +1,475 @@
+"""The trainer: trajectories in, policy versions out.
+
+:class:`Trainer` consumes ``trajectories`` (each message names a Trajectory JSON in
+object storage), gathers them into groups (same task, ``tasks.group_size`` samples),
+and makes one GRPO step (:class:`temper.training.Learner`) whenever
+``algorithm.groups_per_step`` groups are ready. Every ``algorithm.checkpoint_every``
+steps it writes a checkpoint to object storage and, in one database transaction, the
+``policy_versions`` row, the ledger entries of the trajectories those steps used, the
+job's ``policy_version`` and the ``policy.updates`` message (through the outbox).
+
+The ledger (``trained_trajectories``, one row per episode) is what makes a crash safe:
+
+- a received trajectory gets a row with ``step = NULL`` before its offset is committed,
+  so the buffer survives a crash and is reloaded on start;
+- a row gets its ``step`` only in the transaction that publishes the checkpoint holding
+  that step's update; a crash between a step and its checkpoint loses the update and the
+  ledger still says "buffered", so the trajectory is trained on again, once, from the
+  restored checkpoint;
+- a redelivered message whose episode already has a row is ignored;
+- a group not trained on gets ``skipped`` = the reason, in its own transaction.
+
+One trainer owns a job: run one trainer process for all jobs (consumer group
+``trainer``), or one per job with ``TEMPER_TRAINER__JOB_ID`` (group ``trainer.<job>``).
+Two trainers on one job would each hold part of its groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from temper import metrics
+from temper.bus import Consumer, Poison
+from temper.db import Job, PolicyVersion, TrainedTrajectory
+from temper.events import LifecycleEvent, Message, PolicyUpdate, Topics, TrajectoryReady
+from temper.jobspec import JobSpec
+from temper.logs import log_context, log_event
+from temper.outbox import OutboxRelay, enqueue
+from temper.policy import create_model, load_model, load_weights
+from temper.runtime import Runtime
+from temper.storage import NotFound, object_key
+from temper.training import Learner, LearnerConfig, StepStats, TrainerSettings, is_zero_variance, pick_device
+from temper.trajectory import Trajectory
+
+log = logging.getLogger("temper.trainer")
+
+SKIP_ZERO_VARIANCE = "zero_reward_variance"
+SKIP_STALE = "stale"
+SKIP_INCOMPLETE = "incomplete_group"
+SKIP_MISSING = "trajectory_missing"
+SKIP_NO_UPDATE = "no_update"  # the step produced a non-finite gradient and was dropped
+
+ModelFactory = Callable[[JobSpec], torch.nn.Module]
+
+
+@dataclass
+class Buffered:
+    trajectory: Trajectory
+    key: str
+    arrived: float  # unix time the ledger row was written
+
+    @property
+    def episode_id(self) -> str:
+        return self.trajectory.episode_id
+
+
+@dataclass
+class JobState:
+    """One job's learner, buffer and not-yet-checkpointed steps."""
+
+    job_id: str
+    tenant_id: str
+    spec: JobSpec
+    learner: Learner
+    groups: dict[str, list[Buffered]] = field(default_factory=dict)  # insertion order = arrival order
+    ready: list[list[Buffered]] = field(default_factory=list)
+    uncheckpointed: dict[str, int] = field(default_factory=dict)  # episode id -> step
+    steps_since_checkpoint: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> groups
+
+    def holds(self, episode_id: str) -> bool:
+        return any(b.episode_id == episode_id for g in (*self.groups.values(), *self.ready) for b in g)
+
+    @property
+    def buffered(self) -> int:
+        return sum(len(g) for g in self.groups.values()) + sum(len(g) for g in self.ready)
+
+
+class Trainer:
+    """The trainer component (see the module docstring). ``model_factory`` builds a job's
+    initial policy; by default it comes from ``policy.init`` (a local model directory or
+    an object-store key) or the ``TEMPER_TRAINER__PRESET`` preset."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        settings: TrainerSettings | None = None,
+        model_factory: ModelFactory | None = None,
+        on_step: Callable[[str, StepStats], None] | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.settings = settings or runtime.settings.trainer
+        self.model_factory = model_factory
+        self.on_step = on_step
+        self.jobs: dict[str, JobState] = {}
+        self.relay: OutboxRelay | None = None
+        self.consumer: Consumer | None = None
+        self.device = pick_device(self.settings.device)
+        self._jobs_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._last_error: str | None = None
+
+    @property
+    def group(self) -> str:
+        return f"trainer.{self.settings.job_id}" if self.settings.job_id else "trainer"
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.settings.threads:
+            torch.set_num_threads(self.settings.threads)
+        assert self.runtime.db is not None and self.runtime.bus is not None and self.runtime.store is not None
+        if self.settings.run_relay:
+            self.relay = OutboxRelay(self.runtime.db, self.runtime.bus)
+            self.runtime.spawn(self.relay.run(), "outbox-relay")
+        await self.recover()
+        self.runtime.checks["trainer"] = self._check
+        self.consumer = await self.runtime.consume([Topics.TRAJECTORIES], self.handle, group=self.group)
+        self.runtime.spawn(self._loop(), "trainer-loop")
+        log_event(log, "trainer started", group=self.group, device=str(self.device), jobs=sorted(self.jobs))
+
+    async def stop(self) -> None:
+        if self.consumer is not None:
+            await self.consumer.stop()
+            self.consumer = None
+
+    async def _check(self) -> None:
+        if self._last_error:
+            raise RuntimeError(self._last_error)
+
+    async def recover(self) -> None:
+        """Load every job that has buffered (received, untrained) trajectories."""
+        assert self.runtime.db is not None
+        query = select(TrainedTrajectory.job_id).where(
+            TrainedTrajectory.step.is_(None), TrainedTrajectory.skipped.is_(None)
+        ).distinct()
+        if self.settings.job_id:
+            query = query.where(TrainedTrajectory.job_id == self.settings.job_id)
+        async with self.runtime.db.session() as s:
+            job_ids = list((await s.execute(query)).scalars())
+        for job_id in job_ids:
+            try:
+                await self.job(job_id)
+            except Poison as exc:
+                log_event(log, "cannot resume job", logging.ERROR, job_id=job_id, error=str(exc))
+        if job_ids:
+            self._wake.set()
+
+    # --- receiving ----------------------------------------------------------------------
+
+    async def handle(self, message: Message) -> None:
+        """Buffer one trajectory durably (a ledger row) and wake the training loop.
+        A redelivered message is a no-op."""
+        if not isinstance(message, TrajectoryReady):
+            return
+        if self.settings.job_id and message.job_id != self.settings.job_id:
+            return
+        if not message.job_id or not message.episode_id:
+            raise Poison("trajectory.ready without job_id or episode_id")
+        job = await self.job(message.job_id)
+        assert self.runtime.db is not None and self.runtime.store is not None
+        async with job.lock:
+            if job.holds(message.episode_id):
+                return
+            async with self.runtime.db.session() as s:
+                if await s.get(TrainedTrajectory, message.episode_id) is not None:
+                    return  # already buffered, trained on or skipped
+            raw = await self.runtime.store.get(message.trajectory_key)  # NotFound: retried, then dead-lettered
+            try:
+                trajectory = Trajectory.model_validate_json(raw)
+            except ValidationError as exc:
+                raise Poison(f"{message.trajectory_key} is not a trajectory: {exc.errors()[0]['msg']}") from None
+            if trajectory.episode_id != message.episode_id or trajectory.job_id != message.job_id:
+                raise Poison(f"{message.trajectory_key} belongs to another episode or job")
+            try:
+                async with self.runtime.db.session() as s:
+                    s.add(TrainedTrajectory(episode_id=trajectory.episode_id, job_id=job.job_id,
+                                            trajectory_key=message.trajectory_key, group_id=trajectory.group_id))
+            except IntegrityError:
+                return  # a concurrent delivery of the same episode won
+            self._add(job, Buffered(trajectory, message.trajectory_key, time.time()))
+        self._wake.set()
+
+    def _add(self, job: JobState, item: Buffered) -> None:
+        group = job.groups.setdefault(item.trajectory.group_id, [])
+        group.append(item)
+        if len(group) >= job.spec.tasks.group_size:
+            job.ready.append(job.groups.pop(item.trajectory.group_id))
+
+    # --- jobs ---------------------------------------------------------------------------
+
+    async def job(self, job_id: str) -> JobState:
+        """The state of ``job_id``, loaded on first use: the initial policy, the latest
+        checkpoint on top of it, and the buffered trajectories from the ledger."""
+        if job_id in self.jobs:
+            return self.jobs[job_id]
+        async with self._jobs_lock:
+            if job_id not in self.jobs:
+                self.jobs[job_id] = await self._load_job(job_id)
+        return self.jobs[job_id]
+
+    async def _load_job(self, job_id: str) -> JobState:
+        db, store = self.runtime.db, self.runtime.store
+        assert db is not None and store is not None
+        async with db.session() as s:
+            row = await s.get(Job, job_id)
+            if row is None:
+                raise Poison(f"no job {job_id!r}")
+            latest = await s.scalar(
+                select(PolicyVersion).where(PolicyVersion.job_id == job_id).order_by(PolicyVersion.version.desc())
+            )
+            buffered = list((await s.execute(
+                select(TrainedTrajectory)
+                .where(TrainedTrajectory.job_id == job_id, TrainedTrajectory.step.is_(None),
+                       TrainedTrajectory.skipped.is_(None))
+                .order_by(TrainedTrajectory.created_at, TrainedTrajectory.episode_id)
+            )).scalars())
+        try:
+            spec = JobSpec.model_validate(row.spec)
+        except ValidationError as exc:
+            raise Poison(f"job {job_id} has an invalid spec: {exc.errors()[0]['msg']}") from None
+        model = await self._initial_model(spec)
+        # The reference policy for the KL term is the initial policy, also after a restart.
+        learner = await asyncio.to_thread(
+            Learner, model, LearnerConfig.from_spec(spec.algorithm, self.settings), device=self.device
+        )
+        if latest is not None:
+            await learner.load_checkpoint(store, latest.checkpoint_key)
+            learner.step_count, learner.version = latest.step, latest.version
+        metrics.POLICY_VERSION.labels(job_id).set(learner.version)
+        state = JobState(job_id=job_id, tenant_id=row.tenant_id, spec=spec, learner=learner)
+        missing = []
+        for r in buffered:
+            try:
+                trajectory = Trajectory.model_validate_json(await store.get(r.trajectory_key))
+            except (NotFound, ValidationError):
+                missing.append(r.episode_id)
+                continue
+            self._add(state, Buffered(trajectory, r.trajectory_key, _timestamp(r.created_at)))
+        if missing:
+            await self._mark_skipped(state, missing, SKIP_MISSING)
+        log_event(log, "job loaded", job_id=job_id, version=learner.version, step=learner.step_count,
+                  buffered=len(buffered) - len(missing), device=str(self.device))
+        return state
+
+    async def _initial_model(self, spec: JobSpec) -> torch.nn.Module:
+        if self.model_factory is not None:
+            return await asyncio.to_thread(self.model_factory, spec)
+        init = spec.policy.init
+        if not init:
+            return await asyncio.to_thread(create_model, self.settings.preset, seed=self.settings.seed)
+        local = await asyncio.to_thread(_load_local, init)
+        if local is not None:
+            return local
+        # an object-store key: a model directory prefix (config.json + model.safetensors)
+        # or a .safetensors file of the configured preset
+        store = self.runtime.store
+        assert store is not None
+        files: dict[str, bytes] = {}
+        if init.endswith(".safetensors"):
+            files["model.safetensors"] = await store.get(init)
+        else:
+            for name in ("config.json", "model.safetensors"):
+                files[name] = await store.get(f"{init.rstrip('/')}/{name}")
+        return await asyncio.to_thread(_load_files, files, self.settings.preset, self.settings.seed)
+
+    # --- training -----------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.train_ready()
+                self._last_error = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep the service up; /health reports it
+                self._last_error = f"training failed: {exc!r}"[:300]
+                log.exception("training pass failed")
+                await asyncio.sleep(2)
+
+    async def train_ready(self, job_id: str | None = None) -> list[StepStats]:
+        """Run every step the buffers allow (all jobs, or one); returns their statistics."""
+        out: list[StepStats] = []
+        for job in [self.jobs[job_id]] if job_id else list(self.jobs.values()):
+            with log_context(job_id=job.job_id):
+                while (stats := await self._train_one(job)) is not None:
+                    out.append(stats)
+        return out
+
+    async def _train_one(self, job: JobState) -> StepStats | None:
+        per_step = job.spec.algorithm.groups_per_step
+        async with job.lock:
+            await self._sweep(job)
+            if len(job.ready) < per_step:
+                return None
+            batch, job.ready = job.ready[:per_step], job.ready[per_step:]
+        groups = [[b.trajectory for b in g] for g in batch]
+        episodes = [b.episode_id for g in batch for b in g]
+        stats = await asyncio.to_thread(job.learner.step, groups)
+        if not stats.updated:
+            await self._mark_skipped(job, episodes, SKIP_NO_UPDATE, groups=len(batch))
+            return stats
+        job.uncheckpointed.update(dict.fromkeys(episodes, stats.step))
+        job.steps_since_checkpoint += 1
+        job.history.append(stats.as_dict())
+        self._observe(job, stats)
+        if job.steps_since_checkpoint >= job.spec.algorithm.checkpoint_every:
+            await self.checkpoint(job, stats)
+        if self.on_step is not None:
+            self.on_step(job.job_id, stats)
+        return stats
+
+    async def _sweep(self, job: JobState) -> None:
+        """Drop what cannot be trained on (called with the job's lock held): ready groups
+        with zero reward variance or older than ``max_staleness`` versions, and groups
+        still incomplete after ``group_timeout_s`` (trained as they are from 2 samples)."""
+        now = time.time()
+        for gid, items in list(job.groups.items()):
+            if now - min(b.arrived for b in items) >= self.settings.group_timeout_s:
+                del job.groups[gid]
+                if len(items) >= 2:
+                    job.ready.append(items)
+                else:
+                    await self._mark_skipped(job, [b.episode_id for b in items], SKIP_INCOMPLETE, groups=1)
+        keep = []
+        for items in job.ready:
+            reason = None
+            if job.spec.algorithm.skip_zero_variance and is_zero_variance([b.trajectory.reward for b in items]):
+                reason = SKIP_ZERO_VARIANCE
+            elif max(job.learner.version - b.trajectory.behaviour_version for b in items) > (
+                job.spec.schedule.max_staleness
+            ):
+                reason = SKIP_STALE
+            if reason is None:
+                keep.append(items)
+            else:
+                await self._mark_skipped(job, [b.episode_id for b in items], reason, groups=1)
+        job.ready = keep
+
+    async def _mark_skipped(self, job: JobState, episodes: list[str], reason: str, *, groups: int = 0) -> None:
+        assert self.runtime.db is not None
+        async with self.runtime.db.session() as s:
+            await s.execute(
+                update(TrainedTrajectory).where(TrainedTrajectory.episode_id.in_(episodes)).values(skipped=reason)
+            )
+        if groups:
+            job.skipped[reason] = job.skipped.get(reason, 0) + groups
+            metrics.TRAINER_SKIPPED_GROUPS.labels(job.job_id).inc(groups)
+        log_event(log, "trajectories skipped", job_id=job.job_id, reason=reason, episodes=len(episodes))
+
+    def _observe(self, job: JobState, stats: StepStats) -> None:
+        jid = job.job_id
+        metrics.TRAINER_STEPS.labels(jid).inc()
+        metrics.TRAINER_LOSS.labels(jid).set(stats.loss)
+        metrics.TRAINER_REWARD_MEAN.labels(jid).set(stats.reward_mean)
+        metrics.TRAINER_REWARD_STD.labels(jid).set(stats.reward_std)
+        metrics.TRAINER_KL.labels(jid).set(stats.kl)
+        metrics.TRAINER_CLIP_FRACTION.labels(jid).set(stats.clip_fraction)
+        metrics.TRAINER_TOKENS_PER_SECOND.labels(jid).set(stats.tokens_per_s)
+        for s in stats.staleness:
+            metrics.TRAINER_STALENESS.observe(s)
+        log_event(log, "trainer step", **stats.as_dict())
+
+    async def checkpoint(self, job: JobState, stats: StepStats | None = None) -> int:
+        """Publish the learner's weights as the next policy version: the files first, then
+        one transaction with the version row, the ledger, the job and the outbox message."""
+        db, store = self.runtime.db, self.runtime.store
+        assert db is not None and store is not None
+        learner = job.learner
+        version = learner.version + 1
+        key = object_key(job.tenant_id, job.job_id, "checkpoints", f"v{version}.safetensors")
+        await learner.save_checkpoint(store, key, version=version)
+        summary = stats.as_dict() if stats is not None else {}
+        by_step: dict[int, list[str]] = {}
+        for episode, step in job.uncheckpointed.items():
+            by_step.setdefault(step, []).append(episode)
+        async with db.session() as s:
+            s.add(PolicyVersion(job_id=job.job_id, version=version, checkpoint_key=key, step=learner.step_count,
+                                metrics=summary))
+            for step, episodes in by_step.items():
+                await s.execute(
+                    update(TrainedTrajectory).where(TrainedTrajectory.episode_id.in_(episodes)).values(step=step)
+                )
+            await s.execute(
+                update(Job).where(Job.id == job.job_id, Job.policy_version < version).values(policy_version=version)
+            )
+            enqueue(s, Topics.POLICY_UPDATES, PolicyUpdate(job_id=job.job_id, version=version, checkpoint_key=key,
+                                                           step=learner.step_count))
+            enqueue(s, Topics.EVENTS, LifecycleEvent(event="policy.version", job_id=job.job_id,
+                                                     tenant=job.tenant_id, version=version, data=summary))
+        learner.version = version
+        job.uncheckpointed.clear()
+        job.steps_since_checkpoint = 0
+        metrics.POLICY_VERSION.labels(job.job_id).set(version)
+        if self.relay is not None:
+            self.relay.notify()
+        log_event(log, "policy version published", job_id=job.job_id, version=version, step=learner.step_count,
+                  checkpoint_key=key)
+        return version
+
+    def status(self) -> dict[str, Any]:
+        """What ``GET /v1/status`` shows."""
+        return {
+            "group": self.group,
+            "device": str(self.device),
+            "last_error": self._last_error,
+            "jobs": {
+                jid: {
+                    "policy_version": j.learner.version,
+                    "step": j.learner.step_count,
+                    "buffered_trajectories": j.buffered,
+                    "ready_groups": len(j.ready),
+                    "uncheckpointed_steps": j.steps_since_checkpoint,
+                    "skipped_groups": dict(j.skipped),
+                    "last_step": j.history[-1] if j.history else None,
+                }
+                for jid, j in self.jobs.items()
+            },
+        }
+
+
+def _load_local(init: str) -> torch.nn.Module | None:
+    """A local model directory, if ``init`` names one."""
+    if not Path(init).is_dir():
+        return None
+    model, _ = load_model(init)
+    return model
+
+
+def _load_files(files: dict[str, bytes], preset: str, seed: int) -> torch.nn.Module:
+    with tempfile.TemporaryDirectory() as d:
+        for name, data in files.items():
+            (Path(d) / name).write_bytes(data)
+        if "config.json" in files:
+            model, _ = load_model(d)
+            return model
+        model = create_model(preset, seed=seed)
+        load_weights(model, Path(d) / "model.safetensors")
+        return model
+
+
+def _timestamp(value: datetime) -> float:
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.timestamp()

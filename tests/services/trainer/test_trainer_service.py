@@ -1,0 +1,221 @@
+"""The trainer component on the in-process bus, SQLite and a local object store."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
+from sqlalchemy import select
+from temper.db import Job, OutboxRow, PolicyVersion, TrainedTrajectory
+from temper.db.migrate import upgrade
+from temper.events import PolicyUpdate, Topics
+from temper.policy import create_model, load_weights
+from temper.runtime import Runtime
+from temper.settings import DatabaseSettings, LogSettings, Settings, StorageSettings
+
+from services.trainer.app import create_app
+from services.trainer.service import SKIP_INCOMPLETE, SKIP_STALE, SKIP_ZERO_VARIANCE, Trainer
+from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+async def settings(tmp_path) -> Settings:
+    url = f"sqlite+aiosqlite:///{tmp_path}/temper.db"
+    await asyncio.to_thread(upgrade, url)
+    return Settings(db=DatabaseSettings(url=url), storage=StorageSettings(root=tmp_path / "objects"),
+                    log=LogSettings(level="WARNING"))
+
+
+async def start(settings: Settings, **trainer: object) -> tuple[Runtime, Trainer]:
+    runtime = Runtime(settings, service="trainer")
+    await runtime.start()
+    component = Trainer(runtime, settings=settings.trainer.model_copy(update={"device": "cpu", **trainer}))
+    await component.start()
+    return runtime, component
+
+
+async def stop(runtime: Runtime, component: Trainer) -> None:
+    await component.stop()
+    await runtime.stop()
+
+
+async def ledger(runtime: Runtime, job_id: str) -> dict[str, TrainedTrajectory]:
+    assert runtime.db is not None
+    async with runtime.db.session() as s:
+        rows = (await s.execute(select(TrainedTrajectory).where(TrainedTrajectory.job_id == job_id))).scalars()
+        return {r.episode_id: r for r in rows}
+
+
+async def versions(runtime: Runtime, job_id: str) -> list[tuple[int, int]]:
+    assert runtime.db is not None
+    async with runtime.db.session() as s:
+        rows = (await s.execute(select(PolicyVersion).where(PolicyVersion.job_id == job_id)
+                                .order_by(PolicyVersion.version))).scalars()
+        return [(r.version, r.step) for r in rows]
+
+
+async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings):
+    runtime, trainer = await start(settings)
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-a", job_spec(group_size=4, groups_per_step=2, checkpoint_every=1))
+        updates: list[PolicyUpdate] = []
+
+        async def collect(record) -> None:
+            updates.append(PolicyUpdate.model_validate_json(record.value))
+
+        await runtime.bus.subscribe([Topics.POLICY_UPDATES], "test-gateway", collect)
+        skipped_before = REGISTRY.get_sample_value("temper_trainer_skipped_groups_total", {"job_id": "job-a"}) or 0
+        f = TrajectoryFactory("job-a")
+        flat = f.group("flat", [0.5] * 4)
+        made = (f.group("g1", [1, 0, 0, 1]) + flat + f.group("g2", [0, 0, 1, 0])
+                + f.group("g3", [1, 1, 0, 0.5]) + f.group("g4", [0.2, 0.4, 0.6, 0.8]))
+        await store_all(runtime.store, made)
+        await send_all(runtime.bus, made)
+
+        async def two_updates() -> bool:
+            return len(updates) >= 2
+
+        await wait_for(two_updates, what="two policy updates")
+        rows = await ledger(runtime, "job-a")
+        assert len(rows) == 20
+        assert Counter(r.step for r in rows.values() if r.step is not None) == {1: 8, 2: 8}
+        skipped = {e for e, r in rows.items() if r.skipped}
+        assert skipped == {m.message.episode_id for m in flat}
+        assert {rows[e].skipped for e in skipped} == {SKIP_ZERO_VARIANCE}
+        assert await versions(runtime, "job-a") == [(1, 1), (2, 2)]
+        async with runtime.db.session() as s:
+            assert (await s.get(Job, "job-a")).policy_version == 2
+            outbox = (await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))).scalars()
+            assert all(r.published_at is not None for r in outbox)
+
+        assert [u.version for u in updates] == [1, 2] and [u.step for u in updates] == [1, 2]
+        assert all(u.job_id == "job-a" for u in updates)
+        assert updates[1].checkpoint_key == "tenants/acme/jobs/job-a/checkpoints/v2.safetensors"
+        # the gateway loads the weights file alone; it is not the initial policy any more
+        weights = settings.storage.root / updates[1].checkpoint_key
+        model = load_weights(create_model("tiny", seed=0), weights)
+        assert not torch.equal(model.model.embed_tokens.weight, create_model("tiny", seed=0).model.embed_tokens.weight)
+        assert await runtime.store.exists("tenants/acme/jobs/job-a/checkpoints/v2.optimizer.safetensors")
+        after = REGISTRY.get_sample_value("temper_trainer_skipped_groups_total", {"job_id": "job-a"})
+        assert after == skipped_before + 1
+        assert REGISTRY.get_sample_value("temper_policy_version", {"job_id": "job-a"}) == 2
+
+        # Redelivered messages change nothing.
+        await send_all(runtime.bus, made)
+
+        async def drained() -> bool:
+            return runtime.bus.lag(Topics.TRAJECTORIES, trainer.group) == 0  # type: ignore[union-attr]
+
+        await wait_for(drained, what="redeliveries handled")
+        await asyncio.sleep(0.2)
+        assert trainer.jobs["job-a"].learner.step_count == 2
+        assert len(await ledger(runtime, "job-a")) == 20
+        status = trainer.status()["jobs"]["job-a"]
+        assert status["policy_version"] == 2 and status["buffered_trajectories"] == 0
+        assert status["skipped_groups"] == {SKIP_ZERO_VARIANCE: 1}
+    finally:
+        await stop(runtime, trainer)
+
+
+async def test_a_restarted_trainer_resumes_from_its_checkpoint_and_trains_nothing_twice(settings):
+    """Step 3 was trained but never checkpointed, and a group was half received, when the
+    trainer went away: after the restart both come back from the ledger, step 3 is redone
+    from the v1 checkpoint, and redelivered messages are ignored."""
+    runtime, trainer = await start(settings)
+    f = TrajectoryFactory("job-r")
+    g1, g2, g3 = f.group("g1", [1, 0, 0, 0]), f.group("g2", [0, 1, 0, 1]), f.group("g3", [1, 0.5, 0, 0])
+    partial = f.group("p", [0, 1, 1, 0])
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-r", job_spec(group_size=4, groups_per_step=1, checkpoint_every=2))
+        await store_all(runtime.store, g1 + g2 + g3 + partial)
+        await send_all(runtime.bus, g1 + g2 + g3 + partial[:2])
+
+        async def mid_job() -> bool:
+            job = trainer.jobs.get("job-r")
+            return job is not None and job.learner.step_count == 3 and job.buffered == 2
+
+        await wait_for(mid_job, what="three steps and a half group")
+        rows = await ledger(runtime, "job-r")
+        assert {rows[m.message.episode_id].step for m in g3 + partial[:2]} == {None}, "step 3 not checkpointed"
+        assert await versions(runtime, "job-r") == [(1, 2)]
+    finally:
+        await stop(runtime, trainer)  # everything in memory is gone
+
+    runtime, trainer = await start(settings)
+    try:
+        assert runtime.bus and runtime.store
+        job = trainer.jobs["job-r"]  # recovered at start, because the ledger has buffered rows
+
+        async def redone() -> bool:
+            return job.learner.step_count == 3 and job.buffered == 2
+
+        await wait_for(redone, what="step 3 redone from the v1 checkpoint")
+        await send_all(runtime.bus, g1 + g3 + partial)  # duplicates, and the rest of the half group
+
+        async def done() -> bool:
+            return len(await versions(runtime, "job-r")) == 2
+
+        await wait_for(done, what="policy version 2")
+        rows = await ledger(runtime, "job-r")
+        assert len(rows) == 16 and not any(r.skipped for r in rows.values())
+        assert Counter(r.step for r in rows.values()) == {1: 4, 2: 4, 3: 4, 4: 4}
+        assert {rows[m.message.episode_id].step for m in g3} == {3}
+        assert {rows[m.message.episode_id].step for m in partial} == {4}
+        assert await versions(runtime, "job-r") == [(1, 2), (2, 4)]
+        assert job.learner.step_count == 4 and job.learner.version == 2
+    finally:
+        await stop(runtime, trainer)
+
+
+async def test_late_groups_and_stale_groups(settings):
+    runtime, trainer = await start(settings, group_timeout_s=0.3)
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-s", job_spec(group_size=4, groups_per_step=1, max_staleness=0))
+        f = TrajectoryFactory("job-s")
+        lonely, pair = f.group("lonely", [1.0]), f.group("pair", [0.0, 1.0])
+        await store_all(runtime.store, lonely + pair)
+        await send_all(runtime.bus, lonely + pair)
+
+        async def v1() -> bool:
+            return len(await versions(runtime, "job-s")) == 1
+
+        await wait_for(v1, what="the pair trained after the group timeout")
+        rows = await ledger(runtime, "job-s")
+        assert rows[lonely[0].message.episode_id].skipped == SKIP_INCOMPLETE
+        assert {rows[m.message.episode_id].step for m in pair} == {1}
+
+        # sampled by version 0 while the trainer is at version 1, with max_staleness 0
+        stale = f.group("stale", [0, 1, 0, 1], version=0)
+        await store_all(runtime.store, stale)
+        await send_all(runtime.bus, stale)
+
+        async def skipped() -> bool:
+            rows = await ledger(runtime, "job-s")
+            return all(rows.get(m.message.episode_id) and rows[m.message.episode_id].skipped for m in stale)
+
+        await wait_for(skipped, what="the stale group skipped")
+        rows = await ledger(runtime, "job-s")
+        assert {rows[m.message.episode_id].skipped for m in stale} == {SKIP_STALE}
+        assert trainer.jobs["job-s"].learner.step_count == 1
+    finally:
+        await stop(runtime, trainer)
+
+
+def test_the_app_serves_health_and_status(settings):
+    settings.trainer.device = "cpu"  # type: ignore[assignment]
+    with TestClient(create_app(settings)) as client:
+        health = client.get("/health")
+        assert health.status_code == 200, health.text
+        assert set(health.json()["components"]) >= {"database", "bus", "storage", "trainer"}
+        status = client.get("/v1/status").json()
+        assert status["group"] == "trainer" and status["jobs"] == {}
+        assert "temper_trainer_steps_total" in client.get("/metrics").text
