@@ -1,0 +1,310 @@
+"""The ``temper`` command.
+
+    temper submit spec.yaml [--watch]      submit a job
+    temper jobs [--state S] [--name N]     list jobs
+    temper watch JOB                       live progress until the job ends
+    temper transcript EPISODE [--json]     an episode's transcript
+    temper pause|resume|cancel JOB
+    temper admin create-tenant NAME        a tenant and its first API key (talks to the database)
+
+The server and key come from ``--url``/``--key`` or ``TEMPER_URL``/``TEMPER_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from temper.client import ApiError, TemperClient
+
+TERMINAL_STATES = ("completed", "failed", "cancelled")
+STATE_ORDER = ("trained", "scored", "scoring", "acting", "awaiting_action", "pending", "failed", "cancelled")
+GREEN, RED, YELLOW, DIM, BOLD, RESET = "\x1b[32m", "\x1b[31m", "\x1b[33m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
+
+
+def _out(text: str = "", stream: TextIO | None = None) -> None:
+    (stream or sys.stdout).write(text + "\n")
+
+
+def _client(args: argparse.Namespace) -> TemperClient:
+    return TemperClient(args.url, args.key)
+
+
+# --- submit / jobs / control ------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        job = api.submit(Path(args.spec) if args.spec != "-" else sys.stdin.read())
+        _out(job["id"])
+        sys.stderr.write(f"submitted {job['name']!r} as {job['id']} ({job['state']})\n")
+        if args.watch:
+            return watch(api, job["id"], interval=args.interval)
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        page = api.jobs(state=args.state, name=args.name, limit=args.limit)
+    if args.json:
+        _out(json.dumps(page, indent=2))
+        return 0
+    rows = [("JOB", "NAME", "STATE", "ITERATION", "POLICY", "CREATED")]
+    for j in page["items"]:
+        rows.append((j["id"], j["name"], j["state"], f"{j['iteration']}/{j['iterations']}",
+                     f"v{j['policy_version']}", j["created_at"][:19].replace("T", " ")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        _out("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if page["total"] > len(page["items"]):
+        _out(f"({len(page['items'])} of {page['total']} shown; use --limit)")
+    return 0
+
+
+def _control(action: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        with _client(args) as api:
+            job = getattr(api, action)(args.job)
+        _out(f"{job['id']} {job['state']}")
+        return 0
+
+    return run
+
+
+# --- watch ------------------------------------------------------------------------------
+
+
+def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width: int = 80) -> list[str]:
+    """The watch display: header, bar, episode states, reward/throughput/staleness."""
+    def c(code: str, text: str) -> str:
+        return f"{code}{text}{RESET}" if color else text
+
+    p = m["progress"]
+    state = p["state"]
+    state_txt = c(GREEN if state == "completed" else RED if state in ("failed", "cancelled") else YELLOW, state)
+    header = (f"{c(BOLD, job['id'])} {job['name']}  {state_txt}  iteration {p['iteration']}/{p['iterations']}  "
+              f"policy v{m['staleness']['current_version']}")
+    bar_w = max(10, min(50, width - 30))
+    done = round(p["fraction"] * bar_w)
+    bar = "[" + c(GREEN, "█" * done) + "░" * (bar_w - done) + "]"
+    counts = p["episodes_by_state"]
+    states = " · ".join(f"{s} {counts[s]}" for s in STATE_ORDER if counts.get(s)) or "no episodes yet"
+    curve = m["reward_curve"]
+    if curve:
+        last = curve[-1]
+        reward = f"mean reward {last['mean']:.3f} ± {last['std']:.3f} (iteration {last['iteration']})"
+    else:
+        reward = "mean reward –"
+    st = m["staleness"]
+    stale = st["max"] if st["max"] is not None else (st["in_flight_max"] or 0)
+    return [
+        header,
+        f"{bar} {p['fraction'] * 100:5.1f}%  {p['finished']}/{p['episodes_total']} episodes",
+        "  " + states,
+        f"  {reward}   {m['throughput']['episodes_per_min']:.1f} episodes/min   staleness {stale}/{st['max_staleness']}",
+    ]
+
+
+def watch(api: TemperClient, job_id: str, *, interval: float = 2.0, stream: TextIO | None = None,
+          max_polls: int | None = None) -> int:
+    """Redraw the progress block in place until the job ends; 0 if it completed."""
+    out = stream or sys.stdout
+    tty = out.isatty() and os.environ.get("TERM") != "dumb"
+    drawn = 0
+    polls = 0
+    last_plain = None
+    while True:
+        job = api.job(job_id)
+        m = api.metrics(job_id)
+        lines = progress_lines(job, m, color=tty, width=shutil.get_terminal_size((80, 20)).columns)
+        if tty:
+            if drawn:
+                out.write(f"\x1b[{drawn}A")
+            out.write("".join(f"\r\x1b[2K{line}\n" for line in lines))
+            drawn = len(lines)
+        elif lines != last_plain:
+            out.write("\n".join(lines) + "\n")
+            last_plain = lines
+        out.flush()
+        polls += 1
+        if job["state"] in TERMINAL_STATES:
+            return 0 if job["state"] == "completed" else 1
+        if max_polls is not None and polls >= max_polls:
+            return 0
+        time.sleep(interval)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        try:
+            return watch(api, args.job, interval=args.interval)
+        except KeyboardInterrupt:
+            return 130
+
+
+# --- transcript -------------------------------------------------------------------------
+
+
+def render_transcript(t: dict[str, Any], *, color: bool = False) -> str:
+    def c(code: str, text: str) -> str:
+        return f"{code}{text}{RESET}" if color else text
+
+    ep = t["episode"]
+    reward = "–" if t["reward"] is None else f"{t['reward']:.3f}"
+    lines = [
+        c(BOLD, f"episode {ep['id']}") + f"  job {ep['job_id']}  task {ep['task_id']}  iteration {ep['iteration']}",
+        f"state {ep['state']}" + (f" ({ep['state_reason']})" if ep.get("state_reason") else "")
+        + f"  reward {reward}  policy versions {', '.join(f'v{v}' for v in t['policy_versions']) or '–'}",
+        "",
+    ]
+    for turn in t["turns"]:
+        version = f" policy v{turn['policy_version']}" if turn["policy_version"] is not None else ""
+        timings = "  ".join(f"{k} {v:.3f}" for k, v in sorted(turn["timings"].items()))
+        lines.append(c(BOLD, f"── turn {turn['turn']}{version}") + (f"  {c(DIM, timings)}" if timings else ""))
+        if turn["prompt"]:
+            lines += [c(DIM, f"[prompt, {turn['prompt_tokens']} tokens]"), turn["prompt"].rstrip()]
+        lines += [c(DIM, f"[action, {turn['action_tokens']} tokens]"), turn["action_text"].rstrip()]
+        if turn["observation"] or turn["kill_reason"] or turn["exit_code"] is not None:
+            tags = []
+            if turn["exit_code"] is not None:
+                tags.append(f"exit {turn['exit_code']}")
+            if turn["kill_reason"]:
+                tags.append(c(RED, f"killed: {turn['kill_reason']}"))
+            lines += [c(DIM, "[observation") + (", " + ", ".join(tags) if tags else "") + c(DIM, "]"),
+                      turn["observation"].rstrip()]
+        lines.append("")
+    if t.get("final_observation"):
+        lines += [c(DIM, "[final observation]"), t["final_observation"].rstrip(), ""]
+    if t["rewards"]:
+        lines.append(c(BOLD, "reward vector"))
+        for name, comp in sorted(t["rewards"].items()):
+            if isinstance(comp, dict):
+                value = comp.get("value")
+                extra = comp.get("reason") or (json.dumps(comp["details"]) if comp.get("details") else "")
+                lines.append(f"  {name:<20} {'–' if value is None else f'{value:.3f}'}  {extra}".rstrip())
+            else:
+                lines.append(f"  {name:<20} {comp}")
+    return "\n".join(lines)
+
+
+def cmd_transcript(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        t = api.transcript(args.episode)
+    if args.json:
+        _out(json.dumps(t, indent=2))
+    else:
+        _out(render_transcript(t, color=sys.stdout.isatty()))
+    return 0
+
+
+# --- admin ------------------------------------------------------------------------------
+
+
+def cmd_create_tenant(args: argparse.Namespace) -> int:
+    """Create a tenant straight in the database (TEMPER_DB__URL): how the first key is made."""
+    import asyncio
+
+    from temper.db import Database, DatabaseUnavailable
+    from temper.runtime import StartupError, load_settings
+    from temper.tenants import TenantExists, create_tenant
+
+    try:
+        settings = load_settings()
+    except StartupError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+
+    async def create() -> tuple[str, str]:
+        db = Database(settings.db)
+        try:
+            await db.check()
+            async with db.session() as session:
+                tenant, issued = await create_tenant(
+                    session, name=args.name, tenant_id=args.id, max_concurrent_episodes=args.max_concurrent_episodes,
+                    admin=args.admin,
+                )
+            return tenant.id, issued.key
+        finally:
+            await db.dispose()
+
+    try:
+        tenant_id, key = asyncio.run(create())
+    except (TenantExists, DatabaseUnavailable) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    sys.stderr.write(f"created tenant {tenant_id!r}; its API key follows (shown once, store it now):\n")
+    _out(key)
+    return 0
+
+
+# --- parser -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="temper", description="Temper: RL post-training for LLM agents")
+    parser.add_argument("--url", default=None, help="dispatcher URL (env TEMPER_URL; default http://127.0.0.1:8000)")
+    parser.add_argument("--key", default=None, help="API key (env TEMPER_API_KEY)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("submit", help="submit a job spec (YAML or JSON file, '-' for stdin)")
+    p.add_argument("spec")
+    p.add_argument("--watch", action="store_true", help="then watch it until it ends")
+    p.add_argument("--interval", type=float, default=2.0)
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("jobs", help="list jobs")
+    p.add_argument("--state")
+    p.add_argument("--name", help="name contains")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("watch", help="live progress of a job until it ends")
+    p.add_argument("job")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("transcript", help="an episode's transcript")
+    p.add_argument("episode")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_transcript)
+
+    for action in ("pause", "resume", "cancel"):
+        p = sub.add_parser(action, help=f"{action} a job")
+        p.add_argument("job")
+        p.set_defaults(func=_control(action))
+
+    admin = sub.add_parser("admin", help="administration (talks to the database named by TEMPER_DB__URL)")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True, metavar="ADMIN_COMMAND")
+    p = admin_sub.add_parser("create-tenant", help="create a tenant and print its first API key")
+    p.add_argument("name")
+    p.add_argument("--id", help="tenant id (default: a slug of NAME)")
+    p.add_argument("--max-concurrent-episodes", type=int, default=64)
+    p.add_argument("--admin", action="store_true", help="make the key an admin key")
+    p.set_defaults(func=cmd_create_tenant)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ApiError as exc:
+        sys.stderr.write(f"error: {exc.detail}\n" if exc.status == 0 else f"error ({exc.status}): {exc.detail}\n")
+        for field, message in exc.errors:
+            sys.stderr.write(f"  {field}: {message}\n")
+        return 1
+    except FileNotFoundError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The ``temper`` CLI and the Python client against a dispatcher served by uvicorn."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+import yaml
+from temper import cli
+from temper.client import ApiError, TemperClient
+
+from services.dispatcher.app import create_app
+from tests.services.dispatcher.conftest import KILLED_EPISODE, SPEC
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(env):
+    """The dispatcher (API only) on a free port, in a thread of this process."""
+    settings, seeded = env
+    port = free_port()
+    config = uvicorn.Config(create_app(settings, engine=False), host="127.0.0.1", port=port, log_config=None,
+                            lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "dispatcher did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", seeded
+    srv.should_exit = True
+    thread.join(10)
+
+
+def run_cli(argv, capsys):
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_submit_list_cancel_through_the_cli(server, tmp_path, capsys, monkeypatch):
+    url, seeded = server
+    monkeypatch.setenv("TEMPER_URL", url)
+    monkeypatch.setenv("TEMPER_API_KEY", seeded.key)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(SPEC | {"name": "cli-job"}))
+    code, out, err = run_cli(["submit", str(spec)], capsys)
+    assert code == 0, err
+    job_id = out.strip()
+    assert job_id.startswith("job-") and "cli-job" in err
+
+    code, out, _ = run_cli(["jobs", "--state", "pending"], capsys)
+    assert code == 0 and job_id in out and "cli-job" in out and out.splitlines()[0].startswith("JOB")
+    code, out, _ = run_cli(["cancel", job_id], capsys)
+    assert code == 0 and out.strip() == f"{job_id} cancelled"
+    code, _, err = run_cli(["cancel", job_id], capsys)
+    assert code == 1 and "409" in err
+
+
+def test_a_bad_spec_and_a_bad_key_are_reported(server, tmp_path, capsys):
+    url, seeded = server
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(yaml.safe_dump(SPEC | {"schedule": {"iterations": 0}}))
+    code, _, err = run_cli(["--url", url, "--key", seeded.key, "submit", str(spec)], capsys)
+    assert code == 1 and "schedule.iterations" in err
+    code, _, err = run_cli(["--url", url, "--key", "tmp_nope", "jobs"], capsys)
+    assert code == 1 and "401" in err
+    code, _, err = run_cli(["--url", url, "--key", seeded.key, "submit", str(tmp_path / "missing.yaml")], capsys)
+    assert code == 1 and "missing.yaml" in err
+
+
+def test_transcript_and_watch(server, capsys):
+    url, seeded = server
+    base = ["--url", url, "--key", seeded.key]
+    code, out, _ = run_cli([*base, "transcript", KILLED_EPISODE], capsys)
+    assert code == 0
+    assert "turn 0" in out and "Write a function add(a, b)" in out and "killed: timeout" in out
+    assert "tests_passed" in out
+    code, out, _ = run_cli([*base, "watch", seeded.job_id], capsys)
+    assert code == 0  # the job completed
+    assert "completed" in out and "iteration 3/3" in out and "100.0%" in out and "mean reward 0.875" in out
+
+
+def test_watch_redraws_in_place_on_a_terminal(server):
+    url, seeded = server
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    with TemperClient(url, seeded.key) as api:
+        assert cli.watch(api, seeded.running_job_id, interval=0.01, stream=stream, max_polls=2) == 0
+    text = stream.getvalue()
+    assert text.count("\x1b[4A") == 1  # the second frame moved up over the first
+    assert "acting 1" in text and "pending 1" in text
+
+
+def test_client_errors_carry_the_field_paths(server):
+    url, seeded = server
+    with TemperClient(url, seeded.key) as api:
+        with pytest.raises(ApiError) as info:
+            api.submit({"name": "x", "policy": {"model": "m"}, "tasks": {"taskset": "ts-acme", "group_size": 0}})
+        assert info.value.status == 422 and ("tasks.group_size" in dict(info.value.errors))
+        assert api.tenant()["id"] == "acme"
+        assert api.metrics(seeded.job_id)["progress"]["finished"] == 12
+        assert len(api.episodes(seeded.job_id, task="add-1", limit=100)["items"]) == 6
+    with pytest.raises(ApiError) as info, TemperClient("http://127.0.0.1:9", "k") as api:
+        api.jobs()
+    assert info.value.status == 0 and "cannot reach" in info.value.detail
+
+
+def test_admin_create_tenant_prints_a_working_key(server, env, capsys, monkeypatch):
+    url, _ = server
+    settings, _ = env
+    monkeypatch.setenv("TEMPER_DB__URL", settings.db.url)
+    code, out, err = run_cli(["admin", "create-tenant", "Blue Team", "--max-concurrent-episodes", "5"], capsys)
+    assert code == 0, err
+    key = out.strip()
+    assert key.startswith("tmp_") and key not in err
+    with TemperClient(url, key) as api:
+        me = api.tenant()
+    assert me["id"] == "blue-team" and me["max_concurrent_episodes"] == 5
+    code, _, err = run_cli(["admin", "create-tenant", "Blue Team"], capsys)
+    assert code == 1 and "already exists" in err
