@@ -30,6 +30,7 @@ from temper.sandbox.sandbox import Sandbox, SandboxError
 log = logging.getLogger(__name__)
 
 REFILL_DELAY_S = 0.02
+REFILL_MAX_WAIT_S = 2.0
 
 
 class SessionNotFound(KeyError):
@@ -187,8 +188,14 @@ class SandboxManager:
     async def _refill_later(self) -> None:
         # Off the caller's critical path: starting a sandbox forks this process, which
         # would otherwise delay the action that just acquired one.
+        deadline = time.monotonic() + REFILL_MAX_WAIT_S
         await asyncio.sleep(REFILL_DELAY_S)
+        while self._busy() and time.monotonic() < deadline:
+            await asyncio.sleep(REFILL_DELAY_S)  # wait for a gap between actions
         await self.refill()
+
+    def _busy(self) -> bool:
+        return any(sb._lock.locked() for sb in (*self._in_use, *self.sessions.values()))
 
     async def release(self, sb: Sandbox, *, wait: bool = False) -> None:
         """Destroy a sandbox that is no longer needed (in the background unless ``wait``)."""

@@ -8,8 +8,7 @@ object with an ``id``. The app keeps its started :class:`temper.runtime.Runtime`
 database and object store) at ``app.state.runtime``, or passes ``runtime_dependency``.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: FastAPI must see the dependency aliases made in make_router
 import asyncio
 import json
 from collections.abc import Callable
@@ -78,7 +77,7 @@ def make_router(
         tenant_id = _tenant_id(tenant)
         body = await request.body()
         if len(body) > MAX_UPLOAD_BYTES:
-            raise HTTPException(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, f"task sets are limited to {MAX_UPLOAD_BYTES} bytes")
+            raise HTTPException(413, f"task sets are limited to {MAX_UPLOAD_BYTES} bytes")
         tasks = _parse_body(body, request.headers.get("content-type", ""))
         assert runtime.db is not None
         async with runtime.db.session() as session:
@@ -139,22 +138,22 @@ def _parse_body(body: bytes, content_type: str) -> list[TaskSpec]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "the task set must be UTF-8 text") from None
+        raise HTTPException(422, "the task set must be UTF-8 text") from None
     filename = ".yaml" if "yaml" in content_type else ".jsonl" if ("ndjson" in content_type or "jsonl" in content_type) else ""
     if "application/json" in content_type:
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, f"not JSON: {exc}") from None
+            raise HTTPException(422, f"not JSON: {exc}") from None
         items = doc.get("tasks") if isinstance(doc, dict) else doc
         if not isinstance(items, list):
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, "expected a list of tasks or {'tasks': [...]}")
+            raise HTTPException(422, "expected a list of tasks or {'tasks': [...]}")
         text = "".join(json.dumps(t) + "\n" for t in items)
         filename = ".jsonl"
     try:
         return parse_tasks(text, filename=filename)
     except TaskFormatError as exc:
         raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_ENTITY,
+            422,
             {"message": "invalid task set", "errors": [{"line": ln, "field": f, "message": m} for ln, f, m in exc.errors]},
         ) from None

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from temper.db import Episode, Job, Step, Tenant
+from temper.leases import reap_expired
+from temper.storage import LocalStore
+from temper.tasks import service
+from temper.tasks.models import TaskStatus, parse_tasks
+from temper.tasks.routes import make_router
+
+pytestmark = pytest.mark.timeout(60)
+
+SET = "\n".join(
+    [
+        '{"id": "a", "prompt": "Write f", "tests": "assert f() == 1", "entry_point": "f"}',
+        '{"id": "b", "kind": "math", "prompt": "1+1?", "answer": "2"}',
+    ]
+)
+
+
+async def _tenant(db, name="acme"):
+    async with db.session() as s:
+        s.add(Tenant(id=name, name=name))
+
+
+async def test_create_list_show_record_outcomes_and_exclude_invalid_tasks(database, tmp_path):
+    await _tenant(database)
+    store = LocalStore(tmp_path / "objects")
+    async with database.session() as s:
+        row = await service.create_taskset(s, store, "acme", "demo", parse_tasks(SET))
+    assert await store.exists(row.storage_key)
+    async with database.session() as s:
+        assert [r.name for r in await service.list_tasksets(s, "acme")] == ["demo"]
+        rows = await service.task_rows(s, row.id)
+        assert [r.id for r in rows] == [f"{row.id}:a", f"{row.id}:b"]
+        assert rows[0].prompt_hash and rows[0].tests_hash
+        spec = await service.load_task(s, f"{row.id}:a")
+        assert spec.entry_point == "f"
+        await service.set_task_status(s, f"{row.id}:b", TaskStatus.invalid, ["tests too weak"])
+    async with database.session() as s:
+        assert [t.key for t in await service.sampleable_tasks(s, row.id)] == ["a"]
+        for outcome in (True, True, False):
+            await service.record_outcome(s, f"{row.id}:a", outcome)
+    async with database.session() as s:
+        (a, _b) = await service.task_rows(s, row.id)
+        assert (a.attempts, a.passes) == (3, 2)
+        assert a.difficulty == pytest.approx(1 - 3 / 5)
+        with pytest.raises(service.TaskSetNotFound):
+            await service.get_taskset(s, row.id, tenant="other")
+
+
+async def test_rest_upload_list_and_status(database, tmp_path):
+    await _tenant(database)
+
+    class Rt:  # the parts of Runtime the routes use
+        db = database
+        store = LocalStore(tmp_path / "objects")
+
+    queued: list[str] = []
+
+    def enqueue(ts: str) -> str:
+        queued.append(ts)
+        return "celery-1"
+
+    app = FastAPI()
+    app.state.runtime = Rt()
+    app.include_router(make_router(lambda: "acme", enqueue=enqueue))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.post("/v1/tasksets?name=demo", content=SET, headers={"content-type": "application/x-ndjson"})
+        assert r.status_code == 201, r.text
+        ts = r.json()
+        assert ts["task_count"] == 2 and ts["validation"] == {"queued": True, "celery_task_id": "celery-1"}
+        assert queued == [ts["id"]]
+        bad = SET + '\n{"id": "c", "kind": "code", "prompt": "x"}'
+        r = await client.post("/v1/tasksets", content=bad, headers={"content-type": "application/x-ndjson"})
+        assert r.status_code == 422
+        assert r.json()["detail"]["errors"][0]["line"] == 3
+        r = await client.post("/v1/tasksets", content="tasks:\n  - {id: y, kind: math, prompt: p, answer: '3'}\n",
+                              headers={"content-type": "application/yaml"})
+        assert r.status_code == 201
+        r = await client.get("/v1/tasksets")
+        assert [t["name"] for t in r.json()] == ["demo", "taskset"]
+        r = await client.get(f"/v1/tasksets/{ts['id']}")
+        body = r.json()
+        assert body["progress"] == {"current": 0, "total": 2}
+        assert [t["status"] for t in body["tasks"]] == ["pending", "pending"]
+        assert (await client.get("/v1/tasksets/nope")).status_code == 404
+        assert (await client.post(f"/v1/tasksets/{ts['id']}/validate")).status_code == 202
+
+
+async def test_reap_expired_marks_only_leased_steps_past_their_lease(database):
+    await _tenant(database)
+    now = datetime.now(UTC)
+    async with database.session() as s:
+        s.add(Job(id="j", tenant_id="acme", name="j", spec={}))
+        await s.flush()
+        s.add(Episode(id="e", job_id="j", tenant_id="acme", task_id="t", group_id="g"))
+        await s.flush()
+        s.add_all([
+            Step(episode_id="e", turn=0, kind="inference", state="leased", lease_expires_at=now - timedelta(seconds=5)),
+            Step(episode_id="e", turn=0, kind="sandbox", state="leased", lease_expires_at=now + timedelta(seconds=60)),
+            Step(episode_id="e", turn=1, kind="inference", state="done", lease_expires_at=now - timedelta(seconds=5)),
+        ])  # fmt: skip
+    assert await reap_expired(database) == [("e", 0, "inference")]
+    assert await reap_expired(database) == []
