@@ -1,0 +1,538 @@
+"""The episode state machine.
+
+Every handler here is one database transaction that (1) checks that the result it was
+given is the one the episode is waiting for — same turn, step kind and attempt, step
+still leased — and otherwise acknowledges and ignores it, (2) records the result on its
+step row (unique per episode, turn and kind), (3) moves the episode with
+:func:`temper.lifecycle.transition_episode`, and (4) writes the next command to the
+outbox. A crash anywhere leaves either the old state (the result is redelivered) or the
+new state with its command (the relay publishes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+from temper import metrics
+from temper.db import Database, Episode, Job, Step, Task
+from temper.envs import Environment, ParsedAction, make_environment
+from temper.events import (
+    InferenceRequest,
+    InferenceResult,
+    LifecycleEvent,
+    Message,
+    RewardRequest,
+    RewardResult,
+    SamplingParams,
+    SandboxRequest,
+    SandboxResult,
+    Topics,
+    TrajectoryReady,
+)
+from temper.jobspec import JobSpec
+from temper.lifecycle import EpisodeState, transition_episode
+from temper.logs import log_context, log_event
+from temper.outbox import enqueue
+from temper.policy.tokenizer import ByteTokenizer, assistant_stop_ids, default_tokenizer
+from temper.storage import ObjectStore, object_key
+
+from services.dispatcher.engine.config import EngineSettings
+from services.dispatcher.engine.trajectories import build_trajectory, passed
+
+log = logging.getLogger("temper.dispatcher.episodes")
+
+E = EpisodeState
+# A step waits for its result while leased; ``expired`` is how the Celery lease task
+# (temper.leases) marks one past its lease: still waiting until this reaper retries it.
+WAITING = ("leased", "expired")
+ACTIVE = (E.pending, E.awaiting_action, E.acting, E.scoring)
+STEP_FOR_STATE = {E.awaiting_action: "inference", E.acting: "sandbox", E.scoring: "reward"}
+TOPIC_FOR_KIND = {"inference": Topics.INFERENCE_REQUESTS, "sandbox": Topics.SANDBOX_REQUESTS, "reward": Topics.REWARD_REQUESTS}
+REQUEST_TYPES: dict[str, type[Message]] = {
+    "inference": InferenceRequest,
+    "sandbox": SandboxRequest,
+    "reward": RewardRequest,
+}
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _aware(ts: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; they were written in UTC."""
+    if ts is not None and ts.tzinfo is None:
+        return ts.replace(tzinfo=UTC)
+    return ts
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class EpisodeEngine:
+    """Drives episodes from result to result. Stateless between calls except for caches
+    of immutable rows (job specs, tasks), so any replica can handle any episode."""
+
+    def __init__(
+        self,
+        db: Database,
+        store: ObjectStore,
+        settings: EngineSettings,
+        *,
+        tokenizer: ByteTokenizer | None = None,
+        notify: Callable[[], None] | None = None,
+    ) -> None:
+        self.db = db
+        self.store = store
+        self.settings = settings
+        self.tok = tokenizer or default_tokenizer()
+        self._notify = notify or (lambda: None)
+        self._specs: OrderedDict[str, JobSpec] = OrderedDict()
+        self._tasks: OrderedDict[str, Task] = OrderedDict()
+        # SQLite has one writer: serialise this process's transactions instead of retrying "locked".
+        self._sqlite_lock = asyncio.Lock() if db.is_sqlite else None
+        self.ignored = 0  # results acknowledged without effect (duplicates, stale attempts)
+
+    # --- plumbing ------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def tx(self) -> AsyncIterator[AsyncSession]:
+        """One transaction; the relay is woken after it commits."""
+        if self._sqlite_lock is not None:
+            async with self._sqlite_lock, self.db.session() as session:
+                yield session
+        else:
+            async with self.db.session() as session:
+                yield session
+        self._notify()
+
+    async def spec_of(self, session: AsyncSession, job_id: str) -> JobSpec:
+        spec = self._specs.get(job_id)
+        if spec is None:
+            raw = await session.scalar(select(Job.spec).where(Job.id == job_id))
+            spec = JobSpec.model_validate(raw)
+            self._specs[job_id] = spec
+            while len(self._specs) > 1000:
+                self._specs.popitem(last=False)
+        return spec
+
+    async def task_of(self, session: AsyncSession, task_id: str) -> Task:
+        task = self._tasks.get(task_id)
+        if task is None:
+            task = await session.get(Task, task_id)
+            if task is None:
+                raise LookupError(f"task {task_id} does not exist")
+            session.expunge(task)
+            self._tasks[task_id] = task
+            while len(self._tasks) > 10_000:
+                self._tasks.popitem(last=False)
+        return task
+
+    def environment(self, spec: JobSpec, task: Task) -> Environment:
+        env = spec.environment
+        return make_environment(
+            env.kind or task.kind,
+            task,
+            max_turns=env.max_turns,
+            action_format=env.action_format,
+            limits=env.limits,
+            max_observation_chars=self.settings.max_observation_chars,
+        )
+
+    async def _lock_episode(self, session: AsyncSession, episode_id: str | None) -> Episode | None:
+        if not episode_id:
+            return None
+        query = select(Episode).where(Episode.id == episode_id)
+        if not self.db.is_sqlite:
+            query = query.with_for_update()
+        return (await session.execute(query)).scalar_one_or_none()
+
+    @staticmethod
+    async def _step(session: AsyncSession, episode_id: str, turn: int, kind: str) -> Step | None:
+        return (
+            await session.execute(
+                select(Step).where(Step.episode_id == episode_id, Step.turn == turn, Step.kind == kind)
+            )
+        ).scalar_one_or_none()
+
+    def _lease(self, kind: str, extra_s: float = 0.0) -> datetime:
+        lease = self.settings.lease_s
+        if kind == "reward" and self.settings.reward_lease_s:
+            lease = self.settings.reward_lease_s
+        return now() + timedelta(seconds=lease + extra_s)
+
+    def _issue(self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0) -> Step:
+        """Write a new step (attempt 0) and its command; the episode waits on it."""
+        lease = self._lease(kind, extra_s)
+        step = Step(
+            episode_id=ep.id,
+            turn=message.turn or 0,
+            kind=kind,
+            attempt=0,
+            state="leased",
+            request=message.model_dump(mode="json"),
+            lease_expires_at=lease,
+            created_at=now(),
+        )
+        session.add(step)
+        ep.turn = message.turn or 0
+        ep.attempt = 0
+        ep.lease_expires_at = lease
+        enqueue(session, TOPIC_FOR_KIND[kind], message)
+        return step
+
+    def _ignore(self, why: str, message: Message) -> None:
+        self.ignored += 1
+        log_event(log, "result ignored", logging.DEBUG, why=why, kind=message.kind, attempt=message.attempt)
+
+    @staticmethod
+    def _is_current(ep: Episode | None, step: Step | None, message: Message, state: EpisodeState) -> str | None:
+        """None if ``message`` is the result the episode waits for, else why not."""
+        if ep is None:
+            return "unknown episode"
+        if ep.state != state:
+            return f"episode is {ep.state}"
+        if step is None or ep.turn != message.turn:
+            return "not the current turn"
+        if step.state not in WAITING:
+            return "duplicate"
+        if step.attempt != message.attempt:
+            return f"stale attempt {message.attempt} (current {step.attempt})"
+        return None
+
+    def retry_or_fail(self, session: AsyncSession, ep: Episode, step: Step, reason: str) -> bool:
+        """Re-send ``step`` with the next attempt, or fail the episode once attempts run out.
+        Returns True when it retried."""
+        if step.attempt + 1 < self.settings.max_step_attempts:
+            step.attempt += 1
+            step.state = "leased"
+            step.lease_expires_at = self._lease(step.kind)
+            ep.attempt = step.attempt
+            ep.lease_expires_at = step.lease_expires_at
+            payload = {**step.request, "id": str(uuid.uuid4()), "occurred_at": now().isoformat(), "attempt": step.attempt}
+            if step.kind == "sandbox":
+                payload["snapshot_key"] = ep.snapshot_key
+            message = REQUEST_TYPES[step.kind].model_validate(payload)
+            enqueue(session, TOPIC_FOR_KIND[step.kind], message)
+            log_event(log, "step retried", logging.WARNING, kind=step.kind, attempt=step.attempt, reason=reason)
+            return True
+        step.state = "failed"
+        step.completed_at = now()
+        ep.lease_expires_at = None
+        transition_episode(session, ep, E.failed, reason=f"{reason} (after {step.attempt + 1} attempts)")
+        log_event(log, "episode failed", logging.WARNING, reason=reason, attempts=step.attempt + 1)
+        return False
+
+    # --- starting ------------------------------------------------------------------------------
+    def start_episode(
+        self,
+        session: AsyncSession,
+        *,
+        job: Job,
+        spec: JobSpec,
+        task: Task,
+        group_id: str,
+        iteration: int,
+        episode_id: str | None = None,
+    ) -> Episode:
+        """Insert a pending episode and ask for its first action, in the caller's transaction."""
+        ep = Episode(
+            id=episode_id or new_id(),
+            job_id=job.id,
+            tenant_id=job.tenant_id,
+            task_id=task.id,
+            group_id=group_id,
+            iteration=iteration,
+            state=E.pending,
+            turn=0,
+            attempt=0,
+            behaviour_version=job.policy_version,
+            session_id=None,
+            rewards={},
+            timings={"started_at": now().timestamp()},
+            created_at=now(),
+        )
+        ep.session_id = ep.id
+        session.add(ep)
+        env = self.environment(spec, task)
+        prompt = env.first_prompt_ids(self.tok)
+        self._issue(session, ep, "inference", self._inference_request(ep, spec, prompt, turn=0))
+        transition_episode(session, ep, E.awaiting_action)
+        return ep
+
+    def _inference_request(self, ep: Episode, spec: JobSpec, prompt_ids: list[int], *, turn: int) -> InferenceRequest:
+        s = spec.policy.sampling
+        return InferenceRequest(
+            job_id=ep.job_id,
+            episode_id=ep.id,
+            turn=turn,
+            model=spec.policy.model,
+            prompt_ids=prompt_ids,
+            sampling=SamplingParams(
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                stop=list(s.stop),
+                stop_token_ids=assistant_stop_ids(self.tok),
+            ),
+        )
+
+    # --- results -------------------------------------------------------------------------------
+    async def on_inference(self, msg: InferenceResult) -> None:
+        async with self.tx() as session:
+            ep = await self._lock_episode(session, msg.episode_id)
+            step = await self._step(session, ep.id, msg.turn or 0, "inference") if ep else None
+            why = self._is_current(ep, step, msg, E.awaiting_action)
+            if why:
+                return self._ignore(why, msg)
+            assert ep is not None and step is not None
+            if msg.error or len(msg.logprobs) != len(msg.token_ids):
+                error = msg.error or f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens"
+                self.retry_or_fail(session, ep, step, f"inference_error: {error}")
+                return
+            spec = await self.spec_of(session, ep.job_id)
+            env = self.environment(spec, await self.task_of(session, ep.task_id))
+            text = msg.text or self.tok.decode(msg.token_ids)
+            action = env.parse(text, turn=step.turn)
+            done_at = now()
+            step.result = {
+                "token_ids": msg.token_ids,
+                "logprobs": msg.logprobs,
+                "text": text,
+                "finish_reason": msg.finish_reason,
+                "policy_version": msg.policy_version,
+                "backend": msg.backend,
+                "action": action.to_dict(),
+            }
+            step.state = "done"
+            step.completed_at = done_at
+            self._observe_step(step, done_at)
+            if ep.behaviour_version is None or msg.policy_version < ep.behaviour_version:
+                ep.behaviour_version = msg.policy_version
+            turn = step.turn
+            if action.kind == "sandbox":
+                assert action.command is not None
+                limits = env.limits or None
+                request = SandboxRequest(
+                    job_id=ep.job_id,
+                    episode_id=ep.id,
+                    turn=turn,
+                    session_id=ep.session_id or ep.id,
+                    action=action.command,
+                    limits=limits,
+                    snapshot_key=ep.snapshot_key,
+                    files=env.setup_files() if ep.snapshot_key is None else {},
+                )
+                # The lease covers the action's own wall-clock limit on top of the hop.
+                self._issue(session, ep, "sandbox", request, extra_s=float((limits or {}).get("wall_s", 0.0)))
+                transition_episode(session, ep, E.acting)
+                return
+            if not action.format_ok:
+                ep.format_errors = (ep.format_errors or 0) + 1
+            if action.kind == "submit" or env.is_last_turn(turn):
+                self._issue_reward(session, ep, spec, env, action, final_text=text)
+                return
+            # A malformed action: its error is the observation, and the model tries again.
+            observation = env.observe(action, None)
+            step.result = {**step.result, "observation": observation}
+            self._next_turn(session, ep, spec, env, step, observation)
+
+    async def on_sandbox(self, msg: SandboxResult) -> None:
+        async with self.tx() as session:
+            ep = await self._lock_episode(session, msg.episode_id)
+            step = await self._step(session, ep.id, msg.turn or 0, "sandbox") if ep else None
+            why = self._is_current(ep, step, msg, E.acting)
+            if why:
+                return self._ignore(why, msg)
+            assert ep is not None and step is not None
+            if msg.error:
+                self.retry_or_fail(session, ep, step, f"sandbox_error: {msg.error}")
+                return
+            spec = await self.spec_of(session, ep.job_id)
+            env = self.environment(spec, await self.task_of(session, ep.task_id))
+            inference = await self._step(session, ep.id, step.turn, "inference")
+            assert inference is not None and inference.result is not None
+            action = ParsedAction.from_dict(inference.result["action"])
+            observation = env.observe(action, msg.result)
+            done_at = now()
+            step.result = {
+                "exec": msg.result,
+                "worker": msg.worker,
+                "snapshot_key": msg.snapshot_key,
+                "observation": observation,
+            }
+            step.state = "done"
+            step.completed_at = done_at
+            self._observe_step(step, done_at)
+            if msg.snapshot_key:
+                ep.snapshot_key = msg.snapshot_key
+            if action.submit_after or env.is_last_turn(step.turn):
+                self._issue_reward(session, ep, spec, env, action, final_text=inference.result.get("text", ""))
+                return
+            self._next_turn(session, ep, spec, env, inference, observation)
+
+    def _next_turn(
+        self, session: AsyncSession, ep: Episode, spec: JobSpec, env: Environment, inference: Step, observation: str
+    ) -> None:
+        """Extend the conversation token-wise with ``observation`` and ask for the next action."""
+        sampled = inference.result["token_ids"] if inference.result else []
+        prompt = [*inference.request["prompt_ids"], *sampled, *env.observation_ids(self.tok, sampled, observation)]
+        if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
+            # Out of context: score what there is.
+            action = ParsedAction.from_dict((inference.result or {}).get("action", {"kind": "invalid"}))
+            ep.timings = {**ep.timings, "context_full": True}
+            self._issue_reward(session, ep, spec, env, action, final_text=(inference.result or {}).get("text", ""))
+            return
+        self._issue(session, ep, "inference", self._inference_request(ep, spec, prompt, turn=inference.turn + 1))
+        transition_episode(session, ep, E.awaiting_action)
+
+    def _issue_reward(
+        self, session: AsyncSession, ep: Episode, spec: JobSpec, env: Environment, action: ParsedAction, *, final_text: str
+    ) -> None:
+        format_ok = not ep.format_errors  # over every turn, this one included
+        request = RewardRequest(
+            job_id=ep.job_id,
+            episode_id=ep.id,
+            turn=ep.turn,
+            task_id=ep.task_id,
+            taskset_id=env.task.meta.get("task_set_id") or spec.tasks.taskset,
+            submission=env.submission(
+                action if action.kind != "invalid" else None,
+                final_text=final_text,
+                snapshot_key=ep.snapshot_key,
+                session_id=ep.session_id or ep.id,
+            ),
+            weights=dict(spec.rewards),
+            turns_used=ep.turn + 1,
+            max_turns=env.max_turns,
+            format_ok=format_ok,
+        )
+        self._issue(session, ep, "reward", request)
+        transition_episode(session, ep, E.scoring)
+
+    async def on_reward(self, msg: RewardResult) -> None:
+        # Read first and write the trajectory outside the transaction (object storage is slow
+        # and idempotent: the key is fixed per episode), then commit the state change.
+        async with self.tx() as session:
+            ep = await self._lock_episode(session, msg.episode_id)
+            step = await self._step(session, ep.id, msg.turn or 0, "reward") if ep else None
+            why = self._is_current(ep, step, msg, E.scoring)
+            if why:
+                return self._ignore(why, msg)
+            assert ep is not None and step is not None
+            if msg.error:
+                self.retry_or_fail(session, ep, step, f"reward_error: {msg.error}")
+                return
+            steps = list(
+                (await session.execute(select(Step).where(Step.episode_id == ep.id).order_by(Step.turn, Step.id))).scalars()
+            )
+            trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=now())
+            key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
+        await self.store.put(key, trajectory.model_dump_json().encode(), "application/json")
+        async with self.tx() as session:
+            ep = await self._lock_episode(session, msg.episode_id)
+            step = await self._step(session, ep.id, msg.turn or 0, "reward") if ep else None
+            why = self._is_current(ep, step, msg, E.scoring)
+            if why:
+                return self._ignore(why, msg)
+            assert ep is not None and step is not None
+            done_at = now()
+            components = {k: v.model_dump(mode="json") for k, v in msg.components.items()}
+            step.result = {"reward": msg.reward, "components": components}
+            step.state = "done"
+            step.completed_at = done_at
+            self._observe_step(step, done_at)
+            ep.reward = msg.reward
+            ep.rewards = components
+            ep.trajectory_key = key
+            ep.lease_expires_at = None
+            ep.timings = {**ep.timings, **trajectory.timings}
+            transition_episode(session, ep, E.scored)
+            enqueue(
+                session,
+                Topics.EVENTS,
+                LifecycleEvent(
+                    event="episode.reward",
+                    job_id=ep.job_id,
+                    episode_id=ep.id,
+                    turn=ep.turn,
+                    tenant=ep.tenant_id,
+                    reward=msg.reward,
+                    data={
+                        "iteration": ep.iteration,
+                        "task_id": ep.task_id,
+                        "group_id": ep.group_id,
+                        "components": {k: v.value for k, v in msg.components.items()},
+                        "turns": ep.turn + 1,
+                    },
+                ),
+            )
+            enqueue(
+                session,
+                Topics.TRAJECTORIES,
+                TrajectoryReady(
+                    job_id=ep.job_id,
+                    episode_id=ep.id,
+                    task_id=ep.task_id,
+                    group_id=ep.group_id,
+                    trajectory_key=key,
+                    behaviour_version=trajectory.behaviour_version,
+                    reward=msg.reward,
+                ),
+            )
+            ok = passed(msg)
+            await session.execute(
+                update(Task)
+                .where(Task.id == ep.task_id)
+                .values(attempts=Task.attempts + 1, passes=Task.passes + (1 if ok else 0))
+            )
+            log_event(log, "episode scored", reward=msg.reward, passed=ok, turns=ep.turn + 1)
+
+    @staticmethod
+    def _observe_step(step: Step, done_at: datetime) -> None:
+        started = _aware(step.created_at)
+        if started is not None:
+            metrics.TURN_SECONDS.labels(step.kind).observe(max(0.0, (done_at - started).total_seconds()))
+
+    # --- leases --------------------------------------------------------------------------------
+    async def reap_expired(self, limit: int = 200) -> int:
+        """Retry (or fail) every step whose lease expired; returns how many."""
+        async with self.tx() as session:
+            query = (
+                select(Episode)
+                .where(Episode.state.in_([s.value for s in STEP_FOR_STATE]), Episode.lease_expires_at < now())
+                .order_by(Episode.lease_expires_at)
+                .limit(limit)
+            )
+            if not self.db.is_sqlite:
+                query = query.with_for_update(skip_locked=True)
+            expired = list((await session.execute(query)).scalars())
+            metrics.EPISODES_STUCK.set(len(expired))
+            for ep in expired:
+                kind = STEP_FOR_STATE[EpisodeState(ep.state)]
+                step = await self._step(session, ep.id, ep.turn, kind)
+                with log_context(job_id=ep.job_id, episode_id=ep.id, turn=ep.turn):
+                    metrics.STEP_LEASES_EXPIRED.labels(kind).inc()
+                    if step is None:  # cannot happen unless rows were edited by hand
+                        ep.lease_expires_at = None
+                        transition_episode(session, ep, E.failed, reason=f"lease_expired: no {kind} step")
+                        continue
+                    self.retry_or_fail(session, ep, step, f"lease_expired: {kind} step of turn {ep.turn}")
+            return len(expired)
+
+    async def cancel_episodes(self, session: AsyncSession, episodes: Sequence[Episode], reason: str) -> None:
+        for ep in episodes:
+            ep.lease_expires_at = None
+            transition_episode(session, ep, E.cancelled, reason=reason)
+
+    def describe(self) -> dict[str, Any]:
+        return {"ignored_results": self.ignored}

@@ -1,0 +1,298 @@
+"""The job scheduler: picks up pending jobs, starts episodes in groups, advances
+iterations under the staleness bound, and completes jobs.
+
+Everything it decides comes from the database (counts of episodes per iteration and
+state, the trainer's ledger, the job's policy version), so a replica that takes over a
+job after a crash continues exactly where the last leader stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import Counter
+
+from pydantic import ValidationError
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.ext.asyncio import AsyncSession
+from temper import metrics
+from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory
+from temper.events import LifecycleEvent, PolicyUpdate, Topics
+from temper.jobspec import Curriculum, JobSpec
+from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
+from temper.logs import log_context, log_event
+from temper.outbox import enqueue
+
+from services.dispatcher.engine.episodes import ACTIVE, EpisodeEngine, new_id
+from services.dispatcher.engine.leader import Leadership
+
+log = logging.getLogger("temper.dispatcher.scheduler")
+
+E, J = EpisodeState, JobState
+DEFAULT_TENANT_QUOTA = 64
+# Curriculum weights: tasks with an unknown or strictly-between pass rate are preferred.
+LEARNABLE_WEIGHT, SETTLED_WEIGHT = 1.0, 0.05
+
+
+def task_weight(attempts: int, passes: int, curriculum: Curriculum) -> float:
+    if curriculum is Curriculum.uniform or attempts == 0:
+        return LEARNABLE_WEIGHT
+    rate = passes / attempts
+    return LEARNABLE_WEIGHT if 0.0 < rate < 1.0 else SETTLED_WEIGHT
+
+
+def versions_per_iteration(spec: JobSpec) -> float:
+    """Policy versions a trainer produces per iteration: groups / (groups per step x steps per checkpoint)."""
+    groups = spec.schedule.episodes_per_iteration / spec.tasks.group_size
+    return groups / (spec.algorithm.groups_per_step * spec.algorithm.checkpoint_every)
+
+
+class Scheduler:
+    def __init__(
+        self, engine: EpisodeEngine, leadership: Leadership, *, trainer_attached: bool, wait_for_training: bool
+    ) -> None:
+        self.engine = engine
+        self.leadership = leadership
+        self.trainer_attached = trainer_attached
+        self.wait_for_training = trainer_attached and wait_for_training
+
+    async def tick(self) -> None:
+        async with self.engine.db.session() as session:
+            job_ids = list(
+                (await session.execute(select(Job.id).where(Job.state.in_([J.pending, J.running])))).scalars()
+            )
+        for job_id in job_ids:
+            if await self.leadership.acquire(job_id):
+                with log_context(job_id=job_id):
+                    await self.schedule_job(job_id)
+        for job_id in self.leadership.held - set(job_ids):
+            await self.leadership.release(job_id)
+        await self.cancel_orphans()
+
+    # --- one job -------------------------------------------------------------------------------
+    async def schedule_job(self, job_id: str) -> None:
+        engine = self.engine
+        async with engine.tx() as s:
+            query = select(Job).where(Job.id == job_id)
+            if not engine.db.is_sqlite:
+                query = query.with_for_update()
+            job = (await s.execute(query)).scalar_one_or_none()
+            if job is None:
+                return
+            if job.state == J.pending and not await self._start_job(s, job):
+                return
+            if job.state != J.running:
+                return
+            spec = await engine.spec_of(s, job.id)
+            if self.trainer_attached:
+                await self.mark_trained(s, job.id)
+            started: Counter[int] = Counter()
+            finished: Counter[int] = Counter()
+            active = 0
+            rows = await s.execute(
+                select(Episode.iteration, Episode.state, func.count())
+                .where(Episode.job_id == job.id)
+                .group_by(Episode.iteration, Episode.state)
+            )
+            for iteration, state, count in rows:
+                started[iteration] += count
+                if state in EPISODE_FINISHED:
+                    finished[iteration] += count
+                else:
+                    active += count
+            metrics.EPISODES_ACTIVE.labels(job.id).set(active)
+            per_iteration = spec.schedule.episodes_per_iteration
+            iterations = spec.schedule.iterations
+
+            while (
+                started[job.iteration] >= per_iteration
+                and job.iteration + 1 < iterations
+                and await self._fresh_enough(s, job, spec, job.iteration + 1)
+            ):
+                job.iteration += 1
+                log_event(log, "iteration started", iteration=job.iteration, policy_version=job.policy_version)
+            metrics.JOB_ITERATION.labels(job.id).set(job.iteration)
+
+            total, done = sum(started.values()), sum(finished.values())
+            if total >= per_iteration * iterations and done == total:
+                if self.wait_for_training and not await self._training_done(s, job, spec):
+                    return
+                transition_job(s, job, J.completed)
+                metrics.EPISODES_ACTIVE.labels(job.id).set(0)
+                log_event(log, "job completed", episodes=total)
+                return
+
+            need = per_iteration - started[job.iteration]
+            if need <= 0:
+                return
+            tenant_active = await s.scalar(
+                select(func.count()).select_from(Episode).where(
+                    Episode.tenant_id == job.tenant_id, Episode.state.in_([x.value for x in ACTIVE])
+                )
+            )
+            quota = await s.scalar(select(Tenant.max_concurrent_episodes).where(Tenant.id == job.tenant_id))
+            cap = min(spec.schedule.max_concurrent_episodes, quota or DEFAULT_TENANT_QUOTA)
+            room = min(spec.schedule.max_concurrent_episodes - active, (quota or DEFAULT_TENANT_QUOTA) - (tenant_active or 0))
+            group_size = spec.tasks.group_size
+            candidates: list[tuple[str, int, int]] | None = None
+            used: set[str] = set()
+            while need > 0 and room >= min(group_size, cap):
+                if candidates is None:
+                    candidates = [
+                        (r.id, r.attempts, r.passes)
+                        for r in await s.execute(
+                            select(Task.id, Task.attempts, Task.passes)
+                            .where(Task.task_set_id == spec.tasks.taskset, Task.status != "invalid")
+                            .order_by(Task.id)
+                        )
+                    ]
+                    used = set(
+                        (
+                            await s.execute(
+                                select(Episode.task_id).where(
+                                    Episode.job_id == job.id, Episode.iteration == job.iteration
+                                )
+                            )
+                        ).scalars()
+                    )
+                if not candidates:
+                    transition_job(s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample")
+                    return
+                rng = random.Random(f"{spec.tasks.seed}:{job.id}:{job.iteration}:{started[job.iteration]}")
+                pool = [c for c in candidates if c[0] not in used] or candidates
+                weights = [task_weight(a, p, spec.tasks.curriculum) for _, a, p in pool]
+                task_id = rng.choices(pool, weights)[0][0]
+                used.add(task_id)
+                task = await engine.task_of(s, task_id)
+                group_id = new_id()
+                size = min(group_size, need)
+                for _ in range(size):
+                    engine.start_episode(s, job=job, spec=spec, task=task, group_id=group_id, iteration=job.iteration)
+                started[job.iteration] += size
+                need -= size
+                room -= size
+                active += size
+                log_event(log, "group started", group_id=group_id, task_id=task_id, size=size, iteration=job.iteration)
+            metrics.EPISODES_ACTIVE.labels(job.id).set(active)
+
+    async def _start_job(self, s: AsyncSession, job: Job) -> bool:
+        try:
+            spec = JobSpec.model_validate(job.spec)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(root)"
+            transition_job(s, job, J.failed, reason=f"invalid spec: {where}: {first['msg']}")
+            return False
+        sampleable = await s.scalar(
+            select(func.count()).select_from(Task).where(
+                Task.task_set_id == spec.tasks.taskset, Task.status != "invalid"
+            )
+        )
+        if not sampleable:
+            transition_job(s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample")
+            return False
+        transition_job(s, job, J.running)
+        log_event(log, "job started", tasks=sampleable)
+        return True
+
+    # --- staleness and training ----------------------------------------------------------------
+    async def _untrained_groups(self, s: AsyncSession, job_id: str, before_iteration: int) -> int:
+        """Groups of earlier iterations that the trainer has yet to step on (not trained or skipped)."""
+        query = (
+            select(func.count(func.distinct(Episode.group_id)))
+            .select_from(Episode)
+            .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
+            .where(
+                Episode.job_id == job_id,
+                Episode.iteration < before_iteration,
+                Episode.state.not_in([E.trained, E.failed, E.cancelled]),
+                or_(
+                    TrainedTrajectory.episode_id.is_(None),
+                    and_(TrainedTrajectory.step.is_(None), TrainedTrajectory.skipped.is_(None)),
+                ),
+            )
+        )
+        return int(await s.scalar(query) or 0)
+
+    async def _fresh_enough(self, s: AsyncSession, job: Job, spec: JobSpec, iteration: int) -> bool:
+        """May episodes of ``iteration`` start? Their behaviour version is the current one; the
+        trainer will learn from them at about ``iteration x versions_per_iteration``; the gap
+        must stay within ``max_staleness``. If the trainer holds too few groups to make a
+        step (it skipped zero-variance groups, or waits for a full batch), waiting would
+        deadlock, so the gate opens."""
+        if not self.trainer_attached:
+            return True
+        expected = math.floor(iteration * versions_per_iteration(spec) + 1e-9)
+        if expected - job.policy_version <= spec.schedule.max_staleness:
+            return True
+        return await self._untrained_groups(s, job.id, iteration) < spec.algorithm.groups_per_step
+
+    async def _training_done(self, s: AsyncSession, job: Job, spec: JobSpec) -> bool:
+        """The trainer has read every scored episode and cannot step again without more."""
+        unseen = await s.scalar(
+            select(func.count())
+            .select_from(Episode)
+            .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
+            .where(Episode.job_id == job.id, Episode.state == E.scored, TrainedTrajectory.episode_id.is_(None))
+        )
+        if unseen:
+            return False
+        return await self._untrained_groups(s, job.id, spec.schedule.iterations) < spec.algorithm.groups_per_step
+
+    async def mark_trained(self, s: AsyncSession, job_id: str, limit: int = 1000) -> int:
+        rows = list(
+            (
+                await s.execute(
+                    select(Episode)
+                    .join(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
+                    .where(Episode.job_id == job_id, Episode.state == E.scored, TrainedTrajectory.step.is_not(None))
+                    .limit(limit)
+                )
+            ).scalars()
+        )
+        for ep in rows:
+            transition_episode(s, ep, E.trained)
+        return len(rows)
+
+    async def on_policy_update(self, msg: PolicyUpdate) -> None:
+        async with self.engine.tx() as s:
+            query = select(Job).where(Job.id == msg.job_id)
+            if not self.engine.db.is_sqlite:
+                query = query.with_for_update()
+            job = (await s.execute(query)).scalar_one_or_none()
+            if job is None or msg.version <= job.policy_version:
+                return  # unknown job, or a duplicate / reordered older update
+            job.policy_version = msg.version
+            metrics.POLICY_VERSION.labels(job.id).set(msg.version)
+            enqueue(
+                s,
+                Topics.EVENTS,
+                LifecycleEvent(
+                    event="policy.version",
+                    job_id=job.id,
+                    tenant=job.tenant_id,
+                    version=msg.version,
+                    data={"step": msg.step, "checkpoint_key": msg.checkpoint_key},
+                ),
+            )
+            if self.trainer_attached:
+                await self.mark_trained(s, job.id)
+            log_event(log, "policy version", version=msg.version)
+
+    async def cancel_orphans(self, limit: int = 500) -> int:
+        """Episodes still running for jobs that were cancelled or failed are cancelled."""
+        async with self.engine.tx() as s:
+            query = (
+                select(Episode, Job.state)
+                .join(Job, Job.id == Episode.job_id)
+                .where(Job.state.in_([J.cancelled, J.failed]), Episode.state.in_([x.value for x in ACTIVE]))
+                .limit(limit)
+            )
+            if not self.engine.db.is_sqlite:
+                query = query.with_for_update(of=Episode, skip_locked=True)
+            rows = list(await s.execute(query))
+            for ep, job_state in rows:
+                ep.lease_expires_at = None
+                transition_episode(s, ep, E.cancelled, reason=f"job {job_state}")
+            return len(rows)

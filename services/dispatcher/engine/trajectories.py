@@ -1,0 +1,114 @@
+"""From an episode's step rows to its :class:`temper.trajectory.Trajectory`.
+
+Token exactness comes from how prompts are built: the prompt of turn t+1 is the prompt
+of turn t, then the ids the model sampled, then the observation ids. So the segments
+are cut from the stored prompts, never re-tokenised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from temper.db import Episode, Step
+from temper.events import RewardResult
+from temper.policy.tokenizer import ByteTokenizer
+from temper.trajectory import Segment, Trajectory, TurnRecord
+
+PASS_COMPONENTS = ("tests_passed", "answer", "answer_match", "correct")
+
+
+def passed(result: RewardResult) -> bool:
+    """Whether the episode solved its task (for the task's recorded pass rate): a
+    correctness component at its maximum, else a scalar reward of at least 1."""
+    for name in PASS_COMPONENTS:
+        component = result.components.get(name)
+        if component is not None and component.value is not None:
+            return component.ok and component.value >= 1.0 - 1e-9
+    return result.reward >= 1.0 - 1e-9
+
+
+def _utc(ts: datetime) -> datetime:
+    """SQLite hands back naive datetimes; they were written in UTC."""
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
+
+
+def _seconds(step: Step | None) -> float | None:
+    if step is None or step.created_at is None or step.completed_at is None:
+        return None
+    return round((_utc(step.completed_at) - _utc(step.created_at)).total_seconds(), 6)
+
+
+def build_trajectory(
+    ep: Episode, steps: Sequence[Step], reward: RewardResult, tok: ByteTokenizer, *, finished_at: datetime
+) -> Trajectory:
+    by_kind: dict[tuple[int, str], Step] = {(s.turn, s.kind): s for s in steps}
+    inference = sorted((s for s in steps if s.kind == "inference" and s.state == "done"), key=lambda s: s.turn)
+    segments: list[Segment] = []
+    turns: list[TurnRecord] = []
+    covered = 0  # ids of the conversation already cut into segments
+    totals = {"inference_s": 0.0, "sandbox_s": 0.0}
+    for st in inference:
+        prompt: list[int] = st.request["prompt_ids"]
+        result = st.result or {}
+        new = prompt[covered:]
+        if new:
+            role = "prompt" if covered == 0 else "observation"
+            segments.append(Segment(role=role, token_ids=new, text=tok.decode(new, skip_special=False)))
+        sampled = result.get("token_ids", [])
+        segments.append(
+            Segment(
+                role="model",
+                token_ids=sampled,
+                logprobs=result.get("logprobs", []),
+                policy_version=result.get("policy_version"),
+                text=result.get("text", ""),
+            )
+        )
+        covered = len(prompt) + len(sampled)
+        sandbox = by_kind.get((st.turn, "sandbox"))
+        exec_result = ((sandbox.result or {}).get("exec") or {}) if sandbox else {}
+        observation = (sandbox.result or {}).get("observation", "") if sandbox else result.get("observation", "")
+        timing = {}
+        for name, s in (("inference_s", st), ("sandbox_s", sandbox)):
+            secs = _seconds(s)
+            if secs is not None:
+                timing[name] = secs
+                totals[name] += secs
+        turns.append(
+            TurnRecord(
+                turn=st.turn,
+                action_text=result.get("text", ""),
+                action=result.get("action", {}),
+                observation=observation or "",
+                kill_reason=exec_result.get("kill_reason"),
+                exit_code=exec_result.get("exit_code"),
+                policy_version=result.get("policy_version"),
+                timings=timing,
+            )
+        )
+    reward_step = by_kind.get((ep.turn, "reward"))
+    started = float((ep.timings or {}).get("started_at") or finished_at.timestamp())
+    timings = {
+        "total_s": round(finished_at.timestamp() - started, 6),
+        "inference_s": round(totals["inference_s"], 6),
+        "sandbox_s": round(totals["sandbox_s"], 6),
+        "scoring_s": round(finished_at.timestamp() - _utc(reward_step.created_at).timestamp(), 6)
+        if reward_step is not None and reward_step.created_at is not None
+        else 0.0,
+    }
+    return Trajectory(
+        job_id=ep.job_id,
+        episode_id=ep.id,
+        task_id=ep.task_id,
+        group_id=ep.group_id,
+        iteration=ep.iteration,
+        segments=segments,
+        turns=turns,
+        reward=reward.reward,
+        rewards={
+            "components": {k: v.model_dump(mode="json") for k, v in reward.components.items()},
+            "format_ok": not ep.format_errors,
+        },
+        timings=timings,
+    )

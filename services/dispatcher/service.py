@@ -1,0 +1,136 @@
+"""The dispatcher's engine as one component: consumers of the result topics and of
+``policy.updates``, the outbox relay, the scheduler loop and the lease reaper.
+
+``app.py`` builds it on the service's :class:`temper.runtime.Runtime`::
+
+    dispatcher = Dispatcher(runtime)
+    await runtime.start(); await dispatcher.start()
+    ...
+    await dispatcher.stop(); await runtime.stop()
+
+Several replicas may run at once: results are partitioned by episode id, each job's
+scheduler has one leader (see ``engine/leader.py``), and the reaper's row locks keep
+two replicas from retrying the same step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from temper.bus import Consumer
+from temper.events import Topics
+from temper.logs import log_event
+from temper.runtime import Runtime
+
+from services.dispatcher.engine.config import EngineSettings
+from services.dispatcher.engine.episodes import EpisodeEngine
+from services.dispatcher.engine.handlers import ResultHandlers
+from services.dispatcher.engine.leader import Leadership
+from services.dispatcher.engine.relay import ConcurrentRelay
+from services.dispatcher.engine.scheduler import Scheduler
+
+log = logging.getLogger("temper.dispatcher")
+
+RESULT_TOPICS = (Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS)
+RESULTS_GROUP = "dispatcher"
+POLICY_GROUP = "dispatcher-policy"
+
+
+class Dispatcher:
+    """The episode engine of one dispatcher replica.
+
+    ``lease_s`` and ``max_step_attempts`` bound how long a step may take and how often it
+    is retried; every other knob is in :class:`EngineSettings` (``TEMPER_DISPATCHER__*``),
+    which ``settings`` or keyword ``overrides`` replace.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        lease_s: float | None = None,
+        max_step_attempts: int | None = None,
+        settings: EngineSettings | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.runtime = runtime
+        base = settings or EngineSettings()
+        if lease_s is not None:
+            overrides["lease_s"] = lease_s
+        if max_step_attempts is not None:
+            overrides["max_step_attempts"] = max_step_attempts
+        self.settings = base.model_copy(update=overrides) if overrides else base
+        self.engine: EpisodeEngine | None = None
+        self.scheduler: Scheduler | None = None
+        self.relay: ConcurrentRelay | None = None
+        self.leadership: Leadership | None = None
+        self._consumers: list[Consumer] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        rt = self.runtime
+        if rt.db is None or rt.bus is None or rt.store is None:
+            raise RuntimeError("Dispatcher needs a started Runtime with a database, a bus and an object store")
+        s = self.settings
+        self.relay = ConcurrentRelay(rt.db, rt.bus)
+        self.engine = EpisodeEngine(rt.db, rt.store, s, notify=self.relay.notify)
+        self.leadership = Leadership(rt.db)
+        self.scheduler = Scheduler(
+            self.engine, self.leadership, trainer_attached=s.trainer_attached, wait_for_training=s.wait_for_training
+        )
+        handlers = ResultHandlers(self.engine, self.scheduler)
+        self._tasks.append(asyncio.create_task(self.relay.run(), name="dispatcher-outbox-relay"))
+        self._consumers.append(
+            await rt.consume(RESULT_TOPICS, handlers.on_result, group=RESULTS_GROUP, concurrency=s.result_concurrency)
+        )
+        self._consumers.append(await rt.consume((Topics.POLICY_UPDATES,), handlers.on_policy_update, group=POLICY_GROUP))
+        self._tasks.append(
+            asyncio.create_task(self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"), name="dispatcher-scheduler")
+        )
+        self._tasks.append(
+            asyncio.create_task(self._every(s.reaper_interval_s, self.engine.reap_expired, "lease reaper"), name="dispatcher-reaper")
+        )
+        rt.checks["dispatcher"] = self._check
+        log_event(log, "dispatcher started", lease_s=s.lease_s, max_step_attempts=s.max_step_attempts,
+                  trainer_attached=s.trainer_attached)
+
+    async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], name: str) -> None:
+        while True:
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a db blip must not stop the loop
+                log_event(log, f"{name} pass failed", logging.WARNING, error=repr(exc))
+            await asyncio.sleep(interval_s)
+
+    async def _check(self) -> None:
+        for task in self._tasks:
+            if task.done():
+                raise RuntimeError(f"{task.get_name()} stopped")
+
+    async def stop(self) -> None:
+        for consumer in self._consumers:
+            await consumer.stop()
+        self._consumers.clear()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping
+                pass
+        self._tasks.clear()
+        if self.relay is not None:
+            # What was committed but not yet sent goes out now rather than at the next start.
+            try:
+                while await self.relay.publish_pending():
+                    pass
+            except Exception as exc:  # noqa: BLE001 - the next start publishes it
+                log_event(log, "final outbox flush failed", logging.WARNING, error=repr(exc))
+        if self.leadership is not None:
+            await self.leadership.close()
+        self.runtime.checks.pop("dispatcher", None)
