@@ -260,13 +260,13 @@ async def start_harness(
     return Harness(runtime, dispatcher, p)
 
 
-async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
+async def wait_for(predicate: Callable[[], Awaitable[bool]], limit_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if await predicate():
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {limit_s}s waiting for {what}")
 
 
 async def job_state(db: Database, job_id: str) -> str:
