@@ -63,6 +63,7 @@ class RunSettings:
 
 
 class TestRunner:
+    __test__ = False  # not a pytest test class
     def __init__(self, manager: SandboxManager, settings: RunSettings | None = None) -> None:
         self.manager = manager
         self.settings = settings or RunSettings(python=manager.settings.python)

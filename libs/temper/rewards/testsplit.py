@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class TestChunk:
+    __test__ = False  # not a pytest test class
     name: str
     code: str  # source run for this test (setup statements before it included)
     line: int  # line of the test statement in the original tests
