@@ -60,8 +60,8 @@ def _safe_next(path: str | None) -> str:
     return path if path and path.startswith(PREFIX + "/") and not path.startswith("//") else PREFIX + "/"
 
 
-def page(request: Request, name: str, code: int = 200, **context: Any) -> HTMLResponse:
-    return templates.TemplateResponse(request, name, context, status_code=code)
+def page(request: Request, template: str, code: int = 200, **context: Any) -> HTMLResponse:
+    return templates.TemplateResponse(request, template, context, status_code=code)
 
 
 @router.get("/login")

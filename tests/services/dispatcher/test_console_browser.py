@@ -1,0 +1,155 @@
+"""The web console in headless Chromium (Debian's ``chromium`` + ``chromium-driver``,
+driven by Selenium with the driver path given, so nothing is downloaded), against a
+dispatcher process started with ``python -m services.dispatcher`` on SQLite and seeded
+with a finished job. Screenshots go to ``test-artifacts/``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.services.dispatcher.conftest import KILLED_EPISODE
+from tests.services.dispatcher.test_dispatcher_cli import free_port
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[3]
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM = os.environ.get("TEMPER_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("TEMPER_CHROMEDRIVER", "/usr/bin/chromedriver")
+
+
+@pytest.fixture
+def dispatcher(env, tmp_path):
+    settings, seeded = env
+    # The engine runs in this process: keep it off the unfinished job (no tasks are seeded
+    # for it), so the page of a job that is still live can be checked.
+    with sqlite3.connect(settings.db.url.split(":///", 1)[1]) as conn:
+        conn.execute("UPDATE jobs SET state = 'paused' WHERE id = ?", (seeded.running_job_id,))
+    port = free_port()
+    environ = {
+        **os.environ,
+        "TEMPER_DB__URL": settings.db.url,
+        "TEMPER_STORAGE__ROOT": str(settings.storage.root),
+        "TEMPER_DATA_DIR": str(tmp_path),
+        "TEMPER_PORT": str(port),
+        "TEMPER_MODE": "embedded",
+    }
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = (ARTIFACTS / "console-dispatcher.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.dispatcher"], cwd=ROOT, env=environ,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, f"the dispatcher exited ({proc.returncode}); see {log.name}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the dispatcher did not become healthy"
+        time.sleep(0.2)
+    yield url, seeded
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture
+def chrome(tmp_path):
+    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+        if not shutil.which(path):
+            pytest.fail(f"{path} is missing: install Debian's {package} (scripts/setup_system.sh)")
+    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must never download a driver
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1280,1600", f"--user-data-dir={tmp_path / 'chrome'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def test_console_shows_the_reward_curve_and_a_transcript(dispatcher, chrome):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, seeded = dispatcher
+    wait = WebDriverWait(chrome, 15)
+
+    chrome.get(f"{url}/console/jobs/{seeded.job_id}")
+    wait.until(ec.presence_of_element_located((By.ID, "login-form")))  # sent to log in first
+    chrome.save_screenshot(str(ARTIFACTS / "console-login.png"))
+    chrome.find_element(By.ID, "key").send_keys(seeded.key)
+    chrome.find_element(By.ID, "login-submit").click()
+
+    # back on the job page it asked for
+    wait.until(ec.presence_of_element_located((By.ID, "reward-curve")))
+    assert chrome.execute_script("return document.cookie") == ""  # HttpOnly: invisible to scripts
+    curve = chrome.find_element(By.ID, "reward-curve")
+    assert curve.get_attribute("data-points") == "3"
+    points = chrome.find_elements(By.CSS_SELECTOR, "#reward-curve circle.point")
+    assert len(points) == 3
+    ys = [float(p.get_attribute("cy")) for p in points]
+    assert ys[0] > ys[1] > ys[2]  # rising reward is drawn going up
+    assert curve.size["width"] > 300 and curve.size["height"] > 100
+    assert chrome.find_element(By.ID, "job-state").text == "completed"
+    assert "3 / 3" in chrome.find_element(By.ID, "job-iteration").text
+    rates = chrome.find_element(By.ID, "pass-rates").text
+    assert "add-1" in rates and "add-2" in rates
+    chrome.save_screenshot(str(ARTIFACTS / "console-job.png"))
+
+    chrome.find_element(By.CSS_SELECTOR, f"a[href='/console/episodes/{KILLED_EPISODE}']").click()
+    wait.until(ec.presence_of_element_located((By.ID, "transcript")))
+    turns = chrome.find_elements(By.CSS_SELECTOR, "#transcript li.turn")
+    assert len(turns) == 2
+    assert "Write a function add(a, b)" in turns[0].text
+    assert "def add(a, b):" in turns[0].text
+    assert "killed: timeout" in turns[0].text
+    assert "1 passed" in turns[1].text
+    assert "tests_passed" in chrome.find_element(By.ID, "reward-vector").text
+    chrome.save_screenshot(str(ARTIFACTS / "console-episode.png"))
+
+    chrome.get(f"{url}/console/")
+    wait.until(ec.presence_of_element_located((By.ID, "jobs")))
+    assert "add-numbers" in chrome.find_element(By.ID, "jobs").text
+    chrome.save_screenshot(str(ARTIFACTS / "console-jobs.png"))
+
+
+def test_an_unfinished_job_page_refreshes_itself(dispatcher, chrome, env):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, seeded = dispatcher
+    chrome.get(f"{url}/console/login")
+    chrome.find_element(By.ID, "key").send_keys(seeded.key)
+    chrome.find_element(By.ID, "login-submit").click()
+    chrome.get(f"{url}/console/jobs/{seeded.running_job_id}")
+    live = chrome.find_element(By.ID, "live")
+    assert live.get_attribute("data-refresh") == "3"
+    chrome.execute_script("document.getElementById('live').setAttribute('data-marker', 'old')")
+    # console.js swaps in a fresh section (without the marker) after its interval
+    WebDriverWait(chrome, 15).until(
+        lambda d: d.find_element(By.ID, "live").get_attribute("data-marker") is None
+    )
+    chrome.save_screenshot(str(ARTIFACTS / "console-running-job.png"))
