@@ -6,6 +6,8 @@ set -euo pipefail
 PACKAGES=(
   bubblewrap   # the sandbox backend (user/pid/mount/net namespaces)
   prometheus   # promtool, for the alert-rule checks (make check-deploy)
+  chromium          # headless browser for the web console's browser tests (pytest -m browser)
+  chromium-driver   # /usr/bin/chromedriver, given to Selenium so it never downloads one
 )
 
 missing=()
