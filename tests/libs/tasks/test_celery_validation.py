@@ -1,0 +1,72 @@
+"""The validation pipeline through a real Celery worker on the real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from temper.db import Tenant
+from temper.tasks import service
+from temper.tasks.celery_app import make_app
+from temper.tasks.importers import arithmetic_tasks, humaneval
+
+pytestmark = [pytest.mark.redis, pytest.mark.sandbox, pytest.mark.timeout(120)]
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def worker(redis_url, database_url, database, tmp_path):
+    queue = f"temper-test-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "TEMPER_REDIS__URL": redis_url,
+        "TEMPER_DB__URL": database_url,
+        "TEMPER_SANDBOX__WORKSPACE_ROOT": f"/tmp/temper-celery-{uuid.uuid4().hex[:8]}",
+        "TEMPER_SANDBOX__POOL_SIZE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed in teardown
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "temper.tasks", "worker", "--pool=solo", "-Q", queue,
+         "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    yield queue
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+async def test_a_worker_validates_a_task_set_with_visible_progress(redis_url, database, worker):
+    async with database.session() as s:
+        s.add(Tenant(id="acme", name="acme"))
+    tasks = [*humaneval()[:3], *arithmetic_tasks(2)]
+    async with database.session() as s:
+        row = await service.create_taskset(s, None, "acme", "celery", tasks)
+    app = make_app(redis_url)
+    result = app.send_task("temper.validate_taskset", args=[row.id], queue=worker)
+    states = set()
+    deadline = time.monotonic() + 100
+    while not result.ready() and time.monotonic() < deadline:
+        states.add(result.state)
+        if result.state == "PROGRESS":
+            assert result.info["total"] == 5 and 0 <= result.info["current"] <= 5
+        await asyncio.sleep(0.05)
+    assert result.ready(), "the Celery worker did not finish in time"
+    out = result.get(timeout=5)
+    assert out["counts"] == {"valid": 5}
+    assert states & {"STARTED", "PROGRESS"}
+    async with database.session() as s:
+        assert {t.status for t in await service.task_rows(s, row.id)} == {"valid"}
+    result.forget()
+    app.close()
