@@ -1,0 +1,202 @@
+"""SIGKILL the trainer process mid-job on the real stack (Kafka, Postgres, S3), restart
+it, and check through the ledger that every trajectory was trained on exactly once or
+skipped with a reason."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import select
+from temper.bus import KafkaBus
+from temper.db import Database, Job, OutboxRow, PolicyVersion, TrainedTrajectory
+from temper.events import PolicyUpdate, Topics
+from temper.storage import S3Store
+
+from services.trainer.service import SKIP_ZERO_VARIANCE
+from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
+
+ROOT = Path(__file__).resolve().parents[3]
+
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TrainerProcess:
+    """``python -m services.trainer`` pinned to one job, on the real servers."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def spawn(self) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "services.trainer"], cwd=ROOT,
+                                         env={**self.env, "TEMPER_PORT": str(port)}, stdout=log, stderr=log)
+
+    async def start(self) -> None:
+        self.spawn()
+        assert self.proc is not None
+        async with httpx.AsyncClient() as client:
+            for _ in range(600):
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"trainer exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+                try:
+                    if (await client.get(f"{self.url}/health", timeout=1)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+        raise AssertionError("trainer did not become healthy")
+
+    async def status(self, job_id: str) -> dict:
+        async with httpx.AsyncClient() as client:
+            return (await client.get(f"{self.url}/v1/status", timeout=5)).json()["jobs"].get(job_id) or {}
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
+async def test_sigkill_mid_job_trains_no_trajectory_twice(
+    database: Database, database_url: str, kafka_bootstrap: str, s3_settings, unique: str, tmp_path: Path
+):
+    job_id = f"crash-{unique}"
+    # group_size 4, one group per step, a checkpoint every second step
+    await add_job(database, job_id, job_spec(group_size=4, groups_per_step=1, checkpoint_every=2))
+    store = S3Store(s3_settings)
+    await store.ensure_bucket()
+    bus = KafkaBus(bootstrap=kafka_bootstrap, partitions=6)
+    await bus.start()
+    await bus.create_topics(Topics.ALL)
+    env = {
+        **os.environ,
+        "TEMPER_MODE": "distributed",
+        "TEMPER_API__SECRET": f"test-secret-{unique}",
+        "TEMPER_DB__URL": database_url,
+        "TEMPER_BUS__BOOTSTRAP": kafka_bootstrap,
+        "TEMPER_STORAGE__ENDPOINT": s3_settings.endpoint,
+        "TEMPER_STORAGE__ACCESS_KEY": s3_settings.access_key,
+        "TEMPER_STORAGE__SECRET_KEY": s3_settings.secret_key.get_secret_value(),
+        "TEMPER_STORAGE__BUCKET": s3_settings.bucket,
+        "TEMPER_TRAINER__JOB_ID": job_id,
+        "TEMPER_TRAINER__DEVICE": "cpu",
+        "TEMPER_TRAINER__THREADS": "1",
+    }
+    trainer = TrainerProcess(env, tmp_path / "trainer.log")
+
+    f = TrajectoryFactory(job_id)
+    g1, g2, g3 = f.group("g1", [1, 0, 0, 0]), f.group("g2", [0, 1, 0, 1]), f.group("g3", [1, 0.5, 0, 0])
+    flat = f.group("flat", [1, 1, 1, 1])
+    half = f.group("half", [0, 1, 1, 0])
+    g4, g5 = f.group("g4", [0, 0, 0, 1]), f.group("g5", [0.1, 0.9, 0.3, 0.7])
+    everything = g1 + g2 + g3 + flat + half + g4 + g5
+    await store_all(store, everything)
+
+    async def ledger() -> dict[str, TrainedTrajectory]:
+        async with database.session() as s:
+            rows = (await s.execute(select(TrainedTrajectory).where(TrainedTrajectory.job_id == job_id))).scalars()
+            return {r.episode_id: r for r in rows}
+
+    async def versions() -> list[tuple[int, int]]:
+        async with database.session() as s:
+            rows = (await s.execute(select(PolicyVersion).where(PolicyVersion.job_id == job_id)
+                                    .order_by(PolicyVersion.version))).scalars()
+            return [(r.version, r.step) for r in rows]
+
+    try:
+        await trainer.start()
+        await send_all(bus, g1 + g2 + flat + g3 + half[:2])
+
+        async def mid_job() -> bool:
+            st = await trainer.status(job_id)
+            return st.get("step") == 3 and st.get("buffered_trajectories") == 2
+
+        await wait_for(mid_job, within=120, what="three steps and half a group")
+        # The moment of the kill: step 3 trained but not checkpointed, half a group buffered.
+        rows = await ledger()
+        assert {rows[m.message.episode_id].step for m in g3 + half[:2]} == {None}
+        assert await versions() == [(1, 2)]
+        trainer.kill()
+
+        await trainer.start()
+        await send_all(bus, g1 + g3 + flat + half)  # redeliveries, and the rest of the half group
+        await send_all(bus, g4 + g5)
+
+        async def finished() -> bool:
+            return len(await versions()) == 3
+
+        await wait_for(finished, within=120, what="policy version 3")
+
+        rows = await ledger()
+        sent = {m.message.episode_id for m in everything}
+        assert set(rows) == sent, "every trajectory is in the ledger, once (episode id is its key)"
+        assert all((r.step is None) != (r.skipped is None) for r in rows.values()), "trained or skipped, not both"
+        assert {rows[m.message.episode_id].skipped for m in flat} == {SKIP_ZERO_VARIANCE}
+        trained = Counter(r.step for r in rows.values() if r.step is not None)
+        assert trained == {1: 4, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4}, "each step trained on exactly one group"
+        assert {rows[m.message.episode_id].step for m in g3} == {3}
+        assert {rows[m.message.episode_id].step for m in half} == {4}
+        assert await versions() == [(1, 2), (2, 4), (3, 6)]
+        async with database.session() as s:
+            assert (await s.get(Job, job_id)).policy_version == 3
+            outbox = list((await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))).scalars())
+        mine = [PolicyUpdate.model_validate_json(r.payload) for r in outbox]
+        mine = [u for u in mine if u.job_id == job_id]
+        assert sorted(u.version for u in mine) == [1, 2, 3]
+        await wait_for(lambda: _all_published(database), within=30, what="the outbox relay")
+        assert await store.exists(f"tenants/acme/jobs/{job_id}/checkpoints/v3.safetensors")
+        assert await store.exists(f"tenants/acme/jobs/{job_id}/checkpoints/v3.optimizer.safetensors")
+
+        # The updates reached Kafka for the gateway.
+        seen: set[int] = set()
+
+        async def collect(record) -> None:
+            update = PolicyUpdate.model_validate_json(record.value)
+            if update.job_id == job_id:
+                seen.add(update.version)
+
+        consumer = await bus.subscribe([Topics.POLICY_UPDATES], f"test-gateway-{unique}", collect)
+
+        async def all_seen() -> bool:
+            return seen == {1, 2, 3}
+
+        await wait_for(all_seen, within=60, what="policy.updates on Kafka")
+        await consumer.stop()
+    finally:
+        trainer.terminate()
+        await bus.stop()
+
+
+async def _all_published(database: Database) -> bool:
+    async with database.session() as s:
+        rows = (await s.execute(select(OutboxRow).where(OutboxRow.published_at.is_(None)))).scalars()
+        return not list(rows)
