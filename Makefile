@@ -48,6 +48,7 @@ lint: setup
 
 schemas: setup
 	$(PY) -m temper.events docs/events
+	$(PY) -m services.dispatcher.openapi docs/openapi.json
 
 check-deploy: setup system
 	bash scripts/check_deploy.sh
