@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections import deque
@@ -33,6 +34,32 @@ REFILL_DELAY_S = 0.02
 REFILL_MAX_WAIT_S = 2.0
 
 
+def _sweep_dead_workspaces(parent: Path) -> None:
+    """Unmount and remove workspaces left by a worker that died (``w<pid>-*`` whose pid is gone)."""
+    if not parent.is_dir():
+        return
+    for d in parent.glob("w*-*"):
+        try:
+            pid = int(d.name[1:].split("-", 1)[0])
+            os.kill(pid, 0)
+            continue  # alive
+        except ValueError:
+            continue
+        except PermissionError:
+            continue
+        except ProcessLookupError:
+            pass
+        for ws in d.iterdir():
+            _umount(ws)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _umount(path: Path) -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).umount2(str(path).encode(), 2)  # MNT_DETACH; EINVAL if not a mount
+
+
 class SessionNotFound(KeyError):
     pass
 
@@ -46,7 +73,7 @@ class SandboxManager:
         self.store = store  # a temper.storage.ObjectStore, for snapshots
         self.backend: Backend | None = None
         self.cgroups: CgroupManager | None = None
-        self.root = Path(settings.workspace_root).absolute() / f"w{uuid.uuid4().hex[:8]}"
+        self.root = Path(settings.workspace_root).absolute() / f"w{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.sessions: dict[str, Sandbox] = {}
         self._pool: deque[Sandbox] = deque()
         self._in_use: set[Sandbox] = set()
@@ -67,6 +94,7 @@ class SandboxManager:
             and not self.settings.allow_unsafe
         ):
             raise SandboxError("no usable cgroups: memory and pids limits cannot be enforced")
+        await asyncio.to_thread(_sweep_dead_workspaces, self.root.parent)
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o711)
         if os.geteuid() == 0 and self.backend.isolated:
@@ -190,7 +218,7 @@ class SandboxManager:
         # would otherwise delay the action that just acquired one.
         deadline = time.monotonic() + REFILL_MAX_WAIT_S
         await asyncio.sleep(REFILL_DELAY_S)
-        while self._busy() and time.monotonic() < deadline:
+        while self._busy() and time.monotonic() < deadline:  # noqa: ASYNC110 - polling on purpose
             await asyncio.sleep(REFILL_DELAY_S)  # wait for a gap between actions
         await self.refill()
 
