@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import RedirectResponse
 from temper.jobspec import JobSpec
 from temper.logs import log_event
@@ -22,6 +22,8 @@ from temper.settings import Settings
 from temper.tenants import ensure_bootstrap_key
 
 from services.dispatcher.api import episodes, jobs, tenants
+from services.dispatcher.api.auth import bearer_scheme
+from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.console import routes as console
 
 log = logging.getLogger("temper.dispatcher")
@@ -86,9 +88,11 @@ def create_app(settings: Settings, *, engine: bool = True) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(episodes.router)
     app.include_router(tenants.router)
-    taskset_router = _optional("temper.tasks.routes", "router")
-    if taskset_router is not None:
-        app.include_router(taskset_router)
+    make_taskset_router = _optional("temper.tasks.routes", "make_router")
+    if make_taskset_router is not None:  # /v1/tasksets, from the task-set library
+        app.include_router(
+            make_taskset_router(current_tenant), dependencies=[Depends(bearer_scheme)], responses=jobs.AUTH
+        )
     console.mount(app)
 
     @app.get("/", include_in_schema=False)

@@ -276,3 +276,11 @@ async def test_episode_rows_are_not_changed_by_reads(client, env, seeded):
         ep = await s.get(Episode, KILLED_EPISODE)
         assert ep.state == "trained"
     await db.dispose()
+
+
+async def test_tasksets_are_mounted_behind_the_same_auth(app, client, seeded):
+    listed = (await client.get("/v1/tasksets")).json()
+    assert [t["id"] for t in listed] == ["ts-acme"]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://d") as anonymous:
+        assert (await anonymous.get("/v1/tasksets")).status_code == 401
