@@ -6,6 +6,8 @@
     temper transcript EPISODE [--json]     an episode's transcript
     temper pause|resume|cancel JOB
     temper admin create-tenant NAME        a tenant and its first API key (talks to the database)
+    temper tasksets upload|list|show|validate ...   task sets (see temper.tasks.cli)
+    temper rescore TENANT JOB --weights ...         re-score a finished job
 
 The server and key come from ``--url``/``--key`` or ``TEMPER_URL``/``TEMPER_API_KEY``.
 """
@@ -289,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-episodes", type=int, default=64)
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
     p.set_defaults(func=cmd_create_tenant)
+
+    from temper.tasks.cli import add_commands as add_taskset_commands
+
+    add_taskset_commands(sub)
     return parser
 
 

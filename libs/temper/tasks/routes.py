@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
+from fastapi.responses import JSONResponse
 
 from temper.runtime import Runtime
 from temper.tasks import service
@@ -73,12 +74,15 @@ def make_router(
         runtime: RuntimeDep,
         name: str = Query("taskset", min_length=1, max_length=200),
         validate: bool = Query(True, description="queue the validation pipeline"),
-    ) -> dict[str, Any]:
+    ) -> Any:
         tenant_id = _tenant_id(tenant)
         body = await request.body()
         if len(body) > MAX_UPLOAD_BYTES:
             raise HTTPException(413, f"task sets are limited to {MAX_UPLOAD_BYTES} bytes")
-        tasks = _parse_body(body, request.headers.get("content-type", ""))
+        try:
+            tasks = _parse_body(body, request.headers.get("content-type", ""))
+        except TaskSetRejected as exc:
+            return exc.response()  # type: ignore[return-value]
         assert runtime.db is not None
         async with runtime.db.session() as session:
             row = await service.create_taskset(session, runtime.store, tenant_id, name, tasks, source="upload")
@@ -153,7 +157,21 @@ def _parse_body(body: bytes, content_type: str) -> list[TaskSpec]:
     try:
         return parse_tasks(text, filename=filename)
     except TaskFormatError as exc:
-        raise HTTPException(
-            422,
-            {"message": "invalid task set", "errors": [{"line": ln, "field": f, "message": m} for ln, f, m in exc.errors]},
-        ) from None
+        raise TaskSetRejected(exc) from None
+
+
+class TaskSetRejected(Exception):
+    """A task-set file that does not validate: answered 422 with one error per bad field,
+    each naming its line (``{"detail", "errors": [{"line", "field", "message"}]}``)."""
+
+    def __init__(self, exc: TaskFormatError) -> None:
+        self.errors = exc.errors
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            status_code=422,
+            content={
+                "detail": f"invalid task set: {len(self.errors)} error(s)",
+                "errors": [{"line": ln, "field": f"line {ln}: {f}", "message": m} for ln, f, m in self.errors],
+            },
+        )

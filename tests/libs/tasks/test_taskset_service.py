@@ -78,7 +78,7 @@ async def test_rest_upload_list_and_status(database, tmp_path):
         bad = SET + '\n{"id": "c", "kind": "code", "prompt": "x"}'
         r = await client.post("/v1/tasksets", content=bad, headers={"content-type": "application/x-ndjson"})
         assert r.status_code == 422
-        assert r.json()["detail"]["errors"][0]["line"] == 3
+        assert r.json()["errors"][0]["line"] == 3 and "hidden tests" in r.json()["errors"][0]["message"]
         r = await client.post("/v1/tasksets", content="tasks:\n  - {id: y, kind: math, prompt: p, answer: '3'}\n",
                               headers={"content-type": "application/yaml"})
         assert r.status_code == 201
@@ -107,3 +107,24 @@ async def test_reap_expired_marks_only_leased_steps_past_their_lease(database):
         ])  # fmt: skip
     assert await reap_expired(database) == [("e", 0, "inference")]
     assert await reap_expired(database) == []
+
+
+def test_cli_progress_bar_and_validation_wait():
+    import io
+
+    from temper.tasks.cli import parse_weights, progress_bar, wait_for_validation
+
+    assert progress_bar(3, 6, width=6) == "[###...] 3/6"
+    assert parse_weights("tests_passed=1, coverage=0.2,format") == {"tests_passed": 1.0, "coverage": 0.2, "format": 1.0}
+    views = iter([
+        {"status": "validating", "progress": {"current": 1, "total": 2}, "counts": {"valid": 1, "pending": 1}},
+        {"status": "validated", "progress": {"current": 2, "total": 2}, "counts": {"valid": 1, "invalid": 1}},
+    ])  # fmt: skip
+
+    class Api:
+        def _call(self, method, path, **kw):
+            return next(views)
+
+    out = io.StringIO()
+    view = wait_for_validation(Api(), "ts", interval=0, stream=out)
+    assert view["counts"]["invalid"] == 1 and "2/2 valid 1  invalid 1" in out.getvalue()

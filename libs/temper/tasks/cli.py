@@ -1,0 +1,171 @@
+"""``temper tasksets ...`` and ``temper rescore``: the subcommands of the ``temper`` CLI
+that deal with task sets and rewards (registered by :func:`add_commands`).
+
+    temper tasksets upload FILE [--name N] [--no-validate] [--wait]
+    temper tasksets list
+    temper tasksets show ID [--json]
+    temper tasksets validate ID            queue validation, then a progress bar until done
+    temper rescore TENANT JOB --weights tests_passed=1,coverage=0.2   (talks to DB + store)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from temper.client import TemperClient
+
+    return TemperClient(args.url, args.key)
+
+
+def progress_bar(current: int, total: int, *, width: int = 30, label: str = "") -> str:
+    total = max(total, 1)
+    filled = int(width * min(current, total) / total)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {current}/{total} {label}".rstrip()
+
+
+def wait_for_validation(api: Any, taskset_id: str, *, interval: float = 1.0, timeout: float = 3600,
+                        stream: TextIO | None = None) -> dict[str, Any]:
+    """Poll ``GET /v1/tasksets/{id}`` drawing a progress bar until every task has a status."""
+    out = stream or sys.stderr
+    deadline = time.monotonic() + timeout
+    while True:
+        view = api._call("GET", f"/v1/tasksets/{taskset_id}", params={"tasks": "false"})
+        prog = view.get("progress", {})
+        counts = view.get("counts", {})
+        label = f"valid {counts.get('valid', 0)}  invalid {counts.get('invalid', 0)}"
+        out.write("\r" + progress_bar(prog.get("current", 0), prog.get("total", 0), label=label))
+        out.flush()
+        if view.get("status") == "validated" or (prog.get("total") and prog.get("current") == prog.get("total")):
+            out.write("\n")
+            return view  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            out.write("\n")
+            raise TimeoutError(f"validation of {taskset_id} did not finish in {timeout:.0f}s")
+        time.sleep(interval)
+
+
+def cmd_upload(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    ctype = "application/yaml" if path.suffix in (".yaml", ".yml") else "application/x-ndjson"
+    with _client(args) as api:
+        view = api._call(
+            "POST", "/v1/tasksets", content=path.read_bytes(), headers={"content-type": ctype},
+            params={"name": args.name or path.stem, "validate": str(not args.no_validate).lower()},
+        )  # fmt: skip
+        sys.stdout.write(view["id"] + "\n")
+        sys.stderr.write(f"uploaded {view['task_count']} tasks as {view['id']}; validation: {view.get('validation')}\n")
+        if args.wait and view.get("validation", {}).get("queued"):
+            wait_for_validation(api, view["id"])
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        for ts in api._call("GET", "/v1/tasksets"):
+            counts = " ".join(f"{k}={v}" for k, v in sorted(ts.get("counts", {}).items()))
+            sys.stdout.write(f"{ts['id']}  {ts['name']:<24} {ts['status']:<10} {ts['task_count']:>6}  {counts}\n")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        view = api._call("GET", f"/v1/tasksets/{args.id}")
+    if args.json:
+        sys.stdout.write(json.dumps(view, indent=2) + "\n")
+        return 0
+    sys.stdout.write(f"{view['id']}  {view['name']}  {view['status']}  {view.get('counts')}\n")
+    width = shutil.get_terminal_size((100, 20)).columns
+    for t in view.get("tasks", []):
+        reasons = "; ".join(t.get("reasons") or [])
+        line = f"  {t['status']:<8} {t['key']:<24} {reasons}"
+        sys.stdout.write(line[:width] + "\n")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        api._call("POST", f"/v1/tasksets/{args.id}/validate")
+        view = wait_for_validation(api, args.id, interval=args.interval)
+    return 0 if view.get("counts", {}).get("invalid", 0) == 0 else 3
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    weights = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        weights[name.strip()] = float(value) if value else 1.0
+    return weights
+
+
+def cmd_rescore(args: argparse.Namespace) -> int:
+    from temper.db import Database
+    from temper.rewards import Scorer
+    from temper.rewards.rescore import rescore_job
+    from temper.rewards.runner import scoring_sandbox_settings
+    from temper.sandbox import SandboxManager
+    from temper.settings import get_settings
+    from temper.storage import make_store
+    from temper.tasks.service import load_task
+
+    async def run() -> list[Any]:
+        settings = get_settings()
+        db = Database(settings.db)
+        manager = SandboxManager(scoring_sandbox_settings(settings.sandbox))
+        await manager.start()
+
+        async def load(task_id: str) -> Any:
+            async with db.session() as s:
+                return await load_task(s, task_id)
+
+        try:
+            return await rescore_job(store=make_store(settings), scorer=Scorer(manager), tenant=args.tenant,
+                                     job_id=args.job, weights=parse_weights(args.weights), load_task=load)  # fmt: skip
+        finally:
+            await manager.close()
+            await db.dispose()
+
+    results = asyncio.run(run())
+    for r in results:
+        missing = f"  missing: {','.join(r.missing)}" if r.missing else ""
+        sys.stdout.write(f"{r.episode_id}  {r.old_reward:.4f} -> {r.reward:.4f}  ({r.source}){missing}\n")
+    if results:
+        mean_old = sum(r.old_reward for r in results) / len(results)
+        mean_new = sum(r.reward for r in results) / len(results)
+        sys.stdout.write(f"{len(results)} episodes; mean reward {mean_old:.4f} -> {mean_new:.4f}\n")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``tasksets`` and ``rescore`` on the ``temper`` parser's subparsers."""
+    ts = sub.add_parser("tasksets", help="upload, list, show and validate task sets")
+    ts_sub = ts.add_subparsers(dest="tasksets_command", required=True, metavar="TASKSETS_COMMAND")
+    p = ts_sub.add_parser("upload", help="upload a task set (JSONL or YAML)")
+    p.add_argument("file")
+    p.add_argument("--name")
+    p.add_argument("--no-validate", action="store_true")
+    p.add_argument("--wait", action="store_true", help="show validation progress until it ends")
+    p.set_defaults(func=cmd_upload)
+    p = ts_sub.add_parser("list", help="task sets of your tenant")
+    p.set_defaults(func=cmd_list)
+    p = ts_sub.add_parser("show", help="a task set with each task's status")
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show)
+    p = ts_sub.add_parser("validate", help="(re)validate a task set, with a progress bar")
+    p.add_argument("id")
+    p.add_argument("--interval", type=float, default=1.0)
+    p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("rescore", help="re-score a finished job's trajectories with new weights (DB + store)")
+    p.add_argument("tenant")
+    p.add_argument("job")
+    p.add_argument("--weights", required=True, help="name=weight,... e.g. tests_passed=1,coverage=0.2")
+    p.set_defaults(func=cmd_rescore)
