@@ -35,8 +35,6 @@ from services.dispatcher.engine.scheduler import Scheduler
 log = logging.getLogger("temper.dispatcher")
 
 RESULT_TOPICS = (Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS)
-RESULTS_GROUP = "dispatcher"
-POLICY_GROUP = "dispatcher-policy"
 
 
 class Dispatcher:
@@ -84,9 +82,9 @@ class Dispatcher:
         handlers = ResultHandlers(self.engine, self.scheduler)
         self._tasks.append(asyncio.create_task(self.relay.run(), name="dispatcher-outbox-relay"))
         self._consumers.append(
-            await rt.consume(RESULT_TOPICS, handlers.on_result, group=RESULTS_GROUP, concurrency=s.result_concurrency)
+            await rt.consume(RESULT_TOPICS, handlers.on_result, group=s.results_group, concurrency=s.result_concurrency)
         )
-        self._consumers.append(await rt.consume((Topics.POLICY_UPDATES,), handlers.on_policy_update, group=POLICY_GROUP))
+        self._consumers.append(await rt.consume((Topics.POLICY_UPDATES,), handlers.on_policy_update, group=s.policy_group))
         self._tasks.append(
             asyncio.create_task(self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"), name="dispatcher-scheduler")
         )

@@ -21,5 +21,7 @@ class EngineSettings(BaseSettings):
     scheduler_interval_s: float = Field(0.5, gt=0)
     reaper_interval_s: float = Field(1.0, gt=0)
     result_concurrency: int = Field(8, ge=1, description="result partitions handled at once")
+    results_group: str = Field("dispatcher", description="consumer group of the result topics")
+    policy_group: str = Field("dispatcher-policy", description="consumer group of policy.updates")
     max_observation_chars: int = Field(4000, ge=200)
     max_context_tokens: int = Field(32768, ge=64, description="an episode whose prompt would pass this is scored")

@@ -148,6 +148,8 @@ class Peers:
     events: list[Message] = field(default_factory=list)
     held: list[Message] = field(default_factory=list)
     hold: bool = False
+    job_prefix: str = ""  # on a shared Kafka, answer only this test's jobs
+    delay_s: float = 0.0  # model "thinking" time per inference request
     _consumers: list[Consumer] = field(default_factory=list)
 
     async def start(self, group_suffix: str = "") -> None:
@@ -166,7 +168,9 @@ class Peers:
 
     def _collect(self, into: list[Message]) -> Callable[[Any], Awaitable[None]]:
         async def collect(record: Any) -> None:
-            into.append(decode(record.value))
+            msg = decode(record.value)
+            if (msg.job_id or "").startswith(self.job_prefix):
+                into.append(msg)
 
         return collect
 
@@ -176,12 +180,16 @@ class Peers:
 
     async def _on_request(self, record: Any) -> None:
         msg = decode(record.value)
+        if not (msg.job_id or "").startswith(self.job_prefix):
+            return
         self.requests[msg.kind or "?"].append(msg)
         if self.drop(msg):
             return
         if self.hold and msg.kind == "inference":
             self.held.append(msg)
             return
+        if self.delay_s and msg.kind == "inference":
+            await asyncio.sleep(self.delay_s)
         await self.answer(msg)
 
     async def release(self) -> None:
@@ -253,6 +261,10 @@ async def start_harness(
         await asyncio.to_thread(upgrade, db_url)
     runtime = Runtime(settings_for(tmp, db_url, bootstrap=bootstrap), service="dispatcher")
     await runtime.start()
+    if bootstrap:  # a shared broker: this test's own consumer groups
+        suffix = uuid.uuid4().hex[:8]
+        engine.setdefault("results_group", f"dispatcher-{suffix}")
+        engine.setdefault("policy_group", f"dispatcher-policy-{suffix}")
     dispatcher = Dispatcher(runtime, settings=engine_settings(**engine))
     p = Peers(runtime, **(peers or {}))
     await p.start(group_suffix=f"-{uuid.uuid4().hex[:6]}" if bootstrap else "")
