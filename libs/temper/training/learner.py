@@ -33,7 +33,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from temper.jobspec import AlgorithmSpec
-from temper.policy import load_weights, save_weights, token_logprobs
+from temper.policy import load_weights, position_ids_from_mask, save_weights, token_logprobs
 from temper.storage import ObjectStore
 from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
 from temper.training.config import Device, TrainerSettings
@@ -51,6 +51,31 @@ def pick_device(device: Device | str = Device.auto) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("TEMPER_TRAINER__DEVICE=cuda but no CUDA device is visible")
     return torch.device(name)
+
+
+def completion_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> torch.Tensor:
+    """``token_logprobs(model, ids, attention, completion)`` computed only where it is
+    needed: the decoder runs on every token, but the output projection and the softmax
+    only on the positions that predict a model token. For real vocabularies (10^5
+    entries) this is most of the memory and a large share of the compute of a step
+    with long prompts and observations. Falls back to ``token_logprobs`` for models
+    without a separate decoder and output layer."""
+    decoder = getattr(model, "get_decoder", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if decoder is None or head is None:
+        return token_logprobs(model, input_ids, attention_mask, completion_mask)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    am = attention_mask.bool()
+    # position t is scored from the hidden state at t-1, if both tokens are real and t is the model's
+    scored = completion_mask[:, 1:].bool() & am[:, 1:] & am[:, :-1]
+    logits = head(hidden[:, :-1][scored]).float()
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:][scored].unsqueeze(-1)).squeeze(-1)
+    out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
+    index = scored.nonzero(as_tuple=True)
+    return out.index_put((index[0], index[1] + 1), picked)
 
 
 def optimizer_key(weights_key: str) -> str:
@@ -254,11 +279,11 @@ class Learner:
         for mb in batches:
             b = collate(mb, self.pad_id, self.device)
             with self._autocast():
-                logprobs = token_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask)
+                logprobs = completion_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask)
                 ref = None
                 if self.reference is not None:
                     with torch.no_grad():
-                        ref = token_logprobs(self.reference, b.input_ids, b.attention_mask, b.completion_mask)
+                        ref = completion_logprobs(self.reference, b.input_ids, b.attention_mask, b.completion_mask)
             parts = grpo_token_loss(
                 logprobs.float(), b.behaviour_logprobs, b.advantages, b.completion_mask,
                 clip_eps=self.config.clip_eps, normalizer=float(max(normalizer, 1)),

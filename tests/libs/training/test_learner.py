@@ -100,3 +100,20 @@ def test_the_same_step_runs_on_cuda_in_bf16():
     stats = learner.step([group])
     assert stats.updated and stats.tokens_per_s > 0
     assert next(learner.model.parameters()).dtype == torch.float32
+
+
+def test_completion_logprobs_equal_token_logprobs():
+    from temper.policy import pad_batch, token_logprobs
+    from temper.training.learner import completion_logprobs
+
+    model = create_model(seed=8)
+    seqs = [PROMPT + TOK.encode("hello") + [TOK.end_id], PROMPT + TOK.encode("no")]
+    ids, attention = pad_batch(seqs, TOK.pad_id)
+    completion = torch.zeros_like(ids, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        completion[i, len(PROMPT) : len(s)] = True
+    completion[0, 2] = True  # a stray prompt position marked too: both must agree on it
+    want = token_logprobs(model, ids, attention, completion)
+    got = completion_logprobs(model, ids, attention, completion)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert (got[~completion] == 0).all()
