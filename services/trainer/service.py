@@ -61,6 +61,7 @@ SKIP_STALE = "stale"
 SKIP_INCOMPLETE = "incomplete_group"
 SKIP_MISSING = "trajectory_missing"
 SKIP_NO_UPDATE = "no_update"  # the step produced a non-finite gradient and was dropped
+SKIP_TRAIN_ERROR = "train_error"  # the step raised (e.g. a token id outside the vocabulary)
 
 ModelFactory = Callable[[JobSpec], torch.nn.Module]
 
@@ -88,7 +89,8 @@ class JobState:
     ready: list[list[Buffered]] = field(default_factory=list)
     uncheckpointed: dict[str, int] = field(default_factory=dict)  # episode id -> step
     steps_since_checkpoint: int = 0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the buffer
+    train_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the learner: one step or checkpoint at a time
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> groups
 
@@ -318,6 +320,10 @@ class Trainer:
         return out
 
     async def _train_one(self, job: JobState) -> StepStats | None:
+        async with job.train_lock:
+            return await self._train_one_locked(job)
+
+    async def _train_one_locked(self, job: JobState) -> StepStats | None:
         per_step = job.spec.algorithm.groups_per_step
         async with job.lock:
             await self._sweep(job)
@@ -326,7 +332,14 @@ class Trainer:
             batch, job.ready = job.ready[:per_step], job.ready[per_step:]
         groups = [[b.trajectory for b in g] for g in batch]
         episodes = [b.episode_id for g in batch for b in g]
-        stats = await asyncio.to_thread(job.learner.step, groups)
+        try:
+            stats = await asyncio.to_thread(job.learner.step, groups)
+        except Exception as exc:  # noqa: BLE001 - any failure of this batch
+            # A batch that cannot be trained on must not stall the job: skip it, say why.
+            log.exception("training step failed; its groups are skipped")
+            await self._mark_skipped(job, episodes, SKIP_TRAIN_ERROR, groups=len(batch))
+            log_event(log, "step skipped", logging.ERROR, job_id=job.job_id, error=repr(exc)[:300])
+            return None
         if not stats.updated:
             await self._mark_skipped(job, episodes, SKIP_NO_UPDATE, groups=len(batch))
             return stats
@@ -427,6 +440,19 @@ class Trainer:
         log_event(log, "policy version published", job_id=job.job_id, version=version, step=learner.step_count,
                   checkpoint_key=key)
         return version
+
+    async def flush(self, job_id: str) -> int | None:
+        """Publish the steps trained since the last checkpoint as a version now (the end of
+        a job whose step count is not a multiple of ``checkpoint_every``); returns the
+        version, or None if there was nothing to publish."""
+        job = self.jobs.get(job_id)
+        if job is None or not job.steps_since_checkpoint:
+            return None
+        async with job.train_lock:
+            if not job.steps_since_checkpoint:
+                return None
+            last = job.history[-1] if job.history else None
+            return await self.checkpoint(job, StepStats(**last) if last else None)
 
     def status(self) -> dict[str, Any]:
         """What ``GET /v1/status`` shows."""

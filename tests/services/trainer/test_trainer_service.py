@@ -219,3 +219,35 @@ def test_the_app_serves_health_and_status(settings):
         status = client.get("/v1/status").json()
         assert status["group"] == "trainer" and status["jobs"] == {}
         assert "temper_trainer_steps_total" in client.get("/metrics").text
+
+
+async def test_flush_publishes_the_last_steps_and_a_failing_batch_is_skipped(settings):
+    runtime, trainer = await start(settings)
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-f", job_spec(group_size=2, groups_per_step=1, checkpoint_every=3))
+        f = TrajectoryFactory("job-f")
+        broken = f.group("broken", [0.0, 1.0])
+        broken[0].trajectory.segments[1].token_ids[0] = 10_000  # not in the vocabulary: the step raises
+        good = f.group("good", [1.0, 0.0])
+        await store_all(runtime.store, broken + good)
+        await send_all(runtime.bus, broken + good)
+
+        async def settled() -> bool:
+            rows = await ledger(runtime, "job-f")
+            job = trainer.jobs.get("job-f")
+            return (len(rows) == 4 and job is not None and job.learner.step_count == 1
+                    and all(rows[m.message.episode_id].skipped for m in broken))
+
+        await wait_for(settled, what="one step and one skipped batch")
+        rows = await ledger(runtime, "job-f")
+        assert {rows[m.message.episode_id].skipped for m in broken} == {"train_error"}
+        assert {rows[m.message.episode_id].step for m in good} == {None}, "trained, not yet checkpointed"
+        assert await versions(runtime, "job-f") == []
+        assert await trainer.flush("job-f") == 1
+        assert await trainer.flush("job-f") is None
+        rows = await ledger(runtime, "job-f")
+        assert {rows[m.message.episode_id].step for m in good} == {1}
+        assert await versions(runtime, "job-f") == [(1, 1)]
+    finally:
+        await stop(runtime, trainer)
