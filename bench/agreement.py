@@ -42,6 +42,7 @@ MUTATIONS = {
         "    if isinstance(v, str): return v[::-1] + '!'\n"
         "    if isinstance(v, (list, tuple)): return type(v)(list(v)[::-1] + [0])\n"
         "    if v is None: return 0\n"
+        "    if isinstance(v, dict): return {**v, '!': -1}\n"
         "    return object()\n"
     ),
     "off_by_one": (
@@ -50,7 +51,8 @@ MUTATIONS = {
         "    if isinstance(v, (int, float)): return v + 1\n"
         "    if isinstance(v, str): return v[:-1] if v else 'a'\n"
         "    if isinstance(v, (list, tuple)): return type(v)(list(v)[:-1] if v else [0])\n"
-        "    return v\n"
+        "    if isinstance(v, dict): return dict(list(v.items())[:-1]) if v else {0: 1}\n"
+        "    return None\n"
     ),
     "exception": "    raise ValueError('broken on purpose')\n",
     "infinite_loop": "    while True:\n        pass\n",
@@ -71,7 +73,7 @@ def variant(task: TaskSpec, kind: str) -> str:
     src = ast.unparse(tree)
     # recursive solutions call themselves by the public name: that now reaches the
     # wrapper, which is still a broken solution of the same kind
-    body = MUTATIONS[kind].format(orig=orig)
+    body = MUTATIONS[kind].replace("{orig}", orig)
     return f"{src}\n\ndef {task.entry_point}(*args, **kwargs):\n{body}"
 
 
