@@ -1,0 +1,316 @@
+"""Dispatcher orchestration overhead per turn, over the real stack (Kafka + Postgres).
+
+Bench-local doubles of the peers answer at once: a stub policy (a ``true`` shell
+command until the last turn, then ``submit``), a no-op sandbox and a constant reward.
+So a turn's wall time is all orchestration: two Kafka round trips (inference, sandbox),
+two Postgres transactions that record a result and write the next command, and the
+outbox relay. Measured next to the raw Kafka produce→consume hop of the same run.
+
+    python bench/dispatch.py            # make bench-dispatch
+    python bench/dispatch.py --episodes 512 --concurrency 128
+
+Writes bench/results/dispatch.json (flat JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
+
+import asyncpg  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
+from temper import metrics  # noqa: E402
+from temper.bus import Record  # noqa: E402
+from temper.db import Episode, Job, Task, TaskSet, Tenant  # noqa: E402
+from temper.db.migrate import upgrade  # noqa: E402
+from temper.events import (  # noqa: E402
+    InferenceRequest,
+    InferenceResult,
+    RewardComponent,
+    RewardRequest,
+    RewardResult,
+    SandboxRequest,
+    SandboxResult,
+    Topics,
+    decode,
+)
+from temper.jobspec import JobSpec  # noqa: E402
+from temper.policy.tokenizer import default_tokenizer  # noqa: E402
+from temper.runtime import Runtime  # noqa: E402
+from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings  # noqa: E402
+
+from services.dispatcher.engine.config import EngineSettings  # noqa: E402
+from services.dispatcher.service import Dispatcher  # noqa: E402
+
+TOK = default_tokenizer()
+RUN_TEXT = "```bash\ntrue\n```"
+SUBMIT_TEXT = "submit"
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class StubPeers:
+    """Instant policy, sandbox and scorer; records when each inference request arrives."""
+
+    def __init__(self, runtime: Runtime, max_turns: int, prefix: str) -> None:
+        self.rt = runtime
+        self.max_turns = max_turns
+        self.prefix = prefix
+        self.arrivals: dict[str, dict[int, float]] = defaultdict(dict)
+        self.scored = 0
+        self.consumers = []
+
+    async def start(self, suffix: str) -> None:
+        bus = self.rt.bus
+        for topic in (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS):
+            self.consumers.append(await bus.subscribe([topic], f"bench-{topic}-{suffix}", self.on_request, concurrency=8))
+
+    async def stop(self) -> None:
+        for c in self.consumers:
+            await c.stop()
+
+    async def on_request(self, record: Record) -> None:
+        msg = decode(record.value)
+        if not (msg.job_id or "").startswith(self.prefix):
+            return
+        ids = dict(job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt)
+        bus = self.rt.bus
+        if isinstance(msg, InferenceRequest):
+            self.arrivals[msg.episode_id][msg.turn] = time.perf_counter()
+            text = SUBMIT_TEXT if msg.turn + 1 >= self.max_turns else RUN_TEXT
+            tokens = [*TOK.encode(text), TOK.end_id]
+            await bus.send_message(
+                Topics.INFERENCE_RESULTS,
+                InferenceResult(**ids, token_ids=tokens, logprobs=[-0.1] * len(tokens), text=text, finish_reason="stop"),
+            )
+        elif isinstance(msg, SandboxRequest):
+            await bus.send_message(
+                Topics.SANDBOX_RESULTS,
+                SandboxResult(**ids, session_id=msg.session_id, result={"exit_code": 0, "wall_s": 0.0}, worker="noop"),
+            )
+        elif isinstance(msg, RewardRequest):
+            self.scored += 1
+            await bus.send_message(
+                Topics.REWARD_RESULTS,
+                RewardResult(**ids, task_id=msg.task_id, reward=1.0, components={"tests_passed": RewardComponent(value=1.0)}),
+            )
+
+
+async def settle(pairs: list[tuple[str, str]], quiet_s: float = 2.0, limit_s: float = 240.0) -> None:
+    """Wait until these (topic, group) consumers have consumed nothing for ``quiet_s``."""
+
+    def consumed() -> float:
+        return sum(metrics.BUS_CONSUMED.labels(t, g)._value.get() for t, g in pairs)
+
+    t0 = last_change = time.perf_counter()
+    last = consumed()
+    while time.perf_counter() - last_change < quiet_s and time.perf_counter() - t0 < limit_s:
+        await asyncio.sleep(0.25)
+        now = consumed()
+        if now != last:
+            last, last_change = now, time.perf_counter()
+
+
+async def kafka_roundtrip(runtime: Runtime, n: int, suffix: str) -> list[float]:
+    """Produce → consume on a fresh topic, one message at a time (ms)."""
+    bus = runtime.bus
+    topic = f"bench.ping.{suffix}"
+    await bus.create_topics([topic], partitions=1)
+    got: asyncio.Queue[float] = asyncio.Queue()
+
+    async def on(record: Record) -> None:
+        got.put_nowait(time.perf_counter())
+
+    consumer = await bus.subscribe([topic], f"bench-ping-{suffix}", on)
+    await bus.send(topic, b"warm", key="k")
+    await asyncio.wait_for(got.get(), 60)  # the group has joined
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await bus.send(topic, b"ping", key="k")
+        t1 = await asyncio.wait_for(got.get(), 10)
+        samples.append((t1 - t0) * 1000)
+    await consumer.stop()
+    return samples
+
+
+def spec(episodes: int, concurrency: int, max_turns: int) -> dict:
+    return JobSpec.model_validate(
+        {
+            "name": "bench-dispatch",
+            "policy": {"model": "stub", "sampling": {"max_tokens": 16}},
+            "tasks": {"taskset": "bench", "group_size": 1},
+            "environment": {"kind": "code", "max_turns": max_turns},
+            "schedule": {
+                "iterations": 1,
+                "episodes_per_iteration": episodes,
+                "max_concurrent_episodes": concurrency,
+                "max_staleness": 100,
+            },
+        }
+    ).model_dump(mode="json")
+
+
+async def run_job(db, peers: StubPeers, job_id: str, episodes: int, concurrency: int, max_turns: int) -> dict:
+    async with db.session() as s:
+        s.add(Job(id=job_id, tenant_id="bench", name="bench", spec=spec(episodes, concurrency, max_turns), state="pending"))
+    t0 = time.perf_counter()
+    while True:
+        async with db.session() as s:
+            state = await s.scalar(select(Job.state).where(Job.id == job_id))
+        if state in ("completed", "failed", "cancelled"):
+            break
+        if time.perf_counter() - t0 > 300:
+            raise TimeoutError(f"job {job_id} did not finish in 300 s")
+        await asyncio.sleep(0.05)
+    wall = time.perf_counter() - t0
+    async with db.session() as s:
+        scored = await s.scalar(
+            select(func.count()).select_from(Episode).where(Episode.job_id == job_id, Episode.state == "scored")
+        )
+    gaps = []
+    for ep, turns in peers.arrivals.items():
+        if not ep:
+            continue
+        ordered = [turns[t] for t in sorted(turns)]
+        gaps += [(b - a) * 1000 for a, b in zip(ordered, ordered[1:], strict=False)]
+    peers.arrivals.clear()
+    return {"state": state, "wall_s": wall, "scored": scored, "gaps_ms": gaps, "turns": scored * max_turns}
+
+
+async def main(args: argparse.Namespace) -> dict:
+    logging.disable(logging.WARNING)
+    suffix = uuid.uuid4().hex[:8]
+    base = os.environ.get("TEMPER_DB__URL", "postgresql+asyncpg://temper:temper@127.0.0.1:55432/temper")
+    bootstrap = os.environ.get("TEMPER_BUS__BOOTSTRAP", "127.0.0.1:59092")
+    admin = base.replace("postgresql+asyncpg://", "postgresql://")
+    dbname = f"bench_dispatch_{suffix}"
+    conn = await asyncpg.connect(admin)
+    await conn.execute(f'CREATE DATABASE "{dbname}"')
+    await conn.close()
+    url = base.rsplit("/", 1)[0] + f"/{dbname}"
+    tmp = Path(tempfile.mkdtemp(prefix="bench-dispatch-"))
+    try:
+        await asyncio.to_thread(upgrade, url)
+        settings = Settings(
+            db=DatabaseSettings(url=url, pool_size=20),
+            bus=BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=args.partitions),
+            storage=StorageSettings(kind=StorageKind.local, root=tmp / "objects"),
+            data_dir=tmp,
+        )
+        runtime = Runtime(settings, service="bench-dispatch")
+        await runtime.start()
+        logging.disable(logging.WARNING)
+        async with runtime.db.session() as s:
+            s.add(Tenant(id="bench", name="bench", max_concurrent_episodes=100_000))
+        async with runtime.db.session() as s:
+            s.add(TaskSet(id="bench", tenant_id="bench", name="bench", status="valid", task_count=1))
+        async with runtime.db.session() as s:
+            s.add(Task(id="bench-t", task_set_id="bench", key="t", kind="code", prompt="Do nothing.", spec={}, meta={}))
+        prefix = f"bench-{suffix}-"
+        peers = StubPeers(runtime, args.turns, prefix)
+        await peers.start(suffix)
+        dispatcher = Dispatcher(
+            runtime,
+            settings=EngineSettings(
+                trainer_attached=False,
+                scheduler_interval_s=0.02,
+                lease_s=120,
+                result_concurrency=args.partitions,
+                results_group=f"bench-dispatcher-{suffix}",
+                policy_group=f"bench-dispatcher-policy-{suffix}",
+            ),
+        )
+        await dispatcher.start()
+        # New consumer groups start at the earliest offset: let them chew through what earlier
+        # runs left in the shared topics before anything is timed.
+        await settle(
+            [(t, f"bench-{t}-{suffix}") for t in (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS)]
+            + [(t, f"bench-dispatcher-{suffix}") for t in (Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS)]
+        )
+        ping = await kafka_roundtrip(runtime, args.pings, suffix)
+        # Warm-up (consumer groups join, caches fill), then a latency run with few episodes
+        # in flight, then a throughput run with many.
+        await run_job(runtime.db, peers, f"{prefix}warm", 4, 4, 2)
+        latency = await run_job(runtime.db, peers, f"{prefix}lat", args.latency_episodes, 4, args.turns)
+        throughput = await run_job(runtime.db, peers, f"{prefix}tput", args.episodes, args.concurrency, args.turns)
+        ping_after = await kafka_roundtrip(runtime, args.pings, suffix + "b")
+        await dispatcher.stop()
+        await peers.stop()
+        await runtime.stop()
+    finally:
+        conn = await asyncpg.connect(admin)
+        await conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        await conn.close()
+    pings = ping + ping_after
+    gaps = latency["gaps_ms"]
+    return {
+        "turn_overhead_p50_ms": round(pct(gaps, 0.5), 2),
+        "turn_overhead_p99_ms": round(pct(gaps, 0.99), 2),
+        "turn_overhead_mean_ms": round(statistics.fmean(gaps), 2) if gaps else None,
+        "turns_per_s": round(throughput["turns"] / throughput["wall_s"], 1),
+        "kafka_roundtrip_p50_ms": round(pct(pings, 0.5), 2),
+        "kafka_roundtrip_p99_ms": round(pct(pings, 0.99), 2),
+        "kafka_hops_per_turn": 4,
+        "under_load_turn_p50_ms": round(pct(throughput["gaps_ms"], 0.5), 2),
+        "under_load_turn_p99_ms": round(pct(throughput["gaps_ms"], 0.99), 2),
+        "latency_episodes": latency["scored"],
+        "throughput_episodes": throughput["scored"],
+        "throughput_concurrency": args.concurrency,
+        "turns_per_episode": args.turns,
+        "throughput_wall_s": round(throughput["wall_s"], 2),
+        "partitions": args.partitions,
+        "target_turn_overhead_p50_ms": 15,
+        "target_turns_per_s": 200,
+    }
+
+
+def table(result: dict) -> str:
+    rows = [
+        ("turn overhead p50 (ms)", result["turn_overhead_p50_ms"], "<= 15"),
+        ("turn overhead p99 (ms)", result["turn_overhead_p99_ms"], ""),
+        ("turns per second", result["turns_per_s"], ">= 200"),
+        ("kafka produce->consume p50 (ms)", result["kafka_roundtrip_p50_ms"], f"x{result['kafka_hops_per_turn']} hops/turn"),
+        ("kafka produce->consume p99 (ms)", result["kafka_roundtrip_p99_ms"], ""),
+        (f"turn p50 under load, {result['throughput_concurrency']} in flight (ms)", result["under_load_turn_p50_ms"], ""),
+        (f"turn p99 under load, {result['throughput_concurrency']} in flight (ms)", result["under_load_turn_p99_ms"], ""),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'metric'.ljust(width)}  {'value':>10}  target", "-" * (width + 26)]
+    lines += [f"{name.ljust(width)}  {value:>10}  {target}" for name, value, target in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="dispatcher orchestration overhead per turn")
+    parser.add_argument("--turns", type=int, default=4, help="turns per episode")
+    parser.add_argument("--latency-episodes", type=int, default=32)
+    parser.add_argument("--episodes", type=int, default=256, help="episodes in the throughput run")
+    parser.add_argument("--concurrency", type=int, default=64, help="episodes in flight in the throughput run")
+    parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--pings", type=int, default=200)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "dispatch.json"))
+    args = parser.parse_args()
+    result = asyncio.run(main(args))
+    print(table(result))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
