@@ -100,7 +100,7 @@ class LearnerConfig:
     @classmethod
     def from_spec(cls, algorithm: AlgorithmSpec, settings: TrainerSettings | None = None) -> LearnerConfig:
         """The job's algorithm settings plus the trainer process's own knobs."""
-        s = settings or TrainerSettings()
+        s = settings or TrainerSettings.model_validate({})
         return cls(
             learning_rate=algorithm.learning_rate,
             clip_eps=algorithm.clip_eps,
