@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "dispa
 from episode_peers import (  # noqa: E402
     Peers,
     episodes_of,
+    groups_start_at_end,
     job_spec,
     job_state,
     seed,
@@ -85,7 +86,7 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(tmp_path, 
     runtime = Runtime(settings_for(tmp_path, pg_url, bootstrap=kafka_bootstrap), service="crash-test-peers")
     await runtime.start()
     peers = Peers(runtime, job_prefix=prefix, delay_s=0.02)
-    await peers.start(group_suffix=f"-{unique}")
+    await peers.start(group_suffix=f"-{unique}", bootstrap=kafka_bootstrap)
     db = runtime.db
     assert db is not None
     await seed(db)
@@ -110,6 +111,11 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(tmp_path, 
         "TEMPER_DISPATCHER__POLICY_GROUP": f"{group}-policy",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]),
     }
+    await groups_start_at_end(
+        kafka_bootstrap,
+        {group: [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
+         f"{group}-policy": [Topics.POLICY_UPDATES]},
+    )
     log = tmp_path / "dispatcher.log"
     proc = _spawn_dispatcher(env, log)
     try:

@@ -42,6 +42,26 @@ FENCE = "```"
 Script = Callable[[InferenceRequest], str | None]  # None: don't answer (yet)
 
 
+async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
+    """Commit the current end offsets for new consumer groups, so they skip what other
+    tests and benches left in the shared topics (a new group otherwise starts at the
+    earliest offset and replays all of it)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.structs import OffsetAndMetadata
+
+    for group, topics in groups.items():
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            await consumer._client.force_metadata_update()
+            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
+        finally:
+            await consumer.stop()
+
+
 def settings_for(tmp: Path, db_url: str, *, bootstrap: str | None = None, partitions: int = 4) -> Settings:
     bus = BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=partitions) if bootstrap else BusSettings(
         kind=BusKind.inprocess, partitions=partitions, retry_backoff_s=0.01
@@ -152,9 +172,18 @@ class Peers:
     delay_s: float = 0.0  # model "thinking" time per inference request
     _consumers: list[Consumer] = field(default_factory=list)
 
-    async def start(self, group_suffix: str = "") -> None:
+    def groups(self, group_suffix: str) -> dict[str, list[str]]:
+        topics = (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS)
+        out = {f"peer-{t}{group_suffix}": [t] for t in topics}
+        out[f"peer-trainer{group_suffix}"] = [Topics.TRAJECTORIES]
+        out[f"peer-analytics{group_suffix}"] = [Topics.EVENTS]
+        return out
+
+    async def start(self, group_suffix: str = "", bootstrap: str | None = None) -> None:
         rt = self.runtime
         assert rt.bus is not None
+        if bootstrap:
+            await groups_start_at_end(bootstrap, self.groups(group_suffix))
         for topic in (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS):
             self._consumers.append(
                 await rt.bus.subscribe([topic], f"peer-{topic}{group_suffix}", self._on_request, concurrency=4)
@@ -266,8 +295,13 @@ async def start_harness(
         engine.setdefault("results_group", f"dispatcher-{suffix}")
         engine.setdefault("policy_group", f"dispatcher-policy-{suffix}")
     dispatcher = Dispatcher(runtime, settings=engine_settings(**engine))
+    if bootstrap:
+        await groups_start_at_end(bootstrap, {
+            engine["results_group"]: [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
+            engine["policy_group"]: [Topics.POLICY_UPDATES],
+        })
     p = Peers(runtime, **(peers or {}))
-    await p.start(group_suffix=f"-{uuid.uuid4().hex[:6]}" if bootstrap else "")
+    await p.start(group_suffix=f"-{uuid.uuid4().hex[:6]}" if bootstrap else "", bootstrap=bootstrap)
     await dispatcher.start()
     return Harness(runtime, dispatcher, p)
 
