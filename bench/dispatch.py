@@ -114,6 +114,23 @@ class StubPeers:
             )
 
 
+async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.structs import OffsetAndMetadata
+
+    for group, topics in groups.items():
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            await consumer._client.force_metadata_update()
+            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
+        finally:
+            await consumer.stop()
+
+
 async def settle(pairs: list[tuple[str, str]], quiet_s: float = 2.0, limit_s: float = 240.0) -> None:
     """Wait until these (topic, group) consumers have consumed nothing for ``quiet_s``."""
 
@@ -226,6 +243,14 @@ async def main(args: argparse.Namespace) -> dict:
         async with runtime.db.session() as s:
             s.add(Task(id="bench-t", task_set_id="bench", key="t", kind="code", prompt="Do nothing.", spec={}, meta={}))
         prefix = f"bench-{suffix}-"
+        # New consumer groups would start at the earliest offset and replay what earlier runs
+        # left in the shared topics: start them at the end instead.
+        requests = (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS)
+        await groups_start_at_end(bootstrap, {
+            **{f"bench-{t}-{suffix}": [t] for t in requests},
+            f"bench-dispatcher-{suffix}": [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
+            f"bench-dispatcher-policy-{suffix}": [Topics.POLICY_UPDATES],
+        })
         peers = StubPeers(runtime, args.turns, prefix)
         await peers.start(suffix)
         dispatcher = Dispatcher(
@@ -240,12 +265,6 @@ async def main(args: argparse.Namespace) -> dict:
             ),
         )
         await dispatcher.start()
-        # New consumer groups start at the earliest offset: let them chew through what earlier
-        # runs left in the shared topics before anything is timed.
-        await settle(
-            [(t, f"bench-{t}-{suffix}") for t in (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS)]
-            + [(t, f"bench-dispatcher-{suffix}") for t in (Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS)]
-        )
         ping = await kafka_roundtrip(runtime, args.pings, suffix)
         # Warm-up (consumer groups join, caches fill), then a latency run with few episodes
         # in flight, then a throughput run with many.
