@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import tarfile
 import time
 from collections import OrderedDict
 from typing import Any
@@ -20,7 +21,8 @@ from typing import Any
 from temper import metrics
 from temper.events import Message, RewardComponent, RewardRequest, RewardResult, Topics
 from temper.logs import log_event
-from temper.rewards import Scorer, ScoringError, Submission
+from temper.rewards import Scorer, ScoringError
+from temper.rewards.models import load_submission
 from temper.rewards.runner import scoring_sandbox_settings
 from temper.runtime import Runtime
 from temper.sandbox import SandboxManager
@@ -153,7 +155,7 @@ class RewardScorer:
             return RewardResult(**ids, error=str(exc))
         assert self.scorer is not None
         try:
-            submission = Submission.model_validate(request.submission)
+            submission = await load_submission(request.submission, self.runtime.store)
             reward, components = await self.scorer.score(
                 task, submission, request.weights or None, turns_used=request.turns_used,
                 max_turns=request.max_turns, format_ok=request.format_ok,
@@ -161,7 +163,7 @@ class RewardScorer:
         except ScoringError as exc:
             metrics.REWARDS_SCORED.labels(status="error").inc()
             return RewardResult(**ids, error=f"scoring failed: {exc}")
-        except ValueError as exc:
+        except (ValueError, NotFound, tarfile.TarError, EOFError) as exc:
             metrics.REWARDS_SCORED.labels(status="error").inc()
             metrics.REWARD_FAILURES.labels(component="*", reason="bad_submission").inc()
             return RewardResult(**ids, error=f"bad submission: {exc}")

@@ -81,3 +81,54 @@ class CandidateRun(BaseModel):
             if not t.passed:
                 return f"{t.name}: {t.message}"
         return None
+
+
+MAX_SNAPSHOT_FILE_BYTES = 1 << 20
+MAX_SNAPSHOT_TOTAL_BYTES = 16 << 20
+MAX_SNAPSHOT_FILES = 2000
+
+
+def files_from_snapshot(data: bytes) -> dict[str, str]:
+    """The text files of a workspace snapshot (gzip'd tar), read in memory: regular files
+    only, relative paths that stay inside, at most 1 MiB each and 16 MiB in all; binary
+    files are skipped. Nothing is extracted to disk and nothing is run."""
+    import io
+    import posixpath
+    import tarfile
+
+    files: dict[str, str] = {}
+    total = 0
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar:
+            if len(files) >= MAX_SNAPSHOT_FILES:
+                break
+            if not member.isreg() or member.size > MAX_SNAPSHOT_FILE_BYTES:
+                continue
+            path = posixpath.normpath(member.name.lstrip("./") or member.name)
+            if path.startswith(("/", "..")) or path in (".", ""):
+                continue
+            total += member.size
+            if total > MAX_SNAPSHOT_TOTAL_BYTES:
+                break
+            handle = tar.extractfile(member)
+            if handle is None:
+                continue
+            try:
+                files[path] = handle.read(member.size).decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+    return files
+
+
+async def load_submission(raw: dict[str, object], store: object | None = None) -> Submission:
+    """A :class:`Submission` from ``RewardRequest.submission`` as the environments send it:
+    ``files``/``answer``/``text``, or ``final_text`` and a workspace ``snapshot_key`` whose
+    text files are read from the object store (explicit ``files`` win)."""
+    data = dict(raw)
+    text = data.pop("text", None) or data.get("final_text") or ""
+    sub = Submission.model_validate({**data, "text": text})
+    key = data.get("snapshot_key")
+    if key and store is not None:
+        snapshot = await store.get(str(key))  # type: ignore[attr-defined]
+        sub.files = {**files_from_snapshot(snapshot), **sub.files}
+    return sub

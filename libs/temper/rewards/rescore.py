@@ -17,7 +17,7 @@ from typing import Any
 
 from temper.events import RewardComponent
 from temper.rewards.components import Component
-from temper.rewards.models import Submission
+from temper.rewards.models import Submission, load_submission
 from temper.rewards.scorer import Scorer, combine
 from temper.storage import NotFound, ObjectStore, object_key
 from temper.tasks.models import TaskSpec
@@ -83,7 +83,10 @@ async def rescore_job(
             name: RewardComponent.model_validate(c)
             for name, c in ((record or {}).get("result", {}).get("components") or traj.rewards.get("components", {})).items()
         }
-        submission = Submission.model_validate(request["submission"]) if "submission" in request else submission_from_trajectory(traj)
+        if "submission" in request:
+            submission = await load_submission(request["submission"], store)
+        else:
+            submission = submission_from_trajectory(traj)
         task: TaskSpec = await load_task(traj.task_id)
         rerun = [n for n in weights if n not in previous or not previous[n].ok or (verifiers and n in verifiers)]
         components = {n: c for n, c in previous.items() if n not in rerun}

@@ -151,3 +151,25 @@ async def test_rescoring_a_finished_job_with_new_weights_and_a_new_verifier(runt
                             weights={"tests_passed": 1.0}, load_task=load, verifiers={"tests_passed": Strict()})  # fmt: skip
     assert {r.episode_id: r.reward for r in out} == {"e-old": -1.0, "e-rec": 1.0}
     assert json.loads(await store.get((await store.list("rewards/j9/e-rec/"))[0]))["request"]["task_id"] == f"{ts}:sq"
+
+
+@pytest.mark.parametrize("runtime", ["inprocess"], indirect=True)
+async def test_code_submissions_are_read_from_the_workspace_snapshot(runtime, scoring_manager, tmp_path):
+    from temper.sandbox.snapshot import pack
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "solution.py").write_text("def square(x):\n    return x ** 2\n")
+    (ws / "blob.bin").write_bytes(b"\xff\xfe\x00")
+    await runtime.store.put("sandbox-snapshots/s1/1.tar.gz", pack(ws))
+    scorer = RewardScorer(runtime, manager=scoring_manager)
+    await scorer.start()
+    req = RewardRequest(episode_id="e-snap", task_id=f"{runtime.taskset_id}:sq",
+                        submission={"kind": "code", "session_id": "s1", "snapshot_key": "sandbox-snapshots/s1/1.tar.gz",
+                                    "final_text": "done"})  # fmt: skip
+    result = await scorer.score(req)
+    await scorer.stop()
+    assert result.error is None and result.reward == 1.0
+    math_req = RewardRequest(episode_id="e-m", task_id=f"{runtime.taskset_id}:m",
+                             submission={"kind": "math", "answer": None, "final_text": "so \\boxed{42}"})  # fmt: skip
+    assert (await scorer.score(math_req)).reward == 1.0
