@@ -89,24 +89,36 @@ def s3_settings():
     )
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-async def database_url(request, tmp_path, unique):
-    """An empty database on SQLite and on a throwaway database in the real Postgres."""
-    if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path}/temper.db"
-        return
+def _postgres_admin(postgres_url: str, sql: str) -> None:
+    import asyncio
+
     import asyncpg
 
-    base = request.getfixturevalue("postgres_url")
-    dsn = base.replace("postgresql+asyncpg://", "postgresql://")
+    async def run() -> None:
+        conn = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg://", "postgresql://"))
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+@pytest.fixture
+def postgres_database_url(postgres_url, unique):
+    """A throwaway, empty database in the real Postgres, dropped afterwards."""
     name = f"test_{unique}"
-    conn = await asyncpg.connect(dsn)
-    await conn.execute(f'CREATE DATABASE "{name}"')
-    await conn.close()
-    yield base.rsplit("/", 1)[0] + f"/{name}"
-    conn = await asyncpg.connect(dsn)
-    await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    await conn.close()
+    _postgres_admin(postgres_url, f'CREATE DATABASE "{name}"')
+    yield postgres_url.rsplit("/", 1)[0] + f"/{name}"
+    _postgres_admin(postgres_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request, tmp_path):
+    """An empty database on SQLite and on a throwaway database in the real Postgres."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/temper.db"
+    return request.getfixturevalue("postgres_database_url")
 
 
 @pytest.fixture

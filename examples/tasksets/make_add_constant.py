@@ -1,12 +1,15 @@
 """Generate the example task family: tiny code-writing tasks a small model can learn on
 a CPU in minutes.
 
-Each task asks for a one-line function ``f(x)`` that adds (or subtracts) a constant;
-hidden tests call it on several inputs. The warm-start data (``warm_start_examples``)
-teaches the answer *format* with a random constant, so the policy starts out writing
-valid code that is usually wrong, and reinforcement learning has to discover which
-constant each prompt asks for. Run ``python examples/tasksets/make_add_constant.py`` to
-rewrite ``add-constant.jsonl``.
+Each task asks for a one-line function ``f(x)`` that adds a constant to ``x``. The
+hidden tests call it on negative numbers and fractions, which is where plausible but
+wrong implementations (``abs(x) + k``, ``int(x) + k``, ``round(x) + k``) fail.
+
+The warm-start data (:func:`warm_start_examples`) comes from a sloppy teacher: it
+always copies the right constant but picks the correct implementation only some of
+the time. So the policy starts out writing valid code that often fails the hidden
+tests, and reinforcement learning has to find out which implementation passes them.
+Run ``python examples/tasksets/make_add_constant.py`` to rewrite ``add-constant.jsonl``.
 """
 
 from __future__ import annotations
@@ -15,51 +18,50 @@ import json
 import random
 from pathlib import Path
 
-OPS = {"add": ("+", "plus"), "sub": ("-", "minus")}
 CONSTANTS = range(1, 10)
-TEST_INPUTS = (0, 1, 5, 12, -3)
+# Inputs where the wrong implementations below disagree with x + k.
+TEST_INPUTS = (-2.5, -7.25, -1.5, 3)
+CORRECT = "x + {k}"
+SLOPPY = ("abs(x) + {k}", "int(x) + {k}", "round(x) + {k}")
 
 
-def prompt(op: str, k: int) -> str:
-    return f"Write f(x) that returns x {OPS[op][1]} {k}."
+def prompt(k: int) -> str:
+    return f"Write f(x) that returns x plus {k}."
 
 
-def solution(op: str, k: int) -> str:
-    return f"def f(x):\n    return x {OPS[op][0]} {k}\n"
+def solution(k: int, body: str = CORRECT) -> str:
+    return f"def f(x):\n    return {body.format(k=k)}\n"
 
 
-def tests(op: str, k: int) -> str:
-    sign = 1 if op == "add" else -1
-    lines = [f"    assert candidate({x}) == {x + sign * k}" for x in TEST_INPUTS]
+def tests(k: int) -> str:
+    lines = [f"    assert candidate({x}) == {x + k}" for x in TEST_INPUTS]
     return "def check(candidate):\n" + "\n".join(lines) + "\n"
 
 
-def tasks(ops: tuple[str, ...] = ("add",)) -> list[dict]:
-    out = []
-    for op in ops:
-        for k in CONSTANTS:
-            out.append(
-                {
-                    "id": f"{op}-{k}",
-                    "kind": "code",
-                    "prompt": prompt(op, k),
-                    "tests": tests(op, k),
-                    "entry_point": "f",
-                    "solution": solution(op, k),
-                    "metadata": {"source": "temper-example", "tags": [op]},
-                }
-            )
-    return out
+def tasks() -> list[dict]:
+    return [
+        {
+            "id": f"add-{k}",
+            "kind": "code",
+            "prompt": prompt(k),
+            "tests": tests(k),
+            "entry_point": "f",
+            "solution": solution(k),
+            "metadata": {"source": "temper-example", "tags": ["add"]},
+        }
+        for k in CONSTANTS
+    ]
 
 
-def warm_start_examples(n: int, seed: int = 0, ops: tuple[str, ...] = ("add",)) -> list[tuple[str, str]]:
-    """(prompt, solution) pairs whose constant in the answer is drawn independently of the
-    prompt's: they teach the format, not the task."""
+def warm_start_examples(n: int, *, p_correct: float = 0.25, seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, solution) pairs from the sloppy teacher: the right constant always, the
+    right implementation with probability ``p_correct``, else one of :data:`SLOPPY`."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
-        op = rng.choice(ops)
-        pairs.append((prompt(op, rng.choice(CONSTANTS)), solution(op, rng.choice(CONSTANTS))))
+        k = rng.choice(CONSTANTS)
+        body = CORRECT if rng.random() < p_correct else rng.choice(SLOPPY)
+        pairs.append((prompt(k), solution(k, body)))
     return pairs
 
 

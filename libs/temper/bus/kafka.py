@@ -148,6 +148,7 @@ class KafkaConsumer(Consumer):
             session_timeout_ms=10000,
             heartbeat_interval_ms=1000,
             max_poll_interval_ms=300000,
+            fetch_max_wait_ms=50,  # an idle partition must not hold back a busy one
         )
 
     async def start(self) -> None:
@@ -192,11 +193,15 @@ class KafkaConsumer(Consumer):
                 await asyncio.gather(*(self._drain(tp, recs) for tp, recs in items[i : i + self.concurrency]))
 
     async def _drain(self, tp: TopicPartition, records: list[ConsumerRecord]) -> None:
-        for i, rec in enumerate(records):
+        """Handle a partition's batch in order, then commit once: a crash before the commit
+        redelivers the batch (handlers are idempotent), and one commit per batch instead
+        of per record keeps a busy partition from waiting on the broker."""
+        done: int | None = None
+        for rec in records:
             if self._paused:
                 # Don't start more work; rewind so the rest is fetched again after resume().
                 self._consumer.seek(tp, rec.offset)
-                return
+                break
             record = Record(
                 topic=rec.topic,
                 partition=rec.partition,
@@ -206,15 +211,17 @@ class KafkaConsumer(Consumer):
                 headers={k: v.decode(errors="replace") for k, v in rec.headers},
             )
             await self.delivery.run(record)
-            try:
-                await self._consumer.commit({tp: OffsetAndMetadata(rec.offset + 1, "")})
-            except CommitFailedError as exc:
-                # The partition moved to another member during a rebalance: it redelivers from
-                # the last commit, which is at-least-once, so stop handling this batch here.
-                log_event(log, "commit refused after rebalance", logging.WARNING, topic=tp.topic, error=str(exc))
-                return
-            if i == len(records) - 1:
-                self._update_lag(tp, rec.offset + 1)
+            done = rec.offset + 1
+        if done is None:
+            return
+        try:
+            await self._consumer.commit({tp: OffsetAndMetadata(done, "")})
+        except CommitFailedError as exc:
+            # The partition moved to another member during a rebalance: it redelivers from
+            # the last commit, which is at-least-once.
+            log_event(log, "commit refused after rebalance", logging.WARNING, topic=tp.topic, error=str(exc))
+            return
+        self._update_lag(tp, done)
 
     def _update_lag(self, tp: TopicPartition, position: int) -> None:
         high = self._consumer.highwater(tp)
