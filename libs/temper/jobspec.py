@@ -53,6 +53,9 @@ class EnvironmentSpec(_Spec):
     max_turns: int = Field(4, ge=1, le=100)
     action_format: ActionFormat = ActionFormat.code_block
     limits: dict[str, Any] = Field(default_factory=dict, description="sandbox limits (see docs/sandbox.md)")
+    system_prompt: str | None = Field(
+        None, description="replaces the environment's instructions; an empty string sends no system message"
+    )
 
 
 class Algorithm(StrEnum):

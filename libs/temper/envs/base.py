@@ -147,8 +147,10 @@ class Environment(ABC):
         action_format: ActionFormat | str = ActionFormat.code_block,
         limits: Mapping[str, Any] | None = None,
         max_observation_chars: int = 4000,
+        system_prompt: str | None = None,
     ) -> None:
         self.task = TaskView.of(task)
+        self.custom_system_prompt = system_prompt
         self.max_turns = max(1, max_turns)
         self.action_format = ActionFormat(action_format)
         self.limits = {**dict(self.task.spec.get("limits") or {}), **dict(limits or {})}
@@ -162,7 +164,11 @@ class Environment(ABC):
         return self.task.prompt
 
     def first_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system", "content": self.system_prompt()}, {"role": "user", "content": self.user_prompt()}]
+        """The system message (the job's own instructions if it gives them; none if they are
+        empty) and the task."""
+        system = self.system_prompt() if self.custom_system_prompt is None else self.custom_system_prompt
+        user = {"role": "user", "content": self.user_prompt()}
+        return [{"role": "system", "content": system}, user] if system else [user]
 
     def first_prompt_ids(self, tok: ByteTokenizer) -> list[int]:
         return encode_chat(tok, self.first_messages())

@@ -146,6 +146,7 @@ class EpisodeEngine:
             action_format=env.action_format,
             limits=env.limits,
             max_observation_chars=self.settings.max_observation_chars,
+            system_prompt=env.system_prompt,
         )
 
     async def _lock_episode(self, session: AsyncSession, episode_id: str | None) -> Episode | None:

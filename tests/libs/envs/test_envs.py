@@ -35,6 +35,12 @@ def test_first_prompt_shows_the_files_and_is_chat_encoded():
     assert ids[0] == tok.bos_id and ids[-1] == tok.role_ids["assistant"]
 
 
+def test_a_job_can_replace_or_drop_the_system_prompt():
+    assert [m["role"] for m in code().first_messages()] == ["system", "user"]
+    assert code(system_prompt="Be brief.").first_messages()[0] == {"role": "system", "content": "Be brief."}
+    assert [m["role"] for m in code(system_prompt="").first_messages()] == ["user"]
+
+
 @pytest.mark.parametrize(
     ("text", "command"),
     [
