@@ -4,6 +4,7 @@
 - loss: :func:`group_advantages`, :func:`grpo_token_loss` (``temper.training.grpo``)
 - batching: :class:`Sample`, :func:`samples_from_groups`, :func:`collate` (``temper.training.batch``)
 - learner: :class:`Learner`, :class:`LearnerConfig`, :func:`pick_device` (``temper.training.learner``)
+- supervised warm start: :func:`warm_start` (``temper.training.sft``)
 
 Names are imported lazily, so ``temper.training.config`` (read by ``temper.settings``)
 does not pull in torch.
@@ -28,6 +29,8 @@ _NAMES = {
     "StepStats": "learner",
     "pick_device": "learner",
     "TrainerSettings": "config",
+    "warm_start": "sft",
+    "WarmStartStats": "sft",
 }
 __all__ = sorted(_NAMES)
 
