@@ -74,7 +74,7 @@ def warm_start(
         loss.backward()
         optimizer.step()
         tokens += int(count)
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
         if on_step is not None:
             on_step(step, loss_value)
     model.eval()
