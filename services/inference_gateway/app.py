@@ -21,8 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from temper import metrics
 from temper.events import SamplingParams
 from temper.policy import assistant_stop_ids
+from temper.runtime import Runtime, health_router
+from temper.settings import Settings
 
 from services.inference_gateway.backends import GenerateRequest
+from services.inference_gateway.component import Gateway
 from services.inference_gateway.engine.app import VERSION_HEADER, CompletionBody, completion_response
 from services.inference_gateway.engine.core import GenOutput
 from services.inference_gateway.router import RequestFailed
@@ -64,14 +67,44 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def create_app(service: InferenceService) -> FastAPI:
+def create_app(settings: Settings, *, service: InferenceService | None = None, **gateway_kw: Any) -> FastAPI:
+    """The gateway process: the shared runtime (bus, object store; no database), the
+    :class:`Gateway` component on it, ``/health`` and ``/metrics``, and the proxy routes."""
+    runtime = Runtime(settings, service="inference-gateway", needs_db=False)
+    gateway = Gateway(runtime, service=service, **gateway_kw)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await runtime.start()
+        try:
+            await gateway.start()
+        except BaseException:
+            await runtime.stop()
+            raise
+        yield
+        await gateway.stop()
+        await runtime.stop()
+
+    app = FastAPI(title="Temper inference gateway", lifespan=lifespan)
+    app.state.runtime = runtime
+    app.state.gateway = gateway
+    app.state.service = gateway.service
+    app.include_router(health_router(runtime))
+    add_proxy_routes(app)
+    return app
+
+
+def proxy_app(service: InferenceService) -> FastAPI:
+    """The proxy alone around a service, without bus or runtime (tests, tools). Its
+    ``/health`` is 503 when every backend is down and lists those that are."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
         yield
         await service.stop()
 
-    app = FastAPI(title="Temper inference gateway", lifespan=lifespan)
+    app = FastAPI(title="Temper inference gateway (proxy only)", lifespan=lifespan)
     app.state.service = service
 
     @app.get("/health")
@@ -87,9 +120,17 @@ def create_app(service: InferenceService) -> FastAPI:
         body, ctype = metrics.render_latest()
         return Response(body, media_type=ctype)
 
+    add_proxy_routes(app)
+    return app
+
+
+def add_proxy_routes(app: FastAPI) -> None:
+    """The OpenAI-compatible routes; they use ``app.state.service``."""
+
     @app.get("/v1/status")
-    async def status(svc: ServiceDep) -> dict[str, Any]:
-        return svc.status()
+    async def status(request: Request, svc: ServiceDep) -> dict[str, Any]:
+        gateway = getattr(request.app.state, "gateway", None)
+        return gateway.status() if gateway is not None else svc.status()
 
     @app.get("/v1/models")
     async def models(svc: ServiceDep) -> dict[str, Any]:
@@ -214,5 +255,3 @@ def create_app(service: InferenceService) -> FastAPI:
         except RuntimeError as exc:
             raise HTTPException(502, str(exc)) from exc
         return {"policy_version": svc.policy_version, "switch_ms": {k: v * 1000 for k, v in times.items()}}
-
-    return app

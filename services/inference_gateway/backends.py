@@ -1,4 +1,5 @@
-"""Model backends behind one interface, both spoken to over vLLM's OpenAI-compatible HTTP API.
+"""Model backends behind one interface. Two speak vLLM's OpenAI-compatible HTTP API; the
+third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engine in-process.
 
 - :class:`EngineBackend`: Temper's CPU engine. Reports ``policy_version`` in every
   response; reloads with ``POST /v1/load_weights``.
@@ -123,6 +124,9 @@ class Backend(ABC):
         )
 
     # --- the interface ---------------------------------------------------------------------
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Prepare before the first request (the local backend builds its model here)."""
+
     @abstractmethod
     async def complete(self, req: GenerateRequest) -> BackendResult: ...
 
@@ -266,6 +270,10 @@ class VLLMBackend(Backend):
 
 def make_backend(spec: BackendSpec, *, model_name: str, timeout_s: float, connect_timeout_s: float,
                  vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora) -> Backend:
+    if spec.kind is BackendKind.local:
+        from services.inference_gateway.local import LocalBackend  # torch is imported only when needed
+
+        return LocalBackend(spec, model_name=model_name)
     kw: dict[str, Any] = {"model_name": model_name, "timeout_s": timeout_s, "connect_timeout_s": connect_timeout_s}
     if spec.kind is BackendKind.vllm:
         return VLLMBackend(spec, reload_mode=vllm_reload_mode, **kw)

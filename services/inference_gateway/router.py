@@ -133,8 +133,8 @@ class HashRing:
 class Router:
     def __init__(self, backends: list[Backend], settings: InferenceSettings, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not backends:
-            raise ValueError("the router needs at least one backend")
+        # No backends is allowed: nothing has capacity, every request fails with the reason,
+        # and the gateway's /health says so.
         self.settings = settings
         self.slots: dict[str, Slot] = {
             b.name: Slot(
@@ -188,6 +188,8 @@ class Router:
     # --- one request ---------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> BackendResult:
         """Run ``req`` on a backend, retrying elsewhere; raises :class:`RequestFailed`."""
+        if not self.slots:
+            raise RequestFailed("no backend configured (TEMPER_INFERENCE__BACKENDS is empty)", 0)
         st = self.settings
         tried: set[str] = set()
         reason = "no attempt made"
@@ -263,6 +265,8 @@ class Router:
                 await self.check_health()
 
     async def start(self) -> None:
+        for s in self.slots.values():
+            await s.backend.start()
         await self.check_health()
         if self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="gateway-health")

@@ -107,7 +107,7 @@ class InferenceService:
                 v = await served()
                 if v is not None:
                     s.backend.version = v
-        self.policy_version = max(s.backend.version for s in self.router.slots.values())
+        self.policy_version = max((s.backend.version for s in self.router.slots.values()), default=0)
 
     async def stop(self) -> None:
         await self.router.stop()

@@ -49,6 +49,11 @@ def test_service_starts_on_the_real_stack_and_reports_health(
         TEMPER_STORAGE__SECRET_KEY=s3_settings.secret_key.get_secret_value(),
         TEMPER_STORAGE__BUCKET=s3_settings.bucket,
     )
+    if service == "inference_gateway":
+        # Distributed mode has no default backend (/health would be 503 "none configured"):
+        # serve from the CPU engine inside the gateway process.
+        env["TEMPER_INFERENCE__BACKENDS"] = '[{"name": "local-0", "kind": "local"}]'
+        env["TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR"] = str(tmp_path / "checkpoints")
     log = (tmp_path / f"{service}.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", f"services.{service}"], env=env, stdout=log, stderr=log)
     try:

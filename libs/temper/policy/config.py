@@ -1,19 +1,21 @@
 """Settings of the inference gateway (``TEMPER_INFERENCE__*``).
 
 Backends are given as JSON, e.g.
-``TEMPER_INFERENCE__BACKENDS='[{"name":"e0","url":"http://127.0.0.1:8010"},{"name":"v0","url":"http://gpu1:8000","kind":"vllm"}]'``.
+``TEMPER_INFERENCE__BACKENDS='[{"name":"e0","url":"http://127.0.0.1:8010"},{"name":"v0","url":"http://gpu1:8000","kind":"vllm"}]'``,
+or ``'[{"name":"local-0","kind":"local"}]'`` for the CPU engine inside the gateway process.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class BackendKind(StrEnum):
     engine = "engine"  # Temper's CPU engine (services.inference_gateway.engine)
     vllm = "vllm"  # a vLLM OpenAI-compatible server
+    local = "local"  # the CPU engine inside the gateway process (no HTTP): embedded mode, tests
 
 
 class VLLMReloadMode(StrEnum):
@@ -23,10 +25,22 @@ class VLLMReloadMode(StrEnum):
 
 class BackendSpec(BaseModel):
     name: str
-    url: str
+    url: str = Field("", description="base URL of an engine or vLLM server; unused by kind=local")
     kind: BackendKind = BackendKind.engine
     model: str | None = Field(None, description="model name to send; default: the gateway's model_name")
     max_inflight: int | None = Field(None, ge=1, description="overrides max_inflight_per_backend")
+    # kind=local only: which model the in-process engine runs
+    model_dir: str | None = Field(None, description="local: a model directory (config + safetensors + tokenizer)")
+    preset: str = Field("tiny", description="local: model preset with random weights when model_dir is unset")
+    seed: int = Field(0, description="local: weight seed for preset")
+    max_batch: int = Field(16, ge=1, description="local: largest batch")
+    batch_window_ms: float = Field(3.0, ge=0, description="local: how long a batch waits for more requests")
+
+    @model_validator(mode="after")
+    def _url_unless_local(self) -> BackendSpec:
+        if self.kind is not BackendKind.local and not self.url:
+            raise ValueError(f"backend {self.name!r} of kind {self.kind.value} needs a url")
+        return self
 
 
 class InferenceSettings(BaseModel):
@@ -34,7 +48,8 @@ class InferenceSettings(BaseModel):
     port: int = 8001
     model_name: str = "temper-policy"
     backends: list[BackendSpec] = Field(
-        default_factory=lambda: [BackendSpec(name="engine-0", url="http://127.0.0.1:8010")]
+        default_factory=list,
+        description="empty: one local backend in embedded mode; none (and /health 503) in distributed mode",
     )
     request_timeout_s: float = Field(60.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)

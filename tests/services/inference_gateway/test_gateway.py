@@ -11,7 +11,7 @@ from temper.policy import create_model, default_tokenizer, encode_chat, save_che
 from temper.policy.config import BackendSpec, InferenceSettings
 from temper.storage import LocalStore
 
-from services.inference_gateway.app import create_app
+from services.inference_gateway.app import proxy_app
 from services.inference_gateway.service import InferenceService
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,7 +73,7 @@ async def test_policy_update_from_object_store_switches_every_engine(engines, tm
 @pytest.fixture
 async def gateway(engines, tmp_path):  # noqa: ANN001, ANN201
     svc = make_service(engines, tmp_path)
-    app = create_app(svc)
+    app = proxy_app(svc)
     await svc.start()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         yield c, svc

@@ -1,0 +1,228 @@
+"""The gateway as a component on the shared :class:`temper.runtime.Runtime`.
+
+:class:`Gateway` wires :class:`InferenceService` to the bus:
+
+- ``inference.requests`` (group ``inference-gateway``, shared by all replicas): each
+  :class:`InferenceRequest` is generated and answered with one :class:`InferenceResult`
+  on ``inference.results``, keyed by the episode and carrying the request's job, episode,
+  turn and attempt plus the policy version. A request that fails after the router's
+  retry budget is answered with ``error`` set, never dropped. The offset is committed
+  only after the result was sent, so a crash redelivers the request and it is generated
+  again (generation is stateless); the second result has the same key and envelope and
+  the dispatcher keeps the first.
+- Backpressure: while every backend is full (or down) the request consumer is paused and
+  the backlog stays in Kafka; it resumes as soon as a slot frees.
+- ``policy.updates`` (group ``inference-gateway-<uuid>``, one per replica so every replica
+  sees every update): a replica's group is new at each start and reads the topic from
+  the beginning, so a fresh replica catches up with the newest published policy instead
+  of serving version 0. Updates are coalesced: only the newest pending version is loaded
+  (a replay of v1..v9 loads v9 once), and versions at or below the served one are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+from temper.bus import Consumer, Poison
+from temper.events import InferenceRequest, Message, PolicyUpdate, Topics
+from temper.logs import log_event
+from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+from temper.runtime import Runtime
+from temper.settings import Mode
+
+from services.inference_gateway.service import InferenceService
+
+log = logging.getLogger("services.inference_gateway")
+
+REQUESTS_GROUP = "inference-gateway"
+
+
+class BackendsDown(RuntimeError):
+    """No backend can take a request (for /health)."""
+
+
+def effective_settings(settings: InferenceSettings, mode: Mode) -> InferenceSettings:
+    """Embedded mode with no backend configured serves from an in-process CPU engine."""
+    if settings.backends or mode is not Mode.embedded:
+        return settings
+    return settings.model_copy(update={"backends": [BackendSpec(name="local-0", kind=BackendKind.local)]})
+
+
+class Gateway:
+    """Construct with a :class:`Runtime` (bus and object store; no database), then
+    ``await start()`` after ``runtime.start()`` and ``await stop()`` before ``runtime.stop()``.
+
+    ``service`` replaces the :class:`InferenceService` built from the settings (tests, or an
+    embedded runner that brings its own backends). ``group`` and ``policy_group`` name the
+    consumer groups; ``concurrency`` defaults to the backends' total in-flight capacity.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        service: InferenceService | None = None,
+        group: str = REQUESTS_GROUP,
+        policy_group: str | None = None,
+        concurrency: int | None = None,
+        flow_interval_s: float = 0.02,
+        policy_retries: int = 3,
+    ) -> None:
+        self.runtime = runtime
+        settings = effective_settings(runtime.settings.inference, runtime.settings.mode)
+        self.service = service or InferenceService(settings)
+        self.group = group
+        self.policy_group = policy_group or f"{REQUESTS_GROUP}-{uuid.uuid4().hex[:12]}"
+        capacity = sum(s.max_inflight for s in self.service.router.slots.values())
+        self.concurrency = concurrency or max(1, capacity)
+        self.flow_interval_s = flow_interval_s
+        self.policy_retries = policy_retries
+        self.requests: Consumer | None = None
+        self.updates: Consumer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending_update: PolicyUpdate | None = None
+        self._update_ready = asyncio.Event()
+        self._flow_changed = asyncio.Event()
+        # counters for /v1/status and tests
+        self.answered = 0
+        self.failed = 0
+        self.pauses = 0
+        self.updates_applied = 0
+        self.update_errors = 0
+
+    # --- life ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        rt = self.runtime
+        if rt.bus is None:
+            raise RuntimeError("Gateway needs a started Runtime with a bus")
+        if self.service.store is None:
+            self.service.store = rt.store
+        await self.service.start()
+        rt.checks["backends"] = self.check_backends
+        self._tasks.append(asyncio.create_task(self._apply_updates(), name="gateway-policy-updates"))
+        self.updates = await rt.consume((Topics.POLICY_UPDATES,), self.on_policy_update, group=self.policy_group)
+        self.requests = await rt.consume(
+            (Topics.INFERENCE_REQUESTS,), self.on_request, group=self.group, concurrency=self.concurrency
+        )
+        self._tasks.append(asyncio.create_task(self._flow(), name="gateway-flow"))
+        log_event(log, "gateway started", backends=list(self.service.router.slots), group=self.group,
+                  policy_group=self.policy_group, concurrency=self.concurrency,
+                  policy_version=self.service.policy_version)
+
+    async def stop(self) -> None:
+        for consumer in (self.requests, self.updates):
+            if consumer is not None:
+                await consumer.stop()
+        self.requests = self.updates = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        self.runtime.checks.pop("backends", None)
+        await self.service.stop()
+
+    # --- inference.requests ---------------------------------------------------------------------
+    async def on_request(self, message: Message) -> None:
+        if not isinstance(message, InferenceRequest):
+            raise Poison(f"{message.type} on {Topics.INFERENCE_REQUESTS}")
+        work = asyncio.ensure_future(self.service.handle(message))
+        try:
+            await asyncio.sleep(0)  # let it take its backend slot, then see if that was the last one
+            self._sync_flow()
+            result = await work
+        finally:
+            if not work.done():
+                work.cancel()
+            self._flow_changed.set()
+        assert self.runtime.bus is not None
+        await self.runtime.bus.send_message(Topics.INFERENCE_RESULTS, result)
+        if result.error is None:
+            self.answered += 1
+        else:
+            self.failed += 1
+            log_event(log, "inference failed", logging.WARNING, error=result.error)
+
+    def _sync_flow(self) -> None:
+        """Pause the request consumer while no backend has room; resume when one has."""
+        c = self.requests
+        if c is None:
+            return
+        has = self.service.has_capacity()
+        if not has and not c.paused:
+            c.pause()
+            self.pauses += 1
+        elif has and c.paused:
+            c.resume()
+
+    async def _flow(self) -> None:
+        # Resume on a finished request at once; poll too, for backends that come back up.
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flow_changed.wait(), self.flow_interval_s)
+            self._flow_changed.clear()
+            self._sync_flow()
+
+    # --- policy.updates -----------------------------------------------------------------------------
+    async def on_policy_update(self, message: Message) -> None:
+        if not isinstance(message, PolicyUpdate):
+            return
+        if message.version <= self.service.policy_version:
+            return  # already served (or older): idempotent
+        pending = self._pending_update
+        if pending is None or message.version > pending.version:
+            self._pending_update = message
+            self._update_ready.set()
+
+    async def _apply_updates(self) -> None:
+        while True:
+            await self._update_ready.wait()
+            self._update_ready.clear()
+            update, self._pending_update = self._pending_update, None
+            if update is None or update.version <= self.service.policy_version:
+                continue
+            for attempt in range(1, self.policy_retries + 1):
+                try:
+                    times = await self.service.apply_update(update)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not stop the gateway
+                    newer = self._pending_update is not None and self._pending_update.version > update.version
+                    log_event(log, "policy update failed", logging.ERROR, version=update.version,
+                              checkpoint_key=update.checkpoint_key, attempt=attempt, error=repr(exc))
+                    if newer or attempt == self.policy_retries:
+                        self.update_errors += 1
+                        break
+                    await asyncio.sleep(0.5 * attempt)
+                    continue
+                self.updates_applied += 1
+                log_event(log, "policy version switched", version=update.version, job_id=update.job_id,
+                          switch_ms={k: round(v * 1000, 3) for k, v in times.items()})
+                break
+
+    # --- health and status ---------------------------------------------------------------------------
+    async def check_backends(self) -> None:
+        slots = self.service.router.slots
+        if not slots:
+            raise BackendsDown("none configured (set TEMPER_INFERENCE__BACKENDS)")
+        down = [s.name for s in slots.values() if not s.healthy or not s.breaker.can_try()]
+        if len(down) == len(slots):
+            raise BackendsDown("all down: " + ", ".join(down))
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.service.status(),
+            "requests_group": self.group,
+            "policy_group": self.policy_group,
+            "paused": bool(self.requests and self.requests.paused),
+            "answered": self.answered,
+            "failed": self.failed,
+            "pauses": self.pauses,
+            "updates_applied": self.updates_applied,
+            "update_errors": self.update_errors,
+        }
