@@ -1,23 +1,21 @@
-"""``python -m services.sandbox_worker``: the sandbox worker's HTTP server on port 8002."""
+"""``python -m services.sandbox_worker``: the sandbox worker on port 8002
+(``TEMPER_HOST``/``TEMPER_PORT`` choose where it listens)."""
 
-from __future__ import annotations
+import signal
 
-import os
-
-import uvicorn
-from temper.logs import configure_logging
-from temper.settings import get_settings
+from temper.runtime import run_service
 
 from services.sandbox_worker.app import create_app
 
 
-def main() -> None:
-    settings = get_settings()
-    configure_logging("sandbox-worker", settings.log.level, settings.log.json_lines)
-    host = os.environ.get("TEMPER_SANDBOX_WORKER_HOST", "127.0.0.1")
-    port = int(os.environ.get("TEMPER_SANDBOX_WORKER_PORT", "8002"))
-    uvicorn.run(create_app(settings), host=host, port=port, log_config=None)
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":
-    main()
+    # uvicorn handles SIGTERM while serving, then re-raises it to the handler that was
+    # installed before it started; with the default one the process dies right there,
+    # before the app's lifespan destroys its sandboxes (workspace mounts, cgroups). As
+    # SystemExit it unwinds through the lifespan instead, so shutdown runs to the end.
+    signal.signal(signal.SIGTERM, _exit)
+    run_service(create_app, "sandbox-worker", default_port=8002)

@@ -1,18 +1,19 @@
-"""HTTP face of the sandbox worker: health, metrics, sessions, one-shot runs and
-SandboxFusion-compatible ``POST /run_code``."""
+"""The sandbox worker's app: the runtime and the bus component in its lifespan, health
+and metrics, sessions, one-shot runs and SandboxFusion-compatible ``POST /run_code``."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from temper import metrics
+from temper.runtime import Runtime, health_router
 from temper.sandbox import Action, ExecResult, SandboxError, SessionNotFound, SnapshotError
-from temper.settings import Mode, Settings, get_settings
+from temper.settings import Settings, get_settings
 
 from services.sandbox_worker.service import (
     CreateSession,
@@ -22,6 +23,7 @@ from services.sandbox_worker.service import (
     RunTests,
     RunTestsResult,
     SandboxWorker,
+    SandboxWorkerService,
     SessionCreated,
     SnapshotTaken,
 )
@@ -34,55 +36,47 @@ def get_worker(request: Request) -> SandboxWorker:
 WorkerDep = Annotated[SandboxWorker, Depends(get_worker)]
 
 
-def _make_store(settings: Settings) -> object | None:
-    try:
-        from temper.storage import make_store
-    except ImportError:  # storage not available: sessions work, snapshots do not
-        return None
-    return make_store(settings)
-
-
 def create_app(settings: Settings | None = None, worker: SandboxWorker | None = None) -> FastAPI:
-    """The app. Pass a started ``worker`` to share one (tests); otherwise the lifespan
-    builds one from the settings and starts and stops it."""
+    """The service's app: the shared :class:`Runtime` (bus and object store, no
+    database), the :class:`SandboxWorkerService` component on it, ``/health`` and
+    ``/metrics`` from :func:`health_router`, and the HTTP API.
+
+    With ``worker`` (an already started :class:`SandboxWorker`, for tests) the app only
+    serves the HTTP API on it: no runtime, no bus."""
+    if worker is not None:
+        app = _http_app(lifespan=None)
+        app.state.worker = worker
+        _local_health(app)
+        return app
+
+    settings = settings or get_settings()
+    runtime = Runtime(settings, service="sandbox-worker", needs_db=False)
+    service = SandboxWorkerService(runtime)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if worker is not None:
-            app.state.worker = worker
-            yield
-            return
-        s = settings or get_settings()
-        store = _make_store(s)
-        sandbox = s.sandbox.model_copy(update={"allow_unsafe": s.sandbox.allow_unsafe or s.allow_unsafe})
-        w = SandboxWorker(sandbox, store=store, distributed=s.mode is Mode.distributed)
-        await w.start()
-        app.state.worker = w
+        await runtime.start()
+        try:
+            await service.start()
+        except BaseException:
+            await runtime.stop()
+            raise
         try:
             yield
         finally:
-            await w.close()
+            await service.stop()
+            await runtime.stop()
 
-    app = FastAPI(
-        title="Temper sandbox worker",
-        version="1",
-        lifespan=lifespan,
-        description="Isolated sandboxes for agent actions. See docs/sandbox.md.",
-    )
-    if worker is not None:
-        app.state.worker = worker
+    app = _http_app(lifespan=lifespan)
+    app.state.runtime = runtime
+    app.state.service = service
+    app.state.worker = service.worker
+    app.include_router(health_router(runtime))
+    return app
 
-    @app.exception_handler(SessionNotFound)
-    async def _not_found(request: Request, exc: SessionNotFound) -> JSONResponse:
-        return JSONResponse({"detail": f"no session {exc.args[0]}"}, status_code=404)
 
-    @app.exception_handler(SnapshotError)
-    async def _bad_snapshot(request: Request, exc: SnapshotError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
-
-    @app.exception_handler(SandboxError)
-    async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=503)
+def _local_health(app: FastAPI) -> None:
+    """``/health`` and ``/metrics`` for an app serving a bare worker (no runtime)."""
 
     @app.get("/health")
     async def health(w: WorkerDep) -> JSONResponse:
@@ -106,6 +100,27 @@ def create_app(settings: Settings | None = None, worker: SandboxWorker | None = 
     async def prometheus() -> Response:
         body, content_type = metrics.render_latest()
         return Response(body, media_type=content_type)
+
+
+def _http_app(lifespan: Any) -> FastAPI:
+    app = FastAPI(
+        title="Temper sandbox worker",
+        version="1",
+        lifespan=lifespan,
+        description="Isolated sandboxes for agent actions. See docs/sandbox.md.",
+    )
+
+    @app.exception_handler(SessionNotFound)
+    async def _not_found(request: Request, exc: SessionNotFound) -> JSONResponse:
+        return JSONResponse({"detail": f"no session {exc.args[0]}"}, status_code=404)
+
+    @app.exception_handler(SnapshotError)
+    async def _bad_snapshot(request: Request, exc: SnapshotError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    @app.exception_handler(SandboxError)
+    async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
 
     @app.post("/v1/sessions", response_model=SessionCreated, status_code=201)
     async def create_session(body: CreateSession, w: WorkerDep) -> SessionCreated:

@@ -1,6 +1,14 @@
-"""The sandbox worker's logic, free of HTTP and of the bus: sessions, the one-shot
-"code + tests" run, SandboxFusion's ``/run_code`` and the idempotent handler the Kafka
-consumer calls (``await worker.handle(request) -> result``)."""
+"""The sandbox worker.
+
+``SandboxWorker`` is the logic, free of HTTP and of the bus: sessions, the one-shot
+"code + tests" run, SandboxFusion's ``/run_code`` and the idempotent step handler
+(``await worker.handle(request) -> result``).
+
+``SandboxWorkerService`` is the component (see docs/architecture.md, "Writing a
+service"): built on a :class:`temper.runtime.Runtime`, it consumes ``sandbox.requests``,
+runs each through the worker and publishes ``sandbox.results``, pausing the consumer
+while every action slot is taken.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +17,24 @@ import logging
 import os
 import socket
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
-from temper.events import SandboxRequest, SandboxResult
-from temper.logs import log_context
-from temper.sandbox import Action, ExecResult, KillReason, SandboxError, SandboxLimits, SandboxManager
+from temper.events import Message, SandboxRequest, SandboxResult, Topics
+from temper.logs import log_context, log_event
+from temper.runtime import Runtime
+from temper.sandbox import (
+    Action,
+    ExecResult,
+    KillReason,
+    SandboxError,
+    SandboxLimits,
+    SandboxManager,
+    SnapshotError,
+)
 from temper.sandbox.config import SandboxSettings
+from temper.settings import Mode
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +127,8 @@ class SandboxWorker:
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._running = 0
         self._recent: OrderedDict[tuple[str, int, int], asyncio.Future[SandboxResult]] = OrderedDict()
+        # Called with ``full`` each time a slot is taken or freed (the consumer's backpressure).
+        self.load_listeners: list[Callable[[bool], None]] = []
 
     async def start(self) -> None:
         await self.manager.start()
@@ -123,10 +144,17 @@ class SandboxWorker:
     async def _run(self, coro: Any) -> Any:
         async with self._slots:
             self._running += 1
+            self._load_changed()
             try:
                 return await coro
             finally:
                 self._running -= 1
+                self._load_changed()
+
+    def _load_changed(self) -> None:
+        full = self.full
+        for listener in self.load_listeners:
+            listener(full)
 
     def health(self) -> dict[str, str]:
         return self.manager.health()
@@ -242,29 +270,139 @@ class SandboxWorker:
         )
 
     async def _handle(self, request: SandboxRequest) -> SandboxResult:
-        sid = request.session_id
-        if request.action.get("kind") == "destroy":
-            if sid in self.manager.sessions:
-                await self.manager.destroy_session(sid)
-            return self._result(request)
         try:
-            action = Action.model_validate(request.action)
+            action = None
+            if request.action.get("kind") != "destroy":
+                action = Action.model_validate(request.action)
             limits = SandboxLimits.model_validate(request.limits) if request.limits else None
         except ValidationError as e:
             return self._result(request, error=f"invalid request: {e.errors()[0]['msg']}")
+        # The whole step (restore or create, the action, the snapshot) holds one slot.
+        return await self._run(self._step(request, action, limits))
+
+    async def _step(
+        self, request: SandboxRequest, action: Action | None, limits: SandboxLimits | None
+    ) -> SandboxResult:
+        sid = request.session_id
+        if action is None:  # {"kind": "destroy"}
+            if sid in self.manager.sessions:
+                await self.manager.destroy_session(sid)
+            return self._result(request)
         if sid not in self.manager.sessions:
-            if request.snapshot_key and self.store is not None:
-                log.info("session %s not held here: restoring %s", sid, request.snapshot_key)
-                await self.manager.restore(request.snapshot_key, limits, session_id=sid)
-            else:
-                await self.manager.create_session(limits, session_id=sid)
-        result = await self._run(self.manager.act(sid, action))
+            error = await self._open_session(request, limits)
+            if error is not None:
+                return self._result(request, error=error)
+        result = await self.manager.act(sid, action)
         snapshot_key = None
         if request.snapshot_after and self.store is not None:
             turn = request.turn or 0
             snapshot_key = f"{self.settings.snapshot_prefix}/{sid}/turn-{turn:06d}-a{request.attempt}.tar.gz"
             await self.manager.snapshot(sid, snapshot_key)
         return self._result(request, result=result.model_dump(mode="json"), snapshot_key=snapshot_key)
+
+    async def _open_session(self, request: SandboxRequest, limits: SandboxLimits | None) -> str | None:
+        """Make the session this worker lacks: restored from ``snapshot_key`` when the
+        request names one (the task's starting files are already in it), else new, with
+        the starting files written. Returns an error for the result, or None."""
+        sid = request.session_id
+        if request.snapshot_key:
+            if self.store is None:
+                return "the request names a snapshot but this worker has no object store"
+            log.info("session %s not held here: restoring %s", sid, request.snapshot_key)
+            try:
+                await self.manager.restore(request.snapshot_key, limits, session_id=sid)
+            except KeyError:  # temper.storage.NotFound
+                return f"snapshot {request.snapshot_key} not found"
+            except SnapshotError as e:
+                return f"snapshot {request.snapshot_key} cannot be restored: {e}"
+            return None
+        await self.manager.create_session(limits, session_id=sid)
+        for path, content in request.files.items():
+            r = await self.manager.act(sid, Action(kind="write_file", path=path, content=content))
+            if r.error:
+                await self.manager.destroy_session(sid)
+                return f"cannot write starting file {path}: {r.error}"
+        return None
+
+
+class SandboxWorkerService:
+    """The sandbox worker component: ``sandbox.requests`` in, ``sandbox.results`` out.
+
+    Built on a shared :class:`Runtime` (bus and object store; no database). ``start()``
+    starts the sandboxes and joins consumer group ``group`` (default
+    ``TEMPER_SANDBOX__GROUP``, ``sandbox-worker``) with ``concurrency``
+    partitions in flight; while every action slot of the worker is taken (bus steps and
+    HTTP calls alike) the consumer is paused, and it resumes when one frees, so nothing
+    is buffered beyond the fetch in hand. ``stop()`` leaves the group, then destroys
+    every session and pooled sandbox.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        sandbox: SandboxSettings | None = None,
+        worker_id: str | None = None,
+        group: str | None = None,
+    ) -> None:
+        self.runtime = runtime
+        s = runtime.settings
+        sandbox = sandbox or s.sandbox.model_copy(
+            update={"allow_unsafe": s.sandbox.allow_unsafe or s.allow_unsafe}
+        )
+        self.worker = SandboxWorker(sandbox, distributed=s.mode is Mode.distributed, worker_id=worker_id)
+        self.group = group or sandbox.group
+        self.consumer: Any = None
+        self.pauses = 0
+        self.worker.load_listeners.append(self._on_load)
+
+    async def start(self) -> None:
+        # The runtime made its store in start(); snapshots go there.
+        self.worker.store = self.worker.manager.store = self.runtime.store
+        await self.worker.start()
+        self.runtime.checks["sandbox"] = self._check_sandbox
+        try:
+            self.consumer = await self.runtime.consume(
+                [Topics.SANDBOX_REQUESTS],
+                self.handle,
+                group=self.group,
+                concurrency=self.worker.settings.concurrency,
+            )
+        except BaseException:
+            await self.worker.close()
+            raise
+
+    async def stop(self) -> None:
+        if self.consumer is not None:
+            await self.consumer.stop()
+            self.consumer = None
+        self.runtime.checks.pop("sandbox", None)
+        await self.worker.close()
+
+    async def handle(self, message: Message) -> None:
+        if not isinstance(message, SandboxRequest):
+            return
+        result = await self.worker.handle(message)
+        assert self.runtime.bus is not None
+        await self.runtime.bus.send_message(Topics.SANDBOX_RESULTS, result)
+
+    def _on_load(self, full: bool) -> None:
+        consumer = self.consumer
+        if consumer is None:
+            return
+        if full and not consumer.paused:
+            self.pauses += 1
+            log_event(log, "sandbox worker full: consumer paused", slots=self.worker.settings.concurrency)
+            consumer.pause()
+        elif not full and consumer.paused:
+            consumer.resume()
+
+    async def _check_sandbox(self) -> None:
+        manager = self.worker.manager
+        if not manager.started:
+            raise RuntimeError("sandboxes not started")
+        if manager.leaked:
+            raise RuntimeError(f"{manager.leaked} leaked sandbox processes")
 
 
 def fusion_response(

@@ -22,6 +22,7 @@ class SandboxSettings(BaseModel):
     max_sessions: int = Field(64, ge=1, description="sessions held at once by one worker")
     idle_expiry_s: float = Field(900.0, gt=0, description="a session idle this long is destroyed")
     concurrency: int = Field(8, ge=1, description="actions running at once in one worker")
+    group: str = Field("sandbox-worker", description="the worker's consumer group on sandbox.requests")
     default_limits: SandboxLimits = SandboxLimits()
     workspace_root: Path = Path(".temper/sandboxes")
     python: str = "/usr/bin/python3"  # the interpreter inside the sandbox (host path, bound read-only)
