@@ -108,6 +108,7 @@ class Gateway:
         self.requests = await rt.consume(
             (Topics.INFERENCE_REQUESTS,), self.on_request, group=self.group, concurrency=self.concurrency
         )
+        self._sync_flow()  # no backend up yet: keep the requests on the bus
         self._tasks.append(asyncio.create_task(self._flow(), name="gateway-flow"))
         log_event(log, "gateway started", backends=list(self.service.router.slots), group=self.group,
                   policy_group=self.policy_group, concurrency=self.concurrency,

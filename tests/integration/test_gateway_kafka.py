@@ -1,0 +1,179 @@
+"""The inference gateway on the real Kafka (and S3 for checkpoints): real generations
+from the CPU engine in, result messages out; backpressure pausing the consumer; results
+tagged with the policy version a Kafka policy update switched to.
+
+The topics are the shared fixed names, so every consumer group here is new and starts at
+the current end (nothing other tests left is replayed), and results are picked out by
+this test's own job id."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from temper.bus import Record
+from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, SamplingParams, Topics, decode
+from temper.policy import create_model, default_tokenizer, encode_chat, save_weights, token_logprobs
+from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+from temper.runtime import Runtime
+from temper.settings import BusKind, BusSettings, Settings
+
+from services.inference_gateway.component import Gateway
+
+pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(120)]
+TOK = default_tokenizer()
+
+
+async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
+    """Commit the end offsets for new groups, so they skip what is already in the shared topics."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.structs import OffsetAndMetadata
+
+    for group, topics in groups.items():
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            await consumer._client.force_metadata_update()
+            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
+        finally:
+            await consumer.stop()
+
+
+class Harness:
+    def __init__(self, runtime: Runtime, gateway: Gateway, job: str) -> None:
+        self.runtime, self.gateway, self.job = runtime, gateway, job
+        self.results: list[InferenceResult] = []
+
+    async def collect(self, record: Record) -> None:
+        msg = decode(record.value)
+        if isinstance(msg, InferenceResult) and msg.job_id == self.job:
+            self.results.append(msg)
+
+    async def send(self, req: InferenceRequest) -> None:
+        assert self.runtime.bus is not None
+        await self.runtime.bus.send_message(Topics.INFERENCE_REQUESTS, req)
+
+    async def wait_results(self, n: int, limit_s: float = 60) -> list[InferenceResult]:
+        deadline = asyncio.get_running_loop().time() + limit_s
+        while len(self.results) < n:
+            assert asyncio.get_running_loop().time() < deadline, f"{len(self.results)}/{n} results"
+            await asyncio.sleep(0.05)
+        return self.results
+
+    async def stop(self) -> None:
+        await self.gateway.stop()
+        await self.runtime.stop()
+
+
+async def start(tmp: Path, bootstrap: str, s3, unique: str, *, max_inflight: int = 8,  # noqa: ANN001
+                concurrency: int | None = None) -> Harness:
+    settings = Settings(
+        bus=BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, retry_backoff_s=0.05),
+        storage=s3,
+        data_dir=tmp,
+        inference=InferenceSettings(
+            backends=[BackendSpec(name="local-0", kind=BackendKind.local, max_inflight=max_inflight)],
+            checkpoint_cache_dir=str(tmp / "cache"),
+        ),
+    )
+    runtime = Runtime(settings, service="inference-gateway", needs_db=False)
+    await runtime.start()
+    group, policy_group, results_group = (f"test-gw-{unique}", f"test-gw-{unique}-policy", f"test-gw-{unique}-res")
+    await groups_start_at_end(bootstrap, {group: [Topics.INFERENCE_REQUESTS], policy_group: [Topics.POLICY_UPDATES],
+                                          results_group: [Topics.INFERENCE_RESULTS]})
+    gateway = Gateway(runtime, group=group, policy_group=policy_group, concurrency=concurrency)
+    await gateway.start()
+    h = Harness(runtime, gateway, job=f"gwjob-{unique}")
+    assert runtime.bus is not None
+    await runtime.bus.subscribe([Topics.INFERENCE_RESULTS], results_group, h.collect)
+    return h
+
+
+def request(h: Harness, episode: str, content: str = "hi", **sampling: object) -> InferenceRequest:
+    prompt = encode_chat(TOK, [{"role": "user", "content": content}])
+    return InferenceRequest(job_id=h.job, episode_id=f"{h.job}-{episode}", turn=0, attempt=1, model="temper-policy",
+                            prompt_ids=prompt, sampling=SamplingParams(**{"max_tokens": 6, "seed": 5, **sampling}))
+
+
+async def test_gateway_serves_real_generations_over_kafka(tmp_path, kafka_bootstrap, s3_settings, unique) -> None:  # noqa: ANN001
+    h = await start(tmp_path, kafka_bootstrap, s3_settings, unique)
+    try:
+        reqs = [request(h, f"e{i}", content=f"question {i}", temperature=0.0 if i == 0 else 1.0) for i in range(4)]
+        for r in reqs:
+            await h.send(r)
+        results = {r.episode_id: r for r in await h.wait_results(4)}
+        assert set(results) == {r.episode_id for r in reqs}
+        for req in reqs:
+            res = results[req.episode_id]
+            assert res.error is None and res.backend == "local-0" and res.policy_version == 0
+            assert (res.turn, res.attempt) == (0, 1)
+            assert 1 <= len(res.token_ids) == len(res.logprobs) <= 6
+        # the logprobs are the model's: recompute the greedy one with a forward pass
+        import torch
+
+        slot = h.gateway.service.router.slots["local-0"]
+        model = slot.backend.engine.model  # type: ignore[attr-defined]
+        res = results[reqs[0].episode_id]
+        ids = torch.tensor([reqs[0].prompt_ids + res.token_ids])
+        mask = torch.ones_like(ids)
+        comp = torch.zeros_like(ids)
+        comp[0, len(reqs[0].prompt_ids):] = 1
+        with torch.no_grad():
+            lp = token_logprobs(model, ids, mask, comp)[0, len(reqs[0].prompt_ids):]
+        assert lp.tolist() == pytest.approx(res.logprobs, abs=1e-4)
+    finally:
+        await h.stop()
+
+
+async def test_backpressure_pauses_the_kafka_consumer_and_answers_everything(
+    tmp_path, kafka_bootstrap, s3_settings, unique  # noqa: ANN001
+) -> None:
+    # one request in flight at a time, while four partitions may be handled at once
+    h = await start(tmp_path, kafka_bootstrap, s3_settings, unique, max_inflight=1, concurrency=4)
+    try:
+        n = 12
+        for i in range(n):
+            await h.send(request(h, f"bp{i}", max_tokens=8))
+        results = await h.wait_results(n)
+        assert sorted(r.episode_id for r in results) == sorted(f"{h.job}-bp{i}" for i in range(n))
+        assert all(r.error is None and r.token_ids for r in results)
+        assert h.gateway.pauses > 0  # the consumer was paused while the backend was full
+        await asyncio.sleep(0.1)
+        assert not h.gateway.requests.paused  # and resumed once it was free
+    finally:
+        await h.stop()
+
+
+async def test_results_carry_the_version_a_kafka_policy_update_switched_to(
+    tmp_path, kafka_bootstrap, s3_settings, unique  # noqa: ANN001
+) -> None:
+    from temper.storage import make_store
+
+    h = await start(tmp_path, kafka_bootstrap, s3_settings, unique)
+    try:
+        greedy = {"temperature": 0.0, "max_tokens": 5}
+        await h.send(request(h, "before", **greedy))
+        (before,) = await h.wait_results(1)
+        assert before.policy_version == 0
+        # the trainer's layout: weights at .../checkpoints/v<n>.safetensors in the object store
+        key = f"tenants/t/jobs/{h.job}/checkpoints/v1.safetensors"
+        store = h.runtime.store or make_store(h.runtime.settings)
+        await store.put(key, save_weights(create_model(seed=21), tmp_path / "v1.safetensors").read_bytes())
+        await h.runtime.bus.send_message(Topics.POLICY_UPDATES,
+                                         PolicyUpdate(job_id=h.job, version=1, checkpoint_key=key, step=4))
+        deadline = asyncio.get_running_loop().time() + 30
+        while h.gateway.service.policy_version < 1:
+            assert asyncio.get_running_loop().time() < deadline, "policy update not applied"
+            await asyncio.sleep(0.05)
+        await h.send(request(h, "after", **greedy))
+        results = await h.wait_results(2)
+        after = next(r for r in results if r.episode_id.endswith("after"))
+        assert after.policy_version == 1 and after.error is None
+        assert after.logprobs != before.logprobs  # new weights
+        assert h.gateway.update_errors == 0
+    finally:
+        await h.stop()
