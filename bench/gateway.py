@@ -1,14 +1,17 @@
 """Gateway overhead: the same CPU engine called directly and through the gateway, in one run.
 
-Starts one engine (``--preset tiny``) and one gateway in front of it as subprocesses,
-then measures
-- latency: sequential 1-token completions, direct and via the gateway alternately;
+Starts one engine (``--preset tiny``) and one gateway in front of it as subprocesses
+(the gateway on the real Kafka of ``make stack-up``), then measures
+- latency: sequential 1-token completions, direct and via the gateway's HTTP proxy alternately;
 - throughput: ``--concurrency`` clients, ``--tokens``-token completions, direct then gateway
   (several rounds, alternated, the median kept);
+- the Kafka path: ``InferenceRequest`` on ``inference.requests`` to its ``InferenceResult`` on
+  ``inference.results``, sequentially (``kafka_p50_ms``) and ``--concurrency`` at a time across
+  episodes (``kafka_rps``), against the same engine;
 - the engine's weight-switch time (``POST /v1/load_weights`` of a saved checkpoint).
 Writes ``bench/results/gateway.json`` (flat) and prints a table.
 
-    python bench/gateway.py [--requests 200] [--concurrency 8]
+    python bench/gateway.py [--requests 200] [--concurrency 8] [--no-kafka]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -31,6 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 
+from temper.events import InferenceRequest, InferenceResult, SamplingParams, Topics, decode  # noqa: E402
 from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint  # noqa: E402
 
 
@@ -91,6 +96,99 @@ async def throughput(url: str, body: dict, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
+async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
+    """New consumer groups start at the current end of the shared topics, not at their history."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError
+    from aiokafka.structs import OffsetAndMetadata
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        new = [NewTopic(t, 6, 1) for ts in groups.values() for t in ts if t not in existing]
+        if new:
+            try:
+                await admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        await admin.close()
+    for group, topics in groups.items():
+        c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+        await c.start()
+        try:
+            await c._client.force_metadata_update()
+            tps = [TopicPartition(t, p) for t in topics for p in sorted(c.partitions_for_topic(t) or ())]
+            c.assign(tps)
+            ends = await c.end_offsets(tps)
+            await c.commit({tp: OffsetAndMetadata(o, "") for tp, o in ends.items()})
+        finally:
+            await c.stop()
+
+
+async def kafka_path(bootstrap: str, results_group: str, prompt: list[int], n: int, tokens: int,
+                     concurrency: int, rounds: int) -> tuple[list[float], list[float]]:
+    """Round-trip times of sequential requests, and requests/s with ``concurrency`` outstanding."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    run = uuid.uuid4().hex[:8]
+    waiting: dict[str, asyncio.Future[InferenceResult]] = {}
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0)
+    consumer = AIOKafkaConsumer(Topics.INFERENCE_RESULTS, bootstrap_servers=bootstrap, group_id=results_group,
+                                enable_auto_commit=True, fetch_max_wait_ms=10)
+    await producer.start()
+    await consumer.start()
+
+    async def read() -> None:
+        async for rec in consumer:
+            msg = decode(rec.value)
+            fut = waiting.pop(msg.episode_id or "", None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)  # type: ignore[arg-type]
+
+    reader = asyncio.create_task(read())
+    counter = iter(range(10**9))
+
+    async def one(max_tokens: int, ignore_eos: bool = False) -> float:
+        ep = f"bench-{run}-{next(counter)}"
+        req = InferenceRequest(job_id=f"bench-{run}", episode_id=ep, turn=0, model="temper-policy",
+                               prompt_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, seed=1))
+        fut: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
+        waiting[ep] = fut
+        t0 = time.perf_counter()
+        await producer.send_and_wait(Topics.INFERENCE_REQUESTS, req.to_bytes(), key=ep.encode())
+        res = await asyncio.wait_for(fut, 60)
+        if res.error:
+            raise RuntimeError(res.error)
+        return (time.perf_counter() - t0) * 1000
+
+    try:
+        # the gateway's consumer must have joined its group first
+        await asyncio.wait_for(one(1), 60)
+        for _ in range(10):
+            await one(1)
+        lat = [await one(1) for _ in range(n)]
+        rps = []
+        for _ in range(rounds):
+            left = list(range(n // 2))
+
+            async def worker(left: list[int]) -> None:
+                while left:
+                    left.pop()
+                    await one(tokens)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(left) for _ in range(concurrency)))
+            rps.append((n // 2) / (time.perf_counter() - t0))
+        return lat, rps
+    finally:
+        reader.cancel()
+        await consumer.stop()
+        await producer.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=200, help="sequential requests per path for latency")
@@ -99,7 +197,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gateway.json"))
+    ap.add_argument("--no-kafka", action="store_true", help="skip the Kafka path (no broker needed)")
+    ap.add_argument("--bootstrap", default=os.environ.get("TEMPER_BUS__BOOTSTRAP", "127.0.0.1:59092"))
     args = ap.parse_args()
+    run = uuid.uuid4().hex[:8]
+    group, results_group = f"bench-gateway-{run}", f"bench-gateway-{run}-results"
 
     tmp = Path(tempfile.mkdtemp(prefix="temper-bench-gw-"))
     eport, gport = free_port(), free_port()
@@ -108,12 +210,20 @@ def main() -> None:
            "TEMPER_DATA_DIR": str(tmp), "TEMPER_STORAGE__ROOT": str(tmp / "objects"),
            "TEMPER_INFERENCE__BACKENDS": json.dumps([{"name": "engine-0", "url": engine_url}]),
            "TEMPER_INFERENCE__MAX_INFLIGHT_PER_BACKEND": "64",
-           "TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR": str(tmp / "cache")}
+           "TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR": str(tmp / "cache"),
+           "TEMPER_INFERENCE__REQUESTS_GROUP": group,
+           "TEMPER_PORT": str(gport), "TEMPER_LOG__LEVEL": "WARNING"}
+    if not args.no_kafka:
+        env.update(TEMPER_BUS__KIND="kafka", TEMPER_BUS__BOOTSTRAP=args.bootstrap)
+        asyncio.run(groups_start_at_end(args.bootstrap, {group: [Topics.INFERENCE_REQUESTS],
+                                                         results_group: [Topics.INFERENCE_RESULTS]}))
+    kafka_lat: list[float] = []
+    kafka_rps: list[float] = []
     procs = []
     try:
         procs.append(start(["-m", "services.inference_gateway.engine", "--preset", "tiny", "--port", str(eport),
                             "--threads", "1"], env, engine_url))
-        procs.append(start(["-m", "services.inference_gateway", "--port", str(gport)], env, gw_url))
+        procs.append(start(["-m", "services.inference_gateway"], env, gw_url))
         tok = default_tokenizer()
         prompt = encode_chat(tok, [{"role": "user", "content": "benchmark the gateway"}])
         one = {"prompt": prompt, "max_tokens": 1, "seed": 1, "logprobs": 0, "return_token_ids": True}
@@ -123,6 +233,9 @@ def main() -> None:
         for _ in range(args.rounds):
             direct_rps.append(asyncio.run(throughput(engine_url, many, args.throughput_requests, args.concurrency)))
             gw_rps.append(asyncio.run(throughput(gw_url, many, args.throughput_requests, args.concurrency)))
+        if not args.no_kafka:
+            kafka_lat, kafka_rps = asyncio.run(kafka_path(args.bootstrap, results_group, prompt, args.requests,
+                                                          args.tokens, args.concurrency, args.rounds))
         ckpt = save_checkpoint(create_model(seed=7), tmp / "ckpt")
         switches = []
         for v in range(1, 6):
@@ -148,6 +261,13 @@ def main() -> None:
         "gateway_rps": round(statistics.median(gw_rps), 2),
         "throughput_ratio": round(statistics.median(gw_rps) / statistics.median(direct_rps), 3),
         "weight_switch_ms": round(statistics.median(switches), 3),
+        **({
+            "kafka_p50_ms": round(statistics.median(kafka_lat), 3),
+            "kafka_p99_ms": round(pct(kafka_lat, 0.99), 3),
+            "kafka_added_p50_ms": round(statistics.median(kafka_lat) - statistics.median(d), 3),
+            "kafka_rps": round(statistics.median(kafka_rps), 2),
+            "kafka_throughput_ratio": round(statistics.median(kafka_rps) / statistics.median(direct_rps), 3),
+        } if kafka_lat else {}),
         "latency_requests": args.requests,
         "throughput_requests": args.throughput_requests,
         "concurrency": args.concurrency,

@@ -57,8 +57,9 @@ class Gateway:
     ``await start()`` after ``runtime.start()`` and ``await stop()`` before ``runtime.stop()``.
 
     ``service`` replaces the :class:`InferenceService` built from the settings (tests, or an
-    embedded runner that brings its own backends). ``group`` and ``policy_group`` name the
-    consumer groups; ``concurrency`` defaults to the backends' total in-flight capacity.
+    embedded runner that brings its own backends). ``group`` (default
+    ``TEMPER_INFERENCE__REQUESTS_GROUP``, ``inference-gateway``) and ``policy_group`` (default
+    ``inference-gateway-<uuid>``) name the consumer groups; ``concurrency`` defaults to the backends' total in-flight capacity.
     """
 
     def __init__(
@@ -66,7 +67,7 @@ class Gateway:
         runtime: Runtime,
         *,
         service: InferenceService | None = None,
-        group: str = REQUESTS_GROUP,
+        group: str | None = None,
         policy_group: str | None = None,
         concurrency: int | None = None,
         flow_interval_s: float = 0.02,
@@ -75,7 +76,7 @@ class Gateway:
         self.runtime = runtime
         settings = effective_settings(runtime.settings.inference, runtime.settings.mode)
         self.service = service or InferenceService(settings)
-        self.group = group
+        self.group = group or settings.requests_group
         self.policy_group = policy_group or f"{REQUESTS_GROUP}-{uuid.uuid4().hex[:12]}"
         capacity = sum(s.max_inflight for s in self.service.router.slots.values())
         self.concurrency = concurrency or max(1, capacity)

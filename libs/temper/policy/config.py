@@ -47,6 +47,7 @@ class InferenceSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8001
     model_name: str = "temper-policy"
+    requests_group: str = Field("inference-gateway", description="consumer group of inference.requests, shared by replicas")
     backends: list[BackendSpec] = Field(
         default_factory=list,
         description="empty: one local backend in embedded mode; none (and /health 503) in distributed mode",
