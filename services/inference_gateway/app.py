@@ -9,6 +9,7 @@ token-wise across turns. ``GET /v1/traces/{episode}`` reads the trace back.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,8 +17,9 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from temper import metrics
 from temper.events import SamplingParams
 from temper.policy import assistant_stop_ids
@@ -55,7 +57,16 @@ class ChatBody(BaseModel):
     stream: bool = False
 
 
-def get_service(request: Request) -> InferenceService:
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    body = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+def _error(status: int, detail: str) -> Response:
+    return _json({"detail": detail}, status)
+
+
+async def get_service(request: Request) -> InferenceService:
     return request.app.state.service  # type: ignore[no-any-return]
 
 
@@ -147,26 +158,36 @@ def add_proxy_routes(app: FastAPI) -> None:
         except RequestFailed as exc:
             raise HTTPException(502, f"generation failed: {exc.reason}") from exc
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, svc: ServiceDep, episode: EpisodeHeader = None) -> JSONResponse:
+    async def completions(request: Request) -> Response:
+        """The hot proxy path, kept lean: no dependency injection or thread hop, one
+        pydantic-core validation of the raw body, the response serialised once."""
+        svc: InferenceService = request.app.state.service
+        try:
+            body = CompletionBody.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return _json({"detail": jsonable_encoder(exc.errors(include_url=False))}, 422)
+        episode = request.headers.get(EPISODE_HEADER)
         if body.stream:
-            raise HTTPException(400, "stream=true is not supported by the gateway")
+            return _error(400, "stream=true is not supported by the gateway")
         p = body.prompt
         if isinstance(p, str):
             prompt_ids = svc.tokenizer.encode(p)
         elif p and all(isinstance(x, int) for x in p):
             prompt_ids = list(p)  # type: ignore[arg-type]
         else:
-            raise HTTPException(400, "the gateway takes one prompt: a string or a list of token ids")
+            return _error(400, "the gateway takes one prompt: a string or a list of token ids")
         if not prompt_ids:
-            raise HTTPException(400, "prompt is empty")
-        sampling = SamplingParams(
+            return _error(400, "prompt is empty")
+        sampling = SamplingParams.model_construct(
             max_tokens=max(1, body.max_tokens), temperature=body.temperature, top_p=body.top_p, seed=body.seed,
             stop=_stop_list(body.stop), stop_token_ids=list(body.stop_token_ids or []),
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
-        res = await _run(svc, GenerateRequest(prompt_ids, sampling, episode_id=episode, request_id=rid,
-                                              ignore_eos=body.ignore_eos))
+        try:
+            res = await svc.generate(GenerateRequest(prompt_ids, sampling, episode_id=episode, request_id=rid,
+                                                     ignore_eos=body.ignore_eos))
+        except RequestFailed as exc:
+            return _error(502, f"generation failed: {exc.reason}")
         if episode:
             await svc.traces.record(TraceEntry(
                 episode_id=episode, request_id=rid, prompt_ids=res.prompt_ids, token_ids=res.token_ids,
@@ -174,11 +195,13 @@ def add_proxy_routes(app: FastAPI) -> None:
                 finish_reason=res.finish_reason, endpoint="completions"))
         out = GenOutput(res.prompt_ids, res.token_ids, res.logprobs, res.text, res.finish_reason or "length",
                         res.stop_reason, res.policy_version)
-        shown = body.model_copy(update={"return_token_ids": True})
-        data = completion_response([out], shown, model=body.model or svc.settings.model_name,
+        body.return_token_ids = True  # the gateway always shows token ids
+        data = completion_response([out], body, model=body.model or svc.settings.model_name,
                                    token_str=svc.tokenizer.token_str)
         data["id"] = rid
-        return JSONResponse(data, headers={VERSION_HEADER: str(res.policy_version)})
+        return _json(data, 200, {VERSION_HEADER: str(res.policy_version)})
+
+    app.router.add_route("/v1/completions", completions, methods=["POST"], name="completions")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, svc: ServiceDep, episode: EpisodeHeader = None) -> JSONResponse:

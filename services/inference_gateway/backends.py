@@ -13,6 +13,7 @@ third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engi
 
 from __future__ import annotations
 
+import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 from temper.events import SamplingParams
 from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
@@ -122,6 +124,13 @@ class Backend(ABC):
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
+        # The hot path (JSON POSTs) goes straight to an httpcore keep-alive pool: httpx's
+        # client layers cost more than the request itself against a fast backend.
+        self._own_client = self.client
+        self._pool = httpcore.AsyncConnectionPool(
+            max_connections=256, max_keepalive_connections=64, keepalive_expiry=30.0
+        )
+        self._timeouts = {"connect": connect_timeout_s, "read": timeout_s, "write": timeout_s, "pool": timeout_s}
 
     # --- the interface ---------------------------------------------------------------------
     async def start(self) -> None:  # noqa: B027 - optional hook
@@ -144,6 +153,8 @@ class Backend(ABC):
     async def post(self, path: str, body: dict[str, Any], *, raw: bool = False,
                    wait_s: float | None = None) -> Any:
         """POST JSON; transport failures and error statuses become :class:`BackendError`."""
+        if not raw and self.client is self._own_client:
+            return await self._post_fast(path, body, wait_s)
         kwargs: dict[str, Any] = {"json": body}
         if wait_s is not None:
             kwargs["timeout"] = wait_s
@@ -166,8 +177,31 @@ class Backend(ABC):
         except ValueError as exc:
             raise BackendError(ErrorKind.protocol, f"{self.name}{path}: body is not JSON") from exc
 
+    async def _post_fast(self, path: str, body: dict[str, Any], wait_s: float | None) -> Any:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        timeouts = self._timeouts if wait_s is None else {**self._timeouts, "read": wait_s}
+        try:
+            r = await self._pool.request(
+                "POST", self.url + path, headers=[(b"Content-Type", b"application/json")], content=data,
+                extensions={"timeout": timeouts},
+            )
+        except httpcore.TimeoutException as exc:
+            raise BackendError(ErrorKind.timeout, f"{self.name}{path}: {type(exc).__name__}") from exc
+        except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol) as exc:
+            raise BackendError(ErrorKind.connect, f"{self.name}{path}: {type(exc).__name__}: {exc}") from exc
+        status, content = r.status, r.content
+        if status >= 500 or status == 429:
+            raise BackendError(ErrorKind.server, f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}", status=status)
+        if status >= 400:
+            raise BackendError(ErrorKind.client, f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}", status=status)
+        try:
+            return json.loads(content)
+        except ValueError as exc:
+            raise BackendError(ErrorKind.protocol, f"{self.name}{path}: body is not JSON") from exc
+
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self._pool.aclose()
 
     # --- shared request building -------------------------------------------------------------
     def completion_body(self, req: GenerateRequest, *, model: str) -> dict[str, Any]:
