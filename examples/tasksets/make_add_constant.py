@@ -53,15 +53,20 @@ def tasks() -> list[dict]:
     ]
 
 
+def answer(code: str) -> str:
+    """The agent's reply that writes ``code`` to solution.py (the code environment's format)."""
+    return f"```python solution.py\n{code}```"
+
+
 def warm_start_examples(n: int, *, p_correct: float = 0.25, seed: int = 0) -> list[tuple[str, str]]:
-    """(prompt, solution) pairs from the sloppy teacher: the right constant always, the
+    """(prompt, reply) pairs from the sloppy teacher: the right constant always, the
     right implementation with probability ``p_correct``, else one of :data:`SLOPPY`."""
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
         k = rng.choice(CONSTANTS)
         body = CORRECT if rng.random() < p_correct else rng.choice(SLOPPY)
-        pairs.append((prompt(k), solution(k, body)))
+        pairs.append((prompt(k), answer(solution(k, body))))
     return pairs
 
 

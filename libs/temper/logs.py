@@ -11,6 +11,7 @@ import re
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 _context: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("temper_log_context", default={})
@@ -66,8 +67,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(service: str, level: str = "INFO", json_lines: bool = True) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def configure_logging(service: str, level: str = "INFO", json_lines: bool = True, file: Path | None = None) -> None:
+    handler: logging.Handler
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
     if json_lines:
         handler.setFormatter(JsonFormatter(service))
     else:

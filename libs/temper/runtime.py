@@ -62,7 +62,8 @@ class Runtime:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self) -> None:
-        configure_logging(self.service, self.settings.log.level, self.settings.log.json_lines)
+        log_settings = self.settings.log
+        configure_logging(self.service, log_settings.level, log_settings.json_lines, log_settings.file)
         try:
             if self.needs_db:
                 self.db = Database(self.settings.db)

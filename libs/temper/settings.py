@@ -93,6 +93,7 @@ class ApiSettings(BaseModel):
 class LogSettings(BaseModel):
     level: str = "INFO"
     json_lines: bool = True
+    file: Path | None = Field(None, description="append logs to this file instead of stderr")
 
 
 class Settings(BaseSettings):

@@ -1,0 +1,43 @@
+"""The five services as components on one runtime, started in dependency order
+(executors before the dispatcher that feeds them) and stopped in reverse."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from temper.runtime import Runtime
+
+from services.dispatcher.service import Dispatcher
+from services.inference_gateway.component import Gateway
+from services.reward_scorer.service import RewardScorer
+from services.sandbox_worker.service import SandboxWorkerService
+from services.trainer.service import Trainer
+
+
+class Component(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class Components:
+    def __init__(self, runtime: Runtime, **trainer_options: Any) -> None:
+        # The dispatcher's relay publishes every outbox row; a second relay on the same
+        # SQLite table would publish rows twice.
+        trainer_settings = runtime.settings.trainer.model_copy(update={"run_relay": False})
+        self.ordered: list[Component] = [
+            SandboxWorkerService(runtime),
+            Gateway(runtime),
+            RewardScorer(runtime),
+            Trainer(runtime, settings=trainer_settings, **trainer_options),
+            Dispatcher(runtime, scheduler_interval_s=0.1, reaper_interval_s=0.5),
+        ]
+        self.started: list[Component] = []
+
+    async def start(self) -> None:
+        for component in self.ordered:
+            await component.start()
+            self.started.append(component)
+
+    async def stop(self) -> None:
+        while self.started:
+            await self.started.pop().stop()

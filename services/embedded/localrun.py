@@ -1,0 +1,79 @@
+"""What ``temper run`` reads beside the job spec: the ``local:`` block of the YAML file.
+
+A job spec submitted over REST names a task set already uploaded; a local run names a
+task-set file, and may ask for a supervised warm start of a freshly created policy::
+
+    local:
+      taskset_file: tasksets/add-constant.jsonl     # relative to the spec file
+      preset: tiny                                   # policy created from this config
+      warm_start:
+        generator: tasksets/make_add_constant.py:warm_start_examples
+        examples: 16000
+        steps: 1000
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from temper.jobspec import JobSpec, SpecError, parse_spec
+
+
+class WarmStart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    generator: str = Field(description="FILE.py:FUNCTION returning (user prompt, reply) pairs; FUNCTION(n, seed=)")
+    examples: int = Field(16000, ge=1)
+    steps: int = Field(1000, ge=1)
+    batch_size: int = Field(16, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+    seed: int = 0
+
+
+class LocalRun(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    taskset_file: Path
+    preset: str = "tiny"
+    seed: int = 0
+    warm_start: WarmStart | None = None
+
+
+def load(path: Path) -> tuple[JobSpec, LocalRun]:
+    """The job spec and the local-run block of ``path``; errors name the field."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise SpecError([("(document)", f"not valid YAML: {exc}")]) from None
+    if not isinstance(doc, dict):
+        raise SpecError([("(document)", "the spec must be a mapping")])
+    local_raw = doc.pop("local", None)
+    if local_raw is None:
+        raise SpecError([("local", "temper run needs a local: block naming the task-set file (see docs/job-spec.md)")])
+    try:
+        local = LocalRun.model_validate(local_raw)
+    except ValidationError as exc:
+        raise SpecError([("local." + ".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]) from None
+    local.taskset_file = (path.parent / local.taskset_file).resolve()
+    if local.warm_start:
+        file, _, func = local.warm_start.generator.partition(":")
+        local.warm_start.generator = f"{(path.parent / file).resolve()}:{func}"
+    doc.setdefault("tasks", {}).setdefault("taskset", "local")  # replaced by the uploaded set's id
+    return parse_spec(doc), local
+
+
+def generator(spec: str) -> Callable[..., list[tuple[str, str]]]:
+    """Import ``FILE.py:FUNCTION``."""
+    file, _, name = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location(Path(file).stem, file)
+    if module_spec is None or module_spec.loader is None or not name:
+        raise SpecError([("local.warm_start.generator", f"cannot import {spec!r}; use FILE.py:FUNCTION")])
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn: Any = getattr(module, name, None)
+    if not callable(fn):
+        raise SpecError([("local.warm_start.generator", f"{file} has no function {name!r}")])
+    return fn  # type: ignore[no-any-return]

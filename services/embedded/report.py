@@ -1,0 +1,135 @@
+"""The run's report: ``summary.json``, ``reward_curve.png`` and ``report.html`` (reward
+curve, pass rates per task, a few transcripts), written into the run directory."""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+from temper.db import Episode, Job
+from temper.storage import ObjectStore
+
+from services.dispatcher.api.repo import job_metrics
+from services.dispatcher.api.schemas import IterationReward, JobMetrics, Transcript
+from services.dispatcher.api.transcripts import transcript
+from services.dispatcher.console.charts import reward_curve_svg
+
+TRANSCRIPTS_SHOWN = 4
+
+
+async def write_report(
+    session: AsyncSession, store: ObjectStore, job: Job, run_dir: Path, *, seconds: float
+) -> dict[str, Any]:
+    metrics = await job_metrics(session, job=job)
+    curve = metrics.reward_curve
+    summary = {
+        "job_id": job.id,
+        "name": job.name,
+        "state": job.state,
+        "state_reason": job.state_reason,
+        "iterations": len(curve),
+        "first_mean_reward": curve[0].mean if curve else 0.0,
+        "last_mean_reward": curve[-1].mean if curve else 0.0,
+        "reward_curve": [c.model_dump() for c in curve],
+        "pass_rates": [p.model_dump() for p in metrics.pass_rates],
+        "policy_version": job.policy_version,
+        "episodes_by_state": metrics.progress.episodes_by_state,
+        "seconds": round(seconds, 1),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_reward_curve(curve, run_dir / "reward_curve.png", title=job.name)
+    episodes = await _sample_episodes(session, job.id)
+    transcripts = [await transcript(session, store, e) for e in episodes]
+    (run_dir / "report.html").write_text(_html(job, metrics, summary, transcripts))
+    return summary
+
+
+def plot_reward_curve(curve: list[IterationReward], path: Path, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    xs = [c.iteration for c in curve]
+    means = [c.mean for c in curve]
+    lo = [c.mean - c.std for c in curve]
+    hi = [c.mean + c.std for c in curve]
+    ax.fill_between(xs, lo, hi, alpha=0.2, color="#2f6fb3", label="± 1 std")
+    ax.plot(xs, means, marker="o", color="#2f6fb3", label="mean reward")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.set_title(f"{title}: reward per iteration")
+    ax.set_ylim(min([0.0, *lo]) - 0.05, max([1.0, *hi]) + 0.05)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+async def _sample_episodes(session: AsyncSession, job_id: str) -> list[Episode]:
+    """The best and worst scored episodes of the first and the last iteration."""
+    rows = list(
+        (
+            await session.execute(
+                select(Episode).where(Episode.job_id == job_id, Episode.reward.is_not(None)).order_by(Episode.iteration)
+            )
+        ).scalars()
+    )
+    if not rows:
+        return []
+    first, last = rows[0].iteration, rows[-1].iteration
+    picked: list[Episode] = []
+    for iteration in (first, last):
+        of_it = sorted((e for e in rows if e.iteration == iteration), key=lambda e: e.reward or 0.0)
+        for e in (of_it[0], of_it[-1]):
+            if e not in picked:
+                picked.append(e)
+    return picked[:TRANSCRIPTS_SHOWN]
+
+
+def _html(job: Job, metrics: JobMetrics, summary: dict[str, Any], transcripts: list[Transcript]) -> str:
+    rows = "".join(
+        f"<tr><td>{escape(p.task_id)}</td><td>{p.episodes}</td><td>{p.pass_rate:.2f}</td><td>{p.mean_reward:.3f}</td></tr>"
+        for p in metrics.pass_rates
+    )
+    blocks = []
+    for t in transcripts:
+        ep = t.episode
+        turns = "".join(
+            f"<h4>turn {turn.turn}</h4>"
+            + (f"<pre class='prompt'>{escape(turn.prompt)}</pre>" if turn.turn == 0 else "")
+            + f"<pre class='action'>{escape(turn.action_text)}</pre>"
+            + (f"<pre class='obs'>{escape(turn.observation)}</pre>" if turn.observation else "")
+            + (f"<p class='kill'>killed: {escape(turn.kill_reason)}</p>" if turn.kill_reason else "")
+            for turn in t.turns
+        )
+        rewards = escape(json.dumps(t.rewards, indent=1, default=str)[:4000])
+        blocks.append(
+            f"<section><h3>episode {escape(ep.id)} · task {escape(ep.task_id)} · iteration {ep.iteration} · "
+            f"reward {t.reward}</h3>{turns}"
+            f"<details><summary>reward vector</summary><pre>{rewards}</pre></details></section>"
+        )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Temper run: {escape(job.name)}</title>
+<style>
+body {{ font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 980px; color: #222; }}
+pre {{ background: #f5f5f7; padding: .6em; overflow-x: auto; white-space: pre-wrap; }}
+pre.action {{ border-left: 3px solid #2f6fb3; }} pre.obs {{ border-left: 3px solid #999; }}
+table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ddd; padding: .25em .6em; text-align: right; }}
+.kill {{ color: #b00; }} svg.chart {{ width: 100%; height: auto; }}
+</style></head><body>
+<h1>{escape(job.name)} <small>({escape(job.id)}, {escape(job.state)})</small></h1>
+<p>Mean reward {summary['first_mean_reward']:.3f} in the first iteration, {summary['last_mean_reward']:.3f} in the
+last; {summary['iterations']} iterations, policy version {summary['policy_version']}, {summary['seconds']:.0f} s.</p>
+<h2>Reward curve</h2>{reward_curve_svg(metrics.reward_curve)}
+<h2>Pass rates per task</h2>
+<table><tr><th>task</th><th>episodes</th><th>pass rate</th><th>mean reward</th></tr>{rows}</table>
+<h2>Transcripts (best and worst of the first and last iteration)</h2>{''.join(blocks)}
+</body></html>
+"""

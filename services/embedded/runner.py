@@ -1,0 +1,215 @@
+"""``temper run SPEC``: one RL job, end to end, in one process.
+
+Order of work: read the spec and its ``local:`` block; create the run directory with
+its SQLite database and object store; store the task set; create the policy (and warm
+it up if asked); start the five services on one runtime; submit the job; draw its
+progress until it ends; write the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from temper.db import Job, Tenant
+from temper.db.migrate import upgrade
+from temper.envs import make_environment
+from temper.jobspec import JobSpec
+from temper.lifecycle import JOB_TERMINAL, JobState
+from temper.logs import get_logger, log_event
+from temper.policy import create_model, default_tokenizer, save_checkpoint
+from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+from temper.runtime import Runtime
+from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Settings, StorageSettings
+from temper.tasks.models import parse_tasks
+from temper.tasks.service import create_taskset
+from temper.training.sft import warm_start
+
+from services.dispatcher.api.repo import create_job, job_metrics
+from services.embedded import localrun
+from services.embedded.components import Components
+from services.embedded.report import write_report
+
+log = get_logger("temper.run")
+TENANT = "local"
+POLICY_DIR = "policy-v0"
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    job_id: str
+    state: str
+    summary: dict[str, Any]
+
+
+def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
+    """One process: SQLite, the in-process bus, a local object store, logs to a file (the
+    terminal shows progress), and the gateway serving the run's policy from an
+    in-process engine that batches a whole iteration's requests."""
+    batch = spec.schedule.max_concurrent_episodes
+    backend = BackendSpec(name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch)
+    return Settings(
+        mode=Mode.embedded,
+        service="temper-run",
+        data_dir=run_dir,
+        db=DatabaseSettings(url=f"sqlite+aiosqlite:///{run_dir / 'temper.db'}"),
+        storage=StorageSettings(root=run_dir / "objects"),
+        log=LogSettings(file=run_dir / "temper.log"),
+        # More partitions than the default: each one is handled in order, so they bound
+        # how many episodes' steps run at once.
+        bus=BusSettings(partitions=max(6, batch)),
+        inference=InferenceSettings(
+            model_name=spec.policy.model,
+            backends=[backend],
+            max_inflight_per_backend=batch,
+            checkpoint_cache_dir=str(run_dir / "checkpoints"),
+        ),
+    )
+
+
+class Progress:
+    """The live block on the terminal: warm start, then the job (the same display as
+    ``temper watch``); plain lines when the output is not a terminal."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = out.isatty() and os.environ.get("TERM") != "dumb"
+        self.drawn = 0
+        self.last: list[str] = []
+
+    def show(self, lines: list[str]) -> None:
+        if self.tty:
+            if self.drawn:
+                self.out.write(f"\x1b[{self.drawn}A")
+            self.out.write("".join(f"\r\x1b[2K{line}\n" for line in lines))
+            self.drawn = len(lines)
+        elif lines != self.last:
+            self.out.write("\n".join(lines) + "\n")
+        self.last = lines
+        self.out.flush()
+
+    def done(self) -> None:
+        self.drawn = 0
+        self.last = []
+
+
+async def run(spec_path: Path, *, runs_dir: Path = Path("runs"), run_id: str | None = None, out: TextIO = sys.stderr) -> RunResult:
+    spec, local = localrun.load(spec_path)
+    run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
+    run_dir = (runs_dir / run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=False)
+    shutil.copy(spec_path, run_dir / "spec.yaml")
+    out.write(f"temper run: {spec.name} -> {run_dir}\n")
+    settings = embedded_settings(run_dir, spec)
+    await asyncio.to_thread(upgrade, settings.db.url)
+    runtime = Runtime(settings, service="temper-run")
+    await runtime.start()
+    components: Components | None = None
+    progress = Progress(out)
+    started = time.perf_counter()
+    try:
+        spec = await _store_taskset(runtime, spec, local)
+        spec = await asyncio.to_thread(_make_policy, spec, local, run_dir, progress)
+        components = Components(runtime)
+        await components.start()
+        async with runtime.db.session() as session:
+            tenant = await session.get(Tenant, TENANT)
+            job = await create_job(session, tenant=tenant, spec=spec)
+            job_id = job.id
+        log_event(log, "job submitted", job_id=job_id)
+        state = await _follow(runtime, job_id, progress)
+        async with runtime.db.session() as session:
+            job = await session.get(Job, job_id)
+            summary = await write_report(session, runtime.store, job, run_dir, seconds=time.perf_counter() - started)
+    finally:
+        if components is not None:
+            await components.stop()
+        await runtime.stop()
+    out.write(
+        f"\n{state}: mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
+        f"{summary['last_mean_reward']:.3f} (last) in {summary['seconds']:.0f}s\n"
+        f"report: {run_dir / 'report.html'}\n"
+    )
+    return RunResult(run_dir, job_id, state, summary)
+
+
+async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalRun) -> JobSpec:
+    tasks = parse_tasks(local.taskset_file.read_bytes(), filename=local.taskset_file.name)
+    async with runtime.db.session() as session:
+        session.add(Tenant(id=TENANT, name="local run", max_concurrent_episodes=1024))
+        await session.flush()
+        taskset = await create_taskset(
+            session, runtime.store, TENANT, local.taskset_file.stem, tasks, source=str(local.taskset_file)
+        )
+    return spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
+
+
+def _make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
+    """Create the policy, warm it up if the run asks, and save it as version 0; the gateway
+    and the trainer both start from that directory."""
+    tok = default_tokenizer()
+    model = create_model(local.preset, seed=local.seed)
+    if local.warm_start is not None:
+        ws = local.warm_start
+        pairs = localrun.generator(ws.generator)(ws.examples, seed=ws.seed)
+        conversations = [(_first_messages(spec, prompt), reply) for prompt, reply in pairs]
+        t0 = time.perf_counter()
+
+        def on_step(step: int, loss: float) -> None:
+            if step % 20 == 0 or step == ws.steps - 1:
+                bar_w = 40
+                done = round((step + 1) / ws.steps * bar_w)
+                progress.show(
+                    [
+                        f"warm start (supervised, {len(pairs)} teacher examples)",
+                        f"[{'█' * done}{'░' * (bar_w - done)}] step {step + 1}/{ws.steps}  loss {loss:.4f}  "
+                        f"{time.perf_counter() - t0:.0f}s",
+                    ]
+                )
+
+        stats = warm_start(
+            model, tok, conversations, steps=ws.steps, batch_size=ws.batch_size,
+            learning_rate=ws.learning_rate, seed=ws.seed, on_step=on_step,
+        )  # fmt: skip
+        progress.done()
+        log_event(log, "warm start finished", loss=stats.loss, seconds=stats.seconds, tokens=stats.tokens)
+    policy_dir = run_dir / POLICY_DIR
+    save_checkpoint(model, policy_dir, metadata={"version": 0, "preset": local.preset})
+    policy = spec.policy.model_copy(update={"init": str(policy_dir)})
+    return spec.model_copy(update={"policy": policy})
+
+
+def _first_messages(spec: JobSpec, prompt: str) -> list[dict[str, str]]:
+    """The conversation an episode of this job opens with, for a task with this prompt."""
+    env = make_environment(
+        spec.environment.kind,
+        {"id": "warm-start", "kind": spec.environment.kind, "prompt": prompt, "spec": {}},
+        max_turns=spec.environment.max_turns,
+        action_format=spec.environment.action_format,
+        system_prompt=spec.environment.system_prompt,
+    )
+    return env.first_messages()
+
+
+async def _follow(runtime: Runtime, job_id: str, progress: Progress) -> str:
+    from temper.cli import progress_lines
+
+    while True:
+        async with runtime.db.session() as session:
+            job = await session.get(Job, job_id)
+            metrics = (await job_metrics(session, job=job)).model_dump(mode="json")
+            state = job.state
+            name = job.name
+        progress.show(progress_lines({"id": job_id, "name": name}, metrics, color=progress.tty))
+        if JobState(state) in JOB_TERMINAL:
+            progress.done()
+            return state
+        await asyncio.sleep(1.0)
