@@ -13,15 +13,17 @@ request  = u32 length + marshal(dict)      (from the trusted worker)
 reply    = u32 length + u32 head length + head + stdout + stderr + data
 head     = ASCII ``key=value`` pairs joined by ``;`` (parsed on the worker without eval)
 
-Standard library only; imports kept to what ``python3 -S`` loads in a few milliseconds.
+Standard library only; imports kept to what ``python3 -S`` loads in a few milliseconds:
+the C modules ``_signal``, ``_struct`` and ``_ctypes`` instead of their Python wrappers
+(``signal`` alone imports ``enum``, which costs more than the rest of the start).
 """
 
+import _signal as signal
+import _struct as struct
 import marshal
 import os
 import resource
 import select
-import signal
-import struct
 import sys
 import time
 
@@ -36,13 +38,24 @@ _prctl = None
 
 def _set_dumpable(flag):
     # Non-dumpable: code in the sandbox (same uid) cannot ptrace the agent or open its fds.
-    # The libc handle is looked up once, in the agent: a child only makes the call.
+    # prctl through the bare _ctypes module, looked up once in the agent; a child only
+    # makes the call.
     global _prctl
     try:
         if _prctl is None:
-            import ctypes
+            import _ctypes
 
-            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+            class Int(_ctypes._SimpleCData):
+                _type_ = "i"
+
+            class Fn(_ctypes.CFuncPtr):
+                _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+                _restype_ = Int
+
+            class Libc:
+                _handle = _ctypes.dlopen(None)
+
+            _prctl = Fn(("prctl", Libc()))
         _prctl(4, flag, 0, 0, 0)  # PR_SET_DUMPABLE
     except Exception:
         pass
