@@ -90,6 +90,10 @@ class ApiSettings(BaseModel):
     )
 
 
+class RewardScorerSettings(BaseModel):
+    group: str = Field("reward-scorer", description="consumer group of reward.requests, shared by replicas")
+
+
 class LogSettings(BaseModel):
     level: str = "INFO"
     json_lines: bool = True
@@ -111,6 +115,7 @@ class Settings(BaseSettings):
     sandbox: SandboxSettings = SandboxSettings()
     inference: InferenceSettings = InferenceSettings()
     trainer: TrainerSettings = TrainerSettings()
+    reward_scorer: RewardScorerSettings = RewardScorerSettings()
     allow_unsafe: bool = Field(False, description="allow the no-isolation sandbox backend in distributed mode")
 
     @model_validator(mode="after")

@@ -59,7 +59,7 @@ class Gateway:
     ``service`` replaces the :class:`InferenceService` built from the settings (tests, or an
     embedded runner that brings its own backends). ``group`` (default
     ``TEMPER_INFERENCE__REQUESTS_GROUP``, ``inference-gateway``) and ``policy_group`` (default
-    ``inference-gateway-<uuid>``) name the consumer groups; ``concurrency`` defaults to the backends' total in-flight capacity.
+    ``TEMPER_INFERENCE__POLICY_GROUP``, else ``inference-gateway-<uuid>``) name the consumer groups; ``concurrency`` defaults to the backends' total in-flight capacity.
     """
 
     def __init__(
@@ -77,7 +77,7 @@ class Gateway:
         settings = effective_settings(runtime.settings.inference, runtime.settings.mode)
         self.service = service or InferenceService(settings)
         self.group = group or settings.requests_group
-        self.policy_group = policy_group or f"{REQUESTS_GROUP}-{uuid.uuid4().hex[:12]}"
+        self.policy_group = policy_group or settings.policy_group or f"{REQUESTS_GROUP}-{uuid.uuid4().hex[:12]}"
         capacity = sum(s.max_inflight for s in self.service.router.slots.values())
         self.concurrency = concurrency or max(1, capacity)
         self.flow_interval_s = flow_interval_s

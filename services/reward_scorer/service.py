@@ -54,9 +54,16 @@ def passed(components: dict[str, RewardComponent]) -> bool | None:
 
 class RewardScorer:
     def __init__(
-        self, runtime: Runtime, *, manager: SandboxManager | None = None, concurrency: int = 8, task_cache: int = 2048
+        self,
+        runtime: Runtime,
+        *,
+        manager: SandboxManager | None = None,
+        concurrency: int = 8,
+        task_cache: int = 2048,
+        group: str | None = None,
     ) -> None:
         self.runtime = runtime
+        self.group = group or runtime.settings.reward_scorer.group  # TEMPER_REWARD_SCORER__GROUP
         self._own_manager = manager is None
         self.manager = manager
         self.concurrency = concurrency
@@ -77,7 +84,7 @@ class RewardScorer:
             await self.manager.start()
         self.scorer = Scorer(self.manager)
         self.runtime.checks["sandbox"] = self._check_sandbox
-        await self.runtime.consume([Topics.REWARD_REQUESTS], self.handle, group="reward-scorer", concurrency=self.concurrency)
+        await self.runtime.consume([Topics.REWARD_REQUESTS], self.handle, group=self.group, concurrency=self.concurrency)
 
     async def stop(self) -> None:
         if self.manager is not None and self._own_manager:

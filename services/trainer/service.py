@@ -66,6 +66,10 @@ SKIP_TRAIN_ERROR = "train_error"  # the step raised (e.g. a token id outside the
 ModelFactory = Callable[[JobSpec], torch.nn.Module]
 
 
+class UnknownJob(Poison):
+    """A trajectory of a job this database does not hold."""
+
+
 @dataclass
 class Buffered:
     trajectory: Trajectory
@@ -126,9 +130,12 @@ class Trainer:
         self._jobs_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._last_error: str | None = None
+        self._foreign_jobs: set[str] = set()
 
     @property
     def group(self) -> str:
+        if self.settings.group:
+            return self.settings.group
         return f"trainer.{self.settings.job_id}" if self.settings.job_id else "trainer"
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -184,7 +191,15 @@ class Trainer:
             return
         if not message.job_id or not message.episode_id:
             raise Poison("trajectory.ready without job_id or episode_id")
-        job = await self.job(message.job_id)
+        try:
+            job = await self.job(message.job_id)
+        except UnknownJob:
+            # Topics can be shared by deployments (or test runs) with their own databases:
+            # another one's trajectory is not ours to train on, nor a dead letter.
+            if message.job_id not in self._foreign_jobs:
+                self._foreign_jobs.add(message.job_id)
+                log_event(log, "trajectories of an unknown job ignored", job_id=message.job_id)
+            return
         assert self.runtime.db is not None and self.runtime.store is not None
         async with job.lock:
             if job.holds(message.episode_id):
@@ -232,7 +247,7 @@ class Trainer:
         async with db.session() as s:
             row = await s.get(Job, job_id)
             if row is None:
-                raise Poison(f"no job {job_id!r}")
+                raise UnknownJob(f"no job {job_id!r}")
             latest = await s.scalar(
                 select(PolicyVersion).where(PolicyVersion.job_id == job_id).order_by(PolicyVersion.version.desc())
             )

@@ -48,6 +48,9 @@ class InferenceSettings(BaseModel):
     port: int = 8001
     model_name: str = "temper-policy"
     requests_group: str = Field("inference-gateway", description="consumer group of inference.requests, shared by replicas")
+    policy_group: str | None = Field(
+        None, description="consumer group of policy.updates; unset: a fresh group per replica (inference-gateway-<uuid>)"
+    )
     backends: list[BackendSpec] = Field(
         default_factory=list,
         description="empty: one local backend in embedded mode; none (and /health 503) in distributed mode",

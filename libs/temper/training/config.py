@@ -19,6 +19,7 @@ class TrainerSettings(BaseModel):
         None,
         description="train only this job, in its own consumer group (trainer.<job>); unset: every job, group 'trainer'",
     )
+    group: str | None = Field(None, description="consumer group of trajectories; unset: trainer or trainer.<job_id>")
     device: Device = Device.auto
     bf16: bool = Field(True, description="bf16 autocast on CUDA (weights and optimizer stay float32)")
     preset: str = Field("tiny", description="model preset used when the job's policy names no initial weights")
