@@ -27,6 +27,9 @@ class SandboxSettings(BaseModel):
     workspace_root: Path = Path(".temper/sandboxes")
     python: str = "/usr/bin/python3"  # the interpreter inside the sandbox (host path, bound read-only)
     bwrap: str = "bwrap"
+    spawner: bool = Field(
+        True, description="start sandboxes through a small fork server instead of forking the worker"
+    )
     run_as_uid: int = Field(65534, description="host uid the sandbox runs as when the worker is root")
     run_as_gid: int = 65534
     ro_binds: list[str] = Field(

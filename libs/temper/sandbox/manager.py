@@ -27,6 +27,7 @@ from temper.sandbox.cgroups import CgroupManager, detect
 from temper.sandbox.config import SandboxSettings
 from temper.sandbox.models import Action, ExecResult, SandboxLimits
 from temper.sandbox.sandbox import Sandbox, SandboxError
+from temper.sandbox.spawner import Spawner
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class SandboxManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._refill_lock = asyncio.Lock()
         self._reaper: asyncio.Task[None] | None = None
+        self.spawner: Spawner | None = None
         self.leaked = 0
         self.started = False
 
@@ -105,6 +107,14 @@ class SandboxManager:
                         f"{parent} is not searchable by other users; the sandbox uid cannot reach "
                         f"{self.root} (set TEMPER_SANDBOX__WORKSPACE_ROOT to a path under a mode o+x tree)"
                     )
+        if self.settings.spawner:
+            spawner = Spawner(self.settings.python)
+            try:
+                await spawner.start()
+                self.spawner = spawner
+            except (OSError, SandboxError) as e:
+                log.warning("sandbox spawner unavailable (%s): sandboxes are forked from the worker", e)
+                await spawner.stop()
         self.started = True
         await self.refill()
         self._reaper = asyncio.create_task(self._reap_idle())
@@ -124,6 +134,9 @@ class SandboxManager:
         for sb in doomed:
             await self._destroy(sb)
         self._update_gauges()
+        if self.spawner is not None:
+            await self.spawner.stop()
+            self.spawner = None
         if self.cgroups is not None:
             self.cgroups.close()
         with contextlib.suppress(OSError):
@@ -145,7 +158,7 @@ class SandboxManager:
         run_as = (self.settings.run_as_uid, self.settings.run_as_gid)
         return Sandbox(
             backend=self.backend, cgroups=self.cgroups, limits=limits,
-            workspace_root=self.root, run_as=run_as, sandbox_id=sandbox_id,
+            workspace_root=self.root, run_as=run_as, sandbox_id=sandbox_id, spawner=self.spawner,
         )  # fmt: skip
 
     async def _destroy(self, sb: Sandbox) -> None:

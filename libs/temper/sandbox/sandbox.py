@@ -22,11 +22,14 @@ import struct
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from temper.sandbox.backends import Backend
 from temper.sandbox.cgroups import Cgroup, CgroupManager, CgroupStats
 from temper.sandbox.models import Action, ExecResult, FileInfo, KillReason, SandboxLimits
+
+if TYPE_CHECKING:
+    from temper.sandbox.spawner import SpawnedProcess, Spawner
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +140,7 @@ class Sandbox:
         workspace_root: Path,
         run_as: tuple[int, int] | None,
         sandbox_id: str | None = None,
+        spawner: Spawner | None = None,
     ) -> None:
         self.id = sandbox_id or uuid.uuid4().hex[:16]
         self.backend = backend
@@ -146,7 +150,8 @@ class Sandbox:
         uid, gid = self.run_as or (None, None)
         self.workspace = Workspace(workspace_root / self.id, size_mb=limits.workspace_mb, uid=uid, gid=gid)
         self.cgroup: Cgroup | None = None
-        self.proc: asyncio.subprocess.Process | None = None
+        self.spawner = spawner
+        self.proc: asyncio.subprocess.Process | SpawnedProcess | None = None
         self.keep: set[int] = set()
         self.dead = True
         self.destroyed = False
@@ -187,15 +192,26 @@ class Sandbox:
 
     async def _spawn(self) -> None:
         argv = self.backend.agent_argv(self.workspace.path, self.limits)
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-            cwd=str(self.workspace.path),
-            preexec_fn=self._preexec(),
-        )
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        if self.spawner is not None and self.spawner.running:
+            # Forked by the small spawner process, not by this (large) one.
+            self.proc = await self.spawner.spawn(
+                argv,
+                env=env,
+                cwd=str(self.workspace.path),
+                join=self.cgroup.join_paths() if self.cgroup else [],
+                run_as=self.run_as,
+            )
+        else:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+                env=env,
+                cwd=str(self.workspace.path),
+                preexec_fn=self._preexec(),
+            )
         try:
             ready = await asyncio.wait_for(self._read_reply(), timeout=10)
         except (TimeoutError, asyncio.IncompleteReadError) as e:
@@ -214,6 +230,7 @@ class Sandbox:
                 await asyncio.wait_for(self.proc.wait(), timeout=5)
             except TimeoutError:
                 pass
+            self._release_proc()
         if self.cgroup is not None:
             self.cgroup.kill_except(set())
         await self._spawn()
@@ -225,9 +242,17 @@ class Sandbox:
             self.cgroup.kill_except(set())
         if self.proc is not None and self.proc.returncode is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                if isinstance(self.proc, asyncio.subprocess.Process):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                else:
+                    self.proc.kill()
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def _release_proc(self) -> None:
+        close = getattr(self.proc, "close", None)  # a SpawnedProcess holds a pidfd and pipes
+        if close is not None:
+            close()
 
     async def destroy(self) -> int:
         """Destroy the sandbox; returns how many of its processes could not be killed."""
@@ -242,6 +267,7 @@ class Sandbox:
                 await asyncio.wait_for(self.proc.wait(), timeout=5)
             except TimeoutError:
                 log.error("sandbox %s: agent did not exit", self.id)
+            self._release_proc()
         leaked = 0
         if self.cgroup is not None:
             leaked = await asyncio.to_thread(self.cgroup.destroy)
