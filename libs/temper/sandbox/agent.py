@@ -374,6 +374,8 @@ OPS = {"exec": run, "write": op_write, "read": op_read, "list": op_list}
 
 
 def main():
+    if sys.argv[0].endswith(".pyc"):
+        sys.path[0] = ""  # as with ``-c``: not the directory the compiled agent is bound in
     # Keep the protocol on fds 3/4 and give stdio to /dev/null, so nothing a child
     # inherits by accident can reach the worker.
     os.dup2(0, REQ_FD)

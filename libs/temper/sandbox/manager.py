@@ -99,6 +99,7 @@ class SandboxManager:
         await asyncio.to_thread(_sweep_dead_workspaces, self.root.parent)
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o711)
+        await asyncio.to_thread(self.backend.prepare, self.root)
         if os.geteuid() == 0 and self.backend.isolated:
             # bwrap runs as the unprivileged sandbox uid: it must be able to reach the workspace.
             for parent in [self.root, *self.root.parents]:
@@ -139,6 +140,9 @@ class SandboxManager:
             self.spawner = None
         if self.cgroups is not None:
             self.cgroups.close()
+        for name in ("agent.py", "agent.pyc"):  # what backend.prepare() wrote
+            with contextlib.suppress(OSError):
+                (self.root / name).unlink()
         with contextlib.suppress(OSError):
             self.root.rmdir()
         self.started = False
