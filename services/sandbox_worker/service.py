@@ -284,9 +284,9 @@ class SandboxWorker:
         self, request: SandboxRequest, action: Action | None, limits: SandboxLimits | None
     ) -> SandboxResult:
         sid = request.session_id
-        if action is None:  # {"kind": "destroy"}
+        if action is None:  # {"kind": "destroy"}: the teardown runs off the hot path
             if sid in self.manager.sessions:
-                await self.manager.destroy_session(sid)
+                await self.manager.destroy_session(sid, wait=False)
             return self._result(request)
         if sid not in self.manager.sessions:
             error = await self._open_session(request, limits)

@@ -291,12 +291,17 @@ class SandboxManager:
     async def act(self, session_id: str, action: Action) -> ExecResult:
         return await self.execute(self.get(session_id), action)
 
-    async def destroy_session(self, session_id: str) -> None:
+    async def destroy_session(self, session_id: str, *, wait: bool = True) -> None:
+        """End a session; with ``wait=False`` the teardown (kill, cgroup, unmount) runs in
+        the background and the caller goes on (``close()`` still waits for it)."""
         sb = self.sessions.pop(session_id, None)
         if sb is None:
             raise SessionNotFound(session_id)
         self._update_gauges()
-        await self._destroy(sb)
+        if wait:
+            await self._destroy(sb)
+        else:
+            self._spawn(self._destroy(sb))
 
     async def snapshot(self, session_id: str, key: str | None = None) -> str:
         """Put a tar.gz of the session's workspace to object storage; returns its key."""
