@@ -39,6 +39,7 @@ from temper.settings import Mode
 log = logging.getLogger(__name__)
 
 IDEMPOTENCY_CACHE = 4096
+HEALTH_CHECK = "sandbox_worker"  # the component's entry in runtime.checks (and /health)
 
 
 # --- HTTP-facing schemas ---------------------------------------------------------------
@@ -360,7 +361,8 @@ class SandboxWorkerService:
         # The runtime made its store in start(); snapshots go there.
         self.worker.store = self.worker.manager.store = self.runtime.store
         await self.worker.start()
-        self.runtime.checks["sandbox"] = self._check_sandbox
+        # Its own name: on a shared runtime (embedded) the reward scorer checks its sandboxes too.
+        self.runtime.checks[HEALTH_CHECK] = self._check_sandbox
         try:
             self.consumer = await self.runtime.consume(
                 [Topics.SANDBOX_REQUESTS],
@@ -376,7 +378,8 @@ class SandboxWorkerService:
         if self.consumer is not None:
             await self.consumer.stop()
             self.consumer = None
-        self.runtime.checks.pop("sandbox", None)
+        if self.runtime.checks.get(HEALTH_CHECK) == self._check_sandbox:
+            del self.runtime.checks[HEALTH_CHECK]
         await self.worker.close()
 
     async def handle(self, message: Message) -> None:

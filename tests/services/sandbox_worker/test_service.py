@@ -162,8 +162,8 @@ async def test_consumer_pauses_while_the_worker_is_full(tmp_path, root) -> None:
         (r,) = await results.wait(1)
         assert r.result["stdout"] == "42\n" and not service.consumer.paused
         health = await runtime.health()
-        assert health["sandbox"] == "ok"
+        assert health["sandbox_worker"] == "ok"
     finally:
         await service.stop()
         await runtime.stop()
-    assert "sandbox" not in runtime.checks
+    assert "sandbox_worker" not in runtime.checks
