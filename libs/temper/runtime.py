@@ -9,10 +9,11 @@ FastAPI lifespan and stops it in reverse order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter, FastAPI, Response
@@ -196,6 +197,16 @@ def run_service(app_factory: Callable[[Settings], FastAPI], service: str, defaul
     trace. ``TEMPER_HOST``/``TEMPER_PORT`` choose where it listens."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises SIGTERM/SIGINT after it stops serving, which kills the
+            # process before the app's lifespan shuts down (consumers, sandboxes). Forget
+            # them instead: serve() returns, the lifespan exits, the process ends normally.
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
     async def serve(app: FastAPI) -> None:
         async with app.router.lifespan_context(app):
             config = uvicorn.Config(
@@ -205,7 +216,7 @@ def run_service(app_factory: Callable[[Settings], FastAPI], service: str, defaul
                 log_config=None,
                 lifespan="off",  # already entered above, so startup errors surface here
             )
-            await uvicorn.Server(config).serve()
+            await Server(config).serve()
 
     try:
         settings = load_settings(service=service)

@@ -4,10 +4,10 @@ A job spec submitted over REST names a task set already uploaded; a local run na
 task-set file, and may ask for a supervised warm start of a freshly created policy::
 
     local:
-      taskset_file: tasksets/add-constant.jsonl     # relative to the spec file
+      taskset_file: tasksets/offset.jsonl            # relative to the spec file
       preset: tiny                                   # policy created from this config
       warm_start:
-        generator: tasksets/make_add_constant.py:warm_start_examples
+        generator: tasksets/make_offset_tasks.py:warm_start_examples
         examples: 16000
         steps: 1000
 """
@@ -26,7 +26,9 @@ from temper.jobspec import JobSpec, SpecError, parse_spec
 
 class WarmStart(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    generator: str = Field(description="FILE.py:FUNCTION returning (user prompt, reply) pairs; FUNCTION(n, seed=)")
+    generator: str = Field(
+        description="FILE.py:FUNCTION(n, seed=) returning (task, reply) pairs; a task is a mapping with prompt and files"
+    )
     examples: int = Field(16000, ge=1)
     steps: int = Field(1000, ge=1)
     batch_size: int = Field(16, ge=1)
@@ -65,7 +67,7 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
     return parse_spec(doc), local
 
 
-def generator(spec: str) -> Callable[..., list[tuple[str, str]]]:
+def generator(spec: str) -> Callable[..., list[tuple[dict[str, Any], str]]]:
     """Import ``FILE.py:FUNCTION``."""
     file, _, name = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location(Path(file).stem, file)

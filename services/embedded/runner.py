@@ -160,7 +160,7 @@ def _make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progres
     if local.warm_start is not None:
         ws = local.warm_start
         pairs = localrun.generator(ws.generator)(ws.examples, seed=ws.seed)
-        conversations = [(_first_messages(spec, prompt), reply) for prompt, reply in pairs]
+        conversations = [(_first_messages(spec, task), reply) for task, reply in pairs]
         t0 = time.perf_counter()
 
         def on_step(step: int, loss: float) -> None:
@@ -187,11 +187,11 @@ def _make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progres
     return spec.model_copy(update={"policy": policy})
 
 
-def _first_messages(spec: JobSpec, prompt: str) -> list[dict[str, str]]:
-    """The conversation an episode of this job opens with, for a task with this prompt."""
+def _first_messages(spec: JobSpec, task: dict[str, Any]) -> list[dict[str, str]]:
+    """The conversation an episode of this job opens with, for a task like ``task``."""
     env = make_environment(
         spec.environment.kind,
-        {"id": "warm-start", "kind": spec.environment.kind, "prompt": prompt, "spec": {}},
+        {"id": "warm-start", "kind": spec.environment.kind, "prompt": task["prompt"], "spec": {"files": task.get("files", {})}},
         max_turns=spec.environment.max_turns,
         action_format=spec.environment.action_format,
         system_prompt=spec.environment.system_prompt,

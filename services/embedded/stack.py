@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -221,6 +222,14 @@ def run_groups(run_id: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]
     return {k: name for k, (name, _) in g.items()}, {name: topics for name, topics in g.values()}
 
 
+def sandbox_root(run_dir: Path, run_id: str) -> Path:
+    """Where the sandboxes' workspaces go: the run directory if the sandbox uid can reach
+    it (every directory above it searchable by others), else a directory in /tmp."""
+    if all(os.stat(p).st_mode & 0o001 for p in run_dir.parents):
+        return run_dir / "sandboxes"
+    return Path(tempfile.gettempdir()) / f"temper-sandboxes-{run_id}"
+
+
 # --- the processes ----------------------------------------------------------------------------------
 
 
@@ -374,6 +383,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
         TEMPER_INFERENCE__MAX_INFLIGHT_PER_BACKEND=str(batch),
         TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR=str(run_dir / "checkpoints"),
         TEMPER_DISPATCHER__SCHEDULER_INTERVAL_S="0.2",
+        TEMPER_DATA_DIR=str(run_dir),
+        TEMPER_SANDBOX__WORKSPACE_ROOT=str(sandbox_root(run_dir, run_id)),
         PYTHONUNBUFFERED="1",
     )
     if args.trainer_threads:
