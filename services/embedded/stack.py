@@ -368,6 +368,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
     asyncio.run(groups_start_at_end(env_stack["TEMPER_BUS__BOOTSTRAP"], groups))
 
     key = new_key()
+    workspaces = sandbox_root(run_dir, run_id)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
     env.update(env_stack)
     env.update(group_env)
@@ -384,7 +385,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
         TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR=str(run_dir / "checkpoints"),
         TEMPER_DISPATCHER__SCHEDULER_INTERVAL_S="0.2",
         TEMPER_DATA_DIR=str(run_dir),
-        TEMPER_SANDBOX__WORKSPACE_ROOT=str(sandbox_root(run_dir, run_id)),
+        TEMPER_SANDBOX__WORKSPACE_ROOT=str(workspaces),
         PYTHONUNBUFFERED="1",
     )
     if args.trainer_threads:
@@ -424,6 +425,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
         if api is not None:
             api.close()
         stack.stop()
+        if not str(workspaces).startswith(str(run_dir)):
+            shutil.rmtree(workspaces, ignore_errors=True)
     summary = asyncio.run(_report(database_url, env_stack, job_id, run_dir, time.perf_counter() - started))
     out.write(
         f"\n{state}: mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "

@@ -33,7 +33,7 @@ ITERATIONS, GROUPS, GROUP_SIZE = 3, 2, 4
 def small_spec(tmp_path: Path) -> Path:
     doc = yaml.safe_load((ROOT / "examples" / "code-job.yaml").read_text())
     examples = ROOT / "examples"
-    doc["name"] = "add-constant-small"
+    doc["name"] = f"{doc['name']}-small"
     doc["tasks"]["group_size"] = GROUP_SIZE
     doc["rewards"] = {"tests_passed": 1.0, "compiles": 0.5}
     sampling = doc["policy"].setdefault("sampling", {})
