@@ -17,7 +17,7 @@ from typing import Any
 _context: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("temper_log_context", default={})
 
 # Values of these keys, and bearer tokens or URL passwords inside messages, are masked.
-_SECRET_KEYS = re.compile(r"(secret|password|token|authorization|api_key|access_key)", re.I)
+_SECRET_KEYS = re.compile(r"(?:^|_)(secret|secret_key|password|passwd|token|authorization|api_key|access_key|bootstrap_key)$", re.I)
 _SECRET_IN_TEXT = [
     (re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+", re.I), r"\1***"),
     (re.compile(r"(://[^:/@\s]+:)[^@\s]+(@)"), r"\1***\2"),

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from temper.events import BadMessage, InferenceResult, LifecycleEvent, decode, write_schemas
+from temper.runtime import StartupError, load_settings
+from temper.settings import BusKind, Settings, StorageKind
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_embedded_is_the_default_and_picks_local_parts():
+    s = Settings()
+    assert (s.bus.kind, s.storage.kind) == (BusKind.inprocess, StorageKind.local)
+    assert s.db.is_sqlite
+
+
+def test_distributed_mode_refuses_unsafe_settings(monkeypatch):
+    monkeypatch.setenv("TEMPER_MODE", "distributed")
+    monkeypatch.setenv("TEMPER_DB__URL", "postgresql+asyncpg://u:p@h/db")
+    with pytest.raises(StartupError, match="TEMPER_API__SECRET must be set"):
+        load_settings()
+    monkeypatch.setenv("TEMPER_API__SECRET", "a-real-secret")
+    monkeypatch.setenv("TEMPER_BUS__KIND", "inprocess")
+    with pytest.raises(StartupError, match="TEMPER_BUS__KIND=inprocess cannot be used"):
+        load_settings()
+    monkeypatch.delenv("TEMPER_BUS__KIND")
+    s = load_settings()
+    assert (s.bus.kind, s.storage.kind) == (BusKind.kafka, StorageKind.s3)
+
+
+def test_a_bad_value_names_the_environment_variable(monkeypatch):
+    monkeypatch.setenv("TEMPER_BUS__PARTITIONS", "zero")
+    with pytest.raises(StartupError) as info:
+        load_settings()
+    assert "TEMPER_BUS__PARTITIONS" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"type": "mystery"}', "unknown message type 'mystery'"),
+        (b'{"type": "inference.result", "schema_version": 99}', "newer than this reader"),
+        (b'{"type": "inference.result", "policy_version": "x"}', "field policy_version"),
+    ],
+)
+def test_malformed_messages_are_refused_with_the_reason(raw, match):
+    with pytest.raises(BadMessage, match=match):
+        decode(raw)
+
+
+def test_messages_round_trip_with_envelope_and_ids():
+    msg = InferenceResult(job_id="j", episode_id="e", turn=1, attempt=2, token_ids=[1], logprobs=[-0.5], policy_version=3)
+    back = decode(msg.to_bytes())
+    assert back == msg and back.key() == "e"
+    assert LifecycleEvent(event="job.state", job_id="j").key() == "j"
+
+
+def test_published_event_schemas_are_up_to_date(tmp_path):
+    written = write_schemas(tmp_path)
+    for path in written:
+        checked_in = ROOT / "docs" / "events" / path.name
+        assert checked_in.exists(), f"{checked_in} is missing: run `make schemas`"
+        assert json.loads(checked_in.read_text()) == json.loads(path.read_text()), f"{path.name} is stale: run `make schemas`"
