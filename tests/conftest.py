@@ -136,6 +136,23 @@ async def database(database_url):
     await db.dispose()
 
 
+@pytest.fixture
+async def scoring_manager():
+    """A scoring sandbox manager: real bwrap sandboxes with the coverage package bound in."""
+    import shutil
+
+    from temper.rewards.runner import scoring_sandbox_settings
+    from temper.sandbox import SandboxManager, SandboxSettings
+
+    # under /tmp (mode 1777): pytest's tmp_path is 0700 and the sandbox uid must reach it
+    root = Path("/tmp") / f"temper-score-{uuid.uuid4().hex[:8]}"
+    manager = SandboxManager(scoring_sandbox_settings(SandboxSettings(pool_size=2, workspace_root=root)))
+    await manager.start()
+    yield manager
+    await manager.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
 # --- proof that the integration tests ran -----------------------------------------------
 # `make test` sets TEMPER_REQUIRE_INTEGRATION=1: a run in which no test against a real
 # Kafka, Postgres, S3 or Redis passed is a failure, never a quiet success.
