@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from temper.envs.base import (
@@ -15,39 +14,15 @@ from temper.envs.base import (
     fenced_blocks,
     has_unclosed_fence,
 )
+from temper.rewards import answers
 
 MATH_TOOLS = {"python": '{"code": "..."} runs Python and shows its output', "submit": '{"answer": "..."}'}
-_HASHES = re.compile(r"^\s*####\s*(.+?)\s*$", re.M)
-_ANSWER = re.compile(r"(?:^|\n)\s*\**(?:final\s+)?answer\**\s*[:=]\s*\**(.+?)\**\s*$", re.I | re.M)
-
-
-def boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (nested braces allowed), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j].strip()
-    return None
 
 
 def extract_answer(text: str) -> str | None:
-    """``\\boxed{}`` first, then a ``#### x`` line, then ``Answer: x``; the last one wins."""
-    found = boxed(text)
-    if found:
-        return found
-    for pattern in (_HASHES, _ANSWER):
-        matches = pattern.findall(text)
-        if matches and matches[-1].strip():
-            return matches[-1].strip().rstrip(".").strip("$ ")
-    return None
+    """The model's final answer, if it gave one explicitly (``\\boxed{}``, ``#### x``,
+    ``Answer: x``); the same reading the reward's ``answer_match`` uses."""
+    return answers.extract_answer(text, last_number=False)
 
 
 class MathEnvironment(Environment):

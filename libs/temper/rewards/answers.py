@@ -43,9 +43,10 @@ def _boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str) -> str | None:
+def extract_answer(text: str, *, last_number: bool = True) -> str | None:
     """The final answer in a response: ``\\boxed{}``, else after ``####``, else after
-    "answer is"/"answer:", else the last number in the text."""
+    "answer is"/"answer:", else (if ``last_number``) the last number in the text. An
+    environment deciding whether the model has answered yet passes ``last_number=False``."""
     if not text or not text.strip():
         return None
     boxed = _boxed(text)
@@ -58,6 +59,8 @@ def extract_answer(text: str) -> str | None:
         tail = m[-1].group(1).strip()
         num = _NUMBER_RE.search(tail.replace("$", ""))
         return num.group(0) if num else tail.rstrip(".").strip()
+    if not last_number:
+        return None
     nums = _NUMBER_RE.findall(_FRAC_RE.sub(lambda f: f"{f.group(1)}/{f.group(2)}", text))
     return nums[-1] if nums else None
 

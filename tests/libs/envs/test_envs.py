@@ -113,7 +113,7 @@ def test_tool_calls():
         ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
         ("work...\n#### 1,234", "1,234"),
         ("Final answer: 7.", "7"),
-        ("**Answer:** $x = 3$", "x = 3"),
+        ("**Answer:** $x = 3$", "3"),
         ("no answer here", None),
         ("\\boxed{unclosed", None),
     ],
