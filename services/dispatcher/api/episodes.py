@@ -1,5 +1,5 @@
-"""Episodes: a job's episodes with filters, one episode, its transcript and its raw
-trajectory."""
+"""Episodes: a job's episodes with filters, one episode, its transcript, its raw
+trajectory and its log."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, SessionDep, StoreDep
 from services.dispatcher.api.jobs import AUTH, JobDep
-from services.dispatcher.api.transcripts import transcript
+from services.dispatcher.api.transcripts import stored_log_key, transcript
 
 router = APIRouter(tags=["episodes"], dependencies=[Depends(bearer_scheme)])
 
@@ -93,3 +93,25 @@ async def get_trajectory(store: StoreDep, episode: EpisodeDep) -> Response:
     except NotFound:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"trajectory of episode {episode.id} is missing") from None
     return Response(data, media_type="application/json")
+
+
+@router.get(
+    "/v1/episodes/{episode_id}/log",
+    summary="An episode's log (JSON lines)",
+    description="One JSON object per step, written when the episode is scored: turn, kind, attempt, timings; "
+    "for sandbox steps the exit code, kill reason, stdout/stderr and their truncation flags; for inference steps "
+    "the finish reason and policy version; for the reward step the reward components.",
+    response_class=Response,
+    responses={200: {"content": {"application/x-ndjson": {}}}, **EPISODE_NOT_FOUND, **AUTH},
+)
+async def get_episode_log(store: StoreDep, episode: EpisodeDep) -> Response:
+    from temper.storage import NotFound
+
+    key = await stored_log_key(store, episode)
+    if key is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode.id} has no log (not scored yet)")
+    try:
+        data = await store.get(key)
+    except NotFound:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"log of episode {episode.id} is missing") from None
+    return Response(data, media_type="application/x-ndjson")

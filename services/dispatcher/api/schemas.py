@@ -104,6 +104,10 @@ class Transcript(BaseModel):
     rewards: dict[str, Any] = Field({}, description="the reward vector: each component's value and details")
     policy_versions: list[int] = Field([], description="policy versions that produced the model's tokens")
     timings: dict[str, Any] = {}
+    log_key: str | None = Field(
+        None, description="object key of the episode's log (JSON lines, one per step), once it is scored; "
+        "GET /v1/episodes/{id}/log returns it"
+    )
 
 
 # --- metrics --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 from temper.db import Episode, Step
+from temper.episode_log import log_key
 from temper.storage import NotFound, ObjectStore
 from temper.trajectory import Trajectory
 
@@ -178,9 +179,21 @@ async def from_steps(session: AsyncSession, episode: Episode) -> schemas.Transcr
     )
 
 
+async def stored_log_key(store: ObjectStore, episode: Episode) -> str | None:
+    """The key of the episode's log if it was written (the dispatcher writes it with the trajectory)."""
+    if not episode.trajectory_key:
+        return None
+    key = log_key(episode.tenant_id, episode.job_id, episode.id)
+    return key if await store.exists(key) else None
+
+
 async def transcript(session: AsyncSession, store: ObjectStore, episode: Episode) -> schemas.Transcript:
+    out: schemas.Transcript | None = None
     if episode.trajectory_key:
         traj = await load_trajectory(store, episode.trajectory_key)
         if traj is not None:
-            return from_trajectory(episode, traj)
-    return await from_steps(session, episode)
+            out = from_trajectory(episode, traj)
+    if out is None:
+        out = await from_steps(session, episode)
+    out.log_key = await stored_log_key(store, episode)
+    return out

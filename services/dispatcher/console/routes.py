@@ -17,11 +17,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from temper.lifecycle import JOB_TERMINAL, IllegalTransition
+from temper.storage import NotFound
 from temper.tenants import Caller, authenticate
 
 from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
-from services.dispatcher.api.transcripts import transcript
+from services.dispatcher.api.transcripts import stored_log_key, transcript
 from services.dispatcher.console.charts import reward_curve_svg
 
 HERE = Path(__file__).parent
@@ -178,6 +179,20 @@ async def episode_page(
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode_id} not found")
     t = await transcript(session, store, episode)
     return page(request, "episode.html", caller=caller, t=t, ep=t.episode)
+
+
+@router.get("/episodes/{episode_id}/log")
+async def episode_log(session: SessionDep, store: StoreDep, caller: ConsoleCaller, episode_id: str) -> Response:
+    """The episode's stored log (JSON lines), shown as text in the browser."""
+    episode = await repo.get_episode(session, tenant_id=caller.tenant.id, episode_id=episode_id)
+    key = await stored_log_key(store, episode) if episode is not None else None
+    if key is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no log for episode {episode_id}")
+    try:
+        data = await store.get(key)
+    except NotFound:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no log for episode {episode_id}") from None
+    return Response(data, media_type="text/plain; charset=utf-8")
 
 
 def mount(app: FastAPI) -> None:

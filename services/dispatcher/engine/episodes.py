@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from temper import metrics
 from temper.db import Database, Episode, Job, Step, Task
 from temper.envs import Environment, ParsedAction, make_environment
+from temper.episode_log import build_episode_log, log_key
 from temper.events import (
     InferenceRequest,
     InferenceResult,
@@ -421,7 +422,7 @@ class EpisodeEngine:
         transition_episode(session, ep, E.scoring)
 
     async def on_reward(self, msg: RewardResult) -> None:
-        # Read first and write the trajectory outside the transaction (object storage is slow
+        # Read first and write the trajectory and log outside the transaction (object storage is slow
         # and idempotent: the key is fixed per episode), then commit the state change.
         async with self.tx() as session:
             ep = await self._lock_episode(session, msg.episode_id)
@@ -438,7 +439,13 @@ class EpisodeEngine:
             )
             trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=now())
             key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
-        await self.store.put(key, trajectory.model_dump_json().encode(), "application/json")
+            episode_log = build_episode_log(ep, steps, msg)
+            episode_log_key = log_key(ep.tenant_id, ep.job_id, ep.id)
+        # The log beside it, in one write: every step's sandbox output, timings and reward.
+        await asyncio.gather(
+            self.store.put(key, trajectory.model_dump_json().encode(), "application/json"),
+            self.store.put(episode_log_key, episode_log, "application/x-ndjson"),
+        )
         async with self.tx() as session:
             ep = await self._lock_episode(session, msg.episode_id)
             step = await self._step(session, ep.id, msg.turn or 0, "reward") if ep else None

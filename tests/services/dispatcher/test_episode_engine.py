@@ -22,6 +22,7 @@ from episode_peers import (
 )
 from sqlalchemy import select
 from temper.db import Job, Task
+from temper.episode_log import read_episode_log
 from temper.events import PolicyUpdate, RewardRequest, SandboxRequest, Topics, TrajectoryReady
 from temper.storage import object_key
 from temper.trajectory import Trajectory
@@ -78,6 +79,15 @@ async def test_multi_turn_code_episodes_run_to_scored_with_token_exact_trajector
         assert "ran run_command" in obs_text
         assert [t.turn for t in traj.turns] == [0, 1] and traj.turns[1].observation.startswith("Wrote add.py")
         assert traj.reward == 1.0 and traj.rewards["format_ok"] is True and traj.timings["total_s"] > 0
+
+        # The episode's log beside it: one JSON line per step, sandbox output and reward included.
+        lines = read_episode_log(await h.runtime.store.get(object_key("acme", job, "logs", f"{ep.id}.jsonl")))  # type: ignore[union-attr]
+        assert [(x["turn"], x["kind"], x["state"]) for x in lines] == [(s.turn, s.kind, s.state) for s in steps]
+        assert all(x["episode_id"] == ep.id and x["attempt"] == 0 and x["duration_s"] >= 0 for x in lines)
+        assert lines[0]["finish_reason"] == "stop" and lines[0]["policy_version"] == 0
+        assert lines[1]["exit_code"] == 0 and lines[1]["stdout"] == "ran run_command" and lines[1]["kill_reason"] is None
+        assert lines[1]["stdout_truncated"] is None and lines[1]["worker"]
+        assert lines[4]["reward"] == 1.0 and lines[4]["components"]["tests_passed"]["value"] == 1.0
 
         await wait_for(lambda: _count(h.peers.trajectories, 8), what="8 trajectory messages")
         ready = [m for m in h.peers.trajectories if isinstance(m, TrajectoryReady)]
