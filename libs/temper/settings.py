@@ -100,6 +100,12 @@ class LogSettings(BaseModel):
     file: Path | None = Field(None, description="append logs to this file instead of stderr")
 
 
+class RetentionSettings(BaseModel):
+    days: float | None = Field(
+        None, gt=0, description="delete the objects of jobs finished more than this many days ago (None: keep all)"
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TEMPER_", env_nested_delimiter="__", extra="ignore")
 
@@ -116,6 +122,7 @@ class Settings(BaseSettings):
     inference: InferenceSettings = InferenceSettings()
     trainer: TrainerSettings = TrainerSettings()
     reward_scorer: RewardScorerSettings = RewardScorerSettings()
+    retention: RetentionSettings = RetentionSettings()
     allow_unsafe: bool = Field(False, description="allow the no-isolation sandbox backend in distributed mode")
 
     @model_validator(mode="after")

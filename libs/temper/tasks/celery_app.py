@@ -3,7 +3,9 @@
 - ``temper.validate_taskset(taskset_id)`` runs the validation pipeline, reporting
   progress as task state ``PROGRESS`` with ``{"current", "total"}``;
 - ``temper.reap_leases()`` runs every ``lease_reap_interval_s`` under ``celery beat``
-  and marks expired step leases (:func:`temper.leases.reap_expired`).
+  and marks expired step leases (:func:`temper.leases.reap_expired`);
+- ``temper.retention()`` runs daily under ``celery beat`` and deletes the objects of jobs
+  finished more than ``TEMPER_RETENTION__DAYS`` ago (:func:`temper.retention.delete_expired`).
 
 Broker and result backend are ``TEMPER_REDIS__URL``. Start a worker with
 ``celery -A temper.tasks worker`` and the schedule with ``celery -A temper.tasks beat``.
@@ -19,6 +21,7 @@ from celery import Celery
 from temper.settings import get_settings
 
 LEASE_REAP_INTERVAL_S = 30.0
+RETENTION_INTERVAL_S = 24 * 3600.0
 
 
 def make_app(redis_url: str | None = None) -> Celery:
@@ -35,6 +38,7 @@ def make_app(redis_url: str | None = None) -> Celery:
         broker_connection_retry_on_startup=True,
         beat_schedule={
             "reap-expired-step-leases": {"task": "temper.reap_leases", "schedule": LEASE_REAP_INTERVAL_S},
+            "delete-expired-objects": {"task": "temper.retention", "schedule": RETENTION_INTERVAL_S},
         },
     )
     return app
@@ -85,3 +89,26 @@ async def _reap() -> int:
 @app.task(name="temper.reap_leases")
 def reap_leases_task() -> int:
     return asyncio.run(_reap())
+
+
+async def _retention() -> dict[str, Any]:
+    from temper.db import Database
+    from temper.retention import delete_expired
+    from temper.storage import make_store
+
+    settings = get_settings()
+    days = settings.retention.days
+    if days is None:
+        return {"days": None, "jobs": 0}  # retention is off
+    db = Database(settings.db)
+    try:
+        counts = await delete_expired(make_store(settings), db, days=days,
+                                      snapshot_prefix=settings.sandbox.snapshot_prefix)
+    finally:
+        await db.dispose()
+    return {"days": days, **counts}
+
+
+@app.task(name="temper.retention")
+def retention_task() -> dict[str, Any]:
+    return asyncio.run(_retention())

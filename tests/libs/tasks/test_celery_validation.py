@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,31 +22,42 @@ pytestmark = [pytest.mark.redis, pytest.mark.sandbox, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture
-def worker(redis_url, database_url, database, tmp_path):
+@contextmanager
+def celery_worker(redis_url: str, database_url: str, log_path: Path, **env: str) -> Iterator[str]:
+    """A real ``celery worker`` process on its own queue (yielded), with ``env`` on top of
+    the database and Redis settings; stopped on exit."""
     queue = f"temper-test-{uuid.uuid4().hex[:8]}"
-    env = {
+    environ = {
         **os.environ,
         "TEMPER_REDIS__URL": redis_url,
         "TEMPER_DB__URL": database_url,
         "TEMPER_SANDBOX__WORKSPACE_ROOT": f"/tmp/temper-celery-{uuid.uuid4().hex[:8]}",
         "TEMPER_SANDBOX__POOL_SIZE": "1",
         "PYTHONWARNINGS": "ignore",
+        **env,
     }
-    log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115 - closed in teardown
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "temper.tasks", "worker", "--pool=solo", "-Q", queue,
          "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
-    yield queue
-    proc.terminate()
     try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+        yield queue
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def worker(redis_url, database_url, database, tmp_path):
+    with celery_worker(redis_url, database_url, tmp_path / "worker.log") as queue:
+        yield queue
 
 
 async def test_a_worker_validates_a_task_set_with_visible_progress(redis_url, database, worker):
