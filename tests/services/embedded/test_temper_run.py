@@ -1,0 +1,58 @@
+"""`temper run` end to end on a small version of the example job: every service in one
+process, real sandboxes, real generation, real gradient steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from temper.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def small_spec(tmp_path: Path) -> Path:
+    spec = yaml.safe_load((ROOT / "examples" / "code-job.yaml").read_text())
+    spec["tasks"]["group_size"] = 4
+    spec["schedule"].update(iterations=2, episodes_per_iteration=8, max_concurrent_episodes=8)
+    spec["algorithm"]["groups_per_step"] = 2
+    local = spec["local"]
+    local["taskset_file"] = str(ROOT / "examples" / local["taskset_file"])
+    file, _, func = local["warm_start"]["generator"].partition(":")
+    local["warm_start"].update(generator=f"{ROOT / 'examples' / file}:{func}", steps=40, examples=400)
+    path = tmp_path / "small-job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_temper_run_completes_and_writes_the_report(tmp_path, capsys):
+    code = main(["run", str(small_spec(tmp_path)), "--runs-dir", str(tmp_path / "runs"), "--run-id", "small"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    run = tmp_path / "runs" / "small"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["state"] == "completed"
+    assert [c["iteration"] for c in summary["reward_curve"]] == [0, 1]
+    assert all(c["episodes"] == 8 for c in summary["reward_curve"])
+    assert {"first_mean_reward", "last_mean_reward"} <= summary.keys()
+    assert summary["episodes_by_state"].get("trained", 0) + summary["episodes_by_state"].get("scored", 0) == 16
+    png = (run / "reward_curve.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    html = (run / "report.html").read_text()
+    assert 'id="reward-curve"' in html and "```python solution.py" in html
+    assert "mean reward" in err, "progress was shown"
+
+
+def test_temper_run_names_a_bad_field(tmp_path, capsys):
+    spec = yaml.safe_load((ROOT / "examples" / "code-job.yaml").read_text())
+    spec["schedule"]["iterations"] = 0
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["run", str(path), "--runs-dir", str(tmp_path)]) == 2
+    assert "schedule.iterations" in capsys.readouterr().err
