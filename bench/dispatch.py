@@ -27,6 +27,8 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
+from temper.bus.kafka import start_groups_at_end
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 
@@ -112,23 +114,6 @@ class StubPeers:
                 Topics.REWARD_RESULTS,
                 RewardResult(**ids, task_id=msg.task_id, reward=1.0, components={"tests_passed": RewardComponent(value=1.0)}),
             )
-
-
-async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.structs import OffsetAndMetadata
-
-    for group, topics in groups.items():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            await consumer._client.force_metadata_update()
-            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
-        finally:
-            await consumer.stop()
 
 
 async def settle(pairs: list[tuple[str, str]], quiet_s: float = 2.0, limit_s: float = 240.0) -> None:
@@ -246,7 +231,7 @@ async def main(args: argparse.Namespace) -> dict:
         # New consumer groups would start at the earliest offset and replay what earlier runs
         # left in the shared topics: start them at the end instead.
         requests = (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS)
-        await groups_start_at_end(bootstrap, {
+        await start_groups_at_end(bootstrap, {
             **{f"bench-{t}-{suffix}": [t] for t in requests},
             f"bench-dispatcher-{suffix}": [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
             f"bench-dispatcher-policy-{suffix}": [Topics.POLICY_UPDATES],

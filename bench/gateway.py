@@ -98,10 +98,9 @@ async def throughput(url: str, body: dict, n: int, concurrency: int) -> float:
 
 async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
     """New consumer groups start at the current end of the shared topics, not at their history."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
-    from aiokafka.structs import OffsetAndMetadata
+    from temper.bus.kafka import start_groups_at_end
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
@@ -115,17 +114,7 @@ async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> N
                 pass
     finally:
         await admin.close()
-    for group, topics in groups.items():
-        c = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-        await c.start()
-        try:
-            await c._client.force_metadata_update()
-            tps = [TopicPartition(t, p) for t in topics for p in sorted(c.partitions_for_topic(t) or ())]
-            c.assign(tps)
-            ends = await c.end_offsets(tps)
-            await c.commit({tp: OffsetAndMetadata(o, "") for tp, o in ends.items()})
-        finally:
-            await c.stop()
+    await start_groups_at_end(bootstrap, groups)
 
 
 async def kafka_path(bootstrap: str, results_group: str, prompt: list[int], n: int, tokens: int,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-_context: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("temper_log_context", default={})
+_context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("temper_log_context", default=None)
 
 # Values of these keys, and bearer tokens or URL passwords inside messages, are masked.
 _SECRET_KEYS = re.compile(r"(?:^|_)(secret|secret_key|password|passwd|token|authorization|api_key|access_key|bootstrap_key)$", re.I)
@@ -38,7 +38,7 @@ def _redact_fields(fields: dict[str, Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def log_context(**ids: Any) -> Iterator[None]:
     """Attach ids (job_id, episode_id, turn, ...) to every log line inside the block."""
-    token = _context.set({**_context.get(), **{k: v for k, v in ids.items() if v is not None}})
+    token = _context.set({**(_context.get() or {}), **{k: v for k, v in ids.items() if v is not None}})
     try:
         yield
     finally:
@@ -57,7 +57,7 @@ class JsonFormatter(logging.Formatter):
             "service": self.service,
             "logger": record.name,
             "msg": redact(record.getMessage()),
-            **_context.get(),
+            **(_context.get() or {}),
         }
         extra = getattr(record, "fields", None)
         if extra:

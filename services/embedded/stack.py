@@ -181,9 +181,8 @@ async def upload_files(env: dict[str, str], files: dict[str, bytes], prefix: str
 async def groups_start_at_end(bootstrap: str, groups: dict[str, tuple[str, ...]]) -> None:
     """Create the topics if need be and commit their end offsets for each new group: a new
     group would otherwise start at the earliest offset and replay what others left."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.structs import OffsetAndMetadata
     from temper.bus import KafkaBus
+    from temper.bus.kafka import start_groups_at_end
     from temper.events import Topics
 
     bus = KafkaBus(bootstrap=bootstrap)
@@ -192,17 +191,7 @@ async def groups_start_at_end(bootstrap: str, groups: dict[str, tuple[str, ...]]
         await bus.create_topics(Topics.ALL)
     finally:
         await bus.stop()
-    for group, topics in groups.items():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            await consumer._client.force_metadata_update()
-            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
-        finally:
-            await consumer.stop()
+    await start_groups_at_end(bootstrap, groups)
 
 
 def run_groups(run_id: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:

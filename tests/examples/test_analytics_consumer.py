@@ -74,12 +74,12 @@ async def test_aggregates_on_the_in_process_bus():
 @pytest.mark.kafka
 async def test_aggregates_on_kafka(kafka_bootstrap, unique):
     sys.path.insert(0, str(ROOT / "tests" / "services" / "dispatcher"))
-    from episode_peers import groups_start_at_end
+    from temper.bus.kafka import start_groups_at_end
 
     bus = KafkaBus(bootstrap=kafka_bootstrap, partitions=3)
     await bus.start()
     await bus.create_topics([Topics.EVENTS])
-    await groups_start_at_end(kafka_bootstrap, {f"analytics-{unique}": [Topics.EVENTS]})
+    await start_groups_at_end(kafka_bootstrap, {f"analytics-{unique}": [Topics.EVENTS]})
     try:
         agg = await feed(bus, f"job-{unique}", f"analytics-{unique}")
     finally:

@@ -16,6 +16,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 from sqlalchemy import func, select
+from temper.bus.kafka import start_groups_at_end
 from temper.db import Database, Episode, OutboxRow, Step
 from temper.db.migrate import upgrade
 from temper.events import Topics, TrajectoryReady
@@ -25,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services" / "dispa
 from episode_peers import (  # noqa: E402
     Peers,
     episodes_of,
-    groups_start_at_end,
     job_spec,
     job_state,
     seed,
@@ -111,7 +111,7 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(tmp_path, 
         "TEMPER_DISPATCHER__POLICY_GROUP": f"{group}-policy",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "libs"), str(ROOT)]),
     }
-    await groups_start_at_end(
+    await start_groups_at_end(
         kafka_bootstrap,
         {group: [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
          f"{group}-policy": [Topics.POLICY_UPDATES]},

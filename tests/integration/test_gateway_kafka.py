@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from temper.bus import Record
+from temper.bus.kafka import start_groups_at_end
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, SamplingParams, Topics, decode
 from temper.policy import create_model, default_tokenizer, encode_chat, save_weights, token_logprobs
 from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
@@ -23,24 +24,6 @@ from services.inference_gateway.component import Gateway
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(120)]
 TOK = default_tokenizer()
-
-
-async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
-    """Commit the end offsets for new groups, so they skip what is already in the shared topics."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.structs import OffsetAndMetadata
-
-    for group, topics in groups.items():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            await consumer._client.force_metadata_update()
-            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
-        finally:
-            await consumer.stop()
 
 
 class Harness:
@@ -83,7 +66,7 @@ async def start(tmp: Path, bootstrap: str, s3, unique: str, *, max_inflight: int
     runtime = Runtime(settings, service="inference-gateway", needs_db=False)
     await runtime.start()
     group, policy_group, results_group = (f"test-gw-{unique}", f"test-gw-{unique}-policy", f"test-gw-{unique}-res")
-    await groups_start_at_end(bootstrap, {group: [Topics.INFERENCE_REQUESTS], policy_group: [Topics.POLICY_UPDATES],
+    await start_groups_at_end(bootstrap, {group: [Topics.INFERENCE_REQUESTS], policy_group: [Topics.POLICY_UPDATES],
                                           results_group: [Topics.INFERENCE_RESULTS]})
     gateway = Gateway(runtime, group=group, policy_group=policy_group, concurrency=concurrency)
     await gateway.start()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from temper.bus.kafka import start_groups_at_end
 from temper.events import Message, SandboxRequest, SandboxResult, Topics
 from temper.runtime import Runtime
 from temper.sandbox import SandboxLimits, SandboxSettings
@@ -39,23 +40,6 @@ def root():
     path = Path("/tmp") / f"temper-sbk-{uuid.uuid4().hex[:8]}"
     yield path
     shutil.rmtree(path, ignore_errors=True)
-
-
-async def start_at_end(bootstrap: str, group: str, topic: str) -> None:
-    """Commit the topic's end offsets for a new group, so it skips what others left there."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.structs import OffsetAndMetadata
-
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        await consumer._client.force_metadata_update()
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        consumer.assign(tps)
-        ends = await consumer.end_offsets(tps)
-        await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
-    finally:
-        await consumer.stop()
 
 
 def settings_for(bootstrap: str, s3, root: Path, group: str) -> Settings:
@@ -94,7 +78,7 @@ async def client_runtime(bootstrap: str, s3, root: Path, unique: str, results: R
     )
     await runtime.start()
     group = f"sbk-results-{unique}"
-    await start_at_end(bootstrap, group, Topics.SANDBOX_RESULTS)
+    await start_groups_at_end(bootstrap, {group: [Topics.SANDBOX_RESULTS]})
     await runtime.consume([Topics.SANDBOX_RESULTS], results, group=group)
     return runtime
 
@@ -110,7 +94,7 @@ async def test_multi_action_session_over_kafka(kafka_bootstrap, s3_settings, roo
     results = Results(episodes)
     client = await client_runtime(kafka_bootstrap, s3_settings, root, unique, results)
     group = f"sandbox-worker-{unique}"
-    await start_at_end(kafka_bootstrap, group, Topics.SANDBOX_REQUESTS)
+    await start_groups_at_end(kafka_bootstrap, {group: [Topics.SANDBOX_REQUESTS]})
     wruntime = Runtime(
         settings_for(kafka_bootstrap, s3_settings, root, group), service="sandbox-worker", needs_db=False
     )
@@ -202,7 +186,7 @@ async def test_session_survives_a_sigkilled_worker_through_its_snapshot(
     bus = client.bus
     assert bus is not None
     group = f"sandbox-worker-{unique}"
-    await start_at_end(kafka_bootstrap, group, Topics.SANDBOX_REQUESTS)
+    await start_groups_at_end(kafka_bootstrap, {group: [Topics.SANDBOX_REQUESTS]})
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
     env.update(

@@ -7,7 +7,6 @@ import asyncio
 from collections import defaultdict
 
 import pytest
-
 from temper.bus import Bus, InProcessBus, KafkaBus, Poison, Record
 from temper.events import InferenceRequest, Topics
 
@@ -24,9 +23,9 @@ async def bus(request):
     await b.stop()
 
 
-async def wait_for(predicate, timeout: float = 30.0) -> None:
+async def wait_for(predicate, limit_s: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + limit_s
     while not predicate():
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
@@ -98,7 +97,7 @@ async def test_a_member_that_dies_before_committing_has_its_messages_redelivered
     await asyncio.wait_for(started.wait(), 30)
     other = await bus.subscribe([topic], group, survivor)
     await doomed.stop()
-    await wait_for(lambda: survivor_got == [b"work-1"], timeout=45)
+    await wait_for(lambda: survivor_got == [b"work-1"], limit_s=45)
     await bus.send(topic, b"work-2", key="e1")
     await wait_for(lambda: survivor_got == [b"work-1", b"work-2"])
     await other.stop()

@@ -5,7 +5,6 @@ import asyncio
 import pytest
 from sqlalchemy import inspect, select
 from sqlalchemy.exc import IntegrityError
-
 from temper.db import Database, DatabaseUnavailable, Episode, Job, Step, Tenant
 from temper.db.migrate import downgrade, upgrade
 from temper.db.models import Base

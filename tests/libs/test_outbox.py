@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import func, select
-
 from temper.bus import InProcessBus, Record
 from temper.db import Database, OutboxRow
 from temper.events import LifecycleEvent

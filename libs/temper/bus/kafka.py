@@ -240,3 +240,20 @@ class KafkaConsumer(Consumer):
         await self._consumer.stop()
         if self in self.bus._consumers:
             self.bus._consumers.remove(self)
+
+
+async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]] | dict[str, tuple[str, ...]]) -> None:
+    """Commit the current end offsets for consumer groups that are new, so they skip what
+    is already in the topics: a new group otherwise starts at the earliest offset and
+    replays the topics' whole history (other runs' and tests' messages included)."""
+    for group, topics in groups.items():
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            await consumer._client.force_metadata_update()
+            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
+            consumer.assign(tps)
+            ends = await consumer.end_offsets(tps)
+            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
+        finally:
+            await consumer.stop()

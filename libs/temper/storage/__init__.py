@@ -5,8 +5,8 @@ per tenant and job so that two tenants never share a prefix.
 """
 
 from temper.storage.base import NotFound, ObjectStore, object_key
+from temper.storage.factory import make_store
 from temper.storage.local import LocalStore
 from temper.storage.s3 import S3Store
-from temper.storage.factory import make_store
 
 __all__ = ["LocalStore", "NotFound", "ObjectStore", "S3Store", "make_store", "object_key"]

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 from temper.bus import Consumer
+from temper.bus.kafka import start_groups_at_end
 from temper.db import Database, Episode, Job, Step, Task, TaskSet, Tenant
 from temper.db.migrate import upgrade
 from temper.events import (
@@ -40,26 +41,6 @@ from services.dispatcher.service import Dispatcher
 TOK = default_tokenizer()
 FENCE = "```"
 Script = Callable[[InferenceRequest], str | None]  # None: don't answer (yet)
-
-
-async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> None:
-    """Commit the current end offsets for new consumer groups, so they skip what other
-    tests and benches left in the shared topics (a new group otherwise starts at the
-    earliest offset and replays all of it)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.structs import OffsetAndMetadata
-
-    for group, topics in groups.items():
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            await consumer._client.force_metadata_update()
-            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
-            consumer.assign(tps)
-            ends = await consumer.end_offsets(tps)
-            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
-        finally:
-            await consumer.stop()
 
 
 def settings_for(tmp: Path, db_url: str, *, bootstrap: str | None = None, partitions: int = 4) -> Settings:
@@ -183,7 +164,7 @@ class Peers:
         rt = self.runtime
         assert rt.bus is not None
         if bootstrap:
-            await groups_start_at_end(bootstrap, self.groups(group_suffix))
+            await start_groups_at_end(bootstrap, self.groups(group_suffix))
         for topic in (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS):
             self._consumers.append(
                 await rt.bus.subscribe([topic], f"peer-{topic}{group_suffix}", self._on_request, concurrency=4)
@@ -296,7 +277,7 @@ async def start_harness(
         engine.setdefault("policy_group", f"dispatcher-policy-{suffix}")
     dispatcher = Dispatcher(runtime, settings=engine_settings(**engine))
     if bootstrap:
-        await groups_start_at_end(bootstrap, {
+        await start_groups_at_end(bootstrap, {
             engine["results_group"]: [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
             engine["policy_group"]: [Topics.POLICY_UPDATES],
         })
