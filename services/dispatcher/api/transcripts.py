@@ -48,6 +48,18 @@ async def load_trajectory(store: ObjectStore, key: str) -> Trajectory | None:
         return None
 
 
+def reward_vector(rewards: dict[str, Any]) -> dict[str, Any]:
+    """The components of a stored trajectory's rewards (``{"components": {...}, "format_ok": ...}``
+    as the engine writes them) by name, with ``format_ok`` beside them."""
+    components = rewards.get("components")
+    if not isinstance(components, dict):
+        return rewards
+    out = dict(components)
+    if "format_ok" in rewards:
+        out.setdefault("format_ok", rewards["format_ok"])
+    return out
+
+
 def from_trajectory(episode: Episode, traj: Trajectory) -> schemas.Transcript:
     turns: list[schemas.TranscriptTurn] = []
     pending: list[str] = []
@@ -93,7 +105,7 @@ def from_trajectory(episode: Episode, traj: Trajectory) -> schemas.Transcript:
         turns=turns,
         final_observation=final_observation,
         reward=traj.reward,
-        rewards=traj.rewards or episode.rewards,
+        rewards=reward_vector(traj.rewards) if traj.rewards else episode.rewards,
         policy_versions=versions,
         timings={**episode.timings, **traj.timings},
     )

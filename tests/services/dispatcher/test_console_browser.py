@@ -11,6 +11,8 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -27,6 +29,57 @@ CHROMIUM = os.environ.get("TEMPER_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("TEMPER_CHROMEDRIVER", "/usr/bin/chromedriver")
 
 
+@contextmanager
+def run_dispatcher(db_url: str, storage_root: Path, data_dir: Path, log_name: str, **env: str) -> Iterator[str]:
+    """``python -m services.dispatcher`` on a SQLite database and a local object store,
+    healthy; yields its URL and stops it on exit. Its output goes to test-artifacts/."""
+    port = free_port()
+    environ = {
+        **os.environ,
+        "TEMPER_DB__URL": db_url,
+        "TEMPER_STORAGE__ROOT": str(storage_root),
+        "TEMPER_DATA_DIR": str(data_dir),
+        "TEMPER_PORT": str(port),
+        "TEMPER_MODE": "embedded",
+        **env,
+    }
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = (ARTIFACTS / log_name).open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.dispatcher"], cwd=ROOT, env=environ,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"the dispatcher exited ({proc.returncode}); see {log.name}"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the dispatcher did not become healthy"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def log_in(driver, url: str, key: str) -> None:
+    """Log in through the console's form (from wherever the driver is sent to log in)."""
+    from selenium.webdriver.common.by import By
+
+    if "/console/login" not in driver.current_url:
+        driver.get(f"{url}/console/login")
+    driver.find_element(By.ID, "key").send_keys(key)
+    driver.find_element(By.ID, "login-submit").click()
+
+
 @pytest.fixture
 def dispatcher(env, tmp_path):
     settings, seeded = env
@@ -34,38 +87,8 @@ def dispatcher(env, tmp_path):
     # for it), so the page of a job that is still live can be checked.
     with sqlite3.connect(settings.db.url.split(":///", 1)[1]) as conn:
         conn.execute("UPDATE jobs SET state = 'paused' WHERE id = ?", (seeded.running_job_id,))
-    port = free_port()
-    environ = {
-        **os.environ,
-        "TEMPER_DB__URL": settings.db.url,
-        "TEMPER_STORAGE__ROOT": str(settings.storage.root),
-        "TEMPER_DATA_DIR": str(tmp_path),
-        "TEMPER_PORT": str(port),
-        "TEMPER_MODE": "embedded",
-    }
-    ARTIFACTS.mkdir(exist_ok=True)
-    log = (ARTIFACTS / "console-dispatcher.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.dispatcher"], cwd=ROOT, env=environ,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, f"the dispatcher exited ({proc.returncode}); see {log.name}"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the dispatcher did not become healthy"
-        time.sleep(0.2)
-    yield url, seeded
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    with run_dispatcher(settings.db.url, settings.storage.root, tmp_path, "console-dispatcher.log") as url:
+        yield url, seeded
 
 
 @pytest.fixture
@@ -100,8 +123,7 @@ def test_console_shows_the_reward_curve_and_a_transcript(dispatcher, chrome):
     chrome.get(f"{url}/console/jobs/{seeded.job_id}")
     wait.until(ec.presence_of_element_located((By.ID, "login-form")))  # sent to log in first
     chrome.save_screenshot(str(ARTIFACTS / "console-login.png"))
-    chrome.find_element(By.ID, "key").send_keys(seeded.key)
-    chrome.find_element(By.ID, "login-submit").click()
+    log_in(chrome, url, seeded.key)
 
     # back on the job page it asked for
     wait.until(ec.presence_of_element_located((By.ID, "reward-curve")))
@@ -141,9 +163,7 @@ def test_an_unfinished_job_page_refreshes_itself(dispatcher, chrome, env):
     from selenium.webdriver.support.ui import WebDriverWait
 
     url, seeded = dispatcher
-    chrome.get(f"{url}/console/login")
-    chrome.find_element(By.ID, "key").send_keys(seeded.key)
-    chrome.find_element(By.ID, "login-submit").click()
+    log_in(chrome, url, seeded.key)
     chrome.get(f"{url}/console/jobs/{seeded.running_job_id}")
     live = chrome.find_element(By.ID, "live")
     assert live.get_attribute("data-refresh") == "3"

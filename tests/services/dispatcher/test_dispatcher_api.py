@@ -10,6 +10,8 @@ import pytest
 import yaml
 from sqlalchemy import select
 from temper.db import Database, Episode, OutboxRow
+from temper.episode_log import read_episode_log
+from temper.storage import LocalStore
 
 from tests.services.dispatcher.conftest import KILLED_EPISODE, SPEC, bearer
 
@@ -179,6 +181,18 @@ async def test_transcript_from_the_stored_trajectory(client):
     assert t["policy_versions"] == [0] and t["final_observation"] == ""
     raw = await client.get(f"/v1/episodes/{KILLED_EPISODE}/trajectory")
     assert raw.status_code == 200 and raw.json()["segments"][1]["logprobs"][0] == -0.5
+
+
+async def test_the_episode_log_is_linked_once_stored(client, env):
+    assert (await client.get(f"/v1/episodes/{KILLED_EPISODE}/transcript")).json()["log_key"] is None
+    assert (await client.get(f"/v1/episodes/{KILLED_EPISODE}/log")).status_code == 404
+    settings, _ = env
+    key = f"tenants/acme/jobs/job-finished/logs/{KILLED_EPISODE}.jsonl"
+    await LocalStore(settings.storage.root).put(key, b'{"turn": 0, "kind": "sandbox", "kill_reason": "timeout"}\n')
+    assert (await client.get(f"/v1/episodes/{KILLED_EPISODE}/transcript")).json()["log_key"] == key
+    r = await client.get(f"/v1/episodes/{KILLED_EPISODE}/log")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+    assert read_episode_log(r.content) == [{"turn": 0, "kind": "sandbox", "kill_reason": "timeout"}]
 
 
 async def test_transcript_of_an_episode_in_progress_comes_from_its_steps(client):
