@@ -101,7 +101,10 @@ class Progress:
         self.last = []
 
 
-async def run(spec_path: Path, *, runs_dir: Path = Path("runs"), run_id: str | None = None, out: TextIO = sys.stderr) -> RunResult:
+async def run(
+    spec_path: Path, *, runs_dir: Path = Path("runs"), run_id: str | None = None, out: TextIO | None = None
+) -> RunResult:
+    out = out or sys.stderr  # looked up now: tests and callers may have replaced it
     spec, local = localrun.load(spec_path)
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
     run_dir = (runs_dir / run_id).resolve()

@@ -22,7 +22,7 @@ MATH_TOOLS = {"python": '{"code": "..."} runs Python and shows its output', "sub
 def extract_answer(text: str) -> str | None:
     """The model's final answer, if it gave one explicitly (``\\boxed{}``, ``#### x``,
     ``Answer: x``); the same reading the reward's ``answer_match`` uses."""
-    return answers.extract_answer(text, last_number=False)
+    return answers.extract_answer(text, strict=True)
 
 
 class MathEnvironment(Environment):

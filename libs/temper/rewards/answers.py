@@ -43,10 +43,17 @@ def _boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str, *, last_number: bool = True) -> str | None:
+# "Answer: x" on a line of its own (markdown bold allowed): a committed final answer.
+_ANSWER_LINE = re.compile(r"^\s*\**(?:final\s+)?answer\**\s*[:=]", re.I | re.M)
+
+
+def extract_answer(text: str, *, strict: bool = False) -> str | None:
     """The final answer in a response: ``\\boxed{}``, else after ``####``, else after
-    "answer is"/"answer:", else (if ``last_number``) the last number in the text. An
-    environment deciding whether the model has answered yet passes ``last_number=False``."""
+    "answer is"/"answer:", else the last number in the text.
+
+    ``strict`` reads only a committed answer (``\\boxed{}``, ``####``, or an
+    ``Answer:`` line), as an environment deciding whether the model has answered yet
+    must: "I think the answer is four" is prose, not a submission."""
     if not text or not text.strip():
         return None
     boxed = _boxed(text)
@@ -54,12 +61,14 @@ def extract_answer(text: str, *, last_number: bool = True) -> str | None:
         return boxed.strip()
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().splitlines()[0].strip() if text.rsplit("####", 1)[1].strip() else None
+    if strict and not _ANSWER_LINE.search(text):
+        return None
     m = list(re.finditer(r"answer\s*(?:is|:|=)\s*(.+)", text, re.I))
     if m:
         tail = m[-1].group(1).strip()
         num = _NUMBER_RE.search(tail.replace("$", ""))
         return num.group(0) if num else tail.rstrip(".").strip()
-    if not last_number:
+    if strict:
         return None
     nums = _NUMBER_RE.findall(_FRAC_RE.sub(lambda f: f"{f.group(1)}/{f.group(2)}", text))
     return nums[-1] if nums else None

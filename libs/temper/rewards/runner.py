@@ -29,9 +29,14 @@ COVERAGE_JSON = "/tmp/temper_coverage.json"
 SCORING_LIMITS = SandboxLimits(wall_s=20.0, cpu_s=20.0, memory_mb=512, pids=64)
 
 
+# Where the scoring sandbox sees the coverage package: a fixed path outside /tmp and the
+# workspace, wherever the host's virtualenv lives (a checkout under /tmp would otherwise
+# be hidden by the sandbox's own /tmp).
+SANDBOX_SITE = "/opt/temper-site"
+
+
 def coverage_site_dir() -> str | None:
-    """The directory holding the ``coverage`` package on this host; the scoring sandbox
-    binds only that package read-only and puts this directory on PYTHONPATH."""
+    """The directory holding the ``coverage`` package on this host, if it is installed."""
     try:
         import coverage
     except ImportError:
@@ -41,13 +46,14 @@ def coverage_site_dir() -> str | None:
 
 def scoring_sandbox_settings(base: SandboxSettings) -> SandboxSettings:
     """The sandbox settings of a scoring manager: ``base`` plus a read-only bind of the
-    coverage.py package (only that package, not the rest of the host's site-packages)."""
+    coverage.py package (only that package, not the rest of the host's site-packages)
+    at :data:`SANDBOX_SITE`."""
     site = coverage_site_dir()
     binds = list(base.ro_binds)
     if site is not None:
-        package = str(Path(site) / "coverage")
-        if package not in binds:
-            binds.append(package)
+        bind = f"{Path(site) / 'coverage'}:{SANDBOX_SITE}/coverage"
+        if bind not in binds:
+            binds.append(bind)
     return base.model_copy(update={"ro_binds": binds})
 
 
@@ -134,7 +140,7 @@ class TestRunner:
                     raise ScoringError("coverage.py is not installed on the scorer host")
                 await self.manager.execute(sb, Action(kind="write_file", path=HARNESS_PATH, content=HARNESS_SOURCE))
                 include = f"--include={workspace.rstrip('/')}/{task.solution_file}"
-                env = {"PYTHONPATH": site}
+                env = {"PYTHONPATH": SANDBOX_SITE}
                 result = await self.manager.execute(
                     sb,
                     Action(

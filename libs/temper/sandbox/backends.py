@@ -100,8 +100,9 @@ class BwrapBackend(Backend):
 
     def mount_args(self, workspace: Path, limits: SandboxLimits) -> list[str]:
         args: list[str] = []
-        for path in self.settings.ro_binds:
-            args += ["--ro-bind-try", path, path]
+        for entry in self.settings.ro_binds:
+            source, _, target = entry.partition(":")
+            args += ["--ro-bind-try", source, target or source]
         for link, target in (
             ("/bin", "usr/bin"),
             ("/lib", "usr/lib"),

@@ -40,6 +40,7 @@ class SandboxSettings(BaseModel):
             "/etc/localtime",
             "/etc/ssl",
         ],
-        description="host paths bound read-only at the same place (missing ones are skipped)",
+        description="host paths bound read-only at the same place, or HOST:SANDBOX to bind elsewhere "
+        "(missing ones are skipped)",
     )
     snapshot_prefix: str = "sandbox-snapshots"
