@@ -196,6 +196,23 @@ class EpisodeEngine:
         self.ignored += 1
         log_event(log, "result ignored", logging.DEBUG, why=why, kind=message.kind, attempt=message.attempt)
 
+    async def _awaited(
+        self, session: AsyncSession, msg: Message, kind: str, state: EpisodeState, error: str | None
+    ) -> tuple[Episode, Step] | None:
+        """The locked episode and step this result answers, or None when it is stale or a
+        duplicate (ignored) or reports an error (the step is retried or the episode fails)."""
+        ep = await self._lock_episode(session, msg.episode_id)
+        step = await self._step(session, ep.id, msg.turn or 0, kind) if ep else None
+        why = self._is_current(ep, step, msg, state)
+        if why:
+            self._ignore(why, msg)
+            return None
+        assert ep is not None and step is not None
+        if error:
+            self.retry_or_fail(session, ep, step, f"{kind}_error: {error}")
+            return None
+        return ep, step
+
     @staticmethod
     def _is_current(ep: Episode | None, step: Step | None, message: Message, state: EpisodeState) -> str | None:
         """None if ``message`` is the result the episode waits for, else why not."""
@@ -291,16 +308,12 @@ class EpisodeEngine:
     # --- results -------------------------------------------------------------------------------
     async def on_inference(self, msg: InferenceResult) -> None:
         async with self.tx() as session:
-            ep = await self._lock_episode(session, msg.episode_id)
-            step = await self._step(session, ep.id, msg.turn or 0, "inference") if ep else None
-            why = self._is_current(ep, step, msg, E.awaiting_action)
-            if why:
-                return self._ignore(why, msg)
-            assert ep is not None and step is not None
-            if msg.error or len(msg.logprobs) != len(msg.token_ids):
-                error = msg.error or f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens"
-                self.retry_or_fail(session, ep, step, f"inference_error: {error}")
+            mismatch = len(msg.logprobs) != len(msg.token_ids)
+            error = msg.error or (f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens" if mismatch else None)
+            awaited = await self._awaited(session, msg, "inference", E.awaiting_action, error)
+            if awaited is None:
                 return
+            ep, step = awaited
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
             text = msg.text or self.tok.decode(msg.token_ids)
@@ -350,15 +363,10 @@ class EpisodeEngine:
 
     async def on_sandbox(self, msg: SandboxResult) -> None:
         async with self.tx() as session:
-            ep = await self._lock_episode(session, msg.episode_id)
-            step = await self._step(session, ep.id, msg.turn or 0, "sandbox") if ep else None
-            why = self._is_current(ep, step, msg, E.acting)
-            if why:
-                return self._ignore(why, msg)
-            assert ep is not None and step is not None
-            if msg.error:
-                self.retry_or_fail(session, ep, step, f"sandbox_error: {msg.error}")
+            awaited = await self._awaited(session, msg, "sandbox", E.acting, msg.error)
+            if awaited is None:
                 return
+            ep, step = awaited
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
             inference = await self._step(session, ep.id, step.turn, "inference")
@@ -425,15 +433,10 @@ class EpisodeEngine:
         # Read first and write the trajectory and log outside the transaction (object storage is slow
         # and idempotent: the key is fixed per episode), then commit the state change.
         async with self.tx() as session:
-            ep = await self._lock_episode(session, msg.episode_id)
-            step = await self._step(session, ep.id, msg.turn or 0, "reward") if ep else None
-            why = self._is_current(ep, step, msg, E.scoring)
-            if why:
-                return self._ignore(why, msg)
-            assert ep is not None and step is not None
-            if msg.error:
-                self.retry_or_fail(session, ep, step, f"reward_error: {msg.error}")
+            awaited = await self._awaited(session, msg, "reward", E.scoring, msg.error)
+            if awaited is None:
                 return
+            ep, step = awaited
             steps = list(
                 (await session.execute(select(Step).where(Step.episode_id == ep.id).order_by(Step.turn, Step.id))).scalars()
             )
