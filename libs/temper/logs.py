@@ -79,6 +79,8 @@ def configure_logging(service: str, level: str = "INFO", json_lines: bool = True
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
+    for previous in root.handlers:
+        previous.close()  # a file handler of an earlier configuration would leak its file
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     for noisy in ("aiokafka", "kafka", "httpx", "uvicorn.access"):

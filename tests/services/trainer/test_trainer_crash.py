@@ -134,7 +134,16 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
 
     try:
         await trainer.start()
-        await send_all(bus, g1 + g2 + flat + g3 + half[:2])
+        # One group at a time: keyed by episode, a group's messages spread over partitions,
+        # so groups sent together may complete in either order.
+        for number, group in enumerate((g1, g2), start=1):
+            await send_all(bus, group)
+
+            async def stepped(number: int = number) -> bool:
+                return (await trainer.status(job_id)).get("step") == number
+
+            await wait_for(stepped, within=120, what=f"step {number}")
+        await send_all(bus, flat + g3 + half[:2])
 
         async def mid_job() -> bool:
             st = await trainer.status(job_id)
