@@ -6,7 +6,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export TEMPER_REQUIRE_INTEGRATION=1
 # tests/conftest.py reads the servers' addresses from .stack/env itself.
-.venv/bin/python -m pytest "$@"
+# GPU tests run only where a CUDA device is visible (they are deselected, never skipped).
+gpu_filter=(-m "not gpu")
+if .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  gpu_filter=()
+fi
+.venv/bin/python -m pytest "${gpu_filter[@]}" "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "run_tests: pytest collected no tests; that is a failure of ours" >&2

@@ -92,7 +92,7 @@ def test_kl_to_the_reference_grows_as_the_policy_moves():
     assert kls[-1] > kls[0]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_the_same_step_runs_on_cuda_in_bf16():
     learner = Learner(create_model(seed=3), LearnerConfig(learning_rate=3e-3), device="cuda")
     assert learner.autocast_enabled
