@@ -13,7 +13,7 @@ from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, SessionDep, StoreDep
 from services.dispatcher.api.jobs import AUTH, JobDep
-from services.dispatcher.api.transcripts import stored_log_key, transcript
+from services.dispatcher.api.transcripts import stored_log, transcript
 
 router = APIRouter(tags=["episodes"], dependencies=[Depends(bearer_scheme)])
 
@@ -105,13 +105,7 @@ async def get_trajectory(store: StoreDep, episode: EpisodeDep) -> Response:
     responses={200: {"content": {"application/x-ndjson": {}}}, **EPISODE_NOT_FOUND, **AUTH},
 )
 async def get_episode_log(store: StoreDep, episode: EpisodeDep) -> Response:
-    from temper.storage import NotFound
-
-    key = await stored_log_key(store, episode)
-    if key is None:
+    data = await stored_log(store, episode)
+    if data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode.id} has no log (not scored yet)")
-    try:
-        data = await store.get(key)
-    except NotFound:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"log of episode {episode.id} is missing") from None
     return Response(data, media_type="application/x-ndjson")

@@ -199,6 +199,16 @@ async def stored_log_key(store: ObjectStore, episode: Episode) -> str | None:
     return key if await store.exists(key) else None
 
 
+async def stored_log(store: ObjectStore, episode: Episode) -> bytes | None:
+    """The episode's log (JSON lines) if it was written: one read, no separate existence check."""
+    if not episode.trajectory_key:
+        return None
+    try:
+        return await store.get(log_key(episode.tenant_id, episode.job_id, episode.id))
+    except NotFound:
+        return None
+
+
 async def transcript(session: AsyncSession, store: ObjectStore, episode: Episode) -> schemas.Transcript:
     out: schemas.Transcript | None = None
     if episode.trajectory_key:

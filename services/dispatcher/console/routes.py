@@ -17,12 +17,11 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from temper.lifecycle import JOB_TERMINAL, IllegalTransition
-from temper.storage import NotFound
 from temper.tenants import Caller, authenticate
 
 from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
-from services.dispatcher.api.transcripts import stored_log_key, transcript
+from services.dispatcher.api.transcripts import stored_log, transcript
 from services.dispatcher.console.charts import reward_curve_svg
 
 HERE = Path(__file__).parent
@@ -185,13 +184,9 @@ async def episode_page(
 async def episode_log(session: SessionDep, store: StoreDep, caller: ConsoleCaller, episode_id: str) -> Response:
     """The episode's stored log (JSON lines), shown as text in the browser."""
     episode = await repo.get_episode(session, tenant_id=caller.tenant.id, episode_id=episode_id)
-    key = await stored_log_key(store, episode) if episode is not None else None
-    if key is None:
+    data = await stored_log(store, episode) if episode is not None else None
+    if data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no log for episode {episode_id}")
-    try:
-        data = await store.get(key)
-    except NotFound:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no log for episode {episode_id}") from None
     return Response(data, media_type="text/plain; charset=utf-8")
 
 
