@@ -132,17 +132,19 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
                                     .order_by(PolicyVersion.version))).scalars()
             return [(r.version, r.step) for r in rows]
 
+    async def until_step(number: int) -> None:
+        async def reached() -> bool:
+            return (await trainer.status(job_id)).get("step") == number
+
+        await wait_for(reached, within=120, what=f"step {number}")
+
     try:
         await trainer.start()
         # One group at a time: keyed by episode, a group's messages spread over partitions,
         # so groups sent together may complete in either order.
         for number, group in enumerate((g1, g2), start=1):
             await send_all(bus, group)
-
-            async def stepped(number: int = number) -> bool:
-                return (await trainer.status(job_id)).get("step") == number
-
-            await wait_for(stepped, within=120, what=f"step {number}")
+            await until_step(number)
         await send_all(bus, flat + g3 + half[:2])
 
         async def mid_job() -> bool:
@@ -157,8 +159,12 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
         trainer.kill()
 
         await trainer.start()
-        await send_all(bus, g1 + g3 + flat + half)  # redeliveries, and the rest of the half group
-        await send_all(bus, g4 + g5)
+        # Again one group at a time, so the step each group lands on is known.
+        sends = [(g1 + g3 + flat + half[:2], 3),  # redeliveries: g3 is retrained, g1 and flat are not
+                 (half[2:], 4), (g4, 5), (g5, 6)]
+        for messages, number in sends:
+            await send_all(bus, messages)
+            await until_step(number)
 
         async def finished() -> bool:
             return len(await versions()) == 3
