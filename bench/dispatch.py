@@ -2,9 +2,13 @@
 
 Bench-local doubles of the peers answer at once: a stub policy (a ``true`` shell
 command until the last turn, then ``submit``), a no-op sandbox and a constant reward.
-So a turn's wall time is all orchestration: two Kafka round trips (inference, sandbox),
-two Postgres transactions that record a result and write the next command, and the
-outbox relay. Measured next to the raw Kafka produce→consume hop of the same run.
+They run in a process of their own, as the real services do. So a turn's wall time is
+all orchestration: two Kafka round trips (inference, sandbox) and two Postgres
+transactions that record a result and write the next command, published as they commit.
+A turn is measured from the step rows: the time between the dispatcher issuing one
+inference request of an episode and issuing the next. Measured next to the raw Kafka
+produce→consume hop of the same run; the dispatcher process's CPU time per turn is
+reported too.
 
     python bench/dispatch.py            # make bench-dispatch
     python bench/dispatch.py --episodes 512 --concurrency 128
@@ -18,16 +22,14 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
 import uuid
-from collections import defaultdict
 from pathlib import Path
-
-from temper.bus.kafka import start_groups_at_end
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
@@ -36,7 +38,8 @@ import asyncpg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 from temper import metrics  # noqa: E402
 from temper.bus import Record  # noqa: E402
-from temper.db import Episode, Job, Task, TaskSet, Tenant  # noqa: E402
+from temper.bus.kafka import KafkaBus, start_groups_at_end  # noqa: E402
+from temper.db import Episode, Job, Step, Task, TaskSet, Tenant  # noqa: E402
 from temper.db.migrate import upgrade  # noqa: E402
 from temper.events import (  # noqa: E402
     InferenceRequest,
@@ -70,20 +73,19 @@ def pct(values: list[float], q: float) -> float:
 
 
 class StubPeers:
-    """Instant policy, sandbox and scorer; records when each inference request arrives."""
+    """Instant policy, sandbox and scorer, on a bus of their own."""
 
-    def __init__(self, runtime: Runtime, max_turns: int, prefix: str) -> None:
-        self.rt = runtime
+    def __init__(self, bus: KafkaBus, max_turns: int, prefix: str) -> None:
+        self.bus = bus
         self.max_turns = max_turns
         self.prefix = prefix
-        self.arrivals: dict[str, dict[int, float]] = defaultdict(dict)
-        self.scored = 0
         self.consumers = []
 
     async def start(self, suffix: str) -> None:
-        bus = self.rt.bus
         for topic in (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS):
-            self.consumers.append(await bus.subscribe([topic], f"bench-{topic}-{suffix}", self.on_request, concurrency=8))
+            self.consumers.append(
+                await self.bus.subscribe([topic], f"bench-{topic}-{suffix}", self.on_request, concurrency=8)
+            )
 
     async def stop(self) -> None:
         for c in self.consumers:
@@ -94,26 +96,41 @@ class StubPeers:
         if not (msg.job_id or "").startswith(self.prefix):
             return
         ids = dict(job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt)
-        bus = self.rt.bus
         if isinstance(msg, InferenceRequest):
-            self.arrivals[msg.episode_id][msg.turn] = time.perf_counter()
             text = SUBMIT_TEXT if msg.turn + 1 >= self.max_turns else RUN_TEXT
             tokens = [*TOK.encode(text), TOK.end_id]
-            await bus.send_message(
+            await self.bus.send_message(
                 Topics.INFERENCE_RESULTS,
                 InferenceResult(**ids, token_ids=tokens, logprobs=[-0.1] * len(tokens), text=text, finish_reason="stop"),
             )
         elif isinstance(msg, SandboxRequest):
-            await bus.send_message(
+            await self.bus.send_message(
                 Topics.SANDBOX_RESULTS,
                 SandboxResult(**ids, session_id=msg.session_id, result={"exit_code": 0, "wall_s": 0.0}, worker="noop"),
             )
         elif isinstance(msg, RewardRequest):
-            self.scored += 1
-            await bus.send_message(
+            await self.bus.send_message(
                 Topics.REWARD_RESULTS,
                 RewardResult(**ids, task_id=msg.task_id, reward=1.0, components={"tests_passed": RewardComponent(value=1.0)}),
             )
+
+
+def run_peers(bootstrap: str, partitions: int, max_turns: int, prefix: str, suffix: str, ready, stop) -> None:
+    """The peers' process: in a deployment they are other services, so their CPU is not
+    the dispatcher's."""
+
+    async def main() -> None:
+        logging.disable(logging.WARNING)
+        bus = KafkaBus(bootstrap=bootstrap, partitions=partitions)
+        await bus.start()
+        peers = StubPeers(bus, max_turns, prefix)
+        await peers.start(suffix)
+        ready.set()
+        await asyncio.to_thread(stop.wait)
+        await peers.stop()
+        await bus.stop()
+
+    asyncio.run(main())
 
 
 async def settle(pairs: list[tuple[str, str]], quiet_s: float = 2.0, limit_s: float = 240.0) -> None:
@@ -171,10 +188,11 @@ def spec(episodes: int, concurrency: int, max_turns: int) -> dict:
     ).model_dump(mode="json")
 
 
-async def run_job(db, peers: StubPeers, job_id: str, episodes: int, concurrency: int, max_turns: int) -> dict:
+async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: int) -> dict:
     async with db.session() as s:
         s.add(Job(id=job_id, tenant_id="bench", name="bench", spec=spec(episodes, concurrency, max_turns), state="pending"))
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     while True:
         async with db.session() as s:
             state = await s.scalar(select(Job.state).where(Job.id == job_id))
@@ -184,18 +202,20 @@ async def run_job(db, peers: StubPeers, job_id: str, episodes: int, concurrency:
             raise TimeoutError(f"job {job_id} did not finish in 300 s")
         await asyncio.sleep(0.05)
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     async with db.session() as s:
         scored = await s.scalar(
             select(func.count()).select_from(Episode).where(Episode.job_id == job_id, Episode.state == "scored")
         )
-    gaps = []
-    for ep, turns in peers.arrivals.items():
-        if not ep:
-            continue
-        ordered = [turns[t] for t in sorted(turns)]
-        gaps += [(b - a) * 1000 for a, b in zip(ordered, ordered[1:], strict=False)]
-    peers.arrivals.clear()
-    return {"state": state, "wall_s": wall, "scored": scored, "gaps_ms": gaps, "turns": scored * max_turns}
+        # A turn is the time between the dispatcher issuing one inference request of an
+        # episode and issuing the next (the step rows are written as the requests are).
+        issued = (await s.execute(
+            select(Step.episode_id, Step.turn, Step.created_at).join(Episode, Episode.id == Step.episode_id)
+            .where(Episode.job_id == job_id, Step.kind == "inference").order_by(Step.episode_id, Step.turn)
+        )).all()
+    gaps = [(b.created_at - a.created_at).total_seconds() * 1000
+            for a, b in zip(issued, issued[1:], strict=False) if a.episode_id == b.episode_id]
+    return {"state": state, "wall_s": wall, "cpu_s": cpu, "scored": scored, "gaps_ms": gaps, "turns": scored * max_turns}
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -236,15 +256,20 @@ async def main(args: argparse.Namespace) -> dict:
             f"bench-dispatcher-{suffix}": [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
             f"bench-dispatcher-policy-{suffix}": [Topics.POLICY_UPDATES],
         })
-        peers = StubPeers(runtime, args.turns, prefix)
-        await peers.start(suffix)
+        spawn = multiprocessing.get_context("spawn")
+        peers_ready, peers_stop = spawn.Event(), spawn.Event()
+        peers = spawn.Process(target=run_peers, args=(bootstrap, args.partitions, args.turns, prefix, suffix,
+                                                      peers_ready, peers_stop), daemon=True)
+        peers.start()
+        if not await asyncio.to_thread(peers_ready.wait, 120):
+            raise TimeoutError("the stub peers did not start")
         dispatcher = Dispatcher(
             runtime,
             settings=EngineSettings(
                 trainer_attached=False,
                 scheduler_interval_s=0.02,
                 lease_s=120,
-                result_concurrency=args.partitions,
+                result_concurrency=16,  # under the pool size (20)
                 results_group=f"bench-dispatcher-{suffix}",
                 policy_group=f"bench-dispatcher-policy-{suffix}",
             ),
@@ -253,12 +278,13 @@ async def main(args: argparse.Namespace) -> dict:
         ping = await kafka_roundtrip(runtime, args.pings, suffix)
         # Warm-up (consumer groups join, caches fill), then a latency run with few episodes
         # in flight, then a throughput run with many.
-        await run_job(runtime.db, peers, f"{prefix}warm", 4, 4, 2)
-        latency = await run_job(runtime.db, peers, f"{prefix}lat", args.latency_episodes, 4, args.turns)
-        throughput = await run_job(runtime.db, peers, f"{prefix}tput", args.episodes, args.concurrency, args.turns)
+        await run_job(runtime.db, f"{prefix}warm", 4, 4, 2)
+        latency = await run_job(runtime.db, f"{prefix}lat", args.latency_episodes, 4, args.turns)
+        throughput = await run_job(runtime.db, f"{prefix}tput", args.episodes, args.concurrency, args.turns)
         ping_after = await kafka_roundtrip(runtime, args.pings, suffix + "b")
         await dispatcher.stop()
-        await peers.stop()
+        peers_stop.set()
+        await asyncio.to_thread(peers.join, 30)
         await runtime.stop()
     finally:
         conn = await asyncpg.connect(admin)
@@ -281,6 +307,7 @@ async def main(args: argparse.Namespace) -> dict:
         "throughput_concurrency": args.concurrency,
         "turns_per_episode": args.turns,
         "throughput_wall_s": round(throughput["wall_s"], 2),
+        "dispatcher_cpu_ms_per_turn": round(throughput["cpu_s"] * 1000 / max(1, throughput["turns"]), 2),
         "partitions": args.partitions,
         "target_turn_overhead_p50_ms": 15,
         "target_turns_per_s": 200,

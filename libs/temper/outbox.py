@@ -1,16 +1,25 @@
 """Transactional outbox: a command is written as a row in the same transaction as the
-state change that caused it, and a relay publishes committed rows in order.
+state change that caused it, and is published only once that transaction committed.
 
-A rolled-back transaction leaves no row, so nothing is published for it. A relay that
-dies after publishing but before marking rows sent publishes them again on restart:
-delivery is at-least-once and every consumer is idempotent.
+Two paths publish rows, and together they lose nothing:
+
+- the fast path: :meth:`OutboxRelay.transaction` publishes a transaction's own rows right
+  after it commits, so a command reaches the bus without waiting for a relay pass;
+- the sweep: :meth:`OutboxRelay.publish_pending` publishes, in id order, committed rows
+  that nobody published — written outside ``transaction()``, left by a fast path that
+  failed, or left by a process that died between commit and send.
+
+A rolled-back transaction leaves no row, so nothing is published for it. A process that
+dies after publishing but before marking rows sent publishes them again: delivery is
+at-least-once and every consumer is idempotent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -24,10 +33,15 @@ from temper.logs import log_event
 
 log = logging.getLogger("temper.outbox")
 
+# The rows a session added to the outbox, for the fast path (session.info is per session).
+_ROWS = "temper.outbox.rows"
+
 
 def enqueue(session: AsyncSession, topic: str, message: Message) -> None:
     """Add ``message`` to the outbox inside the caller's transaction."""
-    session.add(OutboxRow(topic=topic, key=message.key(), payload=message.to_bytes()))
+    row = OutboxRow(topic=topic, key=message.key(), payload=message.to_bytes())
+    session.add(row)
+    session.info.setdefault(_ROWS, []).append(row)
 
 
 class OutboxRelay:
@@ -46,26 +60,73 @@ class OutboxRelay:
         self.idle_sleep_s = idle_sleep_s
         self._after_publish = after_publish  # a test hook: runs between publishing and marking
         self._wake = asyncio.Event()
+        self._claimed: set[int] = set()  # rows the fast path is publishing: the sweep leaves them
+        self._sent: list[int] = []  # rows the fast path published, to be marked by the next pass
 
     def notify(self) -> None:
         """Tell the relay that rows were just committed (skips the idle sleep)."""
         self._wake.set()
 
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncSession]:
+        """A transaction whose outbox rows are published as soon as it commits."""
+        ids: set[int] = set()
+        try:
+            async with self.db.session() as session:
+                yield session
+                rows: list[OutboxRow] = session.info.pop(_ROWS, [])
+                if rows:
+                    await session.flush()  # assigns the ids
+                    # Claimed before the commit makes them visible, so the sweep never sees them unclaimed.
+                    ids = {r.id for r in rows}
+                    self._claimed |= ids
+        except BaseException:
+            self._claimed -= ids
+            raise
+        if rows:
+            await self._publish_committed(rows, ids)
+
+    async def _publish_committed(self, rows: Sequence[OutboxRow], ids: set[int]) -> None:
+        try:
+            await self._send(rows)
+        except Exception as exc:  # noqa: BLE001 - the rows are committed: the sweep sends them
+            log_event(log, "publish after commit failed; the relay will retry", logging.WARNING, error=repr(exc))
+            self._wake.set()  # the sweep sends them now
+        else:
+            self._sent.extend(ids)  # marked by the next pass, not urgent: no wake-up
+        finally:
+            self._claimed -= ids
+
+    async def _send(self, rows: Sequence[OutboxRow]) -> None:
+        # All in flight together: the producer keeps call order per partition (and so per key).
+        await asyncio.gather(*(self.bus.send(r.topic, r.payload, key=r.key) for r in rows))
+        for row in rows:
+            metrics.OUTBOX_PUBLISHED.labels(row.topic).inc()
+
     async def publish_pending(self) -> int:
-        """Publish one batch of committed rows in id order; returns how many."""
-        async with self.db.session() as session:
-            query = select(OutboxRow).where(OutboxRow.published_at.is_(None)).order_by(OutboxRow.id).limit(self.batch)
-            if not self.db.is_sqlite:
-                query = query.with_for_update(skip_locked=True)
-            rows = list((await session.execute(query)).scalars())
-            for row in rows:
-                await self.bus.send(row.topic, row.payload, key=row.key)
-                metrics.OUTBOX_PUBLISHED.labels(row.topic).inc()
-            ids = [r.id for r in rows]
-            if self._after_publish is not None:
-                await self._after_publish(ids)
-            if ids:
-                await session.execute(update(OutboxRow).where(OutboxRow.id.in_(ids)).values(published_at=utcnow()))
+        """Mark what the fast path sent, then publish one batch of committed rows that
+        nobody published, in id order; returns how many of those."""
+        sent, self._sent = self._sent, []
+        try:
+            async with self.db.session() as session:
+                if sent:
+                    await session.execute(update(OutboxRow).where(OutboxRow.id.in_(sent)).values(published_at=utcnow()))
+                query = select(OutboxRow).where(OutboxRow.published_at.is_(None)).order_by(OutboxRow.id).limit(self.batch)
+                if not self.db.is_sqlite:
+                    query = query.with_for_update(skip_locked=True)
+                found = (await session.execute(query)).scalars()
+                # Leave this process's fast path its rows: in flight, or sent and not yet marked.
+                fast = self._claimed | set(self._sent)
+                rows = [r for r in found if r.id not in fast]
+                await self._send(rows)
+                ids = [r.id for r in rows]
+                if self._after_publish is not None:
+                    await self._after_publish(ids)
+                if ids:
+                    await session.execute(update(OutboxRow).where(OutboxRow.id.in_(ids)).values(published_at=utcnow()))
+        except BaseException:
+            self._sent[:0] = sent  # not marked: try again next pass (they are not re-sent)
+            raise
         return len(rows)
 
     async def pending(self) -> int:

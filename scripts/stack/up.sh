@@ -247,6 +247,9 @@ share.coordinator.state.topic.min.isr=1
 
 # Fast group joins for tests; small footprint for a 2-core machine.
 group.initial.rebalance.delay.ms=0
+# Consumers commit after every handled batch, so a commit is on each message's path:
+# don't let the group coordinator hold writes back to batch them (4.0 waits 5 ms).
+group.coordinator.append.linger.ms=0
 # A single combined node cannot finish a controlled shutdown (its controller
 # stops with it), so after a restart the old registration must time out before
 # the broker re-registers: keep that short (default 9 s).

@@ -23,13 +23,13 @@ from typing import Any
 from temper.bus import Consumer
 from temper.events import Topics
 from temper.logs import log_event
+from temper.outbox import OutboxRelay
 from temper.runtime import Runtime
 
 from services.dispatcher.engine.config import EngineSettings
 from services.dispatcher.engine.episodes import EpisodeEngine
 from services.dispatcher.engine.handlers import ResultHandlers
 from services.dispatcher.engine.leader import Leadership
-from services.dispatcher.engine.relay import ConcurrentRelay
 from services.dispatcher.engine.scheduler import Scheduler
 
 log = logging.getLogger("temper.dispatcher")
@@ -63,7 +63,7 @@ class Dispatcher:
         self.settings = base.model_copy(update=overrides) if overrides else base
         self.engine: EpisodeEngine | None = None
         self.scheduler: Scheduler | None = None
-        self.relay: ConcurrentRelay | None = None
+        self.relay: OutboxRelay | None = None
         self.leadership: Leadership | None = None
         self._consumers: list[Consumer] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -73,8 +73,8 @@ class Dispatcher:
         if rt.db is None or rt.bus is None or rt.store is None:
             raise RuntimeError("Dispatcher needs a started Runtime with a database, a bus and an object store")
         s = self.settings
-        self.relay = ConcurrentRelay(rt.db, rt.bus)
-        self.engine = EpisodeEngine(rt.db, rt.store, s, notify=self.relay.notify)
+        self.relay = OutboxRelay(rt.db, rt.bus)
+        self.engine = EpisodeEngine(rt.db, rt.store, s, transaction=self.relay.transaction)
         self.leadership = Leadership(rt.db)
         self.scheduler = Scheduler(
             self.engine, self.leadership, trainer_attached=s.trainer_attached, wait_for_training=s.wait_for_training

@@ -73,3 +73,46 @@ async def test_rows_of_one_key_are_published_in_commit_order(database: Database)
         pass
     records = [r for part in bus.topics["events"] for r in part]
     assert [LifecycleEvent.model_validate_json(r.value).state for r in records] == [f"s{n}" for n in range(20)]
+
+
+class FlakyBus(InProcessBus):
+    """Refuses sends while ``down`` is set."""
+
+    down = False
+
+    async def send(self, topic, value, key=None, headers=None):
+        if self.down:
+            raise ConnectionError("broker unreachable")
+        await super().send(topic, value, key=key, headers=headers)
+
+
+def published_states(bus: InProcessBus) -> list[str]:
+    return [LifecycleEvent.model_validate_json(r.value).state for part in bus.topics["events"] for r in part]
+
+
+async def test_a_transaction_publishes_its_rows_at_commit_and_the_sweep_only_marks_them(database: Database):
+    bus = FlakyBus(partitions=1)
+    await bus.create_topics(["events"])
+    relay = OutboxRelay(database, bus)
+
+    async with relay.transaction() as s:
+        enqueue(s, "events", LifecycleEvent(event="episode.state", episode_id="e1", state="fast"))
+        assert published_states(bus) == [], "nothing goes out before the commit"
+    assert published_states(bus) == ["fast"], "sent right after the commit, with no relay pass"
+    assert await relay.pending() == 1, "sent but not yet marked"
+
+    with pytest.raises(RuntimeError):
+        async with relay.transaction() as s:
+            enqueue(s, "events", LifecycleEvent(event="episode.state", episode_id="e1", state="rolled back"))
+            raise RuntimeError("the state change failed")
+
+    bus.down = True
+    async with relay.transaction() as s:  # committed, but the send fails: the sweep owes it
+        enqueue(s, "events", LifecycleEvent(event="episode.state", episode_id="e1", state="after a blip"))
+    assert published_states(bus) == ["fast"]
+    bus.down = False
+
+    assert await relay.publish_pending() == 1, "the sweep sends only the row the fast path could not"
+    assert published_states(bus) == ["fast", "after a blip"], "nothing re-sent, nothing rolled back sent"
+    assert await relay.pending() == 0, "and every row is marked"
+    assert await relay.publish_pending() == 0

@@ -82,8 +82,9 @@ class Bus(ABC):
     async def subscribe(
         self, topics: Iterable[str], group: str, handler: Handler, *, concurrency: int = 1
     ) -> Consumer:
-        """Join ``group`` and run ``handler`` for each record. Records of one partition are
-        handled in order; up to ``concurrency`` partitions are handled at once."""
+        """Join ``group`` and run ``handler`` for each record. Records of one key are
+        handled in order (with ``concurrency`` 1, all records of a partition are); up to
+        ``concurrency`` records are handled at once."""
 
     @abstractmethod
     async def check(self) -> None:

@@ -4,7 +4,13 @@ import asyncio
 import logging
 from collections.abc import Iterable
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import (
+    AIOKafkaConsumer,
+    AIOKafkaProducer,
+    ConsumerRebalanceListener,
+    ConsumerRecord,
+    TopicPartition,
+)
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import CommitFailedError, KafkaError, TopicAlreadyExistsError
 from aiokafka.structs import OffsetAndMetadata
@@ -50,7 +56,7 @@ class KafkaBus(Bus):
             client_id=self.client_id,
             acks="all",
             enable_idempotence=True,
-            linger_ms=1,
+            linger_ms=0,  # a linger of even 1 ms adds more than 1 ms to every hop; batches still form under load
             request_timeout_ms=int(self.connect_timeout_s * 1000),
         )
         try:
@@ -131,14 +137,28 @@ class KafkaBus(Bus):
 
 
 class KafkaConsumer(Consumer):
+    """A group member with one worker task per assigned partition.
+
+    The fetch loop only hands each partition's records to that partition's worker, so a
+    slow record holds back its own partition and nothing else. Within a batch, records
+    of one key are handled in order and records of different keys side by side, up to
+    ``concurrency`` at once over all partitions (with ``concurrency`` 1, strictly in
+    partition order). A worker commits after each batch it handled. A partition whose
+    worker falls ``MAX_QUEUED_BATCHES`` behind is paused at the broker until it catches up.
+    """
+
+    MAX_QUEUED_BATCHES = 2
+
     def __init__(self, bus: KafkaBus, topics: tuple[str, ...], group: str, handler: Handler, concurrency: int):
         self.bus = bus
         self.topics = topics
         self.group = group
         self.delivery = Delivery(bus, group, handler)
         self.concurrency = max(1, concurrency)
+        self._slots = asyncio.Semaphore(self.concurrency)
         self._paused = False
         self._task: asyncio.Task[None] | None = None
+        self._workers: dict[TopicPartition, _PartitionWorker] = {}
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bus.bootstrap,
             group_id=group,
@@ -157,7 +177,7 @@ class KafkaConsumer(Consumer):
         except (KafkaError, OSError, TimeoutError) as exc:
             await self._consumer.stop()
             raise self.bus._unavailable(exc) from None
-        self._consumer.subscribe(list(self.topics))
+        self._consumer.subscribe(list(self.topics), listener=_Revoke(self))
         self._task = asyncio.create_task(self._run(), name=f"kafka-consumer-{self.group}")
 
     def pause(self) -> None:
@@ -168,13 +188,17 @@ class KafkaConsumer(Consumer):
 
     def resume(self) -> None:
         self._paused = False
-        self._consumer.resume(*self._consumer.assignment())
+        self._consumer.resume(*[tp for tp in self._consumer.assignment() if not self._backlogged(tp)])
         for t in self.topics:
             metrics.BUS_PAUSED.labels(t, self.group).set(0)
 
     @property
     def paused(self) -> bool:
         return self._paused
+
+    def _backlogged(self, tp: TopicPartition) -> bool:
+        worker = self._workers.get(tp)
+        return worker is not None and worker.queue.qsize() >= self.MAX_QUEUED_BATCHES
 
     async def _run(self) -> None:
         while True:
@@ -188,31 +212,54 @@ class KafkaConsumer(Consumer):
                 log_event(log, "fetch failed", logging.WARNING, group=self.group, error=repr(exc))
                 await asyncio.sleep(1)
                 continue
-            items = list(batches.items())
-            for i in range(0, len(items), self.concurrency):
-                await asyncio.gather(*(self._drain(tp, recs) for tp, recs in items[i : i + self.concurrency]))
+            for tp, records in batches.items():
+                worker = self._workers.get(tp)
+                if worker is None:
+                    worker = self._workers[tp] = _PartitionWorker(self, tp)
+                worker.queue.put_nowait(records)
+                if self._backlogged(tp):
+                    self._consumer.pause(tp)
 
-    async def _drain(self, tp: TopicPartition, records: list[ConsumerRecord]) -> None:
-        """Handle a partition's batch in order, then commit once: a crash before the commit
+    async def _handle(self, worker: _PartitionWorker, records: list[ConsumerRecord]) -> None:
+        """Handle a partition's batch, then commit once: a crash before the commit
         redelivers the batch (handlers are idempotent), and one commit per batch instead
-        of per record keeps a busy partition from waiting on the broker."""
-        done: int | None = None
+        of per record keeps a busy partition from waiting on the broker.
+
+        Records of one key are handled in order; with ``concurrency`` above 1, records of
+        different keys in the batch are handled at the same time."""
+        tp = worker.tp
+        chains: dict[bytes | None, list[ConsumerRecord]] = {}
         for rec in records:
-            if self._paused:
-                # Don't start more work; rewind so the rest is fetched again after resume().
-                self._consumer.seek(tp, rec.offset)
-                break
-            record = Record(
-                topic=rec.topic,
-                partition=rec.partition,
-                offset=rec.offset,
-                key=rec.key.decode() if rec.key is not None else None,
-                value=rec.value or b"",
-                headers={k: v.decode(errors="replace") for k, v in rec.headers},
-            )
-            await self.delivery.run(record)
-            done = rec.offset + 1
-        if done is None:
+            chains.setdefault(rec.key if self.concurrency > 1 else None, []).append(rec)
+        handled: set[int] = set()
+        failed = False
+
+        async def run_chain(chain: list[ConsumerRecord]) -> None:
+            nonlocal failed
+            for rec in chain:
+                # Stop early when the partition moves to another member, or on pause().
+                if worker.finishing or self._paused or failed:
+                    return
+                try:
+                    async with self._slots:
+                        await self.delivery.run(_record(rec))
+                except Exception as exc:  # noqa: BLE001 - e.g. the dead-letter send failed: fetch it again later
+                    log_event(log, "record not handled; fetching it again", logging.WARNING, topic=tp.topic,
+                              partition=tp.partition, offset=rec.offset, group=self.group, error=repr(exc))
+                    failed = True
+                    return
+                handled.add(rec.offset)
+
+        await asyncio.gather(*(run_chain(chain) for chain in chains.values()))
+        unhandled = next((rec.offset for rec in records if rec.offset not in handled), None)
+        if unhandled is not None and not worker.finishing:
+            # Paused or failed: fetch the partition again from the first record not handled
+            # (records after it that were handled are delivered again: handlers are idempotent).
+            self._rewind(worker, unhandled)
+            if failed:
+                await asyncio.sleep(1)
+        done = records[-1].offset + 1 if unhandled is None else unhandled
+        if done <= records[0].offset:
             return
         try:
             await self._consumer.commit({tp: OffsetAndMetadata(done, "")})
@@ -221,12 +268,29 @@ class KafkaConsumer(Consumer):
             # the last commit, which is at-least-once.
             log_event(log, "commit refused after rebalance", logging.WARNING, topic=tp.topic, error=str(exc))
             return
+        except KafkaError as exc:
+            # Commits are cumulative: the next batch's commit covers this one.
+            log_event(log, "commit failed", logging.WARNING, topic=tp.topic, group=self.group, error=repr(exc))
+            return
         self._update_lag(tp, done)
+        if not self._paused and not self._backlogged(tp) and tp in self._consumer.assignment():
+            self._consumer.resume(tp)
+
+    def _rewind(self, worker: _PartitionWorker, offset: int) -> None:
+        """Fetch the partition again from ``offset``; what was queued after it is dropped."""
+        worker.drop_queued()
+        if worker.tp in self._consumer.assignment():
+            self._consumer.seek(worker.tp, offset)
 
     def _update_lag(self, tp: TopicPartition, position: int) -> None:
         high = self._consumer.highwater(tp)
         if high is not None:
             metrics.BUS_CONSUMER_LAG.labels(tp.topic, self.group).set(max(0, high - position))
+
+    async def _stop_workers(self, partitions: Iterable[TopicPartition]) -> None:
+        """Let each worker finish (and commit) the record in hand; drop what is queued."""
+        workers = [self._workers.pop(tp) for tp in list(partitions) if tp in self._workers]
+        await asyncio.gather(*(w.finish() for w in workers))
 
     async def stop(self) -> None:
         """Leave the group; a record being handled now is not committed and goes to another member."""
@@ -237,9 +301,73 @@ class KafkaConsumer(Consumer):
             except asyncio.CancelledError:
                 pass
             self._task = None
+        for worker in list(self._workers.values()):
+            await worker.cancel()
+        self._workers.clear()
         await self._consumer.stop()
         if self in self.bus._consumers:
             self.bus._consumers.remove(self)
+
+
+def _record(rec: ConsumerRecord) -> Record:
+    return Record(
+        topic=rec.topic,
+        partition=rec.partition,
+        offset=rec.offset,
+        key=rec.key.decode() if rec.key is not None else None,
+        value=rec.value or b"",
+        headers={k: v.decode(errors="replace") for k, v in rec.headers},
+    )
+
+
+class _PartitionWorker:
+    """Handles one partition's batches, one after another."""
+
+    def __init__(self, consumer: KafkaConsumer, tp: TopicPartition) -> None:
+        self.consumer = consumer
+        self.tp = tp
+        self.queue: asyncio.Queue[list[ConsumerRecord] | None] = asyncio.Queue()
+        self.finishing = False
+        self.task = asyncio.create_task(self._run(), name=f"kafka-{consumer.group}-{tp.topic}-{tp.partition}")
+
+    async def _run(self) -> None:
+        while not self.finishing:
+            records = await self.queue.get()
+            if records is None:
+                return
+            await self.consumer._handle(self, records)
+
+    def drop_queued(self) -> None:
+        while not self.queue.empty():
+            self.queue.get_nowait()
+
+    async def finish(self) -> None:
+        """Stop after the record in hand, committing what was handled; queued batches are
+        dropped (the partition's next owner fetches them again from the committed offset)."""
+        self.finishing = True
+        self.drop_queued()
+        self.queue.put_nowait(None)  # wakes an idle worker
+        await self.task
+
+    async def cancel(self) -> None:
+        self.task.cancel()
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            pass
+
+
+class _Revoke(ConsumerRebalanceListener):
+    """Before partitions move to another member, finish and commit the work in hand."""
+
+    def __init__(self, consumer: KafkaConsumer) -> None:
+        self.consumer = consumer
+
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        await self.consumer._stop_workers(revoked)
+
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        pass
 
 
 async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]] | dict[str, tuple[str, ...]]) -> None:

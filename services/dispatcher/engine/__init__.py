@@ -1,3 +1,3 @@
 """The dispatcher's episode engine: the episode state machine (``episodes``), the job
 scheduler (``scheduler``), per-job leadership (``leader``), trajectory assembly
-(``trajectories``), the outbox relay (``relay``) and the bus handlers (``handlers``)."""
+(``trajectories``) and the bus handlers (``handlers``)."""

@@ -20,7 +20,7 @@ class EngineSettings(BaseSettings):
     )
     scheduler_interval_s: float = Field(0.5, gt=0)
     reaper_interval_s: float = Field(1.0, gt=0)
-    result_concurrency: int = Field(8, ge=1, description="result partitions handled at once")
+    result_concurrency: int = Field(8, ge=1, description="results handled at once (one episode's in order); keep under the db pool size")
     results_group: str = Field("dispatcher", description="consumer group of the result topics")
     policy_group: str = Field("dispatcher-policy", description="consumer group of policy.updates")
     max_observation_chars: int = Field(4000, ge=200)

@@ -16,11 +16,11 @@ import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from temper import metrics
 from temper.db import Database, Episode, Job, Step, Task
@@ -91,13 +91,14 @@ class EpisodeEngine:
         settings: EngineSettings,
         *,
         tokenizer: ByteTokenizer | None = None,
-        notify: Callable[[], None] | None = None,
+        transaction: Callable[[], AbstractAsyncContextManager[AsyncSession]] | None = None,
     ) -> None:
         self.db = db
         self.store = store
         self.settings = settings
         self.tok = tokenizer or default_tokenizer()
-        self._notify = notify or (lambda: None)
+        # The relay's transaction() publishes a handler's commands as soon as it commits.
+        self._transaction = transaction or db.session
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
         self._tasks: OrderedDict[str, Task] = OrderedDict()
         # SQLite has one writer: serialise this process's transactions instead of retrying "locked".
@@ -107,14 +108,13 @@ class EpisodeEngine:
     # --- plumbing ------------------------------------------------------------------------------
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[AsyncSession]:
-        """One transaction; the relay is woken after it commits."""
+        """One transaction; its outbox rows are published once it commits."""
         if self._sqlite_lock is not None:
-            async with self._sqlite_lock, self.db.session() as session:
+            async with self._sqlite_lock, self._transaction() as session:
                 yield session
         else:
-            async with self.db.session() as session:
+            async with self._transaction() as session:
                 yield session
-        self._notify()
 
     async def spec_of(self, session: AsyncSession, job_id: str) -> JobSpec:
         spec = self._specs.get(job_id)
@@ -150,13 +150,21 @@ class EpisodeEngine:
             system_prompt=env.system_prompt,
         )
 
-    async def _lock_episode(self, session: AsyncSession, episode_id: str | None) -> Episode | None:
+    async def _lock_with_step(
+        self, session: AsyncSession, episode_id: str | None, turn: int, kind: str
+    ) -> tuple[Episode | None, Step | None]:
+        """The episode, locked, and its step of ``turn`` and ``kind``, in one query."""
         if not episode_id:
-            return None
-        query = select(Episode).where(Episode.id == episode_id)
+            return None, None
+        query = (
+            select(Episode, Step)
+            .outerjoin(Step, and_(Step.episode_id == Episode.id, Step.turn == turn, Step.kind == kind))
+            .where(Episode.id == episode_id)
+        )
         if not self.db.is_sqlite:
-            query = query.with_for_update()
-        return (await session.execute(query)).scalar_one_or_none()
+            query = query.with_for_update(of=Episode)
+        row = (await session.execute(query)).one_or_none()
+        return (row[0], row[1]) if row is not None else (None, None)
 
     @staticmethod
     async def _step(session: AsyncSession, episode_id: str, turn: int, kind: str) -> Step | None:
@@ -201,8 +209,7 @@ class EpisodeEngine:
     ) -> tuple[Episode, Step] | None:
         """The locked episode and step this result answers, or None when it is stale or a
         duplicate (ignored) or reports an error (the step is retried or the episode fails)."""
-        ep = await self._lock_episode(session, msg.episode_id)
-        step = await self._step(session, ep.id, msg.turn or 0, kind) if ep else None
+        ep, step = await self._lock_with_step(session, msg.episode_id, msg.turn or 0, kind)
         why = self._is_current(ep, step, msg, state)
         if why:
             self._ignore(why, msg)
@@ -450,8 +457,7 @@ class EpisodeEngine:
             self.store.put(episode_log_key, episode_log, "application/x-ndjson"),
         )
         async with self.tx() as session:
-            ep = await self._lock_episode(session, msg.episode_id)
-            step = await self._step(session, ep.id, msg.turn or 0, "reward") if ep else None
+            ep, step = await self._lock_with_step(session, msg.episode_id, msg.turn or 0, "reward")
             why = self._is_current(ep, step, msg, E.scoring)
             if why:
                 return self._ignore(why, msg)
