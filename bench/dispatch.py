@@ -323,6 +323,7 @@ def table(result: dict) -> str:
         ("kafka produce->consume p99 (ms)", result["kafka_roundtrip_p99_ms"], ""),
         (f"turn p50 under load, {result['throughput_concurrency']} in flight (ms)", result["under_load_turn_p50_ms"], ""),
         (f"turn p99 under load, {result['throughput_concurrency']} in flight (ms)", result["under_load_turn_p99_ms"], ""),
+        ("dispatcher CPU per turn (ms)", result["dispatcher_cpu_ms_per_turn"], "one core: 1000/this turns/s at most"),
     ]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'metric'.ljust(width)}  {'value':>10}  target", "-" * (width + 26)]
