@@ -259,10 +259,15 @@ class KafkaConsumer(Consumer):
             if failed:
                 await asyncio.sleep(1)
         done = records[-1].offset + 1 if unhandled is None else unhandled
-        if done <= records[0].offset:
-            return
+        if done > records[0].offset:
+            await self._commit(tp, done)
+        # Undo a backlog pause (never the pause() of the subscriber).
+        if not self._paused and not self._backlogged(tp) and tp in self._consumer.assignment():
+            self._consumer.resume(tp)
+
+    async def _commit(self, tp: TopicPartition, offset: int) -> None:
         try:
-            await self._consumer.commit({tp: OffsetAndMetadata(done, "")})
+            await self._consumer.commit({tp: OffsetAndMetadata(offset, "")})
         except CommitFailedError as exc:
             # The partition moved to another member during a rebalance: it redelivers from
             # the last commit, which is at-least-once.
@@ -272,9 +277,7 @@ class KafkaConsumer(Consumer):
             # Commits are cumulative: the next batch's commit covers this one.
             log_event(log, "commit failed", logging.WARNING, topic=tp.topic, group=self.group, error=repr(exc))
             return
-        self._update_lag(tp, done)
-        if not self._paused and not self._backlogged(tp) and tp in self._consumer.assignment():
-            self._consumer.resume(tp)
+        self._update_lag(tp, offset)
 
     def _rewind(self, worker: _PartitionWorker, offset: int) -> None:
         """Fetch the partition again from ``offset``; what was queued after it is dropped."""
