@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import Select, and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
-from temper.db import Episode, Job, TaskSet, Tenant
+from temper.db import Episode, Job, TaskSet, Tenant, TrainedTrajectory
 from temper.db.models import utcnow
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
@@ -289,11 +289,14 @@ async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float 
     )
 
     lag = job.policy_version - Episode.behaviour_version
+    # Scored episodes still waiting for the trainer; those it skipped (a zero-variance
+    # group) stay scored but wait for nothing.
     waiting = (
         await session.execute(
-            select(func.avg(lag), func.max(lag)).where(
-                of_job, Episode.state == EpisodeState.scored.value, Episode.behaviour_version.is_not(None)
-            )
+            select(func.avg(lag), func.max(lag))
+            .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
+            .where(of_job, Episode.state == EpisodeState.scored.value, Episode.behaviour_version.is_not(None),
+                   TrainedTrajectory.skipped.is_(None))
         )
     ).one()
     in_flight = (

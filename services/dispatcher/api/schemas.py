@@ -139,8 +139,10 @@ class Throughput(BaseModel):
 class Staleness(BaseModel):
     current_version: int = Field(description="the job's latest policy version")
     max_staleness: int = Field(description="the bound from the spec")
-    mean: float | None = Field(None, description="mean (version at scoring - behaviour version) of scored episodes")
-    max: int | None = None
+    mean: float | None = Field(
+        None, description="mean (current version - behaviour version) of scored episodes the trainer has yet to use"
+    )
+    max: int | None = Field(None, description="the largest of those")
     in_flight_max: int | None = Field(None, description="largest staleness among unfinished episodes")
 
 

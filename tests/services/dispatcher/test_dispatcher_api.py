@@ -9,7 +9,7 @@ import httpx
 import pytest
 import yaml
 from sqlalchemy import select
-from temper.db import Database, Episode, OutboxRow
+from temper.db import Database, Episode, Job, OutboxRow, TrainedTrajectory
 from temper.episode_log import read_episode_log
 from temper.storage import LocalStore
 
@@ -234,6 +234,23 @@ async def test_metrics_of_a_running_job(client, seeded):
     assert m["reward_curve"] == [] and m["pass_rates"] == []
     assert m["progress"]["episodes_by_state"] == {"acting": 1, "pending": 1}
     assert m["staleness"]["in_flight_max"] == 0
+
+
+async def test_staleness_counts_scored_episodes_waiting_for_the_trainer_not_skipped_ones(env, client, seeded):
+    settings, _ = env
+    db = Database(settings.db)
+    async with db.session() as s:
+        job = await s.get(Job, seeded.running_job_id)
+        job.policy_version = 5
+        for eid, behaviour in (("ep-waiting", 3), ("ep-skipped", 0)):
+            s.add(Episode(id=eid, job_id=job.id, tenant_id="acme", task_id="add-1", group_id=f"g-{eid}",
+                          iteration=0, state="scored", turn=1, behaviour_version=behaviour))
+        await s.flush()
+        s.add(TrainedTrajectory(episode_id="ep-skipped", job_id=job.id, trajectory_key="k", group_id="g-ep-skipped",
+                                skipped="zero_variance"))
+    await db.dispose()
+    st = (await client.get(f"/v1/jobs/{seeded.running_job_id}/metrics")).json()["staleness"]
+    assert (st["max"], st["mean"]) == (2, 2.0), "the skipped episode (5 versions behind) is not waiting"
 
 
 async def test_tenant_quota_keys_and_admin(app, client, seeded):
