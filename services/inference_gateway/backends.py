@@ -13,7 +13,6 @@ third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engi
 
 from __future__ import annotations
 
-import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -23,8 +22,11 @@ from typing import Any
 
 import httpcore
 import httpx
+import pydantic_core
 from temper.events import SamplingParams
 from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+
+from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
 
 
 class ErrorKind(StrEnum):
@@ -124,12 +126,16 @@ class Backend(ABC):
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
-        # The hot path (JSON POSTs) goes straight to an httpcore keep-alive pool: httpx's
-        # client layers cost more than the request itself against a fast backend.
+        # The hot path (JSON POSTs) skips httpx's client layers, which cost more than the request
+        # itself against a fast backend: a minimal HTTP/1.1 client for http:// backends
+        # (see http1.py), an httpcore keep-alive pool for https://.
         self._own_client = self.client
+        self._http1 = (HTTP1Pool(self.url, connect_timeout_s=connect_timeout_s, max_idle=64, keepalive_expiry_s=30.0)
+                       if HTTP1Pool.supports(self.url) else None)
         self._pool = httpcore.AsyncConnectionPool(
             max_connections=256, max_keepalive_connections=64, keepalive_expiry=30.0
         )
+        self._timeout_s = timeout_s
         self._timeouts = {"connect": connect_timeout_s, "read": timeout_s, "write": timeout_s, "pool": timeout_s}
 
     # --- the interface ---------------------------------------------------------------------
@@ -178,7 +184,30 @@ class Backend(ABC):
             raise BackendError(ErrorKind.protocol, f"{self.name}{path}: body is not JSON") from exc
 
     async def _post_fast(self, path: str, body: dict[str, Any], wait_s: float | None) -> Any:
-        data = json.dumps(body, separators=(",", ":")).encode()
+        data = pydantic_core.to_json(body)  # compact JSON like json.dumps, several times faster on long prompts
+        if self._http1 is not None:
+            status, content = await self._post_http1(path, data, wait_s)
+        else:
+            status, content = await self._post_httpcore(path, data, wait_s)
+        if status >= 500 or status == 429:
+            raise BackendError(ErrorKind.server, f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}", status=status)
+        if status >= 400:
+            raise BackendError(ErrorKind.client, f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}", status=status)
+        try:
+            return pydantic_core.from_json(content)
+        except ValueError as exc:
+            raise BackendError(ErrorKind.protocol, f"{self.name}{path}: body is not JSON") from exc
+
+    async def _post_http1(self, path: str, data: bytes, wait_s: float | None) -> tuple[int, bytes]:
+        assert self._http1 is not None
+        try:
+            return await self._http1.post(path, data, timeout_s=self._timeout_s if wait_s is None else wait_s)
+        except TimeoutError as exc:
+            raise BackendError(ErrorKind.timeout, f"{self.name}{path}: {type(exc).__name__}") from exc
+        except HTTPTransportError as exc:
+            raise BackendError(ErrorKind.connect, f"{self.name}{path}: {type(exc).__name__}: {exc}") from exc
+
+    async def _post_httpcore(self, path: str, data: bytes, wait_s: float | None) -> tuple[int, bytes]:
         timeouts = self._timeouts if wait_s is None else {**self._timeouts, "read": wait_s}
         try:
             r = await self._pool.request(
@@ -189,18 +218,12 @@ class Backend(ABC):
             raise BackendError(ErrorKind.timeout, f"{self.name}{path}: {type(exc).__name__}") from exc
         except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol) as exc:
             raise BackendError(ErrorKind.connect, f"{self.name}{path}: {type(exc).__name__}: {exc}") from exc
-        status, content = r.status, r.content
-        if status >= 500 or status == 429:
-            raise BackendError(ErrorKind.server, f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}", status=status)
-        if status >= 400:
-            raise BackendError(ErrorKind.client, f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}", status=status)
-        try:
-            return json.loads(content)
-        except ValueError as exc:
-            raise BackendError(ErrorKind.protocol, f"{self.name}{path}: body is not JSON") from exc
+        return r.status, r.content
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self._http1 is not None:
+            await self._http1.aclose()
         await self._pool.aclose()
 
     # --- shared request building -------------------------------------------------------------

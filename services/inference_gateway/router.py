@@ -96,6 +96,12 @@ class Slot:
     served: int = 0
     failed: int = 0
 
+    def __post_init__(self) -> None:
+        # The per-request metrics, labelled once: ``.labels()`` costs more than the update.
+        self.m_inflight = metrics.INFERENCE_INFLIGHT.labels(self.name)
+        self.m_ok = metrics.INFERENCE_REQUESTS.labels(self.name, "ok")
+        self.m_seconds = metrics.INFERENCE_SECONDS.labels(self.name)
+
     @property
     def name(self) -> str:
         return self.backend.name
@@ -181,7 +187,7 @@ class Router:
 
     async def _release(self, slot: Slot) -> None:
         slot.outstanding -= 1
-        metrics.INFERENCE_INFLIGHT.labels(slot.name).dec()
+        slot.m_inflight.dec()
         async with self._freed:
             self._freed.notify_all()
 
@@ -213,7 +219,7 @@ class Router:
             attempts += 1
             slot.breaker.begin()
             slot.outstanding += 1
-            metrics.INFERENCE_INFLIGHT.labels(slot.name).inc()
+            slot.m_inflight.inc()
             t0 = time.perf_counter()
             try:
                 result = await slot.backend.complete(req)
@@ -236,8 +242,8 @@ class Router:
             elapsed = time.perf_counter() - t0
             slot.breaker.success()
             slot.served += 1
-            metrics.INFERENCE_REQUESTS.labels(slot.name, "ok").inc()
-            metrics.INFERENCE_SECONDS.labels(slot.name).observe(elapsed)
+            slot.m_ok.inc()
+            slot.m_seconds.observe(elapsed)
             return result
         raise RequestFailed(f"failed after {attempts} attempt(s): {reason}", attempts)
 
