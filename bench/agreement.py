@@ -83,7 +83,7 @@ def baseline(task: TaskSpec, source: str, timeout: float) -> tuple[bool, str]:
     return bool(res["passed"]), str(res["result"])
 
 
-async def run(limit: int | None, per_test_s: float, concurrency: int) -> dict:
+async def run(limit: int | None, per_test_s: float, concurrency: int) -> tuple[dict, dict]:
     tasks = humaneval()[:limit] if limit else humaneval()
     root = Path("/tmp") / f"temper-agreement-{uuid.uuid4().hex[:8]}"
     manager = SandboxManager(scoring_sandbox_settings(SandboxSettings(pool_size=concurrency, workspace_root=root)))
@@ -130,21 +130,30 @@ async def run(limit: int | None, per_test_s: float, concurrency: int) -> dict:
             "baseline_pass": sum(v["baseline_pass"] for v in vs),
             "agree": sum(v["temper_pass"] == v["baseline_pass"] for v in vs),
         }
-    return {
+    summary = {
         "problems": len(tasks),
         "cases": len(verdicts),
         "agreement_rate": round(1 - len(disagreements) / len(verdicts), 6),
         "canonical_tests_passed_1_0": sum(v["temper_fraction"] == 1.0 for v in canonical),
         "canonical_baseline_passed": sum(v["baseline_pass"] for v in canonical),
         "broken_failed_both": sum(not v["temper_pass"] and not v["baseline_pass"] for v in broken),
-        "broken_passed_both": [f"{v['task']} {v['variant']}" for v in broken if v["temper_pass"] and v["baseline_pass"]],
-        "per_variant": per_variant,
-        "disagreements": disagreements,
+        "broken_passed_both": sum(v["temper_pass"] and v["baseline_pass"] for v in broken),
+        "disagreements": len(disagreements),
         "validation_valid": sum(not r for _, r in validation),
-        "validation_invalid": {tid: r for tid, r in validation if r},
+        "validation_invalid": sum(bool(r) for _, r in validation),
         "timeout_s": per_test_s,
         "seconds": round(elapsed, 1),
     }
+    # Flat results file: one key per variant and figure.
+    summary.update({f"{kind}_{k}": n for kind, row in per_variant.items() for k, n in row.items()})
+    # What is printed, not stored: the cases behind the counts.
+    details = {
+        "per_variant": per_variant,
+        "disagreements": disagreements,
+        "broken_passed_both": [f"{v['task']} {v['variant']}" for v in broken if v["temper_pass"] and v["baseline_pass"]],
+        "validation_invalid": {tid: r for tid, r in validation if r},
+    }
+    return summary, details
 
 
 def main() -> None:
@@ -154,15 +163,19 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--out", default=str(RESULTS / "agreement.json"))
     args = ap.parse_args()
-    report = asyncio.run(run(args.limit, args.timeout, args.concurrency))
+    report, details = asyncio.run(run(args.limit, args.timeout, args.concurrency))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'variant':<14}{'cases':>7}{'temper pass':>13}{'baseline pass':>15}{'agree':>7}")
-    for kind, row in report["per_variant"].items():
+    for kind, row in details["per_variant"].items():
         print(f"{kind:<14}{row['cases']:>7}{row['temper_pass']:>13}{row['baseline_pass']:>15}{row['agree']:>7}")
     print(f"agreement {report['agreement_rate']:.2%} over {report['cases']} cases; "
           f"validation: {report['validation_valid']}/{report['problems']} valid; {report['seconds']} s")
-    for d in report["disagreements"]:
+    for case in details["broken_passed_both"]:
+        print(f"  BROKEN BUT PASSED BOTH {case}")
+    for tid, reason in details["validation_invalid"].items():
+        print(f"  INVALID {tid}: {reason}")
+    for d in details["disagreements"]:
         print(f"  DISAGREE {d['task']} {d['variant']}: temper={d['temper_pass']} ({d['temper_reason']}) "
               f"baseline={d['baseline_pass']} ({d['baseline_result']})")
     print(f"wrote {args.out}")
