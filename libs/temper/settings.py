@@ -64,6 +64,12 @@ class BusSettings(BaseModel):
     retry_backoff_s: float = Field(0.2, ge=0)
     connect_timeout_s: float = Field(15.0, gt=0)
     client_id: str = "temper"
+    namespace: str = Field(
+        "",
+        pattern=r"^[A-Za-z0-9._-]*$",
+        description="put in front of every Kafka topic and consumer group name (e.g. 'staging.'), "
+        "so deployments can share a cluster",
+    )
 
 
 class StorageSettings(BaseModel):

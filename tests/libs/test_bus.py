@@ -7,6 +7,7 @@ import asyncio
 from collections import defaultdict
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 from temper.bus import Bus, InProcessBus, KafkaBus, Poison, Record
 from temper.events import InferenceRequest, Topics
 
@@ -220,3 +221,53 @@ async def test_kafka_handles_other_keys_of_a_batch_while_one_key_waits_and_keeps
     finally:
         release.set()
         await bus.stop()
+
+
+@pytest.mark.kafka
+async def test_kafka_namespaces_keep_deployments_on_one_cluster_apart(kafka_bootstrap, unique: str):
+    staging = KafkaBus(bootstrap=kafka_bootstrap, partitions=1, max_retries=0, retry_backoff_s=0.01,
+                       namespace=f"staging-{unique}.")
+    prod = KafkaBus(bootstrap=kafka_bootstrap, partitions=1, max_retries=0, retry_backoff_s=0.01,
+                    namespace=f"prod-{unique}.")
+    seen: dict[str, list[tuple[str, bytes]]] = {"staging": [], "prod": []}
+
+    def handler(name: str):
+        async def handle(record: Record) -> None:
+            if record.value == b"poison":
+                raise Poison("never succeeds")
+            seen[name].append((record.topic, record.value))
+
+        return handle
+
+    try:
+        for name, bus in (("staging", staging), ("prod", prod)):
+            await bus.start()
+            await bus.create_topics(["work"])
+            # The same plain topic and group names in both deployments.
+            await bus.subscribe(["work"], "workers", handler(name))
+        await staging.send("work", b"for staging", key="k")
+        await staging.send("work", b"poison", key="k")
+        await prod.send("work", b"for prod", key="k")
+        await wait_for(lambda: seen["staging"] and seen["prod"])
+        assert seen == {"staging": [("work", b"for staging")], "prod": [("work", b"for prod")]}, \
+            "handlers see plain topic names, and only their own deployment's messages"
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            on_broker = {t for t in await admin.list_topics() if unique in t}
+            groups = {g[0] for g in await admin.list_consumer_groups() if unique in g[0]}
+        finally:
+            await admin.close()
+        assert on_broker == {f"{ns}-{unique}.{t}" for ns in ("staging", "prod") for t in ("work", "work.dlq")}
+        assert groups == {f"staging-{unique}.workers", f"prod-{unique}.workers"}
+        # The poison message went to staging's own dead-letter topic.
+        dead: list[bytes] = []
+
+        async def collect(record: Record) -> None:
+            dead.append(record.value)
+
+        await staging.subscribe(["work.dlq"], "dlq-reader", collect)
+        await wait_for(lambda: dead == [b"poison"])
+    finally:
+        await staging.stop()
+        await prod.stop()

@@ -17,5 +17,6 @@ def make_bus(settings: Settings) -> Bus:
             retry_backoff_s=b.retry_backoff_s,
             connect_timeout_s=b.connect_timeout_s,
             client_id=f"{b.client_id}-{settings.service}",
+            namespace=b.namespace,
         )
     return InProcessBus(partitions=b.partitions, max_retries=b.max_retries, retry_backoff_s=b.retry_backoff_s)

@@ -25,7 +25,10 @@ log = logging.getLogger("temper.bus.kafka")
 
 class KafkaBus(Bus):
     """Apache Kafka through aiokafka: keyed sends with acks=all and an idempotent
-    producer; consumer groups that commit an offset only after its handler succeeded."""
+    producer; consumer groups that commit an offset only after its handler succeeded.
+
+    ``namespace`` is put in front of every topic and consumer group on the broker, so
+    deployments can share a cluster; callers and handlers only ever see the plain names."""
 
     def __init__(
         self,
@@ -36,13 +39,22 @@ class KafkaBus(Bus):
         retry_backoff_s: float = 0.2,
         connect_timeout_s: float = 15.0,
         client_id: str = "temper",
+        namespace: str = "",
     ) -> None:
         super().__init__(partitions=partitions, max_retries=max_retries, retry_backoff_s=retry_backoff_s)
         self.bootstrap = bootstrap
+        self.namespace = namespace
         self.connect_timeout_s = connect_timeout_s
         self.client_id = client_id
         self._producer: AIOKafkaProducer | None = None
         self._consumers: list[KafkaConsumer] = []
+
+    def broker_name(self, name: str) -> str:
+        """A topic's or group's name on the broker."""
+        return self.namespace + name
+
+    def plain_name(self, broker_name: str) -> str:
+        return broker_name.removeprefix(self.namespace)
 
     def _unavailable(self, exc: BaseException) -> BusUnavailable:
         return BusUnavailable(
@@ -83,7 +95,7 @@ class KafkaBus(Bus):
         return admin
 
     async def create_topics(self, topics: Iterable[str], partitions: int | None = None) -> None:
-        names = [n for t in topics for n in (t, Topics.dead_letter(t))]
+        names = [self.broker_name(n) for t in topics for n in (t, Topics.dead_letter(t))]
         admin = await self._admin()
         try:
             existing = set(await admin.list_topics())
@@ -116,7 +128,7 @@ class KafkaBus(Bus):
             key = key or value.key()
             value = value.to_bytes()
         await self._producer.send_and_wait(
-            topic,
+            self.broker_name(topic),
             value,
             key=key.encode() if key is not None else None,
             headers=[(k, v.encode()) for k, v in (headers or {}).items()],
@@ -161,7 +173,7 @@ class KafkaConsumer(Consumer):
         self._workers: dict[TopicPartition, _PartitionWorker] = {}
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bus.bootstrap,
-            group_id=group,
+            group_id=bus.broker_name(group),
             client_id=f"{bus.client_id}-{group}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -177,7 +189,7 @@ class KafkaConsumer(Consumer):
         except (KafkaError, OSError, TimeoutError) as exc:
             await self._consumer.stop()
             raise self.bus._unavailable(exc) from None
-        self._consumer.subscribe(list(self.topics), listener=_Revoke(self))
+        self._consumer.subscribe([self.bus.broker_name(t) for t in self.topics], listener=_Revoke(self))
         self._task = asyncio.create_task(self._run(), name=f"kafka-consumer-{self.group}")
 
     def pause(self) -> None:
@@ -242,9 +254,9 @@ class KafkaConsumer(Consumer):
                     return
                 try:
                     async with self._slots:
-                        await self.delivery.run(_record(rec))
+                        await self.delivery.run(_record(rec, self.bus.plain_name(rec.topic)))
                 except Exception as exc:  # noqa: BLE001 - e.g. the dead-letter send failed: fetch it again later
-                    log_event(log, "record not handled; fetching it again", logging.WARNING, topic=tp.topic,
+                    log_event(log, "record not handled; fetching it again", logging.WARNING, topic=self.bus.plain_name(tp.topic),
                               partition=tp.partition, offset=rec.offset, group=self.group, error=repr(exc))
                     failed = True
                     return
@@ -271,11 +283,13 @@ class KafkaConsumer(Consumer):
         except CommitFailedError as exc:
             # The partition moved to another member during a rebalance: it redelivers from
             # the last commit, which is at-least-once.
-            log_event(log, "commit refused after rebalance", logging.WARNING, topic=tp.topic, error=str(exc))
+            log_event(log, "commit refused after rebalance", logging.WARNING, topic=self.bus.plain_name(tp.topic),
+                      error=str(exc))
             return
         except KafkaError as exc:
             # Commits are cumulative: the next batch's commit covers this one.
-            log_event(log, "commit failed", logging.WARNING, topic=tp.topic, group=self.group, error=repr(exc))
+            log_event(log, "commit failed", logging.WARNING, topic=self.bus.plain_name(tp.topic), group=self.group,
+                      error=repr(exc))
             return
         self._update_lag(tp, offset)
 
@@ -288,7 +302,7 @@ class KafkaConsumer(Consumer):
     def _update_lag(self, tp: TopicPartition, position: int) -> None:
         high = self._consumer.highwater(tp)
         if high is not None:
-            metrics.BUS_CONSUMER_LAG.labels(tp.topic, self.group).set(max(0, high - position))
+            metrics.BUS_CONSUMER_LAG.labels(self.bus.plain_name(tp.topic), self.group).set(max(0, high - position))
 
     async def _stop_workers(self, partitions: Iterable[TopicPartition]) -> None:
         """Let each worker finish (and commit) the record in hand; drop what is queued."""
@@ -312,9 +326,9 @@ class KafkaConsumer(Consumer):
             self.bus._consumers.remove(self)
 
 
-def _record(rec: ConsumerRecord) -> Record:
+def _record(rec: ConsumerRecord, topic: str) -> Record:
     return Record(
-        topic=rec.topic,
+        topic=topic,
         partition=rec.partition,
         offset=rec.offset,
         key=rec.key.decode() if rec.key is not None else None,
