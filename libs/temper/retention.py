@@ -58,7 +58,7 @@ async def delete_expired(
     cutoff = _aware(now or datetime.now(UTC)) - timedelta(days=days)
     async with db.session() as s:
         finished = (await s.execute(select(Job.id, Job.tenant_id, Job.finished_at).where(Job.finished_at.is_not(None)))).all()
-    expired = [(job_id, tenant) for job_id, tenant, at in finished if _aware(at) < cutoff]
+    expired = [(job_id, tenant) for job_id, tenant, at in finished if at is not None and _aware(at) < cutoff]
     for job_id, tenant in expired:
         with log_context(job_id=job_id, tenant=tenant):
             job_counts = await _delete_job(store, db, tenant, job_id, snapshot_prefix)

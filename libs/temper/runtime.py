@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import JSONResponse
@@ -178,7 +179,7 @@ def health_router(runtime: Runtime) -> APIRouter:
     async def health() -> JSONResponse:
         report = await runtime.health()
         down = [name for name, state in report.items() if state != "ok"]
-        body = {"service": runtime.service, "status": "down" if down else "ok", "components": report}
+        body: dict[str, Any] = {"service": runtime.service, "status": "down" if down else "ok", "components": report}
         if down:
             body["down"] = down
         return JSONResponse(body, status_code=503 if down else 200)

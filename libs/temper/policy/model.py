@@ -64,7 +64,7 @@ def model_config(preset: str = "tiny", *, tokenizer: ByteTokenizer | None = None
         bos_token_id=tok.bos_id,
         eos_token_id=tok.end_id,
         pad_token_id=tok.pad_id,
-        torch_dtype="float32",
+        torch_dtype="float32",  # type: ignore[call-arg]  # a PretrainedConfig kwarg the stubs do not list
     )
 
 
@@ -129,7 +129,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing={missing} unexpected={unexpected}")
     if tied and hasattr(model, "tie_weights"):
-        model.tie_weights()
+        model.tie_weights()  # type: ignore[operator]  # nn.Module's __getattr__ types it as a Tensor
     return model
 
 

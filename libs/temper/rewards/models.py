@@ -15,7 +15,7 @@ class ComponentName(StrEnum):
     coverage = "coverage"  # line and branch coverage of the agent's code under the hidden tests
     efficiency = "efficiency"  # reference run time / agent run time, bounded to [0, 1]
     answer_match = "answer_match"  # math: the final answer equals the known one
-    format = "format"  # the agent followed the action format
+    format = "format"  # type: ignore[assignment]  # the agent followed the action format (shadows str.format)
     turn_penalty = "turn_penalty"  # share of the turn budget used beyond the first turn (weight it negatively)
 
 

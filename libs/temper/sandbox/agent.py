@@ -81,7 +81,7 @@ def send(head, out=b"", err=b"", data=b""):
         view = view[os.write(REP_FD, view) :]
 
 
-children = {}  # pid -> wait status, for children reaped while looking for another
+children: dict[int, int] = {}  # pid -> wait status, for children reaped while looking for another
 
 
 def reap_all():

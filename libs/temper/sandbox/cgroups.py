@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,7 +287,7 @@ def _own_paths() -> dict[str, str]:
     return out
 
 
-def _sweep_dead(parent_dir: Path, make: callable) -> None:  # type: ignore[valid-type]
+def _sweep_dead(parent_dir: Path, make: Callable[[str, str], Cgroup]) -> None:
     """Remove groups of workers that are gone (temper-<pid> whose pid is dead)."""
     if not parent_dir.exists():
         return

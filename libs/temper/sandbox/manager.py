@@ -17,8 +17,9 @@ import shutil
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any
 
 from temper import metrics
 from temper.sandbox import snapshot
@@ -175,8 +176,8 @@ class SandboxManager:
             self.leaked += leaked
             metrics.SANDBOX_LEAKED_PROCESSES.set(self.leaked)
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -47,7 +47,7 @@ def _member_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None
         parent = os.path.realpath(os.path.join(dest, os.path.dirname(member.name)))
         if member.name.startswith("/") or not (parent == dest or parent.startswith(dest + os.sep)):
             raise tarfile.OutsideDestinationError(member, os.path.join(dest, member.name))
-        return member.replace(uid=None, gid=None, uname=None, gname=None, deep=False)
+        return member.replace(uid=None, gid=None, uname=None, gname=None, deep=False)  # type: ignore[arg-type]  # None: keep the archive's
     return tarfile.data_filter(member, dest)
 
 

@@ -144,7 +144,7 @@ main()
 
 async def _readable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
     ready: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    loop.add_reader(fd, lambda: None if ready.done() else ready.set_result(None))
     try:
         await ready
     finally:
