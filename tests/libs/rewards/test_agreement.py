@@ -21,9 +21,9 @@ def _bench():
 
 
 async def test_canonical_solutions_pass_and_broken_variants_fail_in_both():
-    report = await _bench().run(4, 0.5, 2)
+    report, details = await _bench().run(4, 0.5, 2)
     assert report["cases"] == 4 * 6
-    assert report["disagreements"] == []
+    assert report["disagreements"] == 0 and details["disagreements"] == []
     assert report["canonical_tests_passed_1_0"] == 4 and report["canonical_baseline_passed"] == 4
     assert report["broken_failed_both"] == 4 * 5
     assert report["validation_valid"] == 4
