@@ -73,11 +73,15 @@ def run_dispatcher(db_url: str, storage_root: Path, data_dir: Path, log_name: st
 def log_in(driver, url: str, key: str) -> None:
     """Log in through the console's form (from wherever the driver is sent to log in)."""
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     if "/console/login" not in driver.current_url:
         driver.get(f"{url}/console/login")
     driver.find_element(By.ID, "key").send_keys(key)
     driver.find_element(By.ID, "login-submit").click()
+    # click() returns before the form's response sets the session cookie: a page opened
+    # right away could still go out without it (and land on the login form again).
+    WebDriverWait(driver, 15).until(lambda d: "/console/login" not in d.current_url)
 
 
 @pytest.fixture
