@@ -36,7 +36,6 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 
 import asyncpg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
-from temper import metrics  # noqa: E402
 from temper.bus import Record  # noqa: E402
 from temper.bus.kafka import KafkaBus, start_groups_at_end  # noqa: E402
 from temper.db import Episode, Job, Step, Task, TaskSet, Tenant  # noqa: E402
@@ -131,21 +130,6 @@ def run_peers(bootstrap: str, partitions: int, max_turns: int, prefix: str, suff
         await bus.stop()
 
     asyncio.run(main())
-
-
-async def settle(pairs: list[tuple[str, str]], quiet_s: float = 2.0, limit_s: float = 240.0) -> None:
-    """Wait until these (topic, group) consumers have consumed nothing for ``quiet_s``."""
-
-    def consumed() -> float:
-        return sum(metrics.BUS_CONSUMED.labels(t, g)._value.get() for t, g in pairs)
-
-    t0 = last_change = time.perf_counter()
-    last = consumed()
-    while time.perf_counter() - last_change < quiet_s and time.perf_counter() - t0 < limit_s:
-        await asyncio.sleep(0.25)
-        now = consumed()
-        if now != last:
-            last, last_change = now, time.perf_counter()
 
 
 async def kafka_roundtrip(runtime: Runtime, n: int, suffix: str) -> list[float]:
