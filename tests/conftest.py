@@ -96,7 +96,18 @@ def _postgres_admin(postgres_url: str, sql: str) -> None:
     async def run() -> None:
         conn = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg://", "postgresql://"))
         try:
-            await conn.execute(sql)
+            for attempt in range(50):
+                try:
+                    await conn.execute(sql)
+                    return
+                except asyncpg.InsufficientPrivilegeError:
+                    # DROP DATABASE ... WITH (FORCE) must end every session on the database;
+                    # an autovacuum worker that just started there is a superuser's, which
+                    # the test role may not end. It finishes within moments on these tiny
+                    # databases: try again.
+                    if attempt == 49:
+                        raise
+                    await asyncio.sleep(0.1)
         finally:
             await conn.close()
 

@@ -13,7 +13,6 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import asyncpg
 import pytest
 from sqlalchemy import func, select
 from temper.bus.kafka import start_groups_at_end
@@ -41,16 +40,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
-async def pg_url(postgres_url, unique):
-    dsn = postgres_url.replace("postgresql+asyncpg://", "postgresql://")
-    name = f"test_{unique}"
-    conn = await asyncpg.connect(dsn)
-    await conn.execute(f'CREATE DATABASE "{name}"')
-    await conn.close()
-    yield postgres_url.rsplit("/", 1)[0] + f"/{name}"
-    conn = await asyncpg.connect(dsn)
-    await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    await conn.close()
+def pg_url(postgres_database_url):
+    return postgres_database_url
 
 
 async def test_multi_turn_episodes_through_kafka_and_postgres(tmp_path, kafka_bootstrap, pg_url, unique):
