@@ -102,12 +102,21 @@ class SandboxManager:
         self.root.chmod(0o711)
         await asyncio.to_thread(self.backend.prepare, self.root)
         if os.geteuid() == 0 and self.backend.isolated:
-            # bwrap runs as the unprivileged sandbox uid: it must be able to reach the workspace.
-            for parent in [self.root, *self.root.parents]:
-                if not parent.stat().st_mode & 0o001:
+            # bwrap runs as the unprivileged sandbox uid: it must be able to reach the workspace
+            # and every directory it binds in (else it exits before the agent says a word).
+            blocked = _unsearchable_parent(self.root)
+            if blocked is not None:
+                raise SandboxError(
+                    f"{blocked} is not searchable by other users; the sandbox uid cannot reach "
+                    f"{self.root} (set TEMPER_SANDBOX__WORKSPACE_ROOT to a path under a mode o+x tree)"
+                )
+            for entry in self.settings.ro_binds:
+                source = Path(entry.partition(":")[0])
+                blocked = _unsearchable_parent(source)
+                if blocked is not None:
                     raise SandboxError(
-                        f"{parent} is not searchable by other users; the sandbox uid cannot reach "
-                        f"{self.root} (set TEMPER_SANDBOX__WORKSPACE_ROOT to a path under a mode o+x tree)"
+                        f"{blocked} is not searchable by other users; the sandbox uid cannot reach "
+                        f"{source}, which sandboxes bind in (put the checkout or the venv under a mode o+x tree)"
                     )
         if self.settings.spawner:
             spawner = Spawner(self.settings.python)
@@ -356,3 +365,14 @@ class SandboxManager:
                 await self._expire()
             except Exception:
                 log.exception("sandbox session reaper failed")
+
+
+def _unsearchable_parent(path: Path) -> Path | None:
+    """The first directory on the way to ``path`` that other users cannot enter, if any
+    (none for a path that does not exist: bwrap's ``--ro-bind-try`` skips those)."""
+    if not path.exists():
+        return None
+    for parent in reversed([path, *path.parents] if path.is_dir() else list(path.parents)):
+        if not parent.stat().st_mode & 0o001:
+            return parent
+    return None

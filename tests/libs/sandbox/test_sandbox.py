@@ -222,3 +222,12 @@ def test_snapshot_refuses_members_that_escape(tmp_path) -> None:
         with pytest.raises(SnapshotError):
             unpack(buf.getvalue(), ws, max_bytes=1 << 20, owner=None)
         assert not (tmp_path / "escape").exists() and not (tmp_path / "outside" / "passwd").exists()
+
+
+async def test_a_bind_source_the_sandbox_uid_cannot_reach_is_refused_by_name(sandbox_root, tmp_path) -> None:
+    closed = tmp_path / "closed"  # pytest's tmp_path is 0700: other users cannot enter it
+    (closed / "pkg").mkdir(parents=True)
+    manager = SandboxManager(make_settings(sandbox_root, ro_binds=[f"{closed / 'pkg'}:/opt/pkg"]))
+    with pytest.raises(SandboxError, match="is not searchable by other users; the sandbox uid cannot reach") as info:
+        await manager.start()
+    assert str(closed / "pkg") in str(info.value)
