@@ -43,7 +43,8 @@ run-stack: setup stack-up
 	bash scripts/run_stack.sh examples/code-job.yaml
 
 lint: setup
-	$(PY) -m ruff check libs services tests bench scripts examples
+	$(PY) -m ruff check libs services tests bench scripts examples migrations
+	$(PY) -m ruff format --check libs services tests bench scripts examples migrations
 	$(PY) -m mypy
 
 schemas: setup

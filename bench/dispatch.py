@@ -100,17 +100,26 @@ class StubPeers:
             tokens = [*TOK.encode(text), TOK.end_id]
             await self.bus.send_message(
                 Topics.INFERENCE_RESULTS,
-                InferenceResult(**ids, token_ids=tokens, logprobs=[-0.1] * len(tokens), text=text, finish_reason="stop"),
+                InferenceResult(
+                    **ids, token_ids=tokens, logprobs=[-0.1] * len(tokens), text=text, finish_reason="stop"
+                ),
             )
         elif isinstance(msg, SandboxRequest):
             await self.bus.send_message(
                 Topics.SANDBOX_RESULTS,
-                SandboxResult(**ids, session_id=msg.session_id, result={"exit_code": 0, "wall_s": 0.0}, worker="noop"),
+                SandboxResult(
+                    **ids, session_id=msg.session_id, result={"exit_code": 0, "wall_s": 0.0}, worker="noop"
+                ),
             )
         elif isinstance(msg, RewardRequest):
             await self.bus.send_message(
                 Topics.REWARD_RESULTS,
-                RewardResult(**ids, task_id=msg.task_id, reward=1.0, components={"tests_passed": RewardComponent(value=1.0)}),
+                RewardResult(
+                    **ids,
+                    task_id=msg.task_id,
+                    reward=1.0,
+                    components={"tests_passed": RewardComponent(value=1.0)},
+                ),
             )
 
 
@@ -174,7 +183,15 @@ def spec(episodes: int, concurrency: int, max_turns: int) -> dict:
 
 async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: int) -> dict:
     async with db.session() as s:
-        s.add(Job(id=job_id, tenant_id="bench", name="bench", spec=spec(episodes, concurrency, max_turns), state="pending"))
+        s.add(
+            Job(
+                id=job_id,
+                tenant_id="bench",
+                name="bench",
+                spec=spec(episodes, concurrency, max_turns),
+                state="pending",
+            )
+        )
     t0 = time.perf_counter()
     cpu0 = time.process_time()
     while True:
@@ -189,17 +206,33 @@ async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: i
     cpu = time.process_time() - cpu0
     async with db.session() as s:
         scored = await s.scalar(
-            select(func.count()).select_from(Episode).where(Episode.job_id == job_id, Episode.state == "scored")
+            select(func.count())
+            .select_from(Episode)
+            .where(Episode.job_id == job_id, Episode.state == "scored")
         )
         # A turn is the time between the dispatcher issuing one inference request of an
         # episode and issuing the next (the step rows are written as the requests are).
-        issued = (await s.execute(
-            select(Step.episode_id, Step.turn, Step.created_at).join(Episode, Episode.id == Step.episode_id)
-            .where(Episode.job_id == job_id, Step.kind == "inference").order_by(Step.episode_id, Step.turn)
-        )).all()
-    gaps = [(b.created_at - a.created_at).total_seconds() * 1000
-            for a, b in zip(issued, issued[1:], strict=False) if a.episode_id == b.episode_id]
-    return {"state": state, "wall_s": wall, "cpu_s": cpu, "scored": scored, "gaps_ms": gaps, "turns": scored * max_turns}
+        issued = (
+            await s.execute(
+                select(Step.episode_id, Step.turn, Step.created_at)
+                .join(Episode, Episode.id == Step.episode_id)
+                .where(Episode.job_id == job_id, Step.kind == "inference")
+                .order_by(Step.episode_id, Step.turn)
+            )
+        ).all()
+    gaps = [
+        (b.created_at - a.created_at).total_seconds() * 1000
+        for a, b in zip(issued, issued[1:], strict=False)
+        if a.episode_id == b.episode_id
+    ]
+    return {
+        "state": state,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "scored": scored,
+        "gaps_ms": gaps,
+        "turns": scored * max_turns,
+    }
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -230,20 +263,40 @@ async def main(args: argparse.Namespace) -> dict:
         async with runtime.db.session() as s:
             s.add(TaskSet(id="bench", tenant_id="bench", name="bench", status="valid", task_count=1))
         async with runtime.db.session() as s:
-            s.add(Task(id="bench-t", task_set_id="bench", key="t", kind="code", prompt="Do nothing.", spec={}, meta={}))
+            s.add(
+                Task(
+                    id="bench-t",
+                    task_set_id="bench",
+                    key="t",
+                    kind="code",
+                    prompt="Do nothing.",
+                    spec={},
+                    meta={},
+                )
+            )
         prefix = f"bench-{suffix}-"
         # New consumer groups would start at the earliest offset and replay what earlier runs
         # left in the shared topics: start them at the end instead.
         requests = (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS)
-        await start_groups_at_end(bootstrap, {
-            **{f"bench-{t}-{suffix}": [t] for t in requests},
-            f"bench-dispatcher-{suffix}": [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
-            f"bench-dispatcher-policy-{suffix}": [Topics.POLICY_UPDATES],
-        })
+        await start_groups_at_end(
+            bootstrap,
+            {
+                **{f"bench-{t}-{suffix}": [t] for t in requests},
+                f"bench-dispatcher-{suffix}": [
+                    Topics.INFERENCE_RESULTS,
+                    Topics.SANDBOX_RESULTS,
+                    Topics.REWARD_RESULTS,
+                ],
+                f"bench-dispatcher-policy-{suffix}": [Topics.POLICY_UPDATES],
+            },
+        )
         spawn = multiprocessing.get_context("spawn")
         peers_ready, peers_stop = spawn.Event(), spawn.Event()
-        peers = spawn.Process(target=run_peers, args=(bootstrap, args.partitions, args.turns, prefix, suffix,
-                                                      peers_ready, peers_stop), daemon=True)
+        peers = spawn.Process(
+            target=run_peers,
+            args=(bootstrap, args.partitions, args.turns, prefix, suffix, peers_ready, peers_stop),
+            daemon=True,
+        )
         peers.start()
         if not await asyncio.to_thread(peers_ready.wait, 120):
             raise TimeoutError("the stub peers did not start")
@@ -303,11 +356,27 @@ def table(result: dict) -> str:
         ("turn overhead p50 (ms)", result["turn_overhead_p50_ms"], "<= 15"),
         ("turn overhead p99 (ms)", result["turn_overhead_p99_ms"], ""),
         ("turns per second", result["turns_per_s"], ">= 200"),
-        ("kafka produce->consume p50 (ms)", result["kafka_roundtrip_p50_ms"], f"x{result['kafka_hops_per_turn']} hops/turn"),
+        (
+            "kafka produce->consume p50 (ms)",
+            result["kafka_roundtrip_p50_ms"],
+            f"x{result['kafka_hops_per_turn']} hops/turn",
+        ),
         ("kafka produce->consume p99 (ms)", result["kafka_roundtrip_p99_ms"], ""),
-        (f"turn p50 under load, {result['throughput_concurrency']} in flight (ms)", result["under_load_turn_p50_ms"], ""),
-        (f"turn p99 under load, {result['throughput_concurrency']} in flight (ms)", result["under_load_turn_p99_ms"], ""),
-        ("dispatcher CPU per turn (ms)", result["dispatcher_cpu_ms_per_turn"], "one core: 1000/this turns/s at most"),
+        (
+            f"turn p50 under load, {result['throughput_concurrency']} in flight (ms)",
+            result["under_load_turn_p50_ms"],
+            "",
+        ),
+        (
+            f"turn p99 under load, {result['throughput_concurrency']} in flight (ms)",
+            result["under_load_turn_p99_ms"],
+            "",
+        ),
+        (
+            "dispatcher CPU per turn (ms)",
+            result["dispatcher_cpu_ms_per_turn"],
+            "one core: 1000/this turns/s at most",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
     lines = [f"{'metric'.ljust(width)}  {'value':>10}  target", "-" * (width + 26)]
@@ -320,7 +389,9 @@ if __name__ == "__main__":
     parser.add_argument("--turns", type=int, default=4, help="turns per episode")
     parser.add_argument("--latency-episodes", type=int, default=32)
     parser.add_argument("--episodes", type=int, default=256, help="episodes in the throughput run")
-    parser.add_argument("--concurrency", type=int, default=64, help="episodes in flight in the throughput run")
+    parser.add_argument(
+        "--concurrency", type=int, default=64, help="episodes in flight in the throughput run"
+    )
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--pings", type=int, default=200)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "dispatch.json"))

@@ -46,8 +46,9 @@ def free_port() -> int:
 
 
 def start(args: list[str], env: dict[str, str], url: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -117,16 +118,22 @@ async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> N
     await start_groups_at_end(bootstrap, groups)
 
 
-async def kafka_path(bootstrap: str, results_group: str, prompt: list[int], n: int, tokens: int,
-                     concurrency: int, rounds: int) -> tuple[list[float], list[float]]:
+async def kafka_path(
+    bootstrap: str, results_group: str, prompt: list[int], n: int, tokens: int, concurrency: int, rounds: int
+) -> tuple[list[float], list[float]]:
     """Round-trip times of sequential requests, and requests/s with ``concurrency`` outstanding."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     run = uuid.uuid4().hex[:8]
     waiting: dict[str, asyncio.Future[InferenceResult]] = {}
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0)
-    consumer = AIOKafkaConsumer(Topics.INFERENCE_RESULTS, bootstrap_servers=bootstrap, group_id=results_group,
-                                enable_auto_commit=True, fetch_max_wait_ms=10)
+    consumer = AIOKafkaConsumer(
+        Topics.INFERENCE_RESULTS,
+        bootstrap_servers=bootstrap,
+        group_id=results_group,
+        enable_auto_commit=True,
+        fetch_max_wait_ms=10,
+    )
     await producer.start()
     await consumer.start()
 
@@ -142,8 +149,14 @@ async def kafka_path(bootstrap: str, results_group: str, prompt: list[int], n: i
 
     async def one(max_tokens: int, ignore_eos: bool = False) -> float:
         ep = f"bench-{run}-{next(counter)}"
-        req = InferenceRequest(job_id=f"bench-{run}", episode_id=ep, turn=0, model="temper-policy",
-                               prompt_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens, seed=1))
+        req = InferenceRequest(
+            job_id=f"bench-{run}",
+            episode_id=ep,
+            turn=0,
+            model="temper-policy",
+            prompt_ids=prompt,
+            sampling=SamplingParams(max_tokens=max_tokens, seed=1),
+        )
         fut: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
         waiting[ep] = fut
         t0 = time.perf_counter()
@@ -195,23 +208,46 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="temper-bench-gw-"))
     eport, gport = free_port(), free_port()
     engine_url, gw_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "libs")]),
-           "TEMPER_DATA_DIR": str(tmp), "TEMPER_STORAGE__ROOT": str(tmp / "objects"),
-           "TEMPER_INFERENCE__BACKENDS": json.dumps([{"name": "engine-0", "url": engine_url}]),
-           "TEMPER_INFERENCE__MAX_INFLIGHT_PER_BACKEND": "64",
-           "TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR": str(tmp / "cache"),
-           "TEMPER_INFERENCE__REQUESTS_GROUP": group,
-           "TEMPER_PORT": str(gport), "TEMPER_LOG__LEVEL": "WARNING"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "libs")]),
+        "TEMPER_DATA_DIR": str(tmp),
+        "TEMPER_STORAGE__ROOT": str(tmp / "objects"),
+        "TEMPER_INFERENCE__BACKENDS": json.dumps([{"name": "engine-0", "url": engine_url}]),
+        "TEMPER_INFERENCE__MAX_INFLIGHT_PER_BACKEND": "64",
+        "TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR": str(tmp / "cache"),
+        "TEMPER_INFERENCE__REQUESTS_GROUP": group,
+        "TEMPER_PORT": str(gport),
+        "TEMPER_LOG__LEVEL": "WARNING",
+    }
     if not args.no_kafka:
         env.update(TEMPER_BUS__KIND="kafka", TEMPER_BUS__BOOTSTRAP=args.bootstrap)
-        asyncio.run(groups_start_at_end(args.bootstrap, {group: [Topics.INFERENCE_REQUESTS],
-                                                         results_group: [Topics.INFERENCE_RESULTS]}))
+        asyncio.run(
+            groups_start_at_end(
+                args.bootstrap,
+                {group: [Topics.INFERENCE_REQUESTS], results_group: [Topics.INFERENCE_RESULTS]},
+            )
+        )
     kafka_lat: list[float] = []
     kafka_rps: list[float] = []
     procs = []
     try:
-        procs.append(start(["-m", "services.inference_gateway.engine", "--preset", "tiny", "--port", str(eport),
-                            "--threads", "1"], env, engine_url))
+        procs.append(
+            start(
+                [
+                    "-m",
+                    "services.inference_gateway.engine",
+                    "--preset",
+                    "tiny",
+                    "--port",
+                    str(eport),
+                    "--threads",
+                    "1",
+                ],
+                env,
+                engine_url,
+            )
+        )
         procs.append(start(["-m", "services.inference_gateway"], env, gw_url))
         tok = default_tokenizer()
         prompt = encode_chat(tok, [{"role": "user", "content": "benchmark the gateway"}])
@@ -220,15 +256,28 @@ def main() -> None:
         many = {**one, "max_tokens": args.tokens, "ignore_eos": True}
         direct_rps, gw_rps = [], []
         for _ in range(args.rounds):
-            direct_rps.append(asyncio.run(throughput(engine_url, many, args.throughput_requests, args.concurrency)))
+            direct_rps.append(
+                asyncio.run(throughput(engine_url, many, args.throughput_requests, args.concurrency))
+            )
             gw_rps.append(asyncio.run(throughput(gw_url, many, args.throughput_requests, args.concurrency)))
         if not args.no_kafka:
-            kafka_lat, kafka_rps = asyncio.run(kafka_path(args.bootstrap, results_group, prompt, args.requests,
-                                                          args.tokens, args.concurrency, args.rounds))
+            kafka_lat, kafka_rps = asyncio.run(
+                kafka_path(
+                    args.bootstrap,
+                    results_group,
+                    prompt,
+                    args.requests,
+                    args.tokens,
+                    args.concurrency,
+                    args.rounds,
+                )
+            )
         ckpt = save_checkpoint(create_model(seed=7), tmp / "ckpt")
         switches = []
         for v in range(1, 6):
-            r = httpx.post(f"{engine_url}/v1/load_weights", json={"path": str(ckpt), "version": v}, timeout=60)
+            r = httpx.post(
+                f"{engine_url}/v1/load_weights", json={"path": str(ckpt), "version": v}, timeout=60
+            )
             r.raise_for_status()
             switches.append(r.json()["switch_ms"])
     finally:
@@ -250,13 +299,19 @@ def main() -> None:
         "gateway_rps": round(statistics.median(gw_rps), 2),
         "throughput_ratio": round(statistics.median(gw_rps) / statistics.median(direct_rps), 3),
         "weight_switch_ms": round(statistics.median(switches), 3),
-        **({
-            "kafka_p50_ms": round(statistics.median(kafka_lat), 3),
-            "kafka_p99_ms": round(pct(kafka_lat, 0.99), 3),
-            "kafka_added_p50_ms": round(statistics.median(kafka_lat) - statistics.median(d), 3),
-            "kafka_rps": round(statistics.median(kafka_rps), 2),
-            "kafka_throughput_ratio": round(statistics.median(kafka_rps) / statistics.median(direct_rps), 3),
-        } if kafka_lat else {}),
+        **(
+            {
+                "kafka_p50_ms": round(statistics.median(kafka_lat), 3),
+                "kafka_p99_ms": round(pct(kafka_lat, 0.99), 3),
+                "kafka_added_p50_ms": round(statistics.median(kafka_lat) - statistics.median(d), 3),
+                "kafka_rps": round(statistics.median(kafka_rps), 2),
+                "kafka_throughput_ratio": round(
+                    statistics.median(kafka_rps) / statistics.median(direct_rps), 3
+                ),
+            }
+            if kafka_lat
+            else {}
+        ),
         "latency_requests": args.requests,
         "throughput_requests": args.throughput_requests,
         "concurrency": args.concurrency,
@@ -270,8 +325,10 @@ def main() -> None:
     print("gateway benchmark (same CPU engine, direct vs via gateway)")
     for k, v in res.items():
         print(f"  {k:<{width}}  {v}")
-    print(f"targets: added_p50_ms <= 1.0 -> {'ok' if res['added_p50_ms'] <= 1.0 else 'MISSED'}; "
-          f"throughput_ratio >= 0.95 -> {'ok' if res['throughput_ratio'] >= 0.95 else 'MISSED'}")
+    print(
+        f"targets: added_p50_ms <= 1.0 -> {'ok' if res['added_p50_ms'] <= 1.0 else 'MISSED'}; "
+        f"throughput_ratio >= 0.95 -> {'ok' if res['throughput_ratio'] >= 0.95 else 'MISSED'}"
+    )
 
 
 if __name__ == "__main__":

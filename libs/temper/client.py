@@ -67,8 +67,12 @@ class TemperClient:
             body = {"detail": response.text[:500] or response.reason_phrase}
         detail = body.get("detail") if isinstance(body, dict) else str(body)
         if not isinstance(detail, str):  # FastAPI's own validation errors
-            detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail or [])
-        errors = [(e["field"], e["message"]) for e in body.get("errors", [])] if isinstance(body, dict) else []
+            detail = "; ".join(
+                f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}" for d in detail or []
+            )
+        errors = (
+            [(e["field"], e["message"]) for e in body.get("errors", [])] if isinstance(body, dict) else []
+        )
         raise ApiError(response.status_code, detail, errors)
 
     # --- jobs ---------------------------------------------------------------------------
@@ -82,9 +86,12 @@ class TemperClient:
             "POST", "/v1/jobs", content=text.encode(), headers={"Content-Type": "application/yaml"}
         )
 
-    def jobs(self, *, state: str | None = None, name: str | None = None, limit: int = 50,
-             cursor: str | None = None) -> dict[str, Any]:
-        params = {k: v for k, v in {"state": state, "name": name, "limit": limit, "cursor": cursor}.items() if v}
+    def jobs(
+        self, *, state: str | None = None, name: str | None = None, limit: int = 50, cursor: str | None = None
+    ) -> dict[str, Any]:
+        params = {
+            k: v for k, v in {"state": state, "name": name, "limit": limit, "cursor": cursor}.items() if v
+        }
         return self._call("GET", "/v1/jobs", params=params)  # type: ignore[no-any-return]
 
     def job(self, job_id: str) -> dict[str, Any]:
@@ -127,9 +134,19 @@ class TemperClient:
     def create_key(self, name: str = "") -> dict[str, Any]:
         return self._call("POST", "/v1/keys", json={"name": name})  # type: ignore[no-any-return]
 
-    def create_tenant(self, name: str, *, tenant_id: str | None = None, max_concurrent_episodes: int = 64,
-                      admin: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"name": name, "max_concurrent_episodes": max_concurrent_episodes, "admin": admin}
+    def create_tenant(
+        self,
+        name: str,
+        *,
+        tenant_id: str | None = None,
+        max_concurrent_episodes: int = 64,
+        admin: bool = False,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "name": name,
+            "max_concurrent_episodes": max_concurrent_episodes,
+            "admin": admin,
+        }
         if tenant_id:
             body["id"] = tenant_id
         return self._call("POST", "/v1/tenants", json=body)  # type: ignore[no-any-return]

@@ -74,8 +74,11 @@ def step_line(ep: Episode, step: Step, reward: RewardResult | None = None) -> di
             line["observation"] = result["observation"]
     elif step.kind == "sandbox":
         execution = result.get("exec") or {}
-        line.update(action=step.request.get("action"), worker=result.get("worker"),
-                    snapshot_key=result.get("snapshot_key"))
+        line.update(
+            action=step.request.get("action"),
+            worker=result.get("worker"),
+            snapshot_key=result.get("snapshot_key"),
+        )
         line.update({name: execution.get(name) for name in SANDBOX_FIELDS})
     elif step.kind == "reward":
         if reward is not None:  # recorded on the row in the transaction after this write
@@ -84,7 +87,9 @@ def step_line(ep: Episode, step: Step, reward: RewardResult | None = None) -> di
             line.update(
                 state="done",
                 completed_at=finished.isoformat(),
-                duration_s=round((finished - datetime.fromisoformat(started)).total_seconds(), 6) if started else None,
+                duration_s=round((finished - datetime.fromisoformat(started)).total_seconds(), 6)
+                if started
+                else None,
                 reward=reward.reward,
                 components={k: v.model_dump(mode="json") for k, v in reward.components.items()},
             )
@@ -96,7 +101,9 @@ def step_line(ep: Episode, step: Step, reward: RewardResult | None = None) -> di
 def build_episode_log(ep: Episode, steps: Sequence[Step], reward: RewardResult | None = None) -> bytes:
     """The episode's steps in order (turn, then the order they were issued), as JSON lines."""
     ordered = sorted(steps, key=lambda s: (s.turn, s.id or 0))
-    lines = [json.dumps(step_line(ep, s, reward if s.kind == "reward" else None), default=str) for s in ordered]
+    lines = [
+        json.dumps(step_line(ep, s, reward if s.kind == "reward" else None), default=str) for s in ordered
+    ]
     return ("\n".join(lines) + "\n").encode() if lines else b""
 
 

@@ -115,7 +115,9 @@ class SandboxRequest(Message):
     session_id: str
     action: dict[str, Any]
     limits: dict[str, Any] | None = None
-    snapshot_key: str | None = Field(None, description="where to restore the session from if this worker lacks it")
+    snapshot_key: str | None = Field(
+        None, description="where to restore the session from if this worker lacks it"
+    )
     snapshot_after: bool = True
     files: dict[str, str] = Field(
         default_factory=dict,
@@ -234,7 +236,9 @@ def decode(data: bytes) -> Message:
     if model is None:
         raise BadMessage(f"unknown message type {raw.get('type')!r}")
     if version is not None and version > model.SCHEMA_VERSION:
-        raise BadMessage(f"{model.__name__} schema_version {version} is newer than this reader's {model.SCHEMA_VERSION}")
+        raise BadMessage(
+            f"{model.__name__} schema_version {version} is newer than this reader's {model.SCHEMA_VERSION}"
+        )
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as exc:

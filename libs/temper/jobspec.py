@@ -70,7 +70,9 @@ class AlgorithmSpec(_Spec):
     kl_coef: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     groups_per_step: int = Field(4, ge=1, description="groups in one optimizer batch")
-    checkpoint_every: int = Field(1, ge=1, description="optimizer steps between checkpoints / policy versions")
+    checkpoint_every: int = Field(
+        1, ge=1, description="optimizer steps between checkpoints / policy versions"
+    )
     skip_zero_variance: bool = True
 
 

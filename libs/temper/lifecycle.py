@@ -80,7 +80,9 @@ def transition_job(session: AsyncSession, job: Job, to: JobState, *, reason: str
     )
 
 
-def transition_episode(session: AsyncSession, episode: Episode, to: EpisodeState, *, reason: str | None = None) -> None:
+def transition_episode(
+    session: AsyncSession, episode: Episode, to: EpisodeState, *, reason: str | None = None
+) -> None:
     current = EpisodeState(episode.state)
     if current not in EPISODE_TRANSITIONS[to]:
         raise IllegalTransition(f"episode {episode.id}: {current} -> {to} is not allowed")

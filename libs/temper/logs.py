@@ -14,10 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-_context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("temper_log_context", default=None)
+_context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "temper_log_context", default=None
+)
 
 # Values of these keys, and bearer tokens or URL passwords inside messages, are masked.
-_SECRET_KEYS = re.compile(r"(?:^|_)(secret|secret_key|password|passwd|token|authorization|api_key|access_key|bootstrap_key)$", re.I)
+_SECRET_KEYS = re.compile(
+    r"(?:^|_)(secret|secret_key|password|passwd|token|authorization|api_key|access_key|bootstrap_key)$", re.I
+)
 _SECRET_IN_TEXT = [
     (re.compile(r"(Bearer\s+)[A-Za-z0-9._~+/=-]+", re.I), r"\1***"),
     (re.compile(r"(://[^:/@\s]+:)[^@\s]+(@)"), r"\1***\2"),
@@ -52,7 +56,8 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "service": self.service,
             "logger": record.name,
@@ -67,7 +72,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(service: str, level: str = "INFO", json_lines: bool = True, file: Path | None = None) -> None:
+def configure_logging(
+    service: str, level: str = "INFO", json_lines: bool = True, file: Path | None = None
+) -> None:
     handler: logging.Handler
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)

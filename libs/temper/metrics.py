@@ -10,12 +10,16 @@ FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 # --- bus -------------------------------------------------------------------------------
 BUS_PRODUCED = Counter("temper_bus_messages_produced_total", "Messages produced", ["topic"])
-BUS_CONSUMED = Counter("temper_bus_messages_consumed_total", "Messages handled and committed", ["topic", "group"])
+BUS_CONSUMED = Counter(
+    "temper_bus_messages_consumed_total", "Messages handled and committed", ["topic", "group"]
+)
 BUS_HANDLER_FAILURES = Counter(
     "temper_bus_handler_failures_total", "Handler attempts that raised", ["topic", "group"]
 )
 BUS_DEAD_LETTERS = Counter("temper_bus_dead_letters_total", "Messages sent to a dead-letter topic", ["topic"])
-BUS_CONSUMER_LAG = Gauge("temper_bus_consumer_lag", "Messages not yet committed by a group", ["topic", "group"])
+BUS_CONSUMER_LAG = Gauge(
+    "temper_bus_consumer_lag", "Messages not yet committed by a group", ["topic", "group"]
+)
 BUS_PAUSED = Gauge("temper_bus_paused", "1 while a consumer has paused its partitions", ["topic", "group"])
 OUTBOX_PENDING = Gauge("temper_outbox_pending", "Outbox rows committed but not yet published")
 OUTBOX_PUBLISHED = Counter("temper_outbox_published_total", "Outbox rows published", ["topic"])
@@ -37,7 +41,9 @@ SANDBOX_POOL_MISSES = Counter("temper_sandbox_pool_misses_total", "Acquisitions 
 SANDBOX_ACQUIRE_SECONDS = Histogram(
     "temper_sandbox_acquire_seconds", "Time to acquire a sandbox", buckets=FAST_BUCKETS
 )
-SANDBOX_EXEC_SECONDS = Histogram("temper_sandbox_exec_seconds", "Time of one sandbox action", buckets=FAST_BUCKETS)
+SANDBOX_EXEC_SECONDS = Histogram(
+    "temper_sandbox_exec_seconds", "Time of one sandbox action", buckets=FAST_BUCKETS
+)
 SANDBOX_KILLS = Counter("temper_sandbox_kills_total", "Sandbox actions killed", ["reason"])
 SANDBOX_LEAKED_PROCESSES = Gauge(
     "temper_sandbox_leaked_processes", "Processes left behind by destroyed sandboxes (must stay 0)"
@@ -46,9 +52,14 @@ SANDBOX_LEAKED_PROCESSES = Gauge(
 # --- rewards ---------------------------------------------------------------------------
 REWARDS_SCORED = Counter("temper_rewards_scored_total", "Episodes scored", ["status"])
 REWARD_COMPONENT_SECONDS = Histogram(
-    "temper_reward_component_seconds", "Time to compute one reward component", ["component"], buckets=FAST_BUCKETS
+    "temper_reward_component_seconds",
+    "Time to compute one reward component",
+    ["component"],
+    buckets=FAST_BUCKETS,
 )
-REWARD_FAILURES = Counter("temper_reward_failures_total", "Reward components that failed", ["component", "reason"])
+REWARD_FAILURES = Counter(
+    "temper_reward_failures_total", "Reward components that failed", ["component", "reason"]
+)
 
 # --- inference -------------------------------------------------------------------------
 INFERENCE_REQUESTS = Counter("temper_inference_requests_total", "Generation requests", ["backend", "status"])
@@ -56,7 +67,9 @@ INFERENCE_SECONDS = Histogram(
     "temper_inference_seconds", "Generation latency per request", ["backend"], buckets=FAST_BUCKETS
 )
 INFERENCE_INFLIGHT = Gauge("temper_inference_inflight", "Requests in flight", ["backend"])
-INFERENCE_BACKEND_HEALTHY = Gauge("temper_inference_backend_healthy", "1 if a backend is healthy", ["backend"])
+INFERENCE_BACKEND_HEALTHY = Gauge(
+    "temper_inference_backend_healthy", "1 if a backend is healthy", ["backend"]
+)
 WEIGHT_SWITCH_SECONDS = Histogram(
     "temper_weight_switch_seconds", "Time to switch a backend to new weights", buckets=FAST_BUCKETS
 )
@@ -68,12 +81,18 @@ TRAINER_LOSS = Gauge("temper_trainer_loss", "Loss of the last step", ["job_id"])
 TRAINER_REWARD_MEAN = Gauge("temper_trainer_reward_mean", "Mean reward of the last batch", ["job_id"])
 TRAINER_REWARD_STD = Gauge("temper_trainer_reward_std", "Reward std of the last batch", ["job_id"])
 TRAINER_KL = Gauge("temper_trainer_kl", "KL to the reference policy, last step", ["job_id"])
-TRAINER_CLIP_FRACTION = Gauge("temper_trainer_clip_fraction", "Fraction of clipped ratios, last step", ["job_id"])
+TRAINER_CLIP_FRACTION = Gauge(
+    "temper_trainer_clip_fraction", "Fraction of clipped ratios, last step", ["job_id"]
+)
 TRAINER_TOKENS_PER_SECOND = Gauge("temper_trainer_tokens_per_second", "Training throughput", ["job_id"])
 TRAINER_STALENESS = Histogram(
-    "temper_trainer_staleness", "Policy versions between behaviour and trained policy", buckets=(0, 1, 2, 3, 4, 8, 16)
+    "temper_trainer_staleness",
+    "Policy versions between behaviour and trained policy",
+    buckets=(0, 1, 2, 3, 4, 8, 16),
 )
-TRAINER_SKIPPED_GROUPS = Counter("temper_trainer_skipped_groups_total", "Groups skipped for zero reward variance", ["job_id"])
+TRAINER_SKIPPED_GROUPS = Counter(
+    "temper_trainer_skipped_groups_total", "Groups skipped for zero reward variance", ["job_id"]
+)
 
 
 def render_latest() -> tuple[bytes, str]:

@@ -90,7 +90,9 @@ class OutboxRelay:
         try:
             await self._send(rows)
         except Exception as exc:  # noqa: BLE001 - the rows are committed: the sweep sends them
-            log_event(log, "publish after commit failed; the relay will retry", logging.WARNING, error=repr(exc))
+            log_event(
+                log, "publish after commit failed; the relay will retry", logging.WARNING, error=repr(exc)
+            )
             self._wake.set()  # the sweep sends them now
         else:
             self._sent.extend(ids)  # marked by the next pass, not urgent: no wake-up
@@ -110,8 +112,15 @@ class OutboxRelay:
         try:
             async with self.db.session() as session:
                 if sent:
-                    await session.execute(update(OutboxRow).where(OutboxRow.id.in_(sent)).values(published_at=utcnow()))
-                query = select(OutboxRow).where(OutboxRow.published_at.is_(None)).order_by(OutboxRow.id).limit(self.batch)
+                    await session.execute(
+                        update(OutboxRow).where(OutboxRow.id.in_(sent)).values(published_at=utcnow())
+                    )
+                query = (
+                    select(OutboxRow)
+                    .where(OutboxRow.published_at.is_(None))
+                    .order_by(OutboxRow.id)
+                    .limit(self.batch)
+                )
                 if not self.db.is_sqlite:
                     query = query.with_for_update(skip_locked=True)
                 found = (await session.execute(query)).scalars()
@@ -123,7 +132,9 @@ class OutboxRelay:
                 if self._after_publish is not None:
                     await self._after_publish(ids)
                 if ids:
-                    await session.execute(update(OutboxRow).where(OutboxRow.id.in_(ids)).values(published_at=utcnow()))
+                    await session.execute(
+                        update(OutboxRow).where(OutboxRow.id.in_(ids)).values(published_at=utcnow())
+                    )
         except BaseException:
             self._sent[:0] = sent  # not marked: try again next pass (they are not re-sent)
             raise

@@ -57,7 +57,11 @@ async def delete_expired(
         raise ValueError("retention days must be positive")
     cutoff = _aware(now or datetime.now(UTC)) - timedelta(days=days)
     async with db.session() as s:
-        finished = (await s.execute(select(Job.id, Job.tenant_id, Job.finished_at).where(Job.finished_at.is_not(None)))).all()
+        finished = (
+            await s.execute(
+                select(Job.id, Job.tenant_id, Job.finished_at).where(Job.finished_at.is_not(None))
+            )
+        ).all()
     expired = [(job_id, tenant) for job_id, tenant, at in finished if at is not None and _aware(at) < cutoff]
     for job_id, tenant in expired:
         with log_context(job_id=job_id, tenant=tenant):
@@ -67,24 +71,36 @@ async def delete_expired(
         if any(job_counts.values()):
             log_event(log, "retention deleted job objects", job_id=job_id, tenant=tenant, **job_counts)
     result = dict(counts)
-    log_event(log, "retention pass", days=days, cutoff=cutoff.isoformat(), deleted=sum(result[k] for k in KINDS),
-              **result)
+    log_event(
+        log,
+        "retention pass",
+        days=days,
+        cutoff=cutoff.isoformat(),
+        deleted=sum(result[k] for k in KINDS),
+        **result,
+    )
     return result
 
 
-async def _delete_job(store: ObjectStore, db: Database, tenant: str, job_id: str, snapshot_prefix: str) -> Counter[str]:
+async def _delete_job(
+    store: ObjectStore, db: Database, tenant: str, job_id: str, snapshot_prefix: str
+) -> Counter[str]:
     counts: Counter[str] = Counter()
     async with db.session() as s:
         latest = await s.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.job_id == job_id))
         keep_key = None
         if latest is not None:
             keep_key = await s.scalar(
-                select(PolicyVersion.checkpoint_key).where(PolicyVersion.job_id == job_id, PolicyVersion.version == latest)
+                select(PolicyVersion.checkpoint_key).where(
+                    PolicyVersion.job_id == job_id, PolicyVersion.version == latest
+                )
             )
         sessions = list(
             (
                 await s.execute(
-                    select(Episode.id, Episode.session_id).where(Episode.job_id == job_id, Episode.snapshot_key.is_not(None))
+                    select(Episode.id, Episode.session_id).where(
+                        Episode.job_id == job_id, Episode.snapshot_key.is_not(None)
+                    )
                 )
             ).all()
         )
@@ -92,7 +108,7 @@ async def _delete_job(store: ObjectStore, db: Database, tenant: str, job_id: str
 
     prefix = object_key(tenant, job_id) + "/"
     for key in await store.list(prefix):
-        kind = key[len(prefix):].split("/", 1)[0]
+        kind = key[len(prefix) :].split("/", 1)[0]
         if kind == "checkpoints" and keep is not None and key.startswith(keep):
             continue
         await store.delete(key)
@@ -110,6 +126,8 @@ async def _delete_job(store: ObjectStore, db: Database, tenant: str, job_id: str
         # The snapshots are gone: stop pointing at them (and skip these episodes next time).
         async with db.session() as s:
             await s.execute(
-                update(Episode).where(Episode.job_id == job_id, Episode.snapshot_key.is_not(None)).values(snapshot_key=None)
+                update(Episode)
+                .where(Episode.job_id == job_id, Episode.snapshot_key.is_not(None))
+                .values(snapshot_key=None)
             )
     return counts

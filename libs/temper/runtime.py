@@ -107,11 +107,16 @@ class Runtime:
         async def on_record(record: Record) -> None:
             message = decode(record.value)
             with log_context(
-                job_id=message.job_id, episode_id=message.episode_id, turn=message.turn, attempt=message.attempt
+                job_id=message.job_id,
+                episode_id=message.episode_id,
+                turn=message.turn,
+                attempt=message.attempt,
             ):
                 await handler(message)
 
-        return await self.bus.subscribe(list(topics), group or self.service, on_record, concurrency=concurrency)
+        return await self.bus.subscribe(
+            list(topics), group or self.service, on_record, concurrency=concurrency
+        )
 
     def spawn(self, coro: Awaitable[None], name: str) -> None:
         """Run a background loop for the life of the service; a crash is logged loudly."""
@@ -179,7 +184,11 @@ def health_router(runtime: Runtime) -> APIRouter:
     async def health() -> JSONResponse:
         report = await runtime.health()
         down = [name for name, state in report.items() if state != "ok"]
-        body: dict[str, Any] = {"service": runtime.service, "status": "down" if down else "ok", "components": report}
+        body: dict[str, Any] = {
+            "service": runtime.service,
+            "status": "down" if down else "ok",
+            "components": report,
+        }
         if down:
             body["down"] = down
         return JSONResponse(body, status_code=503 if down else 200)

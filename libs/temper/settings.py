@@ -108,7 +108,9 @@ class LogSettings(BaseModel):
 
 class RetentionSettings(BaseModel):
     days: float | None = Field(
-        None, gt=0, description="delete the objects of jobs finished more than this many days ago (None: keep all)"
+        None,
+        gt=0,
+        description="delete the objects of jobs finished more than this many days ago (None: keep all)",
     )
 
 
@@ -129,7 +131,9 @@ class Settings(BaseSettings):
     trainer: TrainerSettings = TrainerSettings()
     reward_scorer: RewardScorerSettings = RewardScorerSettings()
     retention: RetentionSettings = RetentionSettings()
-    allow_unsafe: bool = Field(False, description="allow the no-isolation sandbox backend in distributed mode")
+    allow_unsafe: bool = Field(
+        False, description="allow the no-isolation sandbox backend in distributed mode"
+    )
 
     @model_validator(mode="after")
     def _resolve_and_refuse_unsafe(self) -> Settings:
@@ -146,7 +150,6 @@ class Settings(BaseSettings):
             if self.db.is_sqlite:
                 raise ValueError("TEMPER_DB__URL must point at Postgres in distributed mode")
         return self
-
 
 
 @lru_cache(maxsize=1)

@@ -54,7 +54,9 @@ async def issue_key(
 ) -> IssuedKey:
     """Store a new key for ``tenant_id`` (a given ``key`` value, or a random one)."""
     value = key or new_key()
-    row = ApiKey(tenant_id=tenant_id, name=name, prefix=value[:DISPLAY_CHARS], key_hash=hash_key(value), admin=admin)
+    row = ApiKey(
+        tenant_id=tenant_id, name=name, prefix=value[:DISPLAY_CHARS], key_hash=hash_key(value), admin=admin
+    )
     session.add(row)
     await session.flush()
     return IssuedKey(id=row.id, tenant_id=tenant_id, prefix=row.prefix, key=value, admin=admin)
@@ -97,7 +99,9 @@ async def authenticate(session: AsyncSession, key: str) -> Caller | None:
     if not key:
         return None
     row = (
-        await session.execute(select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
+        await session.execute(
+            select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
+        )
     ).scalar_one_or_none()
     if row is None:
         return None
@@ -123,7 +127,9 @@ async def ensure_bootstrap_key(session: AsyncSession, key: str, *, tenant_id: st
         session.add(Tenant(id=tenant_id, name=tenant_id))
         await session.flush()
         created = True
-    existing = (await session.execute(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))).scalar_one_or_none()
+    existing = (
+        await session.execute(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+    ).scalar_one_or_none()
     if existing is None:
         await issue_key(session, tenant_id=tenant_id, name="bootstrap", admin=True, key=key)
         created = True

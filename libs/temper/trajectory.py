@@ -54,7 +54,9 @@ class Trajectory(BaseModel):
     @property
     def behaviour_version(self) -> int:
         """The oldest policy version that produced any of the model's tokens."""
-        versions = [s.policy_version for s in self.segments if s.role == "model" and s.policy_version is not None]
+        versions = [
+            s.policy_version for s in self.segments if s.role == "model" and s.policy_version is not None
+        ]
         return min(versions) if versions else 0
 
     def flat(self) -> tuple[list[int], list[bool], list[float]]:

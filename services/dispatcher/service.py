@@ -71,29 +71,49 @@ class Dispatcher:
     async def start(self) -> None:
         rt = self.runtime
         if rt.db is None or rt.bus is None or rt.store is None:
-            raise RuntimeError("Dispatcher needs a started Runtime with a database, a bus and an object store")
+            raise RuntimeError(
+                "Dispatcher needs a started Runtime with a database, a bus and an object store"
+            )
         s = self.settings
         self.relay = OutboxRelay(rt.db, rt.bus)
         self.engine = EpisodeEngine(rt.db, rt.store, s, transaction=self.relay.transaction)
         self.leadership = Leadership(rt.db)
         self.scheduler = Scheduler(
-            self.engine, self.leadership, trainer_attached=s.trainer_attached, wait_for_training=s.wait_for_training
+            self.engine,
+            self.leadership,
+            trainer_attached=s.trainer_attached,
+            wait_for_training=s.wait_for_training,
         )
         handlers = ResultHandlers(self.engine, self.scheduler)
         self._tasks.append(asyncio.create_task(self.relay.run(), name="dispatcher-outbox-relay"))
         self._consumers.append(
-            await rt.consume(RESULT_TOPICS, handlers.on_result, group=s.results_group, concurrency=s.result_concurrency)
+            await rt.consume(
+                RESULT_TOPICS, handlers.on_result, group=s.results_group, concurrency=s.result_concurrency
+            )
         )
-        self._consumers.append(await rt.consume((Topics.POLICY_UPDATES,), handlers.on_policy_update, group=s.policy_group))
-        self._tasks.append(
-            asyncio.create_task(self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"), name="dispatcher-scheduler")
+        self._consumers.append(
+            await rt.consume((Topics.POLICY_UPDATES,), handlers.on_policy_update, group=s.policy_group)
         )
         self._tasks.append(
-            asyncio.create_task(self._every(s.reaper_interval_s, self.engine.reap_expired, "lease reaper"), name="dispatcher-reaper")
+            asyncio.create_task(
+                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"),
+                name="dispatcher-scheduler",
+            )
+        )
+        self._tasks.append(
+            asyncio.create_task(
+                self._every(s.reaper_interval_s, self.engine.reap_expired, "lease reaper"),
+                name="dispatcher-reaper",
+            )
         )
         rt.checks["dispatcher"] = self._check
-        log_event(log, "dispatcher started", lease_s=s.lease_s, max_step_attempts=s.max_step_attempts,
-                  trainer_attached=s.trainer_attached)
+        log_event(
+            log,
+            "dispatcher started",
+            lease_s=s.lease_s,
+            max_step_attempts=s.max_step_attempts,
+            trainer_attached=s.trainer_attached,
+        )
 
     async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], name: str) -> None:
         while True:

@@ -54,11 +54,15 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
         raise SpecError([("(document)", "the spec must be a mapping")])
     local_raw = doc.pop("local", None)
     if local_raw is None:
-        raise SpecError([("local", "temper run needs a local: block naming the task-set file (see docs/job-spec.md)")])
+        raise SpecError(
+            [("local", "temper run needs a local: block naming the task-set file (see docs/job-spec.md)")]
+        )
     try:
         local = LocalRun.model_validate(local_raw)
     except ValidationError as exc:
-        raise SpecError([("local." + ".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]) from None
+        raise SpecError(
+            [("local." + ".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
+        ) from None
     local.taskset_file = (path.parent / local.taskset_file).resolve()
     if local.warm_start:
         file, _, func = local.warm_start.generator.partition(":")

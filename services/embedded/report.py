@@ -77,7 +77,9 @@ async def _sample_episodes(session: AsyncSession, job_id: str) -> list[Episode]:
     rows = list(
         (
             await session.execute(
-                select(Episode).where(Episode.job_id == job_id, Episode.reward.is_not(None)).order_by(Episode.iteration)
+                select(Episode)
+                .where(Episode.job_id == job_id, Episode.reward.is_not(None))
+                .order_by(Episode.iteration)
             )
         ).scalars()
     )
@@ -125,11 +127,11 @@ table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ddd; padding
 .kill {{ color: #b00; }} svg.chart {{ width: 100%; height: auto; }}
 </style></head><body>
 <h1>{escape(job.name)} <small>({escape(job.id)}, {escape(job.state)})</small></h1>
-<p>Mean reward {summary['first_mean_reward']:.3f} in the first iteration, {summary['last_mean_reward']:.3f} in the
-last; {summary['iterations']} iterations, policy version {summary['policy_version']}, {summary['seconds']:.0f} s.</p>
+<p>Mean reward {summary["first_mean_reward"]:.3f} in the first iteration, {summary["last_mean_reward"]:.3f} in the
+last; {summary["iterations"]} iterations, policy version {summary["policy_version"]}, {summary["seconds"]:.0f} s.</p>
 <h2>Reward curve</h2>{reward_curve_svg(metrics.reward_curve)}
 <h2>Pass rates per task</h2>
 <table><tr><th>task</th><th>episodes</th><th>pass rate</th><th>mean reward</th></tr>{rows}</table>
-<h2>Transcripts (best and worst of the first and last iteration)</h2>{''.join(blocks)}
+<h2>Transcripts (best and worst of the first and last iteration)</h2>{"".join(blocks)}
 </body></html>
 """

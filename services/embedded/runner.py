@@ -55,7 +55,9 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
     terminal shows progress), and the gateway serving the run's policy from an
     in-process engine that batches a whole iteration's requests."""
     batch = spec.schedule.max_concurrent_episodes
-    backend = BackendSpec(name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch)
+    backend = BackendSpec(
+        name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
+    )
     return Settings(
         mode=Mode.embedded,
         service="temper-run",
@@ -131,7 +133,9 @@ async def run(
         state = await _follow(runtime, job_id, progress)
         async with runtime.db.session() as session:
             job = await session.get(Job, job_id)
-            summary = await write_report(session, runtime.store, job, run_dir, seconds=time.perf_counter() - started)
+            summary = await write_report(
+                session, runtime.store, job, run_dir, seconds=time.perf_counter() - started
+            )
     finally:
         if components is not None:
             await components.stop()
@@ -194,7 +198,12 @@ def _first_messages(spec: JobSpec, task: dict[str, Any]) -> list[dict[str, str]]
     """The conversation an episode of this job opens with, for a task like ``task``."""
     env = make_environment(
         spec.environment.kind,
-        {"id": "warm-start", "kind": spec.environment.kind, "prompt": task["prompt"], "spec": {"files": task.get("files", {})}},
+        {
+            "id": "warm-start",
+            "kind": spec.environment.kind,
+            "prompt": task["prompt"],
+            "spec": {"files": task.get("files", {})},
+        },
         max_turns=spec.environment.max_turns,
         action_format=spec.environment.action_format,
         system_prompt=spec.environment.system_prompt,

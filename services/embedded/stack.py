@@ -89,7 +89,9 @@ def stack_env(path: Path = ROOT / ".stack" / "env") -> dict[str, str]:
                 name, _, value = line.partition("=")
                 env[name] = shlex.split(value)[0] if value else ""
     env.update({k: v for k in STACK_KEYS if (v := os.environ.get(k))})
-    missing = [k for k in ("TEMPER_DB__URL", "TEMPER_BUS__BOOTSTRAP", "TEMPER_STORAGE__ENDPOINT") if k not in env]
+    missing = [
+        k for k in ("TEMPER_DB__URL", "TEMPER_BUS__BOOTSTRAP", "TEMPER_STORAGE__ENDPOINT") if k not in env
+    ]
     if missing:
         raise StackError(f"{', '.join(missing)} not set and no {path}: start the stack with `make stack-up`")
     return env
@@ -110,7 +112,9 @@ def port_free(port: int) -> bool:
         return True
 
 
-def apply_overrides(spec: JobSpec, local: localrun.LocalRun, args: argparse.Namespace) -> tuple[JobSpec, localrun.LocalRun]:
+def apply_overrides(
+    spec: JobSpec, local: localrun.LocalRun, args: argparse.Namespace
+) -> tuple[JobSpec, localrun.LocalRun]:
     """``--iterations``, ``--episodes``, ``--group-size``, ``--warm-start-steps``: a quicker run of the same job."""
     schedule: dict[str, Any] = {}
     if args.iterations is not None:
@@ -122,7 +126,9 @@ def apply_overrides(spec: JobSpec, local: localrun.LocalRun, args: argparse.Name
     algorithm = spec.algorithm
     if args.episodes is not None:
         groups = args.episodes // tasks.group_size
-        algorithm = algorithm.model_copy(update={"groups_per_step": max(1, min(algorithm.groups_per_step, groups))})
+        algorithm = algorithm.model_copy(
+            update={"groups_per_step": max(1, min(algorithm.groups_per_step, groups))}
+        )
     doc = spec.model_dump(mode="json")
     doc["schedule"].update(schedule)
     doc["tasks"] = tasks.model_dump(mode="json")
@@ -351,7 +357,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
     files = {p.name: p.read_bytes() for p in sorted(policy_dir.iterdir()) if p.is_file()}
     asyncio.run(upload_files(env_stack, files, policy_key))
     spec = spec.model_copy(update={"policy": spec.policy.model_copy(update={"init": policy_key})})
-    out.write(f"policy: {policy_dir} -> s3://{env_stack.get('TEMPER_STORAGE__BUCKET', 'temper')}/{policy_key}\n")
+    out.write(
+        f"policy: {policy_dir} -> s3://{env_stack.get('TEMPER_STORAGE__BUCKET', 'temper')}/{policy_key}\n"
+    )
 
     group_env, groups = run_groups(run_id)
     asyncio.run(groups_start_at_end(env_stack["TEMPER_BUS__BOOTSTRAP"], groups))
@@ -456,7 +464,9 @@ def _follow(api: TemperClient, stack: Stack, job_id: str, progress: Any, *, time
         time.sleep(1.0)
 
 
-async def _report(database_url: str, env: dict[str, str], job_id: str, run_dir: Path, seconds: float) -> dict[str, Any]:
+async def _report(
+    database_url: str, env: dict[str, str], job_id: str, run_dir: Path, seconds: float
+) -> dict[str, Any]:
     from temper.db import Database, Job
     from temper.settings import DatabaseSettings
     from temper.storage import S3Store
@@ -488,9 +498,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--run-id")
     p.add_argument("--free-ports", action="store_true", help="free ports instead of 8000-8004")
-    p.add_argument("--trainer-threads", type=int, default=0, help="torch threads of the trainer (0: torch's default)")
+    p.add_argument(
+        "--trainer-threads", type=int, default=0, help="torch threads of the trainer (0: torch's default)"
+    )
     p.add_argument("--health-timeout", type=float, default=180.0)
-    p.add_argument("--timeout", type=float, default=3600.0, help="cancel the job and fail after this many seconds")
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, help="cancel the job and fail after this many seconds"
+    )
     return p
 
 

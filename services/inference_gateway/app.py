@@ -93,7 +93,9 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     # pydantic-core's encoder writes the same compact UTF-8 JSON as json.dumps(separators=(",", ":"),
     # ensure_ascii=False), several times faster for long id lists. (A non-finite float, which no
     # backend's JSON can carry, would be written as NaN/Infinity instead of failing.)
-    return Response(pydantic_core.to_json(data), status_code=status, headers=headers, media_type="application/json")
+    return Response(
+        pydantic_core.to_json(data), status_code=status, headers=headers, media_type="application/json"
+    )
 
 
 def _error(status: int, detail: str) -> Response:
@@ -182,8 +184,18 @@ def add_proxy_routes(app: FastAPI) -> None:
         name = svc.settings.model_name
         return {
             "object": "list",
-            "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "temper",
-                      "root": name, "parent": None, "permission": [], "policy_version": svc.policy_version}],
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "temper",
+                    "root": name,
+                    "parent": None,
+                    "permission": [],
+                    "policy_version": svc.policy_version,
+                }
+            ],
         }
 
     async def _run(svc: InferenceService, req: GenerateRequest) -> Any:
@@ -213,25 +225,49 @@ def add_proxy_routes(app: FastAPI) -> None:
         if not prompt_ids:
             return _error(400, "prompt is empty")
         sampling = SamplingParams.model_construct(
-            max_tokens=max(1, body.max_tokens), temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-            stop=_stop_list(body.stop), stop_token_ids=list(body.stop_token_ids or []),
+            max_tokens=max(1, body.max_tokens),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=_stop_list(body.stop),
+            stop_token_ids=list(body.stop_token_ids or []),
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
-            res = await svc.generate(GenerateRequest(prompt_ids, sampling, episode_id=episode, request_id=rid,
-                                                     ignore_eos=body.ignore_eos))
+            res = await svc.generate(
+                GenerateRequest(
+                    prompt_ids, sampling, episode_id=episode, request_id=rid, ignore_eos=body.ignore_eos
+                )
+            )
         except RequestFailed as exc:
             return _error(502, f"generation failed: {exc.reason}")
         if episode:
-            await svc.traces.record(TraceEntry(
-                episode_id=episode, request_id=rid, prompt_ids=res.prompt_ids, token_ids=res.token_ids,
-                logprobs=res.logprobs, policy_version=res.policy_version, backend=res.backend,
-                finish_reason=res.finish_reason, endpoint="completions"))
-        out = GenOutput(res.prompt_ids, res.token_ids, res.logprobs, res.text, res.finish_reason or "length",
-                        res.stop_reason, res.policy_version)
+            await svc.traces.record(
+                TraceEntry(
+                    episode_id=episode,
+                    request_id=rid,
+                    prompt_ids=res.prompt_ids,
+                    token_ids=res.token_ids,
+                    logprobs=res.logprobs,
+                    policy_version=res.policy_version,
+                    backend=res.backend,
+                    finish_reason=res.finish_reason,
+                    endpoint="completions",
+                )
+            )
+        out = GenOutput(
+            res.prompt_ids,
+            res.token_ids,
+            res.logprobs,
+            res.text,
+            res.finish_reason or "length",
+            res.stop_reason,
+            res.policy_version,
+        )
         body.return_token_ids = True  # the gateway always shows token ids
-        data = completion_response([out], body, model=body.model or svc.settings.model_name,
-                                   token_str=svc.tokenizer.token_str)
+        data = completion_response(
+            [out], body, model=body.model or svc.settings.model_name, token_str=svc.tokenizer.token_str
+        )
         data["id"] = rid
         return _json(data, 200, {VERSION_HEADER: str(res.policy_version)})
 
@@ -249,45 +285,78 @@ def add_proxy_routes(app: FastAPI) -> None:
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         sampling = SamplingParams(
-            max_tokens=body.max_completion_tokens or body.max_tokens or 256, temperature=body.temperature,
-            top_p=body.top_p, seed=body.seed, stop=_stop_list(body.stop),
+            max_tokens=body.max_completion_tokens or body.max_tokens or 256,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=_stop_list(body.stop),
             stop_token_ids=assistant_stop_ids(svc.tokenizer),
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         res = await _run(svc, GenerateRequest(prompt_ids, sampling, episode_id=episode, request_id=rid))
         if episode:
             svc.sessions.remember(episode, messages, res.prompt_ids, res.text, res.token_ids)
-            await svc.traces.record(TraceEntry(
-                episode_id=episode, request_id=rid, prompt_ids=res.prompt_ids, token_ids=res.token_ids,
-                logprobs=res.logprobs, policy_version=res.policy_version, backend=res.backend,
-                finish_reason=res.finish_reason, endpoint="chat.completions", messages=messages))
+            await svc.traces.record(
+                TraceEntry(
+                    episode_id=episode,
+                    request_id=rid,
+                    prompt_ids=res.prompt_ids,
+                    token_ids=res.token_ids,
+                    logprobs=res.logprobs,
+                    policy_version=res.policy_version,
+                    backend=res.backend,
+                    finish_reason=res.finish_reason,
+                    endpoint="chat.completions",
+                    messages=messages,
+                )
+            )
         tok = svc.tokenizer
         content_lp = None
         if body.logprobs:
-            content_lp = {"content": [
-                {"token": f"token_id:{t}", "logprob": lp, "bytes": list(tok.token_str(t).encode()),
-                 "top_logprobs": []}
-                for t, lp in zip(res.token_ids, res.logprobs, strict=True)
-            ]}
+            content_lp = {
+                "content": [
+                    {
+                        "token": f"token_id:{t}",
+                        "logprob": lp,
+                        "bytes": list(tok.token_str(t).encode()),
+                        "top_logprobs": [],
+                    }
+                    for t, lp in zip(res.token_ids, res.logprobs, strict=True)
+                ]
+            }
         n_prompt, n_out = len(res.prompt_ids), len(res.token_ids)
         data = {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.model or svc.settings.model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": res.text, "refusal": None, "annotations": None,
-                            "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
-                "logprobs": content_lp,
-                "finish_reason": res.finish_reason,
-                "stop_reason": res.stop_reason,
-                "token_ids": res.token_ids,
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": res.text,
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "tool_calls": [],
+                        "reasoning_content": None,
+                    },
+                    "logprobs": content_lp,
+                    "finish_reason": res.finish_reason,
+                    "stop_reason": res.stop_reason,
+                    "token_ids": res.token_ids,
+                }
+            ],
             "service_tier": None,
             "system_fingerprint": None,
-            "usage": {"prompt_tokens": n_prompt, "total_tokens": n_prompt + n_out, "completion_tokens": n_out,
-                      "prompt_tokens_details": None},
+            "usage": {
+                "prompt_tokens": n_prompt,
+                "total_tokens": n_prompt + n_out,
+                "completion_tokens": n_out,
+                "prompt_tokens_details": None,
+            },
             "prompt_logprobs": None,
             "prompt_token_ids": res.prompt_ids,
             "kv_transfer_params": None,

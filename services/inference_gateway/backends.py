@@ -114,8 +114,9 @@ def parse_completion(data: dict[str, Any], prompt_ids: list[int]) -> dict[str, A
 class Backend(ABC):
     """One model server. ``version`` is the policy version it currently serves."""
 
-    def __init__(self, spec: BackendSpec, *, model_name: str, timeout_s: float = 60.0,
-                 connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, spec: BackendSpec, *, model_name: str, timeout_s: float = 60.0, connect_timeout_s: float = 2.0
+    ) -> None:
         self.spec = spec
         self.name = spec.name
         self.url = spec.url.rstrip("/")
@@ -130,13 +131,21 @@ class Backend(ABC):
         # itself against a fast backend: a minimal HTTP/1.1 client for http:// backends
         # (see http1.py), an httpcore keep-alive pool for https://.
         self._own_client = self.client
-        self._http1 = (HTTP1Pool(self.url, connect_timeout_s=connect_timeout_s, max_idle=64, keepalive_expiry_s=30.0)
-                       if HTTP1Pool.supports(self.url) else None)
+        self._http1 = (
+            HTTP1Pool(self.url, connect_timeout_s=connect_timeout_s, max_idle=64, keepalive_expiry_s=30.0)
+            if HTTP1Pool.supports(self.url)
+            else None
+        )
         self._pool = httpcore.AsyncConnectionPool(
             max_connections=256, max_keepalive_connections=64, keepalive_expiry=30.0
         )
         self._timeout_s = timeout_s
-        self._timeouts = {"connect": connect_timeout_s, "read": timeout_s, "write": timeout_s, "pool": timeout_s}
+        self._timeouts = {
+            "connect": connect_timeout_s,
+            "read": timeout_s,
+            "write": timeout_s,
+            "pool": timeout_s,
+        }
 
     # --- the interface ---------------------------------------------------------------------
     async def start(self) -> None:  # noqa: B027 - optional hook
@@ -156,8 +165,9 @@ class Backend(ABC):
             return False
         return r.status_code == 200
 
-    async def post(self, path: str, body: dict[str, Any], *, raw: bool = False,
-                   wait_s: float | None = None) -> Any:
+    async def post(
+        self, path: str, body: dict[str, Any], *, raw: bool = False, wait_s: float | None = None
+    ) -> Any:
         """POST JSON; transport failures and error statuses become :class:`BackendError`."""
         if not raw and self.client is self._own_client:
             return await self._post_fast(path, body, wait_s)
@@ -171,11 +181,17 @@ class Backend(ABC):
         except httpx.TransportError as exc:
             raise BackendError(ErrorKind.connect, f"{self.name}{path}: {type(exc).__name__}: {exc}") from exc
         if r.status_code >= 500 or r.status_code == 429:
-            raise BackendError(ErrorKind.server, f"{self.name}{path}: HTTP {r.status_code} {r.text[:200]}",
-                               status=r.status_code)
+            raise BackendError(
+                ErrorKind.server,
+                f"{self.name}{path}: HTTP {r.status_code} {r.text[:200]}",
+                status=r.status_code,
+            )
         if r.status_code >= 400:
-            raise BackendError(ErrorKind.client, f"{self.name}{path}: HTTP {r.status_code} {r.text[:200]}",
-                               status=r.status_code)
+            raise BackendError(
+                ErrorKind.client,
+                f"{self.name}{path}: HTTP {r.status_code} {r.text[:200]}",
+                status=r.status_code,
+            )
         if raw:
             return r
         try:
@@ -184,15 +200,25 @@ class Backend(ABC):
             raise BackendError(ErrorKind.protocol, f"{self.name}{path}: body is not JSON") from exc
 
     async def _post_fast(self, path: str, body: dict[str, Any], wait_s: float | None) -> Any:
-        data = pydantic_core.to_json(body)  # compact JSON like json.dumps, several times faster on long prompts
+        data = pydantic_core.to_json(
+            body
+        )  # compact JSON like json.dumps, several times faster on long prompts
         if self._http1 is not None:
             status, content = await self._post_http1(path, data, wait_s)
         else:
             status, content = await self._post_httpcore(path, data, wait_s)
         if status >= 500 or status == 429:
-            raise BackendError(ErrorKind.server, f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}", status=status)
+            raise BackendError(
+                ErrorKind.server,
+                f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}",
+                status=status,
+            )
         if status >= 400:
-            raise BackendError(ErrorKind.client, f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}", status=status)
+            raise BackendError(
+                ErrorKind.client,
+                f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}",
+                status=status,
+            )
         try:
             return pydantic_core.from_json(content)
         except ValueError as exc:
@@ -211,7 +237,10 @@ class Backend(ABC):
         timeouts = self._timeouts if wait_s is None else {**self._timeouts, "read": wait_s}
         try:
             r = await self._pool.request(
-                "POST", self.url + path, headers=[(b"Content-Type", b"application/json")], content=data,
+                "POST",
+                self.url + path,
+                headers=[(b"Content-Type", b"application/json")],
+                content=data,
                 extensions={"timeout": timeouts},
             )
         except httpcore.TimeoutException as exc:
@@ -259,8 +288,9 @@ class EngineBackend(Backend):
         version = data.get("policy_version")
         if version is not None:
             self.version = max(self.version, int(version))
-        return BackendResult(**fields, policy_version=int(version if version is not None else self.version),
-                             backend=self.name)
+        return BackendResult(
+            **fields, policy_version=int(version if version is not None else self.version), backend=self.name
+        )
 
     async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
         body: dict[str, Any] = {"version": version}
@@ -290,8 +320,14 @@ class VLLMBackend(Backend):
     its weights in place through ``/collective_rpc``.
     """
 
-    def __init__(self, spec: BackendSpec, *, model_name: str, reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        spec: BackendSpec,
+        *,
+        model_name: str,
+        reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(spec, model_name=model_name, **kwargs)
         self.reload_mode = reload_mode
         self.served_model = self.model_name
@@ -309,8 +345,9 @@ class VLLMBackend(Backend):
         t0 = time.perf_counter()
         if self.reload_mode is VLLMReloadMode.lora:
             name = f"{self.model_name}-v{version}"
-            await self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True,
-                            wait_s=300.0)
+            await self.post(
+                "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True, wait_s=300.0
+            )
             self.adapters.append(name)
             self.served_model = name
             while len(self.adapters) > 2:
@@ -325,13 +362,23 @@ class VLLMBackend(Backend):
         return time.perf_counter() - t0
 
 
-def make_backend(spec: BackendSpec, *, model_name: str, timeout_s: float, connect_timeout_s: float,
-                 vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora) -> Backend:
+def make_backend(
+    spec: BackendSpec,
+    *,
+    model_name: str,
+    timeout_s: float,
+    connect_timeout_s: float,
+    vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
+) -> Backend:
     if spec.kind is BackendKind.local:
         from services.inference_gateway.local import LocalBackend  # torch is imported only when needed
 
         return LocalBackend(spec, model_name=model_name)
-    kw: dict[str, Any] = {"model_name": model_name, "timeout_s": timeout_s, "connect_timeout_s": connect_timeout_s}
+    kw: dict[str, Any] = {
+        "model_name": model_name,
+        "timeout_s": timeout_s,
+        "connect_timeout_s": connect_timeout_s,
+    }
     if spec.kind is BackendKind.vllm:
         return VLLMBackend(spec, reload_mode=vllm_reload_mode, **kw)
     return EngineBackend(spec, **kw)

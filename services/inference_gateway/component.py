@@ -77,7 +77,9 @@ class Gateway:
         settings = effective_settings(runtime.settings.inference, runtime.settings.mode)
         self.service = service or InferenceService(settings)
         self.group = group or settings.requests_group
-        self.policy_group = policy_group or settings.policy_group or f"{REQUESTS_GROUP}-{uuid.uuid4().hex[:12]}"
+        self.policy_group = (
+            policy_group or settings.policy_group or f"{REQUESTS_GROUP}-{uuid.uuid4().hex[:12]}"
+        )
         capacity = sum(s.max_inflight for s in self.service.router.slots.values())
         self.concurrency = concurrency or max(1, capacity)
         self.flow_interval_s = flow_interval_s
@@ -105,15 +107,23 @@ class Gateway:
         await self.service.start()
         rt.checks["backends"] = self.check_backends
         self._tasks.append(asyncio.create_task(self._apply_updates(), name="gateway-policy-updates"))
-        self.updates = await rt.consume((Topics.POLICY_UPDATES,), self.on_policy_update, group=self.policy_group)
+        self.updates = await rt.consume(
+            (Topics.POLICY_UPDATES,), self.on_policy_update, group=self.policy_group
+        )
         self.requests = await rt.consume(
             (Topics.INFERENCE_REQUESTS,), self.on_request, group=self.group, concurrency=self.concurrency
         )
         self._sync_flow()  # no backend up yet: keep the requests on the bus
         self._tasks.append(asyncio.create_task(self._flow(), name="gateway-flow"))
-        log_event(log, "gateway started", backends=list(self.service.router.slots), group=self.group,
-                  policy_group=self.policy_group, concurrency=self.concurrency,
-                  policy_version=self.service.policy_version)
+        log_event(
+            log,
+            "gateway started",
+            backends=list(self.service.router.slots),
+            group=self.group,
+            policy_group=self.policy_group,
+            concurrency=self.concurrency,
+            policy_version=self.service.policy_version,
+        )
 
     async def stop(self) -> None:
         for consumer in (self.requests, self.updates):
@@ -195,16 +205,28 @@ class Gateway:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not stop the gateway
                     newer = self._pending_update is not None and self._pending_update.version > update.version
-                    log_event(log, "policy update failed", logging.ERROR, version=update.version,
-                              checkpoint_key=update.checkpoint_key, attempt=attempt, error=repr(exc))
+                    log_event(
+                        log,
+                        "policy update failed",
+                        logging.ERROR,
+                        version=update.version,
+                        checkpoint_key=update.checkpoint_key,
+                        attempt=attempt,
+                        error=repr(exc),
+                    )
                     if newer or attempt == self.policy_retries:
                         self.update_errors += 1
                         break
                     await asyncio.sleep(0.5 * attempt)
                     continue
                 self.updates_applied += 1
-                log_event(log, "policy version switched", version=update.version, job_id=update.job_id,
-                          switch_ms={k: round(v * 1000, 3) for k, v in times.items()})
+                log_event(
+                    log,
+                    "policy version switched",
+                    version=update.version,
+                    job_id=update.job_id,
+                    switch_ms={k: round(v * 1000, 3) for k, v in times.items()},
+                )
                 break
 
     # --- health and status ---------------------------------------------------------------------------

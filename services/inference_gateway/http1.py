@@ -51,8 +51,9 @@ class _Conn:
 class HTTP1Pool:
     """Keep-alive connections to one ``http://host:port[/prefix]`` origin."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float, max_idle: int = 64,
-                 keepalive_expiry_s: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, connect_timeout_s: float, max_idle: int = 64, keepalive_expiry_s: float = 30.0
+    ) -> None:
         u = urlsplit(url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"not a plain http:// url: {url!r}")
@@ -69,11 +70,16 @@ class HTTP1Pool:
     def supports(url: str) -> bool:
         return url.startswith("http://")
 
-    async def post(self, path: str, body: bytes, *, timeout_s: float,
-                   content_type: bytes = b"application/json") -> tuple[int, bytes]:
+    async def post(
+        self, path: str, body: bytes, *, timeout_s: float, content_type: bytes = b"application/json"
+    ) -> tuple[int, bytes]:
         """POST ``body`` to ``path``; returns the status and the whole response body."""
         head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n" % (
-            (self.prefix + path).encode("ascii"), self._host_header, content_type, len(body))
+            (self.prefix + path).encode("ascii"),
+            self._host_header,
+            content_type,
+            len(body),
+        )
         request = head + body
         conn = self._take_idle()
         if conn is not None:
@@ -170,7 +176,9 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, byt
     return status, headers
 
 
-async def _read_body(reader: asyncio.StreamReader, status: int, headers: dict[bytes, bytes]) -> tuple[bytes, bool]:
+async def _read_body(
+    reader: asyncio.StreamReader, status: int, headers: dict[bytes, bytes]
+) -> tuple[bytes, bool]:
     """The body, and whether the connection may carry another request."""
     connection = headers.get(b"connection", b"").lower()
     keep = b"close" not in connection and (headers[b":version"] != b"HTTP/1.0" or b"keep-alive" in connection)

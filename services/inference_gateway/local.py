@@ -51,7 +51,9 @@ class LocalBackend(Backend):
         if self.engine is None:
             self.engine = await asyncio.to_thread(build_engine, self.spec)
         self.version = self.engine.version
-        self.scheduler = BatchScheduler(self.engine, max_batch=self.spec.max_batch, window_ms=self.spec.batch_window_ms)
+        self.scheduler = BatchScheduler(
+            self.engine, max_batch=self.spec.max_batch, window_ms=self.spec.batch_window_ms
+        )
         await self.scheduler.start()
 
     async def complete(self, req: GenerateRequest) -> BackendResult:
@@ -63,15 +65,24 @@ class LocalBackend(Backend):
         if not ids:
             raise BackendError(ErrorKind.client, f"{self.name}: prompt is empty", status=400)
         if min(ids) < 0 or max(ids) >= vocab:
-            raise BackendError(ErrorKind.client, f"{self.name}: prompt token ids must be in [0, {vocab})", status=400)
+            raise BackendError(
+                ErrorKind.client, f"{self.name}: prompt token ids must be in [0, {vocab})", status=400
+            )
         if len(ids) >= self.engine.max_len:
             raise BackendError(
-                ErrorKind.client, f"{self.name}: prompt of {len(ids)} tokens exceeds {self.engine.max_len}", status=400
+                ErrorKind.client,
+                f"{self.name}: prompt of {len(ids)} tokens exceeds {self.engine.max_len}",
+                status=400,
             )
         s = req.sampling
         params = SamplingParams(
-            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-            stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=req.ignore_eos,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop=list(s.stop),
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=req.ignore_eos,
         )
         try:
             out = await sched.submit(GenRequest(list(ids), params))
@@ -81,8 +92,13 @@ class LocalBackend(Backend):
             raise BackendError(ErrorKind.server, f"{self.name}: {type(exc).__name__}: {exc}") from exc
         self.version = max(self.version, out.policy_version)
         return BackendResult(
-            prompt_ids=out.prompt_ids, token_ids=out.token_ids, logprobs=out.logprobs, text=out.text,
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason, policy_version=out.policy_version,
+            prompt_ids=out.prompt_ids,
+            token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            text=out.text,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            policy_version=out.policy_version,
             backend=self.name,
         )
 
@@ -90,7 +106,9 @@ class LocalBackend(Backend):
         if self.scheduler is None:
             raise BackendError(ErrorKind.connect, f"{self.name}: local engine not started")
         if path is None:
-            raise BackendError(ErrorKind.client, f"{self.name}: a local reload needs the fetched checkpoint file")
+            raise BackendError(
+                ErrorKind.client, f"{self.name}: a local reload needs the fetched checkpoint file"
+            )
         seconds = await self.scheduler.reload(path, version)
         self.version = version
         return seconds

@@ -137,8 +137,13 @@ class HashRing:
 
 
 class Router:
-    def __init__(self, backends: list[Backend], settings: InferenceSettings, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        backends: list[Backend],
+        settings: InferenceSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         # No backends is allowed: nothing has capacity, every request fails with the reason,
         # and the gateway's /health says so.
         self.settings = settings

@@ -55,12 +55,18 @@ class ChatSessions:
             seen, ids = self._s[episode_id]
             if len(msgs) > len(seen) and msgs[: len(seen)] == seen:
                 self.extended += 1
-                return extend_chat(self.tok, ids, msgs[len(seen):])
+                return extend_chat(self.tok, ids, msgs[len(seen) :])
         self.encoded += 1
         return encode_chat(self.tok, msgs)
 
-    def remember(self, episode_id: str, messages: list[dict[str, Any]], prompt_ids: list[int],
-                 reply_text: str, reply_ids: list[int]) -> None:
+    def remember(
+        self,
+        episode_id: str,
+        messages: list[dict[str, Any]],
+        prompt_ids: list[int],
+        reply_text: str,
+        reply_ids: list[int],
+    ) -> None:
         seen = [*self._norm(messages), {"role": "assistant", "content": reply_text}]
         self._s[episode_id] = (seen, [*prompt_ids, *reply_ids])
         self._s.move_to_end(episode_id)
@@ -160,7 +166,9 @@ class InferenceService:
         """
         return await self.reload(version=update.version, key=update.checkpoint_key)
 
-    async def reload(self, *, version: int, key: str | None = None, path: str | Path | None = None) -> dict[str, float]:
+    async def reload(
+        self, *, version: int, key: str | None = None, path: str | Path | None = None
+    ) -> dict[str, float]:
         async with self._update_lock:
             todo = [s for s in self.router.slots.values() if s.backend.version < version]
             if not todo:

@@ -35,12 +35,16 @@ log = logging.getLogger("temper.reward_scorer")
 PASS_COMPONENTS = ("tests_passed", "answer_match")
 
 
-def record_key(job_id: str | None, episode_id: str | None, turn: int | None, attempt: int, fallback: str) -> str:
+def record_key(
+    job_id: str | None, episode_id: str | None, turn: int | None, attempt: int, fallback: str
+) -> str:
     def part(value: str | None, default: str) -> str:
         text = (value or default).replace("/", "_")
         return text[:120]
 
-    return check_key(f"rewards/{part(job_id, 'no-job')}/{part(episode_id, fallback)}/t{turn or 0}-a{attempt}.json")
+    return check_key(
+        f"rewards/{part(job_id, 'no-job')}/{part(episode_id, fallback)}/t{turn or 0}-a{attempt}.json"
+    )
 
 
 def passed(components: dict[str, RewardComponent]) -> bool | None:
@@ -84,7 +88,9 @@ class RewardScorer:
             await self.manager.start()
         self.scorer = Scorer(self.manager)
         self.runtime.checks["sandbox"] = self._check_sandbox
-        await self.runtime.consume([Topics.REWARD_REQUESTS], self.handle, group=self.group, concurrency=self.concurrency)
+        await self.runtime.consume(
+            [Topics.REWARD_REQUESTS], self.handle, group=self.group, concurrency=self.concurrency
+        )
 
     async def stop(self) -> None:
         if self.manager is not None and self._own_manager:
@@ -176,5 +182,7 @@ class RewardScorer:
             return RewardResult(**ids, error=f"bad submission: {exc}")
         self.scored += 1
         metrics.REWARDS_SCORED.labels(status="ok").inc()
-        log_event(log, "scored", task_id=request.task_id, reward=reward, seconds=round(time.perf_counter() - t0, 4))
+        log_event(
+            log, "scored", task_id=request.task_id, reward=reward, seconds=round(time.perf_counter() - t0, 4)
+        )
         return RewardResult(**ids, reward=reward, components=components)

@@ -94,7 +94,9 @@ class JobState:
     uncheckpointed: dict[str, int] = field(default_factory=dict)  # episode id -> step
     steps_since_checkpoint: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the buffer
-    train_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the learner: one step or checkpoint at a time
+    train_lock: asyncio.Lock = field(
+        default_factory=asyncio.Lock
+    )  # the learner: one step or checkpoint at a time
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> groups
 
@@ -165,9 +167,11 @@ class Trainer:
     async def recover(self) -> None:
         """Load every job that has buffered (received, untrained) trajectories."""
         assert self.runtime.db is not None
-        query = select(TrainedTrajectory.job_id).where(
-            TrainedTrajectory.step.is_(None), TrainedTrajectory.skipped.is_(None)
-        ).distinct()
+        query = (
+            select(TrainedTrajectory.job_id)
+            .where(TrainedTrajectory.step.is_(None), TrainedTrajectory.skipped.is_(None))
+            .distinct()
+        )
         if self.settings.job_id:
             query = query.where(TrainedTrajectory.job_id == self.settings.job_id)
         async with self.runtime.db.session() as s:
@@ -207,17 +211,27 @@ class Trainer:
             async with self.runtime.db.session() as s:
                 if await s.get(TrainedTrajectory, message.episode_id) is not None:
                     return  # already buffered, trained on or skipped
-            raw = await self.runtime.store.get(message.trajectory_key)  # NotFound: retried, then dead-lettered
+            raw = await self.runtime.store.get(
+                message.trajectory_key
+            )  # NotFound: retried, then dead-lettered
             try:
                 trajectory = Trajectory.model_validate_json(raw)
             except ValidationError as exc:
-                raise Poison(f"{message.trajectory_key} is not a trajectory: {exc.errors()[0]['msg']}") from None
+                raise Poison(
+                    f"{message.trajectory_key} is not a trajectory: {exc.errors()[0]['msg']}"
+                ) from None
             if trajectory.episode_id != message.episode_id or trajectory.job_id != message.job_id:
                 raise Poison(f"{message.trajectory_key} belongs to another episode or job")
             try:
                 async with self.runtime.db.session() as s:
-                    s.add(TrainedTrajectory(episode_id=trajectory.episode_id, job_id=job.job_id,
-                                            trajectory_key=message.trajectory_key, group_id=trajectory.group_id))
+                    s.add(
+                        TrainedTrajectory(
+                            episode_id=trajectory.episode_id,
+                            job_id=job.job_id,
+                            trajectory_key=message.trajectory_key,
+                            group_id=trajectory.group_id,
+                        )
+                    )
             except IntegrityError:
                 return  # a concurrent delivery of the same episode won
             self._add(job, Buffered(trajectory, message.trajectory_key, time.time()))
@@ -249,14 +263,23 @@ class Trainer:
             if row is None:
                 raise UnknownJob(f"no job {job_id!r}")
             latest = await s.scalar(
-                select(PolicyVersion).where(PolicyVersion.job_id == job_id).order_by(PolicyVersion.version.desc())
+                select(PolicyVersion)
+                .where(PolicyVersion.job_id == job_id)
+                .order_by(PolicyVersion.version.desc())
             )
-            buffered = list((await s.execute(
-                select(TrainedTrajectory)
-                .where(TrainedTrajectory.job_id == job_id, TrainedTrajectory.step.is_(None),
-                       TrainedTrajectory.skipped.is_(None))
-                .order_by(TrainedTrajectory.created_at, TrainedTrajectory.episode_id)
-            )).scalars())
+            buffered = list(
+                (
+                    await s.execute(
+                        select(TrainedTrajectory)
+                        .where(
+                            TrainedTrajectory.job_id == job_id,
+                            TrainedTrajectory.step.is_(None),
+                            TrainedTrajectory.skipped.is_(None),
+                        )
+                        .order_by(TrainedTrajectory.created_at, TrainedTrajectory.episode_id)
+                    )
+                ).scalars()
+            )
         try:
             spec = JobSpec.model_validate(row.spec)
         except ValidationError as exc:
@@ -281,8 +304,15 @@ class Trainer:
             self._add(state, Buffered(trajectory, r.trajectory_key, _timestamp(r.created_at)))
         if missing:
             await self._mark_skipped(state, missing, SKIP_MISSING)
-        log_event(log, "job loaded", job_id=job_id, version=learner.version, step=learner.step_count,
-                  buffered=len(buffered) - len(missing), device=str(self.device))
+        log_event(
+            log,
+            "job loaded",
+            job_id=job_id,
+            version=learner.version,
+            step=learner.step_count,
+            buffered=len(buffered) - len(missing),
+            device=str(self.device),
+        )
         return state
 
     async def _initial_model(self, spec: JobSpec) -> torch.nn.Module:
@@ -383,7 +413,9 @@ class Trainer:
         keep = []
         for items in job.ready:
             reason = None
-            if job.spec.algorithm.skip_zero_variance and is_zero_variance([b.trajectory.reward for b in items]):
+            if job.spec.algorithm.skip_zero_variance and is_zero_variance(
+                [b.trajectory.reward for b in items]
+            ):
                 reason = SKIP_ZERO_VARIANCE
             elif max(job.learner.version - b.trajectory.behaviour_version for b in items) > (
                 job.spec.schedule.max_staleness
@@ -395,11 +427,15 @@ class Trainer:
                 await self._mark_skipped(job, [b.episode_id for b in items], reason, groups=1)
         job.ready = keep
 
-    async def _mark_skipped(self, job: JobState, episodes: list[str], reason: str, *, groups: int = 0) -> None:
+    async def _mark_skipped(
+        self, job: JobState, episodes: list[str], reason: str, *, groups: int = 0
+    ) -> None:
         assert self.runtime.db is not None
         async with self.runtime.db.session() as s:
             await s.execute(
-                update(TrainedTrajectory).where(TrainedTrajectory.episode_id.in_(episodes)).values(skipped=reason)
+                update(TrainedTrajectory)
+                .where(TrainedTrajectory.episode_id.in_(episodes))
+                .values(skipped=reason)
             )
         if groups:
             job.skipped[reason] = job.skipped.get(reason, 0) + groups
@@ -433,27 +469,56 @@ class Trainer:
         for episode, step in job.uncheckpointed.items():
             by_step.setdefault(step, []).append(episode)
         async with db.session() as s:
-            s.add(PolicyVersion(job_id=job.job_id, version=version, checkpoint_key=key, step=learner.step_count,
-                                metrics=summary))
+            s.add(
+                PolicyVersion(
+                    job_id=job.job_id,
+                    version=version,
+                    checkpoint_key=key,
+                    step=learner.step_count,
+                    metrics=summary,
+                )
+            )
             for step, episodes in by_step.items():
                 await s.execute(
-                    update(TrainedTrajectory).where(TrainedTrajectory.episode_id.in_(episodes)).values(step=step)
+                    update(TrainedTrajectory)
+                    .where(TrainedTrajectory.episode_id.in_(episodes))
+                    .values(step=step)
                 )
             await s.execute(
-                update(Job).where(Job.id == job.job_id, Job.policy_version < version).values(policy_version=version)
+                update(Job)
+                .where(Job.id == job.job_id, Job.policy_version < version)
+                .values(policy_version=version)
             )
-            enqueue(s, Topics.POLICY_UPDATES, PolicyUpdate(job_id=job.job_id, version=version, checkpoint_key=key,
-                                                           step=learner.step_count))
-            enqueue(s, Topics.EVENTS, LifecycleEvent(event="policy.version", job_id=job.job_id,
-                                                     tenant=job.tenant_id, version=version, data=summary))
+            enqueue(
+                s,
+                Topics.POLICY_UPDATES,
+                PolicyUpdate(job_id=job.job_id, version=version, checkpoint_key=key, step=learner.step_count),
+            )
+            enqueue(
+                s,
+                Topics.EVENTS,
+                LifecycleEvent(
+                    event="policy.version",
+                    job_id=job.job_id,
+                    tenant=job.tenant_id,
+                    version=version,
+                    data=summary,
+                ),
+            )
         learner.version = version
         job.uncheckpointed.clear()
         job.steps_since_checkpoint = 0
         metrics.POLICY_VERSION.labels(job.job_id).set(version)
         if self.relay is not None:
             self.relay.notify()
-        log_event(log, "policy version published", job_id=job.job_id, version=version, step=learner.step_count,
-                  checkpoint_key=key)
+        log_event(
+            log,
+            "policy version published",
+            job_id=job.job_id,
+            version=version,
+            step=learner.step_count,
+            checkpoint_key=key,
+        )
         return version
 
     async def flush(self, job_id: str) -> int | None:

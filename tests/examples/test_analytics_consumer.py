@@ -10,7 +10,9 @@ from temper.bus import InProcessBus, KafkaBus
 from temper.events import LifecycleEvent, Topics
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("analytics_consumer", ROOT / "examples" / "analytics_consumer.py")
+spec = importlib.util.spec_from_file_location(
+    "analytics_consumer", ROOT / "examples" / "analytics_consumer.py"
+)
 assert spec and spec.loader
 analytics = importlib.util.module_from_spec(spec)
 sys.modules["analytics_consumer"] = analytics
@@ -28,7 +30,11 @@ def events(job: str) -> list[LifecycleEvent]:
             LifecycleEvent(event="episode.state", job_id=job, episode_id=ep, state="scoring"),
             LifecycleEvent(event="episode.state", job_id=job, episode_id=ep, state="scored", reward=reward),
             LifecycleEvent(
-                event="episode.reward", job_id=job, episode_id=ep, reward=reward, data={"iteration": iteration}
+                event="episode.reward",
+                job_id=job,
+                episode_id=ep,
+                reward=reward,
+                data={"iteration": iteration},
             ),
         ]
     out += [

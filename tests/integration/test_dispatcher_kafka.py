@@ -55,7 +55,11 @@ async def test_multi_turn_episodes_through_kafka_and_postgres(tmp_path, kafka_bo
         assert len(eps) == 8 and {e.state for e in eps} == {"scored"}
         for ep in eps:
             assert [(s.turn, s.kind) for s in await steps_of(h.db, ep.id)] == [
-                (0, "inference"), (0, "sandbox"), (1, "inference"), (1, "sandbox"), (1, "reward")
+                (0, "inference"),
+                (0, "sandbox"),
+                (1, "inference"),
+                (1, "sandbox"),
+                (1, "reward"),
             ]
         await wait_for(lambda: _enough(h.peers.trajectories, 8), limit_s=30, what="trajectory messages")
         assert sorted({m.episode_id for m in h.peers.trajectories}) == sorted(e.id for e in eps)
@@ -66,11 +70,17 @@ async def test_multi_turn_episodes_through_kafka_and_postgres(tmp_path, kafka_bo
 def _spawn_dispatcher(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
-            [sys.executable, "-m", "services.dispatcher"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "services.dispatcher"],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
 
 
-async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(tmp_path, kafka_bootstrap, pg_url, unique):
+async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(
+    tmp_path, kafka_bootstrap, pg_url, unique
+):
     prefix = f"crash-{unique}-"
     await asyncio.to_thread(upgrade, pg_url)
     # The test process plays the peers; the dispatcher runs as its own process.
@@ -82,7 +92,9 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(tmp_path, 
     assert db is not None
     await seed(db)
     spec = job_spec(
-        schedule__iterations=2, schedule__episodes_per_iteration=8, schedule__max_concurrent_episodes=4,
+        schedule__iterations=2,
+        schedule__episodes_per_iteration=8,
+        schedule__max_concurrent_episodes=4,
         environment__max_turns=3,
     )
     job = await submit_job(db, spec, job_id=f"{prefix}job")
@@ -104,8 +116,10 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(tmp_path, 
     }
     await start_groups_at_end(
         kafka_bootstrap,
-        {group: [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
-         f"{group}-policy": [Topics.POLICY_UPDATES]},
+        {
+            group: [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
+            f"{group}-policy": [Topics.POLICY_UPDATES],
+        },
     )
     log = tmp_path / "dispatcher.log"
     proc = _spawn_dispatcher(env, log)
@@ -115,10 +129,14 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(tmp_path, 
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         killed_at = dict(await _states(db, job))
-        assert sum(killed_at.values()) < 16 or killed_at.get("scored", 0) < 16, f"killed too late: {killed_at}"
+        assert sum(killed_at.values()) < 16 or killed_at.get("scored", 0) < 16, (
+            f"killed too late: {killed_at}"
+        )
         await asyncio.sleep(1.0)  # results pile up in Kafka meanwhile
         proc = _spawn_dispatcher(env, log)
-        await wait_for(lambda: _is(db, job, "completed"), limit_s=90, what=f"job completed after restart ({log})")
+        await wait_for(
+            lambda: _is(db, job, "completed"), limit_s=90, what=f"job completed after restart ({log})"
+        )
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -143,13 +161,19 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(tmp_path, 
             outbox = dict(
                 (
                     await s.execute(
-                        select(OutboxRow.key, func.count()).where(OutboxRow.topic == Topics.TRAJECTORIES).group_by(OutboxRow.key)
+                        select(OutboxRow.key, func.count())
+                        .where(OutboxRow.topic == Topics.TRAJECTORIES)
+                        .group_by(OutboxRow.key)
                     )
                 ).all()
             )
         assert rewards == {e.id: 1 for e in eps}, "one recorded reward result per episode"
         assert outbox == {e.id: 1 for e in eps}, "one scoring transaction per episode"
-        await wait_for(lambda: _enough({m.episode_id for m in peers.trajectories}, 16), limit_s=30, what="16 trajectories")
+        await wait_for(
+            lambda: _enough({m.episode_id for m in peers.trajectories}, 16),
+            limit_s=30,
+            what="16 trajectories",
+        )
         ids: dict[str, set[uuid.UUID]] = defaultdict(set)
         for m in peers.trajectories:
             assert isinstance(m, TrajectoryReady)
@@ -177,7 +201,17 @@ async def _is(db: Database, job: str, state: str) -> bool:
 
 async def _states(db: Database, job: str) -> Counter[str]:
     async with db.session() as s:
-        return Counter(dict((await s.execute(select(Episode.state, func.count()).where(Episode.job_id == job).group_by(Episode.state))).all()))
+        return Counter(
+            dict(
+                (
+                    await s.execute(
+                        select(Episode.state, func.count())
+                        .where(Episode.job_id == job)
+                        .group_by(Episode.state)
+                    )
+                ).all()
+            )
+        )
 
 
 async def _scored_at_least(db: Database, job: str, n: int) -> bool:
@@ -186,4 +220,3 @@ async def _scored_at_least(db: Database, job: str, n: int) -> bool:
 
 async def _enough(items, n: int) -> bool:
     return len(items) >= n
-

@@ -25,7 +25,13 @@ from temper.settings import DatabaseSettings
 from services.embedded import stack
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.kafka,
+    pytest.mark.postgres,
+    pytest.mark.s3,
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+]
 
 ITERATIONS, GROUPS, GROUP_SIZE = 3, 2, 4
 
@@ -71,7 +77,9 @@ async def _facts(url: str, job_id: str) -> dict:
                 ).all()
             )
             versions = list(
-                (await s.execute(select(PolicyVersion.version).where(PolicyVersion.job_id == job_id))).scalars()
+                (
+                    await s.execute(select(PolicyVersion.version).where(PolicyVersion.job_id == job_id))
+                ).scalars()
             )
             return {"job": job, "episodes": episodes, "rewards": rewards, "versions": sorted(versions)}
     finally:
@@ -100,7 +108,9 @@ def test_the_example_job_runs_to_completion_on_the_real_stack(
     job, episodes = facts["job"], facts["episodes"]
     assert job.state == "completed"
     assert len(episodes) == ITERATIONS * GROUPS * GROUP_SIZE
-    assert Counter(e.state for e in episodes).keys() <= {"scored", "trained"}, Counter(e.state for e in episodes)
+    assert Counter(e.state for e in episodes).keys() <= {"scored", "trained"}, Counter(
+        e.state for e in episodes
+    )
     # every episode scored exactly once: one finished reward step each, a reward on each
     assert facts["rewards"] == {e.id: 1 for e in episodes}
     assert all(e.reward is not None for e in episodes)

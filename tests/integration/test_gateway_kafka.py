@@ -52,8 +52,15 @@ class Harness:
         await self.runtime.stop()
 
 
-async def start(tmp: Path, bootstrap: str, s3, unique: str, *, max_inflight: int = 8,  # noqa: ANN001
-                concurrency: int | None = None) -> Harness:
+async def start(
+    tmp: Path,
+    bootstrap: str,
+    s3,
+    unique: str,
+    *,
+    max_inflight: int = 8,  # noqa: ANN001
+    concurrency: int | None = None,
+) -> Harness:
     settings = Settings(
         bus=BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, retry_backoff_s=0.05),
         storage=s3,
@@ -65,9 +72,19 @@ async def start(tmp: Path, bootstrap: str, s3, unique: str, *, max_inflight: int
     )
     runtime = Runtime(settings, service="inference-gateway", needs_db=False)
     await runtime.start()
-    group, policy_group, results_group = (f"test-gw-{unique}", f"test-gw-{unique}-policy", f"test-gw-{unique}-res")
-    await start_groups_at_end(bootstrap, {group: [Topics.INFERENCE_REQUESTS], policy_group: [Topics.POLICY_UPDATES],
-                                          results_group: [Topics.INFERENCE_RESULTS]})
+    group, policy_group, results_group = (
+        f"test-gw-{unique}",
+        f"test-gw-{unique}-policy",
+        f"test-gw-{unique}-res",
+    )
+    await start_groups_at_end(
+        bootstrap,
+        {
+            group: [Topics.INFERENCE_REQUESTS],
+            policy_group: [Topics.POLICY_UPDATES],
+            results_group: [Topics.INFERENCE_RESULTS],
+        },
+    )
     gateway = Gateway(runtime, group=group, policy_group=policy_group, concurrency=concurrency)
     await gateway.start()
     h = Harness(runtime, gateway, job=f"gwjob-{unique}")
@@ -78,14 +95,25 @@ async def start(tmp: Path, bootstrap: str, s3, unique: str, *, max_inflight: int
 
 def request(h: Harness, episode: str, content: str = "hi", **sampling: object) -> InferenceRequest:
     prompt = encode_chat(TOK, [{"role": "user", "content": content}])
-    return InferenceRequest(job_id=h.job, episode_id=f"{h.job}-{episode}", turn=0, attempt=1, model="temper-policy",
-                            prompt_ids=prompt, sampling=SamplingParams(**{"max_tokens": 6, "seed": 5, **sampling}))
+    return InferenceRequest(
+        job_id=h.job,
+        episode_id=f"{h.job}-{episode}",
+        turn=0,
+        attempt=1,
+        model="temper-policy",
+        prompt_ids=prompt,
+        sampling=SamplingParams(**{"max_tokens": 6, "seed": 5, **sampling}),
+    )
 
 
-async def test_gateway_serves_real_generations_over_kafka(tmp_path, kafka_bootstrap, s3_settings, unique) -> None:  # noqa: ANN001
+async def test_gateway_serves_real_generations_over_kafka(
+    tmp_path, kafka_bootstrap, s3_settings, unique
+) -> None:  # noqa: ANN001
     h = await start(tmp_path, kafka_bootstrap, s3_settings, unique)
     try:
-        reqs = [request(h, f"e{i}", content=f"question {i}", temperature=0.0 if i == 0 else 1.0) for i in range(4)]
+        reqs = [
+            request(h, f"e{i}", content=f"question {i}", temperature=0.0 if i == 0 else 1.0) for i in range(4)
+        ]
         for r in reqs:
             await h.send(r)
         results = {r.episode_id: r for r in await h.wait_results(4)}
@@ -104,16 +132,19 @@ async def test_gateway_serves_real_generations_over_kafka(tmp_path, kafka_bootst
         ids = torch.tensor([reqs[0].prompt_ids + res.token_ids])
         mask = torch.ones_like(ids)
         comp = torch.zeros_like(ids)
-        comp[0, len(reqs[0].prompt_ids):] = 1
+        comp[0, len(reqs[0].prompt_ids) :] = 1
         with torch.no_grad():
-            lp = token_logprobs(model, ids, mask, comp)[0, len(reqs[0].prompt_ids):]
+            lp = token_logprobs(model, ids, mask, comp)[0, len(reqs[0].prompt_ids) :]
         assert lp.tolist() == pytest.approx(res.logprobs, abs=1e-4)
     finally:
         await h.stop()
 
 
 async def test_backpressure_pauses_the_kafka_consumer_and_answers_everything(
-    tmp_path, kafka_bootstrap, s3_settings, unique  # noqa: ANN001
+    tmp_path,
+    kafka_bootstrap,
+    s3_settings,
+    unique,  # noqa: ANN001
 ) -> None:
     # one request in flight at a time, while four partitions may be handled at once
     h = await start(tmp_path, kafka_bootstrap, s3_settings, unique, max_inflight=1, concurrency=4)
@@ -132,7 +163,10 @@ async def test_backpressure_pauses_the_kafka_consumer_and_answers_everything(
 
 
 async def test_results_carry_the_version_a_kafka_policy_update_switched_to(
-    tmp_path, kafka_bootstrap, s3_settings, unique  # noqa: ANN001
+    tmp_path,
+    kafka_bootstrap,
+    s3_settings,
+    unique,  # noqa: ANN001
 ) -> None:
     from temper.storage import make_store
 
@@ -146,8 +180,9 @@ async def test_results_carry_the_version_a_kafka_policy_update_switched_to(
         key = f"tenants/t/jobs/{h.job}/checkpoints/v1.safetensors"
         store = h.runtime.store or make_store(h.runtime.settings)
         await store.put(key, save_weights(create_model(seed=21), tmp_path / "v1.safetensors").read_bytes())
-        await h.runtime.bus.send_message(Topics.POLICY_UPDATES,
-                                         PolicyUpdate(job_id=h.job, version=1, checkpoint_key=key, step=4))
+        await h.runtime.bus.send_message(
+            Topics.POLICY_UPDATES, PolicyUpdate(job_id=h.job, version=1, checkpoint_key=key, step=4)
+        )
         deadline = asyncio.get_running_loop().time() + 30
         while h.gateway.service.policy_version < 1:
             assert asyncio.get_running_loop().time() < deadline, "policy update not applied"

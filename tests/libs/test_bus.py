@@ -168,7 +168,9 @@ async def test_messages_round_trip_as_typed_events(bus: Bus, unique: str):
         got.append((record.key, decode(record.value)))
 
     await bus.subscribe([topic], f"g-{unique}", handle)
-    msg = InferenceRequest(job_id="j1", episode_id="e1", turn=2, attempt=1, model="tiny", prompt_ids=[1, 2, 3])
+    msg = InferenceRequest(
+        job_id="j1", episode_id="e1", turn=2, attempt=1, model="tiny", prompt_ids=[1, 2, 3]
+    )
     await bus.send_message(topic, msg)
     await wait_for(lambda: len(got) == 1)
     key, decoded = got[0]
@@ -191,7 +193,9 @@ async def test_an_unreachable_broker_gives_an_error_naming_the_setting():
 
 
 @pytest.mark.kafka
-async def test_kafka_handles_other_keys_of_a_batch_while_one_key_waits_and_keeps_each_key_in_order(kafka_bootstrap, unique: str):
+async def test_kafka_handles_other_keys_of_a_batch_while_one_key_waits_and_keeps_each_key_in_order(
+    kafka_bootstrap, unique: str
+):
     # Kafka-only: the in-process bus handles a partition's records one at a time, a
     # stronger order than the contract asks for.
     bus = KafkaBus(bootstrap=kafka_bootstrap, partitions=1)
@@ -225,10 +229,20 @@ async def test_kafka_handles_other_keys_of_a_batch_while_one_key_waits_and_keeps
 
 @pytest.mark.kafka
 async def test_kafka_namespaces_keep_deployments_on_one_cluster_apart(kafka_bootstrap, unique: str):
-    staging = KafkaBus(bootstrap=kafka_bootstrap, partitions=1, max_retries=0, retry_backoff_s=0.01,
-                       namespace=f"staging-{unique}.")
-    prod = KafkaBus(bootstrap=kafka_bootstrap, partitions=1, max_retries=0, retry_backoff_s=0.01,
-                    namespace=f"prod-{unique}.")
+    staging = KafkaBus(
+        bootstrap=kafka_bootstrap,
+        partitions=1,
+        max_retries=0,
+        retry_backoff_s=0.01,
+        namespace=f"staging-{unique}.",
+    )
+    prod = KafkaBus(
+        bootstrap=kafka_bootstrap,
+        partitions=1,
+        max_retries=0,
+        retry_backoff_s=0.01,
+        namespace=f"prod-{unique}.",
+    )
     seen: dict[str, list[tuple[str, bytes]]] = {"staging": [], "prod": []}
 
     def handler(name: str):
@@ -249,8 +263,9 @@ async def test_kafka_namespaces_keep_deployments_on_one_cluster_apart(kafka_boot
         await staging.send("work", b"poison", key="k")
         await prod.send("work", b"for prod", key="k")
         await wait_for(lambda: seen["staging"] and seen["prod"])
-        assert seen == {"staging": [("work", b"for staging")], "prod": [("work", b"for prod")]}, \
+        assert seen == {"staging": [("work", b"for staging")], "prod": [("work", b"for prod")]}, (
             "handlers see plain topic names, and only their own deployment's messages"
+        )
         admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
         await admin.start()
         try:

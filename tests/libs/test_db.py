@@ -35,7 +35,11 @@ async def test_models_round_trip_json_and_a_step_is_recorded_once(database: Data
         await s.flush()
         s.add(Job(id="j1", tenant_id="t1", name="demo", spec={"policy": {"model": "tiny"}}))
         await s.flush()
-        s.add(Episode(id="e1", job_id="j1", tenant_id="t1", task_id="task-1", group_id="g1", rewards={"tests": 1.0}))
+        s.add(
+            Episode(
+                id="e1", job_id="j1", tenant_id="t1", task_id="task-1", group_id="g1", rewards={"tests": 1.0}
+            )
+        )
         await s.flush()
         s.add(Step(episode_id="e1", turn=0, kind="inference", request={"prompt_ids": [1, 2]}))
     async with database.session() as s:

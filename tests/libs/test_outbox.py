@@ -72,7 +72,9 @@ async def test_rows_of_one_key_are_published_in_commit_order(database: Database)
     while await relay.publish_pending():
         pass
     records = [r for part in bus.topics["events"] for r in part]
-    assert [LifecycleEvent.model_validate_json(r.value).state for r in records] == [f"s{n}" for n in range(20)]
+    assert [LifecycleEvent.model_validate_json(r.value).state for r in records] == [
+        f"s{n}" for n in range(20)
+    ]
 
 
 class FlakyBus(InProcessBus):

@@ -54,14 +54,39 @@ async def seed(db, store: ObjectStore, unique: str) -> dict[str, dict[str, str]]
         for name, finished in jobs.items():
             job, episode = f"{name}-{unique}", f"ep-{name}-{unique}"
             objects[name] = job_objects(tenant, job, episode)
-            s.add(Job(id=job, tenant_id=tenant, name=name, spec={}, state="completed" if finished else "running",
-                      policy_version=2, finished_at=finished))
+            s.add(
+                Job(
+                    id=job,
+                    tenant_id=tenant,
+                    name=name,
+                    spec={},
+                    state="completed" if finished else "running",
+                    policy_version=2,
+                    finished_at=finished,
+                )
+            )
             await s.flush()
-            s.add(Episode(id=episode, job_id=job, tenant_id=tenant, task_id="t", group_id="g", state="trained",
-                          session_id=episode, snapshot_key=objects[name]["snapshot"]))
+            s.add(
+                Episode(
+                    id=episode,
+                    job_id=job,
+                    tenant_id=tenant,
+                    task_id="t",
+                    group_id="g",
+                    state="trained",
+                    session_id=episode,
+                    snapshot_key=objects[name]["snapshot"],
+                )
+            )
             for version in (1, 2):
-                s.add(PolicyVersion(job_id=job, version=version, step=version,
-                                    checkpoint_key=object_key(tenant, job, "checkpoints", f"v{version}.safetensors")))
+                s.add(
+                    PolicyVersion(
+                        job_id=job,
+                        version=version,
+                        step=version,
+                        checkpoint_key=object_key(tenant, job, "checkpoints", f"v{version}.safetensors"),
+                    )
+                )
     for keys in objects.values():
         for key in keys.values():
             await store.put(key, b"x")
@@ -85,8 +110,15 @@ async def test_objects_of_long_finished_jobs_are_deleted_but_the_latest_checkpoi
         assert await remaining(store, objects["old"]) == set(objects["old"])
 
         counts = await delete_expired(store, database, NOW, 30, snapshot_prefix=SNAPSHOTS)
-        assert counts == {"jobs": 1, "trajectories": 1, "logs": 1, "checkpoints": 2, "snapshots": 1, "rewards": 1,
-                          "other": 0}
+        assert counts == {
+            "jobs": 1,
+            "trajectories": 1,
+            "logs": 1,
+            "checkpoints": 2,
+            "snapshots": 1,
+            "rewards": 1,
+            "other": 0,
+        }
         assert await remaining(store, objects["old"]) == {"weights", "optimizer"}
         assert await remaining(store, objects["recent"]) == set(objects["recent"])
         assert await remaining(store, objects["running"]) == set(objects["running"])
@@ -130,7 +162,11 @@ async def test_a_worker_runs_the_retention_task(redis_url, database_url, databas
         for name in ("old", "recent"):
             job = await s.get(Job, f"{name}-{unique}")
             job.finished_at = job.finished_at.replace(tzinfo=UTC) + delta
-    env = {"TEMPER_STORAGE__KIND": "local", "TEMPER_STORAGE__ROOT": str(store.root), "TEMPER_RETENTION__DAYS": "30"}
+    env = {
+        "TEMPER_STORAGE__KIND": "local",
+        "TEMPER_STORAGE__ROOT": str(store.root),
+        "TEMPER_RETENTION__DAYS": "30",
+    }
     with celery_worker(redis_url, database_url, tmp_path / "worker.log", **env) as queue:
         app = make_app(redis_url)
         result = app.send_task("temper.retention", queue=queue)

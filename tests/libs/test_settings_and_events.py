@@ -54,7 +54,9 @@ def test_malformed_messages_are_refused_with_the_reason(raw, match):
 
 
 def test_messages_round_trip_with_envelope_and_ids():
-    msg = InferenceResult(job_id="j", episode_id="e", turn=1, attempt=2, token_ids=[1], logprobs=[-0.5], policy_version=3)
+    msg = InferenceResult(
+        job_id="j", episode_id="e", turn=1, attempt=2, token_ids=[1], logprobs=[-0.5], policy_version=3
+    )
     back = decode(msg.to_bytes())
     assert back == msg and back.key() == "e"
     assert LifecycleEvent(event="job.state", job_id="j").key() == "j"
@@ -65,4 +67,6 @@ def test_published_event_schemas_are_up_to_date(tmp_path):
     for path in written:
         checked_in = ROOT / "docs" / "events" / path.name
         assert checked_in.exists(), f"{checked_in} is missing: run `make schemas`"
-        assert json.loads(checked_in.read_text()) == json.loads(path.read_text()), f"{path.name} is stale: run `make schemas`"
+        assert json.loads(checked_in.read_text()) == json.loads(path.read_text()), (
+            f"{path.name} is stale: run `make schemas`"
+        )

@@ -43,7 +43,10 @@ async def test_keys_cannot_escape_their_prefix(store: tuple[ObjectStore, str]):
 
 
 def test_object_keys_are_namespaced_per_tenant_and_job():
-    assert object_key("acme", "job-1", "trajectories", "ep-1.json") == "tenants/acme/jobs/job-1/trajectories/ep-1.json"
+    assert (
+        object_key("acme", "job-1", "trajectories", "ep-1.json")
+        == "tenants/acme/jobs/job-1/trajectories/ep-1.json"
+    )
     with pytest.raises(ValueError):
         object_key("acme", "../other", "x")
 

@@ -23,7 +23,11 @@ def free_port() -> int:
 
 def service_env(**overrides: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
-    env.update(TEMPER_MODE="distributed", TEMPER_API__SECRET="a-test-secret-for-processes", TEMPER_LOG__LEVEL="WARNING")
+    env.update(
+        TEMPER_MODE="distributed",
+        TEMPER_API__SECRET="a-test-secret-for-processes",
+        TEMPER_LOG__LEVEL="WARNING",
+    )
     env.update(overrides)
     return env
 
@@ -83,8 +87,14 @@ def test_service_starts_on_the_real_stack_and_reports_health(
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({"TEMPER_BUS__BOOTSTRAP": "127.0.0.1:1", "TEMPER_BUS__CONNECT_TIMEOUT_S": "3"}, "TEMPER_BUS__BOOTSTRAP='127.0.0.1:1'"),
-        ({"TEMPER_DB__URL": "postgresql+asyncpg://temper:pw@127.0.0.1:1/temper"}, "TEMPER_DB__URL=postgresql+asyncpg://temper:***@127.0.0.1:1/temper"),
+        (
+            {"TEMPER_BUS__BOOTSTRAP": "127.0.0.1:1", "TEMPER_BUS__CONNECT_TIMEOUT_S": "3"},
+            "TEMPER_BUS__BOOTSTRAP='127.0.0.1:1'",
+        ),
+        (
+            {"TEMPER_DB__URL": "postgresql+asyncpg://temper:pw@127.0.0.1:1/temper"},
+            "TEMPER_DB__URL=postgresql+asyncpg://temper:***@127.0.0.1:1/temper",
+        ),
         ({"TEMPER_DB__URL": "mysql://root@localhost/temper"}, "TEMPER_DB__URL: Value error"),
         ({"TEMPER_API__SECRET": "temper-dev-secret-change-me"}, "TEMPER_API__SECRET must be set"),
     ],

@@ -15,4 +15,14 @@ from temper.bus.factory import make_bus
 from temper.bus.inprocess import InProcessBus
 from temper.bus.kafka import KafkaBus
 
-__all__ = ["Bus", "BusUnavailable", "Consumer", "Handler", "InProcessBus", "KafkaBus", "Poison", "Record", "make_bus"]
+__all__ = [
+    "Bus",
+    "BusUnavailable",
+    "Consumer",
+    "Handler",
+    "InProcessBus",
+    "KafkaBus",
+    "Poison",
+    "Record",
+    "make_bus",
+]

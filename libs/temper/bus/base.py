@@ -74,7 +74,11 @@ class Bus(ABC):
 
     @abstractmethod
     async def send(
-        self, topic: str, value: bytes | Message, key: str | None = None, headers: dict[str, str] | None = None
+        self,
+        topic: str,
+        value: bytes | Message,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         """Send and wait until the bus has durably accepted the message."""
 

@@ -51,7 +51,11 @@ class InProcessBus(Bus):
         return self._partitioner(key.encode(), ids, ids)
 
     async def send(
-        self, topic: str, value: bytes | Message, key: str | None = None, headers: dict[str, str] | None = None
+        self,
+        topic: str,
+        value: bytes | Message,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         if isinstance(value, Message):
             key = key or value.key()
@@ -102,7 +106,9 @@ class InProcessBus(Bus):
 
     def lag(self, topic: str, group: str) -> int:
         committed = self._groups[group].committed if group in self._groups else {}
-        return sum(len(log) - committed.get((topic, p), 0) for p, log in enumerate(self.topics.get(topic, [])))
+        return sum(
+            len(log) - committed.get((topic, p), 0) for p, log in enumerate(self.topics.get(topic, []))
+        )
 
 
 class InProcessConsumer(Consumer):

@@ -120,7 +120,11 @@ class KafkaBus(Bus):
                     await asyncio.sleep(0.1)
 
     async def send(
-        self, topic: str, value: bytes | Message, key: str | None = None, headers: dict[str, str] | None = None
+        self,
+        topic: str,
+        value: bytes | Message,
+        key: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         if self._producer is None:
             raise RuntimeError("KafkaBus.send before start()")
@@ -161,7 +165,9 @@ class KafkaConsumer(Consumer):
 
     MAX_QUEUED_BATCHES = 2
 
-    def __init__(self, bus: KafkaBus, topics: tuple[str, ...], group: str, handler: Handler, concurrency: int):
+    def __init__(
+        self, bus: KafkaBus, topics: tuple[str, ...], group: str, handler: Handler, concurrency: int
+    ):
         self.bus = bus
         self.topics = topics
         self.group = group
@@ -256,8 +262,16 @@ class KafkaConsumer(Consumer):
                     async with self._slots:
                         await self.delivery.run(_record(rec, self.bus.plain_name(rec.topic)))
                 except Exception as exc:  # noqa: BLE001 - e.g. the dead-letter send failed: fetch it again later
-                    log_event(log, "record not handled; fetching it again", logging.WARNING, topic=self.bus.plain_name(tp.topic),
-                              partition=tp.partition, offset=rec.offset, group=self.group, error=repr(exc))
+                    log_event(
+                        log,
+                        "record not handled; fetching it again",
+                        logging.WARNING,
+                        topic=self.bus.plain_name(tp.topic),
+                        partition=tp.partition,
+                        offset=rec.offset,
+                        group=self.group,
+                        error=repr(exc),
+                    )
                     failed = True
                     return
                 handled.add(rec.offset)
@@ -283,13 +297,24 @@ class KafkaConsumer(Consumer):
         except CommitFailedError as exc:
             # The partition moved to another member during a rebalance: it redelivers from
             # the last commit, which is at-least-once.
-            log_event(log, "commit refused after rebalance", logging.WARNING, topic=self.bus.plain_name(tp.topic),
-                      error=str(exc))
+            log_event(
+                log,
+                "commit refused after rebalance",
+                logging.WARNING,
+                topic=self.bus.plain_name(tp.topic),
+                error=str(exc),
+            )
             return
         except KafkaError as exc:
             # Commits are cumulative: the next batch's commit covers this one.
-            log_event(log, "commit failed", logging.WARNING, topic=self.bus.plain_name(tp.topic), group=self.group,
-                      error=repr(exc))
+            log_event(
+                log,
+                "commit failed",
+                logging.WARNING,
+                topic=self.bus.plain_name(tp.topic),
+                group=self.group,
+                error=repr(exc),
+            )
             return
         self._update_lag(tp, offset)
 
@@ -302,7 +327,9 @@ class KafkaConsumer(Consumer):
     def _update_lag(self, tp: TopicPartition, position: int) -> None:
         high = self._consumer.highwater(tp)
         if high is not None:
-            metrics.BUS_CONSUMER_LAG.labels(self.bus.plain_name(tp.topic), self.group).set(max(0, high - position))
+            metrics.BUS_CONSUMER_LAG.labels(self.bus.plain_name(tp.topic), self.group).set(
+                max(0, high - position)
+            )
 
     async def _stop_workers(self, partitions: Iterable[TopicPartition]) -> None:
         """Let each worker finish (and commit) the record in hand; drop what is queued."""
@@ -387,7 +414,9 @@ class _Revoke(ConsumerRebalanceListener):
         pass
 
 
-async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]] | dict[str, tuple[str, ...]]) -> None:
+async def start_groups_at_end(
+    bootstrap: str, groups: dict[str, list[str]] | dict[str, tuple[str, ...]]
+) -> None:
     """Commit the current end offsets for consumer groups that are new, so they skip what
     is already in the topics: a new group otherwise starts at the earliest offset and
     replays the topics' whole history (other runs' and tests' messages included)."""
@@ -396,7 +425,9 @@ async def start_groups_at_end(bootstrap: str, groups: dict[str, list[str]] | dic
         await consumer.start()
         try:
             await consumer._client.force_metadata_update()
-            tps = [TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())]
+            tps = [
+                TopicPartition(t, p) for t in topics for p in sorted(consumer.partitions_for_topic(t) or ())
+            ]
             consumer.assign(tps)
             ends = await consumer.end_offsets(tps)
             await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})

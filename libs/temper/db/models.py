@@ -47,7 +47,9 @@ class ApiKey(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200), default="")
     prefix: Mapped[str] = mapped_column(String(16), doc="first characters of the key, for display")
-    key_hash: Mapped[str] = mapped_column(String(128), unique=True, doc="sha256 of the key; the key is never stored")
+    key_hash: Mapped[str] = mapped_column(
+        String(128), unique=True, doc="sha256 of the key; the key is never stored"
+    )
     admin: Mapped[bool] = mapped_column(Boolean, default=False, doc="may create tenants and change quotas")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -85,7 +85,9 @@ class ParsedAction:
 _FENCE = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.S)
 _TOOL = re.compile(r"<tool>(.*?)</tool>", re.S)
 _UNCLOSED_TOOL = re.compile(r"<tool>(?!.*</tool>)", re.S)
-_SUBMIT_LINE = re.compile(r"^\s*(?:`{0,3})\s*(?:<submit\s*/?>|submit|SUBMIT|Submit)\s*(?:`{0,3})\s*\.?\s*$", re.M)
+_SUBMIT_LINE = re.compile(
+    r"^\s*(?:`{0,3})\s*(?:<submit\s*/?>|submit|SUBMIT|Submit)\s*(?:`{0,3})\s*\.?\s*$", re.M
+)
 
 PYTHON_LANGS = frozenset({"python", "py", "python3"})
 SHELL_LANGS = frozenset({"bash", "sh", "shell", "console", "zsh"})
@@ -256,7 +258,7 @@ class Environment(ABC):
         if name == "write_file":
             path, content = args.get("path"), args.get("content")
             if not isinstance(path, str) or not SAFE_PATH.match(path):
-                return ParsedAction.invalid("write_file needs a relative \"path\" inside the workspace")
+                return ParsedAction.invalid('write_file needs a relative "path" inside the workspace')
             if not isinstance(content, str):
                 return ParsedAction.invalid('write_file needs a string "content"')
             return ParsedAction("sandbox", command={"kind": "write_file", "path": path, "content": content})

@@ -79,7 +79,9 @@ class CodeEnvironment(Environment):
         for b in blocks:
             if b.path is not None:
                 if not SAFE_PATH.match(b.path):
-                    return ParsedAction.invalid(f"cannot write {b.path!r}: use a relative path inside the workspace")
+                    return ParsedAction.invalid(
+                        f"cannot write {b.path!r}: use a relative path inside the workspace"
+                    )
                 actionable.append({"kind": "write_file", "path": b.path, "content": b.body})
             elif b.lang in PYTHON_LANGS:
                 actionable.append({"kind": "run_python", "code": b.body})

@@ -20,7 +20,9 @@ class BackendKind(StrEnum):
 
 class VLLMReloadMode(StrEnum):
     lora = "lora"  # POST /v1/load_lora_adapter with a new adapter name per version
-    full = "full"  # POST /collective_rpc {"method": "reload_weights"} (dev mode) after the weights were written
+    full = (
+        "full"  # POST /collective_rpc {"method": "reload_weights"} (dev mode) after the weights were written
+    )
 
 
 class BackendSpec(BaseModel):
@@ -30,7 +32,9 @@ class BackendSpec(BaseModel):
     model: str | None = Field(None, description="model name to send; default: the gateway's model_name")
     max_inflight: int | None = Field(None, ge=1, description="overrides max_inflight_per_backend")
     # kind=local only: which model the in-process engine runs
-    model_dir: str | None = Field(None, description="local: a model directory (config + safetensors + tokenizer)")
+    model_dir: str | None = Field(
+        None, description="local: a model directory (config + safetensors + tokenizer)"
+    )
     preset: str = Field("tiny", description="local: model preset with random weights when model_dir is unset")
     seed: int = Field(0, description="local: weight seed for preset")
     max_batch: int = Field(16, ge=1, description="local: largest batch")
@@ -47,9 +51,12 @@ class InferenceSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8001
     model_name: str = "temper-policy"
-    requests_group: str = Field("inference-gateway", description="consumer group of inference.requests, shared by replicas")
+    requests_group: str = Field(
+        "inference-gateway", description="consumer group of inference.requests, shared by replicas"
+    )
     policy_group: str | None = Field(
-        None, description="consumer group of policy.updates; unset: a fresh group per replica (inference-gateway-<uuid>)"
+        None,
+        description="consumer group of policy.updates; unset: a fresh group per replica (inference-gateway-<uuid>)",
     )
     backends: list[BackendSpec] = Field(
         default_factory=list,
@@ -57,10 +64,14 @@ class InferenceSettings(BaseModel):
     )
     request_timeout_s: float = Field(60.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
-    max_retries: int = Field(2, ge=0, description="attempts after the first, each on another backend if one is up")
+    max_retries: int = Field(
+        2, ge=0, description="attempts after the first, each on another backend if one is up"
+    )
     retry_backoff_s: float = Field(0.05, ge=0, description="first backoff; doubles per retry, with jitter")
     max_inflight_per_backend: int = Field(32, ge=1)
-    load_factor: float = Field(1.25, ge=1.0, description="bounded-load consistent hashing: cap = factor x mean load")
+    load_factor: float = Field(
+        1.25, ge=1.0, description="bounded-load consistent hashing: cap = factor x mean load"
+    )
     virtual_nodes: int = Field(64, ge=1)
     health_interval_s: float = Field(2.0, gt=0)
     breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a backend's circuit")

@@ -38,11 +38,21 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # ~0.5M parameters: trains on two CPU cores in minutes, generates at ~1 ms/token.
-    "tiny": Preset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   intermediate_size=384),
+    "tiny": Preset(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=384,
+    ),
     # ~3M parameters: still CPU-friendly, more capacity for the example job.
-    "small": Preset(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                    intermediate_size=768),
+    "small": Preset(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=768,
+    ),
 }
 
 
@@ -68,7 +78,9 @@ def model_config(preset: str = "tiny", *, tokenizer: ByteTokenizer | None = None
     )
 
 
-def create_model(preset: str = "tiny", *, seed: int = 0, tokenizer: ByteTokenizer | None = None) -> Qwen2ForCausalLM:
+def create_model(
+    preset: str = "tiny", *, seed: int = 0, tokenizer: ByteTokenizer | None = None
+) -> Qwen2ForCausalLM:
     """A fresh model of ``preset`` with random weights drawn from ``seed`` (same seed, same weights)."""
     cfg = model_config(preset, tokenizer=tokenizer)
     with torch.random.fork_rng(devices=[]):
@@ -225,15 +237,17 @@ def token_logprobs(
     return out * mask
 
 
-def pad_batch(sequences: list[list[int]], pad_id: int, *, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(
+    sequences: list[list[int]], pad_id: int, *, left: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad id lists into ``(input_ids, attention_mask)`` (right padding unless ``left``)."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
         if left:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
         else:
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
             mask[i, : len(s)] = 1

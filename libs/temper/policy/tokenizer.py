@@ -31,7 +31,11 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, END, *(f"<|{role}|>" for role 
 
 def _byte_alphabet() -> list[str]:
     """The printable stand-in character for each byte, in byte order (the GPT-2 byte-level scheme)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars: dict[int, int] = {b: b for b in printable}
     extra = 0
     for b in range(256):

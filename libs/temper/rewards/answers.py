@@ -60,7 +60,11 @@ def extract_answer(text: str, *, strict: bool = False) -> str | None:
     if boxed is not None:
         return boxed.strip()
     if "####" in text:
-        return text.rsplit("####", 1)[1].strip().splitlines()[0].strip() if text.rsplit("####", 1)[1].strip() else None
+        return (
+            text.rsplit("####", 1)[1].strip().splitlines()[0].strip()
+            if text.rsplit("####", 1)[1].strip()
+            else None
+        )
     if strict and not _ANSWER_LINE.search(text):
         return None
     m = list(re.finditer(r"answer\s*(?:is|:|=)\s*(.+)", text, re.I))
@@ -91,7 +95,11 @@ def parse_number(s: str) -> Fraction | float | None:
         num, den = parse_number(frac.group(1)), parse_number(frac.group(2))
         if num is None or den is None or den == 0:
             return None
-        return Fraction(num) / Fraction(den) if isinstance(num, Fraction) and isinstance(den, Fraction) else float(num) / float(den)
+        return (
+            Fraction(num) / Fraction(den)
+            if isinstance(num, Fraction) and isinstance(den, Fraction)
+            else float(num) / float(den)
+        )
     percent = s.endswith("%")
     s = s.rstrip("%").strip()
     # strip currency and unit words: "$1,234.50", "12 apples", "USD 5"

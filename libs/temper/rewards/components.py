@@ -85,7 +85,9 @@ class ScoreContext:
             raise _NoCode()
 
         async def make() -> tuple[CandidateRun, dict[str, Any]]:
-            runs, report = await self.runner.run(self.task, [("agent", None)], files=self.files(), coverage=True)
+            runs, report = await self.runner.run(
+                self.task, [("agent", None)], files=self.files(), coverage=True
+            )
             assert report is not None
             return runs[0], report
 
@@ -220,7 +222,8 @@ class Efficiency(Component):
         agent_s = run.best_s if run.best_s is not None else sum(t.seconds for t in run.tests)
         value = min(1.0, max(0.0, (ref_s + EFFICIENCY_FLOOR_S) / (agent_s + EFFICIENCY_FLOOR_S)))
         return RewardComponent(
-            value=round(value, 6), details={"agent_s": agent_s, "reference_s": ref_s, "floor_s": EFFICIENCY_FLOOR_S}
+            value=round(value, 6),
+            details={"agent_s": agent_s, "reference_s": ref_s, "floor_s": EFFICIENCY_FLOOR_S},
         )
 
 
@@ -232,7 +235,9 @@ class AnswerMatch(Component):
         sub = ctx.submission
         given = sub.answer if sub.answer not in (None, "") else extract_answer(sub.text)
         tol = ctx.task.metadata.tolerance
-        ok, how = answers_match(given, ctx.task.answer or "", rel_tol=tol if tol is not None else DEFAULT_REL_TOL)
+        ok, how = answers_match(
+            given, ctx.task.answer or "", rel_tol=tol if tol is not None else DEFAULT_REL_TOL
+        )
         return RewardComponent(
             value=1.0 if ok else 0.0,
             reason=None if ok else how,
@@ -255,10 +260,13 @@ class TurnPenalty(Component):
     async def measure(self, ctx: ScoreContext) -> RewardComponent:
         used, budget = max(ctx.turns_used, 1), max(ctx.max_turns, 1)
         value = 0.0 if budget <= 1 else min(1.0, (used - 1) / (budget - 1))
-        return RewardComponent(value=round(value, 6), details={"turns_used": ctx.turns_used, "max_turns": ctx.max_turns})
+        return RewardComponent(
+            value=round(value, 6), details={"turns_used": ctx.turns_used, "max_turns": ctx.max_turns}
+        )
 
 
 COMPONENTS: dict[ComponentName, Component] = {
-    c.name: c for c in (TestsPassed(), Compiles(), Coverage(), Efficiency(), AnswerMatch(), Format(), TurnPenalty())
+    c.name: c
+    for c in (TestsPassed(), Compiles(), Coverage(), Efficiency(), AnswerMatch(), Format(), TurnPenalty())
 }
 KNOWN_COMPONENTS = tuple(str(n) for n in ComponentName)

@@ -92,7 +92,9 @@ for cand in spec["candidates"]:
             with open(path, encoding="utf-8") as f:
                 source = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            emit(ev="candidate", label=label, compile="cannot read {}: {}".format(spec["file"], exc), load=None)
+            emit(
+                ev="candidate", label=label, compile="cannot read {}: {}".format(spec["file"], exc), load=None
+            )
             continue
     if not spec.get("load", True):
         # shell tasks: the solution is a workspace file the tests inspect, not a module
@@ -103,7 +105,12 @@ for cand in spec["candidates"]:
     try:
         code = compile(source, path, "exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-        emit(ev="candidate", label=label, compile=traceback.format_exception_only(type(exc), exc)[-1].strip(), load=None)
+        emit(
+            ev="candidate",
+            label=label,
+            compile=traceback.format_exception_only(type(exc), exc)[-1].strip(),
+            load=None,
+        )
         continue
     module = type(sys)(spec["module"])
     module.__file__ = path
@@ -128,7 +135,15 @@ for cand in spec["candidates"]:
     total = 0.0
     for i, (name, code_name, chunk) in enumerate(tests):
         if timeouts >= spec["max_timeouts"]:
-            emit(ev="test", label=label, i=i, name=name, ok=False, msg="not run: earlier tests timed out", s=0.0)
+            emit(
+                ev="test",
+                label=label,
+                i=i,
+                name=name,
+                ok=False,
+                msg="not run: earlier tests timed out",
+                s=0.0,
+            )
             continue
         t0 = _clock()
         try:

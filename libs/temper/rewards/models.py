@@ -16,7 +16,9 @@ class ComponentName(StrEnum):
     efficiency = "efficiency"  # reference run time / agent run time, bounded to [0, 1]
     answer_match = "answer_match"  # math: the final answer equals the known one
     format = "format"  # type: ignore[assignment]  # the agent followed the action format (shadows str.format)
-    turn_penalty = "turn_penalty"  # share of the turn budget used beyond the first turn (weight it negatively)
+    turn_penalty = (
+        "turn_penalty"  # share of the turn budget used beyond the first turn (weight it negatively)
+    )
 
 
 class Submission(BaseModel):

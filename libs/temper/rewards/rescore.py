@@ -81,14 +81,18 @@ async def rescore_job(
         request: dict[str, Any] = (record or {}).get("request", {})
         previous = {
             name: RewardComponent.model_validate(c)
-            for name, c in ((record or {}).get("result", {}).get("components") or traj.rewards.get("components", {})).items()
+            for name, c in (
+                (record or {}).get("result", {}).get("components") or traj.rewards.get("components", {})
+            ).items()
         }
         if "submission" in request:
             submission = await load_submission(request["submission"], store)
         else:
             submission = submission_from_trajectory(traj)
         task: TaskSpec = await load_task(traj.task_id)
-        rerun = [n for n in weights if n not in previous or not previous[n].ok or (verifiers and n in verifiers)]
+        rerun = [
+            n for n in weights if n not in previous or not previous[n].ok or (verifiers and n in verifiers)
+        ]
         components = {n: c for n, c in previous.items() if n not in rerun}
         if rerun:
             _, fresh = await scorer.score(

@@ -70,6 +70,7 @@ class RunSettings:
 
 class TestRunner:
     __test__ = False  # not a pytest test class
+
     def __init__(self, manager: SandboxManager, settings: RunSettings | None = None) -> None:
         self.manager = manager
         self.settings = settings or RunSettings(python=manager.settings.python)
@@ -86,7 +87,14 @@ class TestRunner:
     def _limits(self, task: TaskSpec) -> SandboxLimits:
         return task.limits or SCORING_LIMITS
 
-    def _spec(self, task: TaskSpec, split: SplitTests, workspace: str, candidates: list[tuple[str, str | None]], repeat: int) -> tuple[str, dict[str, Any]]:
+    def _spec(
+        self,
+        task: TaskSpec,
+        split: SplitTests,
+        workspace: str,
+        candidates: list[tuple[str, str | None]],
+        repeat: int,
+    ) -> tuple[str, dict[str, Any]]:
         nonce = secrets.token_hex(16)
         module = os.path.splitext(os.path.basename(task.solution_file))[0] or "solution"
         spec = {
@@ -138,7 +146,9 @@ class TestRunner:
                 site = coverage_site_dir()
                 if site is None:
                     raise ScoringError("coverage.py is not installed on the scorer host")
-                await self.manager.execute(sb, Action(kind="write_file", path=HARNESS_PATH, content=HARNESS_SOURCE))
+                await self.manager.execute(
+                    sb, Action(kind="write_file", path=HARNESS_PATH, content=HARNESS_SOURCE)
+                )
                 include = f"--include={workspace.rstrip('/')}/{task.solution_file}"
                 env = {"PYTHONPATH": SANDBOX_SITE}
                 result = await self.manager.execute(
@@ -151,8 +161,12 @@ class TestRunner:
                     ),
                 )  # fmt: skip
             else:
-                result = await self.manager.execute(sb, Action(kind="run_python", code=HARNESS_SOURCE, stdin=stdin))
-            runs = parse_output(result.stdout, nonce, [c[0] for c in candidates], [c.name for c in split.chunks])
+                result = await self.manager.execute(
+                    sb, Action(kind="run_python", code=HARNESS_SOURCE, stdin=stdin)
+                )
+            runs = parse_output(
+                result.stdout, nonce, [c[0] for c in candidates], [c.name for c in split.chunks]
+            )
             if result.kill_reason is not None:
                 for run in runs:
                     run.kill_reason = str(result.kill_reason)
@@ -218,14 +232,21 @@ def parse_output(stdout: str, nonce: str, labels: list[str], test_names: list[st
             run.load_error = ev.get("load")
         elif ev["ev"] == "test":
             seen[label][int(ev["i"])] = TestOutcome(
-                name=ev.get("name", ""), passed=bool(ev["ok"]), message=ev.get("msg"), seconds=float(ev.get("s", 0))
+                name=ev.get("name", ""),
+                passed=bool(ev["ok"]),
+                message=ev.get("msg"),
+                seconds=float(ev.get("s", 0)),
             )
         elif ev["ev"] == "timing":
             run.best_s = float(ev["best_s"])
     for label, run in runs.items():
         run.started = label in started
         if run.compile_error or run.load_error:
-            reason = f"does not compile: {run.compile_error}" if run.compile_error else f"load failed: {run.load_error}"
+            reason = (
+                f"does not compile: {run.compile_error}"
+                if run.compile_error
+                else f"load failed: {run.load_error}"
+            )
             run.tests = [TestOutcome(name=n, passed=False, message=reason) for n in test_names]
             continue
         outcomes = []

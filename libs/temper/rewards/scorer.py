@@ -21,7 +21,11 @@ from temper.rewards.runner import ScoringError, TestRunner
 from temper.sandbox import SandboxManager
 from temper.tasks.models import TaskKind, TaskSpec
 
-DEFAULT_WEIGHTS = {TaskKind.code: {"tests_passed": 1.0}, TaskKind.shell: {"tests_passed": 1.0}, TaskKind.math: {"answer_match": 1.0}}
+DEFAULT_WEIGHTS = {
+    TaskKind.code: {"tests_passed": 1.0},
+    TaskKind.shell: {"tests_passed": 1.0},
+    TaskKind.math: {"answer_match": 1.0},
+}
 ALWAYS = {
     TaskKind.code: ("tests_passed", "compiles", "format", "turn_penalty"),
     TaskKind.shell: ("tests_passed", "format", "turn_penalty"),

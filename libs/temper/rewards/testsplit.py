@@ -66,7 +66,9 @@ def _cut(body: list[ast.stmt], source: str, prefix: str) -> list[TestChunk]:
         seg = _dedent_segment(seg, stmt.col_offset)
         if _has_assert(stmt) and not _is_constant_assert(stmt):
             code = "\n".join([*pending, seg])
-            chunks.append(TestChunk(name=f"{prefix}{len(chunks) + 1}: {_short(seg)}", code=code, line=stmt.lineno))
+            chunks.append(
+                TestChunk(name=f"{prefix}{len(chunks) + 1}: {_short(seg)}", code=code, line=stmt.lineno)
+            )
             pending = []
         elif not _is_constant_assert(stmt):
             pending.append(seg)
@@ -90,7 +92,11 @@ def split_tests(tests: str, entry_point: str | None) -> SplitTests:
     """Cut ``tests`` into chunks; raises SyntaxError if the tests do not parse."""
     tree = ast.parse(tests)
     check = next(
-        (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check" and len(n.args.args) == 1),
+        (
+            n
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef) and n.name == "check" and len(n.args.args) == 1
+        ),
         None,
     )
     if check is not None:
@@ -106,7 +112,11 @@ def split_tests(tests: str, entry_point: str | None) -> SplitTests:
             prelude=tests,
             chunks=[TestChunk(name=f.name, code=f"{f.name}()", line=f.lineno) for f in functions],
         )
-    prelude_nodes = [n for n in tree.body if not _has_assert(n) and isinstance(n, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)]
+    prelude_nodes = [
+        n
+        for n in tree.body
+        if not _has_assert(n) and isinstance(n, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)
+    ]
     rest = [n for n in tree.body if n not in prelude_nodes]
     prelude = "\n\n".join(ast.get_source_segment(tests, n) or ast.unparse(n) for n in prelude_nodes)
     return SplitTests(mode="asserts", prelude=prelude, chunks=_cut(rest, tests, "assert "))

@@ -69,10 +69,17 @@ async def _validate(taskset_id: str, progress: Any) -> dict[str, int]:
 @app.task(name="temper.validate_taskset", bind=True)
 def validate_taskset_task(self: Any, taskset_id: str) -> dict[str, Any]:
     def progress(current: int, total: int) -> None:
-        self.update_state(state="PROGRESS", meta={"current": current, "total": total, "taskset_id": taskset_id})
+        self.update_state(
+            state="PROGRESS", meta={"current": current, "total": total, "taskset_id": taskset_id}
+        )
 
     counts = asyncio.run(_validate(taskset_id, progress))
-    return {"taskset_id": taskset_id, "counts": counts, "current": sum(counts.values()), "total": sum(counts.values())}
+    return {
+        "taskset_id": taskset_id,
+        "counts": counts,
+        "current": sum(counts.values()),
+        "total": sum(counts.values()),
+    }
 
 
 async def _reap() -> int:
@@ -102,8 +109,9 @@ async def _retention() -> dict[str, Any]:
         return {"days": None, "jobs": 0}  # retention is off
     db = Database(settings.db)
     try:
-        counts = await delete_expired(make_store(settings), db, days=days,
-                                      snapshot_prefix=settings.sandbox.snapshot_prefix)
+        counts = await delete_expired(
+            make_store(settings), db, days=days, snapshot_prefix=settings.sandbox.snapshot_prefix
+        )
     finally:
         await db.dispose()
     return {"days": days, **counts}

@@ -32,8 +32,9 @@ def progress_bar(current: int, total: int, *, width: int = 30, label: str = "") 
     return f"[{'#' * filled}{'.' * (width - filled)}] {current}/{total} {label}".rstrip()
 
 
-def wait_for_validation(api: Any, taskset_id: str, *, interval: float = 1.0, timeout: float = 3600,
-                        stream: TextIO | None = None) -> dict[str, Any]:
+def wait_for_validation(
+    api: Any, taskset_id: str, *, interval: float = 1.0, timeout: float = 3600, stream: TextIO | None = None
+) -> dict[str, Any]:
     """Poll ``GET /v1/tasksets/{id}`` drawing a progress bar until every task has a status."""
     out = stream or sys.stderr
     deadline = time.monotonic() + timeout
@@ -44,7 +45,9 @@ def wait_for_validation(api: Any, taskset_id: str, *, interval: float = 1.0, tim
         label = f"valid {counts.get('valid', 0)}  invalid {counts.get('invalid', 0)}"
         out.write("\r" + progress_bar(prog.get("current", 0), prog.get("total", 0), label=label))
         out.flush()
-        if view.get("status") == "validated" or (prog.get("total") and prog.get("current") == prog.get("total")):
+        if view.get("status") == "validated" or (
+            prog.get("total") and prog.get("current") == prog.get("total")
+        ):
             out.write("\n")
             return view  # type: ignore[no-any-return]
         if time.monotonic() > deadline:
@@ -62,7 +65,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
             params={"name": args.name or path.stem, "validate": str(not args.no_validate).lower()},
         )  # fmt: skip
         sys.stdout.write(view["id"] + "\n")
-        sys.stderr.write(f"uploaded {view['task_count']} tasks as {view['id']}; validation: {view.get('validation')}\n")
+        sys.stderr.write(
+            f"uploaded {view['task_count']} tasks as {view['id']}; validation: {view.get('validation')}\n"
+        )
         if args.wait and view.get("validation", {}).get("queued"):
             wait_for_validation(api, view["id"])
     return 0
@@ -72,7 +77,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     with _client(args) as api:
         for ts in api._call("GET", "/v1/tasksets"):
             counts = " ".join(f"{k}={v}" for k, v in sorted(ts.get("counts", {}).items()))
-            sys.stdout.write(f"{ts['id']}  {ts['name']:<24} {ts['status']:<10} {ts['task_count']:>6}  {counts}\n")
+            sys.stdout.write(
+                f"{ts['id']}  {ts['name']:<24} {ts['status']:<10} {ts['task_count']:>6}  {counts}\n"
+            )
     return 0
 
 

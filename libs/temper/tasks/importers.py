@@ -78,17 +78,24 @@ def arithmetic_problems(n: int = 50, seed: int = 7) -> list[dict[str, str]]:
             q = f"{name} has {a} {item} and buys {c} more. How many {item} does {name} have now?"
             steps, ans = [f"{a} + {c} = {a + c}"], a + c
         elif level == 1:
-            q = (f"{name} buys {b} boxes of {item} with {a} {item} in each box, then gives away {c}. "
-                 f"How many {item} are left?")
+            q = (
+                f"{name} buys {b} boxes of {item} with {a} {item} in each box, then gives away {c}. "
+                f"How many {item} are left?"
+            )
             steps, ans = [f"{b} * {a} = {a * b}", f"{a * b} - {c} = {a * b - c}"], a * b - c
         else:
             price = rng.randint(2, 15)
             total = a * b
-            q = (f"{name} packs {total} {item} into bags of {b}, sells each bag for ${price}, "
-                 f"and spends ${c} on supplies. What is {name}'s profit in dollars?")
+            q = (
+                f"{name} packs {total} {item} into bags of {b}, sells each bag for ${price}, "
+                f"and spends ${c} on supplies. What is {name}'s profit in dollars?"
+            )
             bags = total // b
-            steps = [f"{total} / {b} = {bags}", f"{bags} * {price} = {bags * price:,}",
-                     f"{bags * price:,} - {c} = {bags * price - c:,}"]
+            steps = [
+                f"{total} / {b} = {bags}",
+                f"{bags} * {price} = {bags * price:,}",
+                f"{bags * price:,} - {c} = {bags * price - c:,}",
+            ]
             ans = bags * price - c
         answer = "\n".join(steps) + f"\n#### {ans}"
         out.append({"id": f"arith/{i:03d}", "question": q, "answer": answer, "level": str(level)})
@@ -101,9 +108,16 @@ def arithmetic_tasks(n: int = 50, seed: int = 7) -> list[TaskSpec]:
         final = rec["answer"].rsplit("####", 1)[1].strip()
         tasks.append(
             TaskSpec(
-                id=rec["id"], kind=TaskKind.math, prompt=rec["question"], answer=final, solution=rec["answer"],
-                metadata=TaskMeta(source="temper-arithmetic", tags=["math", f"level-{rec['level']}"],
-                                  difficulty=int(rec["level"]) / 2),
+                id=rec["id"],
+                kind=TaskKind.math,
+                prompt=rec["question"],
+                answer=final,
+                solution=rec["answer"],
+                metadata=TaskMeta(
+                    source="temper-arithmetic",
+                    tags=["math", f"level-{rec['level']}"],
+                    difficulty=int(rec["level"]) / 2,
+                ),
             )  # fmt: skip
         )
     return tasks

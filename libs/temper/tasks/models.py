@@ -51,19 +51,27 @@ class TaskSpec(BaseModel):
     kind: TaskKind = TaskKind.code
     prompt: str = Field(min_length=1)
     files: dict[str, str] = Field(default_factory=dict, description="starting files: path -> content")
-    tests: str | None = Field(None, description="hidden Python tests (check(candidate), test_* functions or asserts)")
+    tests: str | None = Field(
+        None, description="hidden Python tests (check(candidate), test_* functions or asserts)"
+    )
     entry_point: str | None = Field(None, description="the function under test; tests get it as `candidate`")
-    solution: str | None = Field(None, description="reference solution: the content of solution_file (math: worked answer)")
+    solution: str | None = Field(
+        None, description="reference solution: the content of solution_file (math: worked answer)"
+    )
     solution_file: str = Field("solution.py", description="where the agent's code is expected")
     answer: str | None = Field(None, description="math: the expected final answer")
     metadata: TaskMeta = TaskMeta()
-    limits: SandboxLimits | None = Field(None, description="sandbox limits for this task's episodes and scoring")
+    limits: SandboxLimits | None = Field(
+        None, description="sandbox limits for this task's episodes and scoring"
+    )
 
     @field_validator("id")
     @classmethod
     def _key(cls, v: str) -> str:
         if not _KEY.match(v):
-            raise ValueError("use 1-151 characters: letters, digits and . _ / : = - (starting with a letter or digit)")
+            raise ValueError(
+                "use 1-151 characters: letters, digits and . _ / : = - (starting with a letter or digit)"
+            )
         return v
 
     @field_validator("files")
@@ -100,7 +108,9 @@ class TaskSpec(BaseModel):
         return self.model_dump(mode="json", exclude={"id", "kind", "prompt", "metadata"})
 
     @classmethod
-    def from_row(cls, key: str, kind: str, prompt: str, spec: dict[str, Any], meta: dict[str, Any]) -> TaskSpec:
+    def from_row(
+        cls, key: str, kind: str, prompt: str, spec: dict[str, Any], meta: dict[str, Any]
+    ) -> TaskSpec:
         return cls.model_validate({"id": key, "kind": kind, "prompt": prompt, "metadata": meta, **spec})
 
 
@@ -155,7 +165,9 @@ def parse_tasks(data: str | bytes, *, filename: str = "") -> list[TaskSpec]:
     """Parse a task-set file: JSONL (one task per line) or YAML (a list of tasks, or a
     mapping with ``tasks:``). Every bad line is reported, not only the first."""
     text = data.decode("utf-8") if isinstance(data, bytes) else data
-    is_yaml = filename.endswith((".yaml", ".yml")) or (not filename.endswith(".jsonl") and _looks_like_yaml(text))
+    is_yaml = filename.endswith((".yaml", ".yml")) or (
+        not filename.endswith(".jsonl") and _looks_like_yaml(text)
+    )
     items = _yaml_items(text) if is_yaml else _jsonl_items(text)
     errors: list[tuple[int, str, str]] = []
     tasks: list[TaskSpec] = []
@@ -185,7 +197,9 @@ def parse_tasks(data: str | bytes, *, filename: str = "") -> list[TaskSpec]:
 
 
 def _looks_like_yaml(text: str) -> bool:
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), "")
+    first = next(
+        (ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")), ""
+    )
     return not first.startswith("{")
 
 
@@ -215,7 +229,9 @@ def _yaml_items(text: str) -> list[tuple[int, Any]]:
                 root = v
                 break
         else:
-            return [(root.start_mark.line + 1, "a YAML task set is a list of tasks or a mapping with 'tasks:'")]
+            return [
+                (root.start_mark.line + 1, "a YAML task set is a list of tasks or a mapping with 'tasks:'")
+            ]
     if not isinstance(root, yaml.SequenceNode):
         return [(root.start_mark.line + 1, "a YAML task set is a list of tasks")]
     loader_items = yaml.safe_load(text)

@@ -85,15 +85,15 @@ def make_router(
             return exc.response()  # type: ignore[return-value]
         assert runtime.db is not None
         async with runtime.db.session() as session:
-            row = await service.create_taskset(session, runtime.store, tenant_id, name, tasks, source="upload")
+            row = await service.create_taskset(
+                session, runtime.store, tenant_id, name, tasks, source="upload"
+            )
             view = service.taskset_view(row, {"pending": len(tasks)})
         view["validation"] = await _enqueue(enqueue, row.id) if validate else {"queued": False}
         return view
 
     @router.get("", summary="Task sets of the tenant")
-    async def list_all(
-        tenant: TenantDep, runtime: RuntimeDep
-    ) -> list[dict[str, Any]]:
+    async def list_all(tenant: TenantDep, runtime: RuntimeDep) -> list[dict[str, Any]]:
         assert runtime.db is not None
         async with runtime.db.session() as session:
             rows = await service.list_tasksets(session, _tenant_id(tenant))
@@ -121,9 +121,7 @@ def make_router(
         return view
 
     @router.post("/{taskset_id}/validate", status_code=status.HTTP_202_ACCEPTED, summary="Queue validation")
-    async def validate_again(
-        taskset_id: str, tenant: TenantDep, runtime: RuntimeDep
-    ) -> dict[str, Any]:
+    async def validate_again(taskset_id: str, tenant: TenantDep, runtime: RuntimeDep) -> dict[str, Any]:
         assert runtime.db is not None
         async with runtime.db.session() as session:
             try:
@@ -132,7 +130,9 @@ def make_router(
                 raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
         result = await _enqueue(enqueue, taskset_id)
         if not result["queued"]:
-            raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"cannot queue validation: {result['error']}")
+            raise HTTPException(
+                status.HTTP_503_SERVICE_UNAVAILABLE, f"cannot queue validation: {result['error']}"
+            )
         return {"id": taskset_id, "validation": result}
 
     return router
@@ -143,7 +143,13 @@ def _parse_body(body: bytes, content_type: str) -> list[TaskSpec]:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
         raise HTTPException(422, "the task set must be UTF-8 text") from None
-    filename = ".yaml" if "yaml" in content_type else ".jsonl" if ("ndjson" in content_type or "jsonl" in content_type) else ""
+    filename = (
+        ".yaml"
+        if "yaml" in content_type
+        else ".jsonl"
+        if ("ndjson" in content_type or "jsonl" in content_type)
+        else ""
+    )
     if "application/json" in content_type:
         try:
             doc = json.loads(text)
@@ -172,6 +178,8 @@ class TaskSetRejected(Exception):
             status_code=422,
             content={
                 "detail": f"invalid task set: {len(self.errors)} error(s)",
-                "errors": [{"line": ln, "field": f"line {ln}: {f}", "message": m} for ln, f, m in self.errors],
+                "errors": [
+                    {"line": ln, "field": f"line {ln}: {f}", "message": m} for ln, f, m in self.errors
+                ],
             },
         )

@@ -60,9 +60,17 @@ async def create_taskset(
         meta = task.metadata.model_dump(mode="json", exclude_none=True)
         session.add(
             Task(
-                id=task_row_id(ts_id, task.id), task_set_id=ts_id, key=task.id, kind=str(task.kind),
-                prompt=task.prompt, spec=task.spec_dict(), meta=meta, status=str(TaskStatus.pending),
-                status_reasons=[], prompt_hash=task.prompt_hash, tests_hash=task.tests_hash,
+                id=task_row_id(ts_id, task.id),
+                task_set_id=ts_id,
+                key=task.id,
+                kind=str(task.kind),
+                prompt=task.prompt,
+                spec=task.spec_dict(),
+                meta=meta,
+                status=str(TaskStatus.pending),
+                status_reasons=[],
+                prompt_hash=task.prompt_hash,
+                tests_hash=task.tests_hash,
                 difficulty=task.metadata.difficulty,
             )  # fmt: skip
         )
@@ -71,7 +79,9 @@ async def create_taskset(
 
 
 async def list_tasksets(session: AsyncSession, tenant: str) -> list[TaskSet]:
-    rows = await session.scalars(select(TaskSet).where(TaskSet.tenant_id == tenant).order_by(TaskSet.created_at))
+    rows = await session.scalars(
+        select(TaskSet).where(TaskSet.tenant_id == tenant).order_by(TaskSet.created_at)
+    )
     return list(rows)
 
 
@@ -110,13 +120,19 @@ async def sampleable_tasks(session: AsyncSession, taskset_id: str) -> list[Task]
     """Tasks an episode may be given: every task not marked invalid (pending ones too, so
     a set can be used before its validation finishes)."""
     rows = await session.scalars(
-        select(Task).where(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid)).order_by(Task.key)
+        select(Task)
+        .where(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid))
+        .order_by(Task.key)
     )
     return list(rows)
 
 
-async def set_task_status(session: AsyncSession, task_id: str, status: TaskStatus, reasons: list[str]) -> None:
-    await session.execute(update(Task).where(Task.id == task_id).values(status=str(status), status_reasons=reasons))
+async def set_task_status(
+    session: AsyncSession, task_id: str, status: TaskStatus, reasons: list[str]
+) -> None:
+    await session.execute(
+        update(Task).where(Task.id == task_id).values(status=str(status), status_reasons=reasons)
+    )
 
 
 async def set_taskset_status(session: AsyncSession, taskset_id: str, status: str) -> None:

@@ -51,13 +51,23 @@ def trivial_variants(solution: str, entry_point: str | None) -> list[tuple[str, 
         return [("empty file", "")]
     tree = ast.parse(solution)
     target = next(
-        (n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == entry_point),
+        (
+            n
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == entry_point
+        ),
         None,
     )
     if target is None:
         return [("empty file", "")]
     variants = []
-    doc = target.body[:1] if target.body and isinstance(target.body[0], ast.Expr) and isinstance(getattr(target.body[0], "value", None), ast.Constant) else []
+    doc = (
+        target.body[:1]
+        if target.body
+        and isinstance(target.body[0], ast.Expr)
+        and isinstance(getattr(target.body[0], "value", None), ast.Constant)
+        else []
+    )
     original = target.body
     for label, body in TRIVIAL_BODIES:
         target.body = [*doc, *ast.parse(body).body]
@@ -87,7 +97,9 @@ async def check_task(runner: TestRunner, task: TaskSpec) -> list[str]:
     reasons = []
     ref = runs[0]
     if not ref.all_passed:
-        reasons.append(f"reference solution fails {len(ref.tests) - ref.passed} of {len(ref.tests)} tests: {ref.first_failure()}")
+        reasons.append(
+            f"reference solution fails {len(ref.tests) - ref.passed} of {len(ref.tests)} tests: {ref.first_failure()}"
+        )
     weak = [run.label for run in runs[1:] if run.all_passed]
     if weak:
         reasons.append(f"tests too weak: a trivial solution passes every test ({', '.join(weak)})")
@@ -129,7 +141,12 @@ def duplicate_reasons(rows: list[tuple[str, str, str]]) -> dict[str, list[str]]:
 
 
 async def validate_taskset(
-    db: Database, runner: TestRunner, taskset_id: str, *, progress: Progress | None = None, concurrency: int = 4
+    db: Database,
+    runner: TestRunner,
+    taskset_id: str,
+    *,
+    progress: Progress | None = None,
+    concurrency: int = 4,
 ) -> dict[str, int]:
     """Validate every task of a set, writing each status as it is decided. Returns the
     counts by status."""

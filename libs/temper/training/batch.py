@@ -65,7 +65,16 @@ def samples_from_groups(
         for traj, adv in zip(group, group_advantages(rewards, eps), strict=True):
             ids, mask, logprobs = traj.flat()
             samples.append(
-                Sample(ids, mask, logprobs, adv, traj.reward, traj.behaviour_version, traj.episode_id, traj.group_id)
+                Sample(
+                    ids,
+                    mask,
+                    logprobs,
+                    adv,
+                    traj.reward,
+                    traj.behaviour_version,
+                    traj.episode_id,
+                    traj.group_id,
+                )
             )
     return samples, skipped
 

@@ -19,10 +19,14 @@ class TrainerSettings(BaseModel):
         None,
         description="train only this job, in its own consumer group (trainer.<job>); unset: every job, group 'trainer'",
     )
-    group: str | None = Field(None, description="consumer group of trajectories; unset: trainer or trainer.<job_id>")
+    group: str | None = Field(
+        None, description="consumer group of trajectories; unset: trainer or trainer.<job_id>"
+    )
     device: Device = Device.auto
     bf16: bool = Field(True, description="bf16 autocast on CUDA (weights and optimizer stay float32)")
-    preset: str = Field("tiny", description="model preset used when the job's policy names no initial weights")
+    preset: str = Field(
+        "tiny", description="model preset used when the job's policy names no initial weights"
+    )
     seed: int = Field(0, description="weight seed of that preset")
     micro_batch_tokens: int = Field(
         8192, ge=64, description="padded tokens per forward/backward pass; gradients accumulate across passes"
@@ -35,4 +39,6 @@ class TrainerSettings(BaseModel):
         description="a group still short of group_size after this long is trained as it is (>= 2 samples) or skipped",
     )
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 leaves torch's default")
-    run_relay: bool = Field(True, description="publish this trainer's outbox rows itself (off when another relay runs)")
+    run_relay: bool = Field(
+        True, description="publish this trainer's outbox rows itself (off when another relay runs)"
+    )

@@ -85,7 +85,9 @@ def grpo_token_loss(
     per_token = pg
     kl_sum = 0.0
     if ref_logprobs is not None:
-        d = torch.where(m, ref_logprobs - logprobs, torch.zeros_like(logprobs)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        d = torch.where(m, ref_logprobs - logprobs, torch.zeros_like(logprobs)).clamp(
+            -MAX_LOG_RATIO, MAX_LOG_RATIO
+        )
         kl = torch.exp(d) - d - 1.0
         kl_sum = float((kl * mf).sum().detach())
         if kl_coef:

@@ -54,7 +54,10 @@ def pick_device(device: Device | str = Device.auto) -> torch.device:
 
 
 def completion_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
 ) -> torch.Tensor:
     """``token_logprobs(model, ids, attention, completion)`` computed only where it is
     needed: the decoder runs on every token, but the output projection and the softmax
@@ -66,8 +69,12 @@ def completion_logprobs(
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if decoder is None or head is None:
         return token_logprobs(model, input_ids, attention_mask, completion_mask)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                     position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+    hidden = decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
     am = attention_mask.bool()
     # position t is scored from the hidden state at t-1, if both tokens are real and t is the model's
     scored = completion_mask[:, 1:].bool() & am[:, 1:] & am[:, :-1]
@@ -208,7 +215,9 @@ class Learner:
         return self.device.type == "cuda" and self.config.bf16
 
     def _autocast(self) -> torch.autocast:
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast_enabled)
+        return torch.autocast(
+            device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast_enabled
+        )
 
     # --- training ----------------------------------------------------------------------
 
@@ -219,12 +228,20 @@ class Learner:
         )
         return self.step_samples(samples, groups=len(groups), skipped_groups=skipped)
 
-    def step_samples(self, samples: Sequence[Sample], *, groups: int = 0, skipped_groups: int = 0) -> StepStats:
+    def step_samples(
+        self, samples: Sequence[Sample], *, groups: int = 0, skipped_groups: int = 0
+    ) -> StepStats:
         """One optimizer step on samples whose advantages are already set."""
         started = time.perf_counter()
         samples = [self._truncate(s) for s in samples]
-        stats = StepStats(step=self.step_count, version=self.version, updated=False, groups=groups,
-                          skipped_groups=skipped_groups, samples=len(samples))
+        stats = StepStats(
+            step=self.step_count,
+            version=self.version,
+            updated=False,
+            groups=groups,
+            skipped_groups=skipped_groups,
+            samples=len(samples),
+        )
         if samples:
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
             stats.reward_mean = float(rewards.mean())
@@ -283,11 +300,18 @@ class Learner:
                 ref = None
                 if self.reference is not None:
                     with torch.no_grad():
-                        ref = completion_logprobs(self.reference, b.input_ids, b.attention_mask, b.completion_mask)
+                        ref = completion_logprobs(
+                            self.reference, b.input_ids, b.attention_mask, b.completion_mask
+                        )
             parts = grpo_token_loss(
-                logprobs.float(), b.behaviour_logprobs, b.advantages, b.completion_mask,
-                clip_eps=self.config.clip_eps, normalizer=float(max(normalizer, 1)),
-                ref_logprobs=None if ref is None else ref.float(), kl_coef=self.config.kl_coef,
+                logprobs.float(),
+                b.behaviour_logprobs,
+                b.advantages,
+                b.completion_mask,
+                clip_eps=self.config.clip_eps,
+                normalizer=float(max(normalizer, 1)),
+                ref_logprobs=None if ref is None else ref.float(),
+                kl_coef=self.config.kl_coef,
             )
             parts.loss.backward()
             acc.pg += parts.pg_sum
@@ -303,8 +327,16 @@ class Learner:
         if self.max_len is None or len(s.ids) <= self.max_len:
             return s
         k = self.max_len
-        return Sample(s.ids[:k], s.mask[:k], s.behaviour_logprobs[:k], s.advantage, s.reward,
-                      s.behaviour_version, s.episode_id, s.group_id)
+        return Sample(
+            s.ids[:k],
+            s.mask[:k],
+            s.behaviour_logprobs[:k],
+            s.advantage,
+            s.reward,
+            s.behaviour_version,
+            s.episode_id,
+            s.group_id,
+        )
 
     @torch.no_grad()
     def logprobs(self, trajectory: Trajectory) -> list[float]:
@@ -387,7 +419,9 @@ class Learner:
 
         v = self.version if version is None else version
         meta = {"step": self.step_count, "version": v, "format": "temper-policy-v1"}
-        weights, optim = await asyncio.to_thread(lambda: (self.weights_bytes(meta), self.optimizer_bytes(version=v)))
+        weights, optim = await asyncio.to_thread(
+            lambda: (self.weights_bytes(meta), self.optimizer_bytes(version=v))
+        )
         okey = optimizer_key(key)
         # optimizer first: the weights file is what readers look for, so it lands last
         await store.put(okey, optim)

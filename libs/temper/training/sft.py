@@ -30,7 +30,9 @@ class WarmStartStats:
     tokens: int
 
 
-def encode_pair(tok: ByteTokenizer, messages: Sequence[dict[str, str]], completion: str) -> tuple[list[int], int]:
+def encode_pair(
+    tok: ByteTokenizer, messages: Sequence[dict[str, str]], completion: str
+) -> tuple[list[int], int]:
     """The ids of prompt + completion + ``<|end|>``, and where the completion starts."""
     prompt = encode_chat(tok, messages)
     return prompt + tok.encode(completion) + [tok.end_id], len(prompt)

@@ -20,8 +20,12 @@ router = APIRouter(tags=["episodes"], dependencies=[Depends(bearer_scheme)])
 EPISODE_NOT_FOUND = {404: {"model": schemas.Problem, "description": "no such episode for this tenant"}}
 
 
-@router.get("/v1/jobs/{job_id}/episodes", summary="List a job's episodes", response_model=schemas.EpisodePage,
-            responses={404: {"model": schemas.Problem, "description": "no such job for this tenant"}, **AUTH})
+@router.get(
+    "/v1/jobs/{job_id}/episodes",
+    summary="List a job's episodes",
+    response_model=schemas.EpisodePage,
+    responses={404: {"model": schemas.Problem, "description": "no such job for this tenant"}, **AUTH},
+)
 async def list_episodes(
     session: SessionDep,
     job: JobDep,
@@ -36,8 +40,16 @@ async def list_episodes(
 ) -> schemas.EpisodePage:
     try:
         page = await repo.list_episodes(
-            session, job=job, state=state.value if state else None, task=task, iteration=iteration,
-            min_reward=min_reward, max_reward=max_reward, limit=limit, cursor=cursor, offset=offset,
+            session,
+            job=job,
+            state=state.value if state else None,
+            task=task,
+            iteration=iteration,
+            min_reward=min_reward,
+            max_reward=max_reward,
+            limit=limit,
+            cursor=cursor,
+            offset=offset,
         )
     except repo.BadCursor as exc:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
@@ -56,8 +68,12 @@ async def episode_or_404(session: SessionDep, tenant: CurrentTenant, episode_id:
 EpisodeDep = Annotated[Episode, Depends(episode_or_404)]
 
 
-@router.get("/v1/episodes/{episode_id}", summary="Get an episode", response_model=schemas.Episode,
-            responses={**EPISODE_NOT_FOUND, **AUTH})
+@router.get(
+    "/v1/episodes/{episode_id}",
+    summary="Get an episode",
+    response_model=schemas.Episode,
+    responses={**EPISODE_NOT_FOUND, **AUTH},
+)
 async def get_episode(episode: EpisodeDep) -> schemas.Episode:
     return repo.episode_out(episode)
 
@@ -91,7 +107,9 @@ async def get_trajectory(store: StoreDep, episode: EpisodeDep) -> Response:
     try:
         data = await store.get(episode.trajectory_key)
     except NotFound:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"trajectory of episode {episode.id} is missing") from None
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"trajectory of episode {episode.id} is missing"
+        ) from None
     return Response(data, media_type="application/json")
 
 

@@ -102,8 +102,11 @@ def job_detail(job: Job) -> schemas.Job:
     "in state `pending` and the scheduler picks it up.",
     status_code=status.HTTP_201_CREATED,
     response_model=schemas.Job,
-    responses={422: {"model": schemas.SpecProblem, "description": "the spec is invalid; each bad field is named"},
-               415: {"model": schemas.Problem}, **AUTH},
+    responses={
+        422: {"model": schemas.SpecProblem, "description": "the spec is invalid; each bad field is named"},
+        415: {"model": schemas.Problem},
+        **AUTH,
+    },
     openapi_extra=SPEC_BODY,
 )
 async def submit_job(request: Request, session: SessionDep, tenant: CurrentTenant) -> Any:
@@ -121,15 +124,22 @@ async def list_jobs(
     session: SessionDep,
     tenant: CurrentTenant,
     state: Annotated[JobState | None, Query(description="only jobs in this state")] = None,
-    name: Annotated[str | None, Query(description="only jobs whose name contains this (case-insensitive)")] = None,
+    name: Annotated[
+        str | None, Query(description="only jobs whose name contains this (case-insensitive)")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
     offset: Annotated[int, Query(ge=0, description="skip this many (ignored with cursor)")] = 0,
 ) -> schemas.JobPage:
     try:
         page = await repo.list_jobs(
-            session, tenant_id=tenant.id, state=state.value if state else None, name=name,
-            limit=limit, cursor=cursor, offset=offset,
+            session,
+            tenant_id=tenant.id,
+            state=state.value if state else None,
+            name=name,
+            limit=limit,
+            cursor=cursor,
+            offset=offset,
         )
     except repo.BadCursor as exc:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
@@ -157,22 +167,34 @@ async def _command(session: SessionDep, job: Job, command: str) -> schemas.Job:
 CONFLICT = {409: {"model": schemas.Problem, "description": "the job's state does not allow this"}}
 
 
-@router.post("/{job_id}/pause", summary="Pause a running job", response_model=schemas.Job,
-             description="No new episodes start; episodes in flight finish.",
-             responses={**NOT_FOUND, **CONFLICT, **AUTH})
+@router.post(
+    "/{job_id}/pause",
+    summary="Pause a running job",
+    response_model=schemas.Job,
+    description="No new episodes start; episodes in flight finish.",
+    responses={**NOT_FOUND, **CONFLICT, **AUTH},
+)
 async def pause_job(session: SessionDep, job: JobDep) -> schemas.Job:
     return await _command(session, job, "pause")
 
 
-@router.post("/{job_id}/resume", summary="Resume a paused job", response_model=schemas.Job,
-             responses={**NOT_FOUND, **CONFLICT, **AUTH})
+@router.post(
+    "/{job_id}/resume",
+    summary="Resume a paused job",
+    response_model=schemas.Job,
+    responses={**NOT_FOUND, **CONFLICT, **AUTH},
+)
 async def resume_job(session: SessionDep, job: JobDep) -> schemas.Job:
     return await _command(session, job, "resume")
 
 
-@router.post("/{job_id}/cancel", summary="Cancel a job", response_model=schemas.Job,
-             description="The job and its unfinished episodes become `cancelled`.",
-             responses={**NOT_FOUND, **CONFLICT, **AUTH})
+@router.post(
+    "/{job_id}/cancel",
+    summary="Cancel a job",
+    response_model=schemas.Job,
+    description="The job and its unfinished episodes become `cancelled`.",
+    responses={**NOT_FOUND, **CONFLICT, **AUTH},
+)
 async def cancel_job(session: SessionDep, job: JobDep) -> schemas.Job:
     return await _command(session, job, "cancel")
 
@@ -188,6 +210,8 @@ async def cancel_job(session: SessionDep, job: JobDep) -> schemas.Job:
 async def job_metrics(
     session: SessionDep,
     job: JobDep,
-    pass_threshold: Annotated[float, Query(description="an episode passes when its reward is at least this")] = 1.0,
+    pass_threshold: Annotated[
+        float, Query(description="an episode passes when its reward is at least this")
+    ] = 1.0,
 ) -> schemas.JobMetrics:
     return await repo.job_metrics(session, job=job, pass_threshold=pass_threshold)

@@ -57,15 +57,26 @@ class Page:
 
 
 async def _page(
-    session: AsyncSession, query: Select[Any], model: Any, *, limit: int, cursor: str | None, offset: int, newest_first: bool
+    session: AsyncSession,
+    query: Select[Any],
+    model: Any,
+    *,
+    limit: int,
+    cursor: str | None,
+    offset: int,
+    newest_first: bool,
 ) -> Page:
     total = (await session.execute(select(func.count()).select_from(query.subquery()))).scalar_one()
     if cursor:
         created, row_id = decode_cursor(cursor)
         if newest_first:
-            query = query.where(or_(model.created_at < created, and_(model.created_at == created, model.id < row_id)))
+            query = query.where(
+                or_(model.created_at < created, and_(model.created_at == created, model.id < row_id))
+            )
         else:
-            query = query.where(or_(model.created_at > created, and_(model.created_at == created, model.id > row_id)))
+            query = query.where(
+                or_(model.created_at > created, and_(model.created_at == created, model.id > row_id))
+            )
     order = (model.created_at.desc(), model.id.desc()) if newest_first else (model.created_at, model.id)
     query = query.order_by(*order).limit(limit + 1)
     if offset and not cursor:
@@ -260,16 +271,21 @@ async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float 
         for t, n, p, m in task_rows
     ]
 
-    by_state = {s: int(n) for s, n in await session.execute(
-        select(Episode.state, func.count()).where(of_job).group_by(Episode.state)
-    )}
+    by_state = {
+        s: int(n)
+        for s, n in await session.execute(
+            select(Episode.state, func.count()).where(of_job).group_by(Episode.state)
+        )
+    }
     finished = sum(n for s, n in by_state.items() if s in FINISHED)
 
     now = utcnow()
     first_created, last_done = (
         await session.execute(
-            select(func.min(Episode.created_at), func.max(case((Episode.state.in_(FINISHED), Episode.updated_at))))
-            .where(of_job)
+            select(
+                func.min(Episode.created_at),
+                func.max(case((Episode.state.in_(FINISHED), Episode.updated_at))),
+            ).where(of_job)
         )
     ).one()
     recent = (
@@ -295,8 +311,12 @@ async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float 
         await session.execute(
             select(func.avg(lag), func.max(lag))
             .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
-            .where(of_job, Episode.state == EpisodeState.scored.value, Episode.behaviour_version.is_not(None),
-                   TrainedTrajectory.skipped.is_(None))
+            .where(
+                of_job,
+                Episode.state == EpisodeState.scored.value,
+                Episode.behaviour_version.is_not(None),
+                TrainedTrajectory.skipped.is_(None),
+            )
         )
     ).one()
     in_flight = (

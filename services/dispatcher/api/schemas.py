@@ -49,7 +49,9 @@ class Job(JobSummary):
 
 class JobPage(BaseModel):
     items: list[JobSummary]
-    next_cursor: str | None = Field(None, description="pass as ?cursor= to get the next page; null on the last")
+    next_cursor: str | None = Field(
+        None, description="pass as ?cursor= to get the next page; null on the last"
+    )
     total: int = Field(description="jobs matching the filters")
 
 
@@ -105,8 +107,9 @@ class Transcript(BaseModel):
     policy_versions: list[int] = Field([], description="policy versions that produced the model's tokens")
     timings: dict[str, Any] = {}
     log_key: str | None = Field(
-        None, description="object key of the episode's log (JSON lines, one per step), once it is scored; "
-        "GET /v1/episodes/{id}/log returns it"
+        None,
+        description="object key of the episode's log (JSON lines, one per step), once it is scored; "
+        "GET /v1/episodes/{id}/log returns it",
     )
 
 
@@ -140,7 +143,8 @@ class Staleness(BaseModel):
     current_version: int = Field(description="the job's latest policy version")
     max_staleness: int = Field(description="the bound from the spec")
     mean: float | None = Field(
-        None, description="mean (current version - behaviour version) of scored episodes the trainer has yet to use"
+        None,
+        description="mean (current version - behaviour version) of scored episodes the trainer has yet to use",
     )
     max: int | None = Field(None, description="the largest of those")
     in_flight_max: int | None = Field(None, description="largest staleness among unfinished episodes")
@@ -207,7 +211,9 @@ class NewTenant(BaseModel):
 class CreateTenant(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=200)
-    id: str | None = Field(None, pattern=r"^[a-z0-9][a-z0-9-]{0,63}$", description="defaults to a slug of name")
+    id: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9-]{0,63}$", description="defaults to a slug of name"
+    )
     max_concurrent_episodes: int = Field(64, ge=1)
     admin: bool = Field(False, description="whether its first key is an admin key")
 

@@ -17,53 +17,88 @@ AUTH = {401: {"model": schemas.Problem, "description": "missing or invalid API k
 ADMIN = {**AUTH, 403: {"model": schemas.Problem, "description": "needs an admin key"}}
 
 
-@router.get("/tenant", summary="The caller's tenant, quota and usage", response_model=schemas.TenantUsage,
-            responses=AUTH)
+@router.get(
+    "/tenant",
+    summary="The caller's tenant, quota and usage",
+    response_model=schemas.TenantUsage,
+    responses=AUTH,
+)
 async def my_tenant(session: SessionDep, caller: CurrentCaller) -> schemas.TenantUsage:
     t = caller.tenant
     return schemas.TenantUsage(
-        id=t.id, name=t.name, max_concurrent_episodes=t.max_concurrent_episodes, created_at=t.created_at,
-        active_episodes=await repo.active_episodes(session, tenant_id=t.id), admin=caller.admin,
+        id=t.id,
+        name=t.name,
+        max_concurrent_episodes=t.max_concurrent_episodes,
+        created_at=t.created_at,
+        active_episodes=await repo.active_episodes(session, tenant_id=t.id),
+        admin=caller.admin,
     )
 
 
-@router.get("/keys", summary="The tenant's API keys (prefixes only)", response_model=list[schemas.KeyOut],
-            responses=AUTH)
+@router.get(
+    "/keys",
+    summary="The tenant's API keys (prefixes only)",
+    response_model=list[schemas.KeyOut],
+    responses=AUTH,
+)
 async def list_keys(session: SessionDep, caller: CurrentCaller) -> list[ApiKey]:
-    rows = await session.execute(select(ApiKey).where(ApiKey.tenant_id == caller.tenant.id).order_by(ApiKey.id))
+    rows = await session.execute(
+        select(ApiKey).where(ApiKey.tenant_id == caller.tenant.id).order_by(ApiKey.id)
+    )
     return list(rows.scalars())
 
 
-@router.post("/keys", summary="Create an API key for the caller's tenant", status_code=201,
-             description="The key is in this response only; it is stored as a sha256 hash.",
-             response_model=schemas.NewKey, responses=AUTH)
+@router.post(
+    "/keys",
+    summary="Create an API key for the caller's tenant",
+    status_code=201,
+    description="The key is in this response only; it is stored as a sha256 hash.",
+    response_model=schemas.NewKey,
+    responses=AUTH,
+)
 async def create_key(body: schemas.CreateKey, session: SessionDep, caller: CurrentCaller) -> schemas.NewKey:
     issued = await issue_key(session, tenant_id=caller.tenant.id, name=body.name)
     await session.commit()
-    return schemas.NewKey(id=issued.id, tenant_id=issued.tenant_id, prefix=issued.prefix, admin=issued.admin,
-                          key=issued.key)
+    return schemas.NewKey(
+        id=issued.id, tenant_id=issued.tenant_id, prefix=issued.prefix, admin=issued.admin, key=issued.key
+    )
 
 
-@router.delete("/keys/{key_id}", summary="Revoke an API key", status_code=204,
-               responses={404: {"model": schemas.Problem}, **AUTH})
+@router.delete(
+    "/keys/{key_id}",
+    summary="Revoke an API key",
+    status_code=204,
+    responses={404: {"model": schemas.Problem}, **AUTH},
+)
 async def delete_key(key_id: int, session: SessionDep, caller: CurrentCaller) -> None:
     if not await revoke_key(session, tenant_id=caller.tenant.id, key_id=key_id):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"key {key_id} not found")
     await session.commit()
 
 
-@router.get("/tenants", summary="List tenants (admin)", response_model=list[schemas.TenantOut], responses=ADMIN)
+@router.get(
+    "/tenants", summary="List tenants (admin)", response_model=list[schemas.TenantOut], responses=ADMIN
+)
 async def list_tenants(session: SessionDep, _admin: AdminCaller) -> list[Tenant]:
     return list((await session.execute(select(Tenant).order_by(Tenant.id))).scalars())
 
 
-@router.post("/tenants", summary="Create a tenant and its first key (admin)", status_code=201,
-             response_model=schemas.NewTenant,
-             responses={**ADMIN, 409: {"model": schemas.Problem, "description": "the tenant id is taken"}})
-async def new_tenant(body: schemas.CreateTenant, session: SessionDep, _admin: AdminCaller) -> schemas.NewTenant:
+@router.post(
+    "/tenants",
+    summary="Create a tenant and its first key (admin)",
+    status_code=201,
+    response_model=schemas.NewTenant,
+    responses={**ADMIN, 409: {"model": schemas.Problem, "description": "the tenant id is taken"}},
+)
+async def new_tenant(
+    body: schemas.CreateTenant, session: SessionDep, _admin: AdminCaller
+) -> schemas.NewTenant:
     try:
         tenant, issued = await create_tenant(
-            session, name=body.name, tenant_id=body.id, max_concurrent_episodes=body.max_concurrent_episodes,
+            session,
+            name=body.name,
+            tenant_id=body.id,
+            max_concurrent_episodes=body.max_concurrent_episodes,
             admin=body.admin,
         )
     except TenantExists as exc:
@@ -71,13 +106,18 @@ async def new_tenant(body: schemas.CreateTenant, session: SessionDep, _admin: Ad
     await session.commit()
     return schemas.NewTenant(
         tenant=schemas.TenantOut.model_validate(tenant),
-        key=schemas.NewKey(id=issued.id, tenant_id=tenant.id, prefix=issued.prefix, admin=issued.admin,
-                           key=issued.key),
+        key=schemas.NewKey(
+            id=issued.id, tenant_id=tenant.id, prefix=issued.prefix, admin=issued.admin, key=issued.key
+        ),
     )
 
 
-@router.patch("/tenants/{tenant_id}", summary="Rename a tenant or set its episode quota (admin)",
-              response_model=schemas.TenantOut, responses={**ADMIN, 404: {"model": schemas.Problem}})
+@router.patch(
+    "/tenants/{tenant_id}",
+    summary="Rename a tenant or set its episode quota (admin)",
+    response_model=schemas.TenantOut,
+    responses={**ADMIN, 404: {"model": schemas.Problem}},
+)
 async def update_tenant(
     tenant_id: str, body: schemas.UpdateTenant, session: SessionDep, _admin: AdminCaller
 ) -> Tenant:

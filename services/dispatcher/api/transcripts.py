@@ -98,7 +98,9 @@ def from_trajectory(episode: Episode, traj: Trajectory) -> schemas.Transcript:
             t.action_text = record.action_text
     if traj.turns and turns and final_observation and final_observation == turns[-1].observation:
         final_observation = ""
-    versions = sorted({s.policy_version for s in traj.segments if s.role == "model" and s.policy_version is not None})
+    versions = sorted(
+        {s.policy_version for s in traj.segments if s.role == "model" and s.policy_version is not None}
+    )
     return schemas.Transcript(
         episode=episode_out(episode),
         source="trajectory",
@@ -142,7 +144,11 @@ def _observation_text(result: dict[str, Any] | None) -> str:
 
 async def from_steps(session: AsyncSession, episode: Episode) -> schemas.Transcript:
     steps = list(
-        (await session.execute(select(Step).where(Step.episode_id == episode.id).order_by(Step.turn, Step.id))).scalars()
+        (
+            await session.execute(
+                select(Step).where(Step.episode_id == episode.id).order_by(Step.turn, Step.id)
+            )
+        ).scalars()
     )
     turns: dict[int, schemas.TranscriptTurn] = {}
     seen_ids: list[int] = []
@@ -157,7 +163,7 @@ async def from_steps(session: AsyncSession, episode: Episode) -> schemas.Transcr
         turn = turns.setdefault(step.turn, schemas.TranscriptTurn(turn=step.turn, prompt="", action_text=""))
         if step.kind == "inference":
             prompt_ids = list(step.request.get("prompt_ids") or [])
-            new_ids = prompt_ids[len(seen_ids):] if prompt_ids[: len(seen_ids)] == seen_ids else prompt_ids
+            new_ids = prompt_ids[len(seen_ids) :] if prompt_ids[: len(seen_ids)] == seen_ids else prompt_ids
             turn.prompt = step.request.get("prompt_text") or decode_tokens(new_ids)
             turn.prompt_tokens = len(new_ids)
             token_ids = list(_dig(step.result, "token_ids") or [])

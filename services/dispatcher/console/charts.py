@@ -67,7 +67,9 @@ def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, heig
             parts.append(
                 f'<text class="tick" x="{x:.1f}" y="{top + h + 18}" text-anchor="middle">{int(it)}</text>'
             )
-    parts.append(f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>')
+    parts.append(
+        f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>'
+    )
     band = [f"{sx(p.iteration):.1f},{sy(p.mean + p.std):.1f}" for p in curve]
     band += [f"{sx(p.iteration):.1f},{sy(p.mean - p.std):.1f}" for p in reversed(curve)]
     parts.append(f'<polygon class="band" points="{" ".join(band)}"/>')

@@ -71,15 +71,25 @@ async def login_form(request: Request, next: str | None = None) -> HTMLResponse:
 
 @router.post("/login")
 async def login(
-    request: Request, session: SessionDep, key: Annotated[str, Form()], next: Annotated[str, Form()] = PREFIX + "/"
+    request: Request,
+    session: SessionDep,
+    key: Annotated[str, Form()],
+    next: Annotated[str, Form()] = PREFIX + "/",
 ) -> Response:
     same_origin(request)
     caller = await authenticate(session, key.strip())
     if caller is None:
-        return page(request, "login.html", code=401, next=_safe_next(next), error="That API key is not valid.")
+        return page(
+            request, "login.html", code=401, next=_safe_next(next), error="That API key is not valid."
+        )
     response = RedirectResponse(_safe_next(next), status_code=status.HTTP_303_SEE_OTHER)
     response.set_cookie(
-        COOKIE, key.strip(), httponly=True, samesite="strict", path=PREFIX, secure=request.url.scheme == "https",
+        COOKIE,
+        key.strip(),
+        httponly=True,
+        samesite="strict",
+        path=PREFIX,
+        secure=request.url.scheme == "https",
         max_age=7 * 24 * 3600,
     )
     return response
@@ -103,13 +113,27 @@ async def jobs_page(
     cursor: str | None = None,
 ) -> HTMLResponse:
     try:
-        result = await repo.list_jobs(session, tenant_id=caller.tenant.id, state=state or None, name=name or None,
-                                      limit=50, cursor=cursor)
+        result = await repo.list_jobs(
+            session,
+            tenant_id=caller.tenant.id,
+            state=state or None,
+            name=name or None,
+            limit=50,
+            cursor=cursor,
+        )
     except repo.BadCursor:
         result = await repo.list_jobs(session, tenant_id=caller.tenant.id, limit=50)
     jobs = [repo.job_summary(j) for j in result.rows]
-    return page(request, "jobs.html", caller=caller, jobs=jobs, next_cursor=result.next_cursor,
-                total=result.total, state=state or "", name=name or "")
+    return page(
+        request,
+        "jobs.html",
+        caller=caller,
+        jobs=jobs,
+        next_cursor=result.next_cursor,
+        total=result.total,
+        state=state or "",
+        name=name or "",
+    )
 
 
 async def _job(session: SessionDep, caller: Caller, job_id: str) -> Any:
@@ -142,8 +166,15 @@ async def job_page(
     job = await _job(session, caller, job_id)
     episodes = await repo.list_episodes(session, job=job, state=state or None, task=task or None, limit=200)
     return page(
-        request, "job.html", caller=caller, spec=job.spec, episodes=episodes.rows, episodes_total=episodes.total,
-        state=state or "", task=task or "", **await _live_context(session, job),
+        request,
+        "job.html",
+        caller=caller,
+        spec=job.spec,
+        episodes=episodes.rows,
+        episodes_total=episodes.total,
+        state=state or "",
+        task=task or "",
+        **await _live_context(session, job),
     )
 
 
@@ -155,8 +186,9 @@ async def job_live(request: Request, session: SessionDep, caller: ConsoleCaller,
 
 
 @router.post("/jobs/{job_id}/{command}")
-async def job_command(request: Request, session: SessionDep, caller: ConsoleCaller, job_id: str,
-                      command: str) -> Response:
+async def job_command(
+    request: Request, session: SessionDep, caller: ConsoleCaller, job_id: str, command: str
+) -> Response:
     same_origin(request)
     if command not in repo.JOB_COMMANDS:
         raise HTTPException(status.HTTP_404_NOT_FOUND, "unknown command")
@@ -181,7 +213,9 @@ async def episode_page(
 
 
 @router.get("/episodes/{episode_id}/log")
-async def episode_log(session: SessionDep, store: StoreDep, caller: ConsoleCaller, episode_id: str) -> Response:
+async def episode_log(
+    session: SessionDep, store: StoreDep, caller: ConsoleCaller, episode_id: str
+) -> Response:
     """The episode's stored log (JSON lines), shown as text in the browser."""
     episode = await repo.get_episode(session, tenant_id=caller.tenant.id, episode_id=episode_id)
     data = await stored_log(store, episode) if episode is not None else None
@@ -196,4 +230,6 @@ def mount(app: FastAPI) -> None:
 
     @app.exception_handler(LoginRequired)
     async def _to_login(request: Request, exc: LoginRequired) -> Response:
-        return RedirectResponse(f"{PREFIX}/login?next={quote(exc.next_path)}", status_code=status.HTTP_303_SEE_OTHER)
+        return RedirectResponse(
+            f"{PREFIX}/login?next={quote(exc.next_path)}", status_code=status.HTTP_303_SEE_OTHER
+        )

@@ -57,7 +57,11 @@ E = EpisodeState
 WAITING = ("leased", "expired")
 ACTIVE = (E.pending, E.awaiting_action, E.acting, E.scoring)
 STEP_FOR_STATE = {E.awaiting_action: "inference", E.acting: "sandbox", E.scoring: "reward"}
-TOPIC_FOR_KIND = {"inference": Topics.INFERENCE_REQUESTS, "sandbox": Topics.SANDBOX_REQUESTS, "reward": Topics.REWARD_REQUESTS}
+TOPIC_FOR_KIND = {
+    "inference": Topics.INFERENCE_REQUESTS,
+    "sandbox": Topics.SANDBOX_REQUESTS,
+    "reward": Topics.REWARD_REQUESTS,
+}
 REQUEST_TYPES: dict[str, type[Message]] = {
     "inference": InferenceRequest,
     "sandbox": SandboxRequest,
@@ -180,7 +184,9 @@ class EpisodeEngine:
             lease = self.settings.reward_lease_s
         return now() + timedelta(seconds=lease + extra_s)
 
-    def _issue(self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0) -> Step:
+    def _issue(
+        self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0
+    ) -> Step:
         """Write a new step (attempt 0) and its command; the episode waits on it."""
         lease = self._lease(kind, extra_s)
         step = Step(
@@ -221,7 +227,9 @@ class EpisodeEngine:
         return ep, step
 
     @staticmethod
-    def _is_current(ep: Episode | None, step: Step | None, message: Message, state: EpisodeState) -> str | None:
+    def _is_current(
+        ep: Episode | None, step: Step | None, message: Message, state: EpisodeState
+    ) -> str | None:
         """None if ``message`` is the result the episode waits for, else why not."""
         if ep is None:
             return "unknown episode"
@@ -244,12 +252,19 @@ class EpisodeEngine:
             step.lease_expires_at = self._lease(step.kind)
             ep.attempt = step.attempt
             ep.lease_expires_at = step.lease_expires_at
-            payload = {**step.request, "id": str(uuid.uuid4()), "occurred_at": now().isoformat(), "attempt": step.attempt}
+            payload = {
+                **step.request,
+                "id": str(uuid.uuid4()),
+                "occurred_at": now().isoformat(),
+                "attempt": step.attempt,
+            }
             if step.kind == "sandbox":
                 payload["snapshot_key"] = ep.snapshot_key
             message = REQUEST_TYPES[step.kind].model_validate(payload)
             enqueue(session, TOPIC_FOR_KIND[step.kind], message)
-            log_event(log, "step retried", logging.WARNING, kind=step.kind, attempt=step.attempt, reason=reason)
+            log_event(
+                log, "step retried", logging.WARNING, kind=step.kind, attempt=step.attempt, reason=reason
+            )
             return True
         step.state = "failed"
         step.completed_at = now()
@@ -295,7 +310,9 @@ class EpisodeEngine:
         transition_episode(session, ep, E.awaiting_action)
         return ep
 
-    def _inference_request(self, ep: Episode, spec: JobSpec, prompt_ids: list[int], *, turn: int) -> InferenceRequest:
+    def _inference_request(
+        self, ep: Episode, spec: JobSpec, prompt_ids: list[int], *, turn: int
+    ) -> InferenceRequest:
         s = spec.policy.sampling
         return InferenceRequest(
             job_id=ep.job_id,
@@ -316,7 +333,9 @@ class EpisodeEngine:
     async def on_inference(self, msg: InferenceResult) -> None:
         async with self.tx() as session:
             mismatch = len(msg.logprobs) != len(msg.token_ids)
-            error = msg.error or (f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens" if mismatch else None)
+            error = msg.error or (
+                f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens" if mismatch else None
+            )
             awaited = await self._awaited(session, msg, "inference", E.awaiting_action, error)
             if awaited is None:
                 return
@@ -393,27 +412,50 @@ class EpisodeEngine:
             if msg.snapshot_key:
                 ep.snapshot_key = msg.snapshot_key
             if action.submit_after or env.is_last_turn(step.turn):
-                self._issue_reward(session, ep, spec, env, action, final_text=inference.result.get("text", ""))
+                self._issue_reward(
+                    session, ep, spec, env, action, final_text=inference.result.get("text", "")
+                )
                 return
             self._next_turn(session, ep, spec, env, inference, observation)
 
     def _next_turn(
-        self, session: AsyncSession, ep: Episode, spec: JobSpec, env: Environment, inference: Step, observation: str
+        self,
+        session: AsyncSession,
+        ep: Episode,
+        spec: JobSpec,
+        env: Environment,
+        inference: Step,
+        observation: str,
     ) -> None:
         """Extend the conversation token-wise with ``observation`` and ask for the next action."""
         sampled = inference.result["token_ids"] if inference.result else []
-        prompt = [*inference.request["prompt_ids"], *sampled, *env.observation_ids(self.tok, sampled, observation)]
+        prompt = [
+            *inference.request["prompt_ids"],
+            *sampled,
+            *env.observation_ids(self.tok, sampled, observation),
+        ]
         if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
             # Out of context: score what there is.
             action = ParsedAction.from_dict((inference.result or {}).get("action", {"kind": "invalid"}))
             ep.timings = {**ep.timings, "context_full": True}
-            self._issue_reward(session, ep, spec, env, action, final_text=(inference.result or {}).get("text", ""))
+            self._issue_reward(
+                session, ep, spec, env, action, final_text=(inference.result or {}).get("text", "")
+            )
             return
-        self._issue(session, ep, "inference", self._inference_request(ep, spec, prompt, turn=inference.turn + 1))
+        self._issue(
+            session, ep, "inference", self._inference_request(ep, spec, prompt, turn=inference.turn + 1)
+        )
         transition_episode(session, ep, E.awaiting_action)
 
     def _issue_reward(
-        self, session: AsyncSession, ep: Episode, spec: JobSpec, env: Environment, action: ParsedAction, *, final_text: str
+        self,
+        session: AsyncSession,
+        ep: Episode,
+        spec: JobSpec,
+        env: Environment,
+        action: ParsedAction,
+        *,
+        final_text: str,
     ) -> None:
         format_ok = not ep.format_errors  # over every turn, this one included
         request = RewardRequest(
@@ -445,7 +487,11 @@ class EpisodeEngine:
                 return
             ep, step = awaited
             steps = list(
-                (await session.execute(select(Step).where(Step.episode_id == ep.id).order_by(Step.turn, Step.id))).scalars()
+                (
+                    await session.execute(
+                        select(Step).where(Step.episode_id == ep.id).order_by(Step.turn, Step.id)
+                    )
+                ).scalars()
             )
             trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=now())
             key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")

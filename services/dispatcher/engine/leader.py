@@ -25,7 +25,9 @@ _LOCAL: dict[str, set[str]] = {}
 
 def lock_key(job_id: str) -> int:
     """A stable signed 64-bit key for ``pg_try_advisory_lock``."""
-    return int.from_bytes(hashlib.blake2b(f"temper-job:{job_id}".encode(), digest_size=8).digest(), "big", signed=True)
+    return int.from_bytes(
+        hashlib.blake2b(f"temper-job:{job_id}".encode(), digest_size=8).digest(), "big", signed=True
+    )
 
 
 class Leadership:
@@ -40,7 +42,9 @@ class Leadership:
                 await self._conn.execute(text("SELECT 1"))
                 return self._conn
             except Exception as exc:  # noqa: BLE001 - any failure means the locks are gone
-                log_event(log, "leadership connection lost", logging.WARNING, error=repr(exc), jobs=len(self.held))
+                log_event(
+                    log, "leadership connection lost", logging.WARNING, error=repr(exc), jobs=len(self.held)
+                )
                 self.held.clear()
                 await self._drop()
         conn = await self.db.engine.connect()

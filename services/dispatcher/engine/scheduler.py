@@ -50,7 +50,12 @@ def versions_per_iteration(spec: JobSpec) -> float:
 
 class Scheduler:
     def __init__(
-        self, engine: EpisodeEngine, leadership: Leadership, *, trainer_attached: bool, wait_for_training: bool
+        self,
+        engine: EpisodeEngine,
+        leadership: Leadership,
+        *,
+        trainer_attached: bool,
+        wait_for_training: bool,
     ) -> None:
         self.engine = engine
         self.leadership = leadership
@@ -111,7 +116,9 @@ class Scheduler:
                 and await self._fresh_enough(s, job, spec, job.iteration + 1)
             ):
                 job.iteration += 1
-                log_event(log, "iteration started", iteration=job.iteration, policy_version=job.policy_version)
+                log_event(
+                    log, "iteration started", iteration=job.iteration, policy_version=job.policy_version
+                )
             metrics.JOB_ITERATION.labels(job.id).set(job.iteration)
 
             total, done = sum(started.values()), sum(finished.values())
@@ -127,13 +134,16 @@ class Scheduler:
             if need <= 0:
                 return
             tenant_active = await s.scalar(
-                select(func.count()).select_from(Episode).where(
-                    Episode.tenant_id == job.tenant_id, Episode.state.in_([x.value for x in ACTIVE])
-                )
+                select(func.count())
+                .select_from(Episode)
+                .where(Episode.tenant_id == job.tenant_id, Episode.state.in_([x.value for x in ACTIVE]))
             )
             quota = await s.scalar(select(Tenant.max_concurrent_episodes).where(Tenant.id == job.tenant_id))
             cap = min(spec.schedule.max_concurrent_episodes, quota or DEFAULT_TENANT_QUOTA)
-            room = min(spec.schedule.max_concurrent_episodes - active, (quota or DEFAULT_TENANT_QUOTA) - (tenant_active or 0))
+            room = min(
+                spec.schedule.max_concurrent_episodes - active,
+                (quota or DEFAULT_TENANT_QUOTA) - (tenant_active or 0),
+            )
             group_size = spec.tasks.group_size
             candidates: list[tuple[str, int, int]] | None = None
             used: set[str] = set()
@@ -157,7 +167,9 @@ class Scheduler:
                         ).scalars()
                     )
                 if not candidates:
-                    transition_job(s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample")
+                    transition_job(
+                        s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
+                    )
                     return
                 rng = random.Random(f"{spec.tasks.seed}:{job.id}:{job.iteration}:{started[job.iteration]}")
                 pool = [c for c in candidates if c[0] not in used] or candidates
@@ -168,12 +180,21 @@ class Scheduler:
                 group_id = new_id()
                 size = min(group_size, need)
                 for _ in range(size):
-                    engine.start_episode(s, job=job, spec=spec, task=task, group_id=group_id, iteration=job.iteration)
+                    engine.start_episode(
+                        s, job=job, spec=spec, task=task, group_id=group_id, iteration=job.iteration
+                    )
                 started[job.iteration] += size
                 need -= size
                 room -= size
                 active += size
-                log_event(log, "group started", group_id=group_id, task_id=task_id, size=size, iteration=job.iteration)
+                log_event(
+                    log,
+                    "group started",
+                    group_id=group_id,
+                    task_id=task_id,
+                    size=size,
+                    iteration=job.iteration,
+                )
             metrics.EPISODES_ACTIVE.labels(job.id).set(active)
 
     async def _start_job(self, s: AsyncSession, job: Job) -> bool:
@@ -185,9 +206,9 @@ class Scheduler:
             transition_job(s, job, J.failed, reason=f"invalid spec: {where}: {first['msg']}")
             return False
         sampleable = await s.scalar(
-            select(func.count()).select_from(Task).where(
-                Task.task_set_id == spec.tasks.taskset, Task.status != "invalid"
-            )
+            select(func.count())
+            .select_from(Task)
+            .where(Task.task_set_id == spec.tasks.taskset, Task.status != "invalid")
         )
         if not sampleable:
             transition_job(s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample")
@@ -234,11 +255,15 @@ class Scheduler:
             select(func.count())
             .select_from(Episode)
             .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
-            .where(Episode.job_id == job.id, Episode.state == E.scored, TrainedTrajectory.episode_id.is_(None))
+            .where(
+                Episode.job_id == job.id, Episode.state == E.scored, TrainedTrajectory.episode_id.is_(None)
+            )
         )
         if unseen:
             return False
-        return await self._untrained_groups(s, job.id, spec.schedule.iterations) < spec.algorithm.groups_per_step
+        return (
+            await self._untrained_groups(s, job.id, spec.schedule.iterations) < spec.algorithm.groups_per_step
+        )
 
     async def mark_trained(self, s: AsyncSession, job_id: str, limit: int = 1000) -> int:
         rows = list(
@@ -246,7 +271,11 @@ class Scheduler:
                 await s.execute(
                     select(Episode)
                     .join(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
-                    .where(Episode.job_id == job_id, Episode.state == E.scored, TrainedTrajectory.step.is_not(None))
+                    .where(
+                        Episode.job_id == job_id,
+                        Episode.state == E.scored,
+                        TrainedTrajectory.step.is_not(None),
+                    )
                     .limit(limit)
                 )
             ).scalars()

@@ -43,7 +43,9 @@ def build_trajectory(
     ep: Episode, steps: Sequence[Step], reward: RewardResult, tok: ByteTokenizer, *, finished_at: datetime
 ) -> Trajectory:
     by_kind: dict[tuple[int, str], Step] = {(s.turn, s.kind): s for s in steps}
-    inference = sorted((s for s in steps if s.kind == "inference" and s.state == "done"), key=lambda s: s.turn)
+    inference = sorted(
+        (s for s in steps if s.kind == "inference" and s.state == "done"), key=lambda s: s.turn
+    )
     segments: list[Segment] = []
     turns: list[TurnRecord] = []
     covered = 0  # ids of the conversation already cut into segments
@@ -68,7 +70,9 @@ def build_trajectory(
         covered = len(prompt) + len(sampled)
         sandbox = by_kind.get((st.turn, "sandbox"))
         exec_result = ((sandbox.result or {}).get("exec") or {}) if sandbox else {}
-        observation = (sandbox.result or {}).get("observation", "") if sandbox else result.get("observation", "")
+        observation = (
+            (sandbox.result or {}).get("observation", "") if sandbox else result.get("observation", "")
+        )
         timing = {}
         for name, s in (("inference_s", st), ("sandbox_s", sandbox)):
             secs = _seconds(s)

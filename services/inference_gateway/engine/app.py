@@ -217,7 +217,9 @@ def create_app(
         path = Path(body.path) if body.path else None
         if path is None or not path.exists():
             if not body.key:
-                raise HTTPException(404 if path else 400, f"no checkpoint at {path}" if path else "give path or key")
+                raise HTTPException(
+                    404 if path else 400, f"no checkpoint at {path}" if path else "give path or key"
+                )
             if store is None:
                 raise HTTPException(400, "this engine has no object store to resolve keys")
             try:

@@ -13,7 +13,12 @@ from temper.envs import (
 )
 from temper.policy.tokenizer import default_tokenizer
 
-TASK = {"id": "t1", "kind": "code", "prompt": "Fix add().", "spec": {"files": {"add.py": "def add(a, b):\n    return a - b\n"}}}
+TASK = {
+    "id": "t1",
+    "kind": "code",
+    "prompt": "Fix add().",
+    "spec": {"files": {"add.py": "def add(a, b):\n    return a - b\n"}},
+}
 FENCE = "```"
 
 
@@ -46,8 +51,14 @@ def test_a_job_can_replace_or_drop_the_system_prompt():
     [
         (f"look\n{FENCE}bash\ncat add.py\n{FENCE}", {"kind": "run_command", "command": "cat add.py\n"}),
         (f"{FENCE}python\nprint(1)\n{FENCE}", {"kind": "run_python", "code": "print(1)\n"}),
-        (f"{FENCE}python add.py\nx = 1\n{FENCE}", {"kind": "write_file", "path": "add.py", "content": "x = 1\n"}),
-        (f"{FENCE}file:src/a.txt\nhi\n{FENCE}", {"kind": "write_file", "path": "src/a.txt", "content": "hi\n"}),
+        (
+            f"{FENCE}python add.py\nx = 1\n{FENCE}",
+            {"kind": "write_file", "path": "add.py", "content": "x = 1\n"},
+        ),
+        (
+            f"{FENCE}file:src/a.txt\nhi\n{FENCE}",
+            {"kind": "write_file", "path": "src/a.txt", "content": "hi\n"},
+        ),
     ],
 )
 def test_code_blocks_become_sandbox_actions(text, command):
@@ -67,7 +78,9 @@ def test_submit_alone_and_the_word_in_prose():
 
 def test_extra_blocks_are_noted_not_run():
     action = code().parse(f"{FENCE}bash\nls\n{FENCE}\n{FENCE}bash\npwd\n{FENCE}", turn=0)
-    assert action.command == {"kind": "run_command", "command": "ls\n"} and "first block" in (action.note or "")
+    assert action.command == {"kind": "run_command", "command": "ls\n"} and "first block" in (
+        action.note or ""
+    )
 
 
 @pytest.mark.parametrize(
@@ -92,7 +105,9 @@ def test_tool_calls():
     env = code(action_format=ActionFormat.tool_call)
     ok = env.parse('<tool>{"name": "bash", "arguments": {"command": "pytest -q"}}</tool>', turn=0)
     assert ok.command == {"kind": "run_command", "command": "pytest -q"}
-    w = env.parse('<tool>{"name": "write_file", "arguments": {"path": "a.py", "content": "x"}}</tool>', turn=0)
+    w = env.parse(
+        '<tool>{"name": "write_file", "arguments": {"path": "a.py", "content": "x"}}</tool>', turn=0
+    )
     assert w.command == {"kind": "write_file", "path": "a.py", "content": "x"}
     assert env.parse('<tool>{"name": "submit"}</tool>', turn=0).kind == "submit"
     for bad, why in [
@@ -134,12 +149,24 @@ def test_math_tool_use_and_submission():
 
 def test_observation_text_reports_exit_kill_and_cuts_floods():
     cmd = {"kind": "run_command", "command": "yes"}
-    flood = render_result(cmd, {"exit_code": None, "kill_reason": "output", "stdout": "y\n" * 50_000, "stdout_truncated": True, "wall_s": 0.5}, 1000)
+    flood = render_result(
+        cmd,
+        {
+            "exit_code": None,
+            "kill_reason": "output",
+            "stdout": "y\n" * 50_000,
+            "stdout_truncated": True,
+            "wall_s": 0.5,
+        },
+        1000,
+    )
     assert "killed (too much output)" in flood and "characters cut" in flood and len(flood) < 1500
     ok = render_result(cmd, {"exit_code": 1, "stderr": "Traceback\nAssertionError", "wall_s": 0.01}, 1000)
     assert "exit code 1" in ok and "AssertionError" in ok
     assert "(no output)" in render_result(cmd, {"exit_code": 0}, 1000)
-    assert render_result({"kind": "write_file", "path": "a", "content": "xy"}, {}, 100) == "Wrote a (2 bytes)."
+    assert (
+        render_result({"kind": "write_file", "path": "a", "content": "xy"}, {}, 100) == "Wrote a (2 bytes)."
+    )
 
 
 def test_observation_ids_extend_token_wise_and_keep_sampled_ids():

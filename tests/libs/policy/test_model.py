@@ -27,7 +27,11 @@ def test_same_seed_same_weights_other_seed_other_weights() -> None:
 def test_checkpoint_round_trip(tmp_path) -> None:
     model = create_model(seed=3)
     save_checkpoint(model, tmp_path / "ckpt", metadata={"version": 7})
-    assert {p.name for p in (tmp_path / "ckpt").iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    }
     loaded, tok = load_model(tmp_path / "ckpt")
     ids = torch.tensor([tok.encode("checkpoint")])
     assert torch.allclose(token_logprobs(model, ids), token_logprobs(loaded, ids))

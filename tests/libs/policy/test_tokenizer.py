@@ -24,7 +24,12 @@ def test_ids_match_the_tokenizers_library_and_survive_save_load(tmp_path) -> Non
     again = ByteTokenizer.load(tmp_path)
     assert again.encode(text) == tok.encode(text)
     assert again.vocab_size == tok.vocab_size == 256 + 8
-    assert (again.pad_id, again.bos_id, again.eos_id, again.end_id) == (tok.pad_id, tok.bos_id, tok.eos_id, tok.end_id)
+    assert (again.pad_id, again.bos_id, again.eos_id, again.end_id) == (
+        tok.pad_id,
+        tok.bos_id,
+        tok.eos_id,
+        tok.end_id,
+    )
     assert again.tok.decode(tok.encode(text)) == text  # the tokenizers decoder agrees
 
 
@@ -42,7 +47,9 @@ def test_chat_is_extended_token_wise() -> None:
     assert prompt[0] == tok.bos_id and prompt[-1] == tok.role_ids["assistant"]
     reply = [*tok.encode("4"), tok.end_id]
     turn2 = extend_chat(tok, prompt + reply, [{"role": "user", "content": "and 3+3?"}])
-    whole = encode_chat(tok, [*first, {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}])
+    whole = encode_chat(
+        tok, [*first, {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
+    )
     assert turn2 == whole
     assert turn2[: len(prompt) + len(reply)] == prompt + reply  # earlier ids untouched
     # a reply cut by max_tokens gets its turn closed with <|end|>

@@ -22,12 +22,26 @@ MATH = TaskSpec(id="m", kind="math", prompt="6*7?", answer="42")
 
 async def test_a_correct_solution_scores_full_marks_on_every_component(scoring_manager):
     scorer = Scorer(scoring_manager)
-    weights = {"tests_passed": 1.0, "compiles": 0.1, "coverage": 0.2, "efficiency": 0.1, "format": 0.1, "turn_penalty": -0.1}
-    reward, comps = await scorer.score(TASK, {"files": {"solution.py": TASK.solution}}, weights, turns_used=1, max_turns=4)
+    weights = {
+        "tests_passed": 1.0,
+        "compiles": 0.1,
+        "coverage": 0.2,
+        "efficiency": 0.1,
+        "format": 0.1,
+        "turn_penalty": -0.1,
+    }
+    reward, comps = await scorer.score(
+        TASK, {"files": {"solution.py": TASK.solution}}, weights, turns_used=1, max_turns=4
+    )
     assert comps["tests_passed"].value == 1.0 and comps["tests_passed"].details["total"] == 4
     assert comps["compiles"].value == 1.0
     cov = comps["coverage"]
-    assert cov.ok and cov.details["line"] == 1.0 and cov.details["branch"] == 1.0 and cov.details["branches"] == 2
+    assert (
+        cov.ok
+        and cov.details["line"] == 1.0
+        and cov.details["branch"] == 1.0
+        and cov.details["branches"] == 2
+    )
     assert comps["efficiency"].ok and 0.5 <= comps["efficiency"].value <= 1.0
     assert comps["turn_penalty"].value == 0.0
     assert reward == pytest.approx(1.0 + 0.1 + 0.2 + 0.1 * comps["efficiency"].value + 0.1)
@@ -36,7 +50,9 @@ async def test_a_correct_solution_scores_full_marks_on_every_component(scoring_m
 async def test_partial_solutions_get_the_fraction_of_tests_and_partial_branch_coverage(scoring_manager):
     scorer = Scorer(scoring_manager)
     code = "def absdiff(a, b):\n    if a > b:\n        return a - b\n    return 0\n"
-    reward, comps = await scorer.score(TASK, {"files": {"solution.py": code}}, {"tests_passed": 1.0, "coverage": 0.0, "efficiency": 0.0})
+    reward, comps = await scorer.score(
+        TASK, {"files": {"solution.py": code}}, {"tests_passed": 1.0, "coverage": 0.0, "efficiency": 0.0}
+    )
     tp = comps["tests_passed"]
     assert tp.value == 0.5 and tp.details["passed"] == 2
     failed = [t for t in tp.details["tests"] if not t["passed"]]
@@ -52,10 +68,14 @@ async def test_code_that_does_not_compile_loops_or_raises(scoring_manager):
     _, comps = await scorer.score(TASK, {"files": {"solution.py": "def absdiff(a, b) return 1\n"}})
     assert comps["compiles"].value == 0.0 and "SyntaxError" in comps["compiles"].reason
     assert comps["tests_passed"].value == 0.0 and "does not compile" in comps["tests_passed"].reason
-    _, comps = await scorer.score(TASK, {"files": {"solution.py": "def absdiff(a, b):\n    raise ValueError('no')\n"}})
+    _, comps = await scorer.score(
+        TASK, {"files": {"solution.py": "def absdiff(a, b):\n    raise ValueError('no')\n"}}
+    )
     assert comps["tests_passed"].value == 0.0
     assert "ValueError: no" in comps["tests_passed"].details["tests"][0]["message"]
-    _, comps = await scorer.score(TASK, {"text": "```python\ndef absdiff(a, b):\n    while True:\n        pass\n```"})
+    _, comps = await scorer.score(
+        TASK, {"text": "```python\ndef absdiff(a, b):\n    while True:\n        pass\n```"}
+    )
     msgs = [t["message"] for t in comps["tests_passed"].details["tests"]]
     assert msgs[0].startswith("timeout") and msgs[-1].startswith("not run")
 
@@ -72,7 +92,9 @@ async def test_prints_cannot_forge_results_and_missing_code_is_explained(scoring
 async def test_math_format_turns_and_unmeasurable_components_give_reasons(scoring_manager):
     scorer = Scorer(scoring_manager)
     weights = {"answer_match": 1.0, "format": 0.5, "turn_penalty": -0.5, "coverage": 1.0, "nonsense": 1.0}
-    reward, comps = await scorer.score(MATH, {"text": "6*7 = 42, so \\boxed{42}"}, weights, turns_used=3, max_turns=3, format_ok=False)
+    reward, comps = await scorer.score(
+        MATH, {"text": "6*7 = 42, so \\boxed{42}"}, weights, turns_used=3, max_turns=3, format_ok=False
+    )
     assert comps["answer_match"].value == 1.0
     assert comps["format"].value == 0.0 and comps["format"].reason
     assert comps["turn_penalty"].value == 1.0

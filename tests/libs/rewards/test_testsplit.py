@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from temper.rewards.testsplit import split_tests
 
-CHECK = '''
+CHECK = """
 METADATA = {}
 
 def check(candidate):
@@ -13,7 +13,7 @@ def check(candidate):
     for x in range(3):
         assert candidate([x]) == x
     assert math.isclose(candidate([0.5]), 0.5), "half"
-'''
+"""
 
 
 def test_a_check_function_is_cut_into_one_test_per_assert_with_setup_carried_along():
@@ -28,7 +28,10 @@ def test_a_check_function_is_cut_into_one_test_per_assert_with_setup_carried_alo
 
 
 def test_test_functions_and_plain_asserts():
-    split = split_tests("def helper():\n    return 1\n\ndef test_a():\n    assert helper() == 1\n\ndef test_b():\n    pass\n", None)
+    split = split_tests(
+        "def helper():\n    return 1\n\ndef test_a():\n    assert helper() == 1\n\ndef test_b():\n    pass\n",
+        None,
+    )
     assert split.mode == "functions" and [c.name for c in split.chunks] == ["test_a", "test_b"]
     split = split_tests("from solution import f\nassert f(1) == 1\ny = 2\nassert f(y) == 2\n", None)
     assert split.mode == "asserts" and len(split.chunks) == 2

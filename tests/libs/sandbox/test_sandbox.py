@@ -228,6 +228,8 @@ async def test_a_bind_source_the_sandbox_uid_cannot_reach_is_refused_by_name(san
     closed = tmp_path / "closed"  # pytest's tmp_path is 0700: other users cannot enter it
     (closed / "pkg").mkdir(parents=True)
     manager = SandboxManager(make_settings(sandbox_root, ro_binds=[f"{closed / 'pkg'}:/opt/pkg"]))
-    with pytest.raises(SandboxError, match="is not searchable by other users; the sandbox uid cannot reach") as info:
+    with pytest.raises(
+        SandboxError, match="is not searchable by other users; the sandbox uid cannot reach"
+    ) as info:
         await manager.start()
     assert str(closed / "pkg") in str(info.value)

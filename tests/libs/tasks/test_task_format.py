@@ -14,7 +14,9 @@ def jsonl(*records: object) -> str:
 
 
 def test_a_valid_jsonl_file_parses_every_line():
-    tasks = parse_tasks(jsonl(GOOD, {**GOOD, "id": "t2"}, {"id": "m1", "kind": "math", "prompt": "1+1?", "answer": "2"}))
+    tasks = parse_tasks(
+        jsonl(GOOD, {**GOOD, "id": "t2"}, {"id": "m1", "kind": "math", "prompt": "1+1?", "answer": "2"})
+    )
     assert [t.id for t in tasks] == ["t1", "t2", "m1"]
     assert tasks[2].kind is TaskKind.math
 

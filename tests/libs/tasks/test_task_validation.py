@@ -57,7 +57,9 @@ async def test_validate_a_taskset_writes_statuses_progress_and_duplicates(databa
     async with database.session() as s:
         row = await service.create_taskset(s, None, "acme", "v", [GOOD, WEAK, DUP, *arithmetic_tasks(2)])
     seen: list[tuple[int, int]] = []
-    counts = await validate_taskset(database, TestRunner(scoring_manager), row.id, progress=lambda c, t: seen.append((c, t)))
+    counts = await validate_taskset(
+        database, TestRunner(scoring_manager), row.id, progress=lambda c, t: seen.append((c, t))
+    )
     assert counts == {"valid": 3, "invalid": 2}
     assert seen[0] == (0, 5) and seen[-1] == (5, 5)
     async with database.session() as s:

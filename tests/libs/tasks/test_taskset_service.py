@@ -70,7 +70,9 @@ async def test_rest_upload_list_and_status(database, tmp_path):
     app.state.runtime = Rt()
     app.include_router(make_router(lambda: "acme", enqueue=enqueue))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-        r = await client.post("/v1/tasksets?name=demo", content=SET, headers={"content-type": "application/x-ndjson"})
+        r = await client.post(
+            "/v1/tasksets?name=demo", content=SET, headers={"content-type": "application/x-ndjson"}
+        )
         assert r.status_code == 201, r.text
         ts = r.json()
         assert ts["task_count"] == 2 and ts["validation"] == {"queued": True, "celery_task_id": "celery-1"}
@@ -79,8 +81,11 @@ async def test_rest_upload_list_and_status(database, tmp_path):
         r = await client.post("/v1/tasksets", content=bad, headers={"content-type": "application/x-ndjson"})
         assert r.status_code == 422
         assert r.json()["errors"][0]["line"] == 3 and "hidden tests" in r.json()["errors"][0]["message"]
-        r = await client.post("/v1/tasksets", content="tasks:\n  - {id: y, kind: math, prompt: p, answer: '3'}\n",
-                              headers={"content-type": "application/yaml"})
+        r = await client.post(
+            "/v1/tasksets",
+            content="tasks:\n  - {id: y, kind: math, prompt: p, answer: '3'}\n",
+            headers={"content-type": "application/yaml"},
+        )
         assert r.status_code == 201
         r = await client.get("/v1/tasksets")
         assert [t["name"] for t in r.json()] == ["demo", "taskset"]
@@ -115,7 +120,11 @@ def test_cli_progress_bar_and_validation_wait():
     from temper.tasks.cli import parse_weights, progress_bar, wait_for_validation
 
     assert progress_bar(3, 6, width=6) == "[###...] 3/6"
-    assert parse_weights("tests_passed=1, coverage=0.2,format") == {"tests_passed": 1.0, "coverage": 0.2, "format": 1.0}
+    assert parse_weights("tests_passed=1, coverage=0.2,format") == {
+        "tests_passed": 1.0,
+        "coverage": 0.2,
+        "format": 1.0,
+    }
     views = iter([
         {"status": "validating", "progress": {"current": 1, "total": 2}, "counts": {"valid": 1, "pending": 1}},
         {"status": "validated", "progress": {"current": 2, "total": 2}, "counts": {"valid": 1, "invalid": 1}},

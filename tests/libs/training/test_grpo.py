@@ -57,8 +57,16 @@ def make_batch(policy, seed: int = 7) -> list[list[Trajectory]]:
                 Segment(role="observation", token_ids=obs),
                 Segment(role="model", token_ids=a2, logprobs=noisy[n2:], policy_version=0),
             ]
-            group.append(Trajectory(job_id="j", episode_id=f"e{g}{i}", task_id=f"t{g}", group_id=f"g{g}",
-                                    segments=segments, reward=r))
+            group.append(
+                Trajectory(
+                    job_id="j",
+                    episode_id=f"e{g}{i}",
+                    task_id=f"t{g}",
+                    group_id=f"g{g}",
+                    segments=segments,
+                    reward=r,
+                )
+            )
         groups.append(group)
     return groups
 
@@ -87,7 +95,13 @@ def reference(policy, ref_model, groups) -> dict[str, float]:
                 kl_total += kl
                 clipped += (a > 0 and ratio > 1 + CLIP) or (a < 0 and ratio < 1 - CLIP)
                 n += 1
-    return {"loss": total / n, "pg": pg_total / n, "kl": kl_total / n, "clip_fraction": clipped / n, "tokens": n}
+    return {
+        "loss": total / n,
+        "pg": pg_total / n,
+        "kl": kl_total / n,
+        "clip_fraction": clipped / n,
+        "tokens": n,
+    }
 
 
 def test_advantages_match_numpy():
@@ -104,9 +118,12 @@ def test_loss_matches_the_reference_on_a_fixed_batch(micro_batch_tokens):
     groups = make_batch(policy)
     want = reference(policy, ref_model, groups)
 
-    learner = Learner(policy, LearnerConfig(clip_eps=CLIP, kl_coef=BETA, adv_eps=EPS,
-                                            micro_batch_tokens=micro_batch_tokens),
-                      device="cpu", reference=ref_model)
+    learner = Learner(
+        policy,
+        LearnerConfig(clip_eps=CLIP, kl_coef=BETA, adv_eps=EPS, micro_batch_tokens=micro_batch_tokens),
+        device="cpu",
+        reference=ref_model,
+    )
     samples, skipped = samples_from_groups(groups, eps=EPS)
     assert skipped == 0
     acc = learner.backward(samples)
@@ -147,7 +164,9 @@ def test_gradient_matches_a_per_sequence_reference():
         for t in range(1, len(s.ids)):
             if s.mask[t]:
                 ratio = torch.exp(logp[t - 1, s.ids[t]] - s.behaviour_logprobs[t])
-                terms.append(-torch.minimum(ratio * s.advantage, ratio.clamp(1 - CLIP, 1 + CLIP) * s.advantage))
+                terms.append(
+                    -torch.minimum(ratio * s.advantage, ratio.clamp(1 - CLIP, 1 + CLIP) * s.advantage)
+                )
     (torch.stack(terms).sum() / n).backward()
     for name, p in plain.named_parameters():
         if p.grad is None:
@@ -162,8 +181,16 @@ def test_masked_tokens_get_no_gradient_and_do_not_matter():
     logprobs = (-torch.rand(b, t) * 3).requires_grad_()
     old = -torch.rand(b, t) * 3
     adv = torch.tensor([1.0, -0.5, 2.0])
-    parts = grpo_token_loss(logprobs, old, adv, mask, clip_eps=0.2, normalizer=float(mask.sum()),
-                            ref_logprobs=-torch.rand(b, t), kl_coef=0.1)
+    parts = grpo_token_loss(
+        logprobs,
+        old,
+        adv,
+        mask,
+        clip_eps=0.2,
+        normalizer=float(mask.sum()),
+        ref_logprobs=-torch.rand(b, t),
+        kl_coef=0.1,
+    )
     parts.loss.backward()
     assert torch.all(logprobs.grad[~mask] == 0)
     assert torch.any(logprobs.grad[mask] != 0)

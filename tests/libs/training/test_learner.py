@@ -17,11 +17,18 @@ PROMPT = encode_chat(TOK, [{"role": "user", "content": "Is it?"}])
 def answer(learner: Learner, text: str, reward: float, n: int) -> Trajectory:
     """A trajectory with the answer ``text``; behaviour logprobs from the learner's own policy."""
     ids = TOK.encode(text) + [TOK.end_id]
-    draft = Trajectory(job_id="j", episode_id=f"e{n}", task_id="t", group_id="g", reward=reward, segments=[
-        Segment(role="prompt", token_ids=PROMPT),
-        Segment(role="model", token_ids=ids, logprobs=[0.0] * len(ids), policy_version=learner.version),
-    ])
-    lp = learner.logprobs(draft)[len(PROMPT):]
+    draft = Trajectory(
+        job_id="j",
+        episode_id=f"e{n}",
+        task_id="t",
+        group_id="g",
+        reward=reward,
+        segments=[
+            Segment(role="prompt", token_ids=PROMPT),
+            Segment(role="model", token_ids=ids, logprobs=[0.0] * len(ids), policy_version=learner.version),
+        ],
+    )
+    lp = learner.logprobs(draft)[len(PROMPT) :]
     draft.segments[1].logprobs = lp
     return draft
 

@@ -24,7 +24,9 @@ def test_warm_start_teaches_the_completion_and_only_the_completion():
     answer = "```python solution.py\ndef f(x):\n    return x + 2\n```"
     before = completion_nll(model, tok, messages, answer)
     losses: list[float] = []
-    stats = warm_start(model, tok, [(messages, answer)], steps=40, batch_size=4, on_step=lambda s, loss: losses.append(loss))
+    stats = warm_start(
+        model, tok, [(messages, answer)], steps=40, batch_size=4, on_step=lambda s, loss: losses.append(loss)
+    )
     after = completion_nll(model, tok, messages, answer)
     assert stats.steps == 40 and len(losses) == 40
     assert after < before / 4, (before, after)

@@ -62,7 +62,9 @@ def reward_of(iteration: int, task: str, sample: int) -> float:
     return base
 
 
-def trajectory_for(job_id: str, episode_id: str, task: str, iteration: int, reward: float, killed: bool) -> Trajectory:
+def trajectory_for(
+    job_id: str, episode_id: str, task: str, iteration: int, reward: float, killed: bool
+) -> Trajectory:
     tok = default_tokenizer()
     action1 = "```python\ndef add(a, b):\n    return a + b\n```"
     obs1 = "[exit 0]\nwrote solution.py" if not killed else "[killed: timeout after 2.0s]\n"
@@ -72,7 +74,9 @@ def trajectory_for(job_id: str, episode_id: str, task: str, iteration: int, rewa
     def seg(role: str, text: str, version: int | None = None) -> Segment:
         ids = tok.encode(text)
         if role == "model":
-            return Segment(role="model", token_ids=ids, logprobs=[-0.5] * len(ids), policy_version=version, text=text)
+            return Segment(
+                role="model", token_ids=ids, logprobs=[-0.5] * len(ids), policy_version=version, text=text
+            )
         return Segment(role=role, token_ids=ids, text=text)  # type: ignore[arg-type]
 
     return Trajectory(
@@ -89,16 +93,35 @@ def trajectory_for(job_id: str, episode_id: str, task: str, iteration: int, rewa
             seg("observation", obs2),
         ],
         turns=[
-            TurnRecord(turn=0, action_text=action1, action={"kind": "code_block", "language": "python"},
-                       observation=obs1, exit_code=None if killed else 0,
-                       kill_reason="timeout" if killed else None, policy_version=iteration,
-                       timings={"inference_s": 0.12, "sandbox_s": 2.0 if killed else 0.03}),
-            TurnRecord(turn=1, action_text=action2, action={"kind": "code_block", "language": "bash"},
-                       observation=obs2, exit_code=0, policy_version=iteration,
-                       timings={"inference_s": 0.1, "sandbox_s": 0.4}),
+            TurnRecord(
+                turn=0,
+                action_text=action1,
+                action={"kind": "code_block", "language": "python"},
+                observation=obs1,
+                exit_code=None if killed else 0,
+                kill_reason="timeout" if killed else None,
+                policy_version=iteration,
+                timings={"inference_s": 0.12, "sandbox_s": 2.0 if killed else 0.03},
+            ),
+            TurnRecord(
+                turn=1,
+                action_text=action2,
+                action={"kind": "code_block", "language": "bash"},
+                observation=obs2,
+                exit_code=0,
+                policy_version=iteration,
+                timings={"inference_s": 0.1, "sandbox_s": 0.4},
+            ),
         ],
         reward=reward,
-        rewards={"tests_passed": {"value": reward, "ok": True, "reason": None, "details": {"passed": int(reward * 2), "total": 2}}},
+        rewards={
+            "tests_passed": {
+                "value": reward,
+                "ok": True,
+                "reason": None,
+                "details": {"passed": int(reward * 2), "total": 2},
+            }
+        },
         timings={"total_s": 3.1},
     )
 
@@ -112,13 +135,39 @@ async def seed(db: Database, store: LocalStore) -> Seeded:
         s.add(TaskSet(id="ts-other", tenant_id="other", name="theirs", status="valid", task_count=1))
     spec = parse_spec(SPEC).model_dump(mode="json")
     start = utcnow() - timedelta(minutes=10)
-    seeded = Seeded(key=acme.key, other_key=other.key, admin_key=admin.key, job_id="job-finished",
-                    running_job_id="job-running")
+    seeded = Seeded(
+        key=acme.key,
+        other_key=other.key,
+        admin_key=admin.key,
+        job_id="job-finished",
+        running_job_id="job-running",
+    )
     async with db.session() as s:
-        s.add(Job(id="job-finished", tenant_id="acme", name="add-numbers", spec=spec, state="completed",
-                  iteration=3, policy_version=3, created_at=start, finished_at=start + timedelta(minutes=6)))
-        s.add(Job(id="job-running", tenant_id="acme", name="still-going", spec=spec, state="running",
-                  iteration=1, policy_version=1, created_at=start + timedelta(minutes=1)))
+        s.add(
+            Job(
+                id="job-finished",
+                tenant_id="acme",
+                name="add-numbers",
+                spec=spec,
+                state="completed",
+                iteration=3,
+                policy_version=3,
+                created_at=start,
+                finished_at=start + timedelta(minutes=6),
+            )
+        )
+        s.add(
+            Job(
+                id="job-running",
+                tenant_id="acme",
+                name="still-going",
+                spec=spec,
+                state="running",
+                iteration=1,
+                policy_version=1,
+                created_at=start + timedelta(minutes=1),
+            )
+        )
         await s.flush()
         n = 0
         for it in range(3):
@@ -130,28 +179,82 @@ async def seed(db: Database, store: LocalStore) -> Seeded:
                     seeded.rewards[it].append(r)
                     killed = eid == KILLED_EPISODE
                     key = object_key("acme", "job-finished", "trajectories", f"{eid}.json")
-                    await store.put(key, trajectory_for("job-finished", eid, task, it, r, killed).model_dump_json().encode())
+                    await store.put(
+                        key,
+                        trajectory_for("job-finished", eid, task, it, r, killed).model_dump_json().encode(),
+                    )
                     created = start + timedelta(seconds=30 * n)
-                    s.add(Episode(
-                        id=eid, job_id="job-finished", tenant_id="acme", task_id=task, group_id=f"g-{it}-{task}",
-                        iteration=it, state="trained", turn=2, behaviour_version=it, reward=r,
-                        rewards={"tests_passed": {"value": r, "ok": True}}, trajectory_key=key,
-                        created_at=created, updated_at=created + timedelta(seconds=20),
-                    ))
+                    s.add(
+                        Episode(
+                            id=eid,
+                            job_id="job-finished",
+                            tenant_id="acme",
+                            task_id=task,
+                            group_id=f"g-{it}-{task}",
+                            iteration=it,
+                            state="trained",
+                            turn=2,
+                            behaviour_version=it,
+                            reward=r,
+                            rewards={"tests_passed": {"value": r, "ok": True}},
+                            trajectory_key=key,
+                            created_at=created,
+                            updated_at=created + timedelta(seconds=20),
+                        )
+                    )
                     seeded.episodes.append(eid)
                     n += 1
         # the running job: one episode mid-turn, known only from its steps
         tok = default_tokenizer()
-        s.add(Episode(id="ep-live", job_id="job-running", tenant_id="acme", task_id="add-1", group_id="g-live",
-                      iteration=1, state="acting", turn=0, behaviour_version=1))
-        s.add(Episode(id="ep-live-2", job_id="job-running", tenant_id="acme", task_id="add-2", group_id="g-live",
-                      iteration=1, state="pending"))
+        s.add(
+            Episode(
+                id="ep-live",
+                job_id="job-running",
+                tenant_id="acme",
+                task_id="add-1",
+                group_id="g-live",
+                iteration=1,
+                state="acting",
+                turn=0,
+                behaviour_version=1,
+            )
+        )
+        s.add(
+            Episode(
+                id="ep-live-2",
+                job_id="job-running",
+                tenant_id="acme",
+                task_id="add-2",
+                group_id="g-live",
+                iteration=1,
+                state="pending",
+            )
+        )
         await s.flush()
         prompt = tok.encode(FIRST_PROMPT)
-        s.add(Step(episode_id="ep-live", turn=0, kind="inference", state="done", request={"prompt_ids": prompt},
-                   result={"token_ids": tok.encode("```bash\nls\n```"), "text": "```bash\nls\n```", "policy_version": 1}))
-        s.add(Step(episode_id="ep-live", turn=0, kind="sandbox", state="leased",
-                   request={"action": {"kind": "shell", "command": "ls"}}))
+        s.add(
+            Step(
+                episode_id="ep-live",
+                turn=0,
+                kind="inference",
+                state="done",
+                request={"prompt_ids": prompt},
+                result={
+                    "token_ids": tok.encode("```bash\nls\n```"),
+                    "text": "```bash\nls\n```",
+                    "policy_version": 1,
+                },
+            )
+        )
+        s.add(
+            Step(
+                episode_id="ep-live",
+                turn=0,
+                kind="sandbox",
+                state="leased",
+                request={"action": {"kind": "shell", "command": "ls"}},
+            )
+        )
     return seeded
 
 
@@ -198,5 +301,7 @@ def bearer(key: str) -> dict[str, str]:
 async def client(app, seeded):
     """An httpx client over the app, authenticated as tenant acme."""
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://dispatcher", headers=bearer(seeded.key)) as c:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://dispatcher", headers=bearer(seeded.key)
+    ) as c:
         yield c

@@ -44,8 +44,10 @@ Script = Callable[[InferenceRequest], str | None]  # None: don't answer (yet)
 
 
 def settings_for(tmp: Path, db_url: str, *, bootstrap: str | None = None, partitions: int = 4) -> Settings:
-    bus = BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=partitions) if bootstrap else BusSettings(
-        kind=BusKind.inprocess, partitions=partitions, retry_backoff_s=0.01
+    bus = (
+        BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=partitions)
+        if bootstrap
+        else BusSettings(kind=BusKind.inprocess, partitions=partitions, retry_backoff_s=0.01)
     )
     return Settings(
         db=DatabaseSettings(url=db_url),
@@ -75,7 +77,12 @@ def job_spec(**over: Any) -> dict[str, Any]:
         "environment": {"kind": "code", "max_turns": 3},
         "rewards": {"tests_passed": 1.0},
         "algorithm": {"groups_per_step": 1},
-        "schedule": {"iterations": 1, "episodes_per_iteration": 4, "max_concurrent_episodes": 16, "max_staleness": 1},
+        "schedule": {
+            "iterations": 1,
+            "episodes_per_iteration": 4,
+            "max_concurrent_episodes": 16,
+            "max_staleness": 1,
+        },
     }
     for path, value in over.items():
         node = spec
@@ -118,7 +125,9 @@ async def seed(
             )
 
 
-async def submit_job(db: Database, spec: dict[str, Any], *, tenant: str = "acme", job_id: str | None = None) -> str:
+async def submit_job(
+    db: Database, spec: dict[str, Any], *, tenant: str = "acme", job_id: str | None = None
+) -> str:
     job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
     async with db.session() as s:
         s.add(Job(id=job_id, tenant_id=tenant, name=spec["name"], spec=spec, state="pending"))
@@ -167,13 +176,19 @@ class Peers:
             await start_groups_at_end(bootstrap, self.groups(group_suffix))
         for topic in (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS):
             self._consumers.append(
-                await rt.bus.subscribe([topic], f"peer-{topic}{group_suffix}", self._on_request, concurrency=4)
+                await rt.bus.subscribe(
+                    [topic], f"peer-{topic}{group_suffix}", self._on_request, concurrency=4
+                )
             )
         self._consumers.append(
-            await rt.bus.subscribe([Topics.TRAJECTORIES], f"peer-trainer{group_suffix}", self._collect(self.trajectories))
+            await rt.bus.subscribe(
+                [Topics.TRAJECTORIES], f"peer-trainer{group_suffix}", self._collect(self.trajectories)
+            )
         )
         self._consumers.append(
-            await rt.bus.subscribe([Topics.EVENTS], f"peer-analytics{group_suffix}", self._collect(self.events))
+            await rt.bus.subscribe(
+                [Topics.EVENTS], f"peer-analytics{group_suffix}", self._collect(self.events)
+            )
         )
 
     def _collect(self, into: list[Message]) -> Callable[[Any], Awaitable[None]]:
@@ -213,9 +228,11 @@ class Peers:
         if reply is None:
             return
         assert self.runtime.bus is not None
-        topic = {"inference": Topics.INFERENCE_RESULTS, "sandbox": Topics.SANDBOX_RESULTS, "reward": Topics.REWARD_RESULTS}[
-            msg.kind or ""
-        ]
+        topic = {
+            "inference": Topics.INFERENCE_RESULTS,
+            "sandbox": Topics.SANDBOX_RESULTS,
+            "reward": Topics.REWARD_RESULTS,
+        }[msg.kind or ""]
         for _ in range(2 if self.duplicate else 1):
             await self.runtime.bus.send_message(topic, reply)
 
@@ -227,8 +244,13 @@ class Peers:
                 return None
             tokens = [*TOK.encode(text), TOK.end_id]
             return InferenceResult(
-                **ids, token_ids=tokens, logprobs=[-0.5] * len(tokens), text=text, finish_reason="stop",
-                policy_version=self.policy_version, backend="fake",
+                **ids,
+                token_ids=tokens,
+                logprobs=[-0.5] * len(tokens),
+                text=text,
+                finish_reason="stop",
+                policy_version=self.policy_version,
+                backend="fake",
             )
         if isinstance(msg, SandboxRequest):
             return SandboxResult(
@@ -241,7 +263,10 @@ class Peers:
         if isinstance(msg, RewardRequest):
             value = self.reward_fn(msg)
             return RewardResult(
-                **ids, task_id=msg.task_id, reward=value, components={"tests_passed": RewardComponent(value=value)}
+                **ids,
+                task_id=msg.task_id,
+                reward=value,
+                components={"tests_passed": RewardComponent(value=value)},
             )
         return None
 
@@ -264,7 +289,12 @@ class Harness:
 
 
 async def start_harness(
-    tmp: Path, db_url: str, *, bootstrap: str | None = None, migrate: bool = True, peers: dict[str, Any] | None = None,
+    tmp: Path,
+    db_url: str,
+    *,
+    bootstrap: str | None = None,
+    migrate: bool = True,
+    peers: dict[str, Any] | None = None,
     **engine: Any,
 ) -> Harness:
     if migrate:
@@ -277,17 +307,26 @@ async def start_harness(
         engine.setdefault("policy_group", f"dispatcher-policy-{suffix}")
     dispatcher = Dispatcher(runtime, settings=engine_settings(**engine))
     if bootstrap:
-        await start_groups_at_end(bootstrap, {
-            engine["results_group"]: [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
-            engine["policy_group"]: [Topics.POLICY_UPDATES],
-        })
+        await start_groups_at_end(
+            bootstrap,
+            {
+                engine["results_group"]: [
+                    Topics.INFERENCE_RESULTS,
+                    Topics.SANDBOX_RESULTS,
+                    Topics.REWARD_RESULTS,
+                ],
+                engine["policy_group"]: [Topics.POLICY_UPDATES],
+            },
+        )
     p = Peers(runtime, **(peers or {}))
     await p.start(group_suffix=f"-{uuid.uuid4().hex[:6]}" if bootstrap else "", bootstrap=bootstrap)
     await dispatcher.start()
     return Harness(runtime, dispatcher, p)
 
 
-async def wait_for(predicate: Callable[[], Awaitable[bool]], limit_s: float = 20.0, what: str = "condition") -> None:
+async def wait_for(
+    predicate: Callable[[], Awaitable[bool]], limit_s: float = 20.0, what: str = "condition"
+) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if await predicate():
@@ -312,10 +351,18 @@ async def episode_states(db: Database, job_id: str) -> Counter[str]:
 async def steps_of(db: Database, episode_id: str) -> list[Step]:
     async with db.session() as s:
         return list(
-            (await s.execute(select(Step).where(Step.episode_id == episode_id).order_by(Step.turn, Step.id))).scalars()
+            (
+                await s.execute(
+                    select(Step).where(Step.episode_id == episode_id).order_by(Step.turn, Step.id)
+                )
+            ).scalars()
         )
 
 
 async def episodes_of(db: Database, job_id: str) -> list[Episode]:
     async with db.session() as s:
-        return list((await s.execute(select(Episode).where(Episode.job_id == job_id).order_by(Episode.created_at))).scalars())
+        return list(
+            (
+                await s.execute(select(Episode).where(Episode.job_id == job_id).order_by(Episode.created_at))
+            ).scalars()
+        )

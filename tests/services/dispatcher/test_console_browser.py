@@ -30,7 +30,9 @@ CHROMEDRIVER = os.environ.get("TEMPER_CHROMEDRIVER", "/usr/bin/chromedriver")
 
 
 @contextmanager
-def run_dispatcher(db_url: str, storage_root: Path, data_dir: Path, log_name: str, **env: str) -> Iterator[str]:
+def run_dispatcher(
+    db_url: str, storage_root: Path, data_dir: Path, log_name: str, **env: str
+) -> Iterator[str]:
     """``python -m services.dispatcher`` on a SQLite database and a local object store,
     healthy; yields its URL and stops it on exit. Its output goes to test-artifacts/."""
     port = free_port()
@@ -45,8 +47,13 @@ def run_dispatcher(db_url: str, storage_root: Path, data_dir: Path, log_name: st
     }
     ARTIFACTS.mkdir(exist_ok=True)
     log = (ARTIFACTS / log_name).open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "services.dispatcher"], cwd=ROOT, env=environ,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.dispatcher"],
+        cwd=ROOT,
+        env=environ,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -106,9 +113,19 @@ def chrome(tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1280,1600", f"--user-data-dir={tmp_path / 'chrome'}"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,1600",
+        f"--user-data-dir={tmp_path / 'chrome'}",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)

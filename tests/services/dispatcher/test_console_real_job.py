@@ -30,7 +30,9 @@ def teacher(n: int, *, seed: int = 0) -> list[tuple[dict, str]]:
     a few dozen steps teach the tiny policy the action format."""
     from services.embedded.localrun import generator
 
-    return generator(f"{ROOT / 'examples/tasksets/make_offset_tasks.py'}:warm_start_examples")(n, p_correct=1.0, seed=seed)
+    return generator(f"{ROOT / 'examples/tasksets/make_offset_tasks.py'}:warm_start_examples")(
+        n, p_correct=1.0, seed=seed
+    )
 
 
 @pytest.fixture
@@ -38,8 +40,9 @@ def real_run(tmp_path) -> Path:
     path = small_spec(tmp_path)
     spec = yaml.safe_load(path.read_text())
     # One reply to learn, learnt quickly; sampled cool, so the model's actions are well formed.
-    spec["local"]["warm_start"].update(generator=f"{Path(__file__).resolve()}:teacher", steps=300, batch_size=8,
-                                       learning_rate=0.003)
+    spec["local"]["warm_start"].update(
+        generator=f"{Path(__file__).resolve()}:teacher", steps=300, batch_size=8, learning_rate=0.003
+    )
     spec["policy"]["sampling"]["temperature"] = 0.3
     path.write_text(yaml.safe_dump(spec))
     code = main(["run", str(path), "--runs-dir", str(tmp_path / "runs"), "--run-id", "console"])
@@ -105,11 +108,14 @@ def test_console_shows_a_real_jobs_reward_curve_and_transcript(real_run, chrome,
 
         link.click()
         wait.until(lambda d: '"kind": "reward"' in d.find_element(By.TAG_NAME, "body").text)
-        lines = [json.loads(line) for line in chrome.find_element(By.TAG_NAME, "body").text.splitlines() if line]
+        lines = [
+            json.loads(line) for line in chrome.find_element(By.TAG_NAME, "body").text.splitlines() if line
+        ]
         assert [x["kind"] for x in lines] in (["inference", "sandbox", "reward"], ["inference", "reward"])
-        assert lines[0]["episode_id"] == episode_id and ACTION in lines[0]["text"] and lines[0]["finish_reason"]
+        assert (
+            lines[0]["episode_id"] == episode_id and ACTION in lines[0]["text"] and lines[0]["finish_reason"]
+        )
         if lines[1]["kind"] == "sandbox":
             assert {"exit_code", "kill_reason", "stdout", "stderr", "stdout_truncated"} <= lines[1].keys()
         assert "tests_passed" in lines[-1]["components"]
         chrome.save_screenshot(str(ARTIFACTS / "console-real-episode-log.png"))
-

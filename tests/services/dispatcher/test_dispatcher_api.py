@@ -50,7 +50,10 @@ async def test_submit_list_get_and_control_a_job(client, env):
     settings, _ = env
     db = Database(settings.db)
     async with db.session() as s:
-        events = [row.payload for row in (await s.execute(select(OutboxRow).where(OutboxRow.key == job["id"]))).scalars()]
+        events = [
+            row.payload
+            for row in (await s.execute(select(OutboxRow).where(OutboxRow.key == job["id"]))).scalars()
+        ]
     await db.dispose()
     assert len(events) == 5 and b'"state":"pending"' in events[0] and b'"state":"cancelled"' in events[-1]
 
@@ -114,7 +117,9 @@ async def test_yaml_body_and_yaml_file_upload(client):
     r = await client.post("/v1/jobs", content=text, headers={"content-type": "application/yaml"})
     assert r.status_code == 201, r.text
     assert r.json()["name"] == "from-yaml"
-    r = await client.post("/v1/jobs", files={"spec": ("spec.yaml", yaml.safe_dump(spec(name="uploaded")), "application/yaml")})
+    r = await client.post(
+        "/v1/jobs", files={"spec": ("spec.yaml", yaml.safe_dump(spec(name="uploaded")), "application/yaml")}
+    )
     assert r.status_code == 201, r.text
     assert r.json()["name"] == "uploaded"
     bad = yaml.safe_dump(spec(schedule={"max_staleness": -1}))
@@ -127,7 +132,12 @@ async def test_yaml_body_and_yaml_file_upload(client):
 async def test_no_key_or_a_bad_key_is_401(app, seeded):
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://d") as c:
-        for headers in ({}, bearer("tmp_wrong"), {"Authorization": "Basic abc"}, {"Authorization": "Bearer "}):
+        for headers in (
+            {},
+            bearer("tmp_wrong"),
+            {"Authorization": "Basic abc"},
+            {"Authorization": "Bearer "},
+        ):
             r = await c.get("/v1/jobs", headers=headers)
             assert r.status_code == 401, headers
             assert r.headers["www-authenticate"] == "Bearer"
@@ -138,7 +148,9 @@ async def test_no_key_or_a_bad_key_is_401(app, seeded):
 
 async def test_another_tenants_jobs_and_episodes_are_404(app, seeded):
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://d", headers=bearer(seeded.other_key)) as c:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://d", headers=bearer(seeded.other_key)
+    ) as c:
         assert (await c.get("/v1/jobs")).json()["total"] == 0
         for path in (
             f"/v1/jobs/{seeded.job_id}",
@@ -188,7 +200,9 @@ async def test_the_episode_log_is_linked_once_stored(client, env):
     assert (await client.get(f"/v1/episodes/{KILLED_EPISODE}/log")).status_code == 404
     settings, _ = env
     key = f"tenants/acme/jobs/job-finished/logs/{KILLED_EPISODE}.jsonl"
-    await LocalStore(settings.storage.root).put(key, b'{"turn": 0, "kind": "sandbox", "kill_reason": "timeout"}\n')
+    await LocalStore(settings.storage.root).put(
+        key, b'{"turn": 0, "kind": "sandbox", "kill_reason": "timeout"}\n'
+    )
     assert (await client.get(f"/v1/episodes/{KILLED_EPISODE}/transcript")).json()["log_key"] == key
     r = await client.get(f"/v1/episodes/{KILLED_EPISODE}/log")
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
@@ -243,11 +257,29 @@ async def test_staleness_counts_scored_episodes_waiting_for_the_trainer_not_skip
         job = await s.get(Job, seeded.running_job_id)
         job.policy_version = 5
         for eid, behaviour in (("ep-waiting", 3), ("ep-skipped", 0)):
-            s.add(Episode(id=eid, job_id=job.id, tenant_id="acme", task_id="add-1", group_id=f"g-{eid}",
-                          iteration=0, state="scored", turn=1, behaviour_version=behaviour))
+            s.add(
+                Episode(
+                    id=eid,
+                    job_id=job.id,
+                    tenant_id="acme",
+                    task_id="add-1",
+                    group_id=f"g-{eid}",
+                    iteration=0,
+                    state="scored",
+                    turn=1,
+                    behaviour_version=behaviour,
+                )
+            )
         await s.flush()
-        s.add(TrainedTrajectory(episode_id="ep-skipped", job_id=job.id, trajectory_key="k", group_id="g-ep-skipped",
-                                skipped="zero_variance"))
+        s.add(
+            TrainedTrajectory(
+                episode_id="ep-skipped",
+                job_id=job.id,
+                trajectory_key="k",
+                group_id="g-ep-skipped",
+                skipped="zero_variance",
+            )
+        )
     await db.dispose()
     st = (await client.get(f"/v1/jobs/{seeded.running_job_id}/metrics")).json()["staleness"]
     assert (st["max"], st["mean"]) == (2, 2.0), "the skipped episode (5 versions behind) is not waiting"
@@ -267,7 +299,9 @@ async def test_tenant_quota_keys_and_admin(app, client, seeded):
     assert (await client.post("/v1/tenants", json={"name": "Nope"})).status_code == 403
 
     admin = bearer(seeded.admin_key)
-    r = await client.post("/v1/tenants", json={"name": "New Team", "max_concurrent_episodes": 4}, headers=admin)
+    r = await client.post(
+        "/v1/tenants", json={"name": "New Team", "max_concurrent_episodes": 4}, headers=admin
+    )
     assert r.status_code == 201, r.text
     made = r.json()
     assert made["tenant"]["id"] == "new-team" and made["key"]["key"].startswith("tmp_")

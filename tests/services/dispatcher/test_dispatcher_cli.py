@@ -30,8 +30,9 @@ def server(env):
     """The dispatcher (API only) on a free port, in a thread of this process."""
     settings, seeded = env
     port = free_port()
-    config = uvicorn.Config(create_app(settings, engine=False), host="127.0.0.1", port=port, log_config=None,
-                            lifespan="on")
+    config = uvicorn.Config(
+        create_app(settings, engine=False), host="127.0.0.1", port=port, log_config=None, lifespan="on"
+    )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -77,7 +78,9 @@ def test_a_bad_spec_and_a_bad_key_are_reported(server, tmp_path, capsys):
     assert code == 1 and "schedule.iterations" in err
     code, _, err = run_cli(["--url", url, "--key", "tmp_nope", "jobs"], capsys)
     assert code == 1 and "401" in err
-    code, _, err = run_cli(["--url", url, "--key", seeded.key, "submit", str(tmp_path / "missing.yaml")], capsys)
+    code, _, err = run_cli(
+        ["--url", url, "--key", seeded.key, "submit", str(tmp_path / "missing.yaml")], capsys
+    )
     assert code == 1 and "missing.yaml" in err
 
 
@@ -112,7 +115,9 @@ def test_client_errors_carry_the_field_paths(server):
     url, seeded = server
     with TemperClient(url, seeded.key) as api:
         with pytest.raises(ApiError) as info:
-            api.submit({"name": "x", "policy": {"model": "m"}, "tasks": {"taskset": "ts-acme", "group_size": 0}})
+            api.submit(
+                {"name": "x", "policy": {"model": "m"}, "tasks": {"taskset": "ts-acme", "group_size": 0}}
+            )
         assert info.value.status == 422 and ("tasks.group_size" in dict(info.value.errors))
         assert api.tenant()["id"] == "acme"
         assert api.metrics(seeded.job_id)["progress"]["finished"] == 12
@@ -126,7 +131,9 @@ def test_admin_create_tenant_prints_a_working_key(server, env, capsys, monkeypat
     url, _ = server
     settings, _ = env
     monkeypatch.setenv("TEMPER_DB__URL", settings.db.url)
-    code, out, err = run_cli(["admin", "create-tenant", "Blue Team", "--max-concurrent-episodes", "5"], capsys)
+    code, out, err = run_cli(
+        ["admin", "create-tenant", "Blue Team", "--max-concurrent-episodes", "5"], capsys
+    )
     assert code == 0, err
     key = out.strip()
     assert key.startswith("tmp_") and key not in err

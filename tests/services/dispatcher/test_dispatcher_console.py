@@ -23,10 +23,14 @@ async def login(c: httpx.AsyncClient, key: str) -> httpx.Response:
 
 async def test_pages_need_a_login_and_a_bad_key_is_refused(browser, seeded):
     r = await browser.get(f"/console/jobs/{seeded.job_id}")
-    assert r.status_code == 303 and r.headers["location"] == f"/console/login?next=/console/jobs/{seeded.job_id}"
+    assert (
+        r.status_code == 303 and r.headers["location"] == f"/console/login?next=/console/jobs/{seeded.job_id}"
+    )
     assert (await browser.get("/")).headers["location"] == "/console/"
     r = await login(browser, "tmp_wrong")
-    assert r.status_code == 401 and "not valid" in r.text and "temper_key" not in r.headers.get("set-cookie", "")
+    assert (
+        r.status_code == 401 and "not valid" in r.text and "temper_key" not in r.headers.get("set-cookie", "")
+    )
     r = await login(browser, seeded.key)
     assert r.status_code == 303 and r.headers["location"] == "/console/"
     cookie = r.headers["set-cookie"]
@@ -47,7 +51,7 @@ async def test_jobs_job_and_episode_pages(browser, seeded):
     page = r.text
     assert 'id="reward-curve"' in page and 'data-points="3"' in page and 'class="mean"' in page
     assert "add-1" in page and "33.3%" in page  # pass rate
-    assert 'data-refresh' not in page  # a finished job does not poll
+    assert "data-refresh" not in page  # a finished job does not poll
     assert page.count('class="episode-link"') == 12
     r = await browser.get(f"/console/jobs/{seeded.running_job_id}")
     assert 'data-refresh="3"' in r.text and "No scored episodes yet" in r.text
@@ -66,9 +70,13 @@ async def test_console_is_scoped_to_the_tenant_and_checks_origin(browser, seeded
     assert (await browser.get(f"/console/jobs/{seeded.job_id}")).status_code == 404
     assert (await browser.get(f"/console/episodes/{KILLED_EPISODE}")).status_code == 404
     await login(browser, seeded.key)
-    r = await browser.post(f"/console/jobs/{seeded.running_job_id}/pause", headers={"origin": "http://evil.example"})
+    r = await browser.post(
+        f"/console/jobs/{seeded.running_job_id}/pause", headers={"origin": "http://evil.example"}
+    )
     assert r.status_code == 403
-    r = await browser.post(f"/console/jobs/{seeded.running_job_id}/pause", headers={"origin": "http://dispatcher"})
+    r = await browser.post(
+        f"/console/jobs/{seeded.running_job_id}/pause", headers={"origin": "http://dispatcher"}
+    )
     assert r.status_code == 303
     assert "Resume" in (await browser.get(f"/console/jobs/{seeded.running_job_id}")).text
 

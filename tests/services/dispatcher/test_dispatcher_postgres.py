@@ -17,7 +17,9 @@ from tests.services.dispatcher.conftest import KILLED_EPISODE, SPEC, bearer, mak
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("database_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True)
+@pytest.mark.parametrize(
+    "database_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 async def test_the_api_on_postgres(database_url, tmp_path):
     await asyncio.to_thread(upgrade, database_url)
     settings = make_settings(tmp_path)
@@ -29,11 +31,15 @@ async def test_the_api_on_postgres(database_url, tmp_path):
     app = create_app(settings, engine=False)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://d", headers=bearer(seeded.key)) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://d", headers=bearer(seeded.key)
+        ) as c:
             r = await c.post("/v1/jobs", json=SPEC | {"name": "on-postgres"})
             assert r.status_code == 201, r.text
             job_id = r.json()["id"]
-            assert (await c.post("/v1/jobs", json=SPEC | {"tasks": {"taskset": "ts-other"}})).status_code == 422
+            assert (
+                await c.post("/v1/jobs", json=SPEC | {"tasks": {"taskset": "ts-other"}})
+            ).status_code == 422
             page = (await c.get("/v1/jobs", params={"limit": 1})).json()
             assert page["total"] == 3 and page["items"][0]["id"] == job_id and page["next_cursor"]
             nxt = (await c.get("/v1/jobs", params={"limit": 5, "cursor": page["next_cursor"]})).json()
@@ -48,6 +54,8 @@ async def test_the_api_on_postgres(database_url, tmp_path):
             t = (await c.get(f"/v1/episodes/{KILLED_EPISODE}/transcript")).json()
             assert t["turns"][0]["kill_reason"] == "timeout"
 
-        async with httpx.AsyncClient(transport=transport, base_url="http://d", headers=bearer(seeded.other_key)) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://d", headers=bearer(seeded.other_key)
+        ) as c:
             assert (await c.get(f"/v1/jobs/{seeded.job_id}")).status_code == 404
             assert (await c.get(f"/v1/episodes/{KILLED_EPISODE}/transcript")).status_code == 404

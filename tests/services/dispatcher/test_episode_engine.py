@@ -42,12 +42,17 @@ async def test_multi_turn_code_episodes_run_to_scored_with_token_exact_trajector
         groups: dict[str, set[str]] = {}
         for e in eps:
             groups.setdefault(e.group_id, set()).add(e.task_id)
-        assert len(groups) == 4 and all(len(tasks) == 1 for tasks in groups.values()), "a group shares its task"
+        assert len(groups) == 4 and all(len(tasks) == 1 for tasks in groups.values()), (
+            "a group shares its task"
+        )
 
         ep = eps[0]
         steps = await steps_of(h.db, ep.id)
         assert [(s.turn, s.kind, s.state) for s in steps] == [
-            (0, "inference", "done"), (0, "sandbox", "done"), (1, "inference", "done"), (1, "sandbox", "done"),
+            (0, "inference", "done"),
+            (0, "sandbox", "done"),
+            (1, "inference", "done"),
+            (1, "sandbox", "done"),
             (1, "reward", "done"),
         ]
         assert ep.reward == 1.0 and ep.snapshot_key == f"snapshots/{ep.id}/1.tar.gz" and ep.format_errors == 0
@@ -56,12 +61,21 @@ async def test_multi_turn_code_episodes_run_to_scored_with_token_exact_trajector
         # next one the snapshot to restore from.
         sandbox = [m for m in h.peers.requests["sandbox"] if m.episode_id == ep.id]
         assert isinstance(sandbox[0], SandboxRequest) and sandbox[0].session_id == ep.id
-        assert sandbox[0].files == {"add.py": "def add(a, b):\n    return a - b\n"} and sandbox[0].snapshot_key is None
+        assert (
+            sandbox[0].files == {"add.py": "def add(a, b):\n    return a - b\n"}
+            and sandbox[0].snapshot_key is None
+        )
         assert sandbox[1].files == {} and sandbox[1].snapshot_key == f"snapshots/{ep.id}/0.tar.gz"
-        assert sandbox[1].action == {"kind": "write_file", "path": "add.py", "content": "def add(a, b):\n    return a + b\n"}
+        assert sandbox[1].action == {
+            "kind": "write_file",
+            "path": "add.py",
+            "content": "def add(a, b):\n    return a + b\n",
+        }
         reward = next(m for m in h.peers.requests["reward"] if m.episode_id == ep.id)
         assert isinstance(reward, RewardRequest) and reward.format_ok and reward.turns_used == 2
-        assert reward.submission["snapshot_key"] == ep.snapshot_key and reward.weights == {"tests_passed": 1.0}
+        assert reward.submission["snapshot_key"] == ep.snapshot_key and reward.weights == {
+            "tests_passed": 1.0
+        }
 
         # Trajectory: stored under the tenant/job prefix, token-exact across turns.
         key = object_key("acme", job, "trajectories", f"{ep.id}.json")
@@ -82,10 +96,16 @@ async def test_multi_turn_code_episodes_run_to_scored_with_token_exact_trajector
 
         # The episode's log beside it: one JSON line per step, sandbox output and reward included.
         lines = read_episode_log(await h.runtime.store.get(object_key("acme", job, "logs", f"{ep.id}.jsonl")))  # type: ignore[union-attr]
-        assert [(x["turn"], x["kind"], x["state"]) for x in lines] == [(s.turn, s.kind, s.state) for s in steps]
+        assert [(x["turn"], x["kind"], x["state"]) for x in lines] == [
+            (s.turn, s.kind, s.state) for s in steps
+        ]
         assert all(x["episode_id"] == ep.id and x["attempt"] == 0 and x["duration_s"] >= 0 for x in lines)
         assert lines[0]["finish_reason"] == "stop" and lines[0]["policy_version"] == 0
-        assert lines[1]["exit_code"] == 0 and lines[1]["stdout"] == "ran run_command" and lines[1]["kill_reason"] is None
+        assert (
+            lines[1]["exit_code"] == 0
+            and lines[1]["stdout"] == "ran run_command"
+            and lines[1]["kill_reason"] is None
+        )
         assert lines[1]["stdout_truncated"] is None and lines[1]["worker"]
         assert lines[4]["reward"] == 1.0 and lines[4]["components"]["tests_passed"]["value"] == 1.0
 
@@ -121,7 +141,9 @@ async def test_duplicate_results_are_acknowledged_and_ignored(tmp_path, database
         await h.stop()
 
 
-async def test_expired_lease_is_retried_with_a_new_attempt_and_old_attempts_are_ignored(tmp_path, database_url):
+async def test_expired_lease_is_retried_with_a_new_attempt_and_old_attempts_are_ignored(
+    tmp_path, database_url
+):
     # The sandbox "worker" dies on every first attempt: its command is lost.
     def lost(msg) -> bool:
         return msg.kind == "sandbox" and msg.attempt == 0
@@ -143,14 +165,20 @@ async def test_expired_lease_is_retried_with_a_new_attempt_and_old_attempts_are_
         late = h.peers.reply(sandbox[0])
         await h.runtime.bus.send_message(Topics.SANDBOX_RESULTS, late)  # type: ignore[union-attr, arg-type]
         await asyncio.sleep(0.3)
-        assert len(h.peers.requests["reward"]) == before and (await episode_states(h.db, job)) == {"scored": 1}
+        assert len(h.peers.requests["reward"]) == before and (await episode_states(h.db, job)) == {
+            "scored": 1
+        }
     finally:
         await h.stop()
 
 
 async def test_a_step_that_never_answers_fails_the_episode_with_the_reason(tmp_path, database_url):
     h = await start_harness(
-        tmp_path, database_url, lease_s=0.3, max_step_attempts=2, peers={"drop": lambda m: m.kind == "sandbox"}
+        tmp_path,
+        database_url,
+        lease_s=0.3,
+        max_step_attempts=2,
+        peers={"drop": lambda m: m.kind == "sandbox"},
     )
     try:
         await seed(h.db, tasks={"t1": {}})
@@ -177,7 +205,10 @@ async def test_malformed_output_becomes_an_observation_and_clears_the_format_fla
     try:
         await seed(h.db, tasks={"m1": {"kind": "math", "prompt": "2+2?", "spec": {"answer": "4"}}})
         spec = job_spec(
-            environment__kind="math", tasks__group_size=1, schedule__episodes_per_iteration=1, environment__max_turns=4
+            environment__kind="math",
+            tasks__group_size=1,
+            schedule__episodes_per_iteration=1,
+            environment__max_turns=4,
         )
         job = await submit_job(h.db, spec)
         await wait_for(lambda: _is(h.db, job, "completed"), what="job completed")
@@ -251,7 +282,10 @@ async def test_staleness_bound_holds_the_next_iteration_until_the_policy_catches
     try:
         await seed(h.db, tasks={"t1": {}})
         spec = job_spec(
-            tasks__group_size=2, schedule__episodes_per_iteration=2, schedule__iterations=2, schedule__max_staleness=0
+            tasks__group_size=2,
+            schedule__episodes_per_iteration=2,
+            schedule__iterations=2,
+            schedule__max_staleness=0,
         )
         job = await submit_job(h.db, spec)
         await wait_for(lambda: _states(h.db, job, {"scored": 2}), what="iteration 0 scored")

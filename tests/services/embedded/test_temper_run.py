@@ -40,7 +40,9 @@ def test_temper_run_completes_and_writes_the_report(tmp_path, capsys):
     assert [c["iteration"] for c in summary["reward_curve"]] == [0, 1]
     assert all(c["episodes"] == 8 for c in summary["reward_curve"])
     assert {"first_mean_reward", "last_mean_reward"} <= summary.keys()
-    assert summary["episodes_by_state"].get("trained", 0) + summary["episodes_by_state"].get("scored", 0) == 16
+    assert (
+        summary["episodes_by_state"].get("trained", 0) + summary["episodes_by_state"].get("scored", 0) == 16
+    )
     png = (run / "reward_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
     html = (run / "report.html").read_text()

@@ -66,7 +66,9 @@ def serve_app(app, port: int | None = None) -> tuple[str, uvicorn.Server, thread
     return url, server, thread
 
 
-def start_engine_thread(seed: int = 0, *, max_batch: int = 16, window_ms: float = 3.0, store=None) -> ThreadServer:  # noqa: ANN001
+def start_engine_thread(
+    seed: int = 0, *, max_batch: int = 16, window_ms: float = 3.0, store=None
+) -> ThreadServer:  # noqa: ANN001
     engine = Engine(create_model(seed=seed), default_tokenizer())
     app = create_app(BatchScheduler(engine, max_batch=max_batch, window_ms=window_ms), store=store)
     url, server, thread = serve_app(app)
@@ -104,9 +106,23 @@ def start_engine_process(seed: int = 0) -> ProcServer:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "libs")])}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.inference_gateway.engine", "--preset", "tiny", "--seed", str(seed),
-         "--port", str(port), "--threads", "1"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "services.inference_gateway.engine",
+            "--preset",
+            "tiny",
+            "--seed",
+            str(seed),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:

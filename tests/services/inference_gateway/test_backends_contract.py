@@ -22,13 +22,18 @@ def load(name: str) -> dict:
 
 
 def vllm_backend(handler, mode: VLLMReloadMode = VLLMReloadMode.lora) -> VLLMBackend:  # noqa: ANN001
-    b = VLLMBackend(BackendSpec(name="v0", url="http://vllm", kind=BackendKind.vllm), model_name="temper-policy",
-                    reload_mode=mode)
+    b = VLLMBackend(
+        BackendSpec(name="v0", url="http://vllm", kind=BackendKind.vllm),
+        model_name="temper-policy",
+        reload_mode=mode,
+    )
     b.client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://vllm")
     return b
 
 
-@pytest.mark.parametrize("fixture", ["vllm_0.10.2_completion_token_ids.json", "vllm_0.8_completion_token_id_strings.json"])
+@pytest.mark.parametrize(
+    "fixture", ["vllm_0.10.2_completion_token_ids.json", "vllm_0.8_completion_token_id_strings.json"]
+)
 async def test_completion_shapes_parse_to_the_same_fields(fixture: str) -> None:
     fx = load(fixture)
     seen: list[dict] = []
@@ -45,12 +50,20 @@ async def test_completion_shapes_parse_to_the_same_fields(fixture: str) -> None:
     assert res.token_ids == want_ids
     assert res.logprobs == choice["logprobs"]["token_logprobs"]
     assert res.prompt_ids == prompt
-    assert (res.text, res.finish_reason, res.stop_reason) == (choice["text"], choice["finish_reason"],
-                                                             choice["stop_reason"])
+    assert (res.text, res.finish_reason, res.stop_reason) == (
+        choice["text"],
+        choice["finish_reason"],
+        choice["stop_reason"],
+    )
     assert res.policy_version == 0 and res.backend == "v0"
     body = seen[0]
     assert body["prompt"] == prompt and body["return_token_ids"] and body["return_tokens_as_token_ids"]
-    assert body["logprobs"] == 0 and body["seed"] == 7 and body["stop"] == ["\n"] and body["model"] == "temper-policy"
+    assert (
+        body["logprobs"] == 0
+        and body["seed"] == 7
+        and body["stop"] == ["\n"]
+        and body["model"] == "temper-policy"
+    )
     await b.aclose()
 
 
@@ -66,7 +79,11 @@ async def test_error_statuses_map_to_retryable_or_not() -> None:
     b = vllm_backend(handler)
     with pytest.raises(BackendError) as e400:
         await b.complete(GenerateRequest([1, 2, 3]))
-    assert e400.value.kind is ErrorKind.client and not e400.value.retryable and "maximum context" in str(e400.value)
+    assert (
+        e400.value.kind is ErrorKind.client
+        and not e400.value.retryable
+        and "maximum context" in str(e400.value)
+    )
     for code in (500, 503, 429):
         status["code"] = code
         with pytest.raises(BackendError) as e5:
@@ -77,8 +94,9 @@ async def test_error_statuses_map_to_retryable_or_not() -> None:
 
 async def test_a_response_without_token_ids_is_a_protocol_error() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"choices": [{"index": 0, "text": "x", "logprobs": None,
-                                                      "finish_reason": "length"}]})
+        return httpx.Response(
+            200, json={"choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": "length"}]}
+        )
 
     b = vllm_backend(handler)
     with pytest.raises(BackendError) as e:

@@ -29,7 +29,9 @@ def settings(tmp: Path, **inference: object) -> Settings:
         bus=BusSettings(kind=BusKind.inprocess, retry_backoff_s=0.01),
         storage=StorageSettings(kind=StorageKind.local, root=tmp / "objects"),
         data_dir=tmp,
-        inference=InferenceSettings(checkpoint_cache_dir=str(tmp / "cache"), retry_backoff_s=0.001, **inference),
+        inference=InferenceSettings(
+            checkpoint_cache_dir=str(tmp / "cache"), retry_backoff_s=0.001, **inference
+        ),
     )
 
 
@@ -56,8 +58,15 @@ async def wait_until(pred, limit_s: float = 20.0) -> None:  # noqa: ANN001
 
 
 def request(episode: str, **kw: object) -> InferenceRequest:
-    base: dict[str, object] = dict(job_id="job", episode_id=episode, turn=1, attempt=2, model="temper-policy",
-                                   prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4, seed=7))
+    base: dict[str, object] = dict(
+        job_id="job",
+        episode_id=episode,
+        turn=1,
+        attempt=2,
+        model="temper-policy",
+        prompt_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=4, seed=7),
+    )
     base.update(kw)
     return InferenceRequest(**base)  # type: ignore[arg-type]
 
@@ -73,8 +82,17 @@ async def test_embedded_gateway_without_backends_serves_from_a_local_engine(tmp_
         by_ep = {r.episode_id: r for r in results}
         ok, bad = by_ep["ep-a"], by_ep["ep-bad"]
         assert (ok.job_id, ok.turn, ok.attempt, ok.error) == ("job", 1, 2, None)
-        assert 1 <= len(ok.token_ids) == len(ok.logprobs) <= 4 and ok.policy_version == 0 and ok.backend == "local-0"
-        assert bad.error and "token ids" in bad.error and bad.token_ids == [] and (bad.turn, bad.attempt) == (1, 2)
+        assert (
+            1 <= len(ok.token_ids) == len(ok.logprobs) <= 4
+            and ok.policy_version == 0
+            and ok.backend == "local-0"
+        )
+        assert (
+            bad.error
+            and "token ids" in bad.error
+            and bad.token_ids == []
+            and (bad.turn, bad.attempt) == (1, 2)
+        )
         # a redelivered request is generated again: same envelope, same tokens (seeded)
         await rt.bus.send_message(Topics.INFERENCE_REQUESTS, request("ep-a"))
         await wait_until(lambda: len(results) == 3)
@@ -93,8 +111,15 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
             path = save_weights(create_model(seed=seed), tmp_path / f"w{v}.safetensors")
             await store.put(f"tenants/t/jobs/job/checkpoints/v{v}.safetensors", path.read_bytes())
         for v in (1, 2):
-            await rt.bus.send_message(Topics.POLICY_UPDATES, PolicyUpdate(
-                job_id="job", version=v, checkpoint_key=f"tenants/t/jobs/job/checkpoints/v{v}.safetensors", step=v))
+            await rt.bus.send_message(
+                Topics.POLICY_UPDATES,
+                PolicyUpdate(
+                    job_id="job",
+                    version=v,
+                    checkpoint_key=f"tenants/t/jobs/job/checkpoints/v{v}.safetensors",
+                    step=v,
+                ),
+            )
         await wait_until(lambda: gw.service.policy_version == 2)
         assert gw.update_errors == 0 and gw.updates_applied in (1, 2)
         await rt.bus.send_message(Topics.INFERENCE_REQUESTS, request("ep-v"))
@@ -102,8 +127,15 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
         assert results[0].policy_version == 2 and results[0].error is None
         # a missing checkpoint is logged and counted, the gateway keeps serving version 2
         gw.policy_retries = 1
-        await rt.bus.send_message(Topics.POLICY_UPDATES, PolicyUpdate(
-            job_id="job", version=3, checkpoint_key="tenants/t/jobs/job/checkpoints/missing.safetensors", step=3))
+        await rt.bus.send_message(
+            Topics.POLICY_UPDATES,
+            PolicyUpdate(
+                job_id="job",
+                version=3,
+                checkpoint_key="tenants/t/jobs/job/checkpoints/missing.safetensors",
+                step=3,
+            ),
+        )
         await wait_until(lambda: gw.update_errors == 1)
         assert gw.service.policy_version == 2
     finally:
@@ -130,8 +162,11 @@ async def test_local_backend_answers_the_openai_proxy(tmp_path) -> None:  # noqa
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
             assert (await c.get("/health")).status_code == 200
-            r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "seed": 1},
-                             headers={"X-Temper-Episode": "ep-http"})
+            r = await c.post(
+                "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 3, "seed": 1},
+                headers={"X-Temper-Episode": "ep-http"},
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             assert body["choices"][0]["token_ids"] and body["policy_version"] == 0

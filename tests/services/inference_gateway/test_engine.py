@@ -46,7 +46,9 @@ def test_same_seed_same_tokens_alone_and_inside_a_batch(engine: Engine) -> None:
 
 
 def test_sampled_logprobs_equal_a_forward_pass(engine: Engine) -> None:
-    outs = engine.generate([req("abc", max_tokens=10, seed=1), req("a much longer prompt", max_tokens=10, seed=2)])
+    outs = engine.generate(
+        [req("abc", max_tokens=10, seed=1), req("a much longer prompt", max_tokens=10, seed=2)]
+    )
     seqs = [o.prompt_ids + o.token_ids for o in outs]
     ids, mask = pad_batch(seqs, TOK.pad_id)
     with torch.no_grad():
@@ -112,9 +114,19 @@ async def client(engine: Engine):  # noqa: ANN201
 
 async def test_http_completions_shape(client: httpx.AsyncClient) -> None:
     prompt = encode_chat(TOK, [{"role": "user", "content": "hi"}])
-    r = await client.post("/v1/completions", json={
-        "model": "tiny", "prompt": prompt, "max_tokens": 5, "seed": 7, "logprobs": 0,
-        "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 5,
+            "seed": 7,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     data = r.json()
     assert data["object"] == "text_completion" and data["model"] == "tiny"
@@ -123,8 +135,12 @@ async def test_http_completions_shape(client: httpx.AsyncClient) -> None:
     assert ch["prompt_token_ids"] == prompt and len(ch["token_ids"]) == 5
     assert ch["logprobs"]["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
     assert len(ch["logprobs"]["token_logprobs"]) == 5 and ch["logprobs"]["top_logprobs"] is None
-    assert data["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 5,
-                             "total_tokens": len(prompt) + 5, "prompt_tokens_details": None}
+    assert data["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 5,
+        "total_tokens": len(prompt) + 5,
+        "prompt_tokens_details": None,
+    }
     # text prompt, no ids requested: vLLM's default shape
     r2 = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": 1})
     assert r2.json()["choices"][0]["token_ids"] is None and r2.json()["choices"][0]["logprobs"] is None
@@ -135,7 +151,9 @@ async def test_http_completions_shape(client: httpx.AsyncClient) -> None:
 
 async def test_http_rejects_bad_prompts(client: httpx.AsyncClient) -> None:
     assert (await client.post("/v1/completions", json={"prompt": [], "max_tokens": 2})).status_code == 400
-    assert (await client.post("/v1/completions", json={"prompt": [99999], "max_tokens": 2})).status_code == 400
+    assert (
+        await client.post("/v1/completions", json={"prompt": [99999], "max_tokens": 2})
+    ).status_code == 400
 
 
 async def test_weight_reload_bumps_version_and_loses_nothing(tmp_path) -> None:
@@ -143,8 +161,14 @@ async def test_weight_reload_bumps_version_and_loses_nothing(tmp_path) -> None:
     sched = BatchScheduler(engine, max_batch=4, window_ms=1)
     app = create_app(sched)
     save_checkpoint(create_model(seed=99), tmp_path / "v1")
-    body = {"prompt": encode_chat(TOK, [{"role": "user", "content": "w"}]), "max_tokens": 6, "seed": 3,
-            "return_token_ids": True, "ignore_eos": True, "temperature": 0}
+    body = {
+        "prompt": encode_chat(TOK, [{"role": "user", "content": "w"}]),
+        "max_tokens": 6,
+        "seed": 3,
+        "return_token_ids": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     await sched.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e") as c:

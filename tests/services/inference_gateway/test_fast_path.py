@@ -21,8 +21,16 @@ pytestmark = pytest.mark.timeout(30)
 
 class FakeBackend(Backend):
     async def complete(self, req: GenerateRequest) -> BackendResult:
-        return BackendResult(prompt_ids=req.prompt_ids, token_ids=[7, 8], logprobs=[-0.5, -1.25], text="ab",
-                             finish_reason="length", stop_reason=None, policy_version=3, backend=self.name)
+        return BackendResult(
+            prompt_ids=req.prompt_ids,
+            token_ids=[7, 8],
+            logprobs=[-0.5, -1.25],
+            text="ab",
+            finish_reason="length",
+            stop_reason=None,
+            policy_version=3,
+            backend=self.name,
+        )
 
     async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
         return 0.0
@@ -36,15 +44,20 @@ def make_app(tmp_path: Path, *, backends: bool = True) -> GatewayApp:
     return app
 
 
-async def post(app: GatewayApp, body: Any, *, fast: bool, headers: dict[str, str] | None = None) -> httpx.Response:
+async def post(
+    app: GatewayApp, body: Any, *, fast: bool, headers: dict[str, str] | None = None
+) -> httpx.Response:
     routes = app.fast_routes
     if not fast:
         app.fast_routes = {}  # the same handler, reached through FastAPI's middleware and router
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
-            return await c.post("/v1/completions", content=content,
-                                headers={"content-type": "application/json", **(headers or {})})
+            return await c.post(
+                "/v1/completions",
+                content=content,
+                headers={"content-type": "application/json", **(headers or {})},
+            )
     finally:
         app.fast_routes = routes
 
@@ -59,18 +72,21 @@ def comparable(r: httpx.Response) -> tuple[int, str | None, str | None, Any]:
     return r.status_code, r.headers.get("content-type"), r.headers.get("x-temper-policy-version"), body
 
 
-@pytest.mark.parametrize("body", [
-    b"{not json",
-    {"max_tokens": 2},  # no prompt
-    {"prompt": [1, "a"]},
-    {"prompt": [1, 2], "temperature": -1, "top_p": 0},
-    {"prompt": [1, 2], "stream": True},
-    {"prompt": []},
-    {"prompt": ["a", "b"]},
-    {"prompt": [[1], [2]]},
-    {"prompt": "hello", "max_tokens": 2, "logprobs": 0},
-    {"prompt": [1, 2, 3], "max_tokens": 2, "stop": "x", "seed": 4},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        {"max_tokens": 2},  # no prompt
+        {"prompt": [1, "a"]},
+        {"prompt": [1, 2], "temperature": -1, "top_p": 0},
+        {"prompt": [1, 2], "stream": True},
+        {"prompt": []},
+        {"prompt": ["a", "b"]},
+        {"prompt": [[1], [2]]},
+        {"prompt": "hello", "max_tokens": 2, "logprobs": 0},
+        {"prompt": [1, 2, 3], "max_tokens": 2, "stop": "x", "seed": 4},
+    ],
+)
 async def test_fast_path_answers_like_fastapi(tmp_path: Path, body: Any) -> None:
     app = make_app(tmp_path)
     fast, slow = await post(app, body, fast=True), await post(app, body, fast=False)
@@ -85,7 +101,9 @@ async def test_fast_path_error_bodies(tmp_path: Path) -> None:
     assert r.json()["detail"][0]["loc"] == ["prompt"]
     r = await post(app, {"prompt": [1], "stream": True}, fast=True)
     assert (r.status_code, r.json()) == (400, {"detail": "stream=true is not supported by the gateway"})
-    r = await post(make_app(tmp_path, backends=False), {"prompt": [1]}, fast=True)  # request.app.state.service
+    r = await post(
+        make_app(tmp_path, backends=False), {"prompt": [1]}, fast=True
+    )  # request.app.state.service
     assert r.status_code == 502 and r.json()["detail"].startswith("generation failed: no backend configured")
 
 
@@ -96,7 +114,9 @@ async def test_fast_path_records_the_episode_trace(tmp_path: Path) -> None:
     assert r.json()["choices"][0]["token_ids"] == [7, 8] and r.json()["id"].startswith("cmpl-")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
         calls = (await c.get("/v1/traces/ep")).json()["calls"]
-    assert [(x["prompt_ids"], x["token_ids"], x["endpoint"]) for x in calls] == [([5, 6], [7, 8], "completions")]
+    assert [(x["prompt_ids"], x["token_ids"], x["endpoint"]) for x in calls] == [
+        ([5, 6], [7, 8], "completions")
+    ]
 
 
 async def test_fast_path_skips_the_middleware_and_other_requests_do_not(tmp_path: Path) -> None:

@@ -22,7 +22,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
 def make_service(engines, tmp_path: Path) -> InferenceService:  # noqa: ANN001
     cfg = InferenceSettings(
         backends=[BackendSpec(name=f"e{i}", url=s.url) for i, s in enumerate(engines)],
-        checkpoint_cache_dir=str(tmp_path / "cache"), retry_backoff_s=0.001, health_interval_s=0.5,
+        checkpoint_cache_dir=str(tmp_path / "cache"),
+        retry_backoff_s=0.001,
+        health_interval_s=0.5,
     )
     return InferenceService(cfg, store=LocalStore(tmp_path / "objects"))
 
@@ -32,8 +34,15 @@ async def test_handle_turns_a_request_message_into_a_result_message(engines, tmp
     await svc.start()
     try:
         prompt = encode_chat(TOK, [{"role": "user", "content": "hi"}])
-        msg = InferenceRequest(job_id="j", episode_id="ep", turn=2, attempt=1, model="temper-policy",
-                               prompt_ids=prompt, sampling=SamplingParams(max_tokens=5, seed=3))
+        msg = InferenceRequest(
+            job_id="j",
+            episode_id="ep",
+            turn=2,
+            attempt=1,
+            model="temper-policy",
+            prompt_ids=prompt,
+            sampling=SamplingParams(max_tokens=5, seed=3),
+        )
         assert svc.has_capacity()
         res = await svc.handle(msg)
         assert res.error is None and res.backend in ("e0", "e1")
@@ -50,21 +59,31 @@ async def test_handle_turns_a_request_message_into_a_result_message(engines, tmp
 async def test_policy_update_from_object_store_switches_every_engine(engines, tmp_path) -> None:  # noqa: ANN001
     svc = make_service(engines, tmp_path)
     ckpt = save_checkpoint(create_model(seed=5), tmp_path / "ckpt")
-    await svc.store.put("tenants/t/jobs/j/checkpoints/v1/model.safetensors", (ckpt / "model.safetensors").read_bytes())
+    await svc.store.put(
+        "tenants/t/jobs/j/checkpoints/v1/model.safetensors", (ckpt / "model.safetensors").read_bytes()
+    )
     await svc.start()
     try:
         prompt = encode_chat(TOK, [{"role": "user", "content": "v"}])
-        msg = InferenceRequest(model="m", prompt_ids=prompt, episode_id="e",
-                               sampling=SamplingParams(max_tokens=6, seed=1, temperature=0))
+        msg = InferenceRequest(
+            model="m",
+            prompt_ids=prompt,
+            episode_id="e",
+            sampling=SamplingParams(max_tokens=6, seed=1, temperature=0),
+        )
         before = await svc.handle(msg)
         inflight = [asyncio.create_task(svc.handle(msg)) for _ in range(6)]
-        times = await svc.apply_update(PolicyUpdate(version=1, checkpoint_key="tenants/t/jobs/j/checkpoints/v1", step=10))
+        times = await svc.apply_update(
+            PolicyUpdate(version=1, checkpoint_key="tenants/t/jobs/j/checkpoints/v1", step=10)
+        )
         done = await asyncio.gather(*inflight)
         after = await svc.handle(msg)
         assert set(times) == {"e0", "e1"} and all(t > 0 for t in times.values())
         assert all(r.error is None and r.policy_version in (0, 1) for r in done)
         assert (before.policy_version, after.policy_version) == (0, 1) and after.logprobs != before.logprobs
-        assert await svc.apply_update(PolicyUpdate(version=1, checkpoint_key="x", step=10)) == {}  # idempotent
+        assert (
+            await svc.apply_update(PolicyUpdate(version=1, checkpoint_key="x", step=10)) == {}
+        )  # idempotent
         assert all(s.engine.version == 1 for s in engines)
     finally:
         await svc.stop()
@@ -83,8 +102,11 @@ async def gateway(engines, tmp_path):  # noqa: ANN001, ANN201
 async def test_completions_proxy_records_the_episode_trace(gateway) -> None:  # noqa: ANN001
     c, svc = gateway
     prompt = encode_chat(TOK, [{"role": "user", "content": "trace me"}])
-    r = await c.post("/v1/completions", headers={"X-Temper-Episode": "ep-7"},
-                     json={"prompt": prompt, "max_tokens": 4, "seed": 2, "logprobs": 0, "ignore_eos": True})
+    r = await c.post(
+        "/v1/completions",
+        headers={"X-Temper-Episode": "ep-7"},
+        json={"prompt": prompt, "max_tokens": 4, "seed": 2, "logprobs": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     ch = r.json()["choices"][0]
     assert ch["prompt_token_ids"] == prompt and len(ch["token_ids"]) == 4
@@ -111,7 +133,9 @@ async def test_chat_proxy_extends_the_conversation_token_wise(gateway) -> None: 
     r2 = await c.post("/v1/chat/completions", headers=h, json={"messages": msgs2, "max_tokens": 6, "seed": 1})
     d2 = r2.json()
     first_ids = d1["prompt_token_ids"] + d1["choices"][0]["token_ids"]
-    assert d2["prompt_token_ids"][: len(first_ids)] == first_ids  # the sampled ids themselves, not re-encoded text
+    assert (
+        d2["prompt_token_ids"][: len(first_ids)] == first_ids
+    )  # the sampled ids themselves, not re-encoded text
     assert svc.sessions.extended == 1
     calls = (await c.get("/v1/traces/ep-chat")).json()["calls"]
     assert [x["endpoint"] for x in calls] == ["chat.completions", "chat.completions"]

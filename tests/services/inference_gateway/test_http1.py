@@ -25,7 +25,9 @@ def response(status: int, body: bytes, *extra: str) -> bytes:
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
     return await reader.readexactly(length)
 
 
@@ -104,7 +106,9 @@ async def test_request_line_headers_and_url_prefix() -> None:
 
 
 async def test_chunked_and_connection_close_and_body_to_eof() -> None:
-    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{\"a\"\r\n3;x=y\r\n:1}\r\n0\r\nT: 1\r\n\r\n"
+    chunked = (
+        b'HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{"a"\r\n3;x=y\r\n:1}\r\n0\r\nT: 1\r\n\r\n'
+    )
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await read_request(reader)
@@ -113,7 +117,7 @@ async def test_chunked_and_connection_close_and_body_to_eof() -> None:
             await read_request(reader)
             writer.write(response(200, b'{"b":2}', "Connection: close"))
         else:
-            writer.write(b"HTTP/1.1 200 OK\r\n\r\n{\"c\":3}")  # no length: the body ends with the connection
+            writer.write(b'HTTP/1.1 200 OK\r\n\r\n{"c":3}')  # no length: the body ends with the connection
 
     srv = Server(handler)
     async with srv as url:
@@ -147,7 +151,9 @@ async def test_a_reused_connection_closed_without_an_answer_is_replaced_once() -
 
 async def backend_error(handler: Handler, *, timeout_s: float = 5.0) -> BackendError:
     async with Server(handler) as url:
-        b = EngineBackend(BackendSpec(name="e0", url=url), model_name="m", timeout_s=timeout_s, connect_timeout_s=1)
+        b = EngineBackend(
+            BackendSpec(name="e0", url=url), model_name="m", timeout_s=timeout_s, connect_timeout_s=1
+        )
         try:
             with pytest.raises(BackendError) as info:
                 await b.post("/v1/completions", {"prompt": [1]})
@@ -156,15 +162,18 @@ async def backend_error(handler: Handler, *, timeout_s: float = 5.0) -> BackendE
     return info.value
 
 
-@pytest.mark.parametrize(("answer", "kind", "status"), [
-    (response(503, b"busy"), ErrorKind.server, 503),
-    (response(429, b"slow down"), ErrorKind.server, 429),
-    (response(400, b"maximum context length"), ErrorKind.client, 400),
-    (response(200, b"<html>"), ErrorKind.protocol, None),
-    (b"SSH-2.0-OpenSSH\r\n\r\n", ErrorKind.connect, None),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}", ErrorKind.connect, None),  # cut short
-    (b"", ErrorKind.connect, None),  # closed without an answer
-])
+@pytest.mark.parametrize(
+    ("answer", "kind", "status"),
+    [
+        (response(503, b"busy"), ErrorKind.server, 503),
+        (response(429, b"slow down"), ErrorKind.server, 429),
+        (response(400, b"maximum context length"), ErrorKind.client, 400),
+        (response(200, b"<html>"), ErrorKind.protocol, None),
+        (b"SSH-2.0-OpenSSH\r\n\r\n", ErrorKind.connect, None),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{}", ErrorKind.connect, None),  # cut short
+        (b"", ErrorKind.connect, None),  # closed without an answer
+    ],
+)
 async def test_backend_error_kinds(answer: bytes, kind: ErrorKind, status: int | None) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await read_request(reader)

@@ -42,8 +42,14 @@ class FakeBackend(Backend):
 
 
 def settings(**kw) -> InferenceSettings:  # noqa: ANN003
-    base = {"max_retries": 2, "retry_backoff_s": 0.001, "max_inflight_per_backend": 4, "breaker_failures": 2,
-            "breaker_reset_s": 0.2, "request_timeout_s": 5.0}
+    base = {
+        "max_retries": 2,
+        "retry_backoff_s": 0.001,
+        "max_inflight_per_backend": 4,
+        "breaker_failures": 2,
+        "breaker_reset_s": 0.2,
+        "request_timeout_s": 5.0,
+    }
     return InferenceSettings(**{**base, **kw})
 
 
@@ -62,7 +68,9 @@ async def test_episodes_stick_to_one_backend() -> None:
 async def test_bounded_load_spills_a_hot_episode_to_another_backend() -> None:
     backends = [FakeBackend("b0", delay=0.05), FakeBackend("b1", delay=0.05)]
     router = Router(backends, settings(max_inflight_per_backend=8, load_factor=1.25))
-    results = await asyncio.gather(*(router.generate(GenerateRequest([1], episode_id="hot")) for _ in range(8)))
+    results = await asyncio.gather(
+        *(router.generate(GenerateRequest([1], episode_id="hot")) for _ in range(8))
+    )
     by = {b.name: sum(r.backend == b.name for r in results) for b in backends}
     assert by[router.sticky_target("hot")] >= 4 and min(by.values()) >= 2
 
@@ -120,8 +128,12 @@ def test_breaker_half_open_lets_one_trial_through() -> None:
 
 async def test_failover_when_a_real_engine_is_killed(two_engine_processes) -> None:  # noqa: ANN001
     a, b = two_engine_processes
-    backends = [EngineBackend(BackendSpec(name=n, url=s.url), model_name="temper-policy", timeout_s=10,
-                              connect_timeout_s=1) for n, s in (("e0", a), ("e1", b))]
+    backends = [
+        EngineBackend(
+            BackendSpec(name=n, url=s.url), model_name="temper-policy", timeout_s=10, connect_timeout_s=1
+        )
+        for n, s in (("e0", a), ("e1", b))
+    ]
     router = Router(backends, settings(health_interval_s=0.2))
     await router.start()
     try:

@@ -76,10 +76,14 @@ async def test_scores_code_and_math_and_never_scores_a_redelivery_twice(runtime,
         submission={"files": {"solution.py": "def square(x):\n    return x * abs(x)\n"}},
         weights={"tests_passed": 1.0, "format": 0.5}, turns_used=2, max_turns=4,
     )  # fmt: skip
-    math_req = RewardRequest(job_id="j1", episode_id=ep2, turn=1, task_id=f"{ts}:m", submission={"text": "#### 42"})
+    math_req = RewardRequest(
+        job_id="j1", episode_id=ep2, turn=1, task_id=f"{ts}:m", submission={"text": "#### 42"}
+    )
     await runtime.bus.send_message(Topics.REWARD_REQUESTS, code_req)
     await runtime.bus.send_message(Topics.REWARD_REQUESTS, math_req)
-    await runtime.bus.send_message(Topics.REWARD_REQUESTS, code_req.model_copy(update={"id": uuid.uuid4()}))  # redelivery
+    await runtime.bus.send_message(
+        Topics.REWARD_REQUESTS, code_req.model_copy(update={"id": uuid.uuid4()})
+    )  # redelivery
     await asyncio.wait_for(done.wait(), 60)
     await consumer.stop()
     await scorer.stop()
@@ -120,12 +124,17 @@ async def test_rescoring_a_finished_job_with_new_weights_and_a_new_verifier(runt
     await scorer.handle(req)
     await scorer.stop()
     # one trajectory with a scorer record, one without (its submission is rebuilt from the turns)
-    for ep, action in (("e-rec", {}), ("e-old", {"kind": "write_file", "path": "solution.py", "content": "def square(x):\n    return 4\n"})):
+    for ep, action in (
+        ("e-rec", {}),
+        ("e-old", {"kind": "write_file", "path": "solution.py", "content": "def square(x):\n    return 4\n"}),
+    ):
         traj = Trajectory(
             job_id="j9", episode_id=ep, task_id=f"{ts}:sq", group_id="g", segments=[Segment(role="prompt", token_ids=[1])],
             turns=[TurnRecord(turn=1, action_text="", action=action)], reward=1.0,
         )  # fmt: skip
-        await store.put(object_key("acme", "j9", "trajectories", f"{ep}.json"), traj.model_dump_json().encode())
+        await store.put(
+            object_key("acme", "j9", "trajectories", f"{ep}.json"), traj.model_dump_json().encode()
+        )
 
     async def load(task_id: str) -> TaskSpec:
         async with runtime.db.session() as s:
@@ -135,7 +144,9 @@ async def test_rescoring_a_finished_job_with_new_weights_and_a_new_verifier(runt
                             weights={"tests_passed": 0.5, "coverage": 0.5}, load_task=load)  # fmt: skip
     by = {r.episode_id: r for r in out}
     assert by["e-rec"].source == "record" and by["e-rec"].reward == pytest.approx(1.0)
-    assert by["e-old"].source == "trajectory" and by["e-old"].reward == pytest.approx(0.5 * (1 / 3) + 0.5 * 1.0)
+    assert by["e-old"].source == "trajectory" and by["e-old"].reward == pytest.approx(
+        0.5 * (1 / 3) + 0.5 * 1.0
+    )
 
     from temper.events import RewardComponent
     from temper.rewards import Component, ComponentName
@@ -150,7 +161,10 @@ async def test_rescoring_a_finished_job_with_new_weights_and_a_new_verifier(runt
     out = await rescore_job(store=store, scorer=Scorer(scoring_manager), tenant="acme", job_id="j9",
                             weights={"tests_passed": 1.0}, load_task=load, verifiers={"tests_passed": Strict()})  # fmt: skip
     assert {r.episode_id: r.reward for r in out} == {"e-old": -1.0, "e-rec": 1.0}
-    assert json.loads(await store.get((await store.list("rewards/j9/e-rec/"))[0]))["request"]["task_id"] == f"{ts}:sq"
+    assert (
+        json.loads(await store.get((await store.list("rewards/j9/e-rec/"))[0]))["request"]["task_id"]
+        == f"{ts}:sq"
+    )
 
 
 @pytest.mark.parametrize("runtime", ["inprocess"], indirect=True)

@@ -20,14 +20,24 @@ TOK = default_tokenizer()
 TENANT = "acme"
 
 
-def job_spec(*, group_size: int = 4, groups_per_step: int = 2, checkpoint_every: int = 1,
-             max_staleness: int = 8, kl_coef: float = 0.0) -> dict[str, Any]:
+def job_spec(
+    *,
+    group_size: int = 4,
+    groups_per_step: int = 2,
+    checkpoint_every: int = 1,
+    max_staleness: int = 8,
+    kl_coef: float = 0.0,
+) -> dict[str, Any]:
     return {
         "name": "trainer-test",
         "policy": {"model": "temper-policy"},
         "tasks": {"taskset": "ts-1", "group_size": group_size},
-        "algorithm": {"learning_rate": 1e-3, "groups_per_step": groups_per_step,
-                      "checkpoint_every": checkpoint_every, "kl_coef": kl_coef},
+        "algorithm": {
+            "learning_rate": 1e-3,
+            "groups_per_step": groups_per_step,
+            "checkpoint_every": checkpoint_every,
+            "kl_coef": kl_coef,
+        },
         "schedule": {"episodes_per_iteration": group_size * groups_per_step, "max_staleness": max_staleness},
     }
 
@@ -69,7 +79,11 @@ class TrajectoryFactory:
             lp = token_logprobs(self.model, torch.tensor([ids]), None, torch.tensor([mask]))[0].tolist()
         n1, n2 = len(prompt), len(prompt) + len(a1) + len(obs)
         traj = Trajectory(
-            job_id=self.job_id, episode_id=episode, task_id=f"task-{group}", group_id=group, reward=reward,
+            job_id=self.job_id,
+            episode_id=episode,
+            task_id=f"task-{group}",
+            group_id=group,
+            reward=reward,
             segments=[
                 Segment(role="prompt", token_ids=prompt),
                 Segment(role="model", token_ids=a1, logprobs=lp[n1 : n1 + len(a1)], policy_version=version),
@@ -78,8 +92,15 @@ class TrajectoryFactory:
             ],
         )
         key = object_key(TENANT, self.job_id, "trajectories", f"{episode}.json")
-        msg = TrajectoryReady(job_id=self.job_id, episode_id=episode, task_id=traj.task_id, group_id=group,
-                              trajectory_key=key, behaviour_version=version, reward=reward)
+        msg = TrajectoryReady(
+            job_id=self.job_id,
+            episode_id=episode,
+            task_id=traj.task_id,
+            group_id=group,
+            trajectory_key=key,
+            behaviour_version=version,
+            reward=reward,
+        )
         return Made(traj, msg)
 
     def group(self, name: str, rewards: list[float], *, version: int = 0) -> list[Made]:

@@ -26,7 +26,13 @@ from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec,
 
 ROOT = Path(__file__).resolve().parents[3]
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.s3, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.kafka,
+    pytest.mark.postgres,
+    pytest.mark.s3,
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+]
 
 
 def free_port() -> int:
@@ -48,8 +54,13 @@ class TrainerProcess:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "services.trainer"], cwd=ROOT,
-                                         env={**self.env, "TEMPER_PORT": str(port)}, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.trainer"],
+                cwd=ROOT,
+                env={**self.env, "TEMPER_PORT": str(port)},
+                stdout=log,
+                stderr=log,
+            )
 
     async def start(self) -> None:
         self.spawn()
@@ -57,7 +68,9 @@ class TrainerProcess:
         async with httpx.AsyncClient() as client:
             for _ in range(600):
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"trainer exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+                    raise AssertionError(
+                        f"trainer exited with {self.proc.returncode}:\n{self.log_path.read_text()}"
+                    )
                 try:
                     if (await client.get(f"{self.url}/health", timeout=1)).status_code == 200:
                         return
@@ -123,13 +136,20 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
 
     async def ledger() -> dict[str, TrainedTrajectory]:
         async with database.session() as s:
-            rows = (await s.execute(select(TrainedTrajectory).where(TrainedTrajectory.job_id == job_id))).scalars()
+            rows = (
+                await s.execute(select(TrainedTrajectory).where(TrainedTrajectory.job_id == job_id))
+            ).scalars()
             return {r.episode_id: r for r in rows}
 
     async def versions() -> list[tuple[int, int]]:
         async with database.session() as s:
-            rows = (await s.execute(select(PolicyVersion).where(PolicyVersion.job_id == job_id)
-                                    .order_by(PolicyVersion.version))).scalars()
+            rows = (
+                await s.execute(
+                    select(PolicyVersion)
+                    .where(PolicyVersion.job_id == job_id)
+                    .order_by(PolicyVersion.version)
+                )
+            ).scalars()
             return [(r.version, r.step) for r in rows]
 
     async def until_step(number: int) -> None:
@@ -160,8 +180,12 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
 
         await trainer.start()
         # Again one group at a time, so the step each group lands on is known.
-        sends = [(g1 + g3 + flat + half[:2], 3),  # redeliveries: g3 is retrained, g1 and flat are not
-                 (half[2:], 4), (g4, 5), (g5, 6)]
+        sends = [
+            (g1 + g3 + flat + half[:2], 3),  # redeliveries: g3 is retrained, g1 and flat are not
+            (half[2:], 4),
+            (g4, 5),
+            (g5, 6),
+        ]
         for messages, number in sends:
             await send_all(bus, messages)
             await until_step(number)
@@ -174,7 +198,9 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
         rows = await ledger()
         sent = {m.message.episode_id for m in everything}
         assert set(rows) == sent, "every trajectory is in the ledger, once (episode id is its key)"
-        assert all((r.step is None) != (r.skipped is None) for r in rows.values()), "trained or skipped, not both"
+        assert all((r.step is None) != (r.skipped is None) for r in rows.values()), (
+            "trained or skipped, not both"
+        )
         assert {rows[m.message.episode_id].skipped for m in flat} == {SKIP_ZERO_VARIANCE}
         trained = Counter(r.step for r in rows.values() if r.step is not None)
         assert trained == {1: 4, 2: 4, 3: 4, 4: 4, 5: 4, 6: 4}, "each step trained on exactly one group"
@@ -183,7 +209,9 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
         assert await versions() == [(1, 2), (2, 4), (3, 6)]
         async with database.session() as s:
             assert (await s.get(Job, job_id)).policy_version == 3
-            outbox = list((await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))).scalars())
+            outbox = list(
+                (await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))).scalars()
+            )
         mine = [PolicyUpdate.model_validate_json(r.payload) for r in outbox]
         mine = [u for u in mine if u.job_id == job_id]
         assert sorted(u.version for u in mine) == [1, 2, 3]

@@ -28,8 +28,11 @@ pytestmark = pytest.mark.timeout(90)
 async def settings(tmp_path) -> Settings:
     url = f"sqlite+aiosqlite:///{tmp_path}/temper.db"
     await asyncio.to_thread(upgrade, url)
-    return Settings(db=DatabaseSettings(url=url), storage=StorageSettings(root=tmp_path / "objects"),
-                    log=LogSettings(level="WARNING"))
+    return Settings(
+        db=DatabaseSettings(url=url),
+        storage=StorageSettings(root=tmp_path / "objects"),
+        log=LogSettings(level="WARNING"),
+    )
 
 
 async def start(settings: Settings, **trainer: object) -> tuple[Runtime, Trainer]:
@@ -48,15 +51,20 @@ async def stop(runtime: Runtime, component: Trainer) -> None:
 async def ledger(runtime: Runtime, job_id: str) -> dict[str, TrainedTrajectory]:
     assert runtime.db is not None
     async with runtime.db.session() as s:
-        rows = (await s.execute(select(TrainedTrajectory).where(TrainedTrajectory.job_id == job_id))).scalars()
+        rows = (
+            await s.execute(select(TrainedTrajectory).where(TrainedTrajectory.job_id == job_id))
+        ).scalars()
         return {r.episode_id: r for r in rows}
 
 
 async def versions(runtime: Runtime, job_id: str) -> list[tuple[int, int]]:
     assert runtime.db is not None
     async with runtime.db.session() as s:
-        rows = (await s.execute(select(PolicyVersion).where(PolicyVersion.job_id == job_id)
-                                .order_by(PolicyVersion.version))).scalars()
+        rows = (
+            await s.execute(
+                select(PolicyVersion).where(PolicyVersion.job_id == job_id).order_by(PolicyVersion.version)
+            )
+        ).scalars()
         return [(r.version, r.step) for r in rows]
 
 
@@ -71,11 +79,18 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings):
             updates.append(PolicyUpdate.model_validate_json(record.value))
 
         await runtime.bus.subscribe([Topics.POLICY_UPDATES], "test-gateway", collect)
-        skipped_before = REGISTRY.get_sample_value("temper_trainer_skipped_groups_total", {"job_id": "job-a"}) or 0
+        skipped_before = (
+            REGISTRY.get_sample_value("temper_trainer_skipped_groups_total", {"job_id": "job-a"}) or 0
+        )
         f = TrajectoryFactory("job-a")
         flat = f.group("flat", [0.5] * 4)
-        made = (f.group("g1", [1, 0, 0, 1]) + flat + f.group("g2", [0, 0, 1, 0])
-                + f.group("g3", [1, 1, 0, 0.5]) + f.group("g4", [0.2, 0.4, 0.6, 0.8]))
+        made = (
+            f.group("g1", [1, 0, 0, 1])
+            + flat
+            + f.group("g2", [0, 0, 1, 0])
+            + f.group("g3", [1, 1, 0, 0.5])
+            + f.group("g4", [0.2, 0.4, 0.6, 0.8])
+        )
         await store_all(runtime.store, made)
         await send_all(runtime.bus, made)
 
@@ -92,7 +107,9 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings):
         assert await versions(runtime, "job-a") == [(1, 1), (2, 2)]
         async with runtime.db.session() as s:
             assert (await s.get(Job, "job-a")).policy_version == 2
-            outbox = (await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))).scalars()
+            outbox = (
+                await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))
+            ).scalars()
             assert all(r.published_at is not None for r in outbox)
 
         assert [u.version for u in updates] == [1, 2] and [u.step for u in updates] == [1, 2]
@@ -101,7 +118,9 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings):
         # the gateway loads the weights file alone; it is not the initial policy any more
         weights = settings.storage.root / updates[1].checkpoint_key
         model = load_weights(create_model("tiny", seed=0), weights)
-        assert not torch.equal(model.model.embed_tokens.weight, create_model("tiny", seed=0).model.embed_tokens.weight)
+        assert not torch.equal(
+            model.model.embed_tokens.weight, create_model("tiny", seed=0).model.embed_tokens.weight
+        )
         assert await runtime.store.exists("tenants/acme/jobs/job-a/checkpoints/v2.optimizer.safetensors")
         after = REGISTRY.get_sample_value("temper_trainer_skipped_groups_total", {"job_id": "job-a"})
         assert after == skipped_before + 1
@@ -144,7 +163,9 @@ async def test_a_restarted_trainer_resumes_from_its_checkpoint_and_trains_nothin
 
         await wait_for(mid_job, what="three steps and a half group")
         rows = await ledger(runtime, "job-r")
-        assert {rows[m.message.episode_id].step for m in g3 + partial[:2]} == {None}, "step 3 not checkpointed"
+        assert {rows[m.message.episode_id].step for m in g3 + partial[:2]} == {None}, (
+            "step 3 not checkpointed"
+        )
         assert await versions(runtime, "job-r") == [(1, 2)]
     finally:
         await stop(runtime, trainer)  # everything in memory is gone
@@ -236,8 +257,12 @@ async def test_flush_publishes_the_last_steps_and_a_failing_batch_is_skipped(set
         async def settled() -> bool:
             rows = await ledger(runtime, "job-f")
             job = trainer.jobs.get("job-f")
-            return (len(rows) == 4 and job is not None and job.learner.step_count == 1
-                    and all(rows[m.message.episode_id].skipped for m in broken))
+            return (
+                len(rows) == 4
+                and job is not None
+                and job.learner.step_count == 1
+                and all(rows[m.message.episode_id].skipped for m in broken)
+            )
 
         await wait_for(settled, what="one step and one skipped batch")
         rows = await ledger(runtime, "job-f")
