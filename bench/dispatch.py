@@ -36,6 +36,9 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 
 import asyncpg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
+
+from services.dispatcher.engine.config import EngineSettings  # noqa: E402
+from services.dispatcher.service import Dispatcher  # noqa: E402
 from temper.bus import Record  # noqa: E402
 from temper.bus.kafka import KafkaBus, start_groups_at_end  # noqa: E402
 from temper.db import Episode, Job, Step, Task, TaskSet, Tenant  # noqa: E402
@@ -55,9 +58,6 @@ from temper.jobspec import JobSpec  # noqa: E402
 from temper.policy.tokenizer import default_tokenizer  # noqa: E402
 from temper.runtime import Runtime  # noqa: E402
 from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings  # noqa: E402
-
-from services.dispatcher.engine.config import EngineSettings  # noqa: E402
-from services.dispatcher.service import Dispatcher  # noqa: E402
 
 TOK = default_tokenizer()
 RUN_TEXT = "```bash\ntrue\n```"

@@ -101,6 +101,7 @@ async def groups_start_at_end(bootstrap: str, groups: dict[str, list[str]]) -> N
     """New consumer groups start at the current end of the shared topics, not at their history."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError
+
     from temper.bus.kafka import start_groups_at_end
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)

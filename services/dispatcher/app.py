@@ -15,16 +15,16 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import RedirectResponse
-from temper.jobspec import JobSpec
-from temper.logs import log_event
-from temper.runtime import Runtime, health_router
-from temper.settings import Settings
-from temper.tenants import ensure_bootstrap_key
 
 from services.dispatcher.api import episodes, jobs, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.console import routes as console
+from temper.jobspec import JobSpec
+from temper.logs import log_event
+from temper.runtime import Runtime, health_router
+from temper.settings import Settings
+from temper.tenants import ensure_bootstrap_key
 
 log = logging.getLogger("temper.dispatcher")
 

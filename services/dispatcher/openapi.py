@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from temper.settings import Settings
-
 from services.dispatcher.app import create_app
+from temper.settings import Settings
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 

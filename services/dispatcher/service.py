@@ -20,17 +20,16 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from temper.bus import Consumer
-from temper.events import Topics
-from temper.logs import log_event
-from temper.outbox import OutboxRelay
-from temper.runtime import Runtime
-
 from services.dispatcher.engine.config import EngineSettings
 from services.dispatcher.engine.episodes import EpisodeEngine
 from services.dispatcher.engine.handlers import ResultHandlers
 from services.dispatcher.engine.leader import Leadership
 from services.dispatcher.engine.scheduler import Scheduler
+from temper.bus import Consumer
+from temper.events import Topics
+from temper.logs import log_event
+from temper.outbox import OutboxRelay
+from temper.runtime import Runtime
 
 log = logging.getLogger("temper.dispatcher")
 

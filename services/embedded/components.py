@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from temper.runtime import Runtime
-
 from services.dispatcher.service import Dispatcher
 from services.inference_gateway.component import Gateway
 from services.reward_scorer.service import RewardScorer
 from services.sandbox_worker.service import SandboxWorkerService
 from services.trainer.service import Trainer
+from temper.runtime import Runtime
 
 
 class Component(Protocol):

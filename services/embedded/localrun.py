@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from temper.jobspec import JobSpec, SpecError, parse_spec
 
 

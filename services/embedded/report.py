@@ -10,13 +10,13 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
-from temper.db import Episode, Job
-from temper.storage import ObjectStore
 
 from services.dispatcher.api.repo import job_metrics
 from services.dispatcher.api.schemas import IterationReward, JobMetrics, Transcript
 from services.dispatcher.api.transcripts import transcript
 from services.dispatcher.console.charts import reward_curve_svg
+from temper.db import Episode, Job
+from temper.storage import ObjectStore
 
 TRANSCRIPTS_SHOWN = 4
 

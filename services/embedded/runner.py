@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from services.dispatcher.api.repo import create_job, job_metrics
+from services.embedded import localrun
+from services.embedded.components import Components
+from services.embedded.report import write_report
 from temper.db import Job, Tenant
 from temper.db.migrate import upgrade
 from temper.envs import make_environment
@@ -31,11 +35,6 @@ from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Se
 from temper.tasks.models import parse_tasks
 from temper.tasks.service import create_taskset
 from temper.training.sft import warm_start
-
-from services.dispatcher.api.repo import create_job, job_metrics
-from services.embedded import localrun
-from services.embedded.components import Components
-from services.embedded.report import write_report
 
 log = get_logger("temper.run")
 TENANT = "local"

@@ -45,11 +45,11 @@ from types import FrameType
 from typing import Any, TextIO
 
 import httpx
+
+from services.embedded import localrun
 from temper.client import ApiError, TemperClient
 from temper.jobspec import JobSpec, SpecError
 from temper.tenants import new_key
-
-from services.embedded import localrun
 
 ROOT = Path(__file__).resolve().parents[2]
 # Started in this order (executors before the dispatcher that feeds them), stopped in reverse.
@@ -163,6 +163,7 @@ def fresh_database(stack_url: str, name: str) -> str:
 
 def storage_settings(env: dict[str, str]) -> Any:
     from pydantic import SecretStr
+
     from temper.settings import StorageKind, StorageSettings
 
     return StorageSettings(
@@ -467,11 +468,10 @@ def _follow(api: TemperClient, stack: Stack, job_id: str, progress: Any, *, time
 async def _report(
     database_url: str, env: dict[str, str], job_id: str, run_dir: Path, seconds: float
 ) -> dict[str, Any]:
+    from services.embedded.report import write_report
     from temper.db import Database, Job
     from temper.settings import DatabaseSettings
     from temper.storage import S3Store
-
-    from services.embedded.report import write_report
 
     db = Database(DatabaseSettings(url=database_url))
     try:

@@ -5,9 +5,8 @@ bus and object store from ``TEMPER_BUS__*``/``TEMPER_STORAGE__*``. Bad settings 
 unreachable broker print one line naming the setting and exit with status 2.
 """
 
-from temper.runtime import run_service
-
 from services.inference_gateway.app import create_app
+from temper.runtime import run_service
 
 if __name__ == "__main__":
     try:  # the proxy hop is event-loop bound: uvloop roughly halves its cost

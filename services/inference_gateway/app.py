@@ -21,11 +21,6 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.types import Receive, Scope, Send
-from temper import metrics
-from temper.events import SamplingParams
-from temper.policy import assistant_stop_ids
-from temper.runtime import Runtime, health_router
-from temper.settings import Settings
 
 from services.inference_gateway.backends import GenerateRequest
 from services.inference_gateway.component import Gateway
@@ -34,6 +29,11 @@ from services.inference_gateway.engine.core import GenOutput
 from services.inference_gateway.router import RequestFailed
 from services.inference_gateway.service import InferenceService
 from services.inference_gateway.traces import TraceEntry
+from temper import metrics
+from temper.events import SamplingParams
+from temper.policy import assistant_stop_ids
+from temper.runtime import Runtime, health_router
+from temper.settings import Settings
 
 EPISODE_HEADER = "X-Temper-Episode"
 

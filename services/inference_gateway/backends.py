@@ -23,10 +23,10 @@ from typing import Any
 import httpcore
 import httpx
 import pydantic_core
-from temper.events import SamplingParams
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
 
 from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
+from temper.events import SamplingParams
+from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
 
 
 class ErrorKind(StrEnum):

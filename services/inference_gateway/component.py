@@ -27,14 +27,13 @@ import logging
 import uuid
 from typing import Any
 
+from services.inference_gateway.service import InferenceService
 from temper.bus import Consumer, Poison
 from temper.events import InferenceRequest, Message, PolicyUpdate, Topics
 from temper.logs import log_event
 from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime
 from temper.settings import Mode
-
-from services.inference_gateway.service import InferenceService
 
 log = logging.getLogger("services.inference_gateway")
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from temper.policy.config import BackendSpec
-
 from services.inference_gateway.backends import (
     Backend,
     BackendError,
@@ -22,6 +20,7 @@ from services.inference_gateway.backends import (
     GenerateRequest,
 )
 from services.inference_gateway.engine.core import BatchScheduler, Engine, GenRequest, SamplingParams
+from temper.policy.config import BackendSpec
 
 
 def build_engine(spec: BackendSpec) -> Engine:

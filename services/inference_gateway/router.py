@@ -26,9 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from temper import metrics
-from temper.policy.config import InferenceSettings
-
 from services.inference_gateway.backends import (
     Backend,
     BackendError,
@@ -36,6 +33,8 @@ from services.inference_gateway.backends import (
     ErrorKind,
     GenerateRequest,
 )
+from temper import metrics
+from temper.policy.config import InferenceSettings
 
 
 class RequestFailed(Exception):

@@ -15,16 +15,15 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest, make_backend
+from services.inference_gateway.checkpoints import fetch_checkpoint
+from services.inference_gateway.router import RequestFailed, Router
+from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
 from temper import metrics
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
 from temper.policy import ByteTokenizer, default_tokenizer, encode_chat, extend_chat
 from temper.policy.config import InferenceSettings
 from temper.storage import ObjectStore
-
-from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest, make_backend
-from services.inference_gateway.checkpoints import fetch_checkpoint
-from services.inference_gateway.router import RequestFailed, Router
-from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
 
 log = logging.getLogger(__name__)
 

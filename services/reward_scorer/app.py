@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from temper.runtime import Runtime, health_router
-from temper.settings import Settings
 
 from services.reward_scorer.service import RewardScorer
+from temper.runtime import Runtime, health_router
+from temper.settings import Settings
 
 
 def create_app(settings: Settings) -> FastAPI:

@@ -10,10 +10,6 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
-from temper import metrics
-from temper.runtime import Runtime, health_router
-from temper.sandbox import Action, ExecResult, SandboxError, SessionNotFound, SnapshotError
-from temper.settings import Settings, get_settings
 
 from services.sandbox_worker.service import (
     CreateSession,
@@ -27,6 +23,10 @@ from services.sandbox_worker.service import (
     SessionCreated,
     SnapshotTaken,
 )
+from temper import metrics
+from temper.runtime import Runtime, health_router
+from temper.sandbox import Action, ExecResult, SandboxError, SessionNotFound, SnapshotError
+from temper.settings import Settings, get_settings
 
 
 def get_worker(request: Request) -> SandboxWorker:

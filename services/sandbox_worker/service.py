@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
+
 from temper.events import Message, SandboxRequest, SandboxResult, Topics
 from temper.logs import log_context, log_event
 from temper.runtime import Runtime

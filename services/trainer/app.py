@@ -8,10 +8,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from temper.runtime import Runtime, health_router
-from temper.settings import Settings
 
 from services.trainer.service import Trainer
+from temper.runtime import Runtime, health_router
+from temper.settings import Settings
 
 
 def create_app(settings: Settings) -> FastAPI:

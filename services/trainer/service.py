@@ -41,6 +41,7 @@ import torch
 from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
+
 from temper import metrics
 from temper.bus import Consumer, Poison
 from temper.db import Job, PolicyVersion, TrainedTrajectory

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from temper.bus import InProcessBus, KafkaBus
 from temper.events import LifecycleEvent, Topics
 

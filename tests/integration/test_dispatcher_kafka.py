@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
+
 from temper.bus.kafka import start_groups_at_end
 from temper.db import Database, Episode, OutboxRow, Step
 from temper.db.migrate import upgrade

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 from sqlalchemy import func, select
-from temper.db import Database, Episode, Job, PolicyVersion, Step
-from temper.settings import DatabaseSettings
 
 from services.embedded import stack
+from temper.db import Database, Episode, Job, PolicyVersion, Step
+from temper.settings import DatabaseSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [

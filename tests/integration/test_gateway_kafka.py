@@ -12,6 +12,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
+
+from services.inference_gateway.component import Gateway
 from temper.bus import Record
 from temper.bus.kafka import start_groups_at_end
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, SamplingParams, Topics, decode
@@ -19,8 +21,6 @@ from temper.policy import create_model, default_tokenizer, encode_chat, save_wei
 from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime
 from temper.settings import BusKind, BusSettings, Settings
-
-from services.inference_gateway.component import Gateway
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(120)]
 TOK = default_tokenizer()

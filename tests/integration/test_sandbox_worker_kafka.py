@@ -20,13 +20,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from services.sandbox_worker.service import SandboxWorkerService
 from temper.bus.kafka import start_groups_at_end
 from temper.events import Message, SandboxRequest, SandboxResult, Topics
 from temper.runtime import Runtime
 from temper.sandbox import SandboxLimits, SandboxSettings
 from temper.settings import BusKind, BusSettings, Settings
-
-from services.sandbox_worker.service import SandboxWorkerService
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.sandbox, pytest.mark.timeout(120)]

@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
+
 from temper.bus import Bus, InProcessBus, KafkaBus, Poison, Record
 from temper.events import InferenceRequest, Topics
 

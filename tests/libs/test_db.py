@@ -5,6 +5,7 @@ import asyncio
 import pytest
 from sqlalchemy import inspect, select
 from sqlalchemy.exc import IntegrityError
+
 from temper.db import Database, DatabaseUnavailable, Episode, Job, Step, Tenant
 from temper.db.migrate import downgrade, upgrade
 from temper.db.models import Base

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import func, select
+
 from temper.bus import InProcessBus, Record
 from temper.db import Database, OutboxRow
 from temper.events import LifecycleEvent

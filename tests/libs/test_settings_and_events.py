@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from temper.events import BadMessage, InferenceResult, LifecycleEvent, decode, write_schemas
 from temper.runtime import StartupError, load_settings
 from temper.settings import BusKind, Settings, StorageKind

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from temper.storage import LocalStore, NotFound, ObjectStore, S3Store, object_key
 
 
@@ -53,6 +54,7 @@ def test_object_keys_are_namespaced_per_tenant_and_job():
 
 async def test_an_unreachable_s3_server_fails_the_check():
     from pydantic import SecretStr
+
     from temper.settings import StorageSettings
 
     s3 = S3Store(StorageSettings(endpoint="127.0.0.1:1", secret_key=SecretStr("x" * 8)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import HTTPException, Request, status
 from fastapi.security import HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncSession
+
 from temper.tenants import Caller, authenticate
 
 # Declares the scheme in the OpenAPI document; parsing is done below so that every

@@ -8,12 +8,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.dispatcher.api.auth import require_admin, require_caller
 from temper.db import Tenant
 from temper.runtime import Runtime
 from temper.storage import ObjectStore
 from temper.tenants import Caller
-
-from services.dispatcher.api.auth import require_admin, require_caller
 
 
 def get_runtime(request: Request) -> Runtime:

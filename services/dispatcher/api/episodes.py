@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
-from temper.db import Episode
-from temper.lifecycle import EpisodeState
 
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, SessionDep, StoreDep
 from services.dispatcher.api.jobs import AUTH, JobDep
 from services.dispatcher.api.transcripts import stored_log, transcript
+from temper.db import Episode
+from temper.lifecycle import EpisodeState
 
 router = APIRouter(tags=["episodes"], dependencies=[Depends(bearer_scheme)])
 

@@ -9,13 +9,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
-from temper.db import Job
-from temper.jobspec import JobSpec, SpecError, parse_spec
-from temper.lifecycle import IllegalTransition, JobState
 
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, SessionDep
+from temper.db import Job
+from temper.jobspec import JobSpec, SpecError, parse_spec
+from temper.lifecycle import IllegalTransition, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(bearer_scheme)])
 

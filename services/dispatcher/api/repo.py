@@ -14,14 +14,14 @@ from typing import Any
 
 from sqlalchemy import Select, and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.dispatcher.api import schemas
 from temper.db import Episode, Job, TaskSet, Tenant, TrainedTrajectory
 from temper.db.models import utcnow
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
 from temper.outbox import enqueue
-
-from services.dispatcher.api import schemas
 
 SCORED = (EpisodeState.scored.value, EpisodeState.trained.value)
 FINISHED = tuple(s.value for s in EPISODE_FINISHED)

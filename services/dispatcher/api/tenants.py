@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException, status
 from sqlalchemy import select
-from temper.db import ApiKey, Tenant
-from temper.tenants import TenantExists, create_tenant, issue_key, revoke_key
 
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import AdminCaller, CurrentCaller, SessionDep
+from temper.db import ApiKey, Tenant
+from temper.tenants import TenantExists, create_tenant, issue_key, revoke_key
 
 router = APIRouter(prefix="/v1", tags=["tenants"], dependencies=[Depends(bearer_scheme)])
 

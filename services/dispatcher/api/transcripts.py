@@ -14,13 +14,13 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.dispatcher.api import schemas
+from services.dispatcher.api.repo import episode_out
 from temper.db import Episode, Step
 from temper.episode_log import log_key
 from temper.storage import NotFound, ObjectStore
 from temper.trajectory import Trajectory
-
-from services.dispatcher.api import schemas
-from services.dispatcher.api.repo import episode_out
 
 log = logging.getLogger("temper.dispatcher.transcripts")
 

@@ -16,13 +16,13 @@ from fastapi import APIRouter, Depends, FastAPI, Form, HTTPException, Query, Req
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
-from temper.lifecycle import JOB_TERMINAL, IllegalTransition
-from temper.tenants import Caller, authenticate
 
 from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
 from services.dispatcher.api.transcripts import stored_log, transcript
 from services.dispatcher.console.charts import reward_curve_svg
+from temper.lifecycle import JOB_TERMINAL, IllegalTransition
+from temper.tenants import Caller, authenticate
 
 HERE = Path(__file__).parent
 COOKIE = "temper_key"

@@ -22,6 +22,9 @@ from typing import Any
 
 from sqlalchemy import and_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.dispatcher.engine.config import EngineSettings
+from services.dispatcher.engine.trajectories import build_trajectory, passed
 from temper import metrics
 from temper.db import Database, Episode, Job, Step, Task
 from temper.envs import Environment, ParsedAction, make_environment
@@ -45,9 +48,6 @@ from temper.logs import log_context, log_event
 from temper.outbox import enqueue
 from temper.policy.tokenizer import ByteTokenizer, assistant_stop_ids, default_tokenizer
 from temper.storage import ObjectStore, object_key
-
-from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.engine.trajectories import build_trajectory, passed
 
 log = logging.getLogger("temper.dispatcher.episodes")
 

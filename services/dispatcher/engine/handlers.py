@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import logging
 
-from temper.events import InferenceResult, Message, PolicyUpdate, RewardResult, SandboxResult
-from temper.logs import log_event
-
 from services.dispatcher.engine.episodes import EpisodeEngine
 from services.dispatcher.engine.scheduler import Scheduler
+from temper.events import InferenceResult, Message, PolicyUpdate, RewardResult, SandboxResult
+from temper.logs import log_event
 
 log = logging.getLogger("temper.dispatcher.handlers")
 

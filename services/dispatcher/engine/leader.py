@@ -14,6 +14,7 @@ import logging
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
+
 from temper.db import Database
 from temper.logs import log_event
 

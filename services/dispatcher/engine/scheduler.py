@@ -16,6 +16,9 @@ from collections import Counter
 from pydantic import ValidationError
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.dispatcher.engine.episodes import ACTIVE, EpisodeEngine, new_id
+from services.dispatcher.engine.leader import Leadership
 from temper import metrics
 from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, PolicyUpdate, Topics
@@ -23,9 +26,6 @@ from temper.jobspec import Curriculum, JobSpec
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
-
-from services.dispatcher.engine.episodes import ACTIVE, EpisodeEngine, new_id
-from services.dispatcher.engine.leader import Leadership
 
 log = logging.getLogger("temper.dispatcher.scheduler")
 

@@ -7,12 +7,12 @@ import logging
 
 import torch
 import uvicorn
-from temper.policy import create_model, default_tokenizer, load_model, read_metadata
-from temper.settings import get_settings
-from temper.storage import make_store
 
 from services.inference_gateway.engine.app import create_app
 from services.inference_gateway.engine.core import BatchScheduler, Engine
+from temper.policy import create_model, default_tokenizer, load_model, read_metadata
+from temper.settings import get_settings
+from temper.storage import make_store
 
 
 def build_engine(

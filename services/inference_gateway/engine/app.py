@@ -23,11 +23,11 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from temper import metrics
-from temper.storage import NotFound, ObjectStore
 
 from services.inference_gateway.checkpoints import fetch_checkpoint
 from services.inference_gateway.engine.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
+from temper import metrics
+from temper.storage import NotFound, ObjectStore
 
 VERSION_HEADER = "X-Temper-Policy-Version"
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from temper.policy import ByteTokenizer, forward, load_weights, pad_batch
 
 log = logging.getLogger(__name__)

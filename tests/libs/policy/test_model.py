@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from temper.policy import (
     create_model,
     default_tokenizer,

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from temper.policy import ByteTokenizer, default_tokenizer, encode_chat, extend_chat
 
 pytestmark = pytest.mark.timeout(30)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from temper.rewards.answers import answers_match, extract_answer
 
 

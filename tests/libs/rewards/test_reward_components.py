@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from temper.rewards import Scorer, combine
 from temper.rewards.models import Submission
 from temper.tasks.models import TaskSpec

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+
 from temper.sandbox import BackendKind, SandboxLimits, SandboxManager, SandboxSettings
 
 SMALL = SandboxLimits(

@@ -11,8 +11,8 @@ import socket
 import threading
 
 import pytest
-from temper.sandbox import Action, ExecResult, KillReason, SandboxManager
 
+from temper.sandbox import Action, ExecResult, KillReason, SandboxManager
 from tests.libs.sandbox.conftest import SMALL, cgroup_members
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(60)]

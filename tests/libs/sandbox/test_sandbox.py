@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
 from temper.sandbox import Action, KillReason, SandboxError, SandboxLimits, SandboxManager, SandboxSettings
 from temper.sandbox.backends import make_backend
 from temper.sandbox.config import BackendKind
 from temper.storage import LocalStore, NotFound
-
 from tests.libs.sandbox.conftest import SMALL, assert_clean_close, make_settings
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(60)]

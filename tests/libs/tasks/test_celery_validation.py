@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
 from temper.db import Tenant
 from temper.tasks import service
 from temper.tasks.celery_app import make_app

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from temper.tasks.importers import arithmetic_tasks, gsm8k, humaneval
 from temper.tasks.models import TaskFormatError, TaskKind, normalise_prompt, parse_tasks
 

@@ -4,6 +4,7 @@ bench/agreement.py)."""
 from __future__ import annotations
 
 import pytest
+
 from temper.db import Tenant
 from temper.rewards.runner import TestRunner
 from temper.tasks import service

@@ -5,6 +5,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 from fastapi import FastAPI
+
 from temper.db import Episode, Job, Step, Tenant
 from temper.leases import reap_expired
 from temper.storage import LocalStore

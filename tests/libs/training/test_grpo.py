@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+
 from temper.policy import create_model, default_tokenizer, encode_chat
 from temper.training import Learner, LearnerConfig, group_advantages, grpo_token_loss, samples_from_groups
 from temper.training.batch import collate, micro_batches

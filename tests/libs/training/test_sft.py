@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from temper.policy import create_model, default_tokenizer, pad_batch, token_logprobs
 from temper.training.sft import encode_pair, warm_start
 

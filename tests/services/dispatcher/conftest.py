@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from temper.db import Database, Episode, Job, Step, TaskSet
 from temper.db.migrate import upgrade
 from temper.db.models import utcnow

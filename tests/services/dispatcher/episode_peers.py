@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
+
+from services.dispatcher.engine.config import EngineSettings
+from services.dispatcher.service import Dispatcher
 from temper.bus import Consumer
 from temper.bus.kafka import start_groups_at_end
 from temper.db import Database, Episode, Job, Step, Task, TaskSet, Tenant
@@ -34,9 +37,6 @@ from temper.jobspec import JobSpec
 from temper.policy.tokenizer import default_tokenizer
 from temper.runtime import Runtime
 from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings
-
-from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.service import Dispatcher
 
 TOK = default_tokenizer()
 FENCE = "```"

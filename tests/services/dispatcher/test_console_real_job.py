@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from temper.cli import main
 from temper.db import Database
 from temper.settings import DatabaseSettings
 from temper.tenants import issue_key
-
 from tests.services.dispatcher.test_console_browser import ARTIFACTS, chrome, log_in, run_dispatcher  # noqa: F401
 from tests.services.embedded.test_temper_run import ROOT, small_spec
 

@@ -9,10 +9,10 @@ import httpx
 import pytest
 import yaml
 from sqlalchemy import select
+
 from temper.db import Database, Episode, Job, OutboxRow, TrainedTrajectory
 from temper.episode_log import read_episode_log
 from temper.storage import LocalStore
-
 from tests.services.dispatcher.conftest import KILLED_EPISODE, SPEC, bearer
 
 pytestmark = pytest.mark.timeout(60)
@@ -316,9 +316,8 @@ async def test_tenant_quota_keys_and_admin(app, client, seeded):
 async def test_bootstrap_key_creates_the_default_tenant_once(tmp_path):
     import asyncio
 
-    from temper.db.migrate import upgrade
-
     from services.dispatcher.app import create_app
+    from temper.db.migrate import upgrade
     from tests.services.dispatcher.conftest import make_settings
 
     settings = make_settings(tmp_path, bootstrap_key="tmp_bootstrap-secret-value")

@@ -10,10 +10,10 @@ import time
 import pytest
 import uvicorn
 import yaml
-from temper import cli
-from temper.client import ApiError, TemperClient
 
 from services.dispatcher.app import create_app
+from temper import cli
+from temper.client import ApiError, TemperClient
 from tests.services.dispatcher.conftest import KILLED_EPISODE, SPEC
 
 pytestmark = pytest.mark.timeout(60)

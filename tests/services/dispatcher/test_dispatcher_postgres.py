@@ -6,12 +6,12 @@ import asyncio
 
 import httpx
 import pytest
+
+from services.dispatcher.app import create_app
 from temper.db import Database
 from temper.db.migrate import upgrade
 from temper.settings import DatabaseSettings
 from temper.storage import LocalStore
-
-from services.dispatcher.app import create_app
 from tests.services.dispatcher.conftest import KILLED_EPISODE, SPEC, bearer, make_settings, seed
 
 pytestmark = pytest.mark.timeout(120)

@@ -21,6 +21,7 @@ from episode_peers import (
     wait_for,
 )
 from sqlalchemy import select
+
 from temper.db import Job, Task
 from temper.episode_log import read_episode_log
 from temper.events import PolicyUpdate, RewardRequest, SandboxRequest, Topics, TrajectoryReady
@@ -361,9 +362,8 @@ async def _has_event(events, kind, state) -> bool:
 
 
 def test_curriculum_prefers_tasks_with_a_pass_rate_strictly_between_0_and_1():
-    from temper.jobspec import Curriculum
-
     from services.dispatcher.engine.scheduler import task_weight
+    from temper.jobspec import Curriculum
 
     learnable = task_weight(10, 4, Curriculum.learnable)
     assert learnable > 10 * task_weight(10, 10, Curriculum.learnable)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from temper.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]

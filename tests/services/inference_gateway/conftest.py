@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from temper.policy import create_model, default_tokenizer
 
 from services.inference_gateway.engine.app import create_app
 from services.inference_gateway.engine.core import BatchScheduler, Engine
+from temper.policy import create_model, default_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from temper.events import SamplingParams
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
 
 from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, VLLMBackend
+from temper.events import SamplingParams
+from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
 
 pytestmark = pytest.mark.timeout(20)
 

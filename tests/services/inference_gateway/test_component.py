@@ -8,16 +8,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from services.inference_gateway.app import create_app
+from services.inference_gateway.component import Gateway
+from services.inference_gateway.service import InferenceService
 from temper.bus import Record
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, SamplingParams, Topics, decode
 from temper.policy import create_model, default_tokenizer, encode_chat, save_weights
 from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime
 from temper.settings import BusKind, BusSettings, Settings, StorageKind, StorageSettings
-
-from services.inference_gateway.app import create_app
-from services.inference_gateway.component import Gateway
-from services.inference_gateway.service import InferenceService
 
 pytestmark = pytest.mark.timeout(60)
 TOK = default_tokenizer()

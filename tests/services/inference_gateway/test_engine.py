@@ -5,6 +5,9 @@ import asyncio
 import httpx
 import pytest
 import torch
+
+from services.inference_gateway.engine.app import create_app
+from services.inference_gateway.engine.core import BatchScheduler, Engine, GenRequest, SamplingParams
 from temper.policy import (
     create_model,
     default_tokenizer,
@@ -13,9 +16,6 @@ from temper.policy import (
     save_checkpoint,
     token_logprobs,
 )
-
-from services.inference_gateway.engine.app import create_app
-from services.inference_gateway.engine.core import BatchScheduler, Engine, GenRequest, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 

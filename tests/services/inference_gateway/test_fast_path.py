@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 import pytest
 from starlette.middleware.base import BaseHTTPMiddleware
-from temper.policy.config import BackendSpec, InferenceSettings
 
 from services.inference_gateway.app import GatewayApp, proxy_app
 from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest
 from services.inference_gateway.service import InferenceService
+from temper.policy.config import BackendSpec, InferenceSettings
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from services.inference_gateway.app import proxy_app
+from services.inference_gateway.service import InferenceService
 from temper.events import InferenceRequest, PolicyUpdate, SamplingParams
 from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint
 from temper.policy.config import BackendSpec, InferenceSettings
 from temper.storage import LocalStore
-
-from services.inference_gateway.app import proxy_app
-from services.inference_gateway.service import InferenceService
 
 pytestmark = pytest.mark.timeout(60)
 TOK = default_tokenizer()

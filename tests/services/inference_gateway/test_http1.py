@@ -8,10 +8,10 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from temper.policy.config import BackendSpec
 
 from services.inference_gateway.backends import BackendError, EngineBackend, ErrorKind
 from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
+from temper.policy.config import BackendSpec
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -4,9 +4,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from temper.events import SamplingParams
-from temper.policy import default_tokenizer, encode_chat
-from temper.policy.config import BackendSpec, InferenceSettings
 
 from services.inference_gateway.backends import (
     Backend,
@@ -17,6 +14,9 @@ from services.inference_gateway.backends import (
     GenerateRequest,
 )
 from services.inference_gateway.router import BreakerState, CircuitBreaker, RequestFailed, Router
+from temper.events import SamplingParams
+from temper.policy import default_tokenizer, encode_chat
+from temper.policy.config import BackendSpec, InferenceSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,6 +8,8 @@ import json
 import uuid
 
 import pytest
+
+from services.reward_scorer.service import RewardScorer
 from temper.db import Tenant
 from temper.events import RewardRequest, RewardResult, Topics, decode
 from temper.rewards import Scorer
@@ -18,8 +20,6 @@ from temper.storage import object_key
 from temper.tasks import service as tasks
 from temper.tasks.models import TaskSpec
 from temper.trajectory import Segment, Trajectory, TurnRecord
-
-from services.reward_scorer.service import RewardScorer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(120)]
 

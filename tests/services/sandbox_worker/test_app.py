@@ -11,12 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from temper.events import SandboxRequest
-from temper.sandbox import SandboxLimits, SandboxSettings
-from temper.storage import LocalStore
 
 from services.sandbox_worker.app import create_app
 from services.sandbox_worker.service import SandboxWorker
+from temper.events import SandboxRequest
+from temper.sandbox import SandboxLimits, SandboxSettings
+from temper.storage import LocalStore
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(60)]
 

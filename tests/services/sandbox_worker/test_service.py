@@ -10,12 +10,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from services.sandbox_worker.service import SandboxWorkerService
 from temper.events import Message, SandboxRequest, SandboxResult, Topics
 from temper.runtime import Runtime
 from temper.sandbox import Action, SandboxLimits, SandboxSettings
 from temper.settings import BusKind, BusSettings, Settings, StorageKind, StorageSettings
-
-from services.sandbox_worker.service import SandboxWorkerService
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(60)]
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from temper.db import Database, Job, Tenant
 from temper.events import Topics, TrajectoryReady
 from temper.policy import create_model, default_tokenizer, encode_chat, token_logprobs

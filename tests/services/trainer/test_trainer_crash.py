@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 from sqlalchemy import select
+
+from services.trainer.service import SKIP_ZERO_VARIANCE
 from temper.bus import KafkaBus
 from temper.db import Database, Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.events import PolicyUpdate, Topics
 from temper.storage import S3Store
-
-from services.trainer.service import SKIP_ZERO_VARIANCE
 from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
 
 ROOT = Path(__file__).resolve().parents[3]

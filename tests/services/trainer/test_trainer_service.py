@@ -10,15 +10,15 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 from sqlalchemy import select
+
+from services.trainer.app import create_app
+from services.trainer.service import SKIP_INCOMPLETE, SKIP_STALE, SKIP_ZERO_VARIANCE, Trainer
 from temper.db import Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.db.migrate import upgrade
 from temper.events import PolicyUpdate, Topics
 from temper.policy import create_model, load_weights
 from temper.runtime import Runtime
 from temper.settings import DatabaseSettings, LogSettings, Settings, StorageSettings
-
-from services.trainer.app import create_app
-from services.trainer.service import SKIP_INCOMPLETE, SKIP_STALE, SKIP_ZERO_VARIANCE, Trainer
 from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
 
 pytestmark = pytest.mark.timeout(90)
