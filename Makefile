@@ -3,13 +3,14 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
-.PHONY: help setup system stack-up stack-down stack-status test test-unit run run-stack lint schemas \
+.PHONY: help setup lock system stack-up stack-down stack-status test test-unit run run-stack lint schemas \
         check-deploy bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
 	@echo "make test         set up, start the real stack, run every test"
 	@echo "make test-unit    tests that need no server"
+	@echo "make lock         re-resolve requirements.lock after changing pyproject.toml"
 	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed)"
 	@echo "make run-stack    the example job on the real stack, services as separate processes"
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
@@ -20,6 +21,9 @@ system:
 
 setup: system
 	bash scripts/setup.sh
+
+lock: setup
+	bash scripts/lock.sh $(ARGS)
 
 stack-up: setup
 	bash scripts/stack/up.sh

@@ -14,14 +14,18 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
-stamp=".venv/.temper-installed-$(sha256sum pyproject.toml | cut -c1-16)"
+# The stamp covers both files: the lock pins what is installed, pyproject.toml the package itself.
+stamp=".venv/.temper-installed-$(cat pyproject.toml requirements.lock | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && .venv/bin/python -c 'import temper, services' 2>/dev/null; then
   exit 0
 fi
 start=$(date +%s)
 .venv/bin/python -m pip install -q --upgrade pip
 # torch from PyPI is the CUDA build; it runs on CPU, and the same wheel uses a GPU when one is there.
-.venv/bin/python -m pip install -q -e '.[dev]'
+# Exactly the versions in requirements.lock (what CI tested), then Temper itself without
+# resolving anything again. `make lock` re-resolves the lock from pyproject.toml's ranges.
+.venv/bin/python -m pip install -q -r requirements.lock
+.venv/bin/python -m pip install -q --no-deps -e .
 rm -f .venv/.temper-installed-*
 touch "$stamp"
 echo "setup: installed in $(( $(date +%s) - start ))s"
