@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from temper.sandbox.backends import Backend
 from temper.sandbox.cgroups import Cgroup, CgroupManager, CgroupStats
+from temper.sandbox.fork_server import enter_sandbox
 from temper.sandbox.models import Action, ExecResult, FileInfo, KillReason, SandboxLimits
 
 if TYPE_CHECKING:
@@ -173,22 +174,8 @@ class Sandbox:
 
     def _preexec(self) -> Any:
         join = self.cgroup.join_paths() if self.cgroup else []
-        run_as = self.run_as
-
-        def pre() -> None:
-            for path in join:
-                fd = os.open(path, os.O_WRONLY)
-                try:
-                    os.write(fd, b"0")
-                finally:
-                    os.close(fd)
-            os.setsid()
-            if run_as is not None:
-                os.setgroups([])
-                os.setgid(run_as[1])
-                os.setuid(run_as[0])
-
-        return pre
+        uid, gid = self.run_as if self.run_as is not None else (None, None)
+        return lambda: enter_sandbox(join, uid, gid)
 
     async def _spawn(self) -> None:
         argv = self.backend.agent_argv(self.workspace.path, self.limits)

@@ -25,121 +25,13 @@ import os
 import select
 import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 from temper.sandbox.sandbox import SandboxError
 
-SPAWNER_SOURCE = r"""
-import _signal as signal
-import array, marshal, os, select, socket, sys
-
-SOCK = socket.socket(fileno=int(sys.argv[1]))
-children = set()
-
-
-def reap():
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-
-
-def child(req, fds):
-    try:
-        for i, fd in enumerate(fds[:3]):
-            os.dup2(fd, i)
-        os.closerange(3, 65536)
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for path in req["join"]:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.write(fd, b"0")
-            finally:
-                os.close(fd)
-        os.setsid()
-        if req["uid"] is not None:
-            os.setgroups([])
-            os.setgid(req["gid"])
-            os.setuid(req["uid"])
-        os.chdir(req["cwd"])
-        os.execve(req["argv"][0], req["argv"], req["env"])
-    except BaseException as e:
-        try:
-            os.write(2, ("spawner: %r\n" % (e,)).encode())
-        finally:
-            os._exit(127)
-
-
-def shutdown():
-    for pid in list(children):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    os._exit(0)
-
-
-def main():
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *a: None)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *a: shutdown())
-    poller = select.poll()
-    poller.register(SOCK.fileno(), select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
-    while True:
-        for fd, _ev in poller.poll():
-            if fd == wake_r:
-                try:
-                    os.read(wake_r, 4096)
-                except BlockingIOError:
-                    pass
-                reap()
-                continue
-            try:
-                msg, anc, _flags, _addr = SOCK.recvmsg(1 << 20, socket.CMSG_SPACE(8 * 4), socket.MSG_CMSG_CLOEXEC)
-            except InterruptedError:
-                continue
-            except OSError:
-                shutdown()
-            if not msg:
-                shutdown()  # the worker is gone
-            fds = array.array("i")
-            for level, kind, data in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-            req = marshal.loads(msg)
-            reply, send = {"ok": 1}, []
-            if req.get("op") == "spawn":
-                try:
-                    pid = os.fork()
-                except OSError as e:
-                    pid, reply = -1, {"error": "fork failed: %r" % (e,)}
-                if pid == 0:
-                    child(req, list(fds))
-                if pid > 0:
-                    children.add(pid)
-                    pidfd = os.pidfd_open(pid)  # before any reaping: the pid is still ours
-                    reply = {"pid": pid}
-                    send = [pidfd]
-            for fd in fds:
-                os.close(fd)
-            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", send))] if send else []
-            SOCK.sendmsg([marshal.dumps(reply)], anc)
-            for fd in send:
-                os.close(fd)
-
-
-main()
-"""
+# Run as a script with the standard library only; see its docstring for the protocol.
+FORK_SERVER = Path(__file__).with_name("fork_server.py")
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
@@ -237,7 +129,7 @@ class Spawner:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                self.python, "-S", "-c", SPAWNER_SOURCE, str(theirs.fileno()),
+                self.python, "-S", str(FORK_SERVER), str(theirs.fileno()),
                 pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
