@@ -1,6 +1,6 @@
 # One image for every Temper process. The command picks the process:
 #   python -m services.<dispatcher|inference_gateway|sandbox_worker|reward_scorer|trainer>
-#   python -m services.inference_gateway.engine      (CPU inference engine, dev/test)
+#   python -m services.inference_gateway.cpu_server      (CPU inference engine, dev/test)
 #   python -m temper.db.migrate                      (one-shot migrations)
 #   celery -A temper.tasks.app worker | beat
 FROM python:3.11-slim AS base

@@ -40,7 +40,7 @@ run: setup
 	$(PY) -m temper.cli run examples/code-job.yaml
 
 run-stack: setup stack-up
-	bash scripts/run_stack.sh examples/code-job.yaml
+	bash scripts/run_processes.sh examples/code-job.yaml
 
 lint: setup
 	$(PY) -m ruff check libs services tests bench scripts examples migrations

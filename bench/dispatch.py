@@ -37,8 +37,8 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 import asyncpg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from services.dispatcher.engine.config import EngineSettings  # noqa: E402
-from services.dispatcher.service import Dispatcher  # noqa: E402
+from services.dispatcher.config import EngineSettings  # noqa: E402
+from services.dispatcher.component import Dispatcher  # noqa: E402
 from temper.bus import Record  # noqa: E402
 from temper.bus.kafka import KafkaBus, start_groups_at_end  # noqa: E402
 from temper.db import Episode, Job, Step, Task, TaskSet, Tenant  # noqa: E402

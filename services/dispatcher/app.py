@@ -47,7 +47,7 @@ def _optional(module: str, attr: str) -> Any:
 
 
 def _engine_class() -> Any:
-    return _optional("services.dispatcher.service", "Dispatcher")
+    return _optional("services.dispatcher.component", "Dispatcher")
 
 
 def create_app(settings: Settings, *, engine: bool = True) -> FastAPI:

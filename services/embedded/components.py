@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from services.dispatcher.service import Dispatcher
+from services.dispatcher.component import Dispatcher
 from services.inference_gateway.component import Gateway
-from services.reward_scorer.service import RewardScorer
-from services.sandbox_worker.service import SandboxWorkerService
-from services.trainer.service import Trainer
+from services.reward_scorer.component import RewardScorer
+from services.sandbox_worker.worker import SandboxWorkerService
+from services.trainer.component import Trainer
 from temper.runtime import Runtime
 
 

@@ -24,10 +24,10 @@ from starlette.types import Receive, Scope, Send
 
 from services.inference_gateway.backends import GenerateRequest
 from services.inference_gateway.component import Gateway
-from services.inference_gateway.engine.app import VERSION_HEADER, CompletionBody, completion_response
-from services.inference_gateway.engine.core import GenOutput
+from services.inference_gateway.cpu_server.app import VERSION_HEADER, CompletionBody, completion_response
+from services.inference_gateway.cpu_server.core import GenOutput
+from services.inference_gateway.inference import InferenceService
 from services.inference_gateway.router import RequestFailed
-from services.inference_gateway.service import InferenceService
 from services.inference_gateway.traces import TraceEntry
 from temper import metrics
 from temper.events import SamplingParams

@@ -280,7 +280,7 @@ class Backend(ABC):
 
 
 class EngineBackend(Backend):
-    """Temper's CPU engine (``python -m services.inference_gateway.engine``)."""
+    """Temper's CPU engine (``python -m services.inference_gateway.cpu_server``)."""
 
     async def complete(self, req: GenerateRequest) -> BackendResult:
         data = await self.post("/v1/completions", self.completion_body(req, model=self.model_name))

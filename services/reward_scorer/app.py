@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from services.reward_scorer.service import RewardScorer
+from services.reward_scorer.component import RewardScorer
 from temper.runtime import Runtime, health_router
 from temper.settings import Settings
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
-from services.sandbox_worker.service import (
+from services.sandbox_worker.worker import (
     CreateSession,
     RestoreSession,
     RunCodeRequest,

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from services.trainer.service import Trainer
+from services.trainer.component import Trainer
 from temper.runtime import Runtime, health_router
 from temper.settings import Settings
 

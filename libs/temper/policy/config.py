@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, model_validator
 
 
 class BackendKind(StrEnum):
-    engine = "engine"  # Temper's CPU engine (services.inference_gateway.engine)
+    engine = "engine"  # Temper's CPU engine (services.inference_gateway.cpu_server)
     vllm = "vllm"  # a vLLM OpenAI-compatible server
     local = "local"  # the CPU engine inside the gateway process (no HTTP): embedded mode, tests
 

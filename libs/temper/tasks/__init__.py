@@ -13,7 +13,7 @@ __all__ = ["TaskFormatError", "TaskKind", "TaskSpec", "TaskStatus", "app", "pars
 
 def __getattr__(name: str) -> Any:
     if name in ("app", "celery"):
-        from temper.tasks.celery_app import app
+        from services.worker.app import app
 
         return app
     raise AttributeError(name)

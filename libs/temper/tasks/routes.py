@@ -28,7 +28,7 @@ Enqueue = Callable[[str], str]
 
 def celery_enqueue(taskset_id: str) -> str:
     """Queue ``temper.validate_taskset`` on Celery; returns the Celery task id."""
-    from temper.tasks.celery_app import app
+    from services.worker.app import app
 
     return str(app.send_task("temper.validate_taskset", args=[taskset_id]).id)
 

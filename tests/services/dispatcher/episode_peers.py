@@ -15,8 +15,8 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.service import Dispatcher
+from services.dispatcher.component import Dispatcher
+from services.dispatcher.config import EngineSettings
 from temper.bus import Consumer
 from temper.bus.kafka import start_groups_at_end
 from temper.db import Database, Episode, Job, Step, Task, TaskSet, Tenant

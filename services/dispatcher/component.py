@@ -20,11 +20,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.engine.episodes import EpisodeEngine
-from services.dispatcher.engine.handlers import ResultHandlers
-from services.dispatcher.engine.leader import Leadership
-from services.dispatcher.engine.scheduler import Scheduler
+from services.dispatcher.config import EngineSettings
+from services.dispatcher.episodes import EpisodeEngine
+from services.dispatcher.handlers import ResultHandlers
+from services.dispatcher.leader import Leadership
+from services.dispatcher.scheduler import Scheduler
 from temper.bus import Consumer
 from temper.events import Topics
 from temper.logs import log_event

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from services.dispatcher.engine.episodes import EpisodeEngine
-from services.dispatcher.engine.scheduler import Scheduler
+from services.dispatcher.episodes import EpisodeEngine
+from services.dispatcher.scheduler import Scheduler
 from temper.events import InferenceResult, Message, PolicyUpdate, RewardResult, SandboxResult
 from temper.logs import log_event
 

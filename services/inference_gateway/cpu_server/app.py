@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.inference_gateway.checkpoints import fetch_checkpoint
-from services.inference_gateway.engine.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
 from temper import metrics
 from temper.storage import NotFound, ObjectStore
 

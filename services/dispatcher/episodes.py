@@ -23,8 +23,8 @@ from typing import Any
 from sqlalchemy import and_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.engine.trajectories import build_trajectory, passed
+from services.dispatcher.config import EngineSettings
+from services.dispatcher.trajectories import build_trajectory, passed
 from temper import metrics
 from temper.db import Database, Episode, Job, Step, Task
 from temper.envs import Environment, ParsedAction, make_environment

@@ -1,4 +1,4 @@
-"""``python -m services.embedded.stack SPEC``: the ``temper run`` job on the real stack.
+"""``python -m services.launcher SPEC``: the ``temper run`` job on the real stack.
 
 The same spec and ``local:`` block as ``temper run``, but every service is its own
 process (``python -m services.<name>``) talking through the real Kafka, Postgres and S3
@@ -486,7 +486,7 @@ async def _report(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m services.embedded.stack",
+        prog="python -m services.launcher",
         description="Run a temper-run spec on the real stack (Kafka, Postgres, S3), each service its own process.",
     )
     p.add_argument("spec", help="job spec with a local: block (as for temper run)")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from services.worker.app import make_app
 from temper.db import Tenant
 from temper.tasks import service
-from temper.tasks.celery_app import make_app
 from temper.tasks.importers import arithmetic_tasks, humaneval
 
 pytestmark = [pytest.mark.redis, pytest.mark.sandbox, pytest.mark.timeout(120)]

@@ -1,0 +1,1 @@
+"""The Celery worker: batch and periodic work that is not a stream."""
