@@ -8,12 +8,12 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from tests.libs.tasks.test_celery_validation import celery_worker
 
 from services.worker.app import make_app
 from temper.db import Episode, Job, PolicyVersion, Tenant
 from temper.retention import delete_expired
 from temper.storage import LocalStore, ObjectStore, S3Store, object_key
+from tests.services.worker.test_celery_validation import celery_worker
 
 NOW = datetime(2025, 6, 1, tzinfo=UTC)
 SNAPSHOTS = "sandbox-snapshots"
