@@ -20,20 +20,37 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from services.dispatcher import handlers
 from services.dispatcher.config import EngineSettings
 from services.dispatcher.episodes import EpisodeEngine
-from services.dispatcher.handlers import ResultHandlers
 from services.dispatcher.leader import Leadership
 from services.dispatcher.scheduler import Scheduler
 from temper.bus import Consumer
-from temper.events import Topics
 from temper.logs import log_event
 from temper.outbox import OutboxRelay
 from temper.runtime import Runtime
+from temper.tenants import ensure_bootstrap_key
 
 log = logging.getLogger("temper.dispatcher")
 
-RESULT_TOPICS = (Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS)
+
+class BootstrapKey:
+    """Stores ``TEMPER_API__BOOTSTRAP_KEY`` (when set) as an admin key of tenant 'default'."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def start(self) -> None:
+        key = self.runtime.settings.api.bootstrap_key
+        if key is None:
+            return
+        assert self.runtime.db is not None, "the bootstrap key needs the database"
+        async with self.runtime.db.session() as session:
+            if await ensure_bootstrap_key(session, key.get_secret_value()):
+                log_event(log, "bootstrap admin key stored for tenant 'default'")
+
+    async def stop(self) -> None:
+        pass
 
 
 class Dispatcher:
@@ -83,15 +100,14 @@ class Dispatcher:
             trainer_attached=s.trainer_attached,
             wait_for_training=s.wait_for_training,
         )
-        handlers = ResultHandlers(self.engine, self.scheduler)
         self._tasks.append(asyncio.create_task(self.relay.run(), name="dispatcher-outbox-relay"))
         self._consumers.append(
-            await rt.consume(
-                RESULT_TOPICS, handlers.on_result, group=s.results_group, concurrency=s.result_concurrency
+            await rt.consume_handlers(
+                handlers.result_topics(self.engine), group=s.results_group, concurrency=s.result_concurrency
             )
         )
         self._consumers.append(
-            await rt.consume((Topics.POLICY_UPDATES,), handlers.on_policy_update, group=s.policy_group)
+            await rt.consume_handlers(handlers.policy_topics(self.scheduler), group=s.policy_group)
         )
         self._tasks.append(
             asyncio.create_task(

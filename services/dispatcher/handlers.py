@@ -1,35 +1,42 @@
-"""Bus handlers: typed messages to the engine. Partitioning by episode key means one
-replica handles one episode's results in order; the engine copes with the rest
-(duplicates, stale attempts, a rebalance that hands a partition over mid-message)."""
+"""Typed bus handlers of the dispatcher, one per topic. Partitioning by episode key means
+one replica handles one episode's results in order; the episode engine copes with the
+rest (duplicates, stale attempts, a rebalance that hands a partition over mid-message)."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from services.dispatcher.episodes import EpisodeEngine
 from services.dispatcher.scheduler import Scheduler
-from temper.events import InferenceResult, Message, PolicyUpdate, RewardResult, SandboxResult
-from temper.logs import log_event
+from temper.events import InferenceResult, PolicyUpdate, RewardResult, SandboxResult, Topics
 
-log = logging.getLogger("temper.dispatcher.handlers")
+Handlers = dict[str, Callable[[Any], Awaitable[None]]]
 
 
-class ResultHandlers:
-    def __init__(self, engine: EpisodeEngine, scheduler: Scheduler) -> None:
-        self.engine = engine
-        self.scheduler = scheduler
+def result_topics(engine: EpisodeEngine) -> Handlers:
+    """``inference.results``, ``sandbox.results``, ``reward.results``: one consumer group."""
 
-    async def on_result(self, message: Message) -> None:
-        """``inference.results``, ``sandbox.results``, ``reward.results``."""
-        if isinstance(message, InferenceResult):
-            await self.engine.on_inference(message)
-        elif isinstance(message, SandboxResult):
-            await self.engine.on_sandbox(message)
-        elif isinstance(message, RewardResult):
-            await self.engine.on_reward(message)
-        else:
-            log_event(log, "unexpected message on a result topic", logging.WARNING, type=message.type)
+    async def on_inference_result(message: InferenceResult) -> None:
+        await engine.on_inference(message)
 
-    async def on_policy_update(self, message: Message) -> None:
-        if isinstance(message, PolicyUpdate):
-            await self.scheduler.on_policy_update(message)
+    async def on_sandbox_result(message: SandboxResult) -> None:
+        await engine.on_sandbox(message)
+
+    async def on_reward_result(message: RewardResult) -> None:
+        await engine.on_reward(message)
+
+    return {
+        Topics.INFERENCE_RESULTS: on_inference_result,
+        Topics.SANDBOX_RESULTS: on_sandbox_result,
+        Topics.REWARD_RESULTS: on_reward_result,
+    }
+
+
+def policy_topics(scheduler: Scheduler) -> Handlers:
+    """``policy.updates``, in its own group."""
+
+    async def on_policy_update(message: PolicyUpdate) -> None:
+        await scheduler.on_policy_update(message)
+
+    return {Topics.POLICY_UPDATES: on_policy_update}

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 from services.dispatcher.component import Dispatcher
 from services.inference_gateway.component import Gateway
 from services.reward_scorer.component import RewardScorer
-from services.sandbox_worker.worker import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerService
 from services.trainer.component import Trainer
 from temper.runtime import Runtime
 
