@@ -135,9 +135,9 @@ def apply_overrides(
     doc["algorithm"] = algorithm.model_dump(mode="json")
     spec = JobSpec.model_validate(doc)  # re-checks episodes_per_iteration % group_size
     if args.warm_start_steps is not None and local.warm_start is not None:
-        ws = local.warm_start.model_copy(update={"steps": args.warm_start_steps})
-        if args.warm_start_steps == 0:
-            ws = None
+        ws: localrun.WarmStart | None = None  # 0 steps: no warm start
+        if args.warm_start_steps > 0:
+            ws = local.warm_start.model_copy(update={"steps": args.warm_start_steps})
         local = local.model_copy(update={"warm_start": ws})
     return spec, local
 

@@ -7,6 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The documented error answers of a route (FastAPI's ``responses=``).
+Responses = dict[int | str, dict[str, Any]]
+
 
 class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)

@@ -65,8 +65,9 @@ def _prompts(body: CompletionBody, encode: Callable[[str], list[int]]) -> list[l
     if not p:
         raise HTTPException(400, "prompt is empty")
     if all(isinstance(x, int) for x in p):
-        return [list(p)]  # type: ignore[arg-type]
-    return [encode(x) if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+        return [[x for x in p if isinstance(x, int)]]
+    # validated lists are homogeneous: no ints here, the filter only narrows the type
+    return [encode(x) if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
 
 
 def completion_response(
