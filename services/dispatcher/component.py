@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.dispatcher import handlers
-from services.dispatcher.config import EngineSettings
 from services.dispatcher.episodes import EpisodeEngine
 from services.dispatcher.leader import Leadership
 from services.dispatcher.scheduler import Scheduler
@@ -29,6 +28,7 @@ from temper.bus import Consumer
 from temper.logs import log_event
 from temper.outbox import OutboxRelay
 from temper.runtime import Runtime
+from temper.settings import DispatcherSettings
 from temper.tenants import ensure_bootstrap_key
 
 log = logging.getLogger("temper.dispatcher")
@@ -54,29 +54,13 @@ class BootstrapKey:
 
 
 class Dispatcher:
-    """The episode engine of one dispatcher replica.
+    """The episode engine of one dispatcher replica. Its knobs are
+    ``runtime.settings.dispatcher`` (``TEMPER_DISPATCHER__*``); ``settings`` replaces them
+    (tests, the embedded runner)."""
 
-    ``lease_s`` and ``max_step_attempts`` bound how long a step may take and how often it
-    is retried; every other knob is in :class:`EngineSettings` (``TEMPER_DISPATCHER__*``),
-    which ``settings`` or keyword ``overrides`` replace.
-    """
-
-    def __init__(
-        self,
-        runtime: Runtime,
-        *,
-        lease_s: float | None = None,
-        max_step_attempts: int | None = None,
-        settings: EngineSettings | None = None,
-        **overrides: Any,
-    ) -> None:
+    def __init__(self, runtime: Runtime, *, settings: DispatcherSettings | None = None) -> None:
         self.runtime = runtime
-        base = settings or EngineSettings()
-        if lease_s is not None:
-            overrides["lease_s"] = lease_s
-        if max_step_attempts is not None:
-            overrides["max_step_attempts"] = max_step_attempts
-        self.settings = base.model_copy(update=overrides) if overrides else base
+        self.settings = settings or runtime.settings.dispatcher
         self.engine: EpisodeEngine | None = None
         self.scheduler: Scheduler | None = None
         self.relay: OutboxRelay | None = None

@@ -23,12 +23,16 @@ class Components:
         # The dispatcher's relay publishes every outbox row; a second relay on the same
         # SQLite table would publish rows twice.
         trainer_settings = runtime.settings.trainer.model_copy(update={"run_relay": False})
+        # One job on a laptop: tick quickly rather than save queries.
+        dispatcher_settings = runtime.settings.dispatcher.model_copy(
+            update={"scheduler_interval_s": 0.1, "reaper_interval_s": 0.5}
+        )
         self.ordered: list[Component] = [
             SandboxWorkerService(runtime),
             Gateway(runtime),
             RewardScorer(runtime),
             Trainer(runtime, settings=trainer_settings, **trainer_options),
-            Dispatcher(runtime, scheduler_interval_s=0.1, reaper_interval_s=0.5),
+            Dispatcher(runtime, settings=dispatcher_settings),
         ]
         self.started: list[Component] = []
 
