@@ -17,9 +17,7 @@ FILES = [
     *sorted((ROOT / "docs").glob("*.md")),
 ]
 # python -m X | "-m", "X" | YAML list items "- -m" then "- X"
-MODULE = re.compile(
-    r"""-m["']?(?:,\s*|\s+|\s*\n\s*-\s+)["']?((?:services|temper)(?:\.\w+)+)"""
-)
+MODULE = re.compile(r"""-m["']?(?:,\s*|\s+|\s*\n\s*-\s+)["']?((?:services|temper)(?:\.\w+)+)""")
 
 
 def commands() -> list[tuple[str, str]]:

@@ -44,7 +44,9 @@ class BackendSpec(BaseModel):
     @classmethod
     def _renamed_kind(cls, value: object) -> object:
         if value == "engine":
-            raise ValueError("backend kind 'engine' was renamed 'cpu_server' (the CPU model server); use that")
+            raise ValueError(
+                "backend kind 'engine' was renamed 'cpu_server' (the CPU model server); use that"
+            )
         return value
 
     @model_validator(mode="after")
