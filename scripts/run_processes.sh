@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 if [[ ! -f .stack/env && -z "${TEMPER_DB__URL:-}" ]]; then
-  echo "run_stack: no .stack/env; start the stack first: make stack-up" >&2
+  echo "run_processes: no .stack/env; start the stack first: make stack-up" >&2
   exit 2
 fi
 exec "$PY" -m services.launcher "$@"
