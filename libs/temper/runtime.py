@@ -160,8 +160,10 @@ class Runtime:
             list(routes), group or self.service, on_record, concurrency=concurrency
         )
 
-    def spawn(self, coro: Awaitable[None], name: str) -> None:
-        """Run a background loop for the life of the service; a crash is logged loudly."""
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """Run a background loop for the life of the service; a crash is logged loudly and
+        shows in ``/health`` as ``task:<name>``. The runtime cancels it at ``stop()``; a
+        component that must stop it earlier cancels the returned task itself."""
 
         async def guarded() -> None:
             try:
@@ -172,7 +174,9 @@ class Runtime:
                 log.exception("background task %s crashed", name)
                 raise
 
-        self._tasks.append(asyncio.create_task(guarded(), name=name))
+        task = asyncio.create_task(guarded(), name=name)
+        self._tasks.append(task)
+        return task
 
     async def stop(self) -> None:
         for task in self._tasks:

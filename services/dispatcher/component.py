@@ -84,7 +84,9 @@ class Dispatcher:
             trainer_attached=s.trainer_attached,
             wait_for_training=s.wait_for_training,
         )
-        self._tasks.append(asyncio.create_task(self.relay.run(), name="dispatcher-outbox-relay"))
+        # Loops on the runtime (a crash shows in /health); stop() cancels them before the
+        # final outbox flush, so the relay is not sending while the flush does.
+        self._tasks.append(rt.spawn(self.relay.run(), "dispatcher-outbox-relay"))
         self._consumers.append(
             await rt.consume_handlers(
                 handlers.result_topics(self.engine), group=s.results_group, concurrency=s.result_concurrency
@@ -94,15 +96,14 @@ class Dispatcher:
             await rt.consume_handlers(handlers.policy_topics(self.scheduler), group=s.policy_group)
         )
         self._tasks.append(
-            asyncio.create_task(
-                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"),
-                name="dispatcher-scheduler",
+            rt.spawn(
+                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"), "dispatcher-scheduler"
             )
         )
         self._tasks.append(
-            asyncio.create_task(
+            rt.spawn(
                 self._every(s.reaper_interval_s, self.engine.reap_expired, "lease reaper"),
-                name="dispatcher-reaper",
+                "dispatcher-reaper",
             )
         )
         rt.checks["dispatcher"] = self._check
