@@ -3,19 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from services.dispatcher.component import Dispatcher
 from services.inference_gateway.component import Gateway
 from services.reward_scorer.component import RewardScorer
 from services.sandbox_worker.component import SandboxWorkerService
 from services.trainer.component import Trainer
-from temper.runtime import Runtime
-
-
-class Component(Protocol):
-    async def start(self) -> None: ...
-    async def stop(self) -> None: ...
+from temper.runtime import Component, Runtime
 
 
 class Components:
