@@ -485,19 +485,21 @@ class EpisodeEngine:
             awaited = await self._awaited(session, msg, "reward", E.scoring, msg.error)
             if awaited is None:
                 return
-            # Named apart from the locked rows below, which are re-read in a new transaction.
-            read, _ = awaited
+            # Declared optional: the second transaction below re-reads them, and may not find them.
+            ep: Episode | None
+            step: Step | None
+            ep, step = awaited
             steps = list(
                 (
                     await session.execute(
-                        select(Step).where(Step.episode_id == read.id).order_by(Step.turn, Step.id)
+                        select(Step).where(Step.episode_id == ep.id).order_by(Step.turn, Step.id)
                     )
                 ).scalars()
             )
-            trajectory = build_trajectory(read, steps, msg, self.tok, finished_at=now())
-            key = object_key(read.tenant_id, read.job_id, "trajectories", f"{read.id}.json")
-            episode_log = build_episode_log(read, steps, msg)
-            episode_log_key = log_key(read.tenant_id, read.job_id, read.id)
+            trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=now())
+            key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
+            episode_log = build_episode_log(ep, steps, msg)
+            episode_log_key = log_key(ep.tenant_id, ep.job_id, ep.id)
         # The log beside it, in one write: every step's sandbox output, timings and reward.
         await asyncio.gather(
             self.store.put(key, trajectory.model_dump_json().encode(), "application/json"),

@@ -7,9 +7,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# The documented error answers of a route (FastAPI's ``responses=``).
-Responses = dict[int | str, dict[str, Any]]
-
 
 class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
@@ -17,6 +14,10 @@ class _Out(BaseModel):
 
 class Problem(BaseModel):
     detail: str
+
+
+# The documented error answers of a route (FastAPI's ``responses=``).
+Responses = dict[int | str, dict[str, Any]]
 
 
 class FieldError(BaseModel):
