@@ -1,8 +1,8 @@
 # One image for every Temper process. The command picks the process:
 #   python -m services.<dispatcher|inference_gateway|sandbox_worker|reward_scorer|trainer>
-#   python -m services.inference_gateway.engine      (CPU inference engine, dev/test)
-#   python -m temper.db.migrate                      (one-shot migrations)
-#   celery -A temper.tasks.app worker | beat
+#   python -m services.inference_gateway.cpu_server   (CPU inference engine, dev/test)
+#   python -m temper.db.migrate                       (one-shot migrations)
+#   python -m services.worker worker | beat           (the Celery worker and its schedule)
 FROM python:3.11-slim AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -41,15 +41,16 @@ test-unit: setup
 	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis" $(ARGS)
 
 run: setup
-	$(PY) -m temper.cli run examples/code-job.yaml
+	$(PY) -m services.cli run examples/code-job.yaml
 
 run-stack: setup stack-up
-	bash scripts/run_stack.sh examples/code-job.yaml
+	bash scripts/run_processes.sh examples/code-job.yaml
 
 lint: setup
 	$(PY) -m ruff check libs services tests bench scripts examples migrations
 	$(PY) -m ruff format --check libs services tests bench scripts examples migrations
 	$(PY) -m mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_import_contracts.py
 
 schemas: setup
 	$(PY) -m temper.events docs/events

@@ -37,8 +37,7 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 import asyncpg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from services.dispatcher.engine.config import EngineSettings  # noqa: E402
-from services.dispatcher.service import Dispatcher  # noqa: E402
+from services.dispatcher.component import Dispatcher  # noqa: E402
 from temper.bus import Record  # noqa: E402
 from temper.bus.kafka import KafkaBus, start_groups_at_end  # noqa: E402
 from temper.db import Episode, Job, Step, Task, TaskSet, Tenant  # noqa: E402
@@ -57,7 +56,15 @@ from temper.events import (  # noqa: E402
 from temper.jobspec import JobSpec  # noqa: E402
 from temper.policy.tokenizer import default_tokenizer  # noqa: E402
 from temper.runtime import Runtime  # noqa: E402
-from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings  # noqa: E402
+from temper.settings import (  # noqa: E402
+    BusKind,
+    BusSettings,
+    DatabaseSettings,
+    DispatcherSettings,  # noqa: E402
+    Settings,
+    StorageKind,
+    StorageSettings,
+)
 
 TOK = default_tokenizer()
 RUN_TEXT = "```bash\ntrue\n```"
@@ -302,7 +309,7 @@ async def main(args: argparse.Namespace) -> dict:
             raise TimeoutError("the stub peers did not start")
         dispatcher = Dispatcher(
             runtime,
-            settings=EngineSettings(
+            settings=DispatcherSettings(
                 trainer_attached=False,
                 scheduler_interval_s=0.02,
                 lease_s=120,

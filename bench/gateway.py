@@ -237,7 +237,7 @@ def main() -> None:
             start(
                 [
                     "-m",
-                    "services.inference_gateway.engine",
+                    "services.inference_gateway.cpu_server",
                     "--preset",
                     "tiny",
                     "--port",

@@ -10,6 +10,8 @@
     temper rescore TENANT JOB --weights ...         re-score a finished job
 
 The server and key come from ``--url``/``--key`` or ``TEMPER_URL``/``TEMPER_API_KEY``.
+These are the library's client commands; the installed ``temper`` command is
+``services/cli.py``, which adds those that need the services (``temper run``).
 """
 
 from __future__ import annotations
@@ -277,30 +279,12 @@ def cmd_create_tenant(args: argparse.Namespace) -> int:
 # --- parser -----------------------------------------------------------------------------
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    # The embedded mode composes every service in this process; the library only finds it.
-    import asyncio
-    import importlib
-    from pathlib import Path
-
-    from temper.jobspec import SpecError
-    from temper.runtime import StartupError
-
-    runner = importlib.import_module("services.embedded.runner")
-    try:
-        result = asyncio.run(runner.run(Path(args.spec), runs_dir=Path(args.runs_dir), run_id=args.run_id))
-    except SpecError as exc:
-        sys.stderr.write("error: the spec does not validate:\n")
-        for field, message in exc.errors:
-            sys.stderr.write(f"  {field}: {message}\n")
-        return 2
-    except StartupError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 2
-    return 0 if result.state == "completed" else 1
+AddCommands = Callable[[Any], None]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
+    """The client commands; each of ``extensions`` adds more to the subcommand parsers
+    (the services' CLI adds ``temper run``)."""
     parser = argparse.ArgumentParser(prog="temper", description="Temper: RL post-training for LLM agents")
     parser.add_argument(
         "--url", default=None, help="dispatcher URL (env TEMPER_URL; default http://127.0.0.1:8000)"
@@ -345,22 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
     p.set_defaults(func=cmd_create_tenant)
 
-    p = sub.add_parser(
-        "run", help="run a job end to end in this process (embedded mode: SQLite, in-process bus)"
-    )
-    p.add_argument("spec", help="a job spec with a local: block naming its task-set file")
-    p.add_argument("--runs-dir", default="runs", help="where runs/<run-id>/ is written")
-    p.add_argument("--run-id", help="name of the run directory (default: a timestamp)")
-    p.set_defaults(func=cmd_run)
-
     from temper.tasks.cli import add_commands as add_taskset_commands
 
     add_taskset_commands(sub)
+    for add_commands in extensions:
+        add_commands(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | None = None) -> int:
+    args = (parser or build_parser()).parse_args(argv)
     try:
         return int(args.func(args))
     except ApiError as exc:

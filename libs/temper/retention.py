@@ -9,7 +9,7 @@ what a user would deploy or resume from. Database rows stay: the job, its episod
 steps remain readable, and a transcript falls back to the steps.
 
 ``TEMPER_RETENTION__DAYS`` turns it on; the Celery beat task ``temper.retention``
-(:mod:`temper.tasks.celery_app`) runs :func:`delete_expired` once a day.
+(the worker service, ``services/worker``) runs :func:`delete_expired` once a day.
 """
 
 from __future__ import annotations

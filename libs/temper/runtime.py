@@ -2,20 +2,22 @@
 the database, bus and object store started in a fixed order, and the ``/health``
 and ``/metrics`` endpoints.
 
-A service builds a :class:`Runtime`, names the components it needs, starts it in its
-FastAPI lifespan and stops it in reverse order.
+A service builds a :class:`Runtime` and its components and hands them to
+:func:`service_app`: one lifespan for every service, so all start, fail and stop alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import JSONResponse
@@ -118,8 +120,50 @@ class Runtime:
             list(topics), group or self.service, on_record, concurrency=concurrency
         )
 
-    def spawn(self, coro: Awaitable[None], name: str) -> None:
-        """Run a background loop for the life of the service; a crash is logged loudly."""
+    async def consume_handlers(
+        self,
+        handlers: Mapping[str, Callable[[Any], Awaitable[None]]],
+        *,
+        group: str | None = None,
+        concurrency: int = 1,
+    ) -> Consumer:
+        """Subscribe one typed handler per topic (``{topic: handler}``), all in one group.
+
+        Each handler's first parameter is annotated with the message class it takes
+        (``async def on_result(message: InferenceResult)``); a message of another class on
+        that topic is logged and skipped, so handlers need no ``isinstance`` chains."""
+        routes = {topic: (handler, handled_type(handler)) for topic, handler in handlers.items()}
+
+        async def on_record(record: Record) -> None:
+            message = decode(record.value)
+            handler, expected = routes[record.topic]
+            with log_context(
+                job_id=message.job_id,
+                episode_id=message.episode_id,
+                turn=message.turn,
+                attempt=message.attempt,
+            ):
+                if not isinstance(message, expected):
+                    log_event(
+                        log,
+                        "unexpected message type on topic",
+                        logging.WARNING,
+                        topic=record.topic,
+                        type=message.type,
+                        expected=expected.__name__,
+                    )
+                    return
+                await handler(message)
+
+        assert self.bus is not None, "consume_handlers() needs the bus"
+        return await self.bus.subscribe(
+            list(routes), group or self.service, on_record, concurrency=concurrency
+        )
+
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """Run a background loop for the life of the service; a crash is logged loudly and
+        shows in ``/health`` as ``task:<name>``. The runtime cancels it at ``stop()``; a
+        component that must stop it earlier cancels the returned task itself."""
 
         async def guarded() -> None:
             try:
@@ -130,7 +174,9 @@ class Runtime:
                 log.exception("background task %s crashed", name)
                 raise
 
-        self._tasks.append(asyncio.create_task(guarded(), name=name))
+        task = asyncio.create_task(guarded(), name=name)
+        self._tasks.append(task)
+        return task
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -169,6 +215,18 @@ class Runtime:
         return report
 
 
+def handled_type(handler: Callable[..., Awaitable[None]]) -> type[Message]:
+    """The message class a handler's first parameter is annotated with."""
+    params = list(inspect.signature(handler, eval_str=True).parameters.values())
+    annotation = params[0].annotation if params else inspect.Parameter.empty
+    if not (isinstance(annotation, type) and issubclass(annotation, Message)):
+        raise TypeError(
+            f"handler {getattr(handler, '__qualname__', handler)!r} must annotate its first "
+            f"parameter with a message class, not {annotation!r}"
+        )
+    return annotation
+
+
 def _raise_task_error(task: asyncio.Task[None]) -> Callable[[], Awaitable[None]]:
     async def check() -> None:
         exc = task.exception()
@@ -199,6 +257,60 @@ def health_router(runtime: Runtime) -> APIRouter:
         return Response(body, media_type=content_type)
 
     return router
+
+
+class Component(Protocol):
+    """A part of a service started on its :class:`Runtime`: bus consumers, loops."""
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+@asynccontextmanager
+async def running(runtime: Runtime, components: Sequence[Component]) -> AsyncIterator[None]:
+    """The runtime, then ``components`` in order; on exit, or when one fails to start,
+    every component whose start was called (the failing one too, so a half-started one
+    releases what it took) stops in reverse, then the runtime. ``stop`` must therefore
+    cope with a partial start. A failing ``stop`` is logged and the rest still stop; the
+    start error (if any) is what propagates."""
+    await runtime.start()
+    started: list[Component] = []
+    try:
+        for component in components:
+            started.append(component)
+            await component.start()
+        yield
+    finally:
+        for component in reversed(started):
+            try:
+                await component.stop()
+            except Exception:  # noqa: BLE001 - stop the rest, then the runtime
+                log.exception("stopping %s failed", type(component).__name__)
+        await runtime.stop()
+
+
+def runtime_lifespan(
+    runtime: Runtime, components: Sequence[Component]
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """A FastAPI lifespan around :func:`running`."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with running(runtime, components):
+            yield
+
+    return lifespan
+
+
+def service_app(
+    runtime: Runtime, *components: Component, app_class: type[FastAPI] = FastAPI, **fastapi_kw: Any
+) -> FastAPI:
+    """The app of a service process: :func:`runtime_lifespan` over ``components``, and
+    ``/health`` + ``/metrics`` from the runtime. ``app.state.runtime`` is the runtime."""
+    app = app_class(lifespan=runtime_lifespan(runtime, components), **fastapi_kw)
+    app.state.runtime = runtime
+    app.include_router(health_router(runtime))
+    return app
 
 
 def run_service(app_factory: Callable[[Settings], FastAPI], service: str, default_port: int) -> None:

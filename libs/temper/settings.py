@@ -100,6 +100,32 @@ class RewardScorerSettings(BaseModel):
     group: str = Field("reward-scorer", description="consumer group of reward.requests, shared by replicas")
 
 
+class DispatcherSettings(BaseModel):
+    """The dispatcher's episode engine (``TEMPER_DISPATCHER__*``)."""
+
+    lease_s: float = Field(300.0, gt=0, description="how long a step may take before it is retried")
+    reward_lease_s: float | None = Field(None, gt=0, description="lease of reward steps (default: lease_s)")
+    max_step_attempts: int = Field(3, ge=1, description="attempts of one step before the episode fails")
+    trainer_attached: bool = Field(
+        True,
+        description="a trainer consumes trajectories: gate new episodes on staleness, mark episodes trained",
+    )
+    wait_for_training: bool = Field(
+        True, description="with a trainer attached, a job completes only when its last episodes were trained"
+    )
+    scheduler_interval_s: float = Field(0.5, gt=0)
+    reaper_interval_s: float = Field(1.0, gt=0)
+    result_concurrency: int = Field(
+        8, ge=1, description="results handled at once (one episode's in order); keep under the db pool size"
+    )
+    results_group: str = Field("dispatcher", description="consumer group of the result topics")
+    policy_group: str = Field("dispatcher-policy", description="consumer group of policy.updates")
+    max_observation_chars: int = Field(4000, ge=200)
+    max_context_tokens: int = Field(
+        32768, ge=64, description="an episode whose prompt would pass this is scored"
+    )
+
+
 class LogSettings(BaseModel):
     level: str = "INFO"
     json_lines: bool = True
@@ -130,6 +156,7 @@ class Settings(BaseSettings):
     inference: InferenceSettings = InferenceSettings()
     trainer: TrainerSettings = TrainerSettings()
     reward_scorer: RewardScorerSettings = RewardScorerSettings()
+    dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
     allow_unsafe: bool = Field(
         False, description="allow the no-isolation sandbox backend in distributed mode"

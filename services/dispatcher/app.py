@@ -2,15 +2,11 @@
 ``/health`` and ``/metrics``, and the episode engine, on one :class:`Runtime`.
 
 Start order: database, bus, object store (the runtime), then the bootstrap key, then the
-engine; stop in reverse.
+episode component; stop in reverse (:func:`temper.runtime.service_app`).
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
@@ -19,14 +15,12 @@ from fastapi.responses import RedirectResponse
 from services.dispatcher.api import episodes, jobs, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
+from services.dispatcher.component import BootstrapKey, Dispatcher
 from services.dispatcher.console import routes as console
 from temper.jobspec import JobSpec
-from temper.logs import log_event
-from temper.runtime import Runtime, health_router
+from temper.runtime import Component, Runtime, service_app
 from temper.settings import Settings
-from temper.tenants import ensure_bootstrap_key
-
-log = logging.getLogger("temper.dispatcher")
+from temper.tasks.routes import make_router as make_taskset_router
 
 API_DESCRIPTION = """\
 Submit RL post-training jobs, follow their episodes and read their transcripts and metrics.
@@ -36,63 +30,30 @@ see belongs to its tenant; another tenant's job or episode answers 404.
 """
 
 
-def _optional(module: str, attr: str) -> Any:
-    """``module.attr`` if that module exists yet, else None (parts built separately)."""
-    try:
-        return getattr(importlib.import_module(module), attr, None)
-    except ModuleNotFoundError as exc:
-        if exc.name and module.startswith(exc.name):
-            return None
-        raise
-
-
-def _engine_class() -> Any:
-    return _optional("services.dispatcher.service", "Dispatcher")
-
-
-def create_app(settings: Settings, *, engine: bool = True) -> FastAPI:
-    """The dispatcher app. ``engine=False`` serves the API and console without running
-    episodes (API tests, read-only replicas)."""
+def create_app(settings: Settings, *, run_episodes: bool = True) -> FastAPI:
+    """The dispatcher app. ``run_episodes=False`` serves the API and console without the
+    episode component (API tests, read-only replicas)."""
     runtime = Runtime(settings, service="dispatcher")
-    engine_cls = _engine_class() if engine else None
-    dispatcher = engine_cls(runtime) if engine_cls is not None else None
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await runtime.start()
-        if settings.api.bootstrap_key is not None:
-            assert runtime.db is not None
-            async with runtime.db.session() as session:
-                if await ensure_bootstrap_key(session, settings.api.bootstrap_key.get_secret_value()):
-                    log_event(log, "bootstrap admin key stored for tenant 'default'")
-        if dispatcher is not None:
-            await dispatcher.start()
-        try:
-            yield
-        finally:
-            if dispatcher is not None:
-                await dispatcher.stop()
-            await runtime.stop()
-
-    app = FastAPI(
+    dispatcher = Dispatcher(runtime) if run_episodes else None
+    components: list[Component] = [BootstrapKey(runtime)]
+    if dispatcher is not None:
+        components.append(dispatcher)
+    app = service_app(
+        runtime,
+        *components,
         title="Temper dispatcher",
         version="1",
         summary="REST API of Temper, the RL post-training platform for LLM agents",
         description=API_DESCRIPTION,
-        lifespan=lifespan,
     )
-    app.state.runtime = runtime
     app.state.settings = settings
     app.state.dispatcher = dispatcher
-    app.include_router(health_router(runtime))
     app.include_router(jobs.router)
     app.include_router(episodes.router)
     app.include_router(tenants.router)
-    make_taskset_router = _optional("temper.tasks.routes", "make_router")
-    if make_taskset_router is not None:  # /v1/tasksets, from the task-set library
-        app.include_router(
-            make_taskset_router(current_tenant), dependencies=[Depends(bearer_scheme)], responses=jobs.AUTH
-        )
+    app.include_router(  # /v1/tasksets, from the task-set library
+        make_taskset_router(current_tenant), dependencies=[Depends(bearer_scheme)], responses=jobs.AUTH
+    )
     console.mount(app)
 
     @app.get("/", include_in_schema=False)

@@ -15,7 +15,7 @@ DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 
 
 def openapi_document() -> dict[str, Any]:
-    return create_app(Settings(), engine=False).openapi()
+    return create_app(Settings(), run_episodes=False).openapi()
 
 
 def render() -> str:

@@ -3,19 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
-from services.dispatcher.service import Dispatcher
+from services.dispatcher.component import Dispatcher
 from services.inference_gateway.component import Gateway
-from services.reward_scorer.service import RewardScorer
-from services.sandbox_worker.service import SandboxWorkerService
-from services.trainer.service import Trainer
-from temper.runtime import Runtime
-
-
-class Component(Protocol):
-    async def start(self) -> None: ...
-    async def stop(self) -> None: ...
+from services.reward_scorer.component import RewardScorer
+from services.sandbox_worker.component import SandboxWorkerService
+from services.trainer.component import Trainer
+from temper.runtime import Component, Runtime
 
 
 class Components:
@@ -23,12 +18,16 @@ class Components:
         # The dispatcher's relay publishes every outbox row; a second relay on the same
         # SQLite table would publish rows twice.
         trainer_settings = runtime.settings.trainer.model_copy(update={"run_relay": False})
+        # One job on a laptop: tick quickly rather than save queries.
+        dispatcher_settings = runtime.settings.dispatcher.model_copy(
+            update={"scheduler_interval_s": 0.1, "reaper_interval_s": 0.5}
+        )
         self.ordered: list[Component] = [
             SandboxWorkerService(runtime),
             Gateway(runtime),
             RewardScorer(runtime),
             Trainer(runtime, settings=trainer_settings, **trainer_options),
-            Dispatcher(runtime, scheduler_interval_s=0.1, reaper_interval_s=0.5),
+            Dispatcher(runtime, settings=dispatcher_settings),
         ]
         self.started: list[Component] = []
 

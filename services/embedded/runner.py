@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from services.dispatcher.api.repo import create_job, job_metrics
 from services.embedded import localrun
 from services.embedded.components import Components
 from services.embedded.report import write_report
-from temper.db import Job, Tenant
+from temper.db import Database, Job, Tenant
 from temper.db.migrate import upgrade
 from temper.envs import make_environment
 from temper.jobspec import JobSpec
@@ -124,17 +126,18 @@ async def run(
         spec = await asyncio.to_thread(_make_policy, spec, local, run_dir, progress)
         components = Components(runtime)
         await components.start()
-        async with runtime.db.session() as session:
+        db, store = _db(runtime), runtime.store
+        assert store is not None, "the embedded runtime has an object store"
+        async with db.session() as session:
             tenant = await session.get(Tenant, TENANT)
+            assert tenant is not None, "_store_taskset created the tenant"
             job = await create_job(session, tenant=tenant, spec=spec)
             job_id = job.id
         log_event(log, "job submitted", job_id=job_id)
         state = await _follow(runtime, job_id, progress)
-        async with runtime.db.session() as session:
-            job = await session.get(Job, job_id)
-            summary = await write_report(
-                session, runtime.store, job, run_dir, seconds=time.perf_counter() - started
-            )
+        async with db.session() as session:
+            job = await _job(session, job_id)
+            summary = await write_report(session, store, job, run_dir, seconds=time.perf_counter() - started)
     finally:
         if components is not None:
             await components.stop()
@@ -147,9 +150,21 @@ async def run(
     return RunResult(run_dir, job_id, state, summary)
 
 
+def _db(runtime: Runtime) -> Database:
+    assert runtime.db is not None, "the embedded runtime has a database"
+    return runtime.db
+
+
+async def _job(session: AsyncSession, job_id: str) -> Job:
+    job = await session.get(Job, job_id)
+    if job is None:
+        raise RuntimeError(f"job {job_id} vanished from the run's database")
+    return job
+
+
 async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalRun) -> JobSpec:
     tasks = parse_tasks(local.taskset_file.read_bytes(), filename=local.taskset_file.name)
-    async with runtime.db.session() as session:
+    async with _db(runtime).session() as session:
         session.add(Tenant(id=TENANT, name="local run", max_concurrent_episodes=1024))
         await session.flush()
         taskset = await create_taskset(
@@ -214,8 +229,8 @@ async def _follow(runtime: Runtime, job_id: str, progress: Progress) -> str:
     from temper.cli import progress_lines
 
     while True:
-        async with runtime.db.session() as session:
-            job = await session.get(Job, job_id)
+        async with _db(runtime).session() as session:
+            job = await _job(session, job_id)
             metrics = (await job_metrics(session, job=job)).model_dump(mode="json")
             state = job.state
             name = job.name

@@ -1,1 +1,1 @@
-"""The inference gateway: routes generation requests to model backends (vLLM or the CPU engine)."""
+"""The inference gateway: routes generation requests to model backends (vLLM or the CPU model server)."""

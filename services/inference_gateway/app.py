@@ -24,15 +24,15 @@ from starlette.types import Receive, Scope, Send
 
 from services.inference_gateway.backends import GenerateRequest
 from services.inference_gateway.component import Gateway
-from services.inference_gateway.engine.app import VERSION_HEADER, CompletionBody, completion_response
-from services.inference_gateway.engine.core import GenOutput
+from services.inference_gateway.cpu_server.app import VERSION_HEADER, CompletionBody, completion_response
+from services.inference_gateway.cpu_server.core import GenOutput
+from services.inference_gateway.inference import InferenceService
 from services.inference_gateway.router import RequestFailed
-from services.inference_gateway.service import InferenceService
 from services.inference_gateway.traces import TraceEntry
 from temper import metrics
 from temper.events import SamplingParams
 from temper.policy import assistant_stop_ids
-from temper.runtime import Runtime, health_router
+from temper.runtime import Runtime, service_app
 from temper.settings import Settings
 
 EPISODE_HEADER = "X-Temper-Episode"
@@ -119,24 +119,9 @@ def create_app(settings: Settings, *, service: InferenceService | None = None, *
     :class:`Gateway` component on it, ``/health`` and ``/metrics``, and the proxy routes."""
     runtime = Runtime(settings, service="inference-gateway", needs_db=False)
     gateway = Gateway(runtime, service=service, **gateway_kw)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await runtime.start()
-        try:
-            await gateway.start()
-        except BaseException:
-            await runtime.stop()
-            raise
-        yield
-        await gateway.stop()
-        await runtime.stop()
-
-    app = GatewayApp(title="Temper inference gateway", lifespan=lifespan)
-    app.state.runtime = runtime
+    app = service_app(runtime, gateway, app_class=GatewayApp, title="Temper inference gateway")
     app.state.gateway = gateway
     app.state.service = gateway.service
-    app.include_router(health_router(runtime))
     add_proxy_routes(app)
     return app
 
@@ -148,8 +133,10 @@ def proxy_app(service: InferenceService) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
-        yield
-        await service.stop()
+        try:
+            yield
+        finally:
+            await service.stop()
 
     app = GatewayApp(title="Temper inference gateway (proxy only)", lifespan=lifespan)
     app.state.service = service

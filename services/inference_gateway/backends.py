@@ -1,7 +1,7 @@
 """Model backends behind one interface. Two speak vLLM's OpenAI-compatible HTTP API; the
 third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engine in-process.
 
-- :class:`EngineBackend`: Temper's CPU engine. Reports ``policy_version`` in every
+- :class:`CpuServerBackend`: Temper's CPU engine. Reports ``policy_version`` in every
   response; reloads with ``POST /v1/load_weights``.
 - :class:`VLLMBackend`: a vLLM server. Targets vLLM >= 0.10.2 (``return_token_ids``:
   ``choices[].token_ids``); for 0.6.x-0.10.1 token ids are read from
@@ -279,8 +279,8 @@ class Backend(ABC):
         return body
 
 
-class EngineBackend(Backend):
-    """Temper's CPU engine (``python -m services.inference_gateway.engine``)."""
+class CpuServerBackend(Backend):
+    """Temper's CPU engine (``python -m services.inference_gateway.cpu_server``)."""
 
     async def complete(self, req: GenerateRequest) -> BackendResult:
         data = await self.post("/v1/completions", self.completion_body(req, model=self.model_name))
@@ -381,4 +381,4 @@ def make_backend(
     }
     if spec.kind is BackendKind.vllm:
         return VLLMBackend(spec, reload_mode=vllm_reload_mode, **kw)
-    return EngineBackend(spec, **kw)
+    return CpuServerBackend(spec, **kw)

@@ -27,7 +27,7 @@ import logging
 import uuid
 from typing import Any
 
-from services.inference_gateway.service import InferenceService
+from services.inference_gateway.inference import InferenceService
 from temper.bus import Consumer, Poison
 from temper.events import InferenceRequest, Message, PolicyUpdate, Topics
 from temper.logs import log_event

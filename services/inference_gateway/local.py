@@ -19,7 +19,7 @@ from services.inference_gateway.backends import (
     ErrorKind,
     GenerateRequest,
 )
-from services.inference_gateway.engine.core import BatchScheduler, Engine, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.core import BatchScheduler, Engine, GenRequest, SamplingParams
 from temper.policy.config import BackendSpec
 
 

@@ -1,31 +1,18 @@
-"""HTTP face of the reward scorer: ``/health`` (503 names what is down) and ``/metrics``."""
+"""The reward scorer's process: the :class:`RewardScorer` on a :class:`Runtime`, with
+``/health`` (503 names what is down) and ``/metrics``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 from fastapi import FastAPI
 
-from services.reward_scorer.service import RewardScorer
-from temper.runtime import Runtime, health_router
+from services.reward_scorer.component import RewardScorer
+from temper.runtime import Runtime, service_app
 from temper.settings import Settings
 
 
 def create_app(settings: Settings) -> FastAPI:
     runtime = Runtime(settings, service="reward-scorer")
     scorer = RewardScorer(runtime, concurrency=settings.sandbox.concurrency)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await runtime.start()
-        await scorer.start()
-        yield
-        await scorer.stop()
-        await runtime.stop()
-
-    app = FastAPI(title="Temper reward scorer", lifespan=lifespan)
-    app.state.runtime = runtime
+    app = service_app(runtime, scorer, title="Temper reward scorer")
     app.state.scorer = scorer
-    app.include_router(health_router(runtime))
     return app

@@ -1,158 +1,32 @@
-"""The sandbox worker's app: the runtime and the bus component in its lifespan, health
-and metrics, sessions, one-shot runs and SandboxFusion-compatible ``POST /run_code``."""
+"""The sandbox worker's process: the :class:`SandboxWorkerService` component on a
+:class:`Runtime` (bus and object store; no database), ``/health`` and ``/metrics``, and
+the HTTP API of ``routes.py``."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from fastapi import FastAPI
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
-
-from services.sandbox_worker.service import (
-    CreateSession,
-    RestoreSession,
-    RunCodeRequest,
-    RunCodeResponse,
-    RunTests,
-    RunTestsResult,
-    SandboxWorker,
-    SandboxWorkerService,
-    SessionCreated,
-    SnapshotTaken,
-)
-from temper import metrics
-from temper.runtime import Runtime, health_router
-from temper.sandbox import Action, ExecResult, SandboxError, SessionNotFound, SnapshotError
+from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.routes import APP_INFO, add_routes, local_health
+from services.sandbox_worker.worker import SandboxWorker
+from temper.runtime import Runtime, service_app
 from temper.settings import Settings, get_settings
 
 
-def get_worker(request: Request) -> SandboxWorker:
-    return request.app.state.worker
-
-
-WorkerDep = Annotated[SandboxWorker, Depends(get_worker)]
-
-
 def create_app(settings: Settings | None = None, worker: SandboxWorker | None = None) -> FastAPI:
-    """The service's app: the shared :class:`Runtime` (bus and object store, no
-    database), the :class:`SandboxWorkerService` component on it, ``/health`` and
-    ``/metrics`` from :func:`health_router`, and the HTTP API.
-
-    With ``worker`` (an already started :class:`SandboxWorker`, for tests) the app only
-    serves the HTTP API on it: no runtime, no bus."""
+    """The service's app. With ``worker`` (an already started :class:`SandboxWorker`, for
+    tests) it only serves the HTTP API on it: no runtime, no bus."""
     if worker is not None:
-        app = _http_app(lifespan=None)
+        app = FastAPI(**APP_INFO)
         app.state.worker = worker
-        _local_health(app)
+        local_health(app)
+        add_routes(app)
         return app
 
-    settings = settings or get_settings()
-    runtime = Runtime(settings, service="sandbox-worker", needs_db=False)
+    runtime = Runtime(settings or get_settings(), service="sandbox-worker", needs_db=False)
     service = SandboxWorkerService(runtime)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await runtime.start()
-        try:
-            await service.start()
-        except BaseException:
-            await runtime.stop()
-            raise
-        try:
-            yield
-        finally:
-            await service.stop()
-            await runtime.stop()
-
-    app = _http_app(lifespan=lifespan)
-    app.state.runtime = runtime
+    app = service_app(runtime, service, **APP_INFO)
     app.state.service = service
     app.state.worker = service.worker
-    app.include_router(health_router(runtime))
-    return app
-
-
-def _local_health(app: FastAPI) -> None:
-    """``/health`` and ``/metrics`` for an app serving a bare worker (no runtime)."""
-
-    @app.get("/health")
-    async def health(w: WorkerDep) -> JSONResponse:
-        components = w.health()
-        failing = []
-        if not w.manager.started:
-            failing.append("sandbox: not started")
-        if w.manager.leaked:
-            failing.append(f"sandbox: {w.manager.leaked} leaked processes")
-        if w.store is not None:
-            try:
-                await asyncio.wait_for(w.store.check(), timeout=3)  # type: ignore[attr-defined]
-                components["storage"] = "ok"
-            except Exception as e:  # noqa: BLE001 - any failure means unhealthy
-                components["storage"] = f"failing: {type(e).__name__}"
-                failing.append("storage")
-        body = {"status": "ok" if not failing else "failing", "failing": failing, "components": components}
-        return JSONResponse(body, status_code=200 if not failing else 503)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        body, content_type = metrics.render_latest()
-        return Response(body, media_type=content_type)
-
-
-def _http_app(lifespan: Any) -> FastAPI:
-    app = FastAPI(
-        title="Temper sandbox worker",
-        version="1",
-        lifespan=lifespan,
-        description="Isolated sandboxes for agent actions. See docs/sandbox.md.",
-    )
-
-    @app.exception_handler(SessionNotFound)
-    async def _not_found(request: Request, exc: SessionNotFound) -> JSONResponse:
-        return JSONResponse({"detail": f"no session {exc.args[0]}"}, status_code=404)
-
-    @app.exception_handler(SnapshotError)
-    async def _bad_snapshot(request: Request, exc: SnapshotError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
-
-    @app.exception_handler(SandboxError)
-    async def _sandbox_error(request: Request, exc: SandboxError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=503)
-
-    @app.post("/v1/sessions", response_model=SessionCreated, status_code=201)
-    async def create_session(body: CreateSession, w: WorkerDep) -> SessionCreated:
-        return await w.create_session(body)
-
-    @app.post("/v1/sessions/restore", response_model=SessionCreated, status_code=201)
-    async def restore_session(body: RestoreSession, w: WorkerDep) -> SessionCreated:
-        try:
-            return await w.restore(body)
-        except KeyError as e:  # temper.storage.NotFound
-            raise HTTPException(404, f"no snapshot {body.key}") from e
-
-    @app.post("/v1/sessions/{session_id}/actions", response_model=ExecResult)
-    async def act(session_id: str, action: Action, w: WorkerDep) -> ExecResult:
-        return await w.act(session_id, action)
-
-    @app.post("/v1/sessions/{session_id}/snapshot", response_model=SnapshotTaken)
-    async def snapshot(session_id: str, w: WorkerDep) -> SnapshotTaken:
-        return await w.snapshot(session_id)
-
-    @app.delete("/v1/sessions/{session_id}", status_code=204)
-    async def delete_session(session_id: str, w: WorkerDep) -> Response:
-        await w.delete(session_id)
-        return Response(status_code=204)
-
-    @app.post("/v1/run_tests", response_model=RunTestsResult)
-    async def run_tests(body: RunTests, w: WorkerDep) -> RunTestsResult:
-        return await w.run_tests(body)
-
-    @app.post("/run_code", response_model=RunCodeResponse)
-    async def run_code(body: RunCodeRequest, w: WorkerDep) -> RunCodeResponse:
-        """SandboxFusion-compatible. Truncated output is reported as ``Failed``."""
-        return await w.run_code(body)
-
+    add_routes(app)
     return app

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
-from services.embedded import stack
+from services.launcher import processes as stack
 from temper.db import Database, Episode, Job, PolicyVersion, Step
 from temper.settings import DatabaseSettings
 

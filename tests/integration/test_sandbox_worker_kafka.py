@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.sandbox_worker.service import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerService
 from temper.bus.kafka import start_groups_at_end
 from temper.events import Message, SandboxRequest, SandboxResult, Topics
 from temper.runtime import Runtime

@@ -9,11 +9,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from services.worker.app import create_app
+from temper.batch import make_celery
 from temper.db import Episode, Job, PolicyVersion, Tenant
 from temper.retention import delete_expired
+from temper.settings import Settings
 from temper.storage import LocalStore, ObjectStore, S3Store, object_key
-from temper.tasks.celery_app import make_app
-from tests.libs.tasks.test_celery_validation import celery_worker
+from tests.services.worker.test_celery_validation import celery_worker
 
 NOW = datetime(2025, 6, 1, tzinfo=UTC)
 SNAPSHOTS = "sandbox-snapshots"
@@ -146,7 +148,7 @@ async def test_retention_days_must_be_positive(tmp_path, database):
 
 
 def test_the_beat_schedule_runs_retention_daily():
-    schedule = make_app("redis://127.0.0.1:1/0").conf.beat_schedule
+    schedule = create_app(Settings(redis={"url": "redis://127.0.0.1:1/0"})).conf.beat_schedule
     entry = next(e for e in schedule.values() if e["task"] == "temper.retention")
     assert entry["schedule"] == 24 * 3600
 
@@ -168,7 +170,7 @@ async def test_a_worker_runs_the_retention_task(redis_url, database_url, databas
         "TEMPER_RETENTION__DAYS": "30",
     }
     with celery_worker(redis_url, database_url, tmp_path / "worker.log", **env) as queue:
-        app = make_app(redis_url)
+        app = make_celery(redis_url)
         result = app.send_task("temper.retention", queue=queue)
         out = await asyncio.to_thread(result.get, timeout=90)
         result.forget()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 
 class BackendKind(StrEnum):
-    engine = "engine"  # Temper's CPU engine (services.inference_gateway.engine)
+    cpu_server = "cpu_server"  # Temper's CPU model server over HTTP (services.inference_gateway.cpu_server)
     vllm = "vllm"  # a vLLM OpenAI-compatible server
     local = "local"  # the CPU engine inside the gateway process (no HTTP): embedded mode, tests
 
@@ -27,8 +27,8 @@ class VLLMReloadMode(StrEnum):
 
 class BackendSpec(BaseModel):
     name: str
-    url: str = Field("", description="base URL of an engine or vLLM server; unused by kind=local")
-    kind: BackendKind = BackendKind.engine
+    url: str = Field("", description="base URL of a CPU model server or vLLM server; unused by kind=local")
+    kind: BackendKind = BackendKind.cpu_server
     model: str | None = Field(None, description="model name to send; default: the gateway's model_name")
     max_inflight: int | None = Field(None, ge=1, description="overrides max_inflight_per_backend")
     # kind=local only: which model the in-process engine runs
@@ -39,6 +39,15 @@ class BackendSpec(BaseModel):
     seed: int = Field(0, description="local: weight seed for preset")
     max_batch: int = Field(16, ge=1, description="local: largest batch")
     batch_window_ms: float = Field(3.0, ge=0, description="local: how long a batch waits for more requests")
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _renamed_kind(cls, value: object) -> object:
+        if value == "engine":
+            raise ValueError(
+                "backend kind 'engine' was renamed 'cpu_server' (the CPU model server); use that"
+            )
+        return value
 
     @model_validator(mode="after")
     def _url_unless_local(self) -> BackendSpec:

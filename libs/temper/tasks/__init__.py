@@ -1,19 +1,9 @@
-"""Task sets: the task format, importers (HumanEval, GSM8K-style math), storage in the
-database and object store, the REST routes and the Celery validation pipeline. The
-Celery app is ``temper.tasks.app`` (``celery -A temper.tasks worker``)."""
+"""Task sets (the RL tasks): the task format, importers (HumanEval, GSM8K-style math),
+storage in the database and object store, the REST routes and the validation pipeline,
+which the worker service (``services/worker``) runs as a batch task."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from temper.tasks.models import TaskFormatError, TaskKind, TaskSpec, TaskStatus, parse_tasks
 
-__all__ = ["TaskFormatError", "TaskKind", "TaskSpec", "TaskStatus", "app", "parse_tasks"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("app", "celery"):
-        from temper.tasks.celery_app import app
-
-        return app
-    raise AttributeError(name)
+__all__ = ["TaskFormatError", "TaskKind", "TaskSpec", "TaskStatus", "parse_tasks"]

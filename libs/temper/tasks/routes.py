@@ -27,10 +27,10 @@ Enqueue = Callable[[str], str]
 
 
 def celery_enqueue(taskset_id: str) -> str:
-    """Queue ``temper.validate_taskset`` on Celery; returns the Celery task id."""
-    from temper.tasks.celery_app import app
+    """Queue ``temper.validate_taskset`` for the worker service; returns the Celery task id."""
+    from temper import batch
 
-    return str(app.send_task("temper.validate_taskset", args=[taskset_id]).id)
+    return batch.enqueue(batch.VALIDATE_TASKSET, taskset_id)
 
 
 def _runtime_from_app(request: Request) -> Runtime:

@@ -17,7 +17,9 @@ from temper.lifecycle import EpisodeState
 
 router = APIRouter(tags=["episodes"], dependencies=[Depends(bearer_scheme)])
 
-EPISODE_NOT_FOUND = {404: {"model": schemas.Problem, "description": "no such episode for this tenant"}}
+EPISODE_NOT_FOUND: schemas.Responses = {
+    404: {"model": schemas.Problem, "description": "no such episode for this tenant"}
+}
 
 
 @router.get(

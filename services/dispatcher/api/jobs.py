@@ -21,8 +21,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(beare
 
 MAX_SPEC_BYTES = 1 << 20
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain")
-NOT_FOUND = {404: {"model": schemas.Problem, "description": "no such job for this tenant"}}
-AUTH = {401: {"model": schemas.Problem, "description": "missing or invalid API key"}}
+NOT_FOUND: schemas.Responses = {404: {"model": schemas.Problem, "description": "no such job for this tenant"}}
+AUTH: schemas.Responses = {401: {"model": schemas.Problem, "description": "missing or invalid API key"}}
 
 SPEC_BODY: dict[str, Any] = {
     "requestBody": {
@@ -164,7 +164,9 @@ async def _command(session: SessionDep, job: Job, command: str) -> schemas.Job:
     return job_detail(job)
 
 
-CONFLICT = {409: {"model": schemas.Problem, "description": "the job's state does not allow this"}}
+CONFLICT: schemas.Responses = {
+    409: {"model": schemas.Problem, "description": "the job's state does not allow this"}
+}
 
 
 @router.post(

@@ -16,6 +16,10 @@ class Problem(BaseModel):
     detail: str
 
 
+# The documented error answers of a route (FastAPI's ``responses=``).
+Responses = dict[int | str, dict[str, Any]]
+
+
 class FieldError(BaseModel):
     field: str = Field(description="dotted path of the offending field, e.g. schedule.iterations")
     message: str

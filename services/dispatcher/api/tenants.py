@@ -13,8 +13,8 @@ from temper.tenants import TenantExists, create_tenant, issue_key, revoke_key
 
 router = APIRouter(prefix="/v1", tags=["tenants"], dependencies=[Depends(bearer_scheme)])
 
-AUTH = {401: {"model": schemas.Problem, "description": "missing or invalid API key"}}
-ADMIN = {**AUTH, 403: {"model": schemas.Problem, "description": "needs an admin key"}}
+AUTH: schemas.Responses = {401: {"model": schemas.Problem, "description": "missing or invalid API key"}}
+ADMIN: schemas.Responses = {**AUTH, 403: {"model": schemas.Problem, "description": "needs an admin key"}}
 
 
 @router.get(

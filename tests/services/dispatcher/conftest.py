@@ -284,7 +284,7 @@ async def app(env):
     from services.dispatcher.app import create_app
 
     settings, _ = env
-    app = create_app(settings, engine=False)
+    app = create_app(settings, run_episodes=False)
     async with app.router.lifespan_context(app):
         yield app
 

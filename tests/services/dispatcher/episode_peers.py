@@ -15,8 +15,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.service import Dispatcher
+from services.dispatcher.component import Dispatcher
 from temper.bus import Consumer
 from temper.bus.kafka import start_groups_at_end
 from temper.db import Database, Episode, Job, Step, Task, TaskSet, Tenant
@@ -36,7 +35,15 @@ from temper.events import (
 from temper.jobspec import JobSpec
 from temper.policy.tokenizer import default_tokenizer
 from temper.runtime import Runtime
-from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings
+from temper.settings import (
+    BusKind,
+    BusSettings,
+    DatabaseSettings,
+    DispatcherSettings,
+    Settings,
+    StorageKind,
+    StorageSettings,
+)
 
 TOK = default_tokenizer()
 FENCE = "```"
@@ -57,7 +64,7 @@ def settings_for(tmp: Path, db_url: str, *, bootstrap: str | None = None, partit
     )
 
 
-def engine_settings(**kw: Any) -> EngineSettings:
+def engine_settings(**kw: Any) -> DispatcherSettings:
     base = dict(
         lease_s=10.0,
         max_step_attempts=3,
@@ -66,7 +73,7 @@ def engine_settings(**kw: Any) -> EngineSettings:
         reaper_interval_s=0.1,
     )
     base.update(kw)
-    return EngineSettings(**base)
+    return DispatcherSettings(**base)
 
 
 def job_spec(**over: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from temper.cli import main
+from services.cli import main
 from temper.db import Database
 from temper.settings import DatabaseSettings
 from temper.tenants import issue_key

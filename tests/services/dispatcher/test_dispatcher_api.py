@@ -323,7 +323,7 @@ async def test_bootstrap_key_creates_the_default_tenant_once(tmp_path):
     settings = make_settings(tmp_path, bootstrap_key="tmp_bootstrap-secret-value")
     await asyncio.to_thread(upgrade, settings.db.url)
     for _ in range(2):  # a restart finds it in place
-        app = create_app(settings, engine=False)
+        app = create_app(settings, run_episodes=False)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://d") as c:

@@ -31,7 +31,7 @@ def server(env):
     settings, seeded = env
     port = free_port()
     config = uvicorn.Config(
-        create_app(settings, engine=False), host="127.0.0.1", port=port, log_config=None, lifespan="on"
+        create_app(settings, run_episodes=False), host="127.0.0.1", port=port, log_config=None, lifespan="on"
     )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)

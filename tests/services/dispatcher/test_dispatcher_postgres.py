@@ -28,7 +28,7 @@ async def test_the_api_on_postgres(database_url, tmp_path):
     seeded = await seed(db, LocalStore(settings.storage.root))
     await db.dispose()
 
-    app = create_app(settings, engine=False)
+    app = create_app(settings, run_episodes=False)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(

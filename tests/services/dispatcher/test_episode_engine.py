@@ -362,7 +362,7 @@ async def _has_event(events, kind, state) -> bool:
 
 
 def test_curriculum_prefers_tasks_with_a_pass_rate_strictly_between_0_and_1():
-    from services.dispatcher.engine.scheduler import task_weight
+    from services.dispatcher.scheduler import task_weight
     from temper.jobspec import Curriculum
 
     learnable = task_weight(10, 4, Curriculum.learnable)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from temper.cli import main
+from services.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import uvicorn
 
-from services.inference_gateway.engine.app import create_app
-from services.inference_gateway.engine.core import BatchScheduler, Engine
+from services.inference_gateway.cpu_server.app import create_app
+from services.inference_gateway.cpu_server.core import BatchScheduler, Engine
 from temper.policy import create_model, default_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -109,7 +109,7 @@ def start_engine_process(seed: int = 0) -> ProcServer:
         [
             sys.executable,
             "-m",
-            "services.inference_gateway.engine",
+            "services.inference_gateway.cpu_server",
             "--preset",
             "tiny",
             "--seed",

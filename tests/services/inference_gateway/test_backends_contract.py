@@ -143,7 +143,7 @@ async def test_full_reload_uses_collective_rpc(tmp_path) -> None:
 
 
 def test_models_fixture_is_what_the_gateway_serves_too() -> None:
-    from services.inference_gateway.engine.app import CompletionBody
+    from services.inference_gateway.cpu_server.app import CompletionBody
 
     fx = load("vllm_models.json")["response"]
     assert {"id", "object", "owned_by", "root", "parent", "permission"} <= set(fx["data"][0])

@@ -11,7 +11,7 @@ import pytest
 
 from services.inference_gateway.app import create_app
 from services.inference_gateway.component import Gateway
-from services.inference_gateway.service import InferenceService
+from services.inference_gateway.inference import InferenceService
 from temper.bus import Record
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, SamplingParams, Topics, decode
 from temper.policy import create_model, default_tokenizer, encode_chat, save_weights

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from services.inference_gateway.app import proxy_app
-from services.inference_gateway.service import InferenceService
+from services.inference_gateway.inference import InferenceService
 from temper.events import InferenceRequest, PolicyUpdate, SamplingParams
 from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint
 from temper.policy.config import BackendSpec, InferenceSettings

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from services.inference_gateway.backends import BackendError, EngineBackend, ErrorKind
+from services.inference_gateway.backends import BackendError, CpuServerBackend, ErrorKind
 from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
 from temper.policy.config import BackendSpec
 
@@ -151,7 +151,7 @@ async def test_a_reused_connection_closed_without_an_answer_is_replaced_once() -
 
 async def backend_error(handler: Handler, *, timeout_s: float = 5.0) -> BackendError:
     async with Server(handler) as url:
-        b = EngineBackend(
+        b = CpuServerBackend(
             BackendSpec(name="e0", url=url), model_name="m", timeout_s=timeout_s, connect_timeout_s=1
         )
         try:
@@ -194,7 +194,7 @@ async def test_backend_timeout_and_refused_connection() -> None:
 
     async with Server(silent) as url:
         pass  # closed: nothing listens there now
-    b = EngineBackend(BackendSpec(name="e0", url=url), model_name="m", connect_timeout_s=1)
+    b = CpuServerBackend(BackendSpec(name="e0", url=url), model_name="m", connect_timeout_s=1)
     with pytest.raises(BackendError) as info:
         await b.post("/v1/completions", {})
     assert info.value.kind is ErrorKind.connect and info.value.retryable
@@ -210,7 +210,7 @@ async def test_backend_posts_json_and_parses_the_answer() -> None:
         await reader.read()
 
     async with Server(handler) as url:
-        b = EngineBackend(BackendSpec(name="e0", url=url), model_name="m")
+        b = CpuServerBackend(BackendSpec(name="e0", url=url), model_name="m")
         assert await b.post("/v1/x", {"prompt": [1, 2], "stop": ["é"], "t": 0.5}) == {"ok": True, "s": "é"}
         await b.aclose()
     assert got == [{"prompt": [1, 2], "stop": ["é"], "t": 0.5}]
@@ -220,7 +220,7 @@ def test_only_plain_http_urls() -> None:
     assert HTTP1Pool.supports("http://h:1") and not HTTP1Pool.supports("https://h")
     with pytest.raises(ValueError):
         HTTP1Pool("https://h", connect_timeout_s=1)
-    b = EngineBackend(BackendSpec(name="e0", url="https://h"), model_name="m")
+    b = CpuServerBackend(BackendSpec(name="e0", url="https://h"), model_name="m")
     assert b._http1 is None  # noqa: SLF001 - TLS backends keep the httpcore pool
 
 

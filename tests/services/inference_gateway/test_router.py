@@ -9,7 +9,7 @@ from services.inference_gateway.backends import (
     Backend,
     BackendError,
     BackendResult,
-    EngineBackend,
+    CpuServerBackend,
     ErrorKind,
     GenerateRequest,
 )
@@ -129,7 +129,7 @@ def test_breaker_half_open_lets_one_trial_through() -> None:
 async def test_failover_when_a_real_engine_is_killed(two_engine_processes) -> None:  # noqa: ANN001
     a, b = two_engine_processes
     backends = [
-        EngineBackend(
+        CpuServerBackend(
             BackendSpec(name=n, url=s.url), model_name="temper-policy", timeout_s=10, connect_timeout_s=1
         )
         for n, s in (("e0", a), ("e1", b))

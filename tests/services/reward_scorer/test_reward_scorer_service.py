@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from services.reward_scorer.service import RewardScorer
+from services.reward_scorer.component import RewardScorer
 from temper.db import Tenant
 from temper.events import RewardRequest, RewardResult, Topics, decode
 from temper.rewards import Scorer

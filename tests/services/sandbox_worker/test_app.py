@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services.sandbox_worker.app import create_app
-from services.sandbox_worker.service import SandboxWorker
+from services.sandbox_worker.worker import SandboxWorker
 from temper.events import SandboxRequest
 from temper.sandbox import SandboxLimits, SandboxSettings
 from temper.storage import LocalStore

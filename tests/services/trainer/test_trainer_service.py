@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from sqlalchemy import select
 
 from services.trainer.app import create_app
-from services.trainer.service import SKIP_INCOMPLETE, SKIP_STALE, SKIP_ZERO_VARIANCE, Trainer
+from services.trainer.component import SKIP_INCOMPLETE, SKIP_STALE, SKIP_ZERO_VARIANCE, Trainer
 from temper.db import Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.db.migrate import upgrade
 from temper.events import PolicyUpdate, Topics

@@ -23,8 +23,7 @@ from typing import Any
 from sqlalchemy import and_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.engine.trajectories import build_trajectory, passed
+from services.dispatcher.trajectories import build_trajectory, passed
 from temper import metrics
 from temper.db import Database, Episode, Job, Step, Task
 from temper.envs import Environment, ParsedAction, make_environment
@@ -47,6 +46,7 @@ from temper.lifecycle import EpisodeState, transition_episode
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
 from temper.policy.tokenizer import ByteTokenizer, assistant_stop_ids, default_tokenizer
+from temper.settings import DispatcherSettings
 from temper.storage import ObjectStore, object_key
 
 log = logging.getLogger("temper.dispatcher.episodes")
@@ -92,7 +92,7 @@ class EpisodeEngine:
         self,
         db: Database,
         store: ObjectStore,
-        settings: EngineSettings,
+        settings: DispatcherSettings,
         *,
         tokenizer: ByteTokenizer | None = None,
         transaction: Callable[[], AbstractAsyncContextManager[AsyncSession]] | None = None,
@@ -485,6 +485,9 @@ class EpisodeEngine:
             awaited = await self._awaited(session, msg, "reward", E.scoring, msg.error)
             if awaited is None:
                 return
+            # Declared optional: the second transaction below re-reads them, and may not find them.
+            ep: Episode | None
+            step: Step | None
             ep, step = awaited
             steps = list(
                 (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.sandbox_worker.service import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerService
 from temper.events import Message, SandboxRequest, SandboxResult, Topics
 from temper.runtime import Runtime
 from temper.sandbox import Action, SandboxLimits, SandboxSettings

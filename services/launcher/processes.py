@@ -1,4 +1,4 @@
-"""``python -m services.embedded.stack SPEC``: the ``temper run`` job on the real stack.
+"""``python -m services.launcher SPEC``: the ``temper run`` job on the real stack.
 
 The same spec and ``local:`` block as ``temper run``, but every service is its own
 process (``python -m services.<name>``) talking through the real Kafka, Postgres and S3
@@ -135,9 +135,9 @@ def apply_overrides(
     doc["algorithm"] = algorithm.model_dump(mode="json")
     spec = JobSpec.model_validate(doc)  # re-checks episodes_per_iteration % group_size
     if args.warm_start_steps is not None and local.warm_start is not None:
-        ws = local.warm_start.model_copy(update={"steps": args.warm_start_steps})
-        if args.warm_start_steps == 0:
-            ws = None
+        ws: localrun.WarmStart | None = None  # 0 steps: no warm start
+        if args.warm_start_steps > 0:
+            ws = local.warm_start.model_copy(update={"steps": args.warm_start_steps})
         local = local.model_copy(update={"warm_start": ws})
     return spec, local
 
@@ -486,7 +486,7 @@ async def _report(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m services.embedded.stack",
+        prog="python -m services.launcher",
         description="Run a temper-run spec on the real stack (Kafka, Postgres, S3), each service its own process.",
     )
     p.add_argument("spec", help="job spec with a local: block (as for temper run)")
@@ -521,7 +521,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0 if result.state == "completed" else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

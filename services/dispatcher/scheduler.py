@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher.engine.episodes import ACTIVE, EpisodeEngine, new_id
-from services.dispatcher.engine.leader import Leadership
+from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
+from services.dispatcher.leader import Leadership
 from temper import metrics
 from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, PolicyUpdate, Topics

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from temper.batch import make_celery
 from temper.db import Tenant
 from temper.tasks import service
-from temper.tasks.celery_app import make_app
 from temper.tasks.importers import arithmetic_tasks, humaneval
 
 pytestmark = [pytest.mark.redis, pytest.mark.sandbox, pytest.mark.timeout(120)]
@@ -39,7 +39,7 @@ def celery_worker(redis_url: str, database_url: str, log_path: Path, **env: str)
     }
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "temper.tasks", "worker", "--pool=solo", "-Q", queue,
+        [sys.executable, "-m", "services.worker", "worker", "--pool=solo", "-Q", queue,
          "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING"],
         cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -67,7 +67,7 @@ async def test_a_worker_validates_a_task_set_with_visible_progress(redis_url, da
     tasks = [*humaneval()[:3], *arithmetic_tasks(2)]
     async with database.session() as s:
         row = await service.create_taskset(s, None, "acme", "celery", tasks)
-    app = make_app(redis_url)
+    app = make_celery(redis_url)
     result = app.send_task("temper.validate_taskset", args=[row.id], queue=worker)
     states = set()
     deadline = time.monotonic() + 100

@@ -1,13 +1,7 @@
-"""The sandbox worker.
-
-``SandboxWorker`` is the logic, free of HTTP and of the bus: sessions, the one-shot
+"""The sandbox worker's logic, free of HTTP and of the bus: sessions, the one-shot
 "code + tests" run, SandboxFusion's ``/run_code`` and the idempotent step handler
-(``await worker.handle(request) -> result``).
-
-``SandboxWorkerService`` is the component (see docs/architecture.md, "Writing a
-service"): built on a :class:`temper.runtime.Runtime`, it consumes ``sandbox.requests``,
-runs each through the worker and publishes ``sandbox.results``, pausing the consumer
-while every action slot is taken.
+(``await worker.handle(request) -> result``). ``component.py`` puts it on the bus,
+``routes.py`` over HTTP.
 """
 
 from __future__ import annotations
@@ -18,13 +12,23 @@ import os
 import socket
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import ValidationError
 
-from temper.events import Message, SandboxRequest, SandboxResult, Topics
-from temper.logs import log_context, log_event
-from temper.runtime import Runtime
+from services.sandbox_worker.schemas import (
+    CommandRunResult,
+    CreateSession,
+    RestoreSession,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunTests,
+    RunTestsResult,
+    SessionCreated,
+    SnapshotTaken,
+)
+from temper.events import SandboxRequest, SandboxResult
+from temper.logs import log_context
 from temper.sandbox import (
     Action,
     ExecResult,
@@ -35,81 +39,10 @@ from temper.sandbox import (
     SnapshotError,
 )
 from temper.sandbox.config import SandboxSettings
-from temper.settings import Mode
 
 log = logging.getLogger(__name__)
 
 IDEMPOTENCY_CACHE = 4096
-HEALTH_CHECK = "sandbox_worker"  # the component's entry in runtime.checks (and /health)
-
-
-# --- HTTP-facing schemas ---------------------------------------------------------------
-class CreateSession(BaseModel):
-    limits: SandboxLimits | None = None
-    session_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,128}$")
-
-
-class SessionCreated(BaseModel):
-    session_id: str
-
-
-class RestoreSession(CreateSession):
-    key: str
-
-
-class SnapshotTaken(BaseModel):
-    key: str
-
-
-class RunTests(BaseModel):
-    """Run ``code`` followed by ``tests`` (e.g. a solution and its check function) as one
-    Python program in a fresh sandbox. Passed means: exit 0, nothing killed or cut."""
-
-    code: str
-    tests: str = ""
-    files: dict[str, str] = Field(default_factory=dict, description="path -> base64 content, written first")
-    stdin: str | None = None
-    limits: SandboxLimits | None = None
-
-
-class RunTestsResult(BaseModel):
-    passed: bool
-    result: ExecResult
-
-
-# SandboxFusion's /run_code shapes, plus Temper's explicit truncation fields.
-class RunCodeRequest(BaseModel):
-    code: str
-    language: str = "python"
-    compile_timeout: float = 10
-    run_timeout: float = 10
-    memory_limit_MB: int = -1
-    stdin: str | None = None
-    files: dict[str, str | None] = Field(default_factory=dict)
-    fetch_files: list[str] = Field(default_factory=list)
-
-
-class CommandRunResult(BaseModel):
-    status: Literal["Finished", "Error", "TimeLimitExceeded"]
-    execution_time: float | None = None
-    return_code: int | None = None
-    stdout: str | None = None
-    stderr: str | None = None
-    # Temper additions (SandboxFusion clients ignore unknown fields):
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    kill_reason: KillReason | None = None
-
-
-class RunCodeResponse(BaseModel):
-    status: Literal["Success", "Failed", "SandboxError"]
-    message: str = ""
-    compile_result: CommandRunResult | None = None
-    run_result: CommandRunResult | None = None
-    executor_pod_name: str | None = None
-    files: dict[str, str] = Field(default_factory=dict)
-
-
 LANGUAGES = {"python": "python", "python3": "python", "bash": "bash", "sh": "sh"}
 
 
@@ -325,88 +258,6 @@ class SandboxWorker:
                 await self.manager.destroy_session(sid)
                 return f"cannot write starting file {path}: {r.error}"
         return None
-
-
-class SandboxWorkerService:
-    """The sandbox worker component: ``sandbox.requests`` in, ``sandbox.results`` out.
-
-    Built on a shared :class:`Runtime` (bus and object store; no database). ``start()``
-    starts the sandboxes and joins consumer group ``group`` (default
-    ``TEMPER_SANDBOX__GROUP``, ``sandbox-worker``) with ``concurrency``
-    partitions in flight; while every action slot of the worker is taken (bus steps and
-    HTTP calls alike) the consumer is paused, and it resumes when one frees, so nothing
-    is buffered beyond the fetch in hand. ``stop()`` leaves the group, then destroys
-    every session and pooled sandbox.
-    """
-
-    def __init__(
-        self,
-        runtime: Runtime,
-        *,
-        sandbox: SandboxSettings | None = None,
-        worker_id: str | None = None,
-        group: str | None = None,
-    ) -> None:
-        self.runtime = runtime
-        s = runtime.settings
-        sandbox = sandbox or s.sandbox.model_copy(
-            update={"allow_unsafe": s.sandbox.allow_unsafe or s.allow_unsafe}
-        )
-        self.worker = SandboxWorker(sandbox, distributed=s.mode is Mode.distributed, worker_id=worker_id)
-        self.group = group or sandbox.group
-        self.consumer: Any = None
-        self.pauses = 0
-        self.worker.load_listeners.append(self._on_load)
-
-    async def start(self) -> None:
-        # The runtime made its store in start(); snapshots go there.
-        self.worker.store = self.worker.manager.store = self.runtime.store
-        await self.worker.start()
-        # Its own name: on a shared runtime (embedded) the reward scorer checks its sandboxes too.
-        self.runtime.checks[HEALTH_CHECK] = self._check_sandbox
-        try:
-            self.consumer = await self.runtime.consume(
-                [Topics.SANDBOX_REQUESTS],
-                self.handle,
-                group=self.group,
-                concurrency=self.worker.settings.concurrency,
-            )
-        except BaseException:
-            await self.worker.close()
-            raise
-
-    async def stop(self) -> None:
-        if self.consumer is not None:
-            await self.consumer.stop()
-            self.consumer = None
-        if self.runtime.checks.get(HEALTH_CHECK) == self._check_sandbox:
-            del self.runtime.checks[HEALTH_CHECK]
-        await self.worker.close()
-
-    async def handle(self, message: Message) -> None:
-        if not isinstance(message, SandboxRequest):
-            return
-        result = await self.worker.handle(message)
-        assert self.runtime.bus is not None
-        await self.runtime.bus.send_message(Topics.SANDBOX_RESULTS, result)
-
-    def _on_load(self, full: bool) -> None:
-        consumer = self.consumer
-        if consumer is None:
-            return
-        if full and not consumer.paused:
-            self.pauses += 1
-            log_event(log, "sandbox worker full: consumer paused", slots=self.worker.settings.concurrency)
-            consumer.pause()
-        elif not full and consumer.paused:
-            consumer.resume()
-
-    async def _check_sandbox(self) -> None:
-        manager = self.worker.manager
-        if not manager.started:
-            raise RuntimeError("sandboxes not started")
-        if manager.leaked:
-            raise RuntimeError(f"{manager.leaked} leaked sandbox processes")
 
 
 def fusion_response(

@@ -1,4 +1,4 @@
-"""``python -m services.inference_gateway.engine --preset tiny --port 8010`` (or ``--model-dir DIR``)."""
+"""``python -m services.inference_gateway.cpu_server --preset tiny --port 8010`` (or ``--model-dir DIR``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import torch
 import uvicorn
 
-from services.inference_gateway.engine.app import create_app
-from services.inference_gateway.engine.core import BatchScheduler, Engine
+from services.inference_gateway.cpu_server.app import create_app
+from services.inference_gateway.cpu_server.core import BatchScheduler, Engine
 from temper.policy import create_model, default_tokenizer, load_model, read_metadata
 from temper.settings import get_settings
 from temper.storage import make_store
@@ -27,7 +27,7 @@ def build_engine(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m services.inference_gateway.engine")
+    ap = argparse.ArgumentParser(prog="python -m services.inference_gateway.cpu_server")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model-dir", help="local dir with config.json, model.safetensors, tokenizer.json")
     src.add_argument("--preset", default="tiny", help="create a model with random weights (default: tiny)")

@@ -1,6 +1,6 @@
-"""Temper's CPU inference engine: a torch causal LM behind vLLM's OpenAI-compatible API subset."""
+"""Temper's CPU model server: a torch causal LM behind vLLM's OpenAI-compatible API subset."""
 
-from services.inference_gateway.engine.core import (
+from services.inference_gateway.cpu_server.core import (
     BatchScheduler,
     Engine,
     GenOutput,

@@ -18,8 +18,9 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from services.reward_scorer import handlers
 from temper import metrics
-from temper.events import Message, RewardComponent, RewardRequest, RewardResult, Topics
+from temper.events import RewardComponent, RewardRequest, RewardResult, Topics
 from temper.logs import log_event
 from temper.rewards import Scorer, ScoringError
 from temper.rewards.models import load_submission
@@ -88,8 +89,8 @@ class RewardScorer:
             await self.manager.start()
         self.scorer = Scorer(self.manager)
         self.runtime.checks["sandbox"] = self._check_sandbox
-        await self.runtime.consume(
-            [Topics.REWARD_REQUESTS], self.handle, group=self.group, concurrency=self.concurrency
+        await self.runtime.consume_handlers(
+            handlers.topics(self), group=self.group, concurrency=self.concurrency
         )
 
     async def stop(self) -> None:
@@ -117,9 +118,7 @@ class RewardScorer:
             self._tasks.popitem(last=False)
         return spec
 
-    async def handle(self, message: Message) -> None:
-        if not isinstance(message, RewardRequest):
-            return
+    async def handle(self, message: RewardRequest) -> None:
         key = record_key(message.job_id, message.episode_id, message.turn, message.attempt, str(message.id))
         lock = self._inflight.setdefault(key, asyncio.Lock())
         try:

@@ -20,46 +20,47 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.engine.episodes import EpisodeEngine
-from services.dispatcher.engine.handlers import ResultHandlers
-from services.dispatcher.engine.leader import Leadership
-from services.dispatcher.engine.scheduler import Scheduler
+from services.dispatcher import handlers
+from services.dispatcher.episodes import EpisodeEngine
+from services.dispatcher.leader import Leadership
+from services.dispatcher.scheduler import Scheduler
 from temper.bus import Consumer
-from temper.events import Topics
 from temper.logs import log_event
 from temper.outbox import OutboxRelay
 from temper.runtime import Runtime
+from temper.settings import DispatcherSettings
+from temper.tenants import ensure_bootstrap_key
 
 log = logging.getLogger("temper.dispatcher")
 
-RESULT_TOPICS = (Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS)
+
+class BootstrapKey:
+    """Stores ``TEMPER_API__BOOTSTRAP_KEY`` (when set) as an admin key of tenant 'default'."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    async def start(self) -> None:
+        key = self.runtime.settings.api.bootstrap_key
+        if key is None:
+            return
+        assert self.runtime.db is not None, "the bootstrap key needs the database"
+        async with self.runtime.db.session() as session:
+            if await ensure_bootstrap_key(session, key.get_secret_value()):
+                log_event(log, "bootstrap admin key stored for tenant 'default'")
+
+    async def stop(self) -> None:
+        pass
 
 
 class Dispatcher:
-    """The episode engine of one dispatcher replica.
+    """The episode engine of one dispatcher replica. Its knobs are
+    ``runtime.settings.dispatcher`` (``TEMPER_DISPATCHER__*``); ``settings`` replaces them
+    (tests, the embedded runner)."""
 
-    ``lease_s`` and ``max_step_attempts`` bound how long a step may take and how often it
-    is retried; every other knob is in :class:`EngineSettings` (``TEMPER_DISPATCHER__*``),
-    which ``settings`` or keyword ``overrides`` replace.
-    """
-
-    def __init__(
-        self,
-        runtime: Runtime,
-        *,
-        lease_s: float | None = None,
-        max_step_attempts: int | None = None,
-        settings: EngineSettings | None = None,
-        **overrides: Any,
-    ) -> None:
+    def __init__(self, runtime: Runtime, *, settings: DispatcherSettings | None = None) -> None:
         self.runtime = runtime
-        base = settings or EngineSettings()
-        if lease_s is not None:
-            overrides["lease_s"] = lease_s
-        if max_step_attempts is not None:
-            overrides["max_step_attempts"] = max_step_attempts
-        self.settings = base.model_copy(update=overrides) if overrides else base
+        self.settings = settings or runtime.settings.dispatcher
         self.engine: EpisodeEngine | None = None
         self.scheduler: Scheduler | None = None
         self.relay: OutboxRelay | None = None
@@ -83,26 +84,26 @@ class Dispatcher:
             trainer_attached=s.trainer_attached,
             wait_for_training=s.wait_for_training,
         )
-        handlers = ResultHandlers(self.engine, self.scheduler)
-        self._tasks.append(asyncio.create_task(self.relay.run(), name="dispatcher-outbox-relay"))
+        # Loops on the runtime (a crash shows in /health); stop() cancels them before the
+        # final outbox flush, so the relay is not sending while the flush does.
+        self._tasks.append(rt.spawn(self.relay.run(), "dispatcher-outbox-relay"))
         self._consumers.append(
-            await rt.consume(
-                RESULT_TOPICS, handlers.on_result, group=s.results_group, concurrency=s.result_concurrency
+            await rt.consume_handlers(
+                handlers.result_topics(self.engine), group=s.results_group, concurrency=s.result_concurrency
             )
         )
         self._consumers.append(
-            await rt.consume((Topics.POLICY_UPDATES,), handlers.on_policy_update, group=s.policy_group)
+            await rt.consume_handlers(handlers.policy_topics(self.scheduler), group=s.policy_group)
         )
         self._tasks.append(
-            asyncio.create_task(
-                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"),
-                name="dispatcher-scheduler",
+            rt.spawn(
+                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"), "dispatcher-scheduler"
             )
         )
         self._tasks.append(
-            asyncio.create_task(
+            rt.spawn(
                 self._every(s.reaper_interval_s, self.engine.reap_expired, "lease reaper"),
-                name="dispatcher-reaper",
+                "dispatcher-reaper",
             )
         )
         rt.checks["dispatcher"] = self._check

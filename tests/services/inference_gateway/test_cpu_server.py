@@ -6,8 +6,8 @@ import httpx
 import pytest
 import torch
 
-from services.inference_gateway.engine.app import create_app
-from services.inference_gateway.engine.core import BatchScheduler, Engine, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.app import create_app
+from services.inference_gateway.cpu_server.core import BatchScheduler, Engine, GenRequest, SamplingParams
 from temper.policy import (
     create_model,
     default_tokenizer,

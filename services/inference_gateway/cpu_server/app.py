@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.inference_gateway.checkpoints import fetch_checkpoint
-from services.inference_gateway.engine.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
 from temper import metrics
 from temper.storage import NotFound, ObjectStore
 
@@ -65,8 +65,9 @@ def _prompts(body: CompletionBody, encode: Callable[[str], list[int]]) -> list[l
     if not p:
         raise HTTPException(400, "prompt is empty")
     if all(isinstance(x, int) for x in p):
-        return [list(p)]  # type: ignore[arg-type]
-    return [encode(x) if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
+        return [[x for x in p if isinstance(x, int)]]
+    # validated lists are homogeneous: no ints here, the filter only narrows the type
+    return [encode(x) if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
 
 
 def completion_response(

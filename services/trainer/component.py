@@ -42,10 +42,11 @@ from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
+from services.trainer import handlers
 from temper import metrics
 from temper.bus import Consumer, Poison
 from temper.db import Job, PolicyVersion, TrainedTrajectory
-from temper.events import LifecycleEvent, Message, PolicyUpdate, Topics, TrajectoryReady
+from temper.events import LifecycleEvent, PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import JobSpec
 from temper.logs import log_context, log_event
 from temper.outbox import OutboxRelay, enqueue
@@ -152,7 +153,7 @@ class Trainer:
             self.runtime.spawn(self.relay.run(), "outbox-relay")
         await self.recover()
         self.runtime.checks["trainer"] = self._check
-        self.consumer = await self.runtime.consume([Topics.TRAJECTORIES], self.handle, group=self.group)
+        self.consumer = await self.runtime.consume_handlers(handlers.topics(self), group=self.group)
         self.runtime.spawn(self._loop(), "trainer-loop")
         log_event(log, "trainer started", group=self.group, device=str(self.device), jobs=sorted(self.jobs))
 
@@ -187,11 +188,9 @@ class Trainer:
 
     # --- receiving ----------------------------------------------------------------------
 
-    async def handle(self, message: Message) -> None:
+    async def handle(self, message: TrajectoryReady) -> None:
         """Buffer one trajectory durably (a ledger row) and wake the training loop.
         A redelivered message is a no-op."""
-        if not isinstance(message, TrajectoryReady):
-            return
         if self.settings.job_id and message.job_id != self.settings.job_id:
             return
         if not message.job_id or not message.episode_id:

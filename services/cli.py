@@ -1,0 +1,55 @@
+"""The ``temper`` command (``[project.scripts]``): the library's client commands
+(:mod:`temper.cli`) plus those that compose services:
+
+    temper run spec.yaml [--runs-dir D] [--run-id ID]   one job end to end in this process
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from temper import cli as client_cli
+from temper.jobspec import SpecError
+from temper.runtime import StartupError
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from services.embedded import runner  # the five services in this process: import only when asked
+
+    try:
+        result = asyncio.run(runner.run(Path(args.spec), runs_dir=Path(args.runs_dir), run_id=args.run_id))
+    except SpecError as exc:
+        sys.stderr.write("error: the spec does not validate:\n")
+        for field, message in exc.errors:
+            sys.stderr.write(f"  {field}: {message}\n")
+        return 2
+    except StartupError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    return 0 if result.state == "completed" else 1
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "run", help="run a job end to end in this process (embedded mode: SQLite, in-process bus)"
+    )
+    p.add_argument("spec", help="a job spec with a local: block naming its task-set file")
+    p.add_argument("--runs-dir", default="runs", help="where runs/<run-id>/ is written")
+    p.add_argument("--run-id", help="name of the run directory (default: a timestamp)")
+    p.set_defaults(func=cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return client_cli.build_parser(add_commands)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return client_cli.main(argv, parser=build_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The batch tasks the worker runs, one function per task name (see :mod:`temper.batch`).
+Each opens what it needs from the settings (database, sandboxes, object store), calls
+the library function that does the work, and closes it again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from temper.db import Database
+from temper.leases import reap_expired
+from temper.retention import delete_expired
+from temper.rewards.runner import TestRunner, scoring_sandbox_settings
+from temper.sandbox import SandboxManager
+from temper.settings import Settings
+from temper.storage import make_store
+from temper.tasks.validation import validate_taskset as validate
+
+Progress = Callable[[int, int], None]
+
+
+async def validate_taskset(settings: Settings, taskset_id: str, progress: Progress) -> dict[str, Any]:
+    """Run every task of the set through its hidden tests in a sandbox."""
+    db = Database(settings.db)
+    manager = SandboxManager(
+        scoring_sandbox_settings(settings.sandbox), distributed=settings.mode == "distributed"
+    )
+    await manager.start()
+    try:
+        counts = await validate(db, TestRunner(manager), taskset_id, progress=progress)
+    finally:
+        await manager.close()
+        await db.dispose()
+    return {
+        "taskset_id": taskset_id,
+        "counts": counts,
+        "current": sum(counts.values()),
+        "total": sum(counts.values()),
+    }
+
+
+async def reap_leases(settings: Settings) -> int:
+    """Mark expired step leases; the number marked."""
+    db = Database(settings.db)
+    try:
+        return len(await reap_expired(db))
+    finally:
+        await db.dispose()
+
+
+async def retention(settings: Settings) -> dict[str, Any]:
+    """Delete the objects of jobs finished more than ``TEMPER_RETENTION__DAYS`` ago."""
+    days = settings.retention.days
+    if days is None:
+        return {"days": None, "jobs": 0}  # retention is off
+    db = Database(settings.db)
+    try:
+        counts = await delete_expired(
+            make_store(settings), db, days=days, snapshot_prefix=settings.sandbox.snapshot_prefix
+        )
+    finally:
+        await db.dispose()
+    return {"days": days, **counts}

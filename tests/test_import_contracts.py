@@ -1,0 +1,150 @@
+"""The import boundaries, checked on the source (``make lint`` runs this file).
+
+Every module of ``libs/temper`` and ``services`` is parsed; its imports are every
+``import``/``from ... import`` (at any depth: a lazy import inside a function counts, and
+stays allowed as long as it respects the contracts) and every
+``importlib.import_module("...")`` or ``__import__("...")`` call with a literal name.
+
+- the library never imports ``services`` in any form;
+- no service imports another; the compositions (``services.embedded``, the multi-process
+  ``services.launcher`` and the ``temper`` command ``services.cli``) are the exceptions;
+- the sandbox library (``temper.sandbox``) never imports ``temper.rewards`` or ``temper.envs``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSITIONS = {"services.embedded", "services.launcher", "services.cli"}
+SANDBOX_FORBIDDEN = ("temper.rewards", "temper.envs")
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    target: str  # what it imports (for ``from a import b``: ``a`` and ``a.b``)
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.line} imports {self.target}"
+
+
+def _is_dynamic_import(call: ast.Call) -> bool:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id in ("__import__", "import_module")
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module" or (func.attr == "__import__")
+    return False
+
+
+def imports_of(source: str, module: str, *, is_package: bool = False) -> list[Import]:
+    """Every import in ``source``, the source of ``module``."""
+    found: list[Import] = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [Import(module, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{anchor}.{base}" if base else anchor
+            found.append(Import(module, base, node.lineno))
+            found += [Import(module, f"{base}.{alias.name}", node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node) and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.append(Import(module, arg.value, node.lineno))
+    return found
+
+
+def _modules() -> list[tuple[str, Path, bool]]:
+    out = []
+    for root, prefix in ((ROOT / "libs" / "temper", "temper"), (ROOT / "services", "services")):
+        for path in sorted(root.rglob("*.py")):
+            parts = [prefix, *path.relative_to(root).with_suffix("").parts]
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            out.append((".".join(parts), path, is_package))
+    return out
+
+
+def all_imports() -> list[Import]:
+    found: list[Import] = []
+    for module, path, is_package in _modules():
+        found += imports_of(path.read_text(), module, is_package=is_package)
+    return found
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _service_of(name: str) -> str | None:
+    """``services.<name>`` for a module inside a service, else None."""
+    parts = name.split(".")
+    if parts[0] != "services" or len(parts) < 2:
+        return None
+    return ".".join(parts[:2])
+
+
+def violations(imports: list[Import]) -> list[str]:
+    bad = []
+    for imp in imports:
+        if _within(imp.module, "temper") and _within(imp.target, "services"):
+            bad.append(f"the library imports a service: {imp}")
+        if _within(imp.module, "temper.sandbox") and any(_within(imp.target, f) for f in SANDBOX_FORBIDDEN):
+            bad.append(f"the sandbox library imports rewards or envs: {imp}")
+        source, target = _service_of(imp.module), _service_of(imp.target)
+        if source and target and source != target and source not in COMPOSITIONS:
+            bad.append(f"a service imports another: {imp}")
+    return bad
+
+
+def test_the_code_keeps_its_import_contracts() -> None:
+    imports = all_imports()
+    assert len({i.module for i in imports}) > 100, "the walk found too few modules"
+    assert violations(imports) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "broken"),
+    [
+        ("temper.cli", "import services.embedded.runner", "the library imports a service"),
+        ("temper.cli", "from services import embedded", "the library imports a service"),
+        ("temper.cli", "import importlib\nimportlib.import_module('services.embedded')", "library"),
+        ("temper.cli", "def f():\n    __import__('services.embedded.runner')", "library"),
+        ("temper.cli", "from importlib import import_module\nimport_module('services.x')", "library"),
+        ("temper.sandbox.backends", "from temper.rewards import Scorer", "sandbox library"),
+        ("temper.sandbox.backends", "from ..envs import code", "sandbox library"),
+        ("services.trainer.app", "from services.dispatcher.api import repo", "a service imports another"),
+        ("services.trainer.app", "from services import dispatcher", "a service imports another"),
+        ("services.trainer.app", "from ..dispatcher import app", "a service imports another"),
+    ],
+)
+def test_a_broken_contract_is_found(module: str, source: str, broken: str) -> None:
+    found = violations(imports_of(source, module))
+    assert any(broken in line for line in found), found
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("temper.training.learner", "def f():\n    import torch"),  # lazy heavy imports stay allowed
+        ("services.embedded.components", "from services.trainer.component import Trainer"),
+        ("services.cli", "from services.embedded import runner"),
+        ("services.trainer.app", "from services.trainer.component import Trainer"),
+        ("services.trainer.app", "from . import component"),
+        ("temper.rewards.scorer", "from temper.sandbox import SandboxManager"),
+    ],
+)
+def test_an_allowed_import_passes(module: str, source: str) -> None:
+    assert violations(imports_of(source, module)) == []
