@@ -10,8 +10,8 @@ from enum import StrEnum
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
+from temper.clock import utcnow
 from temper.db import Episode, Job
-from temper.db.models import utcnow
 from temper.events import LifecycleEvent, Topics
 from temper.outbox import enqueue
 

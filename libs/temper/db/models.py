@@ -1,4 +1,8 @@
-"""Tables. Postgres is the source of truth; every column type here also exists in SQLite."""
+"""Tables. Postgres is the source of truth; every column type here also exists in SQLite.
+
+Every datetime column is :class:`UTCDateTime`: it takes aware datetimes only and gives
+back aware UTC datetimes on both databases (SQLite stores no offset, so without it
+reads come back naive)."""
 
 from __future__ import annotations
 
@@ -17,20 +21,42 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from temper.clock import utcnow
 
 # SQLite only auto-increments INTEGER PRIMARY KEY, so big ids are plain integers there.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+class UTCDateTime(TypeDecorator[datetime]):
+    """``TIMESTAMP WITH TIME ZONE`` that refuses naive datetimes on the way in (their zone
+    is a guess) and stamps UTC on the way out where the driver returns naive values."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(
+                f"naive datetime {value.isoformat()}: use temper.clock.utcnow() or an aware value"
+            )
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
 
 
 class Tenant(Base):

@@ -9,15 +9,15 @@ import json
 import math
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Select, and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
+from temper.clock import utcnow
 from temper.db import Episode, Job, TaskSet, Tenant, TrainedTrajectory
-from temper.db.models import utcnow
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
@@ -227,10 +227,6 @@ async def active_episodes(session: AsyncSession, *, tenant_id: str) -> int:
 # --- metrics --------------------------------------------------------------------------
 
 
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
-
-
 async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float = 1.0) -> schemas.JobMetrics:
     spec = job.spec or {}
     schedule = spec.get("schedule", {})
@@ -297,8 +293,8 @@ async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float 
     ).scalar_one()
     rate = 0.0
     if first_created is not None and finished:
-        end = _aware(last_done) if job.state not in ("pending", "running", "paused") and last_done else now
-        minutes = max((end - _aware(first_created)).total_seconds() / 60, 1 / 60)
+        end = last_done if job.state not in ("pending", "running", "paused") and last_done else now
+        minutes = max((end - first_created).total_seconds() / 60, 1 / 60)
         rate = finished / minutes
     throughput = schemas.Throughput(
         episodes_finished=finished, episodes_per_min=rate, recent_episodes_per_min=recent / 5.0

@@ -17,7 +17,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, select, update
@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.dispatcher.engine.config import EngineSettings
 from services.dispatcher.engine.trajectories import build_trajectory, passed
 from temper import metrics
+from temper.clock import utcnow
 from temper.db import Database, Episode, Job, Step, Task
 from temper.envs import Environment, ParsedAction, make_environment
 from temper.episode_log import build_episode_log, log_key
@@ -67,17 +68,6 @@ REQUEST_TYPES: dict[str, type[Message]] = {
     "sandbox": SandboxRequest,
     "reward": RewardRequest,
 }
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _aware(ts: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; they were written in UTC."""
-    if ts is not None and ts.tzinfo is None:
-        return ts.replace(tzinfo=UTC)
-    return ts
 
 
 def new_id() -> str:
@@ -182,7 +172,7 @@ class EpisodeEngine:
         lease = self.settings.lease_s
         if kind == "reward" and self.settings.reward_lease_s:
             lease = self.settings.reward_lease_s
-        return now() + timedelta(seconds=lease + extra_s)
+        return utcnow() + timedelta(seconds=lease + extra_s)
 
     def _issue(
         self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0
@@ -197,7 +187,7 @@ class EpisodeEngine:
             state="leased",
             request=message.model_dump(mode="json"),
             lease_expires_at=lease,
-            created_at=now(),
+            created_at=utcnow(),
         )
         session.add(step)
         ep.turn = message.turn or 0
@@ -255,7 +245,7 @@ class EpisodeEngine:
             payload = {
                 **step.request,
                 "id": str(uuid.uuid4()),
-                "occurred_at": now().isoformat(),
+                "occurred_at": utcnow().isoformat(),
                 "attempt": step.attempt,
             }
             if step.kind == "sandbox":
@@ -267,7 +257,7 @@ class EpisodeEngine:
             )
             return True
         step.state = "failed"
-        step.completed_at = now()
+        step.completed_at = utcnow()
         ep.lease_expires_at = None
         transition_episode(session, ep, E.failed, reason=f"{reason} (after {step.attempt + 1} attempts)")
         log_event(log, "episode failed", logging.WARNING, reason=reason, attempts=step.attempt + 1)
@@ -299,8 +289,8 @@ class EpisodeEngine:
             behaviour_version=job.policy_version,
             session_id=None,
             rewards={},
-            timings={"started_at": now().timestamp()},
-            created_at=now(),
+            timings={"started_at": utcnow().timestamp()},
+            created_at=utcnow(),
         )
         ep.session_id = ep.id
         session.add(ep)
@@ -344,7 +334,7 @@ class EpisodeEngine:
             env = self.environment(spec, await self.task_of(session, ep.task_id))
             text = msg.text or self.tok.decode(msg.token_ids)
             action = env.parse(text, turn=step.turn)
-            done_at = now()
+            done_at = utcnow()
             step.result = {
                 "token_ids": msg.token_ids,
                 "logprobs": msg.logprobs,
@@ -399,7 +389,7 @@ class EpisodeEngine:
             assert inference is not None and inference.result is not None
             action = ParsedAction.from_dict(inference.result["action"])
             observation = env.observe(action, msg.result)
-            done_at = now()
+            done_at = utcnow()
             step.result = {
                 "exec": msg.result,
                 "worker": msg.worker,
@@ -493,7 +483,7 @@ class EpisodeEngine:
                     )
                 ).scalars()
             )
-            trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=now())
+            trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=utcnow())
             key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
             episode_log = build_episode_log(ep, steps, msg)
             episode_log_key = log_key(ep.tenant_id, ep.job_id, ep.id)
@@ -508,7 +498,7 @@ class EpisodeEngine:
             if why:
                 return self._ignore(why, msg)
             assert ep is not None and step is not None
-            done_at = now()
+            done_at = utcnow()
             components = {k: v.model_dump(mode="json") for k, v in msg.components.items()}
             step.result = {"reward": msg.reward, "components": components}
             step.state = "done"
@@ -562,7 +552,7 @@ class EpisodeEngine:
 
     @staticmethod
     def _observe_step(step: Step, done_at: datetime) -> None:
-        started = _aware(step.created_at)
+        started = step.created_at
         if started is not None:
             metrics.TURN_SECONDS.labels(step.kind).observe(max(0.0, (done_at - started).total_seconds()))
 
@@ -572,7 +562,9 @@ class EpisodeEngine:
         async with self.tx() as session:
             query = (
                 select(Episode)
-                .where(Episode.state.in_([s.value for s in STEP_FOR_STATE]), Episode.lease_expires_at < now())
+                .where(
+                    Episode.state.in_([s.value for s in STEP_FOR_STATE]), Episode.lease_expires_at < utcnow()
+                )
                 .order_by(Episode.lease_expires_at)
                 .limit(limit)
             )

@@ -8,7 +8,7 @@ are cut from the stored prompts, never re-tokenised.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 
 from temper.db import Episode, Step
 from temper.events import RewardResult
@@ -28,15 +28,10 @@ def passed(result: RewardResult) -> bool:
     return result.reward >= 1.0 - 1e-9
 
 
-def _utc(ts: datetime) -> datetime:
-    """SQLite hands back naive datetimes; they were written in UTC."""
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
-
-
 def _seconds(step: Step | None) -> float | None:
     if step is None or step.created_at is None or step.completed_at is None:
         return None
-    return round((_utc(step.completed_at) - _utc(step.created_at)).total_seconds(), 6)
+    return round((step.completed_at - step.created_at).total_seconds(), 6)
 
 
 def build_trajectory(
@@ -97,7 +92,7 @@ def build_trajectory(
         "total_s": round(finished_at.timestamp() - started, 6),
         "inference_s": round(totals["inference_s"], 6),
         "sandbox_s": round(totals["sandbox_s"], 6),
-        "scoring_s": round(finished_at.timestamp() - _utc(reward_step.created_at).timestamp(), 6)
+        "scoring_s": round(finished_at.timestamp() - reward_step.created_at.timestamp(), 6)
         if reward_step is not None and reward_step.created_at is not None
         else 0.0,
     }
