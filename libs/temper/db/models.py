@@ -94,6 +94,9 @@ class TaskSet(Base):
 
 
 class Task(Base):
+    """One task of a task set. How often it was solved is not kept here: it is counted
+    from :class:`TaskOutcome` rows (``temper.tasks.service.outcome_totals``)."""
+
     __tablename__ = "tasks"
     __table_args__ = (UniqueConstraint("task_set_id", "key", name="uq_tasks_set_key"),)
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
@@ -107,9 +110,27 @@ class Task(Base):
     status_reasons: Mapped[list[Any]] = mapped_column(default=list)
     prompt_hash: Mapped[str] = mapped_column(String(64), default="", index=True)
     tests_hash: Mapped[str] = mapped_column(String(64), default="", index=True)
-    attempts: Mapped[int] = mapped_column(Integer, default=0, doc="episodes scored on this task, all jobs")
-    passes: Mapped[int] = mapped_column(Integer, default=0)
-    difficulty: Mapped[float | None] = mapped_column(Float, default=None, doc="1 - pass rate, once measured")
+
+
+class TaskOutcome(Base):
+    """One scored episode's verdict on its task: written once, by the dispatcher's scoring
+    transaction (``temper.rewards.passed`` decides ``passed``), never updated. Attempts,
+    pass rates and difficulty, per task, per job or per policy version, are counted from
+    these rows; the unique episode id makes a second write for one episode fail."""
+
+    __tablename__ = "task_outcomes"
+    __table_args__ = (Index("ix_task_outcomes_job_version", "job_id", "policy_version"),)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), unique=True)
+    # no foreign key, as on Episode.task_id: the history needs no task row
+    task_id: Mapped[str] = mapped_column(String(200), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    policy_version: Mapped[int | None] = mapped_column(
+        Integer, default=None, doc="the episode's behaviour version: the oldest policy that acted in it"
+    )
+    passed: Mapped[bool] = mapped_column(Boolean)
+    reward: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Job(Base):

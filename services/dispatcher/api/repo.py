@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
 from temper.clock import utcnow
-from temper.db import Episode, Job, TaskSet, Tenant, TrainedTrajectory
+from temper.db import Episode, Job, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
@@ -227,7 +227,9 @@ async def active_episodes(session: AsyncSession, *, tenant_id: str) -> int:
 # --- metrics --------------------------------------------------------------------------
 
 
-async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float = 1.0) -> schemas.JobMetrics:
+async def job_metrics(
+    session: AsyncSession, *, job: Job, pass_threshold: float | None = None
+) -> schemas.JobMetrics:
     spec = job.spec or {}
     schedule = spec.get("schedule", {})
     iterations = int(schedule.get("iterations", 0))
@@ -255,12 +257,14 @@ async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float 
         for it, n, mean, sq, lo, hi in curve_rows
     ]
 
-    passed = func.sum(case((Episode.reward >= pass_threshold, 1), else_=0))
+    # from the outcomes the scoring transaction recorded, one per scored episode
+    verdict = TaskOutcome.passed if pass_threshold is None else TaskOutcome.reward >= pass_threshold
+    passed = func.sum(case((verdict, 1), else_=0))
     task_rows = await session.execute(
-        select(Episode.task_id, func.count(), passed, func.avg(Episode.reward))
-        .where(scored)
-        .group_by(Episode.task_id)
-        .order_by(Episode.task_id)
+        select(TaskOutcome.task_id, func.count(), passed, func.avg(TaskOutcome.reward))
+        .where(TaskOutcome.job_id == job.id)
+        .group_by(TaskOutcome.task_id)
+        .order_by(TaskOutcome.task_id)
     )
     pass_rates = [
         schemas.TaskPassRate(task_id=t, episodes=n, passed=int(p or 0), pass_rate=(p or 0) / n, mean_reward=m)

@@ -20,11 +20,11 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.engine.config import EngineSettings
-from services.dispatcher.engine.trajectories import build_trajectory, passed
+from services.dispatcher.engine.trajectories import build_trajectory
 from temper import metrics
 from temper.clock import utcnow
 from temper.db import Database, Episode, Job, Step, Task
@@ -48,7 +48,9 @@ from temper.lifecycle import EpisodeState, transition_episode
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
 from temper.policy.tokenizer import ByteTokenizer, assistant_stop_ids, default_tokenizer
+from temper.rewards import passed
 from temper.storage import ObjectStore, object_key
+from temper.tasks.service import record_outcome
 
 log = logging.getLogger("temper.dispatcher.episodes")
 
@@ -542,11 +544,16 @@ class EpisodeEngine:
                     reward=msg.reward,
                 ),
             )
+            # The task's outcome: this transaction is its only writer, once per scored episode.
             ok = passed(msg)
-            await session.execute(
-                update(Task)
-                .where(Task.id == ep.task_id)
-                .values(attempts=Task.attempts + 1, passes=Task.passes + (1 if ok else 0))
+            record_outcome(
+                session,
+                episode_id=ep.id,
+                task_id=ep.task_id,
+                job_id=ep.job_id,
+                policy_version=ep.behaviour_version,
+                passed=ok,
+                reward=msg.reward,
             )
             log_event(log, "episode scored", reward=msg.reward, passed=ok, turns=ep.turn + 1)
 

@@ -26,6 +26,7 @@ from temper.jobspec import Curriculum, JobSpec
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
+from temper.tasks.service import outcome_totals
 
 log = logging.getLogger("temper.dispatcher.scheduler")
 
@@ -149,10 +150,17 @@ class Scheduler:
             used: set[str] = set()
             while need > 0 and room >= min(group_size, cap):
                 if candidates is None:
+                    # attempts and passes over all jobs, counted from the recorded outcomes
+                    totals = outcome_totals(taskset_id=spec.tasks.taskset).subquery()
                     candidates = [
-                        (r.id, r.attempts, r.passes)
+                        (r[0], int(r[1]), int(r[2]))
                         for r in await s.execute(
-                            select(Task.id, Task.attempts, Task.passes)
+                            select(
+                                Task.id,
+                                func.coalesce(totals.c.attempts, 0),
+                                func.coalesce(totals.c.passes, 0),
+                            )
+                            .outerjoin(totals, totals.c.task_id == Task.id)
                             .where(Task.task_set_id == spec.tasks.taskset, Task.status != "invalid")
                             .order_by(Task.id)
                         )

@@ -15,18 +15,6 @@ from temper.events import RewardResult
 from temper.policy.tokenizer import ByteTokenizer
 from temper.trajectory import Segment, Trajectory, TurnRecord
 
-PASS_COMPONENTS = ("tests_passed", "answer", "answer_match", "correct")
-
-
-def passed(result: RewardResult) -> bool:
-    """Whether the episode solved its task (for the task's recorded pass rate): a
-    correctness component at its maximum, else a scalar reward of at least 1."""
-    for name in PASS_COMPONENTS:
-        component = result.components.get(name)
-        if component is not None and component.value is not None:
-            return component.ok and component.value >= 1.0 - 1e-9
-    return result.reward >= 1.0 - 1e-9
-
 
 def _seconds(step: Step | None) -> float | None:
     if step is None or step.created_at is None or step.completed_at is None:

@@ -22,10 +22,11 @@ from episode_peers import (
 )
 from sqlalchemy import select
 
-from temper.db import Job, Task
+from temper.db import Job, TaskOutcome
 from temper.episode_log import read_episode_log
 from temper.events import PolicyUpdate, RewardRequest, SandboxRequest, Topics, TrajectoryReady
 from temper.storage import object_key
+from temper.tasks.service import task_totals
 from temper.trajectory import Trajectory
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,8 +115,12 @@ async def test_multi_turn_code_episodes_run_to_scored_with_token_exact_trajector
         ready = [m for m in h.peers.trajectories if isinstance(m, TrajectoryReady)]
         assert sorted(m.episode_id for m in ready) == sorted(e.id for e in eps)
         async with h.db.session() as s:
-            tasks = {t.id: (t.attempts, t.passes) for t in (await s.execute(select(Task))).scalars()}
-        assert sum(a for a, _ in tasks.values()) == 8 and all(a == p for a, p in tasks.values())
+            outcomes = list((await s.execute(select(TaskOutcome))).scalars())
+            totals = await task_totals(s, "ts1")
+        # one outcome per scored episode, exactly, each with the episode's policy version
+        assert sorted(o.episode_id for o in outcomes) == sorted(e.id for e in eps)
+        assert all(o.passed and o.reward == 1.0 and o.policy_version == 0 for o in outcomes)
+        assert sum(a for a, _ in totals.values()) == 8 and all(a == p for a, p in totals.values())
         await wait_for(lambda: _has_event(h.peers.events, "job.state", "completed"), what="job event")
         assert sum(1 for m in h.peers.events if getattr(m, "event", "") == "episode.reward") == 8
     finally:
@@ -138,6 +143,10 @@ async def test_duplicate_results_are_acknowledged_and_ignored(tmp_path, database
         assert h.dispatcher.engine.ignored >= 5 * 4  # type: ignore[union-attr]
         # A request answered twice must not have produced a second command either.
         assert len(h.peers.requests["reward"]) == 4
+        # nor a second outcome: one scored episode is one attempt on its task
+        async with h.db.session() as s:
+            totals = await task_totals(s, "ts1")
+        assert sum(attempts for attempts, _ in totals.values()) == 4
     finally:
         await h.stop()
 
