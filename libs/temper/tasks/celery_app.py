@@ -2,8 +2,6 @@
 
 - ``temper.validate_taskset(taskset_id)`` runs the validation pipeline, reporting
   progress as task state ``PROGRESS`` with ``{"current", "total"}``;
-- ``temper.reap_leases()`` runs every ``lease_reap_interval_s`` under ``celery beat``
-  and marks expired step leases (:func:`temper.leases.reap_expired`);
 - ``temper.retention()`` runs daily under ``celery beat`` and deletes the objects of jobs
   finished more than ``TEMPER_RETENTION__DAYS`` ago (:func:`temper.retention.delete_expired`).
 
@@ -20,7 +18,6 @@ from celery import Celery
 
 from temper.settings import get_settings
 
-LEASE_REAP_INTERVAL_S = 30.0
 RETENTION_INTERVAL_S = 24 * 3600.0
 
 
@@ -37,7 +34,6 @@ def make_app(redis_url: str | None = None) -> Celery:
         result_expires=7 * 24 * 3600,
         broker_connection_retry_on_startup=True,
         beat_schedule={
-            "reap-expired-step-leases": {"task": "temper.reap_leases", "schedule": LEASE_REAP_INTERVAL_S},
             "delete-expired-objects": {"task": "temper.retention", "schedule": RETENTION_INTERVAL_S},
         },
     )
@@ -80,22 +76,6 @@ def validate_taskset_task(self: Any, taskset_id: str) -> dict[str, Any]:
         "current": sum(counts.values()),
         "total": sum(counts.values()),
     }
-
-
-async def _reap() -> int:
-    from temper.db import Database
-    from temper.leases import reap_expired
-
-    db = Database(get_settings().db)
-    try:
-        return len(await reap_expired(db))
-    finally:
-        await db.dispose()
-
-
-@app.task(name="temper.reap_leases")
-def reap_leases_task() -> int:
-    return asyncio.run(_reap())
 
 
 async def _retention() -> dict[str, Any]:

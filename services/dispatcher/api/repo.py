@@ -20,7 +20,7 @@ from temper.clock import utcnow
 from temper.db import Episode, Job, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
-from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
+from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_job
 from temper.outbox import enqueue
 
 SCORED = (EpisodeState.scored.value, EpisodeState.trained.value)
@@ -147,18 +147,12 @@ JOB_COMMANDS = {"pause": JobState.paused, "resume": JobState.running, "cancel": 
 
 
 async def command_job(session: AsyncSession, *, job: Job, command: str, reason: str | None = None) -> None:
-    """Pause, resume or cancel; raises :class:`temper.lifecycle.IllegalTransition`. Cancelling
-    also cancels the job's unfinished episodes in the same transaction; results that
-    arrive for them later find them finished and are ignored."""
+    """Pause, resume or cancel; raises :class:`temper.lifecycle.IllegalTransition`. A
+    cancelled job takes its unfinished episodes and their steps with it, in the same
+    transaction (:func:`temper.lifecycle.transition_job`); results that arrive for them
+    later find them finished and are ignored."""
     to = JOB_COMMANDS[command]
-    transition_job(session, job, to, reason=reason or f"{command} requested over the API")
-    if to is JobState.cancelled:
-        rows = await session.execute(
-            select(Episode).where(Episode.job_id == job.id, Episode.state.not_in(FINISHED)).with_for_update()
-        )
-        for episode in rows.scalars():
-            transition_episode(session, episode, EpisodeState.cancelled, reason="job cancelled")
-            episode.lease_expires_at = None
+    await transition_job(session, job, to, reason=reason or f"{command} requested over the API")
 
 
 def job_summary(job: Job) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from datetime import datetime
 
 from temper.db import Episode, Step
 from temper.events import RewardResult
+from temper.lifecycle import StepState
 from temper.policy.tokenizer import ByteTokenizer
 from temper.trajectory import Segment, Trajectory, TurnRecord
 
@@ -27,7 +28,7 @@ def build_trajectory(
 ) -> Trajectory:
     by_kind: dict[tuple[int, str], Step] = {(s.turn, s.kind): s for s in steps}
     inference = sorted(
-        (s for s in steps if s.kind == "inference" and s.state == "done"), key=lambda s: s.turn
+        (s for s in steps if s.kind == "inference" and s.state == StepState.done), key=lambda s: s.turn
     )
     segments: list[Segment] = []
     turns: list[TurnRecord] = []

@@ -1,14 +1,11 @@
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 import httpx
 import pytest
 from fastapi import FastAPI
 from sqlalchemy.exc import IntegrityError
 
-from temper.db import Episode, Job, Step, Tenant
-from temper.leases import reap_expired
+from temper.db import Episode, Job, Tenant
 from temper.storage import LocalStore
 from temper.tasks import service
 from temper.tasks.models import TaskStatus, parse_tasks
@@ -115,23 +112,6 @@ async def test_rest_upload_list_and_status(database, tmp_path):
         assert [t["status"] for t in body["tasks"]] == ["pending", "pending"]
         assert (await client.get("/v1/tasksets/nope")).status_code == 404
         assert (await client.post(f"/v1/tasksets/{ts['id']}/validate")).status_code == 202
-
-
-async def test_reap_expired_marks_only_leased_steps_past_their_lease(database):
-    await _tenant(database)
-    now = datetime.now(UTC)
-    async with database.session() as s:
-        s.add(Job(id="j", tenant_id="acme", name="j", spec={}))
-        await s.flush()
-        s.add(Episode(id="e", job_id="j", tenant_id="acme", task_id="t", group_id="g"))
-        await s.flush()
-        s.add_all([
-            Step(episode_id="e", turn=0, kind="inference", state="leased", lease_expires_at=now - timedelta(seconds=5)),
-            Step(episode_id="e", turn=0, kind="sandbox", state="leased", lease_expires_at=now + timedelta(seconds=60)),
-            Step(episode_id="e", turn=1, kind="inference", state="done", lease_expires_at=now - timedelta(seconds=5)),
-        ])  # fmt: skip
-    assert await reap_expired(database) == [("e", 0, "inference")]
-    assert await reap_expired(database) == []
 
 
 def test_cli_progress_bar_and_validation_wait():

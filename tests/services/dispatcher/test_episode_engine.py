@@ -302,6 +302,9 @@ async def test_staleness_bound_holds_the_next_iteration_until_the_policy_catches
         await asyncio.sleep(0.4)
         assert await episode_states(h.db, job) == {"scored": 2}, "iteration 1 waits for policy version 1"
         h.peers.policy_version = 1
+        # playing the trainer, the only writer of a job's policy version: the row, then the update
+        async with h.db.session() as s:
+            (await s.get(Job, job)).policy_version = 1  # type: ignore[union-attr]
         await h.runtime.bus.send_message(  # type: ignore[union-attr]
             Topics.POLICY_UPDATES, PolicyUpdate(job_id=job, version=1, checkpoint_key="ckpt/1", step=1)
         )
@@ -310,7 +313,8 @@ async def test_staleness_bound_holds_the_next_iteration_until_the_policy_catches
         assert sorted((e.iteration, e.behaviour_version) for e in eps) == [(0, 0), (0, 0), (1, 1), (1, 1)]
         async with h.db.session() as s:
             assert (await s.get(Job, job)).policy_version == 1  # type: ignore[union-attr]
-        await wait_for(lambda: _has_event(h.peers.events, "policy.version", None), what="policy event")
+        # the dispatcher reads the version and announces nothing: the event is the trainer's
+        assert not await _has_event(h.peers.events, "policy.version", None)
     finally:
         await h.stop()
 
@@ -324,8 +328,12 @@ async def test_cancelled_job_cancels_its_episodes_and_ignores_late_results(tmp_p
         from temper.lifecycle import JobState, transition_job
 
         async with h.db.session() as s:
-            transition_job(s, await s.get(Job, job), JobState.cancelled, reason="user")  # type: ignore[arg-type]
-        await wait_for(lambda: _states(h.db, job, {"cancelled": 4}), what="episodes cancelled")
+            await transition_job(s, await s.get(Job, job), JobState.cancelled, reason="user")  # type: ignore[arg-type]
+        # in the same transaction: no scheduler pass needed
+        assert await episode_states(h.db, job) == {"cancelled": 4}
+        steps = [st for ep in await episodes_of(h.db, job) for st in await steps_of(h.db, ep.id)]
+        assert {(st.kind, st.state) for st in steps} == {("inference", "cancelled")}
+        assert all(st.lease_expires_at is None for st in steps)
         await h.peers.release()
         await asyncio.sleep(0.3)
         assert await episode_states(h.db, job) == {"cancelled": 4}
