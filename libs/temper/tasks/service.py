@@ -165,7 +165,7 @@ def record_outcome(
 
 def outcome_totals(
     *, taskset_id: str | None = None, job_id: str | None = None, policy_version: int | None = None
-) -> Select[tuple[str, int, int]]:
+) -> Select[str, int, Any]:
     """``(task_id, attempts, passes)`` per task with at least one outcome, counted over all
     jobs unless ``job_id`` (and ``policy_version``) narrow it."""
     query = select(
