@@ -134,21 +134,31 @@ class TaskOutcome(Base):
 
 
 class Job(Base):
+    """A training job. ``state`` and ``state_reason`` change only through
+    ``temper.lifecycle.transition_job`` (``JobState``; failed and cancelled always carry a
+    reason). ``policy_version`` is written only by the trainer."""
+
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200))
     spec: Mapped[dict[str, Any]] = mapped_column()
     state: Mapped[str] = mapped_column(String(32), default="pending", index=True)
-    state_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    state_reason: Mapped[str | None] = mapped_column(Text, default=None, doc="why it entered its state")
     iteration: Mapped[int] = mapped_column(Integer, default=0)
-    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    policy_version: Mapped[int] = mapped_column(
+        Integer, default=0, doc="the trainer's latest published version"
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class Episode(Base):
+    """One rollout. ``state`` changes only through ``temper.lifecycle.transition_episode``
+    (``EpisodeState``); ``lease_expires_at`` is its waiting step's lease, cleared when it
+    leaves the waiting states."""
+
     __tablename__ = "episodes"
     __table_args__ = (Index("ix_episodes_job_state", "job_id", "state"),)
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -176,7 +186,10 @@ class Episode(Base):
 
 class Step(Base):
     """One command of a turn and, once it arrives, its result. The unique key makes a
-    redelivered result a no-op."""
+    redelivered result a no-op. ``state`` (``temper.lifecycle.StepState``) changes only
+    through the lifecycle's step functions: ``leased`` while the result is awaited (until
+    ``lease_expires_at``, cleared on leaving it), then ``done``, ``failed`` (attempts spent)
+    or ``cancelled`` (its job ended)."""
 
     __tablename__ = "steps"
     __table_args__ = (UniqueConstraint("episode_id", "turn", "kind", name="uq_steps_episode_turn_kind"),)
@@ -185,7 +198,7 @@ class Step(Base):
     turn: Mapped[int] = mapped_column(Integer)
     kind: Mapped[str] = mapped_column(String(32), doc="inference | sandbox | reward")
     attempt: Mapped[int] = mapped_column(Integer, default=0)
-    state: Mapped[str] = mapped_column(String(16), default="leased", doc="leased | done | failed")
+    state: Mapped[str] = mapped_column(String(16), default="leased", doc="leased | done | failed | cancelled")
     request: Mapped[dict[str, Any]] = mapped_column(default=dict)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)
