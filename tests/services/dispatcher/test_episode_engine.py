@@ -315,6 +315,13 @@ async def test_staleness_bound_holds_the_next_iteration_until_the_policy_catches
             assert (await s.get(Job, job)).policy_version == 1  # type: ignore[union-attr]
         # the dispatcher reads the version and announces nothing: the event is the trainer's
         assert not await _has_event(h.peers.events, "policy.version", None)
+        # nor does it write one: an update the trainer did not commit leaves the job as it was
+        await h.runtime.bus.send_message(  # type: ignore[union-attr]
+            Topics.POLICY_UPDATES, PolicyUpdate(job_id=job, version=9, checkpoint_key="ckpt/9", step=9)
+        )
+        await asyncio.sleep(0.3)
+        async with h.db.session() as s:
+            assert (await s.get(Job, job)).policy_version == 1  # type: ignore[union-attr]
     finally:
         await h.stop()
 
