@@ -560,7 +560,8 @@ class EpisodeEngine:
 
     # --- leases --------------------------------------------------------------------------------
     async def reap_expired(self, limit: int = 200) -> int:
-        """Retry (or fail) every step whose lease expired; returns how many."""
+        """Retry (or fail) every step whose lease expired; returns how many. The only lease
+        reaper (docs/operations.md says why): it alone counts expired leases."""
         async with self.tx() as session:
             query = (
                 select(Episode)
