@@ -12,7 +12,6 @@ from celery import Celery
 from temper.settings import get_settings
 
 VALIDATE_TASKSET = "temper.validate_taskset"  # validate a task set, reporting PROGRESS
-REAP_LEASES = "temper.reap_leases"  # mark expired step leases (periodic)
 RETENTION = "temper.retention"  # delete the objects of long-finished jobs (periodic)
 
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
+from temper.clock import utcnow
 from temper.db import Episode, Step
 from temper.events import RewardResult
 from temper.storage import object_key
@@ -30,17 +31,13 @@ def log_key(tenant: str, job_id: str, episode_id: str) -> str:
 
 
 def _iso(ts: datetime | None) -> str | None:
-    if ts is None:
-        return None
-    return (ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts).isoformat()
+    return ts.isoformat() if ts is not None else None
 
 
 def _duration(step: Step) -> float | None:
     if step.created_at is None or step.completed_at is None:
         return None
-    start = step.created_at.replace(tzinfo=UTC) if step.created_at.tzinfo is None else step.created_at
-    end = step.completed_at.replace(tzinfo=UTC) if step.completed_at.tzinfo is None else step.completed_at
-    return round((end - start).total_seconds(), 6)
+    return round((step.completed_at - step.created_at).total_seconds(), 6)
 
 
 def step_line(ep: Episode, step: Step, reward: RewardResult | None = None) -> dict[str, Any]:
@@ -82,7 +79,7 @@ def step_line(ep: Episode, step: Step, reward: RewardResult | None = None) -> di
         line.update({name: execution.get(name) for name in SANDBOX_FIELDS})
     elif step.kind == "reward":
         if reward is not None:  # recorded on the row in the transaction after this write
-            finished = datetime.now(UTC)
+            finished = utcnow()
             started = _iso(step.created_at)
             line.update(
                 state="done",

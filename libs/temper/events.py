@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import sys
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+from temper.clock import utcnow
 
 
 class Topics:

@@ -1,17 +1,33 @@
-"""Job and episode lifecycles as explicit transition tables. No other code writes a
-``state`` column: every change goes through :func:`transition_job` or
-:func:`transition_episode`, inside the caller's transaction, and emits a lifecycle
-event on ``events`` through the outbox in that same transaction."""
+"""Job, episode and step lifecycles as explicit transition tables. No other code writes
+a ``state`` column: every change goes through :func:`transition_job`,
+:func:`transition_episode` or one of the step functions (:func:`new_step`,
+:func:`retry_step`, :func:`complete_step`, :func:`fail_step`, :func:`cancel_step`),
+inside the caller's transaction. Job and episode changes emit a lifecycle event on
+``events`` through the outbox in that same transaction.
+
+Each table maps a to-state to its :class:`Rule`: the states it may be entered from and
+whether it needs a reason. The side effects of a transition live here, once:
+
+- leaving a waiting state (an episode waiting on a step, a step waiting on its result)
+  for a state that waits on nothing clears ``lease_expires_at``;
+- a job that fails or is cancelled takes its unfinished episodes with it (``cancelled``,
+  reason ``job failed`` / ``job cancelled``) and their waiting steps (``cancelled``), so a
+  result that arrives later finds nothing waiting and is ignored.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
+from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
-from temper.db import Episode, Job
-from temper.db.models import utcnow
+from temper.clock import utcnow
+from temper.db import Episode, Job, Step
 from temper.events import LifecycleEvent, Topics
 from temper.outbox import enqueue
 
@@ -36,38 +52,76 @@ class EpisodeState(StrEnum):
     cancelled = "cancelled"
 
 
-J, E = JobState, EpisodeState
+class StepState(StrEnum):
+    leased = "leased"  # its command is out; the result is awaited until lease_expires_at
+    done = "done"
+    failed = "failed"  # its attempts ran out (the episode failed with it)
+    cancelled = "cancelled"  # its job failed or was cancelled while it waited
 
-# to-state -> the states it may be entered from
-JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    J.running: frozenset({J.pending, J.paused}),
-    J.paused: frozenset({J.running}),
-    J.completed: frozenset({J.running}),
-    J.failed: frozenset({J.pending, J.running, J.paused}),
-    J.cancelled: frozenset({J.pending, J.running, J.paused}),
+
+@dataclass(frozen=True)
+class Rule:
+    sources: frozenset[Any]
+    needs_reason: bool = False
+
+
+def _rule(*sources: StrEnum, needs_reason: bool = False) -> Rule:
+    return Rule(frozenset(sources), needs_reason)
+
+
+J, E, S = JobState, EpisodeState, StepState
+
+# to-state -> the rule for entering it
+JOB_TRANSITIONS: dict[JobState, Rule] = {
+    J.running: _rule(J.pending, J.paused),
+    J.paused: _rule(J.running),
+    J.completed: _rule(J.running),
+    J.failed: _rule(J.pending, J.running, J.paused, needs_reason=True),
+    J.cancelled: _rule(J.pending, J.running, J.paused, needs_reason=True),
 }
-EPISODE_TRANSITIONS: dict[EpisodeState, frozenset[EpisodeState]] = {
+EPISODE_TRANSITIONS: dict[EpisodeState, Rule] = {
     # from awaiting_action itself: a malformed action is answered with an observation, no sandbox step
-    E.awaiting_action: frozenset({E.pending, E.acting, E.awaiting_action}),
-    E.acting: frozenset({E.awaiting_action}),
-    E.scoring: frozenset({E.awaiting_action, E.acting}),
-    E.scored: frozenset({E.scoring}),
-    E.trained: frozenset({E.scored}),
-    E.failed: frozenset({E.pending, E.awaiting_action, E.acting, E.scoring}),
-    E.cancelled: frozenset({E.pending, E.awaiting_action, E.acting, E.scoring}),
+    E.awaiting_action: _rule(E.pending, E.acting, E.awaiting_action),
+    E.acting: _rule(E.awaiting_action),
+    E.scoring: _rule(E.awaiting_action, E.acting),
+    E.scored: _rule(E.scoring),
+    E.trained: _rule(E.scored),
+    E.failed: _rule(E.pending, E.awaiting_action, E.acting, E.scoring, needs_reason=True),
+    E.cancelled: _rule(E.pending, E.awaiting_action, E.acting, E.scoring, needs_reason=True),
+}
+STEP_TRANSITIONS: dict[StepState, Rule] = {
+    S.leased: _rule(S.leased),  # a retry: the same step again with the next attempt
+    S.done: _rule(S.leased),
+    S.failed: _rule(S.leased),
+    S.cancelled: _rule(S.leased),
 }
 JOB_TERMINAL = frozenset({J.completed, J.failed, J.cancelled})
+JOB_ENDS_EPISODES = frozenset({J.failed, J.cancelled})
 EPISODE_FINISHED = frozenset({E.scored, E.trained, E.failed, E.cancelled})
+EPISODE_WAITING = frozenset({E.awaiting_action, E.acting, E.scoring})  # each waits on one leased step
+STEP_WAITING = frozenset({S.leased})
 
 
 class IllegalTransition(ValueError):
     pass
 
 
-def transition_job(session: AsyncSession, job: Job, to: JobState, *, reason: str | None = None) -> None:
+def _check(table: dict[Any, Rule], what: str, current: StrEnum, to: StrEnum, reason: str | None) -> None:
+    rule = table.get(to)
+    if rule is None or current not in rule.sources:
+        raise IllegalTransition(f"{what}: {current} -> {to} is not allowed")
+    if rule.needs_reason and not reason:
+        raise IllegalTransition(f"{what}: {current} -> {to} needs a reason")
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+async def transition_job(session: AsyncSession, job: Job, to: JobState, *, reason: str | None = None) -> None:
+    """Move ``job`` to ``to``; ``state_reason`` becomes ``reason`` (required for failed and
+    cancelled). A failed or cancelled job cancels its unfinished episodes and their steps."""
     current = JobState(job.state)
-    if current not in JOB_TRANSITIONS[to]:
-        raise IllegalTransition(f"job {job.id}: {current} -> {to} is not allowed")
+    _check(JOB_TRANSITIONS, f"job {job.id}", current, to, reason)
     job.state = to
     job.state_reason = reason
     job.updated_at = utcnow()
@@ -78,17 +132,41 @@ def transition_job(session: AsyncSession, job: Job, to: JobState, *, reason: str
         Topics.EVENTS,
         LifecycleEvent(event="job.state", job_id=job.id, tenant=job.tenant_id, state=to, reason=reason),
     )
+    if to in JOB_ENDS_EPISODES:
+        await _cancel_unfinished(session, job.id, reason=f"job {to}")
+
+
+async def _cancel_unfinished(session: AsyncSession, job_id: str, *, reason: str) -> None:
+    unfinished = (Episode.job_id == job_id, Episode.state.not_in([s.value for s in EPISODE_FINISHED]))
+    episodes = list((await session.execute(select(Episode).where(*unfinished).with_for_update())).scalars())
+    if not episodes:
+        return
+    steps = await session.execute(
+        select(Step)
+        .join(Episode, Episode.id == Step.episode_id)
+        .where(*unfinished, Step.state.in_([s.value for s in STEP_WAITING]))
+    )
+    for step in steps.scalars():
+        cancel_step(step)
+    for episode in episodes:
+        transition_episode(session, episode, E.cancelled, reason=reason)
+
+
+# --- episodes --------------------------------------------------------------------------------
 
 
 def transition_episode(
     session: AsyncSession, episode: Episode, to: EpisodeState, *, reason: str | None = None
 ) -> None:
+    """Move ``episode`` to ``to`` (a reason is required for failed and cancelled); leaving
+    the waiting states clears its lease."""
     current = EpisodeState(episode.state)
-    if current not in EPISODE_TRANSITIONS[to]:
-        raise IllegalTransition(f"episode {episode.id}: {current} -> {to} is not allowed")
+    _check(EPISODE_TRANSITIONS, f"episode {episode.id}", current, to, reason)
     episode.state = to
     episode.state_reason = reason
     episode.updated_at = utcnow()
+    if to not in EPISODE_WAITING:
+        episode.lease_expires_at = None
     metrics.EPISODE_TRANSITIONS.labels(to).inc()
     if to is E.failed:
         metrics.EPISODE_FAILURES.labels((reason or "unknown").split(":", 1)[0]).inc()
@@ -106,3 +184,56 @@ def transition_episode(
             reward=episode.reward if to is E.scored else None,
         ),
     )
+
+
+# --- steps -----------------------------------------------------------------------------------
+
+
+def new_step(
+    *, episode_id: str, turn: int, kind: str, request: dict[str, Any], lease_expires_at: datetime
+) -> Step:
+    """A step whose command is going out now (attempt 0), leased until ``lease_expires_at``."""
+    return Step(
+        episode_id=episode_id,
+        turn=turn,
+        kind=kind,
+        attempt=0,
+        state=S.leased,
+        request=request,
+        lease_expires_at=lease_expires_at,
+        created_at=utcnow(),
+    )
+
+
+def _transition_step(step: Step, to: StepState) -> None:
+    _check(
+        STEP_TRANSITIONS,
+        f"step {step.kind} of episode {step.episode_id} turn {step.turn}",
+        S(step.state),
+        to,
+        None,
+    )
+    step.state = to
+    if to not in STEP_WAITING:
+        step.lease_expires_at = None
+        step.completed_at = utcnow()
+
+
+def retry_step(step: Step, *, lease_expires_at: datetime) -> None:
+    """The same step again with the next attempt, leased anew."""
+    _transition_step(step, S.leased)
+    step.attempt += 1
+    step.lease_expires_at = lease_expires_at
+
+
+def complete_step(step: Step, result: dict[str, Any]) -> None:
+    _transition_step(step, S.done)
+    step.result = result
+
+
+def fail_step(step: Step) -> None:
+    _transition_step(step, S.failed)
+
+
+def cancel_step(step: Step) -> None:
+    _transition_step(step, S.cancelled)

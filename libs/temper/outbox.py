@@ -26,8 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
 from temper.bus import Bus
+from temper.clock import utcnow
 from temper.db import Database, OutboxRow
-from temper.db.models import utcnow
 from temper.events import Message
 from temper.logs import log_event
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select, update
 
+from temper.clock import utcnow
 from temper.db import Database, Episode, Job, PolicyVersion
 from temper.logs import log_context, log_event
 from temper.storage import ObjectStore, object_key
@@ -27,11 +28,6 @@ from temper.storage import ObjectStore, object_key
 log = logging.getLogger("temper.retention")
 
 KINDS = ("trajectories", "logs", "checkpoints", "snapshots", "rewards", "other")
-
-
-def _aware(ts: datetime) -> datetime:
-    """SQLite hands back naive datetimes; they were written in UTC."""
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
 
 
 def _stem(checkpoint_key: str) -> str:
@@ -55,14 +51,14 @@ async def delete_expired(
         return dict(counts)
     if days <= 0:
         raise ValueError("retention days must be positive")
-    cutoff = _aware(now or datetime.now(UTC)) - timedelta(days=days)
+    cutoff = (now or utcnow()) - timedelta(days=days)
     async with db.session() as s:
         finished = (
             await s.execute(
                 select(Job.id, Job.tenant_id, Job.finished_at).where(Job.finished_at.is_not(None))
             )
         ).all()
-    expired = [(job_id, tenant) for job_id, tenant, at in finished if at is not None and _aware(at) < cutoff]
+    expired = [(job_id, tenant) for job_id, tenant, at in finished if at is not None and at < cutoff]
     for job_id, tenant in expired:
         with log_context(job_id=job_id, tenant=tenant):
             job_counts = await _delete_job(store, db, tenant, job_id, snapshot_prefix)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from temper.clock import utcnow
 from temper.db import ApiKey, Tenant
-from temper.db.models import utcnow
 
 KEY_PREFIX = "tmp_"
 DISPLAY_CHARS = 12

@@ -15,16 +15,17 @@ import asyncio
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher.trajectories import build_trajectory, passed
+from services.dispatcher.trajectories import build_trajectory
 from temper import metrics
+from temper.clock import utcnow
 from temper.db import Database, Episode, Job, Step, Task
 from temper.envs import Environment, ParsedAction, make_environment
 from temper.episode_log import build_episode_log, log_key
@@ -42,19 +43,27 @@ from temper.events import (
     TrajectoryReady,
 )
 from temper.jobspec import JobSpec
-from temper.lifecycle import EpisodeState, transition_episode
+from temper.lifecycle import (
+    STEP_WAITING,
+    EpisodeState,
+    complete_step,
+    fail_step,
+    new_step,
+    retry_step,
+    transition_episode,
+)
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
 from temper.policy.tokenizer import ByteTokenizer, assistant_stop_ids, default_tokenizer
+from temper.rewards import passed
 from temper.settings import DispatcherSettings
 from temper.storage import ObjectStore, object_key
+from temper.tasks.service import record_outcome
 
 log = logging.getLogger("temper.dispatcher.episodes")
 
 E = EpisodeState
-# A step waits for its result while leased; ``expired`` is how the Celery lease task
-# (temper.leases) marks one past its lease: still waiting until this reaper retries it.
-WAITING = ("leased", "expired")
+WAITING = tuple(s.value for s in STEP_WAITING)
 ACTIVE = (E.pending, E.awaiting_action, E.acting, E.scoring)
 STEP_FOR_STATE = {E.awaiting_action: "inference", E.acting: "sandbox", E.scoring: "reward"}
 TOPIC_FOR_KIND = {
@@ -67,17 +76,6 @@ REQUEST_TYPES: dict[str, type[Message]] = {
     "sandbox": SandboxRequest,
     "reward": RewardRequest,
 }
-
-
-def now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _aware(ts: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; they were written in UTC."""
-    if ts is not None and ts.tzinfo is None:
-        return ts.replace(tzinfo=UTC)
-    return ts
 
 
 def new_id() -> str:
@@ -182,22 +180,19 @@ class EpisodeEngine:
         lease = self.settings.lease_s
         if kind == "reward" and self.settings.reward_lease_s:
             lease = self.settings.reward_lease_s
-        return now() + timedelta(seconds=lease + extra_s)
+        return utcnow() + timedelta(seconds=lease + extra_s)
 
     def _issue(
         self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0
     ) -> Step:
         """Write a new step (attempt 0) and its command; the episode waits on it."""
         lease = self._lease(kind, extra_s)
-        step = Step(
+        step = new_step(
             episode_id=ep.id,
             turn=message.turn or 0,
             kind=kind,
-            attempt=0,
-            state="leased",
             request=message.model_dump(mode="json"),
             lease_expires_at=lease,
-            created_at=now(),
         )
         session.add(step)
         ep.turn = message.turn or 0
@@ -247,15 +242,13 @@ class EpisodeEngine:
         """Re-send ``step`` with the next attempt, or fail the episode once attempts run out.
         Returns True when it retried."""
         if step.attempt + 1 < self.settings.max_step_attempts:
-            step.attempt += 1
-            step.state = "leased"
-            step.lease_expires_at = self._lease(step.kind)
+            retry_step(step, lease_expires_at=self._lease(step.kind))
             ep.attempt = step.attempt
             ep.lease_expires_at = step.lease_expires_at
             payload = {
                 **step.request,
                 "id": str(uuid.uuid4()),
-                "occurred_at": now().isoformat(),
+                "occurred_at": utcnow().isoformat(),
                 "attempt": step.attempt,
             }
             if step.kind == "sandbox":
@@ -266,9 +259,7 @@ class EpisodeEngine:
                 log, "step retried", logging.WARNING, kind=step.kind, attempt=step.attempt, reason=reason
             )
             return True
-        step.state = "failed"
-        step.completed_at = now()
-        ep.lease_expires_at = None
+        fail_step(step)
         transition_episode(session, ep, E.failed, reason=f"{reason} (after {step.attempt + 1} attempts)")
         log_event(log, "episode failed", logging.WARNING, reason=reason, attempts=step.attempt + 1)
         return False
@@ -299,8 +290,8 @@ class EpisodeEngine:
             behaviour_version=job.policy_version,
             session_id=None,
             rewards={},
-            timings={"started_at": now().timestamp()},
-            created_at=now(),
+            timings={"started_at": utcnow().timestamp()},
+            created_at=utcnow(),
         )
         ep.session_id = ep.id
         session.add(ep)
@@ -344,19 +335,19 @@ class EpisodeEngine:
             env = self.environment(spec, await self.task_of(session, ep.task_id))
             text = msg.text or self.tok.decode(msg.token_ids)
             action = env.parse(text, turn=step.turn)
-            done_at = now()
-            step.result = {
-                "token_ids": msg.token_ids,
-                "logprobs": msg.logprobs,
-                "text": text,
-                "finish_reason": msg.finish_reason,
-                "policy_version": msg.policy_version,
-                "backend": msg.backend,
-                "action": action.to_dict(),
-            }
-            step.state = "done"
-            step.completed_at = done_at
-            self._observe_step(step, done_at)
+            complete_step(
+                step,
+                {
+                    "token_ids": msg.token_ids,
+                    "logprobs": msg.logprobs,
+                    "text": text,
+                    "finish_reason": msg.finish_reason,
+                    "policy_version": msg.policy_version,
+                    "backend": msg.backend,
+                    "action": action.to_dict(),
+                },
+            )
+            self._observe_step(step)
             if ep.behaviour_version is None or msg.policy_version < ep.behaviour_version:
                 ep.behaviour_version = msg.policy_version
             turn = step.turn
@@ -384,7 +375,7 @@ class EpisodeEngine:
                 return
             # A malformed action: its error is the observation, and the model tries again.
             observation = env.observe(action, None)
-            step.result = {**step.result, "observation": observation}
+            step.result = {**(step.result or {}), "observation": observation}
             self._next_turn(session, ep, spec, env, step, observation)
 
     async def on_sandbox(self, msg: SandboxResult) -> None:
@@ -399,16 +390,16 @@ class EpisodeEngine:
             assert inference is not None and inference.result is not None
             action = ParsedAction.from_dict(inference.result["action"])
             observation = env.observe(action, msg.result)
-            done_at = now()
-            step.result = {
-                "exec": msg.result,
-                "worker": msg.worker,
-                "snapshot_key": msg.snapshot_key,
-                "observation": observation,
-            }
-            step.state = "done"
-            step.completed_at = done_at
-            self._observe_step(step, done_at)
+            complete_step(
+                step,
+                {
+                    "exec": msg.result,
+                    "worker": msg.worker,
+                    "snapshot_key": msg.snapshot_key,
+                    "observation": observation,
+                },
+            )
+            self._observe_step(step)
             if msg.snapshot_key:
                 ep.snapshot_key = msg.snapshot_key
             if action.submit_after or env.is_last_turn(step.turn):
@@ -496,7 +487,7 @@ class EpisodeEngine:
                     )
                 ).scalars()
             )
-            trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=now())
+            trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=utcnow())
             key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
             episode_log = build_episode_log(ep, steps, msg)
             episode_log_key = log_key(ep.tenant_id, ep.job_id, ep.id)
@@ -511,16 +502,12 @@ class EpisodeEngine:
             if why:
                 return self._ignore(why, msg)
             assert ep is not None and step is not None
-            done_at = now()
             components = {k: v.model_dump(mode="json") for k, v in msg.components.items()}
-            step.result = {"reward": msg.reward, "components": components}
-            step.state = "done"
-            step.completed_at = done_at
-            self._observe_step(step, done_at)
+            complete_step(step, {"reward": msg.reward, "components": components})
+            self._observe_step(step)
             ep.reward = msg.reward
             ep.rewards = components
             ep.trajectory_key = key
-            ep.lease_expires_at = None
             ep.timings = {**ep.timings, **trajectory.timings}
             transition_episode(session, ep, E.scored)
             enqueue(
@@ -555,27 +542,35 @@ class EpisodeEngine:
                     reward=msg.reward,
                 ),
             )
+            # The task's outcome: this transaction is its only writer, once per scored episode.
             ok = passed(msg)
-            await session.execute(
-                update(Task)
-                .where(Task.id == ep.task_id)
-                .values(attempts=Task.attempts + 1, passes=Task.passes + (1 if ok else 0))
+            record_outcome(
+                session,
+                episode_id=ep.id,
+                task_id=ep.task_id,
+                job_id=ep.job_id,
+                policy_version=ep.behaviour_version,
+                passed=ok,
+                reward=msg.reward,
             )
             log_event(log, "episode scored", reward=msg.reward, passed=ok, turns=ep.turn + 1)
 
     @staticmethod
-    def _observe_step(step: Step, done_at: datetime) -> None:
-        started = _aware(step.created_at)
-        if started is not None:
-            metrics.TURN_SECONDS.labels(step.kind).observe(max(0.0, (done_at - started).total_seconds()))
+    def _observe_step(step: Step) -> None:
+        if step.created_at is not None and step.completed_at is not None:
+            seconds = (step.completed_at - step.created_at).total_seconds()
+            metrics.TURN_SECONDS.labels(step.kind).observe(max(0.0, seconds))
 
     # --- leases --------------------------------------------------------------------------------
     async def reap_expired(self, limit: int = 200) -> int:
-        """Retry (or fail) every step whose lease expired; returns how many."""
+        """Retry (or fail) every step whose lease expired; returns how many. The only lease
+        reaper (docs/operations.md says why): it alone counts expired leases."""
         async with self.tx() as session:
             query = (
                 select(Episode)
-                .where(Episode.state.in_([s.value for s in STEP_FOR_STATE]), Episode.lease_expires_at < now())
+                .where(
+                    Episode.state.in_([s.value for s in STEP_FOR_STATE]), Episode.lease_expires_at < utcnow()
+                )
                 .order_by(Episode.lease_expires_at)
                 .limit(limit)
             )
@@ -589,16 +584,10 @@ class EpisodeEngine:
                 with log_context(job_id=ep.job_id, episode_id=ep.id, turn=ep.turn):
                     metrics.STEP_LEASES_EXPIRED.labels(kind).inc()
                     if step is None:  # cannot happen unless rows were edited by hand
-                        ep.lease_expires_at = None
                         transition_episode(session, ep, E.failed, reason=f"lease_expired: no {kind} step")
                         continue
                     self.retry_or_fail(session, ep, step, f"lease_expired: {kind} step of turn {ep.turn}")
             return len(expired)
-
-    async def cancel_episodes(self, session: AsyncSession, episodes: Sequence[Episode], reason: str) -> None:
-        for ep in episodes:
-            ep.lease_expires_at = None
-            transition_episode(session, ep, E.cancelled, reason=reason)
 
     def describe(self) -> dict[str, Any]:
         return {"ignored_results": self.ignored}

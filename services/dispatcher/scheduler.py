@@ -21,11 +21,11 @@ from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
 from services.dispatcher.leader import Leadership
 from temper import metrics
 from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory
-from temper.events import LifecycleEvent, PolicyUpdate, Topics
+from temper.events import PolicyUpdate
 from temper.jobspec import Curriculum, JobSpec
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
 from temper.logs import log_context, log_event
-from temper.outbox import enqueue
+from temper.tasks.service import outcome_totals
 
 log = logging.getLogger("temper.dispatcher.scheduler")
 
@@ -73,7 +73,6 @@ class Scheduler:
                     await self.schedule_job(job_id)
         for job_id in self.leadership.held - set(job_ids):
             await self.leadership.release(job_id)
-        await self.cancel_orphans()
 
     # --- one job -------------------------------------------------------------------------------
     async def schedule_job(self, job_id: str) -> None:
@@ -125,7 +124,7 @@ class Scheduler:
             if total >= per_iteration * iterations and done == total:
                 if self.wait_for_training and not await self._training_done(s, job, spec):
                     return
-                transition_job(s, job, J.completed)
+                await transition_job(s, job, J.completed)
                 metrics.EPISODES_ACTIVE.labels(job.id).set(0)
                 log_event(log, "job completed", episodes=total)
                 return
@@ -149,10 +148,17 @@ class Scheduler:
             used: set[str] = set()
             while need > 0 and room >= min(group_size, cap):
                 if candidates is None:
+                    # attempts and passes over all jobs, counted from the recorded outcomes
+                    totals = outcome_totals(taskset_id=spec.tasks.taskset).subquery()
                     candidates = [
-                        (r.id, r.attempts, r.passes)
+                        (r[0], int(r[1]), int(r[2]))
                         for r in await s.execute(
-                            select(Task.id, Task.attempts, Task.passes)
+                            select(
+                                Task.id,
+                                func.coalesce(totals.c.attempts, 0),
+                                func.coalesce(totals.c.passes, 0),
+                            )
+                            .outerjoin(totals, totals.c.task_id == Task.id)
                             .where(Task.task_set_id == spec.tasks.taskset, Task.status != "invalid")
                             .order_by(Task.id)
                         )
@@ -167,7 +173,7 @@ class Scheduler:
                         ).scalars()
                     )
                 if not candidates:
-                    transition_job(
+                    await transition_job(
                         s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
                     )
                     return
@@ -203,7 +209,7 @@ class Scheduler:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "(root)"
-            transition_job(s, job, J.failed, reason=f"invalid spec: {where}: {first['msg']}")
+            await transition_job(s, job, J.failed, reason=f"invalid spec: {where}: {first['msg']}")
             return False
         sampleable = await s.scalar(
             select(func.count())
@@ -211,9 +217,11 @@ class Scheduler:
             .where(Task.task_set_id == spec.tasks.taskset, Task.status != "invalid")
         )
         if not sampleable:
-            transition_job(s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample")
+            await transition_job(
+                s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
+            )
             return False
-        transition_job(s, job, J.running)
+        await transition_job(s, job, J.running)
         log_event(log, "job started", tasks=sampleable)
         return True
 
@@ -285,43 +293,15 @@ class Scheduler:
         return len(rows)
 
     async def on_policy_update(self, msg: PolicyUpdate) -> None:
+        """A new policy version only reads here: the trainer wrote ``Job.policy_version``, the
+        ledger and the ``policy.version`` event in the transaction that sent ``msg``. What it
+        trained is marked ``trained`` now rather than at the next tick."""
+        if not self.trainer_attached or not msg.job_id:
+            return
         async with self.engine.tx() as s:
-            query = select(Job).where(Job.id == msg.job_id)
+            # the job's lock, as in schedule_job: one marker of its episodes at a time
+            query = select(Job.id).where(Job.id == msg.job_id, Job.state == J.running)
             if not self.engine.db.is_sqlite:
                 query = query.with_for_update()
-            job = (await s.execute(query)).scalar_one_or_none()
-            if job is None or msg.version <= job.policy_version:
-                return  # unknown job, or a duplicate / reordered older update
-            job.policy_version = msg.version
-            metrics.POLICY_VERSION.labels(job.id).set(msg.version)
-            enqueue(
-                s,
-                Topics.EVENTS,
-                LifecycleEvent(
-                    event="policy.version",
-                    job_id=job.id,
-                    tenant=job.tenant_id,
-                    version=msg.version,
-                    data={"step": msg.step, "checkpoint_key": msg.checkpoint_key},
-                ),
-            )
-            if self.trainer_attached:
-                await self.mark_trained(s, job.id)
-            log_event(log, "policy version", version=msg.version)
-
-    async def cancel_orphans(self, limit: int = 500) -> int:
-        """Episodes still running for jobs that were cancelled or failed are cancelled."""
-        async with self.engine.tx() as s:
-            query = (
-                select(Episode, Job.state)
-                .join(Job, Job.id == Episode.job_id)
-                .where(Job.state.in_([J.cancelled, J.failed]), Episode.state.in_([x.value for x in ACTIVE]))
-                .limit(limit)
-            )
-            if not self.engine.db.is_sqlite:
-                query = query.with_for_update(of=Episode, skip_locked=True)
-            rows = list(await s.execute(query))
-            for ep, job_state in rows:
-                ep.lease_expires_at = None
-                transition_episode(s, ep, E.cancelled, reason=f"job {job_state}")
-            return len(rows)
+            if await s.scalar(query) is not None:
+                await self.mark_trained(s, msg.job_id)

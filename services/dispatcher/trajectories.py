@@ -8,35 +8,19 @@ are cut from the stored prompts, never re-tokenised.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 
 from temper.db import Episode, Step
 from temper.events import RewardResult
+from temper.lifecycle import StepState
 from temper.policy.tokenizer import ByteTokenizer
 from temper.trajectory import Segment, Trajectory, TurnRecord
-
-PASS_COMPONENTS = ("tests_passed", "answer", "answer_match", "correct")
-
-
-def passed(result: RewardResult) -> bool:
-    """Whether the episode solved its task (for the task's recorded pass rate): a
-    correctness component at its maximum, else a scalar reward of at least 1."""
-    for name in PASS_COMPONENTS:
-        component = result.components.get(name)
-        if component is not None and component.value is not None:
-            return component.ok and component.value >= 1.0 - 1e-9
-    return result.reward >= 1.0 - 1e-9
-
-
-def _utc(ts: datetime) -> datetime:
-    """SQLite hands back naive datetimes; they were written in UTC."""
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts
 
 
 def _seconds(step: Step | None) -> float | None:
     if step is None or step.created_at is None or step.completed_at is None:
         return None
-    return round((_utc(step.completed_at) - _utc(step.created_at)).total_seconds(), 6)
+    return round((step.completed_at - step.created_at).total_seconds(), 6)
 
 
 def build_trajectory(
@@ -44,7 +28,7 @@ def build_trajectory(
 ) -> Trajectory:
     by_kind: dict[tuple[int, str], Step] = {(s.turn, s.kind): s for s in steps}
     inference = sorted(
-        (s for s in steps if s.kind == "inference" and s.state == "done"), key=lambda s: s.turn
+        (s for s in steps if s.kind == "inference" and s.state == StepState.done), key=lambda s: s.turn
     )
     segments: list[Segment] = []
     turns: list[TurnRecord] = []
@@ -97,7 +81,7 @@ def build_trajectory(
         "total_s": round(finished_at.timestamp() - started, 6),
         "inference_s": round(totals["inference_s"], 6),
         "sandbox_s": round(totals["sandbox_s"], 6),
-        "scoring_s": round(finished_at.timestamp() - _utc(reward_step.created_at).timestamp(), 6)
+        "scoring_s": round(finished_at.timestamp() - reward_step.created_at.timestamp(), 6)
         if reward_step is not None and reward_step.created_at is not None
         else 0.0,
     }

@@ -5,7 +5,8 @@ Idempotent: every scored request leaves a durable record in the object store und
 redelivered request with the same (episode, turn, attempt) finds its record and the
 stored result is published again, never re-scored. Scoring runs at most
 ``concurrency`` submissions at once, each component in fresh sandboxes from the
-scorer's own pool (never the agent's sandbox).
+scorer's own pool (never the agent's sandbox). It writes nothing to the database: whether
+the episode solved its task is recorded by the dispatcher when it takes the result.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from services.reward_scorer import handlers
 from temper import metrics
-from temper.events import RewardComponent, RewardRequest, RewardResult, Topics
+from temper.events import RewardRequest, RewardResult, Topics
 from temper.logs import log_event
 from temper.rewards import Scorer, ScoringError
 from temper.rewards.models import load_submission
@@ -33,7 +34,6 @@ from temper.tasks import service as tasks
 from temper.tasks.models import TaskSpec
 
 log = logging.getLogger("temper.reward_scorer")
-PASS_COMPONENTS = ("tests_passed", "answer_match")
 
 
 def record_key(
@@ -46,15 +46,6 @@ def record_key(
     return check_key(
         f"rewards/{part(job_id, 'no-job')}/{part(episode_id, fallback)}/t{turn or 0}-a{attempt}.json"
     )
-
-
-def passed(components: dict[str, RewardComponent]) -> bool | None:
-    """Whether the episode solved its task (for difficulty estimates)."""
-    for name in PASS_COMPONENTS:
-        comp = components.get(name)
-        if comp is not None and comp.ok and comp.value is not None:
-            return comp.value >= 1.0
-    return None
 
 
 class RewardScorer:
@@ -144,13 +135,6 @@ class RewardScorer:
             result = await self.score(request)
         record = {"request": request.model_dump(mode="json"), "result": result.model_dump(mode="json")}
         await self.store.put(key, json.dumps(record).encode(), "application/json")
-        outcome = passed(result.components)
-        if outcome is not None and result.error is None and self.runtime.db is not None:
-            try:
-                async with self.runtime.db.session() as session:
-                    await tasks.record_outcome(session, request.task_id, outcome)
-            except Exception:  # noqa: BLE001 - difficulty stats must not block the reward
-                log.exception("could not record the outcome of task %s", request.task_id)
         return result
 
     async def score(self, request: RewardRequest) -> RewardResult:

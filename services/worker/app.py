@@ -3,8 +3,6 @@ the tasks of ``handlers.py``, and their schedule under ``celery beat``:
 
 - ``temper.validate_taskset(taskset_id)`` runs the validation pipeline, reporting
   progress as task state ``PROGRESS`` with ``{"current", "total"}``;
-- ``temper.reap_leases()`` runs every ``LEASE_REAP_INTERVAL_S`` and marks expired step
-  leases (:func:`temper.leases.reap_expired`);
 - ``temper.retention()`` runs daily and deletes the objects of jobs finished more than
   ``TEMPER_RETENTION__DAYS`` ago (:func:`temper.retention.delete_expired`).
 
@@ -23,7 +21,6 @@ from services.worker import handlers
 from temper import batch
 from temper.settings import Settings, get_settings
 
-LEASE_REAP_INTERVAL_S = 30.0
 RETENTION_INTERVAL_S = 24 * 3600.0
 
 
@@ -31,7 +28,6 @@ def create_app(settings: Settings) -> Celery:
     app = batch.make_celery(
         settings.redis.url,
         beat_schedule={
-            "reap-expired-step-leases": {"task": batch.REAP_LEASES, "schedule": LEASE_REAP_INTERVAL_S},
             "delete-expired-objects": {"task": batch.RETENTION, "schedule": RETENTION_INTERVAL_S},
         },
     )
@@ -44,10 +40,6 @@ def create_app(settings: Settings) -> Celery:
             )
 
         return asyncio.run(handlers.validate_taskset(get_settings(), taskset_id, progress))
-
-    @app.task(name=batch.REAP_LEASES)
-    def reap_leases() -> int:
-        return asyncio.run(handlers.reap_leases(get_settings()))
 
     @app.task(name=batch.RETENTION)
     def retention() -> dict[str, Any]:

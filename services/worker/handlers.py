@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from temper.db import Database
-from temper.leases import reap_expired
 from temper.retention import delete_expired
 from temper.rewards.runner import TestRunner, scoring_sandbox_settings
 from temper.sandbox import SandboxManager
@@ -37,15 +36,6 @@ async def validate_taskset(settings: Settings, taskset_id: str, progress: Progre
         "current": sum(counts.values()),
         "total": sum(counts.values()),
     }
-
-
-async def reap_leases(settings: Settings) -> int:
-    """Mark expired step leases; the number marked."""
-    db = Database(settings.db)
-    try:
-        return len(await reap_expired(db))
-    finally:
-        await db.dispose()
 
 
 async def retention(settings: Settings) -> dict[str, Any]:

@@ -70,3 +70,23 @@ def test_an_unsupported_database_url_is_refused_by_the_settings():
 
     with pytest.raises(ValidationError, match="TEMPER_DB__URL must start with"):
         DatabaseSettings(url="mysql://root@localhost/temper")
+
+
+async def test_datetimes_come_back_aware_utc_and_naive_ones_are_refused(database: Database):
+    from datetime import UTC, datetime, timedelta, timezone
+
+    paris = timezone(timedelta(hours=1))
+    async with database.session() as s:
+        s.add(Tenant(id="tz", name="zones", created_at=datetime(2026, 1, 1, 13, 0, tzinfo=paris)))
+    async with database.session() as s:
+        created = (await s.execute(select(Tenant.created_at).where(Tenant.id == "tz"))).scalar_one()
+        # compared with an aware bound in SQL too: both sides are UTC
+        later = await s.scalar(
+            select(Tenant.id).where(Tenant.created_at > datetime(2026, 1, 1, 11, 59, tzinfo=UTC))
+        )
+    assert created == datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    assert created.tzinfo is UTC
+    assert later == "tz"
+    with pytest.raises(Exception, match="naive datetime 2026-01-01T12:00:00"):
+        async with database.session() as s:
+            s.add(Tenant(id="naive", name="no zone", created_at=datetime(2026, 1, 1, 12, 0)))

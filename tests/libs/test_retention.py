@@ -151,6 +151,8 @@ def test_the_beat_schedule_runs_retention_daily():
     schedule = create_app(Settings(redis={"url": "redis://127.0.0.1:1/0"})).conf.beat_schedule
     entry = next(e for e in schedule.values() if e["task"] == "temper.retention")
     assert entry["schedule"] == 24 * 3600
+    # leases are the dispatcher's to reap (docs/operations.md): Celery has no lease task
+    assert [e["task"] for e in schedule.values()] == ["temper.retention"]
 
 
 @pytest.mark.redis

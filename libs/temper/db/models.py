@@ -1,4 +1,8 @@
-"""Tables. Postgres is the source of truth; every column type here also exists in SQLite."""
+"""Tables. Postgres is the source of truth; every column type here also exists in SQLite.
+
+Every datetime column is :class:`UTCDateTime`: it takes aware datetimes only and gives
+back aware UTC datetimes on both databases (SQLite stores no offset, so without it
+reads come back naive)."""
 
 from __future__ import annotations
 
@@ -17,20 +21,42 @@ from sqlalchemy import (
     LargeBinary,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from temper.clock import utcnow
 
 # SQLite only auto-increments INTEGER PRIMARY KEY, so big ids are plain integers there.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+class UTCDateTime(TypeDecorator[datetime]):
+    """``TIMESTAMP WITH TIME ZONE`` that refuses naive datetimes on the way in (their zone
+    is a guess) and stamps UTC on the way out where the driver returns naive values."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(
+                f"naive datetime {value.isoformat()}: use temper.clock.utcnow() or an aware value"
+            )
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
 
 
 class Tenant(Base):
@@ -68,6 +94,9 @@ class TaskSet(Base):
 
 
 class Task(Base):
+    """One task of a task set. How often it was solved is not kept here: it is counted
+    from :class:`TaskOutcome` rows (``temper.tasks.service.outcome_totals``)."""
+
     __tablename__ = "tasks"
     __table_args__ = (UniqueConstraint("task_set_id", "key", name="uq_tasks_set_key"),)
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
@@ -81,27 +110,55 @@ class Task(Base):
     status_reasons: Mapped[list[Any]] = mapped_column(default=list)
     prompt_hash: Mapped[str] = mapped_column(String(64), default="", index=True)
     tests_hash: Mapped[str] = mapped_column(String(64), default="", index=True)
-    attempts: Mapped[int] = mapped_column(Integer, default=0, doc="episodes scored on this task, all jobs")
-    passes: Mapped[int] = mapped_column(Integer, default=0)
-    difficulty: Mapped[float | None] = mapped_column(Float, default=None, doc="1 - pass rate, once measured")
+
+
+class TaskOutcome(Base):
+    """One scored episode's verdict on its task: written once, by the dispatcher's scoring
+    transaction (``temper.rewards.passed`` decides ``passed``), never updated. Attempts,
+    pass rates and difficulty, per task, per job or per policy version, are counted from
+    these rows; the unique episode id makes a second write for one episode fail."""
+
+    __tablename__ = "task_outcomes"
+    __table_args__ = (Index("ix_task_outcomes_job_version", "job_id", "policy_version"),)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), unique=True)
+    # no foreign key, as on Episode.task_id: the history needs no task row
+    task_id: Mapped[str] = mapped_column(String(200), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    policy_version: Mapped[int | None] = mapped_column(
+        Integer, default=None, doc="the episode's behaviour version: the oldest policy that acted in it"
+    )
+    passed: Mapped[bool] = mapped_column(Boolean)
+    reward: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Job(Base):
+    """A training job. ``state`` and ``state_reason`` change only through
+    ``temper.lifecycle.transition_job`` (``JobState``; failed and cancelled always carry a
+    reason). ``policy_version`` is written only by the trainer."""
+
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200))
     spec: Mapped[dict[str, Any]] = mapped_column()
     state: Mapped[str] = mapped_column(String(32), default="pending", index=True)
-    state_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    state_reason: Mapped[str | None] = mapped_column(Text, default=None, doc="why it entered its state")
     iteration: Mapped[int] = mapped_column(Integer, default=0)
-    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    policy_version: Mapped[int] = mapped_column(
+        Integer, default=0, doc="the trainer's latest published version"
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class Episode(Base):
+    """One rollout. ``state`` changes only through ``temper.lifecycle.transition_episode``
+    (``EpisodeState``); ``lease_expires_at`` is its waiting step's lease, cleared when it
+    leaves the waiting states."""
+
     __tablename__ = "episodes"
     __table_args__ = (Index("ix_episodes_job_state", "job_id", "state"),)
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -129,7 +186,10 @@ class Episode(Base):
 
 class Step(Base):
     """One command of a turn and, once it arrives, its result. The unique key makes a
-    redelivered result a no-op."""
+    redelivered result a no-op. ``state`` (``temper.lifecycle.StepState``) changes only
+    through the lifecycle's step functions: ``leased`` while the result is awaited (until
+    ``lease_expires_at``, cleared on leaving it), then ``done``, ``failed`` (attempts spent)
+    or ``cancelled`` (its job ended)."""
 
     __tablename__ = "steps"
     __table_args__ = (UniqueConstraint("episode_id", "turn", "kind", name="uq_steps_episode_turn_kind"),)
@@ -138,7 +198,7 @@ class Step(Base):
     turn: Mapped[int] = mapped_column(Integer)
     kind: Mapped[str] = mapped_column(String(32), doc="inference | sandbox | reward")
     attempt: Mapped[int] = mapped_column(Integer, default=0)
-    state: Mapped[str] = mapped_column(String(16), default="leased", doc="leased | done | failed")
+    state: Mapped[str] = mapped_column(String(16), default="leased", doc="leased | done | failed | cancelled")
     request: Mapped[dict[str, Any]] = mapped_column(default=dict)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     lease_expires_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -4,6 +4,7 @@ the scalar reward. See docs/tasks-and-rewards.md."""
 
 from temper.rewards.components import COMPONENTS, KNOWN_COMPONENTS, Component, ScoreContext, Skip
 from temper.rewards.models import CandidateRun, ComponentName, Submission, TestOutcome
+from temper.rewards.outcome import passed
 from temper.rewards.runner import ScoringError, TestRunner
 from temper.rewards.scorer import Scorer, combine
 
@@ -21,4 +22,5 @@ __all__ = [
     "TestOutcome",
     "TestRunner",
     "combine",
+    "passed",
 ]

@@ -117,7 +117,11 @@ def make_router(
             done = counts.get("valid", 0) + counts.get("invalid", 0)
             view["progress"] = {"current": done, "total": row.task_count}
             if tasks:
-                view["tasks"] = [service.task_view(t) for t in await service.task_rows(session, taskset_id)]
+                totals = await service.task_totals(session, taskset_id)
+                view["tasks"] = [
+                    service.task_view(t, totals.get(t.id, (0, 0)))
+                    for t in await service.task_rows(session, taskset_id)
+                ]
         return view
 
     @router.post("/{taskset_id}/validate", status_code=status.HTTP_202_ACCEPTED, summary="Queue validation")

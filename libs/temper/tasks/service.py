@@ -2,7 +2,7 @@
 
 Keyword-only functions that take their session (and store) explicitly. A task set is a
 ``task_sets`` row plus one ``tasks`` row per task (prompt, spec, hashes, validation
-status, pass counts); the uploaded file is kept as JSONL in the object store under
+status); how often each task was solved is counted from ``task_outcomes``; the uploaded file is kept as JSONL in the object store under
 ``tenants/<tenant>/tasksets/<id>/tasks.jsonl``.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Select, case, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from temper.db.models import Task, TaskSet
+from temper.db.models import Task, TaskOutcome, TaskSet
 from temper.storage import ObjectStore
 from temper.storage.base import check_key
 from temper.tasks.models import TaskSpec, TaskStatus, dump_jsonl
@@ -71,7 +71,6 @@ async def create_taskset(
                 status_reasons=[],
                 prompt_hash=task.prompt_hash,
                 tests_hash=task.tests_hash,
-                difficulty=task.metadata.difficulty,
             )  # fmt: skip
         )
     await session.flush()
@@ -139,21 +138,63 @@ async def set_taskset_status(session: AsyncSession, taskset_id: str, status: str
     await session.execute(update(TaskSet).where(TaskSet.id == taskset_id).values(status=status))
 
 
-async def record_outcome(session: AsyncSession, task_id: str, passed: bool) -> None:
-    """Count one scored episode on a task (across all jobs) and update its difficulty:
-    ``1 - (passes + 1) / (attempts + 2)`` (a pass rate with one imagined pass and one
-    imagined failure, so a single episode does not swing it to 0 or 1). One UPDATE, so
-    concurrent scorers never lose a count."""
-    p = 1 if passed else 0
-    await session.execute(
-        update(Task)
-        .where(Task.id == task_id)
-        .values(
-            attempts=Task.attempts + 1,
-            passes=Task.passes + p,
-            difficulty=1.0 - (Task.passes + p + 1.0) / (Task.attempts + 3.0),
+def record_outcome(
+    session: AsyncSession,
+    *,
+    episode_id: str,
+    task_id: str,
+    job_id: str,
+    policy_version: int | None,
+    passed: bool,
+    reward: float,
+) -> None:
+    """Record one scored episode's verdict on its task, in the caller's transaction (the
+    dispatcher's scoring transaction: the only caller). A second row for the same episode
+    fails on the unique episode id."""
+    session.add(
+        TaskOutcome(
+            episode_id=episode_id,
+            task_id=task_id,
+            job_id=job_id,
+            policy_version=policy_version,
+            passed=passed,
+            reward=reward,
         )
     )
+
+
+def outcome_totals(
+    *, taskset_id: str | None = None, job_id: str | None = None, policy_version: int | None = None
+) -> Select[str, int, Any]:
+    """``(task_id, attempts, passes)`` per task with at least one outcome, counted over all
+    jobs unless ``job_id`` (and ``policy_version``) narrow it."""
+    query = select(
+        TaskOutcome.task_id.label("task_id"),
+        func.count().label("attempts"),
+        func.sum(case((TaskOutcome.passed, 1), else_=0)).label("passes"),
+    ).group_by(TaskOutcome.task_id)
+    if taskset_id is not None:
+        query = query.join(Task, Task.id == TaskOutcome.task_id).where(Task.task_set_id == taskset_id)
+    if job_id is not None:
+        query = query.where(TaskOutcome.job_id == job_id)
+    if policy_version is not None:
+        query = query.where(TaskOutcome.policy_version == policy_version)
+    return query
+
+
+async def task_totals(session: AsyncSession, taskset_id: str) -> dict[str, tuple[int, int]]:
+    """``task_id -> (attempts, passes)`` over all jobs, for the tasks of one set."""
+    rows = await session.execute(outcome_totals(taskset_id=taskset_id))
+    return {task_id: (int(attempts), int(passes or 0)) for task_id, attempts, passes in rows}
+
+
+def difficulty(attempts: int, passes: int, estimate: float | None = None) -> float | None:
+    """``1 - (passes + 1) / (attempts + 2)``: a pass rate with one imagined pass and one
+    imagined failure, so a single episode does not swing it to 0 or 1. Until a task has
+    ``MIN_ATTEMPTS_FOR_DIFFICULTY`` outcomes, the author's ``estimate``."""
+    if attempts < MIN_ATTEMPTS_FOR_DIFFICULTY:
+        return estimate
+    return 1.0 - (passes + 1.0) / (attempts + 2.0)
 
 
 def taskset_view(row: TaskSet, counts: dict[str, int] | None = None) -> dict[str, Any]:
@@ -169,14 +210,17 @@ def taskset_view(row: TaskSet, counts: dict[str, int] | None = None) -> dict[str
     }
 
 
-def task_view(row: Task) -> dict[str, Any]:
+def task_view(row: Task, totals: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+    """A task with its ``(attempts, passes)`` from :func:`task_totals`."""
+    attempts, passes = totals
+    estimate = (row.meta or {}).get("difficulty")
     return {
         "id": row.id,
         "key": row.key,
         "kind": row.kind,
         "status": row.status,
         "reasons": row.status_reasons,
-        "attempts": row.attempts,
-        "passes": row.passes,
-        "difficulty": row.difficulty,
+        "attempts": attempts,
+        "passes": passes,
+        "difficulty": difficulty(attempts, passes, estimate),
     }

@@ -212,8 +212,6 @@ async def cancel_job(session: SessionDep, job: JobDep) -> schemas.Job:
 async def job_metrics(
     session: SessionDep,
     job: JobDep,
-    pass_threshold: Annotated[
-        float, Query(description="an episode passes when its reward is at least this")
-    ] = 1.0,
+    pass_threshold: Annotated[float | None, Query(description=schemas.PASS_THRESHOLD)] = None,
 ) -> schemas.JobMetrics:
     return await repo.job_metrics(session, job=job, pass_threshold=pass_threshold)

@@ -9,18 +9,18 @@ import json
 import math
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Select, and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
-from temper.db import Episode, Job, TaskSet, Tenant, TrainedTrajectory
-from temper.db.models import utcnow
+from temper.clock import utcnow
+from temper.db import Episode, Job, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
-from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
+from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_job
 from temper.outbox import enqueue
 
 SCORED = (EpisodeState.scored.value, EpisodeState.trained.value)
@@ -147,18 +147,12 @@ JOB_COMMANDS = {"pause": JobState.paused, "resume": JobState.running, "cancel": 
 
 
 async def command_job(session: AsyncSession, *, job: Job, command: str, reason: str | None = None) -> None:
-    """Pause, resume or cancel; raises :class:`temper.lifecycle.IllegalTransition`. Cancelling
-    also cancels the job's unfinished episodes in the same transaction; results that
-    arrive for them later find them finished and are ignored."""
+    """Pause, resume or cancel; raises :class:`temper.lifecycle.IllegalTransition`. A
+    cancelled job takes its unfinished episodes and their steps with it, in the same
+    transaction (:func:`temper.lifecycle.transition_job`); results that arrive for them
+    later find them finished and are ignored."""
     to = JOB_COMMANDS[command]
-    transition_job(session, job, to, reason=reason or f"{command} requested over the API")
-    if to is JobState.cancelled:
-        rows = await session.execute(
-            select(Episode).where(Episode.job_id == job.id, Episode.state.not_in(FINISHED)).with_for_update()
-        )
-        for episode in rows.scalars():
-            transition_episode(session, episode, EpisodeState.cancelled, reason="job cancelled")
-            episode.lease_expires_at = None
+    await transition_job(session, job, to, reason=reason or f"{command} requested over the API")
 
 
 def job_summary(job: Job) -> dict[str, Any]:
@@ -227,11 +221,9 @@ async def active_episodes(session: AsyncSession, *, tenant_id: str) -> int:
 # --- metrics --------------------------------------------------------------------------
 
 
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
-
-
-async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float = 1.0) -> schemas.JobMetrics:
+async def job_metrics(
+    session: AsyncSession, *, job: Job, pass_threshold: float | None = None
+) -> schemas.JobMetrics:
     spec = job.spec or {}
     schedule = spec.get("schedule", {})
     iterations = int(schedule.get("iterations", 0))
@@ -259,12 +251,14 @@ async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float 
         for it, n, mean, sq, lo, hi in curve_rows
     ]
 
-    passed = func.sum(case((Episode.reward >= pass_threshold, 1), else_=0))
+    # from the outcomes the scoring transaction recorded, one per scored episode
+    verdict = TaskOutcome.passed if pass_threshold is None else TaskOutcome.reward >= pass_threshold
+    passed = func.sum(case((verdict, 1), else_=0))
     task_rows = await session.execute(
-        select(Episode.task_id, func.count(), passed, func.avg(Episode.reward))
-        .where(scored)
-        .group_by(Episode.task_id)
-        .order_by(Episode.task_id)
+        select(TaskOutcome.task_id, func.count(), passed, func.avg(TaskOutcome.reward))
+        .where(TaskOutcome.job_id == job.id)
+        .group_by(TaskOutcome.task_id)
+        .order_by(TaskOutcome.task_id)
     )
     pass_rates = [
         schemas.TaskPassRate(task_id=t, episodes=n, passed=int(p or 0), pass_rate=(p or 0) / n, mean_reward=m)
@@ -297,8 +291,8 @@ async def job_metrics(session: AsyncSession, *, job: Job, pass_threshold: float 
     ).scalar_one()
     rate = 0.0
     if first_created is not None and finished:
-        end = _aware(last_done) if job.state not in ("pending", "running", "paused") and last_done else now
-        minutes = max((end - _aware(first_created)).total_seconds() / 60, 1 / 60)
+        end = last_done if job.state not in ("pending", "running", "paused") and last_done else now
+        minutes = max((end - first_created).total_seconds() / 60, 1 / 60)
         rate = finished / minutes
     throughput = schemas.Throughput(
         episodes_finished=finished, episodes_per_min=rate, recent_episodes_per_min=recent / 5.0

@@ -7,6 +7,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+PASS_THRESHOLD = (
+    "without it, an episode passed as recorded when it was scored (temper.rewards.passed: its "
+    "correctness component at its maximum); with it, when its reward is at least this"
+)
+
 
 class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
@@ -172,7 +177,7 @@ class JobMetrics(BaseModel):
     pass_rates: list[TaskPassRate]
     throughput: Throughput
     staleness: Staleness
-    pass_threshold: float = Field(description="an episode passes when its reward is at least this")
+    pass_threshold: float | None = Field(description=PASS_THRESHOLD)
 
 
 # --- tenants and keys -----------------------------------------------------------------

@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 import httpx
 import pytest
 from fastapi import FastAPI
+from sqlalchemy.exc import IntegrityError
 
-from temper.db import Episode, Job, Step, Tenant
-from temper.leases import reap_expired
+from temper.db import Episode, Job, Tenant
 from temper.storage import LocalStore
 from temper.tasks import service
 from temper.tasks.models import TaskStatus, parse_tasks
@@ -44,12 +42,30 @@ async def test_create_list_show_record_outcomes_and_exclude_invalid_tasks(databa
         await service.set_task_status(s, f"{row.id}:b", TaskStatus.invalid, ["tests too weak"])
     async with database.session() as s:
         assert [t.key for t in await service.sampleable_tasks(s, row.id)] == ["a"]
-        for outcome in (True, True, False):
-            await service.record_outcome(s, f"{row.id}:a", outcome)
+        s.add(Job(id="j", tenant_id="acme", name="j", spec={}))
+        await s.flush()
+        for i, outcome in enumerate((True, True, False)):
+            s.add(Episode(id=f"e{i}", job_id="j", tenant_id="acme", task_id=f"{row.id}:a", group_id="g"))
+            await s.flush()
+            service.record_outcome(
+                s, episode_id=f"e{i}", task_id=f"{row.id}:a", job_id="j",
+                policy_version=i // 2, passed=outcome, reward=float(outcome),
+            )  # fmt: skip
     async with database.session() as s:
-        (a, _b) = await service.task_rows(s, row.id)
-        assert (a.attempts, a.passes) == (3, 2)
-        assert a.difficulty == pytest.approx(1 - 3 / 5)
+        (a, b) = await service.task_rows(s, row.id)
+        totals = await service.task_totals(s, row.id)
+        assert totals == {a.id: (3, 2)}
+        view = service.task_view(a, totals[a.id])
+        assert (view["attempts"], view["passes"]) == (3, 2)
+        assert view["difficulty"] == pytest.approx(1 - 3 / 5)
+        assert service.task_view(b)["attempts"] == 0
+        by_version = await s.execute(service.outcome_totals(job_id="j", policy_version=1))
+        assert [tuple(r) for r in by_version] == [(a.id, 1, 0)]
+        with pytest.raises(IntegrityError):  # one outcome per episode
+            async with s.begin_nested():
+                service.record_outcome(
+                    s, episode_id="e0", task_id=a.id, job_id="j", policy_version=0, passed=True, reward=1.0
+                )
         with pytest.raises(service.TaskSetNotFound):
             await service.get_taskset(s, row.id, tenant="other")
 
@@ -96,23 +112,6 @@ async def test_rest_upload_list_and_status(database, tmp_path):
         assert [t["status"] for t in body["tasks"]] == ["pending", "pending"]
         assert (await client.get("/v1/tasksets/nope")).status_code == 404
         assert (await client.post(f"/v1/tasksets/{ts['id']}/validate")).status_code == 202
-
-
-async def test_reap_expired_marks_only_leased_steps_past_their_lease(database):
-    await _tenant(database)
-    now = datetime.now(UTC)
-    async with database.session() as s:
-        s.add(Job(id="j", tenant_id="acme", name="j", spec={}))
-        await s.flush()
-        s.add(Episode(id="e", job_id="j", tenant_id="acme", task_id="t", group_id="g"))
-        await s.flush()
-        s.add_all([
-            Step(episode_id="e", turn=0, kind="inference", state="leased", lease_expires_at=now - timedelta(seconds=5)),
-            Step(episode_id="e", turn=0, kind="sandbox", state="leased", lease_expires_at=now + timedelta(seconds=60)),
-            Step(episode_id="e", turn=1, kind="inference", state="done", lease_expires_at=now - timedelta(seconds=5)),
-        ])  # fmt: skip
-    assert await reap_expired(database) == [("e", 0, "inference")]
-    assert await reap_expired(database) == []
 
 
 def test_cli_progress_bar_and_validation_wait():

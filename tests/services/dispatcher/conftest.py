@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from temper.db import Database, Episode, Job, Step, TaskSet
+from temper.clock import utcnow
+from temper.db import Database, Episode, Job, Step, TaskOutcome, TaskSet
 from temper.db.migrate import upgrade
-from temper.db.models import utcnow
 from temper.jobspec import parse_spec
 from temper.policy import default_tokenizer
 from temper.settings import DatabaseSettings, Settings, StorageSettings
@@ -201,6 +201,18 @@ async def seed(db: Database, store: LocalStore) -> Seeded:
                             trajectory_key=key,
                             created_at=created,
                             updated_at=created + timedelta(seconds=20),
+                        )
+                    )
+                    # the outcome the scoring transaction records beside a scored episode
+                    s.add(
+                        TaskOutcome(
+                            episode_id=eid,
+                            task_id=task,
+                            job_id="job-finished",
+                            policy_version=it,
+                            passed=r >= 1.0,
+                            reward=r,
+                            created_at=created + timedelta(seconds=20),
                         )
                     )
                     seeded.episodes.append(eid)

@@ -44,6 +44,7 @@ from temper.settings import (
     StorageKind,
     StorageSettings,
 )
+from temper.tasks.service import record_outcome
 
 TOK = default_tokenizer()
 FENCE = "```"
@@ -126,10 +127,22 @@ async def seed(
                     spec=extra.get("spec", {"files": {"add.py": "def add(a, b):\n    return a - b\n"}}),
                     meta={},
                     status=extra.get("status", "valid"),
-                    attempts=extra.get("attempts", 0),
-                    passes=extra.get("passes", 0),
                 )
             )
+    history = {tid: extra for tid, extra in tasks.items() if extra.get("attempts")}
+    if history:  # past outcomes, as a finished job of the same tenant left them
+        async with db.session() as s:
+            past = f"history-{uuid.uuid4().hex[:8]}"
+            s.add(Job(id=past, tenant_id=tenant, name="history", spec={}, state="completed"))
+            await s.flush()
+            for tid, extra in history.items():
+                for i in range(extra["attempts"]):
+                    s.add(Episode(id=f"{past}-{tid}-{i}", job_id=past, tenant_id=tenant, task_id=tid,
+                                  group_id="g", state="trained"))  # fmt: skip
+                    await s.flush()
+                    ok = i < extra.get("passes", 0)
+                    record_outcome(s, episode_id=f"{past}-{tid}-{i}", task_id=tid, job_id=past,
+                                   policy_version=0, passed=ok, reward=float(ok))  # fmt: skip
 
 
 async def submit_job(

@@ -22,10 +22,11 @@ from episode_peers import (
 )
 from sqlalchemy import select
 
-from temper.db import Job, Task
+from temper.db import Job, TaskOutcome
 from temper.episode_log import read_episode_log
 from temper.events import PolicyUpdate, RewardRequest, SandboxRequest, Topics, TrajectoryReady
 from temper.storage import object_key
+from temper.tasks.service import task_totals
 from temper.trajectory import Trajectory
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,8 +115,12 @@ async def test_multi_turn_code_episodes_run_to_scored_with_token_exact_trajector
         ready = [m for m in h.peers.trajectories if isinstance(m, TrajectoryReady)]
         assert sorted(m.episode_id for m in ready) == sorted(e.id for e in eps)
         async with h.db.session() as s:
-            tasks = {t.id: (t.attempts, t.passes) for t in (await s.execute(select(Task))).scalars()}
-        assert sum(a for a, _ in tasks.values()) == 8 and all(a == p for a, p in tasks.values())
+            outcomes = list((await s.execute(select(TaskOutcome))).scalars())
+            totals = await task_totals(s, "ts1")
+        # one outcome per scored episode, exactly, each with the episode's policy version
+        assert sorted(o.episode_id for o in outcomes) == sorted(e.id for e in eps)
+        assert all(o.passed and o.reward == 1.0 and o.policy_version == 0 for o in outcomes)
+        assert sum(a for a, _ in totals.values()) == 8 and all(a == p for a, p in totals.values())
         await wait_for(lambda: _has_event(h.peers.events, "job.state", "completed"), what="job event")
         assert sum(1 for m in h.peers.events if getattr(m, "event", "") == "episode.reward") == 8
     finally:
@@ -138,6 +143,10 @@ async def test_duplicate_results_are_acknowledged_and_ignored(tmp_path, database
         assert h.dispatcher.engine.ignored >= 5 * 4  # type: ignore[union-attr]
         # A request answered twice must not have produced a second command either.
         assert len(h.peers.requests["reward"]) == 4
+        # nor a second outcome: one scored episode is one attempt on its task
+        async with h.db.session() as s:
+            totals = await task_totals(s, "ts1")
+        assert sum(attempts for attempts, _ in totals.values()) == 4
     finally:
         await h.stop()
 
@@ -293,6 +302,9 @@ async def test_staleness_bound_holds_the_next_iteration_until_the_policy_catches
         await asyncio.sleep(0.4)
         assert await episode_states(h.db, job) == {"scored": 2}, "iteration 1 waits for policy version 1"
         h.peers.policy_version = 1
+        # playing the trainer, the only writer of a job's policy version: the row, then the update
+        async with h.db.session() as s:
+            (await s.get(Job, job)).policy_version = 1  # type: ignore[union-attr]
         await h.runtime.bus.send_message(  # type: ignore[union-attr]
             Topics.POLICY_UPDATES, PolicyUpdate(job_id=job, version=1, checkpoint_key="ckpt/1", step=1)
         )
@@ -301,7 +313,15 @@ async def test_staleness_bound_holds_the_next_iteration_until_the_policy_catches
         assert sorted((e.iteration, e.behaviour_version) for e in eps) == [(0, 0), (0, 0), (1, 1), (1, 1)]
         async with h.db.session() as s:
             assert (await s.get(Job, job)).policy_version == 1  # type: ignore[union-attr]
-        await wait_for(lambda: _has_event(h.peers.events, "policy.version", None), what="policy event")
+        # the dispatcher reads the version and announces nothing: the event is the trainer's
+        assert not await _has_event(h.peers.events, "policy.version", None)
+        # nor does it write one: an update the trainer did not commit leaves the job as it was
+        await h.runtime.bus.send_message(  # type: ignore[union-attr]
+            Topics.POLICY_UPDATES, PolicyUpdate(job_id=job, version=9, checkpoint_key="ckpt/9", step=9)
+        )
+        await asyncio.sleep(0.3)
+        async with h.db.session() as s:
+            assert (await s.get(Job, job)).policy_version == 1  # type: ignore[union-attr]
     finally:
         await h.stop()
 
@@ -315,8 +335,12 @@ async def test_cancelled_job_cancels_its_episodes_and_ignores_late_results(tmp_p
         from temper.lifecycle import JobState, transition_job
 
         async with h.db.session() as s:
-            transition_job(s, await s.get(Job, job), JobState.cancelled, reason="user")  # type: ignore[arg-type]
-        await wait_for(lambda: _states(h.db, job, {"cancelled": 4}), what="episodes cancelled")
+            await transition_job(s, await s.get(Job, job), JobState.cancelled, reason="user")  # type: ignore[arg-type]
+        # in the same transaction: no scheduler pass needed
+        assert await episode_states(h.db, job) == {"cancelled": 4}
+        steps = [st for ep in await episodes_of(h.db, job) for st in await steps_of(h.db, ep.id)]
+        assert {(st.kind, st.state) for st in steps} == {("inference", "cancelled")}
+        assert all(st.lease_expires_at is None for st in steps)
         await h.peers.release()
         await asyncio.sleep(0.3)
         assert await episode_states(h.db, job) == {"cancelled": 4}

@@ -4,6 +4,7 @@ process, real sandboxes, real generation, real gradient steps."""
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,11 @@ def test_temper_run_completes_and_writes_the_report(tmp_path, capsys):
     assert (
         summary["episodes_by_state"].get("trained", 0) + summary["episodes_by_state"].get("scored", 0) == 16
     )
+    # the real reward scorer and the dispatcher both saw every episode: each counts once
+    with sqlite3.connect(run / "temper.db") as conn:
+        outcomes = conn.execute("SELECT count(*), count(DISTINCT episode_id) FROM task_outcomes").fetchone()
+        scored = conn.execute("SELECT count(*) FROM episodes WHERE state IN ('scored', 'trained')").fetchone()
+    assert outcomes == (16, 16) and scored == (16,)
     png = (run / "reward_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
     html = (run / "report.html").read_text()
