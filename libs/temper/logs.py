@@ -146,9 +146,7 @@ def dependency_failed(
         else:
             outage.unlogged += 1
             return
-    log_event(
-        logger, message, logging.WARNING, dependency=dependency, error=_short(error), **extra, **fields
-    )
+    log_event(logger, message, logging.WARNING, dependency=dependency, error=_short(error), **extra, **fields)
 
 
 def dependency_recovered(logger: logging.Logger, dependency: str) -> None:

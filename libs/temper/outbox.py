@@ -26,7 +26,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-
 from datetime import timedelta
 
 from sqlalchemy import func, or_, select, update

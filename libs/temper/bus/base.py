@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from temper import metrics
-from temper.events import BadMessage, Message, Topics
 from temper.bus.errors import unavailable_dependency
+from temper.events import BadMessage, Message, Topics
 from temper.logs import dependency_failed, dependency_recovered, log_event
 
 log = logging.getLogger("temper.bus")
@@ -154,10 +154,17 @@ class Delivery:
                     waits += 1
                     metrics.BUS_DEPENDENCY_WAITS.labels(record.topic, self.group, dependency).inc()
                     dependency_failed(
-                        log, dependency, exc, topic=record.topic, group=self.group, waiting="retrying the record"
+                        log,
+                        dependency,
+                        exc,
+                        topic=record.topic,
+                        group=self.group,
+                        waiting="retrying the record",
                     )
                     if keep_trying is not None and not keep_trying():
-                        raise DependencyWait(f"{dependency} unreachable; {record.topic} record left for later") from exc
+                        raise DependencyWait(
+                            f"{dependency} unreachable; {record.topic} record left for later"
+                        ) from exc
                     await asyncio.sleep(
                         min(self.dependency_backoff_max_s, self.bus.retry_backoff_s * 2 ** min(waits, 10))
                     )

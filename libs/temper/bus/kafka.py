@@ -17,8 +17,8 @@ from aiokafka.structs import OffsetAndMetadata
 
 from temper import metrics
 from temper.bus.base import Bus, BusUnavailable, Consumer, Delivery, Handler, Record
-from temper.events import Message, Topics
 from temper.bus.errors import KAFKA
+from temper.events import Message, Topics
 from temper.logs import dependency_down, dependency_failed, dependency_recovered, log_event
 
 log = logging.getLogger("temper.bus.kafka")
