@@ -309,6 +309,8 @@ class FaultStack:
     services: dict[str, launcher.Service] = field(default_factory=dict)
     run_id: str = field(default_factory=lambda: "fault-" + uuid.uuid4().hex[:8])
 
+    SERVICE_NAMES = tuple(name for name, _ in launcher.SERVICES)
+
     def __post_init__(self) -> None:
         self.stack_env = launcher.stack_env()
         if self.storage:
@@ -339,9 +341,8 @@ class FaultStack:
         asyncio.run(launcher.upload_files(self.stack_env, files, policy_key))
         self.spec["policy"]["init"] = policy_key
         self.policy_dir = policy_dir
-        self.offsets = asyncio.run(
-            _end_offsets(self.stack_env["TEMPER_BUS__BOOTSTRAP"], list(COMMAND_TOPICS))
-        )
+        watched = [*COMMAND_TOPICS, *(Topics.dead_letter(t) for t in Topics.ALL)]
+        self.offsets = asyncio.run(_end_offsets(self.stack_env["TEMPER_BUS__BOOTSTRAP"], watched))
         self.group_env, groups = launcher.run_groups(self.run_id)
         asyncio.run(launcher.groups_start_at_end(self.stack_env["TEMPER_BUS__BOOTSTRAP"], groups))
         self.groups = groups
@@ -456,6 +457,17 @@ class FaultStack:
     def job_state(self) -> str:
         return self.facts().job.state
 
+    def wait(self, what: str, predicate: Callable[[], Any], timeout_s: float, every_s: float = 0.3) -> Any:
+        """:func:`wait_until`, failing with the job's progress and the services' logs."""
+        try:
+            return wait_until(what, predicate, timeout_s, every_s)
+        except FaultError as exc:
+            f = self.facts()
+            raise FaultError(
+                f"{exc}; job {f.job.state}, episodes {dict(f.by_state())}, versions {f.versions}, "
+                f"reason {f.job.state_reason!r}\n{self.logs()}"
+            ) from None
+
     def wait_job(self, timeout_s: float) -> Facts:
         """Until the job is finished; raises with the services' logs if it is not in time."""
         try:
@@ -486,9 +498,14 @@ class FaultStack:
     def commands(self) -> dict[str, Counter[tuple[Any, ...]]]:
         """Every command message of this job since :meth:`prepare`, counted per topic by
         its identity (episode, turn, attempt; the episode for a trajectory)."""
-        return asyncio.run(
-            _count_commands(self.stack_env["TEMPER_BUS__BOOTSTRAP"], self.offsets, self.job_id)
-        )
+        offsets = {t: o for t, o in self.offsets.items() if t in COMMAND_TOPICS}
+        return asyncio.run(_count_commands(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets, self.job_id))
+
+    def dead_letters(self) -> Counter[str]:
+        """This job's messages on the dead-letter topics since :meth:`prepare`, per topic."""
+        offsets = {t: o for t, o in self.offsets.items() if t not in COMMAND_TOPICS}
+        records = asyncio.run(_read_range(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets))
+        return Counter(r.topic for r in records if json.loads(r.value).get("job_id") == self.job_id)
 
     def dead_letter_waiting(self, service_group_env: str, topic: str) -> int:
         """Move what waits on ``topic`` for this run's group named by ``service_group_env``
@@ -592,18 +609,18 @@ async def _read_range(bootstrap: str, offsets: dict[str, dict[int, int]]) -> lis
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     ends = await _end_offsets(bootstrap, list(offsets))
+    records: list[Any] = []
+    todo = {
+        TopicPartition(t, p): ends[t][p]
+        for t, parts in offsets.items()
+        for p, start in parts.items()
+        if ends[t].get(p, start) > start
+    }
+    if not todo:
+        return records
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
-    records: list[Any] = []
     try:
-        todo = {
-            TopicPartition(t, p): ends[t][p]
-            for t, parts in offsets.items()
-            for p, start in parts.items()
-            if ends[t].get(p, start) > start
-        }
-        if not todo:
-            return records
         consumer.assign(list(todo))
         for tp in todo:
             consumer.seek(tp, offsets[tp.topic][tp.partition])
