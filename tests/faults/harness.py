@@ -661,7 +661,9 @@ async def _dead_letter_waiting(bootstrap: str, group: str, topic: str, job_id: s
     await producer.start()
     moved = 0
     try:
+        await consumer._client.force_metadata_update()
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        assert tps, f"no partitions of {topic}"
         consumer.assign(tps)
         ends = await consumer.end_offsets(tps)
         starts = {tp: (await consumer.committed(tp)) or 0 for tp in tps}
