@@ -158,17 +158,17 @@ def test_an_object_store_outage_during_the_last_checkpoint_is_retried_and_visibl
 
         threading.Timer(outage_s, restore).start()
 
-    tripwire = Tripwire(private_minio.port, rb"PUT /[^ ]*/checkpoints/", outage)
+    last = 3  # small_spec's iterations: one version each
+    tripwire = Tripwire(private_minio.port, rb"PUT /[^ ]*/checkpoints/v%d\." % last, outage)
+    tripwire.armed = True
     try:
         stack: FaultStack = fault_stack(
             storage={**private_minio.settings(), "TEMPER_STORAGE__ENDPOINT": tripwire.endpoint}
         )
         stack.start()
         stack.submit()
-        last = stack.spec["schedule"]["iterations"]
-        wait_until(f"policy version {last - 1}", lambda: stack.facts().job.policy_version >= last - 1, 120)
-        tripwire.armed = True
-        wait_until("the last checkpoint upload", lambda: tripwire.tripped_at is not None, 90)
+        assert stack.spec["schedule"]["iterations"] == last
+        stack.wait("the last checkpoint upload", lambda: tripwire.tripped_at is not None, 120)
         seen = {"health": set(), "reason": set()}
 
         def watch() -> bool:
@@ -177,7 +177,7 @@ def test_an_object_store_outage_during_the_last_checkpoint_is_retried_and_visibl
             seen["reason"].add(f.job.state_reason)
             return bool(restored) and last in f.versions
 
-        wait_until(f"version {last} published after the outage", watch, 120, every_s=0.5)
+        stack.wait(f"version {last} published after the outage", watch, 120, every_s=0.5)
         report("object store back -> last version published", time.monotonic() - restored[0])
         assert 503 in seen["health"], (
             f"the trainer's /health answered {seen['health']} while it could not publish"
