@@ -209,9 +209,10 @@ class Gateway:
         database (the runtime's, or the configured one for a gateway without its own)."""
         db, own = self.runtime.db, False
         if db is None:
-            if self.runtime.settings.mode is not Mode.distributed:
-                return None
-            db, own = Database(self.runtime.settings.db), True
+            settings = self.runtime.settings
+            if settings.mode is not Mode.distributed or settings.db.url.startswith("sqlite"):
+                return None  # no shared database to ask: the updates it reads will do
+            db, own = Database(settings.db), True
         try:
             async with db.session() as s:
                 row = (
@@ -232,7 +233,7 @@ class Gateway:
             job_id=row.job_id, version=row.version, checkpoint_key=row.checkpoint_key, step=row.step
         )
 
-    async def _load_current_policy(self, attempts: int = 5) -> None:
+    async def _load_current_policy(self, attempts: int = 3) -> None:
         for attempt in range(1, attempts + 1):
             try:
                 current = await self.current_policy()

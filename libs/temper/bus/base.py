@@ -117,10 +117,9 @@ class Delivery:
       message's fault, so the record is retried with exponential backoff (up to
       ``dependency_backoff_max_s``) for as long as the outage lasts and never
       dead-lettered. Its partition waits meanwhile (the consumer pauses it once its
-      queue is full). ``keep_trying`` (given to :meth:`run`) is asked before each
-      wait; when it turns false
-      (the consumer stops, the partition moved) :class:`DependencyWait` is raised and
-      the record is left uncommitted."""
+      queue is full). ``keep_trying`` (given to :meth:`run`) is asked before each wait;
+      when it turns false (the consumer stops, the partition moved) :class:`DependencyWait`
+      is raised and the record is left uncommitted."""
 
     dependency_backoff_max_s = 5.0
 
