@@ -154,10 +154,11 @@ class PrivatePostgres:
         """``fast`` disconnects every client (what a restart or failover does to them)."""
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-s", "stop")
 
-    def restart(self) -> float:
-        """Stop and start again; returns the seconds it was down."""
+    def restart(self, down_s: float = 0.0) -> float:
+        """Stop, stay down ``down_s``, start again; returns the seconds it was down."""
         t0 = time.monotonic()
         self.stop()
+        time.sleep(down_s)
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-s", "start")
         return time.monotonic() - t0
 
