@@ -121,7 +121,7 @@ class Delivery:
       when it turns false (the consumer stops, the partition moved) :class:`DependencyWait`
       is raised and the record is left uncommitted."""
 
-    dependency_backoff_max_s = 5.0
+    dependency_backoff_max_s = 2.0
 
     def __init__(self, bus: Bus, group: str, handler: Handler) -> None:
         self.bus = bus
