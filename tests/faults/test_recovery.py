@@ -12,14 +12,13 @@ import pytest
 
 from tests.faults.harness import FaultStack, Tripwire, wait_until
 
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.s3, pytest.mark.slow]
+
 
 def report(what: str, seconds: float) -> None:
     print(f"\nRECOVERY {what}: {seconds:.1f}s")  # noqa: T201 - the figure the test exists to measure
 
 
-@pytest.mark.kafka
-@pytest.mark.postgres
-@pytest.mark.s3
 @pytest.mark.timeout(240)
 def test_each_command_reaches_kafka_exactly_once(fault_stack):
     """The dispatcher's fast path and the trainer's relay share the outbox: each command is
@@ -40,9 +39,6 @@ def test_each_command_reaches_kafka_exactly_once(fault_stack):
     assert {k[0] for k in counts["trajectories"]} == episodes
 
 
-@pytest.mark.kafka
-@pytest.mark.postgres
-@pytest.mark.s3
 @pytest.mark.timeout(300)
 def test_a_gateway_killed_mid_job_comes_back_on_the_current_policy_version(fault_stack):
     """SIGKILL the gateway once the trainer has published a version: the new process loads
@@ -76,9 +72,6 @@ def test_a_gateway_killed_mid_job_comes_back_on_the_current_policy_version(fault
     assert not stack.dead_letters()
 
 
-@pytest.mark.kafka
-@pytest.mark.postgres
-@pytest.mark.s3
 @pytest.mark.timeout(300)
 def test_a_dead_lettered_trajectory_is_sent_again_and_the_job_completes(fault_stack):
     """The trainer's trajectories are dead-lettered (moved to ``trajectories.dlq``, its group
@@ -100,9 +93,6 @@ def test_a_dead_lettered_trajectory_is_sent_again_and_the_job_completes(fault_st
     assert stack.dead_letters()["trajectories.dlq"] == moved
 
 
-@pytest.mark.kafka
-@pytest.mark.postgres
-@pytest.mark.s3
 @pytest.mark.timeout(300)
 def test_a_postgres_restart_under_load_costs_seconds_and_dead_letters_nothing(fault_stack, private_postgres):
     """Restart the job's Postgres (a private cluster) while episodes are in flight: the
@@ -138,9 +128,6 @@ def test_a_postgres_restart_under_load_costs_seconds_and_dead_letters_nothing(fa
         assert stack.health(name) == 200, name
 
 
-@pytest.mark.kafka
-@pytest.mark.postgres
-@pytest.mark.s3
 @pytest.mark.timeout(300)
 def test_an_object_store_outage_during_the_last_checkpoint_is_retried_and_visible(fault_stack, private_minio):
     """Stop the job's object store (a private MinIO) the moment the trainer uploads the
