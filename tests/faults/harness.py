@@ -447,6 +447,12 @@ class FaultStack:
         if self.api is not None:
             self.api.close()
         shutil.rmtree(Path(tempfile.gettempdir()) / f"temper-sandboxes-{self.run_id}", ignore_errors=True)
+        if self.database_url and not self.db_url:  # the run's database on the shared Postgres
+            name = self.database_url.rsplit("/", 1)[1]
+            with contextlib.suppress(Exception):
+                asyncio.run(
+                    _admin(self.stack_env["TEMPER_DB__URL"], f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                )
 
     def logs(self, chars: int = 3000) -> str:
         return "\n".join(f"--- {n} ---\n{s.tail(chars)}" for n, s in self.services.items())
