@@ -22,7 +22,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
@@ -134,6 +134,18 @@ async def transition_job(session: AsyncSession, job: Job, to: JobState, *, reaso
     )
     if to in JOB_ENDS_EPISODES:
         await _cancel_unfinished(session, job.id, reason=f"job {to}")
+
+
+STUCK_PREFIX = "stuck: "
+
+
+async def mark_job_stuck(session: AsyncSession, job_id: str, why: str | None) -> None:
+    """A job that keeps its state but cannot move says why in its reason (``stuck: why``);
+    ``None`` clears it. A reason its state was entered with (failed, cancelled) is never
+    overwritten. This and :func:`transition_job` are the only writers of ``state_reason``."""
+    ours = or_(Job.state_reason.is_(None), Job.state_reason.startswith(STUCK_PREFIX))
+    reason = None if why is None else (STUCK_PREFIX + why)[:500]
+    await session.execute(update(Job).where(Job.id == job_id, ours).values(state_reason=reason))
 
 
 async def _cancel_unfinished(session: AsyncSession, job_id: str, *, reason: str) -> None:

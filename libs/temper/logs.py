@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,7 @@ def configure_logging(
         handler.setFormatter(JsonFormatter(service))
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     for previous in root.handlers:
         previous.close()  # a file handler of an earlier configuration would leak its file
@@ -101,3 +103,114 @@ def get_logger(name: str) -> logging.Logger:
 def log_event(logger: logging.Logger, msg: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log ``msg`` with structured fields (redacted by key)."""
     logger.log(level, msg, extra={"fields": fields})
+
+
+# --- dependency outages ---------------------------------------------------------------------
+# While Kafka or Postgres is down, every client retry used to log a line: thousands in
+# seconds. An outage is now logged when it starts, then at most every OUTAGE_EVERY_S with
+# how many failures were not logged, and once when it ends; temper_dependency_down and
+# temper_dependency_errors_total count it.
+
+OUTAGE_EVERY_S = 30.0
+
+
+class _Outage:
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.last_logged = started
+        self.unlogged = 0
+
+
+_outages: dict[str, _Outage] = {}
+_outage_lock = threading.Lock()
+
+
+def dependency_failed(
+    logger: logging.Logger, dependency: str, error: BaseException | str, **fields: Any
+) -> None:
+    """Report a failure caused by ``dependency`` being unreachable (rate-limited)."""
+    from temper import metrics
+
+    metrics.DEPENDENCY_ERRORS.labels(dependency).inc()
+    now = time.monotonic()
+    with _outage_lock:
+        outage = _outages.get(dependency)
+        if outage is None:
+            _outages[dependency] = _Outage(now)
+            metrics.DEPENDENCY_DOWN.labels(dependency).set(1)
+            message, extra = "dependency unreachable", {}
+        elif now - outage.last_logged >= OUTAGE_EVERY_S:
+            message = "dependency still unreachable"
+            extra = {"down_s": round(now - outage.started, 1), "failures_not_logged": outage.unlogged}
+            outage.last_logged, outage.unlogged = now, 0
+        else:
+            outage.unlogged += 1
+            return
+    log_event(logger, message, logging.WARNING, dependency=dependency, error=_short(error), **extra, **fields)
+
+
+def dependency_recovered(logger: logging.Logger, dependency: str) -> None:
+    """Report that ``dependency`` answered again (logs only if an outage was reported)."""
+    from temper import metrics
+
+    with _outage_lock:
+        outage = _outages.pop(dependency, None)
+    if outage is None:
+        return
+    metrics.DEPENDENCY_DOWN.labels(dependency).set(0)
+    log_event(
+        logger,
+        "dependency reachable again",
+        dependency=dependency,
+        down_s=round(time.monotonic() - outage.started, 1),
+    )
+
+
+def dependency_down(dependency: str) -> bool:
+    with _outage_lock:
+        return dependency in _outages
+
+
+def _short(error: BaseException | str) -> str:
+    return (error if isinstance(error, str) else repr(error))[:500]
+
+
+class RepeatFilter(logging.Filter):
+    """Rate-limits client libraries' warnings and errors that repeat with the same logger
+    and message template (aiokafka logs one per reconnect attempt during an outage): the
+    first ``burst`` in a window pass, the rest are counted and dropped, and the first
+    line after the window says how many were dropped. Temper's own lines are left alone:
+    its outages go through :func:`dependency_failed`."""
+
+    def __init__(self, window_s: float = OUTAGE_EVERY_S, burst: int = 3) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.burst = burst
+        self._seen: dict[tuple[str, int, str], list[float]] = {}  # key -> [window start, count, dropped]
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or record.name.startswith(("temper", "services")):
+            return True
+        key = (record.name, record.levelno, str(record.msg)[:200])
+        now = time.monotonic()
+        with self._lock:
+            state = self._seen.get(key)
+            if state is None or now - state[0] >= self.window_s:
+                dropped = int(state[2]) if state else 0
+                self._seen[key] = [now, 1, 0]
+                if len(self._seen) > 10_000:
+                    self._seen.clear()
+                if dropped:
+                    fields = dict(getattr(record, "fields", None) or {})
+                    fields["similar_lines_dropped"] = dropped
+                    record.fields = fields
+                return True
+            state[1] += 1
+            if state[1] <= self.burst:
+                return True
+            state[2] += 1
+        from temper import metrics
+
+        metrics.LOG_LINES_SUPPRESSED.labels(record.name).inc()
+        return False

@@ -23,6 +23,22 @@ BUS_CONSUMER_LAG = Gauge(
 BUS_PAUSED = Gauge("temper_bus_paused", "1 while a consumer has paused its partitions", ["topic", "group"])
 OUTBOX_PENDING = Gauge("temper_outbox_pending", "Outbox rows committed but not yet published")
 OUTBOX_PUBLISHED = Counter("temper_outbox_published_total", "Outbox rows published", ["topic"])
+BUS_DEPENDENCY_WAITS = Counter(
+    "temper_bus_dependency_waits_total",
+    "Handler attempts that failed because a dependency was down (retried, never dead-lettered)",
+    ["topic", "group", "dependency"],
+)
+
+# --- dependencies (every service) ------------------------------------------------------
+DEPENDENCY_DOWN = Gauge(
+    "temper_dependency_down", "1 while this process sees the dependency as unreachable", ["dependency"]
+)
+DEPENDENCY_ERRORS = Counter(
+    "temper_dependency_errors_total", "Failures caused by an unreachable dependency", ["dependency"]
+)
+LOG_LINES_SUPPRESSED = Counter(
+    "temper_log_lines_suppressed_total", "Repeated log lines dropped by the rate limit", ["logger"]
+)
 
 # --- episodes (dispatcher) -------------------------------------------------------------
 EPISODE_TRANSITIONS = Counter("temper_episode_transitions_total", "Episode state transitions", ["to_state"])
@@ -89,6 +105,14 @@ TRAINER_STALENESS = Histogram(
     "temper_trainer_staleness",
     "Policy versions between behaviour and trained policy",
     buckets=(0, 1, 2, 3, 4, 8, 16),
+)
+TRAINER_PUBLISH_FAILING = Gauge(
+    "temper_trainer_publish_failing",
+    "1 while a job's trained steps cannot be published as a policy version (retried with backoff)",
+    ["job_id"],
+)
+TRAINER_PUBLISH_FAILURES = Counter(
+    "temper_trainer_publish_failures_total", "Failed attempts to publish a policy version", ["job_id"]
 )
 TRAINER_SKIPPED_GROUPS = Counter(
     "temper_trainer_skipped_groups_total", "Groups skipped for zero reward variance", ["job_id"]

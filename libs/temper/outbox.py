@@ -1,17 +1,23 @@
 """Transactional outbox: a command is written as a row in the same transaction as the
 state change that caused it, and is published only once that transaction committed.
 
-Two paths publish rows, and together they lose nothing:
+Every row has exactly one relay at a time, from its send to its mark, so a command
+goes to the bus once (a crash between send and mark is the only way to send it twice):
 
-- the fast path: :meth:`OutboxRelay.transaction` publishes a transaction's own rows right
-  after it commits, so a command reaches the bus without waiting for a relay pass;
+- the fast path: :meth:`OutboxRelay.transaction` writes its rows with ``claimed_until``
+  set ``claim_s`` ahead, publishes them right after the commit, and marks them sent on
+  the relay's next pass. Until the claim runs out no other relay touches them;
 - the sweep: :meth:`OutboxRelay.publish_pending` publishes, in id order, committed rows
-  that nobody published — written outside ``transaction()``, left by a fast path that
-  failed, or left by a process that died between commit and send.
+  that are unclaimed (written outside ``transaction()``, e.g. by the trainer) or whose
+  claim ran out (the writer died between commit and send, or could not send), and marks
+  them in the same transaction. On Postgres it locks the rows it takes
+  (``FOR UPDATE SKIP LOCKED``), so relays in several processes never take the same row;
+  its own fast path's rows whose send failed it takes back at once.
 
-A rolled-back transaction leaves no row, so nothing is published for it. A process that
-dies after publishing but before marking rows sent publishes them again: delivery is
-at-least-once and every consumer is idempotent.
+SQLite has no ``SKIP LOCKED``: the embedded mode runs one process with one relay, and
+the claim only has to keep its sweep off the rows its fast path is sending.
+
+A rolled-back transaction leaves no row, so nothing is published for it.
 """
 
 from __future__ import annotations
@@ -20,16 +26,18 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
 from temper.bus import Bus
+from temper.bus.errors import unavailable_dependency
 from temper.clock import utcnow
 from temper.db import Database, OutboxRow
 from temper.events import Message
-from temper.logs import log_event
+from temper.logs import dependency_failed, dependency_recovered, log_event
 
 log = logging.getLogger("temper.outbox")
 
@@ -53,6 +61,7 @@ class OutboxRelay:
         batch: int = 200,
         idle_sleep_s: float = 0.02,
         after_publish: Callable[[list[int]], Awaitable[None]] | None = None,
+        claim_s: float = 30.0,
     ) -> None:
         self.db = db
         self.bus = bus
@@ -62,6 +71,9 @@ class OutboxRelay:
         self._wake = asyncio.Event()
         self._claimed: set[int] = set()  # rows the fast path is publishing: the sweep leaves them
         self._sent: list[int] = []  # rows the fast path published, to be marked by the next pass
+        self._failed: set[int] = set()  # rows the fast path could not send: this sweep takes them back
+        self.claim_s = claim_s
+        self._down: set[str] = set()  # dependencies whose outage this relay reported
 
     def notify(self) -> None:
         """Tell the relay that rows were just committed (skips the idle sleep)."""
@@ -76,6 +88,9 @@ class OutboxRelay:
                 yield session
                 rows: list[OutboxRow] = session.info.pop(_ROWS, [])
                 if rows:
+                    until = utcnow() + timedelta(seconds=self.claim_s)
+                    for row in rows:
+                        row.claimed_until = until  # other relays leave them to this one
                     await session.flush()  # assigns the ids
                     # Claimed before the commit makes them visible, so the sweep never sees them unclaimed.
                     ids = {r.id for r in rows}
@@ -90,14 +105,21 @@ class OutboxRelay:
         try:
             await self._send(rows)
         except Exception as exc:  # noqa: BLE001 - the rows are committed: the sweep sends them
-            log_event(
-                log, "publish after commit failed; the relay will retry", logging.WARNING, error=repr(exc)
-            )
+            self._report(exc, "publish after commit failed; the relay will retry")
+            self._failed |= ids
             self._wake.set()  # the sweep sends them now
         else:
             self._sent.extend(ids)  # marked by the next pass, not urgent: no wake-up
         finally:
             self._claimed -= ids
+
+    def _report(self, exc: BaseException, message: str) -> None:
+        dependency = unavailable_dependency(exc)
+        if dependency is None:
+            log_event(log, message, logging.WARNING, error=repr(exc))
+        else:  # an outage: logged once, then at a bounded rate
+            self._down.add(dependency)
+            dependency_failed(log, dependency, exc, waiting=message)
 
     async def _send(self, rows: Sequence[OutboxRow]) -> None:
         # All in flight together: the producer keeps call order per partition (and so per key).
@@ -115,15 +137,19 @@ class OutboxRelay:
                     await session.execute(
                         update(OutboxRow).where(OutboxRow.id.in_(sent)).values(published_at=utcnow())
                     )
+                failed = set(self._failed)
+                claimable = or_(OutboxRow.claimed_until.is_(None), OutboxRow.claimed_until < utcnow())
+                if failed:
+                    claimable = or_(claimable, OutboxRow.id.in_(failed))
                 query = (
                     select(OutboxRow)
-                    .where(OutboxRow.published_at.is_(None))
+                    .where(OutboxRow.published_at.is_(None), claimable)
                     .order_by(OutboxRow.id)
                     .limit(self.batch)
                 )
                 if not self.db.is_sqlite:
                     query = query.with_for_update(skip_locked=True)
-                found = (await session.execute(query)).scalars()
+                found = list((await session.execute(query)).scalars())
                 # Leave this process's fast path its rows: in flight, or sent and not yet marked.
                 fast = self._claimed | set(self._sent)
                 rows = [r for r in found if r.id not in fast]
@@ -135,6 +161,8 @@ class OutboxRelay:
                     await session.execute(
                         update(OutboxRow).where(OutboxRow.id.in_(ids)).values(published_at=utcnow())
                     )
+            # Taken back (or, if the batch was not full, published by another relay already).
+            self._failed -= failed if len(found) < self.batch else set(ids)
         except BaseException:
             self._sent[:0] = sent  # not marked: try again next pass (they are not re-sent)
             raise
@@ -156,9 +184,13 @@ class OutboxRelay:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the relay must outlive a bus or db blip
-                log_event(log, "outbox relay pass failed", logging.WARNING, error=repr(exc))
+                self._report(exc, "outbox relay pass failed")
                 published = 0
                 await asyncio.sleep(1)
+            else:
+                for dependency in self._down:
+                    dependency_recovered(log, dependency)
+                self._down.clear()
             if published < self.batch:
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.idle_sleep_s if published else 0.25)

@@ -105,6 +105,11 @@ class DispatcherSettings(BaseModel):
 
     lease_s: float = Field(300.0, gt=0, description="how long a step may take before it is retried")
     reward_lease_s: float | None = Field(None, gt=0, description="lease of reward steps (default: lease_s)")
+    trajectory_lease_s: float | None = Field(
+        None,
+        gt=0,
+        description="a scored trajectory not in the trainer's ledger by then is sent again (default: lease_s)",
+    )
     max_step_attempts: int = Field(3, ge=1, description="attempts of one step before the episode fails")
     trainer_attached: bool = Field(
         True,

@@ -12,6 +12,7 @@ import logging
 import math
 import random
 from collections import Counter
+from datetime import timedelta
 
 from pydantic import ValidationError
 from sqlalchemy import and_, func, or_, select
@@ -20,11 +21,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
 from services.dispatcher.leader import Leadership
 from temper import metrics
+from temper.clock import utcnow
 from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory
-from temper.events import PolicyUpdate
+from temper.events import PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import Curriculum, JobSpec
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
 from temper.logs import log_context, log_event
+from temper.outbox import enqueue
 from temper.tasks.service import outcome_totals
 
 log = logging.getLogger("temper.dispatcher.scheduler")
@@ -91,6 +94,7 @@ class Scheduler:
             spec = await engine.spec_of(s, job.id)
             if self.trainer_attached:
                 await self.mark_trained(s, job.id)
+                await self.resend_trajectories(s, job.id)
             started: Counter[int] = Counter()
             finished: Counter[int] = Counter()
             active = 0
@@ -292,6 +296,52 @@ class Scheduler:
             transition_episode(s, ep, E.trained)
         return len(rows)
 
+    async def resend_trajectories(self, s: AsyncSession, job_id: str, limit: int = 200) -> int:
+        """The trajectory is leased like every step: a scored episode that has no row in
+        the trainer's ledger ``trajectory_lease_s`` after it was scored (or last sent) is
+        sent again, so a dead-lettered or lost ``TrajectoryReady`` cannot keep the job
+        from completing. The trainer ignores a trajectory it already holds."""
+        settings = self.engine.settings
+        lease = timedelta(seconds=settings.trajectory_lease_s or settings.lease_s)
+        current = utcnow()
+        rows = list(
+            (
+                await s.execute(
+                    select(Episode)
+                    .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
+                    .where(
+                        Episode.job_id == job_id,
+                        Episode.state == E.scored,
+                        Episode.trajectory_key.is_not(None),
+                        TrainedTrajectory.episode_id.is_(None),
+                        Episode.updated_at < current - lease,
+                    )
+                    .order_by(Episode.updated_at)
+                    .limit(limit)
+                )
+            ).scalars()
+        )
+        for ep in rows:
+            assert ep.trajectory_key is not None
+            enqueue(
+                s,
+                Topics.TRAJECTORIES,
+                TrajectoryReady(
+                    job_id=ep.job_id,
+                    episode_id=ep.id,
+                    task_id=ep.task_id,
+                    group_id=ep.group_id,
+                    trajectory_key=ep.trajectory_key,
+                    behaviour_version=ep.behaviour_version or 0,
+                    reward=ep.reward or 0.0,
+                ),
+            )
+            ep.updated_at = current  # the lease starts again
+            metrics.STEP_LEASES_EXPIRED.labels("trajectory").inc()
+        if rows:
+            log_event(log, "trajectories sent again", episodes=len(rows), lease_s=lease.total_seconds())
+        return len(rows)
+
     async def on_policy_update(self, msg: PolicyUpdate) -> None:
         """A new policy version only reads here: the trainer wrote ``Job.policy_version``, the
         ledger and the ``policy.version`` event in the transaction that sent ``msg``. What it
@@ -305,3 +355,4 @@ class Scheduler:
                 query = query.with_for_update()
             if await s.scalar(query) is not None:
                 await self.mark_trained(s, msg.job_id)
+                await self.resend_trajectories(s, msg.job_id)

@@ -12,11 +12,17 @@
   the dispatcher keeps the first.
 - Backpressure: while every backend is full (or down) the request consumer is paused and
   the backlog stays in Kafka; it resumes as soon as a slot frees.
-- ``policy.updates`` (group ``inference-gateway-<uuid>``, one per replica so every replica
-  sees every update): a replica's group is new at each start and reads the topic from
-  the beginning, so a fresh replica catches up with the newest published policy instead
-  of serving version 0. Updates are coalesced: only the newest pending version is loaded
-  (a replay of v1..v9 loads v9 once), and versions at or below the served one are ignored.
+- The current policy at start: before it takes a request, a gateway loads the newest
+  published version of the running jobs from the database (``policy_versions``), so a
+  restarted replica never serves version 0 (or whatever its policy group would replay)
+  while the trainer is at v22. Without a database it falls back to the updates it reads.
+- ``policy.updates`` (group ``TEMPER_INFERENCE__POLICY_GROUP``, else
+  ``inference-gateway-<uuid>``, one per replica so every replica sees every update).
+  Updates are coalesced: only the newest pending version is loaded (a replay of v1..v9
+  loads v9 once), and versions at or below the served one are ignored.
+- A backend that restarted (an engine server back at its initial weights) is noticed by
+  the version watch (``served_version`` below the gateway's) and reloaded with the
+  current version.
 """
 
 from __future__ import annotations
@@ -27,9 +33,13 @@ import logging
 import uuid
 from typing import Any
 
+from sqlalchemy import select
+
 from services.inference_gateway.inference import InferenceService
 from temper.bus import Consumer, Poison
+from temper.db import Database, Job, PolicyVersion
 from temper.events import InferenceRequest, Message, PolicyUpdate, Topics
+from temper.lifecycle import JobState
 from temper.logs import log_event
 from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime
@@ -87,6 +97,7 @@ class Gateway:
         self.updates: Consumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pending_update: PolicyUpdate | None = None
+        self._current: PolicyUpdate | None = None  # the version served, for the version watch
         self._update_ready = asyncio.Event()
         self._flow_changed = asyncio.Event()
         # counters for /v1/status and tests
@@ -109,11 +120,14 @@ class Gateway:
         self.updates = await rt.consume(
             (Topics.POLICY_UPDATES,), self.on_policy_update, group=self.policy_group
         )
+        # The job's current version before any request: never what a group replays.
+        await self._load_current_policy()
         self.requests = await rt.consume(
             (Topics.INFERENCE_REQUESTS,), self.on_request, group=self.group, concurrency=self.concurrency
         )
         self._sync_flow()  # no backend up yet: keep the requests on the bus
         self._tasks.append(asyncio.create_task(self._flow(), name="gateway-flow"))
+        self._tasks.append(asyncio.create_task(self._watch_versions(), name="gateway-version-watch"))
         log_event(
             log,
             "gateway started",
@@ -190,6 +204,84 @@ class Gateway:
             self._pending_update = message
             self._update_ready.set()
 
+    async def current_policy(self) -> PolicyUpdate | None:
+        """The newest published policy version of a job that is not finished, from the
+        database (the runtime's, or the configured one for a gateway without its own)."""
+        db, own = self.runtime.db, False
+        if db is None:
+            settings = self.runtime.settings
+            if settings.mode is not Mode.distributed or settings.db.url.startswith("sqlite"):
+                return None  # no shared database to ask: the updates it reads will do
+            db, own = Database(settings.db), True
+        try:
+            async with db.session() as s:
+                row = (
+                    await s.execute(
+                        select(PolicyVersion)
+                        .join(Job, Job.id == PolicyVersion.job_id)
+                        .where(Job.state.in_([JobState.pending, JobState.running, JobState.paused]))
+                        .order_by(PolicyVersion.created_at.desc(), PolicyVersion.version.desc())
+                        .limit(1)
+                    )
+                ).scalar_one_or_none()
+        finally:
+            if own:
+                await db.dispose()
+        if row is None:
+            return None
+        return PolicyUpdate(
+            job_id=row.job_id, version=row.version, checkpoint_key=row.checkpoint_key, step=row.step
+        )
+
+    async def _load_current_policy(self, attempts: int = 3) -> None:
+        for attempt in range(1, attempts + 1):
+            try:
+                current = await self.current_policy()
+                if current is not None and current.version > self.service.policy_version:
+                    await self.service.apply_update(current)
+                    self._current = current
+                    self.updates_applied += 1
+                    log_event(
+                        log,
+                        "policy version loaded at start",
+                        version=current.version,
+                        job_id=current.job_id,
+                        checkpoint_key=current.checkpoint_key,
+                    )
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - serve what the updates bring rather than not start
+                log_event(
+                    log,
+                    "cannot load the current policy version at start",
+                    logging.WARNING,
+                    attempt=attempt,
+                    error=repr(exc)[:300],
+                )
+                if attempt < attempts:
+                    await asyncio.sleep(0.5 * attempt)
+
+    async def _watch_versions(self) -> None:
+        """Reload a backend that serves less than the gateway's version (it restarted)."""
+        interval = max(0.5, self.service.settings.health_interval_s)
+        while True:
+            await asyncio.sleep(interval)
+            current = self._current
+            if current is None or current.version != self.service.policy_version:
+                continue
+            behind = False
+            for slot in self.service.router.slots.values():
+                probe = getattr(slot.backend, "served_version", None)
+                served = await probe() if probe is not None else None
+                if served is not None and served < current.version:
+                    slot.backend.version = served
+                    behind = True
+            if behind:
+                log_event(log, "a backend restarted behind; reloading it", version=current.version)
+                with contextlib.suppress(Exception):
+                    await self.service.apply_update(current)
+
     async def _apply_updates(self) -> None:
         while True:
             await self._update_ready.wait()
@@ -219,6 +311,7 @@ class Gateway:
                     await asyncio.sleep(0.5 * attempt)
                     continue
                 self.updates_applied += 1
+                self._current = update
                 log_event(
                     log,
                     "policy version switched",

@@ -33,7 +33,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +44,12 @@ from sqlalchemy.exc import IntegrityError
 from services.trainer import handlers
 from temper import metrics
 from temper.bus import Consumer, Poison
+from temper.bus.errors import DATABASE, NETWORK, OBJECT_STORE, unavailable_dependency
 from temper.db import Job, PolicyVersion, TrainedTrajectory
 from temper.events import LifecycleEvent, PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import JobSpec
-from temper.logs import log_context, log_event
+from temper.lifecycle import mark_job_stuck
+from temper.logs import dependency_failed, dependency_recovered, log_context, log_event
 from temper.outbox import OutboxRelay, enqueue
 from temper.policy import create_model, load_model, load_weights
 from temper.runtime import Runtime
@@ -101,6 +102,11 @@ class JobState:
     )  # the learner: one step or checkpoint at a time
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> groups
+    # A publish (checkpoint) that failed: retried by the loop with backoff until it succeeds.
+    publish_error: str | None = None
+    publish_failures: int = 0
+    publish_failing_since: float = 0.0
+    next_publish_at: float = 0.0
 
     def holds(self, episode_id: str) -> bool:
         return any(b.episode_id == episode_id for g in (*self.groups.values(), *self.ready) for b in g)
@@ -163,6 +169,15 @@ class Trainer:
             self.consumer = None
 
     async def _check(self) -> None:
+        failing = [j for j in self.jobs.values() if j.publish_error]
+        if failing:
+            raise RuntimeError(
+                "; ".join(
+                    f"cannot publish policy version v{j.learner.version + 1} of job {j.job_id} "
+                    f"for {time.monotonic() - j.publish_failing_since:.0f}s: {j.publish_error}"
+                    for j in failing
+                )[:500]
+            )
         if self._last_error:
             raise RuntimeError(self._last_error)
 
@@ -301,7 +316,7 @@ class Trainer:
             except (NotFound, ValidationError):
                 missing.append(r.episode_id)
                 continue
-            self._add(state, Buffered(trajectory, r.trajectory_key, _timestamp(r.created_at)))
+            self._add(state, Buffered(trajectory, r.trajectory_key, r.created_at.timestamp()))
         if missing:
             await self._mark_skipped(state, missing, SKIP_MISSING)
         log_event(
@@ -346,6 +361,7 @@ class Trainer:
                 pass
             self._wake.clear()
             try:
+                await self.retry_publishes()
                 await self.train_ready()
                 self._last_error = None
             except asyncio.CancelledError:
@@ -393,10 +409,85 @@ class Trainer:
         job.history.append(stats.as_dict())
         self._observe(job, stats)
         if job.steps_since_checkpoint >= job.spec.algorithm.checkpoint_every:
-            await self.checkpoint(job, stats)
+            await self._publish(job, stats)
         if self.on_step is not None:
             self.on_step(job.job_id, stats)
         return stats
+
+    # --- publishing, retried ------------------------------------------------------------
+
+    PUBLISH_BACKOFF_MAX_S = 30.0
+
+    async def _publish(self, job: JobState, stats: StepStats | None) -> int | None:
+        """:meth:`checkpoint`, called with ``train_lock`` held. A failure (the object store or
+        the database unreachable) keeps the trained steps in memory and is retried by the
+        loop with backoff (:meth:`retry_publishes`); meanwhile /health answers 503 and the
+        job carries a ``stuck: ...`` reason."""
+        try:
+            version = await self.checkpoint(job, stats)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - retried with backoff; /health reports it
+            await self._publish_failed(job, exc)
+            return None
+        if job.publish_error is not None:
+            await self._publish_recovered(job, version)
+        return version
+
+    async def retry_publishes(self) -> None:
+        """Retry every failed publish whose backoff has passed (the trainer's loop calls this:
+        a publish must not wait for a new step, which may never come)."""
+        now = time.monotonic()
+        for job in list(self.jobs.values()):
+            if job.publish_error is None or now < job.next_publish_at:
+                continue
+            async with job.train_lock:
+                if job.publish_error is None:
+                    continue
+                if not job.steps_since_checkpoint:  # published meanwhile (e.g. flush)
+                    await self._publish_recovered(job, job.learner.version)
+                    continue
+                last = job.history[-1] if job.history else None
+                with log_context(job_id=job.job_id):
+                    await self._publish(job, StepStats(**last) if last else None)
+
+    async def _publish_failed(self, job: JobState, exc: BaseException) -> None:
+        now = time.monotonic()
+        if job.publish_error is None:
+            job.publish_failing_since = now
+        job.publish_failures += 1
+        job.publish_error = repr(exc)[:300]
+        job.next_publish_at = now + min(self.PUBLISH_BACKOFF_MAX_S, 2.0 ** min(job.publish_failures - 1, 10))
+        metrics.TRAINER_PUBLISH_FAILING.labels(job.job_id).set(1)
+        metrics.TRAINER_PUBLISH_FAILURES.labels(job.job_id).inc()
+        dependency = unavailable_dependency(exc)
+        if dependency is not None:
+            dependency_failed(log, dependency, exc, job_id=job.job_id, waiting="publishing a policy version")
+        else:
+            log_event(log, "policy version not published; retrying", logging.ERROR, job_id=job.job_id,
+                      attempt=job.publish_failures, error=job.publish_error)  # fmt: skip
+        why = f"trainer cannot publish policy version v{job.learner.version + 1}: {job.publish_error}"
+        await self._set_stuck_reason(job.job_id, why)
+
+    async def _publish_recovered(self, job: JobState, version: int) -> None:
+        stuck_s = time.monotonic() - job.publish_failing_since
+        log_event(log, "policy version published after failures", job_id=job.job_id, version=version,
+                  failures=job.publish_failures, stuck_s=round(stuck_s, 1))  # fmt: skip
+        job.publish_error, job.publish_failures, job.next_publish_at = None, 0, 0.0
+        metrics.TRAINER_PUBLISH_FAILING.labels(job.job_id).set(0)
+        for dependency in (OBJECT_STORE, DATABASE, NETWORK):
+            dependency_recovered(log, dependency)
+        await self._set_stuck_reason(job.job_id, None)
+
+    async def _set_stuck_reason(self, job_id: str, why: str | None) -> None:
+        """Show (or clear) why the job does not move (:func:`temper.lifecycle.mark_job_stuck`)."""
+        assert self.runtime.db is not None
+        try:
+            async with self.runtime.db.session() as s:
+                await mark_job_stuck(s, job_id, why)
+        except Exception as exc:  # noqa: BLE001 - the database may be what is down; /health says so
+            log_event(log, "cannot record the job's stuck reason", logging.WARNING, job_id=job_id,
+                      error=repr(exc)[:200])  # fmt: skip
 
     async def _sweep(self, job: JobState) -> None:
         """Drop what cannot be trained on (called with the job's lock held): ready groups
@@ -532,7 +623,10 @@ class Trainer:
             if not job.steps_since_checkpoint:
                 return None
             last = job.history[-1] if job.history else None
-            return await self.checkpoint(job, StepStats(**last) if last else None)
+            version = await self.checkpoint(job, StepStats(**last) if last else None)
+            if job.publish_error is not None:
+                await self._publish_recovered(job, version)
+            return version
 
     def status(self) -> dict[str, Any]:
         """What ``GET /v1/status`` shows."""
@@ -547,6 +641,8 @@ class Trainer:
                     "buffered_trajectories": j.buffered,
                     "ready_groups": len(j.ready),
                     "uncheckpointed_steps": j.steps_since_checkpoint,
+                    "publish_error": j.publish_error,
+                    "publish_failures": j.publish_failures,
                     "skipped_groups": dict(j.skipped),
                     "last_step": j.history[-1] if j.history else None,
                 }
@@ -573,9 +669,3 @@ def _load_files(files: dict[str, bytes], preset: str, seed: int) -> torch.nn.Mod
         model = create_model(preset, seed=seed)
         load_weights(model, Path(d) / "model.safetensors")
         return model
-
-
-def _timestamp(value: datetime) -> float:
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=UTC)
-    return value.timestamp()

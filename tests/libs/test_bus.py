@@ -287,3 +287,66 @@ async def test_kafka_namespaces_keep_deployments_on_one_cluster_apart(kafka_boot
     finally:
         await staging.stop()
         await prod.stop()
+
+
+async def test_a_dependency_outage_is_waited_out_and_never_dead_letters(bus: Bus, unique: str):
+    """A handler that fails because the database is unreachable is retried (with backoff)
+    for as long as the outage lasts, far past the retry bound, and the record is handled
+    once the dependency is back; a failure of the message's own goes to the DLQ as before."""
+    from sqlalchemy.exc import OperationalError
+
+    topic = f"t-outage-{unique}"
+    await bus.create_topics([topic])
+    outage_attempts = bus.max_retries + 4
+    attempts: dict[bytes, int] = defaultdict(int)
+    handled: list[bytes] = []
+    dead: list[Record] = []
+
+    async def handle(record: Record) -> None:
+        attempts[record.value] += 1
+        if record.value == b"during-outage" and attempts[record.value] <= outage_attempts:
+            raise OperationalError("SELECT 1", {}, ConnectionRefusedError(111, "Connection refused"))
+        if record.value == b"broken":
+            raise ValueError("this message is wrong")
+        handled.append(record.value)
+
+    async def collect(record: Record) -> None:
+        dead.append(record)
+
+    await bus.subscribe([topic], f"g-{unique}", handle)
+    await bus.subscribe([Topics.dead_letter(topic)], f"dlq-{unique}", collect)
+    for value in (b"during-outage", b"after", b"broken"):
+        await bus.send(topic, value, key="one-key")
+    await wait_for(lambda: handled == [b"during-outage", b"after"] and len(dead) == 1)
+    assert attempts[b"during-outage"] == outage_attempts + 1, "retried past the bound, not dead-lettered"
+    assert [r.value for r in dead] == [b"broken"]
+    assert attempts[b"broken"] == bus.max_retries + 1
+
+
+def test_outage_errors_are_told_apart_from_errors_of_the_message():
+    import asyncpg
+    import urllib3
+    import urllib3.exceptions
+    from aiokafka.errors import KafkaConnectionError
+    from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+
+    from temper.bus.errors import unavailable_dependency
+
+    refused = ConnectionRefusedError(111, "Connection refused")
+    assert unavailable_dependency(OperationalError("x", {}, refused)) == "database"
+    assert unavailable_dependency(InterfaceError("x", {}, Exception("connection is closed"))) == "database"
+    assert unavailable_dependency(asyncpg.exceptions.AdminShutdownError("terminating")) == "database"
+    pool = urllib3.HTTPConnectionPool("127.0.0.1", 9)
+    assert unavailable_dependency(urllib3.exceptions.MaxRetryError(pool, "/b/k")) == "object_store"
+    assert unavailable_dependency(KafkaConnectionError("down")) == "kafka"
+    assert unavailable_dependency(refused) == "network"
+    try:
+        try:
+            raise refused
+        except OSError as inner:
+            raise RuntimeError("upload failed") from inner
+    except RuntimeError as wrapped:
+        assert unavailable_dependency(wrapped) == "network", "found through the cause"
+    assert unavailable_dependency(IntegrityError("x", {}, Exception("duplicate key"))) is None
+    assert unavailable_dependency(ValueError("bad json")) is None
+    assert unavailable_dependency(FileNotFoundError(2, "no such file")) is None

@@ -55,3 +55,58 @@ def test_secrets_never_reach_the_log():
 
 def test_redact_masks_assignments_in_free_text():
     assert redact("password=abc token: xyz") == "password=*** token: ***"
+
+
+def _capture(logger_name: str, filters: list[logging.Filter] = ()) -> tuple[logging.Logger, list[dict]]:
+    logger = logging.getLogger(logger_name)
+    lines: list[dict] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(json.loads(self.format(record)))
+
+    handler = Keep()
+    handler.setFormatter(JsonFormatter("svc"))
+    for f in filters:
+        handler.addFilter(f)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger, lines
+
+
+def test_a_dependency_outage_is_logged_once_then_at_a_bounded_rate(monkeypatch):
+    from temper import logs, metrics
+
+    logger, lines = _capture("temper.test.outage")
+    clock = [1000.0]
+    monkeypatch.setattr(logs.time, "monotonic", lambda: clock[0])
+    dependency = "database-test-outage"
+    errors_before = metrics.DEPENDENCY_ERRORS.labels(dependency)._value.get()
+    for _ in range(5000):  # a retry loop during a 20 s outage
+        logs.dependency_failed(logger, dependency, ConnectionRefusedError(111, "refused"), group="g")
+        clock[0] += 0.004
+    assert [line["msg"] for line in lines] == ["dependency unreachable"]
+    assert metrics.DEPENDENCY_DOWN.labels(dependency)._value.get() == 1
+    assert metrics.DEPENDENCY_ERRORS.labels(dependency)._value.get() - errors_before == 5000
+    clock[0] += logs.OUTAGE_EVERY_S
+    logs.dependency_failed(logger, dependency, ConnectionRefusedError(111, "refused"))
+    assert lines[-1]["msg"] == "dependency still unreachable"
+    assert lines[-1]["failures_not_logged"] == 4999 and lines[-1]["down_s"] >= 50
+    logs.dependency_recovered(logger, dependency)
+    logs.dependency_recovered(logger, dependency)  # said once
+    assert [line["msg"] for line in lines[2:]] == ["dependency reachable again"]
+    assert metrics.DEPENDENCY_DOWN.labels(dependency)._value.get() == 0
+
+
+def test_a_client_library_repeating_a_line_is_rate_limited_and_temper_lines_are_not():
+    from temper.logs import RepeatFilter
+
+    noisy, noisy_lines = _capture("aiokafka.test-noisy", [RepeatFilter(window_s=60, burst=3)])
+    for _ in range(2000):
+        noisy.error("Unable connect to node with id %s: %s", 1, "refused")
+    assert len(noisy_lines) == 3
+    ours, our_lines = _capture("temper.test-not-limited", [RepeatFilter(window_s=60, burst=3)])
+    for i in range(10):
+        log_event(ours, "message dead-lettered", logging.ERROR, offset=i)
+    assert len(our_lines) == 10

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from sqlalchemy import func, select
 
@@ -119,3 +121,44 @@ async def test_a_transaction_publishes_its_rows_at_commit_and_the_sweep_only_mar
     assert published_states(bus) == ["fast", "after a blip"], "nothing re-sent, nothing rolled back sent"
     assert await relay.pending() == 0, "and every row is marked"
     assert await relay.publish_pending() == 0
+
+
+async def test_a_row_has_one_relay_the_writer_until_its_claim_runs_out(database: Database):
+    """The dispatcher's fast path and the trainer's sweep share the outbox: the sweep of
+    another process leaves rows the writer is relaying, so each command is sent once; a
+    row whose writer never sent it is taken over once its claim runs out."""
+    bus = FlakyBus(partitions=1)
+    await bus.create_topics(["events"])
+    writer = OutboxRelay(database, bus, claim_s=60)
+    other = OutboxRelay(database, bus)  # another process's relay, e.g. the trainer's
+
+    async with writer.transaction() as s:
+        enqueue(s, "events", LifecycleEvent(event="episode.state", episode_id="e1", state="fast"))
+    assert published_states(bus) == ["fast"]
+    assert await other.publish_pending() == 0, "sent by the writer, not yet marked: not the sweep's"
+    assert await writer.publish_pending() == 0
+    assert await writer.pending() == 0
+    assert published_states(bus) == ["fast"], "exactly once"
+
+    # A writer that committed and then died before sending: nobody sends until its claim
+    # runs out, then exactly one relay does.
+    dying = OutboxRelay(database, bus, claim_s=0.3)
+    bus.down = True
+    async with dying.transaction() as s:
+        enqueue(s, "events", LifecycleEvent(event="episode.state", episode_id="e2", state="orphan"))
+    bus.down = False
+    assert await other.publish_pending() == 0, "still claimed by its writer"
+    await asyncio.sleep(0.4)
+    assert await other.publish_pending() == 1
+    assert await other.publish_pending() == 0
+    assert published_states(bus) == ["fast", "orphan"]
+
+    # The writer's own sweep takes back a row its fast path failed to send, claim or not.
+    bus.down = True
+    async with writer.transaction() as s:
+        enqueue(s, "events", LifecycleEvent(event="episode.state", episode_id="e3", state="retried"))
+    bus.down = False
+    assert await other.publish_pending() == 0
+    assert await writer.publish_pending() == 1
+    assert published_states(bus) == ["fast", "orphan", "retried"]
+    assert await writer.pending() == 0

@@ -7,8 +7,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from temper import metrics
+from temper.bus.errors import unavailable_dependency
 from temper.events import BadMessage, Message, Topics
-from temper.logs import log_event
+from temper.logs import dependency_failed, dependency_recovered, log_event
 
 log = logging.getLogger("temper.bus")
 
@@ -98,22 +99,47 @@ class Bus(ABC):
         await self.send(topic, message.to_bytes(), key=message.key())
 
 
+class DependencyWait(RuntimeError):
+    """Raised by :meth:`Delivery.run` when it stops waiting for a dependency because the
+    consumer no longer wants the record (stopping, or the partition was revoked): the
+    record is not committed and is delivered again."""
+
+
 class Delivery:
     """Runs a handler on one record with the bus's retry and dead-letter policy.
-    Returns when the record may be committed: handled, or parked in the DLQ."""
+    Returns when the record may be committed: handled, or parked in the DLQ.
+
+    Two kinds of failure are told apart (:func:`temper.bus.errors.unavailable_dependency`):
+
+    - the message's own: retried ``max_retries`` times with a growing backoff, then
+      dead-lettered (a :class:`Poison` or unparsable message at once);
+    - a dependency that cannot be reached (database, object store, Kafka): not the
+      message's fault, so the record is retried with exponential backoff (up to
+      ``dependency_backoff_max_s``) for as long as the outage lasts and never
+      dead-lettered. Its partition waits meanwhile (the consumer pauses it once its
+      queue is full). ``keep_trying`` (given to :meth:`run`) is asked before each wait;
+      when it turns false (the consumer stops, the partition moved) :class:`DependencyWait`
+      is raised and the record is left uncommitted."""
+
+    dependency_backoff_max_s = 2.0
 
     def __init__(self, bus: Bus, group: str, handler: Handler) -> None:
         self.bus = bus
         self.group = group
         self.handler = handler
 
-    async def run(self, record: Record) -> None:
+    async def run(self, record: Record, keep_trying: Callable[[], bool] | None = None) -> None:
         attempts = self.bus.max_retries + 1
         error: BaseException | None = None
-        for attempt in range(1, attempts + 1):
+        attempt = 0
+        waits = 0
+        waiting_for: str | None = None
+        while attempt < attempts:
             try:
                 await self.handler(record)
                 metrics.BUS_CONSUMED.labels(record.topic, self.group).inc()
+                if waiting_for is not None:
+                    dependency_recovered(log, waiting_for)
                 return
             except (Poison, BadMessage) as exc:
                 error = exc
@@ -121,7 +147,29 @@ class Delivery:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
+                dependency = unavailable_dependency(exc)
+                if dependency is not None:
+                    waiting_for = dependency
+                    waits += 1
+                    metrics.BUS_DEPENDENCY_WAITS.labels(record.topic, self.group, dependency).inc()
+                    dependency_failed(
+                        log,
+                        dependency,
+                        exc,
+                        topic=record.topic,
+                        group=self.group,
+                        waiting="retrying the record",
+                    )
+                    if keep_trying is not None and not keep_trying():
+                        raise DependencyWait(
+                            f"{dependency} unreachable; {record.topic} record left for later"
+                        ) from exc
+                    await asyncio.sleep(
+                        min(self.dependency_backoff_max_s, self.bus.retry_backoff_s * 2 ** min(waits, 10))
+                    )
+                    continue
                 error = exc
+                attempt += 1
                 metrics.BUS_HANDLER_FAILURES.labels(record.topic, self.group).inc()
                 log_event(
                     log,

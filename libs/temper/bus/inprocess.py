@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from aiokafka.partitioner import DefaultPartitioner
 
 from temper import metrics
-from temper.bus.base import Bus, Consumer, Delivery, Handler, Record
+from temper.bus.base import Bus, Consumer, Delivery, DependencyWait, Handler, Record
 from temper.events import Message, Topics
 
 TopicPartition = tuple[str, int]
@@ -166,7 +166,10 @@ class InProcessConsumer(Consumer):
         log = self.bus.topics[tp[0]][tp[1]]
         while not self._paused and tp in self.assigned and self.positions[tp] < len(log):
             record = log[self.positions[tp]]
-            await self.delivery.run(record)
+            try:
+                await self.delivery.run(record, keep_trying=lambda: tp in self.assigned)
+            except DependencyWait:
+                return  # revoked while waiting for a dependency: the next owner takes the record
             if self._group.generation != generation and tp not in self.assigned:
                 return  # revoked while handling: like Kafka, the commit is refused and the record redelivered
             self.positions[tp] = record.offset + 1

@@ -17,8 +17,9 @@ from aiokafka.structs import OffsetAndMetadata
 
 from temper import metrics
 from temper.bus.base import Bus, BusUnavailable, Consumer, Delivery, Handler, Record
+from temper.bus.errors import KAFKA
 from temper.events import Message, Topics
-from temper.logs import log_event
+from temper.logs import dependency_down, dependency_failed, dependency_recovered, log_event
 
 log = logging.getLogger("temper.bus.kafka")
 
@@ -226,10 +227,12 @@ class KafkaConsumer(Consumer):
             try:
                 batches = await self._consumer.getmany(timeout_ms=200, max_records=100)
             except KafkaError as exc:
-                # The client reconnects by itself; keep the loop alive and say so.
-                log_event(log, "fetch failed", logging.WARNING, group=self.group, error=repr(exc))
+                # The client reconnects by itself; keep the loop alive and say so (once per outage).
+                dependency_failed(log, KAFKA, exc, group=self.group, waiting="fetching again")
                 await asyncio.sleep(1)
                 continue
+            if dependency_down(KAFKA):
+                dependency_recovered(log, KAFKA)
             for tp, records in batches.items():
                 worker = self._workers.get(tp)
                 if worker is None:
@@ -260,7 +263,10 @@ class KafkaConsumer(Consumer):
                     return
                 try:
                     async with self._slots:
-                        await self.delivery.run(_record(rec, self.bus.plain_name(rec.topic)))
+                        await self.delivery.run(
+                            _record(rec, self.bus.plain_name(rec.topic)),
+                            keep_trying=lambda: not worker.finishing and self._task is not None,
+                        )
                 except Exception as exc:  # noqa: BLE001 - e.g. the dead-letter send failed: fetch it again later
                     log_event(
                         log,

@@ -240,3 +240,6 @@ class OutboxRow(Base):
     payload: Mapped[bytes] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     published_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
+    claimed_until: Mapped[datetime | None] = mapped_column(
+        default=None, doc="the writer relays the row itself until then; other relays leave it"
+    )

@@ -172,3 +172,46 @@ async def test_local_backend_answers_the_openai_proxy(tmp_path) -> None:  # noqa
             assert body["choices"][0]["token_ids"] and body["policy_version"] == 0
             status = (await c.get("/v1/status")).json()
             assert status["backends"][0]["name"] == "l0" and status["requests_group"] == "inference-gateway"
+
+
+async def test_a_gateway_that_starts_serves_the_running_jobs_current_version(tmp_path) -> None:  # noqa: ANN001
+    """A (re)started gateway loads the newest published version of the running jobs from
+    the database before its first request, not version 0 or what its policy group replays."""
+    from temper.db import Job, PolicyVersion, Tenant
+    from temper.db.migrate import upgrade
+    from temper.settings import DatabaseSettings
+
+    url = f"sqlite+aiosqlite:///{tmp_path}/temper.db"
+    await asyncio.to_thread(upgrade, url)
+    rt = Runtime(
+        settings(tmp_path).model_copy(update={"db": DatabaseSettings(url=url)}), service="temper-run"
+    )
+    await rt.start()
+    gw = Gateway(rt)
+    try:
+        assert rt.db is not None and rt.store is not None and rt.bus is not None
+        async with rt.db.session() as s:
+            s.add(Tenant(id="t", name="T"))
+        async with rt.db.session() as s:
+            s.add(Job(id="done", tenant_id="t", name="old", spec={}, state="completed", policy_version=9))
+            s.add(Job(id="job", tenant_id="t", name="now", spec={}, state="running", policy_version=2))
+        for job, v in (("done", 9), ("job", 1), ("job", 2)):
+            key = f"tenants/t/jobs/{job}/checkpoints/v{v}.safetensors"
+            path = save_weights(create_model(seed=v), tmp_path / f"{job}-{v}.safetensors")
+            await rt.store.put(key, path.read_bytes())
+            async with rt.db.session() as s:
+                s.add(PolicyVersion(job_id=job, version=v, checkpoint_key=key, step=v))
+        await gw.start()
+        assert gw.service.policy_version == 2, "the running job's newest version, not a finished job's"
+        results: list[InferenceResult] = []
+
+        async def collect(record: Record) -> None:
+            results.append(decode(record.value))  # type: ignore[arg-type]
+
+        await rt.bus.subscribe([Topics.INFERENCE_RESULTS], "test-results", collect)
+        await rt.bus.send_message(Topics.INFERENCE_REQUESTS, request("ep-restart"))
+        await wait_until(lambda: len(results) == 1)
+        assert results[0].policy_version == 2 and results[0].error is None
+    finally:
+        await gw.stop()
+        await rt.stop()

@@ -276,3 +276,53 @@ async def test_flush_publishes_the_last_steps_and_a_failing_batch_is_skipped(set
         assert await versions(runtime, "job-f") == [(1, 1)]
     finally:
         await stop(runtime, trainer)
+
+
+async def test_a_failed_publish_is_retried_on_its_own_and_shows_while_it_fails(settings):
+    """The object store refuses the checkpoint of the job's last step: no new step will come
+    to retry it, so the trainer retries by itself; meanwhile its health check fails and the
+    job's state_reason says it is stuck, and both clear once the version is published."""
+    runtime, trainer = await start(settings)
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-p", job_spec(group_size=4, groups_per_step=1, checkpoint_every=1))
+        store = runtime.store
+        real_put = store.put
+        down = True
+
+        async def put(key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+            if down and "/checkpoints/" in key:
+                raise ConnectionRefusedError(111, "Connection refused")
+            await real_put(key, data, content_type)
+
+        store.put = put  # type: ignore[method-assign]
+        made = TrajectoryFactory("job-p").group("g1", [1, 0, 0, 1])
+        await store_all(store, made)
+        await send_all(runtime.bus, made)
+
+        async def failing() -> bool:
+            return trainer.jobs.get("job-p") is not None and trainer.jobs["job-p"].publish_failures >= 2
+
+        await wait_for(failing, what="two failed publishes")
+        with pytest.raises(RuntimeError, match="cannot publish policy version v1 of job job-p"):
+            await trainer._check()
+        async with runtime.db.session() as s:
+            reason = (await s.get(Job, "job-p")).state_reason
+        assert reason.startswith("stuck: trainer cannot publish policy version v1")
+        assert REGISTRY.get_sample_value("temper_trainer_publish_failing", {"job_id": "job-p"}) == 1
+        assert await versions(runtime, "job-p") == []
+
+        down = False
+
+        async def published() -> bool:
+            return await versions(runtime, "job-p") == [(1, 1)]
+
+        await wait_for(published, what="the version published after the store came back")
+        await trainer._check()
+        async with runtime.db.session() as s:
+            job = await s.get(Job, "job-p")
+            assert (job.state_reason, job.policy_version) == (None, 1)
+        assert REGISTRY.get_sample_value("temper_trainer_publish_failing", {"job_id": "job-p"}) == 0
+        assert {r.step for r in (await ledger(runtime, "job-p")).values()} == {1}
+    finally:
+        await stop(runtime, trainer)

@@ -1,0 +1,688 @@
+"""Fault injection on the real stack, reusable by every recovery and chaos test.
+
+A :class:`FaultStack` runs one small job with each service as its own process, started
+the way ``make run-stack`` starts them (``python -m services.<name>``, the launcher's
+settings, one consumer group per run), and lets a test break one part at a chosen
+moment: SIGKILL or restart a service, stop a private object store or restart a private
+Postgres (:class:`PrivateMinio`, :class:`PrivatePostgres`: the shared stack is never
+touched), or dead-letter what waits on a topic. Afterwards it reads the truth back: the
+database (:meth:`FaultStack.facts`, :meth:`FaultStack.assert_each_episode_scored_and_trained_once`)
+and the topics (:meth:`FaultStack.commands`, every message of this job since the run began).
+
+Everything is synchronous and polls (``wait_until``), so a test reads as a script:
+start, wait for a moment, break something, wait for the job, check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import func, select
+
+from services.embedded import stack as launcher
+from temper.client import TemperClient
+from temper.db import Episode, Job, PolicyVersion, Step, TrainedTrajectory
+from temper.events import Topics
+from temper.tenants import new_key
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKSET = ROOT / "examples" / "tasksets" / "arithmetic.jsonl"
+CACHE_DIR = Path(os.environ.get("TEMPER_CACHE_DIR", Path.home() / ".cache" / "temper"))
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+# The commands a job sends, and what makes one command (a retry is another attempt).
+COMMAND_TOPICS = {
+    Topics.INFERENCE_REQUESTS: ("episode_id", "turn", "attempt"),
+    Topics.SANDBOX_REQUESTS: ("episode_id", "turn", "attempt"),
+    Topics.REWARD_REQUESTS: ("episode_id", "turn", "attempt"),
+    Topics.TRAJECTORIES: ("episode_id",),
+}
+
+
+class FaultError(AssertionError):
+    """The stack did not do what the test waited for; the message says what and shows logs."""
+
+
+def wait_until(what: str, predicate: Callable[[], Any], timeout_s: float, every_s: float = 0.3) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise FaultError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)
+
+
+def small_spec(name: str, **overrides: Any) -> dict[str, Any]:
+    """A job of single-turn arithmetic episodes on a tiny random policy: every group is
+    trained (``skip_zero_variance`` off), each iteration's two groups are one step and one
+    version, and ``max_staleness: 1`` lets the next iteration start on the version before,
+    so no trajectory is ever too stale to train on."""
+    spec: dict[str, Any] = {
+        "name": name,
+        "policy": {"model": "temper-tiny", "sampling": {"temperature": 1.0, "max_tokens": 12}},
+        "tasks": {"taskset": "local", "group_size": 4, "curriculum": "uniform"},
+        "environment": {"kind": "math", "max_turns": 1, "system_prompt": ""},
+        "rewards": {"answer_match": 1.0},
+        "algorithm": {
+            "learning_rate": 0.001,
+            "groups_per_step": 2,
+            "checkpoint_every": 1,
+            "skip_zero_variance": False,
+        },
+        "schedule": {
+            "iterations": 3,
+            "episodes_per_iteration": 8,
+            "max_concurrent_episodes": 8,
+            "max_staleness": 1,
+        },
+    }
+    for path, value in overrides.items():  # "schedule.max_staleness": 0
+        node = spec
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return spec
+
+
+def free_port() -> int:
+    return launcher.free_port()
+
+
+# --- private servers: broken and restored by tests, never the shared ones --------------------------
+
+
+class PrivatePostgres:
+    """A Postgres cluster of its own (Debian's initdb/pg_ctl) on a free port, trust auth."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="temper-fault-pg-"))
+        self.data = self.dir / "data"
+        self.log = self.dir / "postgres.log"
+        self.url = f"postgresql+asyncpg://temper@127.0.0.1:{self.port}/temper"
+        self._as_postgres = os.geteuid() == 0  # Postgres refuses to run as root
+
+    def _run(self, *args: str) -> None:
+        cmd = [str(PG_BIN / args[0]), *args[1:]]
+        if self._as_postgres:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        subprocess.run(
+            cmd, check=True, cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=120
+        )
+
+    def start(self) -> PrivatePostgres:
+        if self._as_postgres:
+            shutil.chown(self.dir, "postgres")
+        if not self.data.exists():
+            self._run(
+                "initdb", "-D", str(self.data), "-U", "temper", "-A", "trust", "-E", "UTF8", "--no-locale"
+            )
+            with (self.data / "postgresql.conf").open("a") as conf:
+                conf.write(
+                    f"listen_addresses = '127.0.0.1'\nport = {self.port}\nunix_socket_directories = '{self.dir}'\n"
+                    "max_connections = 200\nfsync = off\nsynchronous_commit = off\ntimezone = 'UTC'\n"
+                )
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-s", "start")
+        asyncio.run(
+            _admin(self.url.rsplit("/", 1)[0] + "/postgres", "CREATE DATABASE temper", ignore_exists=True)
+        )
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        """``fast`` disconnects every client (what a restart or failover does to them)."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-s", "stop")
+
+    def restart(self, down_s: float = 0.0) -> float:
+        """Stop, stay down ``down_s``, start again; returns the seconds it was down."""
+        t0 = time.monotonic()
+        self.stop()
+        time.sleep(down_s)
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-s", "start")
+        return time.monotonic() - t0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class PrivateMinio:
+    """A MinIO server of its own (the binary ``make stack-up`` built) on a free port."""
+
+    ACCESS_KEY, SECRET_KEY, BUCKET = "temper", "temper-secret-key", "temper"
+
+    def __init__(self) -> None:
+        found = sorted((CACHE_DIR / "bin").glob("minio-*"))
+        if not found:
+            raise FaultError(f"no MinIO binary under {CACHE_DIR}/bin: run `make stack-up` first")
+        self.binary = found[-1]
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="temper-fault-s3-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def start(self) -> PrivateMinio:
+        env = {
+            **os.environ,
+            "MINIO_ROOT_USER": self.ACCESS_KEY,
+            "MINIO_ROOT_PASSWORD": self.SECRET_KEY,
+            "MINIO_BROWSER": "off",
+            "MINIO_UPDATE": "off",
+            "MINIO_CI_CD": "1",
+        }
+        with (self.dir / "minio.log").open("ab") as log:
+            self.proc = subprocess.Popen(
+                [str(self.binary), "server", "--quiet", "--address", self.endpoint,
+                 "--console-address", f"127.0.0.1:{free_port()}", str(self.dir / "data")],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        wait_until("MinIO to answer", lambda: _http_ok(f"http://{self.endpoint}/minio/health/live"), 60)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def settings(self) -> dict[str, str]:
+        return {
+            "TEMPER_STORAGE__ENDPOINT": self.endpoint,
+            "TEMPER_STORAGE__ACCESS_KEY": self.ACCESS_KEY,
+            "TEMPER_STORAGE__SECRET_KEY": self.SECRET_KEY,
+            "TEMPER_STORAGE__BUCKET": self.BUCKET,
+        }
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Tripwire:
+    """A TCP proxy in front of a server that calls ``on_trip`` (once, when armed) the first
+    time a client chunk starts with a request matching ``pattern``, and drops that
+    connection: "the object store went down just as the trainer uploaded a checkpoint"."""
+
+    def __init__(self, target_port: int, pattern: bytes, on_trip: Callable[[], None]) -> None:
+        self.target_port = target_port
+        self.pattern = re.compile(pattern)
+        self.on_trip = on_trip
+        self.armed = False
+        self.tripped_at: float | None = None
+        self.port = free_port()
+        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+        except OSError:
+            client.close()  # the server is down: so is the proxy, for this client
+            return
+        upstream.settimeout(None)
+
+        def pump_back() -> None:
+            with contextlib.suppress(OSError):
+                while data := upstream.recv(65536):
+                    client.sendall(data)
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=pump_back, daemon=True).start()
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if self.armed and self.tripped_at is None and self.pattern.match(data):
+                    self.tripped_at = time.monotonic()
+                    self.on_trip()
+                    break
+                upstream.sendall(data)
+        for s in (client, upstream):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._server.close()
+
+
+# --- the stack of one run -----------------------------------------------------------------------------
+
+
+@dataclass
+class Facts:
+    job: Job
+    episodes: list[Episode]
+    rewards_done: dict[str, int]  # episode -> finished reward steps
+    ledger: dict[str, TrainedTrajectory]
+    versions: list[int]
+    inference: list[Step]  # finished inference steps, with their results
+
+    def by_state(self) -> Counter[str]:
+        return Counter(e.state for e in self.episodes)
+
+
+@dataclass
+class FaultStack:
+    """One small job on the stack, each service its own process. ``db_url`` and
+    ``storage`` replace the shared Postgres and object store (private servers the test
+    may break); Kafka is the shared broker, isolated by per-run groups and job ids."""
+
+    workdir: Path
+    spec: dict[str, Any]
+    db_url: str | None = None
+    storage: dict[str, str] | None = None
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    services: dict[str, launcher.Service] = field(default_factory=dict)
+    run_id: str = field(default_factory=lambda: "fault-" + uuid.uuid4().hex[:8])
+
+    SERVICE_NAMES = tuple(name for name, _ in launcher.SERVICES)
+
+    def __post_init__(self) -> None:
+        self.stack_env = launcher.stack_env()
+        if self.storage:
+            self.stack_env.update(self.storage)
+        self.run_dir = self.workdir / self.run_id
+        self.run_dir.mkdir(parents=True)
+        self.key = new_key()
+        self.job_id = ""
+        self.api: TemperClient | None = None
+        self.offsets: dict[str, dict[int, int]] = {}
+        self.database_url = ""
+
+    # --- setting up ---------------------------------------------------------------------
+    def prepare(self) -> FaultStack:
+        """A fresh migrated database, the policy v0 in the object store, the topics' start
+        offsets (to count this run's messages), and this run's groups at the topics' end."""
+        from temper.db.migrate import upgrade
+        from temper.policy import create_model, save_checkpoint
+
+        base = self.db_url or self.stack_env["TEMPER_DB__URL"]
+        name = "fault_" + self.run_id.replace("-", "_")
+        self.database_url = launcher.fresh_database(base, name)
+        upgrade(self.database_url)
+        policy_dir = self.run_dir / "policy-v0"
+        save_checkpoint(create_model("tiny", seed=0), policy_dir, metadata={"version": 0, "preset": "tiny"})
+        policy_key = f"runs/{self.run_id}/policy-v0"
+        files = {p.name: p.read_bytes() for p in sorted(policy_dir.iterdir()) if p.is_file()}
+        asyncio.run(launcher.upload_files(self.stack_env, files, policy_key))
+        self.spec["policy"]["init"] = policy_key
+        self.policy_dir = policy_dir
+        watched = [*COMMAND_TOPICS, *(Topics.dead_letter(t) for t in Topics.ALL)]
+        self.offsets = asyncio.run(_end_offsets(self.stack_env["TEMPER_BUS__BOOTSTRAP"], watched))
+        self.group_env, groups = launcher.run_groups(self.run_id)
+        asyncio.run(launcher.groups_start_at_end(self.stack_env["TEMPER_BUS__BOOTSTRAP"], groups))
+        self.groups = groups
+        return self
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
+        env.update(self.stack_env)
+        env.update(self.group_env)
+        batch = self.spec["schedule"]["max_concurrent_episodes"]
+        backends = [
+            {"name": "local-0", "kind": "local", "model_dir": str(self.policy_dir), "max_batch": batch}
+        ]
+        env.update(
+            TEMPER_MODE="distributed",
+            TEMPER_DB__URL=self.database_url,
+            TEMPER_API__SECRET=secrets.token_urlsafe(24),
+            TEMPER_API__BOOTSTRAP_KEY=self.key,
+            TEMPER_INFERENCE__BACKENDS=json.dumps(backends),
+            TEMPER_INFERENCE__MODEL_NAME=self.spec["policy"]["model"],
+            TEMPER_INFERENCE__MAX_INFLIGHT_PER_BACKEND=str(batch),
+            TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR=str(self.run_dir / "checkpoints"),
+            TEMPER_DISPATCHER__SCHEDULER_INTERVAL_S="0.2",
+            TEMPER_TRAINER__THREADS="1",
+            TEMPER_DATA_DIR=str(self.run_dir),
+            TEMPER_SANDBOX__WORKSPACE_ROOT=str(
+                Path(tempfile.gettempdir()) / f"temper-sandboxes-{self.run_id}"
+            ),
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.env_overrides)
+        return env
+
+    def start(self, names: list[str] | None = None, timeout_s: float = 120) -> FaultStack:
+        """Start services (default: all five, in the launcher's order) and wait for /health."""
+        names = names or [n for n, _ in launcher.SERVICES]
+        for name in names:
+            self.start_service(name)
+        for name in names:
+            self.wait_healthy(name, timeout_s)
+        return self
+
+    def start_service(self, name: str) -> None:
+        svc = self.services.get(name)
+        if svc is None:
+            svc = self.services[name] = launcher.Service(name, free_port(), self.run_dir / f"{name}.log")
+        if svc.proc is not None and svc.proc.poll() is None:
+            raise FaultError(f"{name} is already running")
+        with svc.log_path.open("ab") as log:
+            svc.proc = subprocess.Popen(
+                [sys.executable, "-m", f"services.{name}"],
+                cwd=ROOT,
+                env={**self.env(), "TEMPER_PORT": str(svc.port), "TEMPER_HOST": "127.0.0.1"},
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def health(self, name: str) -> int | None:
+        """The HTTP status of the service's /health, or None if it does not answer."""
+        try:
+            return httpx.get(f"{self.services[name].url}/health", timeout=3).status_code
+        except httpx.HTTPError:
+            return None
+
+    def wait_healthy(self, name: str, timeout_s: float = 120) -> None:
+        def ok() -> bool:
+            proc = self.services[name].proc
+            if proc is not None and proc.poll() is not None:
+                raise FaultError(f"{name} exited with {proc.returncode}:\n{self.services[name].tail()}")
+            return self.health(name) == 200
+
+        wait_until(f"{name} to be healthy", ok, timeout_s, every_s=0.5)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.services[name].proc
+        assert proc is not None
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+
+    def submit(self) -> str:
+        dispatcher = self.services["dispatcher"]
+        self.api = api = TemperClient(dispatcher.url, self.key, timeout=60)
+        view = api._call("POST", "/v1/tasksets", params={"name": "arithmetic", "validate": "false"},
+                         content=TASKSET.read_bytes(), headers={"Content-Type": "application/x-ndjson"})  # fmt: skip
+        self.spec["tasks"]["taskset"] = view["id"]
+        api._call("PATCH", "/v1/tenants/default", json={"max_concurrent_episodes": 64})
+        self.job_id = api.submit(self.spec)["id"]
+        return self.job_id
+
+    def stop(self) -> None:
+        for name in reversed(list(self.services)):
+            proc = self.services[name].proc
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for svc in self.services.values():
+            if svc.proc is not None:
+                try:
+                    svc.proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    svc.proc.kill()
+                    svc.proc.wait(timeout=10)
+        if self.api is not None:
+            self.api.close()
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"temper-sandboxes-{self.run_id}", ignore_errors=True)
+        if self.database_url and not self.db_url:  # the run's database on the shared Postgres
+            name = self.database_url.rsplit("/", 1)[1]
+            with contextlib.suppress(Exception):
+                asyncio.run(
+                    _admin(self.stack_env["TEMPER_DB__URL"], f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                )
+
+    def logs(self, chars: int = 3000) -> str:
+        return "\n".join(f"--- {n} ---\n{s.tail(chars)}" for n, s in self.services.items())
+
+    # --- reading the truth back -------------------------------------------------------------
+    def facts(self) -> Facts:
+        return asyncio.run(_facts(self.database_url, self.job_id))
+
+    def job_state(self) -> str:
+        return self.facts().job.state
+
+    def wait(self, what: str, predicate: Callable[[], Any], timeout_s: float, every_s: float = 0.3) -> Any:
+        """:func:`wait_until`, failing with the job's progress and the services' logs."""
+        try:
+            return wait_until(what, predicate, timeout_s, every_s)
+        except FaultError as exc:
+            f = self.facts()
+            raise FaultError(
+                f"{exc}; job {f.job.state}, episodes {dict(f.by_state())}, versions {f.versions}, "
+                f"reason {f.job.state_reason!r}\n{self.logs()}"
+            ) from None
+
+    def wait_job(self, timeout_s: float) -> Facts:
+        """Until the job is finished; raises with the services' logs if it is not in time."""
+        try:
+            wait_until(f"job {self.job_id} to finish", lambda: self.job_state() in ("completed", "failed", "cancelled"),
+                       timeout_s, every_s=0.5)  # fmt: skip
+        except FaultError as exc:
+            f = self.facts()
+            raise FaultError(
+                f"{exc}; episodes {dict(f.by_state())}, versions {f.versions}, "
+                f"reason {f.job.state_reason!r}\n{self.logs()}"
+            ) from None
+        return self.facts()
+
+    def assert_each_episode_scored_and_trained_once(self, facts: Facts | None = None) -> Facts:
+        f = facts or self.facts()
+        assert f.job.state == "completed", (f.job.state, f.job.state_reason)
+        schedule = self.spec["schedule"]
+        assert len(f.episodes) == schedule["iterations"] * schedule["episodes_per_iteration"]
+        # A job can complete in the tick that sees its last step, before that tick marks the
+        # episodes trained: the ledger below is what says they were.
+        assert set(f.by_state()) <= {"scored", "trained"}, f.by_state()
+        assert f.rewards_done == {e.id: 1 for e in f.episodes}, "each episode scored exactly once"
+        assert set(f.ledger) == {e.id for e in f.episodes}, "each trajectory reached the trainer"
+        skipped = {e: r.skipped for e, r in f.ledger.items() if r.skipped or r.step is None}
+        assert not skipped, f"trajectories not trained on: {skipped}"
+        return f
+
+    def commands(self) -> dict[str, Counter[tuple[Any, ...]]]:
+        """Every command message of this job since :meth:`prepare`, counted per topic by
+        its identity (episode, turn, attempt; the episode for a trajectory)."""
+        offsets = {t: o for t, o in self.offsets.items() if t in COMMAND_TOPICS}
+        return asyncio.run(_count_commands(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets, self.job_id))
+
+    def dead_letters(self) -> Counter[str]:
+        """This job's messages on the dead-letter topics since :meth:`prepare`, per topic."""
+        offsets = {t: o for t, o in self.offsets.items() if t not in COMMAND_TOPICS}
+        records = asyncio.run(_read_range(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets))
+        return Counter(r.topic for r in records if json.loads(r.value).get("job_id") == self.job_id)
+
+    def dead_letter_waiting(self, service_group_env: str, topic: str) -> int:
+        """Move what waits on ``topic`` for this run's group named by ``service_group_env``
+        (a ``TEMPER_*_GROUP`` setting) to its dead-letter topic, as the bus does with a
+        poison message, and commit the group past it. The service must be stopped."""
+        group = self.group_env[service_group_env]
+        return asyncio.run(
+            _dead_letter_waiting(self.stack_env["TEMPER_BUS__BOOTSTRAP"], group, topic, self.job_id)
+        )
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def _admin(url: str, sql: str, ignore_exists: bool = False) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await conn.execute(sql)
+    except asyncpg.DuplicateDatabaseError:
+        if not ignore_exists:
+            raise
+    finally:
+        await conn.close()
+
+
+async def _facts(url: str, job_id: str) -> Facts:
+    from temper.db import Database
+    from temper.settings import DatabaseSettings
+
+    db = Database(DatabaseSettings(url=url))
+    try:
+        async with db.session() as s:
+            job = await s.get(Job, job_id)
+            assert job is not None, f"no job {job_id}"
+            episodes = list((await s.execute(select(Episode).where(Episode.job_id == job_id))).scalars())
+            rewards = dict(
+                (
+                    await s.execute(
+                        select(Step.episode_id, func.count())
+                        .join(Episode, Episode.id == Step.episode_id)
+                        .where(Episode.job_id == job_id, Step.kind == "reward", Step.state == "done")
+                        .group_by(Step.episode_id)
+                    )
+                ).all()
+            )
+            ledger = {
+                r.episode_id: r
+                for r in (
+                    await s.execute(select(TrainedTrajectory).where(TrainedTrajectory.job_id == job_id))
+                ).scalars()
+            }
+            versions = sorted(
+                (
+                    await s.execute(select(PolicyVersion.version).where(PolicyVersion.job_id == job_id))
+                ).scalars()
+            )
+            inference = list(
+                (
+                    await s.execute(
+                        select(Step)
+                        .join(Episode, Episode.id == Step.episode_id)
+                        .where(Episode.job_id == job_id, Step.kind == "inference", Step.state == "done")
+                    )
+                ).scalars()
+            )
+            return Facts(job, episodes, rewards, ledger, versions, inference)
+    finally:
+        await db.dispose()
+
+
+async def _end_offsets(bootstrap: str, topics: list[str]) -> dict[str, dict[int, int]]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        out: dict[str, dict[int, int]] = {}
+        for topic in topics:
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            if not tps:
+                await consumer._client.force_metadata_update()
+                tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            ends = await consumer.end_offsets(tps)
+            out[topic] = {tp.partition: off for tp, off in ends.items()}
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def _read_range(bootstrap: str, offsets: dict[str, dict[int, int]]) -> list[Any]:
+    """Every record of the topics from the given start offsets to their current end."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    ends = await _end_offsets(bootstrap, list(offsets))
+    records: list[Any] = []
+    todo = {
+        TopicPartition(t, p): ends[t][p]
+        for t, parts in offsets.items()
+        for p, start in parts.items()
+        if ends[t].get(p, start) > start
+    }
+    if not todo:
+        return records
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        consumer.assign(list(todo))
+        for tp in todo:
+            consumer.seek(tp, offsets[tp.topic][tp.partition])
+        deadline = time.monotonic() + 60
+        while todo and time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=500, max_records=1000)
+            for tp, recs in batches.items():
+                for r in recs:
+                    if tp in todo and r.offset < todo[tp]:
+                        records.append(r)
+                if tp in todo and recs and recs[-1].offset + 1 >= todo[tp]:
+                    del todo[tp]
+        if todo:
+            raise FaultError(f"could not read {sorted(map(str, todo))} to the end")
+        return records
+    finally:
+        await consumer.stop()
+
+
+async def _count_commands(
+    bootstrap: str, offsets: dict[str, dict[int, int]], job_id: str
+) -> dict[str, Counter[tuple[Any, ...]]]:
+    counts: dict[str, Counter[tuple[Any, ...]]] = {t: Counter() for t in offsets}
+    for r in await _read_range(bootstrap, offsets):
+        doc = json.loads(r.value)
+        if doc.get("job_id") == job_id:
+            counts[r.topic][tuple(doc.get(k) for k in COMMAND_TOPICS[r.topic])] += 1
+    return counts
+
+
+async def _dead_letter_waiting(bootstrap: str, group: str, topic: str, job_id: str) -> int:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka.structs import OffsetAndMetadata
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await consumer.start()
+    await producer.start()
+    moved = 0
+    try:
+        await consumer._client.force_metadata_update()
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        assert tps, f"no partitions of {topic}"
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        starts = {tp: (await consumer.committed(tp)) or 0 for tp in tps}
+        records = await _read_range(bootstrap, {topic: {tp.partition: starts[tp] for tp in tps}})
+        for r in records:
+            if json.loads(r.value).get("job_id") != job_id:
+                continue
+            headers = [*r.headers, ("temper.dlq.error", b"injected by the fault harness")]
+            await producer.send_and_wait(Topics.dead_letter(topic), r.value, key=r.key, headers=headers)
+            moved += 1
+        await consumer.commit({tp: OffsetAndMetadata(ends[tp], "") for tp in tps})
+    finally:
+        await producer.stop()
+        await consumer.stop()
+    return moved
