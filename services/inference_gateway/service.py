@@ -21,7 +21,7 @@ from services.inference_gateway.router import RequestFailed, Router
 from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
 from temper import metrics
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
-from temper.policy import ByteTokenizer, default_tokenizer, encode_chat, extend_chat
+from temper.policy import ChatTokenizer, default_tokenizer, encode_chat, extend_chat
 from temper.policy.config import InferenceSettings
 from temper.storage import ObjectStore
 
@@ -37,7 +37,7 @@ class ChatSessions:
     encoded afresh (and the session restarts).
     """
 
-    def __init__(self, tokenizer: ByteTokenizer, max_sessions: int = 10_000) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, max_sessions: int = 10_000) -> None:
         self.tok = tokenizer
         self.max_sessions = max_sessions
         self._s: OrderedDict[str, tuple[list[dict[str, Any]], list[int]]] = OrderedDict()
@@ -81,7 +81,7 @@ class InferenceService:
         store: ObjectStore | None = None,
         traces: TraceStore | None = None,
         backends: list[Backend] | None = None,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: ChatTokenizer | None = None,
     ) -> None:
         self.settings = settings
         self.store = store

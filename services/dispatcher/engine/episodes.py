@@ -46,7 +46,7 @@ from temper.jobspec import JobSpec
 from temper.lifecycle import EpisodeState, transition_episode
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
-from temper.policy.tokenizer import ByteTokenizer, assistant_stop_ids, default_tokenizer
+from temper.policy.tokenizer import ChatTokenizer, assistant_stop_ids, policy_tokenizer
 from temper.storage import ObjectStore, object_key
 
 log = logging.getLogger("temper.dispatcher.episodes")
@@ -94,13 +94,13 @@ class EpisodeEngine:
         store: ObjectStore,
         settings: EngineSettings,
         *,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: ChatTokenizer | None = None,
         transaction: Callable[[], AbstractAsyncContextManager[AsyncSession]] | None = None,
     ) -> None:
         self.db = db
         self.store = store
         self.settings = settings
-        self.tok = tokenizer or default_tokenizer()
+        self.tok = tokenizer  # fixed by a caller (tests); else each job's policy tokenizer
         # The relay's transaction() publishes a handler's commands as soon as it commits.
         self._transaction = transaction or db.session
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
@@ -119,6 +119,9 @@ class EpisodeEngine:
         else:
             async with self._transaction() as session:
                 yield session
+
+    def tok_of(self, spec: JobSpec) -> ChatTokenizer:
+        return self.tok or policy_tokenizer(spec.policy.model, spec.policy.init)
 
     async def spec_of(self, session: AsyncSession, job_id: str) -> JobSpec:
         spec = self._specs.get(job_id)
@@ -152,6 +155,7 @@ class EpisodeEngine:
             limits=env.limits,
             max_observation_chars=self.settings.max_observation_chars,
             system_prompt=env.system_prompt,
+            tools=env.tools,
         )
 
     async def _lock_with_step(
@@ -305,7 +309,7 @@ class EpisodeEngine:
         ep.session_id = ep.id
         session.add(ep)
         env = self.environment(spec, task)
-        prompt = env.first_prompt_ids(self.tok)
+        prompt = env.first_prompt_ids(self.tok_of(spec))
         self._issue(session, ep, "inference", self._inference_request(ep, spec, prompt, turn=0))
         transition_episode(session, ep, E.awaiting_action)
         return ep
@@ -325,7 +329,7 @@ class EpisodeEngine:
                 temperature=s.temperature,
                 top_p=s.top_p,
                 stop=list(s.stop),
-                stop_token_ids=assistant_stop_ids(self.tok),
+                stop_token_ids=assistant_stop_ids(self.tok_of(spec)),
             ),
         )
 
@@ -342,7 +346,7 @@ class EpisodeEngine:
             ep, step = awaited
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
-            text = msg.text or self.tok.decode(msg.token_ids)
+            text = msg.text or self.tok_of(spec).decode(msg.token_ids)
             action = env.parse(text, turn=step.turn)
             done_at = now()
             step.result = {
@@ -432,7 +436,7 @@ class EpisodeEngine:
         prompt = [
             *inference.request["prompt_ids"],
             *sampled,
-            *env.observation_ids(self.tok, sampled, observation),
+            *env.observation_ids(self.tok_of(spec), sampled, observation),
         ]
         if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
             # Out of context: score what there is.
@@ -493,7 +497,8 @@ class EpisodeEngine:
                     )
                 ).scalars()
             )
-            trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=now())
+            tok = self.tok_of(await self.spec_of(session, ep.job_id))
+            trajectory = build_trajectory(ep, steps, msg, tok, finished_at=now())
             key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
             episode_log = build_episode_log(ep, steps, msg)
             episode_log_key = log_key(ep.tenant_id, ep.job_id, ep.id)
