@@ -50,7 +50,9 @@ class ActionFormat(StrEnum):
     code_block = "code_block"  # ```python ...``` / ```bash ...``` blocks
     tool_call = "tool_call"  # <tool>{"name": ..., "arguments": ...}</tool>
     hermes = "hermes"  # Hermes/Qwen: <tool_call>{"name": ..., "arguments": ...}</tool_call>, several per turn
-    llama3_json = "llama3_json"  # Llama 3: the turn is {"name": ..., "parameters": ...} (several joined by ";")
+    llama3_json = (
+        "llama3_json"  # Llama 3: the turn is {"name": ..., "parameters": ...} (several joined by ";")
+    )
 
 
 class BuiltinTool(StrEnum):
@@ -73,7 +75,10 @@ BUILTIN_TOOLS: dict[BuiltinTool, tuple[str, dict[str, Any]]] = {
     BuiltinTool.python: ("Run Python code; what it prints comes back.", _string_params("code")),
     BuiltinTool.write_file: ("Write a file in the workspace.", _string_params("path", "content")),
     BuiltinTool.read_file: ("Read a file of the workspace.", _string_params("path")),
-    BuiltinTool.submit: ("Submit: end the episode (with the final answer, if any).", _string_params(optional=("answer",))),
+    BuiltinTool.submit: (
+        "Submit: end the episode (with the final answer, if any).",
+        _string_params(optional=("answer",)),
+    ),
 }
 
 
@@ -106,7 +111,9 @@ class ToolSpec(_Spec):
 
     type: Literal["function"] = "function"
     function: ToolFunction
-    run: BuiltinTool | None = Field(None, description="the built-in it runs; default: the one named like the tool")
+    run: BuiltinTool | None = Field(
+        None, description="the built-in it runs; default: the one named like the tool"
+    )
     command: str | None = Field(None, description="a shell command template, e.g. 'python grade.py {answer}'")
 
     @model_validator(mode="after")
@@ -127,10 +134,12 @@ class ToolSpec(_Spec):
             props = set((self.function.parameters.get("properties") or {}).keys())
             for field in re.findall(r"{(\w+)}", self.command):
                 if field not in props:
-                    raise ValueError(f"command placeholder {{{field}}} is not a parameter of {self.function.name!r}")
+                    raise ValueError(
+                        f"command placeholder {{{field}}} is not a parameter of {self.function.name!r}"
+                    )
         return self
 
-    def schema(self) -> dict[str, Any]:
+    def openai_schema(self) -> dict[str, Any]:
         """The OpenAI function schema the chat template renders."""
         return {"type": "function", "function": self.function.model_dump()}
 
@@ -144,7 +153,8 @@ class EnvironmentSpec(_Spec):
         None, description="replaces the environment's instructions; an empty string sends no system message"
     )
     tools: list[ToolSpec] | None = Field(
-        None, description="tools passed to the chat template (hermes, llama3_json); default: the environment's own"
+        None,
+        description="tools passed to the chat template (hermes, llama3_json); default: the environment's own",
     )
 
     @model_validator(mode="after")

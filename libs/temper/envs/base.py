@@ -173,7 +173,7 @@ class Environment(ABC):
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         """The OpenAI function schemas the chat template renders (function-calling formats only)."""
-        return [t.schema() for t in self.tools] if self.calls_functions else None
+        return [t.openai_schema() for t in self.tools] if self.calls_functions else None
 
     # --- the first prompt ---------------------------------------------------------------------
     @abstractmethod

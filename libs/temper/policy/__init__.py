@@ -18,7 +18,6 @@ from typing import Any
 _MODEL = (
     "PRESETS",
     "create_model",
-    "fetch_model_dir",
     "forward",
     "is_model_dir",
     "load_causal_lm",

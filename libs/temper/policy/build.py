@@ -138,9 +138,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 
-def train_tokenizer(corpus: Iterable[str], *, template: str = "chatml", vocab_size: int = 512) -> ChatTokenizer:
+def train_tokenizer(
+    corpus: Iterable[str], *, template: str = "chatml", vocab_size: int = 512
+) -> ChatTokenizer:
     """A byte-level BPE tokenizer trained on ``corpus``, with ``template``'s special tokens and chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if template not in TEMPLATES:
@@ -151,11 +153,13 @@ def train_tokenizer(corpus: Iterable[str], *, template: str = "chatml", vocab_si
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[*t["specials"], *t["extra"]],
+        special_tokens=list(t["specials"]),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus), trainer=trainer)
+    # tool-call tags are single tokens but not special: decoding keeps them, as Qwen's do
+    tok.add_tokens([AddedToken(x, special=False, normalized=False) for x in t["extra"]])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=t["bos"],
@@ -165,7 +169,7 @@ def train_tokenizer(corpus: Iterable[str], *, template: str = "chatml", vocab_si
         model_max_length=4096,
     )
     hf.chat_template = t["template"]
-    return ChatTokenizer(hf, eos_token_ids=[hf.convert_tokens_to_ids(s) for s in t["stops"]])
+    return ChatTokenizer(hf, eos_token_ids=[int(hf.convert_tokens_to_ids(s)) for s in t["stops"]])
 
 
 def model_config(

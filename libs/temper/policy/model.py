@@ -281,17 +281,3 @@ def pad_batch(
 def load_causal_lm(directory: str | Path, *, dtype: torch.dtype | str = torch.float32) -> torch.nn.Module:
     """The model alone (no tokenizer needed), e.g. for the trainer."""
     return AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=dtype).eval()
-
-
-async def fetch_model_dir(store: Any, prefix: str, dest: str | Path) -> Path:
-    """Copy a model directory stored under ``prefix`` in object storage into ``dest``
-    (every file directly under the prefix: config, shards and index, tokenizer, template)."""
-    base = prefix.rstrip("/") + "/"
-    keys = [k for k in await store.list(base) if "/" not in k[len(base) :]]
-    if not any(k.endswith("/" + CONFIG_FILE) for k in keys):
-        raise FileNotFoundError(f"no model directory under {base} (no {CONFIG_FILE})")
-    d = Path(dest)
-    d.mkdir(parents=True, exist_ok=True)
-    for key in keys:
-        (d / key[len(base) :]).write_bytes(await store.get(key))
-    return d

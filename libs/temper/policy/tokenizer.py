@@ -33,7 +33,16 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 # The byte tokenizer's special tokens and chat template (CPU presets only; nothing reads
 # these names outside this module).
-_BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+_BYTE_SPECIALS = (
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|end|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+)
 BYTE_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if tools %}<|system|>You can call these tools:\n"
@@ -64,7 +73,9 @@ class ChatTokenizer:
 
     def __init__(self, hf: Any, *, eos_token_ids: Sequence[int] = ()) -> None:
         if getattr(hf, "chat_template", None) is None:
-            raise TemplateError("the tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)")
+            raise TemplateError(
+                "the tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
+            )
         self.hf = hf
         self.vocab_size = len(hf)
         eos = hf.eos_token_id
@@ -140,7 +151,9 @@ class ChatTokenizer:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """A whole conversation as ids, as the template renders it."""
-        return self.encode(self.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt))
+        return self.encode(
+            self.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        )
 
     @cached_property
     def end_of_turn_text(self) -> str:
@@ -176,7 +189,9 @@ class ChatTokenizer:
         ``[user, assistant(marker), *messages]``. Templates that re-render earlier turns
         differently once later ones follow (Qwen3 drops earlier reasoning) still work:
         only the marker's own end-of-turn must stay where it was."""
-        full = self.render_text([*_PROBE, *messages], tools=tools, add_generation_prompt=add_generation_prompt)
+        full = self.render_text(
+            [*_PROBE, *messages], tools=tools, add_generation_prompt=add_generation_prompt
+        )
         at = full.rfind(_MARK)
         end = at + len(_MARK)
         eot = self.end_of_turn_text
@@ -203,7 +218,11 @@ class ChatTokenizer:
 
 def _byte_alphabet() -> list[str]:
     """The printable stand-in character for each byte, in byte order (the GPT-2 byte-level scheme)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars: dict[int, int] = {b: b for b in printable}
     extra = 0
     for b in range(256):
@@ -236,8 +255,7 @@ def byte_tokenizer() -> ChatTokenizer:
         model_max_length=4096,
     )
     hf.chat_template = BYTE_CHAT_TEMPLATE
-    end = hf.convert_tokens_to_ids("<|end|>")
-    return ChatTokenizer(hf, eos_token_ids=[end])
+    return ChatTokenizer(hf, eos_token_ids=[int(hf.convert_tokens_to_ids("<|end|>"))])
 
 
 def default_tokenizer() -> ChatTokenizer:
