@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from temper.policy.tokenizer import ChatTokenizer
+from temper.policy.tokenizer import ChatTokenizer, token_id
 
 CHATML_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
@@ -169,7 +169,7 @@ def train_tokenizer(
         model_max_length=4096,
     )
     hf.chat_template = t["template"]
-    return ChatTokenizer(hf, eos_token_ids=[int(hf.convert_tokens_to_ids(s)) for s in t["stops"]])
+    return ChatTokenizer(hf, eos_token_ids=[token_id(hf, s) for s in t["stops"]])
 
 
 def model_config(

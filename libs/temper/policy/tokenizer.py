@@ -64,6 +64,12 @@ _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MA
 Message = Mapping[str, Any]
 
 
+def token_id(hf: Any, token: str) -> int:
+    """The id of one token of a Hugging Face tokenizer."""
+    value: Any = hf.convert_tokens_to_ids(token)
+    return int(value)
+
+
 class TemplateError(ValueError):
     """The chat template cannot render what was asked (or renders it unstably)."""
 
@@ -255,7 +261,7 @@ def byte_tokenizer() -> ChatTokenizer:
         model_max_length=4096,
     )
     hf.chat_template = BYTE_CHAT_TEMPLATE
-    return ChatTokenizer(hf, eos_token_ids=[int(hf.convert_tokens_to_ids("<|end|>"))])
+    return ChatTokenizer(hf, eos_token_ids=[token_id(hf, "<|end|>")])
 
 
 def default_tokenizer() -> ChatTokenizer:
