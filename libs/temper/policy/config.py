@@ -25,6 +25,11 @@ class VLLMReloadMode(StrEnum):
     )
 
 
+class ToolParser(StrEnum):
+    hermes = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen, Hermes)
+    llama3_json = "llama3_json"  # {"name": ..., "parameters": ...} (Llama 3)
+
+
 class BackendSpec(BaseModel):
     name: str
     url: str = Field("", description="base URL of an engine or vLLM server; unused by kind=local")
@@ -77,4 +82,8 @@ class InferenceSettings(BaseModel):
     breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a backend's circuit")
     breaker_reset_s: float = Field(5.0, gt=0, description="open time before one trial request is let through")
     vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora
+    tool_parser: ToolParser = Field(
+        ToolParser.hermes,
+        description="how the chat proxy reads tool calls from a reply (a request may override)",
+    )
     checkpoint_cache_dir: str = ".temper/checkpoints"
