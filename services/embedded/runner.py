@@ -9,7 +9,6 @@ progress until it ends; write the report.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -229,13 +228,21 @@ def _build_model(
     b = local.build
     assert b is not None
     tasks = parse_tasks(local.taskset_file.read_bytes(), filename=local.taskset_file.name)
-    corpus = [t.prompt for t in tasks]
+    conversations: list[list[dict[str, Any]]] = []
     for task, reply in pairs[:2000]:
-        env = _environment(spec, task)
-        corpus += [m["content"] for m in env.first_messages()]
-        corpus += [reply] if isinstance(reply, str) else list(reply)
-    corpus += [json.dumps(t) for t in tools or []]
-    tok = train_tokenizer(corpus, template=b.template, vocab_size=b.vocab_size)
+        turns = [reply] if isinstance(reply, str) else list(reply)
+        roles = ["assistant", "tool"] * len(turns)
+        said = [{"role": r, "content": t} for r, t in zip(roles, turns, strict=False)]
+        conversations.append([*_environment(spec, task).first_messages(), *said])
+    for t in tasks:
+        conversations.append(_environment(spec, {"prompt": t.prompt}).first_messages())
+    # twice: the first tokenizer only renders the template, so the second learns the
+    # template's own text (tool instructions, headers) as well as the conversations'
+    tok = train_tokenizer(
+        [m["content"] for c in conversations for m in c], template=b.template, vocab_size=b.vocab_size
+    )
+    rendered = [tok.render_text(c, tools=tools, add_generation_prompt=False) for c in conversations]
+    tok = train_tokenizer(rendered, template=b.template, vocab_size=b.vocab_size)
     cfg = model_config(
         b.architecture, tok, hidden_size=b.hidden_size, layers=b.layers, heads=b.heads, kv_heads=b.kv_heads
     )
