@@ -53,7 +53,7 @@ def tasks(n: int = 24, *, seed: int = 1) -> list[dict]:
     return out
 
 
-def warm_start_examples(n: int, *, p_tool: float = 0.3, seed: int = 0) -> list[tuple[dict, object]]:
+def warm_start_examples(n: int, *, p_tool: float = 0.4, seed: int = 0) -> list[tuple[dict, object]]:
     """(task, turns) pairs: ``[call, observation, final answer]`` with probability
     ``p_tool``, else one turn with a guessed (mostly wrong) product."""
     rng = random.Random(seed)

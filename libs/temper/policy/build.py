@@ -27,16 +27,10 @@ CHATML_TEMPLATE = """\
 {% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
 
 {% endif %}# Tools
-
-You may call one or more functions. Function signatures within <tools></tools>:
 <tools>
 {% for tool in tools %}{{ tool | tojson }}
 {% endfor %}</tools>
-
-For each call, return a JSON object within <tool_call></tool_call>:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
+Call a function as <tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call><|im_end|>
 {% elif messages[0]['role'] == 'system' %}<|im_start|>system
 {{ messages[0]['content'] }}<|im_end|>
 {% endif %}

@@ -28,9 +28,15 @@ def test_replies_are_parsed_into_openai_tool_calls():
     content, calls = parse_tool_calls(text, ToolParser.hermes)
     assert content == "Let me run it."
     assert calls == [
-        {"id": "call_0", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(1)"}'}}
+        {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "python", "arguments": '{"code": "print(1)"}'},
+        }
     ]
-    content, calls = parse_tool_calls('{"name": "python", "parameters": {"code": "1"}}', ToolParser.llama3_json)
+    content, calls = parse_tool_calls(
+        '{"name": "python", "parameters": {"code": "1"}}', ToolParser.llama3_json
+    )
     assert content == "" and json.loads(calls[0]["function"]["arguments"]) == {"code": "1"}
     broken = "<tool_call>{oops</tool_call>"
     assert parse_tool_calls(broken, ToolParser.hermes) == (broken, [])  # left as content, as vLLM does
@@ -49,7 +55,11 @@ async def test_tools_reach_the_template_and_calls_extend_the_conversation(gatewa
     assert '"name": "python"' in tok.decode(d1["prompt_token_ids"])  # rendered by the template's tools
     assert d1["choices"][0]["message"]["tool_calls"] == []  # a random model's reply has no call
     # the client answers as an agent framework would: the reply, then a call and its result
-    call = {"id": "c1", "type": "function", "function": {"name": "python", "arguments": '{"code": "print(17*23)"}'}}
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "python", "arguments": '{"code": "print(17*23)"}'},
+    }
     msgs2 = [
         *msgs,
         {"role": "assistant", "content": d1["choices"][0]["message"]["content"]},
