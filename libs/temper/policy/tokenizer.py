@@ -309,10 +309,55 @@ def _load_cached(directory: str, mtime_ns: int) -> ChatTokenizer:
 
 def policy_tokenizer(model: str | None, init: str | None = None) -> ChatTokenizer:
     """The tokenizer of a job's policy: that of ``policy.model`` when it is a model directory
-    here, else that of ``policy.init`` when it is one, else the CPU presets' byte tokenizer
-    (a model named only by a backend name, e.g. ``temper-tiny``)."""
+    here (or an object-storage one fetched by :func:`fetch_policy_tokenizer`), else that of
+    ``policy.init``, else the CPU presets' byte tokenizer (a model named only by a backend
+    name, e.g. ``temper-tiny``)."""
     for ref in (model, init):
         if ref and (Path(ref) / TOKENIZER_FILE).is_file():
             path = Path(ref).resolve()
             return _load_cached(str(path), (path / TOKENIZER_FILE).stat().st_mtime_ns)
+        if ref in _FETCHED:  # an object-storage prefix, see fetch_policy_tokenizer
+            return _FETCHED[ref]
     return byte_tokenizer()
+
+
+# Tokenizers of model directories kept in object storage, fetched once per prefix.
+TOKENIZER_FILES = (
+    TOKENIZER_FILE,
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    GENERATION_CONFIG_FILE,
+)
+_FETCHED: dict[str, ChatTokenizer] = {}
+
+
+async def fetch_policy_tokenizer(
+    store: Any, model: str | None, init: str | None, cache_dir: str | Path
+) -> None:
+    """Make the tokenizer of an object-storage model directory (``model`` or ``init`` as a
+    prefix holding ``tokenizer.json``) known to :func:`policy_tokenizer`. Local
+    directories and names need nothing; a prefix is fetched once per process."""
+    import asyncio
+
+    for ref in (model, init):
+        if not ref or ref in _FETCHED or await asyncio.to_thread((Path(ref) / TOKENIZER_FILE).is_file):
+            continue
+        base = ref.rstrip("/")
+        if not await store.exists(f"{base}/{TOKENIZER_FILE}"):
+            continue
+        files = {}
+        for name in TOKENIZER_FILES:
+            if await store.exists(f"{base}/{name}"):
+                files[name] = await store.get(f"{base}/{name}")
+
+        def save(files: dict[str, bytes] = files, base: str = base) -> ChatTokenizer:
+            d = Path(cache_dir) / base.replace("/", "__")
+            d.mkdir(parents=True, exist_ok=True)
+            for name, data in files.items():
+                (d / name).write_bytes(data)
+            return ChatTokenizer.load(d)
+
+        _FETCHED[ref] = await asyncio.to_thread(save)
+        return

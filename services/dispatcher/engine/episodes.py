@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import and_, select, update
@@ -46,7 +48,12 @@ from temper.jobspec import JobSpec
 from temper.lifecycle import EpisodeState, transition_episode
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
-from temper.policy.tokenizer import ChatTokenizer, assistant_stop_ids, policy_tokenizer
+from temper.policy.tokenizer import (
+    ChatTokenizer,
+    assistant_stop_ids,
+    fetch_policy_tokenizer,
+    policy_tokenizer,
+)
 from temper.storage import ObjectStore, object_key
 
 log = logging.getLogger("temper.dispatcher.episodes")
@@ -101,6 +108,7 @@ class EpisodeEngine:
         self.store = store
         self.settings = settings
         self.tok = tokenizer  # fixed by a caller (tests); else each job's policy tokenizer
+        self.tokenizer_cache = Path(tempfile.gettempdir()) / "temper-tokenizers"
         # The relay's transaction() publishes a handler's commands as soon as it commits.
         self._transaction = transaction or db.session
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
@@ -128,6 +136,9 @@ class EpisodeEngine:
         if spec is None:
             raw = await session.scalar(select(Job.spec).where(Job.id == job_id))
             spec = JobSpec.model_validate(raw)
+            await fetch_policy_tokenizer(
+                self.store, spec.policy.model, spec.policy.init, self.tokenizer_cache
+            )
             self._specs[job_id] = spec
             while len(self._specs) > 1000:
                 self._specs.popitem(last=False)

@@ -81,3 +81,19 @@ def test_a_directory_without_a_chat_template_is_refused_by_name(chatml, tmp_path
     (d / "chat_template.jinja").unlink()
     with pytest.raises(ValueError, match="no chat template"):
         load_model(d)
+
+
+async def test_a_model_directory_in_object_storage_gives_its_tokenizer(chatml, tmp_path):
+    from temper.policy.tokenizer import byte_tokenizer, fetch_policy_tokenizer, policy_tokenizer
+    from temper.storage import LocalStore
+
+    d = build_model_dir(tmp_path / "m", "qwen3", chatml)
+    store = LocalStore(tmp_path / "objects")
+    for f in d.iterdir():
+        await store.put(f"models/qwen3-tiny/{f.name}", f.read_bytes())
+    assert policy_tokenizer("models/qwen3-tiny") is byte_tokenizer()  # not fetched yet: a plain name
+    await fetch_policy_tokenizer(store, "models/qwen3-tiny", None, tmp_path / "cache")
+    tok = policy_tokenizer("models/qwen3-tiny")
+    msgs = [{"role": "user", "content": "Compute 17 * 23."}]
+    assert tok.render(msgs) == chatml.render(msgs) and tok.stop_ids == chatml.stop_ids
+    assert policy_tokenizer(str(d)).render(msgs) == chatml.render(msgs)  # a local directory
