@@ -104,7 +104,7 @@ class StubPeers:
         ids = dict(job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt)
         if isinstance(msg, InferenceRequest):
             text = SUBMIT_TEXT if msg.turn + 1 >= self.max_turns else RUN_TEXT
-            tokens = [*TOK.encode(text), TOK.end_id]
+            tokens = [*TOK.encode(text), TOK.stop_ids[0]]
             await self.bus.send_message(
                 Topics.INFERENCE_RESULTS,
                 InferenceResult(

@@ -102,7 +102,7 @@ def temper_bench(args: argparse.Namespace, device: torch.device, *, steps: int) 
         samples = []
         for _ in range(args.groups):
             rewards = [rng.random() for _ in range(args.group_size)]
-            prompt = [tok.bos_id] + [rng.randrange(32, 127) for _ in range(args.prompt_len - 1)]
+            prompt = [tok.bos_id or 0] + [rng.randrange(32, 127) for _ in range(args.prompt_len - 1)]
             for r, adv in zip(rewards, group_advantages(rewards), strict=True):
                 completion = [rng.randrange(32, 127) for _ in range(args.completion_len)]
                 ids = prompt + completion

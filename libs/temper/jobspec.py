@@ -6,8 +6,9 @@ the offending field (``schedule.iterations: Input should be greater than 0``).
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -44,8 +45,103 @@ class TaskSampling(_Spec):
 
 
 class ActionFormat(StrEnum):
+    """How the model's output is parsed into actions (the tool-call parser)."""
+
     code_block = "code_block"  # ```python ...``` / ```bash ...``` blocks
     tool_call = "tool_call"  # <tool>{"name": ..., "arguments": ...}</tool>
+    hermes = "hermes"  # Hermes/Qwen: <tool_call>{"name": ..., "arguments": ...}</tool_call>, several per turn
+    llama3_json = (
+        "llama3_json"  # Llama 3: the turn is {"name": ..., "parameters": ...} (several joined by ";")
+    )
+
+
+class BuiltinTool(StrEnum):
+    """What a declared tool does in the sandbox."""
+
+    bash = "bash"  # {"command": str}
+    python = "python"  # {"code": str}
+    write_file = "write_file"  # {"path": str, "content": str}
+    read_file = "read_file"  # {"path": str}
+    submit = "submit"  # {"answer"?: str}: ends the episode
+
+
+def _string_params(*names: str, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    props = {n: {"type": "string"} for n in (*names, *optional)}
+    return {"type": "object", "properties": props, "required": list(names)}
+
+
+BUILTIN_TOOLS: dict[BuiltinTool, tuple[str, dict[str, Any]]] = {
+    BuiltinTool.bash: ("Run a shell command in the workspace.", _string_params("command")),
+    BuiltinTool.python: ("Run Python code; what it prints comes back.", _string_params("code")),
+    BuiltinTool.write_file: ("Write a file in the workspace.", _string_params("path", "content")),
+    BuiltinTool.read_file: ("Read a file of the workspace.", _string_params("path")),
+    BuiltinTool.submit: (
+        "Submit: end the episode (with the final answer, if any).",
+        _string_params(optional=("answer",)),
+    ),
+}
+
+
+TOOL_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"
+JSON_SCHEMA_TYPES = frozenset({"object", "string", "integer", "number", "boolean", "array", "null"})
+
+
+class ToolFunction(_Spec):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str = ""
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="JSON schema of the arguments (an object schema)",
+    )
+
+    @model_validator(mode="after")
+    def _object_schema(self) -> ToolFunction:
+        if self.parameters.get("type", "object") != "object":
+            raise ValueError("parameters must be a JSON schema of type object")
+        for name, prop in (self.parameters.get("properties") or {}).items():
+            kind = prop.get("type") if isinstance(prop, dict) else None
+            if kind is not None and kind not in JSON_SCHEMA_TYPES:
+                raise ValueError(f"parameters.properties.{name}.type {kind!r} is not a JSON schema type")
+        return self
+
+
+class ToolSpec(_Spec):
+    """An OpenAI function schema bound to what it does: a built-in (``run``) or a shell
+    ``command`` template whose ``{arg}`` placeholders are filled with shell-quoted arguments."""
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
+    run: BuiltinTool | None = Field(
+        None, description="the built-in it runs; default: the one named like the tool"
+    )
+    command: str | None = Field(None, description="a shell command template, e.g. 'python grade.py {answer}'")
+
+    @model_validator(mode="after")
+    def _bound(self) -> ToolSpec:
+        if self.run is not None and self.command is not None:
+            raise ValueError("give run or command, not both")
+        if self.run is None and self.command is None:
+            if self.function.name not in BuiltinTool.__members__:
+                raise ValueError(
+                    f"tool {self.function.name!r} needs run (one of {', '.join(BuiltinTool)}) or a command template"
+                )
+            self.run = BuiltinTool(self.function.name)
+        if self.run is not None and not self.function.parameters.get("properties"):
+            description, parameters = BUILTIN_TOOLS[self.run]
+            self.function.parameters = parameters
+            self.function.description = self.function.description or description
+        if self.command is not None:
+            props = set((self.function.parameters.get("properties") or {}).keys())
+            for field in re.findall(r"{(\w+)}", self.command):
+                if field not in props:
+                    raise ValueError(
+                        f"command placeholder {{{field}}} is not a parameter of {self.function.name!r}"
+                    )
+        return self
+
+    def openai_schema(self) -> dict[str, Any]:
+        """The OpenAI function schema the chat template renders."""
+        return {"type": "function", "function": self.function.model_dump()}
 
 
 class EnvironmentSpec(_Spec):
@@ -56,6 +152,18 @@ class EnvironmentSpec(_Spec):
     system_prompt: str | None = Field(
         None, description="replaces the environment's instructions; an empty string sends no system message"
     )
+    tools: list[ToolSpec] | None = Field(
+        None,
+        description="tools passed to the chat template (hermes, llama3_json); default: the environment's own",
+    )
+
+    @model_validator(mode="after")
+    def _unique_tools(self) -> EnvironmentSpec:
+        names = [t.function.name for t in self.tools or []]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tools: duplicate names {dupes}")
+        return self
 
 
 class Algorithm(StrEnum):

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from temper import metrics
 from temper.bus import Bus, BusUnavailable, Consumer, Record, make_bus
@@ -42,6 +43,8 @@ def load_settings(**overrides: object) -> Settings:
     """Read settings from the environment; a bad value becomes one readable line per field."""
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
+    except SettingsError as exc:  # a value the environment source could not even decode
+        raise StartupError(f"invalid settings: {exc}") from None
     except ValidationError as exc:
         lines = []
         for err in exc.errors():

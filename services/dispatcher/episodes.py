@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import and_, select
@@ -54,7 +56,12 @@ from temper.lifecycle import (
 )
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
-from temper.policy.tokenizer import ByteTokenizer, assistant_stop_ids, default_tokenizer
+from temper.policy.tokenizer import (
+    ChatTokenizer,
+    assistant_stop_ids,
+    fetch_policy_tokenizer,
+    policy_tokenizer,
+)
 from temper.rewards import passed
 from temper.settings import DispatcherSettings
 from temper.storage import ObjectStore, object_key
@@ -92,13 +99,14 @@ class EpisodeEngine:
         store: ObjectStore,
         settings: DispatcherSettings,
         *,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: ChatTokenizer | None = None,
         transaction: Callable[[], AbstractAsyncContextManager[AsyncSession]] | None = None,
     ) -> None:
         self.db = db
         self.store = store
         self.settings = settings
-        self.tok = tokenizer or default_tokenizer()
+        self.tok = tokenizer  # fixed by a caller (tests); else each job's policy tokenizer
+        self.tokenizer_cache = Path(tempfile.gettempdir()) / "temper-tokenizers"
         # The relay's transaction() publishes a handler's commands as soon as it commits.
         self._transaction = transaction or db.session
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
@@ -118,11 +126,17 @@ class EpisodeEngine:
             async with self._transaction() as session:
                 yield session
 
+    def tok_of(self, spec: JobSpec) -> ChatTokenizer:
+        return self.tok or policy_tokenizer(spec.policy.model, spec.policy.init)
+
     async def spec_of(self, session: AsyncSession, job_id: str) -> JobSpec:
         spec = self._specs.get(job_id)
         if spec is None:
             raw = await session.scalar(select(Job.spec).where(Job.id == job_id))
             spec = JobSpec.model_validate(raw)
+            await fetch_policy_tokenizer(
+                self.store, spec.policy.model, spec.policy.init, self.tokenizer_cache
+            )
             self._specs[job_id] = spec
             while len(self._specs) > 1000:
                 self._specs.popitem(last=False)
@@ -150,6 +164,7 @@ class EpisodeEngine:
             limits=env.limits,
             max_observation_chars=self.settings.max_observation_chars,
             system_prompt=env.system_prompt,
+            tools=env.tools,
         )
 
     async def _lock_with_step(
@@ -296,7 +311,7 @@ class EpisodeEngine:
         ep.session_id = ep.id
         session.add(ep)
         env = self.environment(spec, task)
-        prompt = env.first_prompt_ids(self.tok)
+        prompt = env.first_prompt_ids(self.tok_of(spec))
         self._issue(session, ep, "inference", self._inference_request(ep, spec, prompt, turn=0))
         transition_episode(session, ep, E.awaiting_action)
         return ep
@@ -316,7 +331,7 @@ class EpisodeEngine:
                 temperature=s.temperature,
                 top_p=s.top_p,
                 stop=list(s.stop),
-                stop_token_ids=assistant_stop_ids(self.tok),
+                stop_token_ids=assistant_stop_ids(self.tok_of(spec)),
             ),
         )
 
@@ -333,7 +348,7 @@ class EpisodeEngine:
             ep, step = awaited
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
-            text = msg.text or self.tok.decode(msg.token_ids)
+            text = msg.text or self.tok_of(spec).decode(msg.token_ids)
             action = env.parse(text, turn=step.turn)
             complete_step(
                 step,
@@ -423,7 +438,7 @@ class EpisodeEngine:
         prompt = [
             *inference.request["prompt_ids"],
             *sampled,
-            *env.observation_ids(self.tok, sampled, observation),
+            *env.observation_ids(self.tok_of(spec), sampled, observation),
         ]
         if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
             # Out of context: score what there is.
@@ -487,7 +502,8 @@ class EpisodeEngine:
                     )
                 ).scalars()
             )
-            trajectory = build_trajectory(ep, steps, msg, self.tok, finished_at=utcnow())
+            tok = self.tok_of(await self.spec_of(session, ep.job_id))
+            trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
             key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
             episode_log = build_episode_log(ep, steps, msg)
             episode_log_key = log_key(ep.tenant_id, ep.job_id, ep.id)

@@ -13,7 +13,7 @@ from datetime import datetime
 from temper.db import Episode, Step
 from temper.events import RewardResult
 from temper.lifecycle import StepState
-from temper.policy.tokenizer import ByteTokenizer
+from temper.policy.tokenizer import ChatTokenizer
 from temper.trajectory import Segment, Trajectory, TurnRecord
 
 
@@ -24,7 +24,7 @@ def _seconds(step: Step | None) -> float | None:
 
 
 def build_trajectory(
-    ep: Episode, steps: Sequence[Step], reward: RewardResult, tok: ByteTokenizer, *, finished_at: datetime
+    ep: Episode, steps: Sequence[Step], reward: RewardResult, tok: ChatTokenizer, *, finished_at: datetime
 ) -> Trajectory:
     by_kind: dict[tuple[int, str], Step] = {(s.turn, s.kind): s for s in steps}
     inference = sorted(

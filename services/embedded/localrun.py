@@ -6,6 +6,8 @@ task-set file, and may ask for a supervised warm start of a freshly created poli
     local:
       taskset_file: tasksets/offset.jsonl            # relative to the spec file
       preset: tiny                                   # policy created from this config
+      # or, instead of preset: a real architecture with a BPE tokenizer trained now
+      # build: {architecture: qwen2, template: chatml, vocab_size: 512, hidden_size: 64, layers: 2}
       warm_start:
         generator: tasksets/make_offset_tasks.py:warm_start_examples
         examples: 16000
@@ -37,10 +39,25 @@ class WarmStart(BaseModel):
     seed: int = 0
 
 
+class Build(BaseModel):
+    """A model made in the run: a BPE tokenizer trained on the task prompts and the
+    warm-start conversations, and a small random config of a real architecture."""
+
+    model_config = ConfigDict(extra="forbid")
+    architecture: str = Field("qwen2", description="qwen2 | qwen3 | llama | mistral | phi3")
+    template: str = Field("chatml", description="chatml | llama3")
+    vocab_size: int = Field(512, ge=300, le=65536)
+    hidden_size: int = Field(64, ge=16)
+    layers: int = Field(2, ge=1)
+    heads: int = Field(4, ge=1)
+    kv_heads: int = Field(2, ge=1)
+
+
 class LocalRun(BaseModel):
     model_config = ConfigDict(extra="forbid")
     taskset_file: Path
     preset: str = "tiny"
+    build: Build | None = None
     seed: int = 0
     warm_start: WarmStart | None = None
 
@@ -65,6 +82,9 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
             [("local." + ".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
         ) from None
     local.taskset_file = (path.parent / local.taskset_file).resolve()
+    model = (doc.get("policy") or {}).get("model")
+    if isinstance(model, str) and (path.parent / model / "config.json").is_file():
+        doc["policy"]["model"] = str((path.parent / model).resolve())  # a model directory beside the spec
     if local.warm_start:
         file, _, func = local.warm_start.generator.partition(":")
         local.warm_start.generator = f"{(path.parent / file).resolve()}:{func}"

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
 from sqlalchemy.ext.asyncio import AsyncSession
+from transformers import AutoModelForCausalLM
 
 from services.dispatcher.api.repo import create_job, job_metrics
 from services.embedded import localrun
@@ -26,11 +28,18 @@ from services.embedded.components import Components
 from services.embedded.report import write_report
 from temper.db import Database, Job, Tenant
 from temper.db.migrate import upgrade
-from temper.envs import make_environment
+from temper.envs import Environment, make_environment
 from temper.jobspec import JobSpec
 from temper.lifecycle import JOB_TERMINAL, JobState
 from temper.logs import get_logger, log_event
-from temper.policy import create_model, default_tokenizer, save_checkpoint
+from temper.policy import (
+    ChatTokenizer,
+    byte_tokenizer,
+    create_model,
+    is_model_dir,
+    load_model,
+    save_checkpoint,
+)
 from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime
 from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Settings, StorageSettings
@@ -174,14 +183,30 @@ async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalR
 
 
 def _make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
-    """Create the policy, warm it up if the run asks, and save it as version 0; the gateway
-    and the trainer both start from that directory."""
-    tok = default_tokenizer()
-    model = create_model(local.preset, seed=local.seed)
+    """Make the policy, warm it up if the run asks, and save it as version 0; the gateway,
+    the trainer and the dispatcher (for its tokenizer) all start from that directory.
+
+    The model is ``policy.model`` when that names a model directory, else one built in
+    the run (``local.build``: a BPE tokenizer trained here and a real architecture), else
+    the CPU preset ``local.preset`` with the byte tokenizer."""
+    pairs: list[tuple[dict[str, Any], Any]] = []
     if local.warm_start is not None:
         ws = local.warm_start
         pairs = localrun.generator(ws.generator)(ws.examples, seed=ws.seed)
-        conversations = [(_first_messages(spec, task), reply) for task, reply in pairs]
+    env = _environment(spec, {"prompt": ""})
+    tools = env.tool_schemas()
+    if is_model_dir(spec.policy.model):
+        model, tok = load_model(spec.policy.model)
+        source = spec.policy.model
+    elif local.build is not None:
+        model, tok = _build_model(spec, local, pairs, tools)
+        source = f"{local.build.architecture} built in the run"
+    else:
+        model, tok = create_model(local.preset, seed=local.seed), byte_tokenizer()
+        source = f"preset {local.preset}"
+    if local.warm_start is not None:
+        ws = local.warm_start
+        conversations = [(_environment(spec, task).first_messages(), reply) for task, reply in pairs]
         t0 = time.perf_counter()
 
         def on_step(step: int, loss: float) -> None:
@@ -198,19 +223,52 @@ def _make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progres
 
         stats = warm_start(
             model, tok, conversations, steps=ws.steps, batch_size=ws.batch_size,
-            learning_rate=ws.learning_rate, seed=ws.seed, on_step=on_step,
+            learning_rate=ws.learning_rate, seed=ws.seed, on_step=on_step, tools=tools,
         )  # fmt: skip
         progress.done()
         log_event(log, "warm start finished", loss=stats.loss, seconds=stats.seconds, tokens=stats.tokens)
     policy_dir = run_dir / POLICY_DIR
-    save_checkpoint(model, policy_dir, metadata={"version": 0, "preset": local.preset})
+    save_checkpoint(model, policy_dir, tokenizer=tok, metadata={"version": 0, "source": source})
     policy = spec.policy.model_copy(update={"init": str(policy_dir)})
     return spec.model_copy(update={"policy": policy})
 
 
-def _first_messages(spec: JobSpec, task: dict[str, Any]) -> list[dict[str, str]]:
-    """The conversation an episode of this job opens with, for a task like ``task``."""
-    env = make_environment(
+def _build_model(
+    spec: JobSpec, local: localrun.LocalRun, pairs: list[tuple[dict[str, Any], Any]], tools: Any
+) -> tuple[torch.nn.Module, ChatTokenizer]:
+    """A BPE tokenizer trained on what the run's conversations say, and a random model of it."""
+    from temper.policy.build import model_config, train_tokenizer
+
+    b = local.build
+    assert b is not None
+    tasks = parse_tasks(local.taskset_file.read_bytes(), filename=local.taskset_file.name)
+    conversations: list[list[dict[str, Any]]] = []
+    for task, reply in pairs[:2000]:
+        turns = [reply] if isinstance(reply, str) else list(reply)
+        roles = ["assistant", "tool"] * len(turns)
+        said = [{"role": r, "content": t} for r, t in zip(roles, turns, strict=False)]
+        conversations.append([*_environment(spec, task).first_messages(), *said])
+    for t in tasks:
+        conversations.append(_environment(spec, {"prompt": t.prompt}).first_messages())
+    # twice: the first tokenizer only renders the template, so the second learns the
+    # template's own text (tool instructions, headers) as well as the conversations'
+    tok = train_tokenizer(
+        [m["content"] for c in conversations for m in c], template=b.template, vocab_size=b.vocab_size
+    )
+    rendered = [tok.render_text(c, tools=tools, add_generation_prompt=False) for c in conversations]
+    tok = train_tokenizer(rendered, template=b.template, vocab_size=b.vocab_size)
+    cfg = model_config(
+        b.architecture, tok, hidden_size=b.hidden_size, layers=b.layers, heads=b.heads, kv_heads=b.kv_heads
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(local.seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    return model.float().eval(), tok
+
+
+def _environment(spec: JobSpec, task: dict[str, Any]) -> Environment:
+    """The environment an episode of this job runs, for a task like ``task``."""
+    return make_environment(
         spec.environment.kind,
         {
             "id": "warm-start",
@@ -221,8 +279,8 @@ def _first_messages(spec: JobSpec, task: dict[str, Any]) -> list[dict[str, str]]
         max_turns=spec.environment.max_turns,
         action_format=spec.environment.action_format,
         system_prompt=spec.environment.system_prompt,
+        tools=spec.environment.tools,
     )
-    return env.first_messages()
 
 
 async def _follow(runtime: Runtime, job_id: str, progress: Progress) -> str:

@@ -9,6 +9,7 @@ token-wise across turns. ``GET /v1/traces/{episode}`` reads the trace back.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +33,7 @@ from services.inference_gateway.traces import TraceEntry
 from temper import metrics
 from temper.events import SamplingParams
 from temper.policy import assistant_stop_ids
+from temper.policy.config import ToolParser
 from temper.runtime import Runtime, service_app
 from temper.settings import Settings
 
@@ -42,6 +44,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | None = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatBody(BaseModel):
@@ -56,6 +60,30 @@ class ChatBody(BaseModel):
     stop: str | list[str] | None = None
     logprobs: bool = False
     stream: bool = False
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="OpenAI function schemas, passed to the chat template"
+    )
+    tool_choice: str | dict[str, Any] | None = None  # accepted; the model decides ("auto")
+    tool_parser: ToolParser | None = Field(None, description="overrides the gateway's tool_parser setting")
+
+
+def parse_tool_calls(text: str, parser: ToolParser) -> tuple[str, list[dict[str, Any]]]:
+    """``(content, tool_calls)`` of a reply, OpenAI-shaped. A reply whose calls do not
+    parse is returned as content with no calls, as vLLM's parsers do."""
+    from temper.envs.tools import ToolCallError, parse_calls
+
+    try:
+        calls = parse_calls(text, parser.value)
+    except ToolCallError:
+        return text, []
+    if not calls:
+        return text, []
+    content = (
+        re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.S).strip()
+        if parser is ToolParser.hermes
+        else ""
+    )
+    return content, [c.openai(i) for i, c in enumerate(calls)]
 
 
 class GatewayApp(FastAPI):
@@ -266,9 +294,9 @@ def add_proxy_routes(app: FastAPI) -> None:
     async def chat(body: ChatBody, svc: ServiceDep, episode: EpisodeHeader = None) -> JSONResponse:
         if body.stream:
             raise HTTPException(400, "stream=true is not supported by the gateway")
-        messages = [m.model_dump() for m in body.messages]
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            prompt_ids = svc.sessions.prompt_ids(episode, messages)
+            prompt_ids = svc.sessions.prompt_ids(episode, messages, tools=body.tools)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         sampling = SamplingParams(
@@ -281,6 +309,9 @@ def add_proxy_routes(app: FastAPI) -> None:
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         res = await _run(svc, GenerateRequest(prompt_ids, sampling, episode_id=episode, request_id=rid))
+        content, tool_calls = res.text, list[dict[str, Any]]()
+        if body.tools:
+            content, tool_calls = parse_tool_calls(res.text, body.tool_parser or svc.settings.tool_parser)
         if episode:
             svc.sessions.remember(episode, messages, res.prompt_ids, res.text, res.token_ids)
             await svc.traces.record(
@@ -322,16 +353,16 @@ def add_proxy_routes(app: FastAPI) -> None:
                     "index": 0,
                     "message": {
                         "role": "assistant",
-                        "content": res.text,
+                        "content": content,
                         "refusal": None,
                         "annotations": None,
                         "audio": None,
                         "function_call": None,
-                        "tool_calls": [],
+                        "tool_calls": tool_calls,
                         "reasoning_content": None,
                     },
                     "logprobs": content_lp,
-                    "finish_reason": res.finish_reason,
+                    "finish_reason": "tool_calls" if tool_calls else res.finish_reason,
                     "stop_reason": res.stop_reason,
                     "token_ids": res.token_ids,
                 }

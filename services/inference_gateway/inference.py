@@ -9,6 +9,7 @@ and resume when it turns true again. The HTTP proxy (``app.py``) calls :meth:`ge
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -21,8 +22,9 @@ from services.inference_gateway.router import RequestFailed, Router
 from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
 from temper import metrics
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
-from temper.policy import ByteTokenizer, default_tokenizer, encode_chat, extend_chat
+from temper.policy import ChatTokenizer, encode_chat, extend_chat
 from temper.policy.config import InferenceSettings
+from temper.policy.tokenizer import policy_tokenizer
 from temper.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class ChatSessions:
     encoded afresh (and the session restarts).
     """
 
-    def __init__(self, tokenizer: ByteTokenizer, max_sessions: int = 10_000) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, max_sessions: int = 10_000) -> None:
         self.tok = tokenizer
         self.max_sessions = max_sessions
         self._s: OrderedDict[str, tuple[list[dict[str, Any]], list[int]]] = OrderedDict()
@@ -45,18 +47,42 @@ class ChatSessions:
         self.encoded = 0
 
     @staticmethod
-    def _norm(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-        return [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+    def _norm(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Role, content and (assistant) tool calls with their arguments as objects, the
+        form chat templates render; OpenAI clients send arguments as JSON strings."""
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+            calls = []
+            for c in m.get("tool_calls") or []:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        raise ValueError(
+                            f"tool call arguments are not JSON: {fn['arguments'][:80]!r}"
+                        ) from None
+                calls.append({"type": "function", "function": fn})
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        return out
 
-    def prompt_ids(self, episode_id: str | None, messages: list[dict[str, Any]]) -> list[int]:
+    def prompt_ids(
+        self,
+        episode_id: str | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         msgs = self._norm(messages)
         if episode_id and episode_id in self._s:
             seen, ids = self._s[episode_id]
             if len(msgs) > len(seen) and msgs[: len(seen)] == seen:
                 self.extended += 1
-                return extend_chat(self.tok, ids, msgs[len(seen) :])
+                return extend_chat(self.tok, ids, msgs[len(seen) :], tools=tools)
         self.encoded += 1
-        return encode_chat(self.tok, msgs)
+        return encode_chat(self.tok, msgs, tools=tools)
 
     def remember(
         self,
@@ -65,8 +91,12 @@ class ChatSessions:
         prompt_ids: list[int],
         reply_text: str,
         reply_ids: list[int],
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> None:
-        seen = [*self._norm(messages), {"role": "assistant", "content": reply_text}]
+        reply: dict[str, Any] = {"role": "assistant", "content": reply_text}
+        if tool_calls:
+            reply["tool_calls"] = tool_calls
+        seen = [*self._norm(messages), *self._norm([reply])]
         self._s[episode_id] = (seen, [*prompt_ids, *reply_ids])
         self._s.move_to_end(episode_id)
         while len(self._s) > self.max_sessions:
@@ -81,12 +111,15 @@ class InferenceService:
         store: ObjectStore | None = None,
         traces: TraceStore | None = None,
         backends: list[Backend] | None = None,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: ChatTokenizer | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.traces = traces or InMemoryTraceStore()
-        self.tokenizer = tokenizer or default_tokenizer()
+        local_dirs = [b.model_dir for b in settings.backends if b.model_dir]
+        self.tokenizer = tokenizer or policy_tokenizer(
+            settings.model_name, local_dirs[0] if local_dirs else None
+        )
         self.sessions = ChatSessions(self.tokenizer)
         if backends is None:
             backends = [

@@ -357,7 +357,11 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
     policy_key = f"runs/{run_id}/policy-v0"
     files = {p.name: p.read_bytes() for p in sorted(policy_dir.iterdir()) if p.is_file()}
     asyncio.run(upload_files(env_stack, files, policy_key))
-    spec = spec.model_copy(update={"policy": spec.policy.model_copy(update={"init": policy_key})})
+    # init: the copy in object storage (the trainer's); model: the directory here, so the
+    # dispatcher reads the policy's own tokenizer and the local backend serves it
+    spec = spec.model_copy(
+        update={"policy": spec.policy.model_copy(update={"init": policy_key, "model": str(policy_dir)})}
+    )
     out.write(
         f"policy: {policy_dir} -> s3://{env_stack.get('TEMPER_STORAGE__BUCKET', 'temper')}/{policy_key}\n"
     )

@@ -51,7 +51,7 @@ from temper.jobspec import JobSpec
 from temper.lifecycle import mark_job_stuck
 from temper.logs import dependency_failed, dependency_recovered, log_context, log_event
 from temper.outbox import OutboxRelay, enqueue
-from temper.policy import create_model, load_model, load_weights
+from temper.policy import create_model, is_model_dir, load_causal_lm, load_weights
 from temper.runtime import Runtime
 from temper.storage import NotFound, object_key
 from temper.training import Learner, LearnerConfig, StepStats, TrainerSettings, is_zero_variance, pick_device
@@ -333,7 +333,8 @@ class Trainer:
     async def _initial_model(self, spec: JobSpec) -> torch.nn.Module:
         if self.model_factory is not None:
             return await asyncio.to_thread(self.model_factory, spec)
-        init = spec.policy.init
+        # no initial weights named: the model the gateway serves, when policy.model is a directory
+        init = spec.policy.init or (spec.policy.model if is_model_dir(spec.policy.model) else None)
         if not init:
             return await asyncio.to_thread(create_model, self.settings.preset, seed=self.settings.seed)
         local = await asyncio.to_thread(_load_local, init)
@@ -347,8 +348,10 @@ class Trainer:
         if init.endswith(".safetensors"):
             files["model.safetensors"] = await store.get(init)
         else:
-            for name in ("config.json", "model.safetensors"):
-                files[name] = await store.get(f"{init.rstrip('/')}/{name}")
+            base = init.rstrip("/") + "/"
+            for key in await store.list(base):
+                if "/" not in key[len(base) :]:
+                    files[key[len(base) :]] = await store.get(key)
         return await asyncio.to_thread(_load_files, files, self.settings.preset, self.settings.seed)
 
     # --- training -----------------------------------------------------------------------
@@ -655,8 +658,7 @@ def _load_local(init: str) -> torch.nn.Module | None:
     """A local model directory, if ``init`` names one."""
     if not Path(init).is_dir():
         return None
-    model, _ = load_model(init)
-    return model
+    return load_causal_lm(init)
 
 
 def _load_files(files: dict[str, bytes], preset: str, seed: int) -> torch.nn.Module:
@@ -664,8 +666,7 @@ def _load_files(files: dict[str, bytes], preset: str, seed: int) -> torch.nn.Mod
         for name, data in files.items():
             (Path(d) / name).write_bytes(data)
         if "config.json" in files:
-            model, _ = load_model(d)
-            return model
+            return load_causal_lm(d)
         model = create_model(preset, seed=seed)
         load_weights(model, Path(d) / "model.safetensors")
         return model

@@ -15,8 +15,12 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
-from temper.jobspec import ActionFormat  # code_block | tool_call
-from temper.policy.tokenizer import ByteTokenizer, encode_chat, encode_message, generation_prompt
+from temper.envs.tools import ToolCallError, builtin_tools, call_action, parse_calls, tool_table
+from temper.jobspec import ActionFormat, ToolSpec
+from temper.policy.tokenizer import ChatTokenizer
+
+# Parsers of function calls whose tools the chat template renders (from OpenAI schemas).
+FUNCTION_FORMATS = frozenset({ActionFormat.hermes, ActionFormat.llama3_json})
 
 
 class EnvKind(StrEnum):
@@ -150,6 +154,7 @@ class Environment(ABC):
         limits: Mapping[str, Any] | None = None,
         max_observation_chars: int = 4000,
         system_prompt: str | None = None,
+        tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
     ) -> None:
         self.task = TaskView.of(task)
         self.custom_system_prompt = system_prompt
@@ -157,6 +162,18 @@ class Environment(ABC):
         self.action_format = ActionFormat(action_format)
         self.limits = {**dict(self.task.spec.get("limits") or {}), **dict(limits or {})}
         self.max_observation_chars = max_observation_chars
+        declared = [t if isinstance(t, ToolSpec) else ToolSpec.model_validate(t) for t in tools or []]
+        self.tools = declared or builtin_tools(*self.default_tools)
+
+    default_tools: ClassVar[tuple[str, ...]] = ("python", "submit")
+
+    @property
+    def calls_functions(self) -> bool:
+        return self.action_format in FUNCTION_FORMATS
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The OpenAI function schemas the chat template renders (function-calling formats only)."""
+        return [t.openai_schema() for t in self.tools] if self.calls_functions else None
 
     # --- the first prompt ---------------------------------------------------------------------
     @abstractmethod
@@ -172,8 +189,9 @@ class Environment(ABC):
         user = {"role": "user", "content": self.user_prompt()}
         return [{"role": "system", "content": system}, user] if system else [user]
 
-    def first_prompt_ids(self, tok: ByteTokenizer) -> list[int]:
-        return encode_chat(tok, self.first_messages())
+    def first_prompt_ids(self, tok: ChatTokenizer) -> list[int]:
+        """The first prompt, rendered by the model's chat template (with the tools)."""
+        return tok.render(self.first_messages(), tools=self.tool_schemas())
 
     def setup_files(self) -> dict[str, str]:
         """Files the sandbox session starts with (the task's visible files; never its tests)."""
@@ -194,16 +212,12 @@ class Environment(ABC):
             text = f"{text}\nNote: {action.note}"
         return text
 
-    def observation_ids(self, tok: ByteTokenizer, model_ids: Sequence[int], text: str) -> list[int]:
-        """The ids that extend the conversation after the model's sampled ``model_ids``:
-        ``<|end|>`` if the model's turn did not close itself, the observation message, and
-        the opening of the next assistant turn. Sampled ids are never changed."""
-        ids: list[int] = []
-        if not model_ids or model_ids[-1] != tok.end_id:
-            ids.append(tok.end_id)
-        ids += encode_message(tok, {"role": self.observation_role, "content": text})
-        ids += generation_prompt(tok)
-        return ids
+    def observation_ids(self, tok: ChatTokenizer, model_ids: Sequence[int], text: str) -> list[int]:
+        """The ids that extend the conversation after the model's sampled ``model_ids``: the
+        rest of the template's end-of-turn, the observation message as the template renders
+        it, and the opening of the next assistant turn. Sampled ids are never changed."""
+        message = {"role": self.observation_role, "content": text}
+        return tok.continuation(model_ids, [message], tools=self.tool_schemas())
 
     def is_last_turn(self, turn: int) -> bool:
         return turn + 1 >= self.max_turns
@@ -219,6 +233,31 @@ class Environment(ABC):
         """One or two lines reminding the model of the action format."""
 
     # --- shared parsing -----------------------------------------------------------------------
+    def parse_function_calls(self, text: str) -> ParsedAction | None:
+        """Function calls (hermes, llama3_json) checked against the declared tools; None if
+        the turn has none. The first call that runs in the sandbox is the action; a submit
+        call after it scores the episode once it ran."""
+        try:
+            calls = parse_calls(text, self.action_format)
+            commands = [call_action(c, tool_table(self.tools)) for c in calls]
+        except ToolCallError as exc:
+            return ParsedAction.invalid(str(exc))
+        if not commands:
+            return None
+        first = commands[0]
+        if first["kind"] == "submit":
+            return ParsedAction("submit", answer=first.get("answer"))
+        submit_after = any(c["kind"] == "submit" for c in commands[1:])
+        others = [c for c in commands[1:] if c["kind"] != "submit"]
+        note = f"only the first tool call ran ({len(others)} more were ignored)" if others else None
+        return ParsedAction("sandbox", command=first, submit_after=submit_after, note=note)
+
+    def function_help(self) -> str:
+        names = ", ".join(t.function.name for t in self.tools)
+        if self.action_format is ActionFormat.llama3_json:
+            return f'Reply with a JSON call {{"name": ..., "parameters": {{...}}}} of one of: {names}.'
+        return f'Call a tool as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>; tools: {names}.'
+
     def parse_tool_call(self, text: str, tools: Mapping[str, str]) -> ParsedAction | None:
         """``<tool>{"name": ..., "arguments": {...}}</tool>``: None if there is none."""
         calls = _TOOL.findall(text)

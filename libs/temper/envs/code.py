@@ -29,12 +29,15 @@ CODE_TOOLS = {
 
 class CodeEnvironment(Environment):
     kind = EnvKind.code
+    default_tools = ("bash", "python", "write_file", "read_file", "submit")
     max_file_chars = 2000
     max_listing_chars = 6000
 
     def system_prompt(self) -> str:
         turns = f"You have {self.max_turns} turn{'s' if self.max_turns != 1 else ''}."
-        if self.action_format is ActionFormat.tool_call:
+        if self.calls_functions:
+            how = "Act by calling the tools; call submit when the task is solved."
+        elif self.action_format is ActionFormat.tool_call:
             tools = "\n".join(f"- {name}: {desc}" for name, desc in CODE_TOOLS.items())
             how = f'Act with one tool call per turn: <tool>{{"name": ..., "arguments": {{...}}}}</tool>\n{tools}'
         else:
@@ -61,12 +64,19 @@ class CodeEnvironment(Environment):
         return f"{self.task.prompt}\n\nFiles in the workspace:\n" + "\n".join(shown)
 
     def format_help(self) -> str:
+        if self.calls_functions:
+            return self.function_help()
         if self.action_format is ActionFormat.tool_call:
             return 'Reply with one <tool>{"name": "bash"|"python"|"write_file"|"submit", "arguments": {...}}</tool>.'
         return "Reply with one ```bash or ```python block, a ```python path/file.py block to write a file, or `submit`."
 
     def parse(self, text: str, *, turn: int) -> ParsedAction:
         submit = wants_submit(text)
+        if self.calls_functions:
+            action = self.parse_function_calls(text)
+            if action is None:
+                return ParsedAction("submit") if submit else ParsedAction.invalid("no tool call found")
+            return action
         if self.action_format is ActionFormat.tool_call:
             action = self.parse_tool_call(text, CODE_TOOLS)
             if action is None:

@@ -29,20 +29,28 @@ class MathEnvironment(Environment):
     kind = EnvKind.math
 
     def system_prompt(self) -> str:
-        if self.action_format is ActionFormat.tool_call:
+        if self.calls_functions:
+            tool = "To compute, call the python tool; what it prints comes back."
+        elif self.action_format is ActionFormat.tool_call:
             tool = 'To compute, call <tool>{"name": "python", "arguments": {"code": "..."}}</tool>; its output comes back.'
         else:
             tool = "To compute, write a ```python block; its output comes back to you."
         return f"Solve the problem. {tool} Give the final answer as \\boxed{{...}}."
 
     def format_help(self) -> str:
+        if self.calls_functions:
+            return f"Give the final answer as \\boxed{{...}}. {self.function_help()}"
         return "Give the final answer as \\boxed{...}, or run Python in a ```python block."
 
     def parse(self, text: str, *, turn: int) -> ParsedAction:
         answer = extract_answer(text)
         if answer is not None:
             return ParsedAction("submit", answer=answer)
-        if self.action_format is ActionFormat.tool_call:
+        if self.calls_functions:
+            action = self.parse_function_calls(text)
+            if action is not None:
+                return action
+        elif self.action_format is ActionFormat.tool_call:
             action = self.parse_tool_call(text, MATH_TOOLS)
             if action is not None:
                 return action

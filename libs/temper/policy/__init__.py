@@ -1,7 +1,9 @@
 """The policy model shared by the CPU inference engine and the trainer.
 
-- tokenizer: :class:`ByteTokenizer` (``encode``/``decode``), :func:`encode_chat`, :func:`extend_chat`
-- model: :func:`create_model`, :func:`load_model`, :func:`save_checkpoint`, :func:`load_weights`
+- tokenizer: :class:`ChatTokenizer` (a fast tokenizer with its chat template and stop ids),
+  :func:`byte_tokenizer` (the CPU presets'), :func:`encode_chat`, :func:`extend_chat`
+- model: :func:`load_model` (any Hugging Face causal LM directory), :func:`create_model`
+  (CPU presets), :func:`save_checkpoint`, :func:`load_weights`
 - logprobs: :func:`token_logprobs` (the same function for generation checks and training)
 
 Names are imported lazily, so ``temper.policy.config`` (read by ``temper.settings``) does
@@ -17,6 +19,8 @@ _MODEL = (
     "PRESETS",
     "create_model",
     "forward",
+    "is_model_dir",
+    "load_causal_lm",
     "load_model",
     "load_weights",
     "model_config",
@@ -28,13 +32,13 @@ _MODEL = (
     "token_logprobs",
 )
 _TOKENIZER = (
-    "ByteTokenizer",
+    "ChatTokenizer",
+    "TemplateError",
     "assistant_stop_ids",
+    "byte_tokenizer",
     "default_tokenizer",
     "encode_chat",
-    "encode_message",
     "extend_chat",
-    "generation_prompt",
 )
 __all__ = [*_MODEL, *_TOKENIZER]
 

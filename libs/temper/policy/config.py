@@ -1,15 +1,19 @@
 """Settings of the inference gateway (``TEMPER_INFERENCE__*``).
 
-Backends are given as JSON, e.g.
+Backends are a bare URL, a comma-separated list of URLs (CPU server backends named
+``b0``, ``b1``, ...; ``vllm+http://...`` for a vLLM server), or JSON, e.g.
 ``TEMPER_INFERENCE__BACKENDS='[{"name":"e0","url":"http://127.0.0.1:8010"},{"name":"v0","url":"http://gpu1:8000","kind":"vllm"}]'``,
 or ``'[{"name":"local-0","kind":"local"}]'`` for the CPU engine inside the gateway process.
 """
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 
 class BackendKind(StrEnum):
@@ -23,6 +27,11 @@ class VLLMReloadMode(StrEnum):
     full = (
         "full"  # POST /collective_rpc {"method": "reload_weights"} (dev mode) after the weights were written
     )
+
+
+class ToolParser(StrEnum):
+    hermes = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen, Hermes)
+    llama3_json = "llama3_json"  # {"name": ..., "parameters": ...} (Llama 3)
 
 
 class BackendSpec(BaseModel):
@@ -67,11 +76,37 @@ class InferenceSettings(BaseModel):
         None,
         description="consumer group of policy.updates; unset: a fresh group per replica (inference-gateway-<uuid>)",
     )
-    backends: list[BackendSpec] = Field(
+    backends: Annotated[list[BackendSpec], NoDecode] = Field(
         default_factory=list,
         description="empty: one local backend in embedded mode; none (and /health 503) in distributed mode",
     )
     request_timeout_s: float = Field(60.0, gt=0)
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backends_from_text(cls, value: Any) -> Any:
+        """JSON, or URLs separated by commas."""
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if not text:
+            return []
+        if text[0] in "[{":
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON ({exc.msg} at char {exc.pos})") from None
+            return [parsed] if isinstance(parsed, dict) else parsed
+        specs = []
+        for i, url in enumerate(u.strip() for u in text.split(",")):
+            kind = BackendKind.cpu_server
+            if url.startswith("vllm+"):
+                kind, url = BackendKind.vllm, url.removeprefix("vllm+")
+            if not url.startswith(("http://", "https://")) or len(url) <= len("http://"):
+                raise ValueError(f"{url!r} is not an http(s) URL; give URLs separated by commas, or JSON")
+            specs.append({"name": f"b{i}", "url": url.rstrip("/"), "kind": kind})
+        return specs
+
     connect_timeout_s: float = Field(2.0, gt=0)
     max_retries: int = Field(
         2, ge=0, description="attempts after the first, each on another backend if one is up"
@@ -86,4 +121,8 @@ class InferenceSettings(BaseModel):
     breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a backend's circuit")
     breaker_reset_s: float = Field(5.0, gt=0, description="open time before one trial request is let through")
     vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora
+    tool_parser: ToolParser = Field(
+        ToolParser.hermes,
+        description="how the chat proxy reads tool calls from a reply (a request may override)",
+    )
     checkpoint_cache_dir: str = ".temper/checkpoints"

@@ -1,10 +1,14 @@
-"""The policy model: a transformers ``Qwen2ForCausalLM`` (an architecture vLLM serves).
+"""The policy model: any causal LM ``transformers`` loads from a Hugging Face model directory.
 
-Created from a small preset with seeded random weights, or loaded from a local model
-directory (``config.json`` + ``model.safetensors`` + ``tokenizer.json``). Nothing is
-fetched from a model hub. :func:`token_logprobs` is the one function that turns a
-model and token ids into per-token logprobs; the CPU engine checks its sampled
-logprobs against it and the trainer uses it for the loss.
+A model directory holds ``config.json``, safetensors weights (one file, or shards with
+``model.safetensors.index.json``), ``generation_config.json`` and the tokenizer with
+its chat template. :func:`load_model` reads one with ``AutoModelForCausalLM`` and
+:class:`~temper.policy.tokenizer.ChatTokenizer`; nothing is fetched from a model hub.
+The CPU presets (:func:`create_model`) are small ``Qwen2`` configs with seeded random
+weights and the byte tokenizer, saved in the same layout by :func:`save_checkpoint`.
+:func:`token_logprobs` is the one function that turns a model and token ids into
+per-token logprobs; the CPU engine checks its sampled logprobs against it and the
+trainer uses it for the loss.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from temper.policy.tokenizer import ByteTokenizer, default_tokenizer
+from temper.policy.tokenizer import ChatTokenizer, default_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 META_FILE = "temper.json"
 
@@ -56,8 +61,8 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def model_config(preset: str = "tiny", *, tokenizer: ByteTokenizer | None = None) -> Qwen2Config:
-    """The ``Qwen2Config`` of a preset, sized to the byte tokenizer."""
+def model_config(preset: str = "tiny", *, tokenizer: ChatTokenizer | None = None) -> Qwen2Config:
+    """The ``Qwen2Config`` of a preset, sized to ``tokenizer`` (default: the byte tokenizer)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     tok = tokenizer or default_tokenizer()
@@ -72,14 +77,14 @@ def model_config(preset: str = "tiny", *, tokenizer: ByteTokenizer | None = None
         max_position_embeddings=p.max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_id,
-        eos_token_id=tok.end_id,
+        eos_token_id=tok.stop_ids[0] if tok.stop_ids else None,
         pad_token_id=tok.pad_id,
         torch_dtype="float32",  # type: ignore[call-arg]  # a PretrainedConfig kwarg the stubs do not list
     )
 
 
 def create_model(
-    preset: str = "tiny", *, seed: int = 0, tokenizer: ByteTokenizer | None = None
+    preset: str = "tiny", *, seed: int = 0, tokenizer: ChatTokenizer | None = None
 ) -> Qwen2ForCausalLM:
     """A fresh model of ``preset`` with random weights drawn from ``seed`` (same seed, same weights)."""
     cfg = model_config(preset, tokenizer=tokenizer)
@@ -93,27 +98,29 @@ def save_checkpoint(
     model: torch.nn.Module,
     directory: str | Path,
     *,
-    tokenizer: ByteTokenizer | None = None,
+    tokenizer: ChatTokenizer | None = None,
     metadata: dict[str, Any] | None = None,
+    max_shard_size: str | int = "5GB",
 ) -> Path:
-    """Write a loadable model directory: config.json, model.safetensors, tokenizer.json (+ temper.json).
-
-    Tied embeddings are stored once (as ``model.embed_tokens.weight``), as vLLM expects.
-    """
+    """Write a Hugging Face model directory: config, safetensors weights (sharded with an
+    index above ``max_shard_size``), generation config (its eos ids are the tokenizer's
+    stop ids) and the tokenizer with its chat template (+ ``temper.json``)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    cfg = getattr(model, "config", None)
-    if cfg is not None:
-        cfg.to_json_file(str(d / CONFIG_FILE))
-    save_weights(model, d / WEIGHTS_FILE, metadata=metadata)
-    (tokenizer or default_tokenizer()).save(d)
+    tok = tokenizer or default_tokenizer()
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        gen.eos_token_id = list(tok.stop_ids)
+        gen.pad_token_id = tok.pad_id
+    model.save_pretrained(str(d), max_shard_size=max_shard_size)  # type: ignore[operator]
+    tok.save(d)
     if metadata:
         (d / META_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
     return d
 
 
 def save_weights(model: torch.nn.Module, path: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
-    """The model's weights alone, as one safetensors file."""
+    """The model's weights alone, as one safetensors file (tied embeddings stored once)."""
     state = model.state_dict()
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     tensors = {
@@ -126,15 +133,24 @@ def save_weights(model: torch.nn.Module, path: str | Path, *, metadata: dict[str
     return Path(path)
 
 
-def weights_path(path: str | Path) -> Path:
-    """Accept a model directory or a ``.safetensors`` file."""
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a model directory (every shard named by its index), or ``path`` itself."""
     p = Path(path)
-    return p / WEIGHTS_FILE if p.is_dir() else p
+    if not p.is_dir():
+        return [p]
+    index = p / WEIGHTS_INDEX_FILE
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [p / s for s in shards]
+    return [p / WEIGHTS_FILE]
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
-    """Load safetensors weights into an existing model of the same architecture (in place)."""
-    tensors = load_file(str(weights_path(path)))
+    """Load safetensors weights (a file, or a model directory, sharded or not) into an
+    existing model of the same architecture (in place)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in weight_files(path):
+        tensors.update(load_file(str(f)))
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     missing = [k for k in missing if not (tied and k == "lm_head.weight")]
@@ -145,14 +161,22 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     return model
 
 
-def load_model(directory: str | Path) -> tuple[Qwen2ForCausalLM, ByteTokenizer]:
-    """Model and tokenizer from a local model directory."""
+def is_model_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def load_model(
+    directory: str | Path, *, dtype: torch.dtype | str = torch.float32
+) -> tuple[torch.nn.Module, ChatTokenizer]:
+    """Model (``AutoModelForCausalLM``) and tokenizer from a local model directory.
+
+    ``dtype="auto"`` keeps the config's dtype; the default float32 is what CPU engines
+    and the trainer's master weights use."""
     d = Path(directory)
-    cfg = Qwen2Config.from_json_file(str(d / CONFIG_FILE))
-    model = Qwen2ForCausalLM(cfg)
-    load_weights(model, d / WEIGHTS_FILE)
-    tok = ByteTokenizer.load(d) if (d / "tokenizer.json").exists() else default_tokenizer()
-    return model.eval(), tok
+    if not is_model_dir(d):
+        raise FileNotFoundError(f"{d} is not a model directory (no {CONFIG_FILE})")
+    model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, dtype=dtype)
+    return model.eval(), ChatTokenizer.load(d)
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:
@@ -252,3 +276,8 @@ def pad_batch(
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
             mask[i, : len(s)] = 1
     return ids, mask
+
+
+def load_causal_lm(directory: str | Path, *, dtype: torch.dtype | str = torch.float32) -> torch.nn.Module:
+    """The model alone (no tokenizer needed), e.g. for the trainer."""
+    return AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=dtype).eval()

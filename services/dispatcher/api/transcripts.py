@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
 from services.dispatcher.api.repo import episode_out
-from temper.db import Episode, Step
+from temper.db import Episode, Job, Step
 from temper.episode_log import log_key
 from temper.storage import NotFound, ObjectStore
 from temper.trajectory import Trajectory
@@ -25,15 +25,17 @@ from temper.trajectory import Trajectory
 log = logging.getLogger("temper.dispatcher.transcripts")
 
 
-def decode_tokens(ids: Iterable[int] | None) -> str:
-    """Token ids as text with the policy tokenizer; empty if there is none to use."""
+def decode_tokens(ids: Iterable[int] | None, policy: Any = None) -> str:
+    """Token ids as text with the job's policy tokenizer (``policy``: its spec's
+    ``policy`` block, if known); empty if there are none."""
     ids = list(ids or [])
     if not ids:
         return ""
     try:
-        from temper.policy import default_tokenizer
+        from temper.policy.tokenizer import policy_tokenizer
 
-        return default_tokenizer().decode(ids, skip_special=False)
+        model, init = (policy or {}).get("model"), (policy or {}).get("init")
+        return policy_tokenizer(model, init).decode(ids, skip_special=False)
     except Exception:  # noqa: BLE001 - a transcript without text beats no transcript
         return f"<{len(ids)} tokens>"
 
@@ -150,6 +152,8 @@ async def from_steps(session: AsyncSession, episode: Episode) -> schemas.Transcr
             )
         ).scalars()
     )
+    job_spec = await session.scalar(select(Job.spec).where(Job.id == episode.job_id))
+    policy = (job_spec or {}).get("policy") if isinstance(job_spec, dict) else None
     turns: dict[int, schemas.TranscriptTurn] = {}
     seen_ids: list[int] = []
     versions: set[int] = set()
@@ -164,10 +168,10 @@ async def from_steps(session: AsyncSession, episode: Episode) -> schemas.Transcr
         if step.kind == "inference":
             prompt_ids = list(step.request.get("prompt_ids") or [])
             new_ids = prompt_ids[len(seen_ids) :] if prompt_ids[: len(seen_ids)] == seen_ids else prompt_ids
-            turn.prompt = step.request.get("prompt_text") or decode_tokens(new_ids)
+            turn.prompt = step.request.get("prompt_text") or decode_tokens(new_ids, policy)
             turn.prompt_tokens = len(new_ids)
             token_ids = list(_dig(step.result, "token_ids") or [])
-            turn.action_text = _dig(step.result, "text") or decode_tokens(token_ids)
+            turn.action_text = _dig(step.result, "text") or decode_tokens(token_ids, policy)
             turn.action_tokens = len(token_ids)
             version = _dig(step.result, "policy_version")
             if isinstance(version, int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import torch
 import uvicorn
@@ -29,13 +30,16 @@ def build_engine(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m services.inference_gateway.cpu_server")
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--model-dir", help="local dir with config.json, model.safetensors, tokenizer.json")
+    src.add_argument(
+        "--model-dir", help="a Hugging Face model directory (config, safetensors, tokenizer + chat template)"
+    )
     src.add_argument("--preset", default="tiny", help="create a model with random weights (default: tiny)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed for --preset")
     ap.add_argument("--version", type=int, default=None, help="policy version of the initial weights")
     ap.add_argument("--model-name", default="temper-policy")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8010)
+    # compose and k8s start it without flags: TEMPER_HOST/TEMPER_PORT, as every service reads them
+    ap.add_argument("--host", default=os.environ.get("TEMPER_HOST", "127.0.0.1"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("TEMPER_PORT", "8010")))
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--batch-window-ms", type=float, default=3.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from temper.policy import ByteTokenizer, forward, load_weights, pad_batch
+from temper.policy import ChatTokenizer, forward, load_weights, pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +75,13 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Genera
 class _Row:
     """The decoding state of one request inside a batch."""
 
-    def __init__(self, req: GenRequest, tok: ByteTokenizer, version: int, max_len: int) -> None:
+    def __init__(self, req: GenRequest, tok: ChatTokenizer, version: int, max_len: int) -> None:
         self.req = req
         self.p = req.params
         seed = self.p.seed if self.p.seed is not None else random.getrandbits(63)
         self.gen = torch.Generator().manual_seed(seed)
         self.stop_ids = set(self.p.stop_token_ids)
-        self.eos_ids = set() if self.p.ignore_eos else {tok.end_id, tok.eos_id}
+        self.eos_ids = set() if self.p.ignore_eos else set(tok.stop_ids)
         self.budget = max(0, min(self.p.max_tokens, max_len - len(req.prompt_ids)))
         self.ids: list[int] = []
         self.logprobs: list[float] = []
@@ -124,7 +124,7 @@ class _Row:
 class Engine:
     """A model, its tokenizer and its policy version; ``generate`` runs one batch synchronously."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: ByteTokenizer, *, version: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: ChatTokenizer, *, version: int = 0) -> None:
         self.model = model.eval()
         self.tok = tokenizer
         self.version = version

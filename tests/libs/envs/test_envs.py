@@ -38,7 +38,7 @@ def test_first_prompt_shows_the_files_and_is_chat_encoded():
     ids = env.first_prompt_ids(tok)
     text = tok.decode(ids, skip_special=False)
     assert "Fix add()." in text and "--- add.py" in text and "3 turns" in text
-    assert ids[0] == tok.bos_id and ids[-1] == tok.role_ids["assistant"]
+    assert text.startswith("<|bos|><|system|>") and text.endswith("<|assistant|>")
 
 
 def test_a_job_can_replace_or_drop_the_system_prompt():
@@ -178,9 +178,10 @@ def test_observation_ids_extend_token_wise_and_keep_sampled_ids():
     obs = env.observation_ids(tok, sampled, "add.py")
     full = prompt + sampled + obs
     assert full[: len(prompt) + len(sampled)] == prompt + sampled
-    assert obs[0] == tok.end_id and obs[1] == tok.role_ids["tool"] and obs[-1] == tok.role_ids["assistant"]
-    closed = env.observation_ids(tok, [*sampled, tok.end_id], "x")
-    assert closed[0] == tok.role_ids["tool"]
+    assert tok.decode(obs, skip_special=False) == "<|end|><|tool|>add.py<|end|><|assistant|>"
+    end = tok.stop_ids[0]
+    closed = env.observation_ids(tok, [*sampled, end], "x")
+    assert tok.decode(closed, skip_special=False) == "<|tool|>x<|end|><|assistant|>"
 
 
 def test_parsed_action_round_trips():

@@ -45,8 +45,8 @@ def make_batch(policy, seed: int = 7) -> list[list[Trajectory]]:
         group = []
         for i, r in enumerate(rewards):
             prompt = encode_chat(tok, [{"role": "user", "content": f"task {g}: " + "x" * rng.randint(1, 6)}])
-            a1 = [rng.randrange(32, 127) for _ in range(rng.randint(2, 7))] + [tok.end_id]
-            obs = tok.encode(" obs " * rng.randint(1, 2)) + [tok.role_ids["assistant"]]
+            a1 = [rng.randrange(32, 127) for _ in range(rng.randint(2, 7))] + [tok.stop_ids[0]]
+            obs = tok.encode(" obs " * rng.randint(1, 2)) + [tok.hf.convert_tokens_to_ids("<|assistant|>")]
             a2 = [rng.randrange(32, 127) for _ in range(rng.randint(1, 5))]
             ids = prompt + a1 + obs + a2
             lp = plain_logprobs(policy, ids)

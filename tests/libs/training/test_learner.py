@@ -17,7 +17,7 @@ PROMPT = encode_chat(TOK, [{"role": "user", "content": "Is it?"}])
 
 def answer(learner: Learner, text: str, reward: float, n: int) -> Trajectory:
     """A trajectory with the answer ``text``; behaviour logprobs from the learner's own policy."""
-    ids = TOK.encode(text) + [TOK.end_id]
+    ids = TOK.encode(text) + [TOK.stop_ids[0]]
     draft = Trajectory(
         job_id="j",
         episode_id=f"e{n}",
@@ -115,7 +115,7 @@ def test_completion_logprobs_equal_token_logprobs():
     from temper.training.learner import completion_logprobs
 
     model = create_model(seed=8)
-    seqs = [PROMPT + TOK.encode("hello") + [TOK.end_id], PROMPT + TOK.encode("no")]
+    seqs = [PROMPT + TOK.encode("hello") + [TOK.stop_ids[0]], PROMPT + TOK.encode("no")]
     ids, attention = pad_batch(seqs, TOK.pad_id)
     completion = torch.zeros_like(ids, dtype=torch.bool)
     for i, s in enumerate(seqs):

@@ -262,7 +262,7 @@ class Peers:
             text = self.script(msg)
             if text is None:
                 return None
-            tokens = [*TOK.encode(text), TOK.end_id]
+            tokens = [*TOK.encode(text), TOK.stop_ids[0]]
             return InferenceResult(
                 **ids,
                 token_ids=tokens,

@@ -71,9 +71,9 @@ class TrajectoryFactory:
         self.count += 1
         episode = f"{self.job_id}-ep{self.count:04d}"
         prompt = encode_chat(TOK, [{"role": "user", "content": f"Solve {group}."}])
-        a1 = TOK.encode("x = " + str(self.rng.randint(0, 99))) + [TOK.end_id]
-        obs = TOK.encode("ok") + [TOK.role_ids["assistant"]]
-        a2 = TOK.encode("done" * self.rng.randint(1, 2)) + [TOK.end_id]
+        a1 = TOK.encode("x = " + str(self.rng.randint(0, 99))) + [TOK.stop_ids[0]]
+        obs = TOK.encode("ok") + [TOK.hf.convert_tokens_to_ids("<|assistant|>")]
+        a2 = TOK.encode("done" * self.rng.randint(1, 2)) + [TOK.stop_ids[0]]
         ids = prompt + a1 + obs + a2
         mask = [0] * len(prompt) + [1] * len(a1) + [0] * len(obs) + [1] * len(a2)
         with torch.no_grad():
