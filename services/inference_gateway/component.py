@@ -35,10 +35,11 @@ from typing import Any
 
 from sqlalchemy import select
 
+from services.inference_gateway import handlers
 from services.inference_gateway.inference import InferenceService
-from temper.bus import Consumer, Poison
+from temper.bus import Consumer
 from temper.db import Database, Job, PolicyVersion
-from temper.events import InferenceRequest, Message, PolicyUpdate, Topics
+from temper.events import InferenceRequest, PolicyUpdate, Topics
 from temper.lifecycle import JobState
 from temper.logs import log_event
 from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
@@ -117,13 +118,11 @@ class Gateway:
         await self.service.start()
         rt.checks["backends"] = self.check_backends
         self._tasks.append(asyncio.create_task(self._apply_updates(), name="gateway-policy-updates"))
-        self.updates = await rt.consume(
-            (Topics.POLICY_UPDATES,), self.on_policy_update, group=self.policy_group
-        )
+        self.updates = await rt.consume_handlers(handlers.policy_topics(self), group=self.policy_group)
         # The job's current version before any request: never what a group replays.
         await self._load_current_policy()
-        self.requests = await rt.consume(
-            (Topics.INFERENCE_REQUESTS,), self.on_request, group=self.group, concurrency=self.concurrency
+        self.requests = await rt.consume_handlers(
+            handlers.request_topics(self), group=self.group, concurrency=self.concurrency
         )
         self._sync_flow()  # no backend up yet: keep the requests on the bus
         self._tasks.append(asyncio.create_task(self._flow(), name="gateway-flow"))
@@ -153,9 +152,7 @@ class Gateway:
         await self.service.stop()
 
     # --- inference.requests ---------------------------------------------------------------------
-    async def on_request(self, message: Message) -> None:
-        if not isinstance(message, InferenceRequest):
-            raise Poison(f"{message.type} on {Topics.INFERENCE_REQUESTS}")
+    async def on_request(self, message: InferenceRequest) -> None:
         work = asyncio.ensure_future(self.service.handle(message))
         try:
             await asyncio.sleep(0)  # let it take its backend slot, then see if that was the last one
@@ -194,9 +191,7 @@ class Gateway:
             self._sync_flow()
 
     # --- policy.updates -----------------------------------------------------------------------------
-    async def on_policy_update(self, message: Message) -> None:
-        if not isinstance(message, PolicyUpdate):
-            return
+    async def on_policy_update(self, message: PolicyUpdate) -> None:
         if message.version <= self.service.policy_version:
             return  # already served (or older): idempotent
         pending = self._pending_update
