@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from services.embedded.stack import free_port, fresh_database, run_groups, stack_env
+from services.launcher.processes import free_port, fresh_database, run_groups, stack_env
 
 pytestmark = [
     pytest.mark.postgres,
@@ -145,6 +145,6 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
                 proc.kill()
         import asyncio
 
-        from services.embedded.stack import _admin_sql
+        from services.launcher.processes import _admin_sql
 
         asyncio.run(_admin_sql(db_url, f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)'))

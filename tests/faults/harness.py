@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from services.embedded import stack as launcher
+from services.launcher import processes as launcher
 from temper.client import TemperClient
 from temper.db import Episode, Job, PolicyVersion, Step, TrainedTrajectory
 from temper.events import Topics

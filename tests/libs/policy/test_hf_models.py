@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.inference_gateway.engine.core import Engine, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.core import Engine, GenRequest, SamplingParams
 from temper.policy import ChatTokenizer, load_model, token_logprobs
 from temper.policy.build import ARCHITECTURES, build_model_dir, train_tokenizer
 
