@@ -97,10 +97,16 @@ class ChatTokenizer:
     @classmethod
     def load(cls, directory: str | Path) -> ChatTokenizer:
         """From a local model directory; never contacts a model hub."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         d = Path(directory)
-        hf = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        if (d / TOKENIZER_FILE).is_file():
+            # tokenizer.json exactly as written: AutoTokenizer (transformers 5) picks a class
+            # from config.json's model_type and may rebuild the pre-tokenizer (Qwen2's splits
+            # digits one by one), so a tokenizer trained otherwise would encode differently
+            hf = PreTrainedTokenizerFast.from_pretrained(str(d), local_files_only=True)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
         eos: list[int] = []
         gen = d / GENERATION_CONFIG_FILE
         if gen.exists():

@@ -12,7 +12,7 @@ import pytest
 
 from temper.runtime import StartupError, load_settings
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -55,7 +55,7 @@ def test_the_gateway_exits_2_with_one_line_per_bad_setting():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=50,
+        timeout=110,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
