@@ -30,7 +30,8 @@ def _fmt(v: float) -> str:
 
 
 def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, height: int = 260) -> Markup:
-    """Mean reward per iteration with a ±1 std band; each point has a tooltip."""
+    """Mean reward per iteration (counted from 1) with a ±1 std band clipped to the rewards seen (a band
+    never claims a reward below the lowest or above the highest); each point has a tooltip."""
     if not curve:
         return Markup(
             f'<svg id="reward-curve" class="chart empty" viewBox="0 0 {width} 80" role="img" '
@@ -39,8 +40,8 @@ def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, heig
     left, right, top, bottom = 52, 16, 14, 34
     w, h = width - left - right, height - top - bottom
     xs = [p.iteration for p in curve]
-    lo = min(min(p.mean - p.std, p.min) for p in curve)
-    hi = max(max(p.mean + p.std, p.max) for p in curve)
+    lo = min(p.min for p in curve)
+    hi = max(p.max for p in curve)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
     pad = (hi - lo) * 0.05
@@ -65,19 +66,19 @@ def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, heig
         if float(it).is_integer():
             x = sx(it)
             parts.append(
-                f'<text class="tick" x="{x:.1f}" y="{top + h + 18}" text-anchor="middle">{int(it)}</text>'
+                f'<text class="tick" x="{x:.1f}" y="{top + h + 18}" text-anchor="middle">{int(it) + 1}</text>'
             )
     parts.append(
         f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>'
     )
-    band = [f"{sx(p.iteration):.1f},{sy(p.mean + p.std):.1f}" for p in curve]
-    band += [f"{sx(p.iteration):.1f},{sy(p.mean - p.std):.1f}" for p in reversed(curve)]
+    band = [f"{sx(p.iteration):.1f},{sy(min(p.mean + p.std, p.max)):.1f}" for p in curve]
+    band += [f"{sx(p.iteration):.1f},{sy(max(p.mean - p.std, p.min)):.1f}" for p in reversed(curve)]
     parts.append(f'<polygon class="band" points="{" ".join(band)}"/>')
     mean_pts = " ".join(f"{sx(p.iteration):.1f},{sy(p.mean):.1f}" for p in curve)
     parts.append(f'<polyline class="mean" points="{mean_pts}"/>')
     for p in curve:
         tip = escape(
-            f"iteration {p.iteration}: mean {p.mean:.3f} ± {p.std:.3f} (min {p.min:.3f}, max {p.max:.3f}, "
+            f"iteration {p.iteration + 1}: mean {p.mean:.3f} ± {p.std:.3f} (min {p.min:.3f}, max {p.max:.3f}, "
             f"{p.episodes} episodes)"
         )
         parts.append(

@@ -29,14 +29,41 @@ COOKIE = "temper_key"
 PREFIX = "/console"
 REFRESH_S = 3
 
+EPISODES_PER_PAGE = 100
+
+
+def iteration_shown(iteration: int, iterations: int) -> int:
+    """The iteration as people count it: the first is 1, a finished 8-iteration job is at 8."""
+    return min(iteration + 1, iterations) if iterations else iteration + 1
+
+
+def turns_taken(episode: Any) -> int:
+    """Turns an episode has started: none while pending, else its 0-based turn index + 1."""
+    return 0 if episode.state == "pending" else episode.turn + 1
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 templates = Jinja2Templates(directory=str(HERE / "templates"))
-templates.env.globals["prefix"] = PREFIX
+templates.env.globals.update(
+    prefix=PREFIX, iteration_shown=iteration_shown, turns_taken=turns_taken, plural=plural
+)
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 
 class LoginRequired(Exception):
     def __init__(self, next_path: str) -> None:
         self.next_path = next_path
+
+
+class PageError(Exception):
+    """A console page that cannot be shown: answered as a console page, not JSON."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        self.message = message
 
 
 async def console_caller(request: Request, session: SessionDep) -> Caller:
@@ -139,7 +166,7 @@ async def jobs_page(
 async def _job(session: SessionDep, caller: Caller, job_id: str) -> Any:
     job = await repo.get_job(session, tenant_id=caller.tenant.id, job_id=job_id)
     if job is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} not found")
+        raise PageError(status.HTTP_404_NOT_FOUND, f"There is no job {job_id} in this tenant.")
     return job
 
 
@@ -162,9 +189,19 @@ async def job_page(
     job_id: str,
     state: Annotated[str | None, Query()] = None,
     task: Annotated[str | None, Query()] = None,
+    cursor: Annotated[str | None, Query()] = None,
 ) -> HTMLResponse:
     job = await _job(session, caller, job_id)
-    episodes = await repo.list_episodes(session, job=job, state=state or None, task=task or None, limit=200)
+
+    async def episodes_page(cursor: str | None) -> repo.Page:
+        return await repo.list_episodes(
+            session, job=job, state=state or None, task=task or None, limit=EPISODES_PER_PAGE, cursor=cursor
+        )
+
+    try:
+        episodes = await episodes_page(cursor or None)
+    except repo.BadCursor:
+        cursor, episodes = None, await episodes_page(None)
     return page(
         request,
         "job.html",
@@ -172,6 +209,8 @@ async def job_page(
         spec=job.spec,
         episodes=episodes.rows,
         episodes_total=episodes.total,
+        next_cursor=episodes.next_cursor,
+        paged=bool(cursor),
         state=state or "",
         task=task or "",
         **await _live_context(session, job),
@@ -191,13 +230,13 @@ async def job_command(
 ) -> Response:
     same_origin(request)
     if command not in repo.JOB_COMMANDS:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, "unknown command")
+        raise PageError(status.HTTP_404_NOT_FOUND, f"A job has no command {command!r}.")
     job = await _job(session, caller, job_id)
     try:
         await repo.command_job(session, job=job, command=command, reason=f"{command} from the console")
         await session.commit()
     except IllegalTransition:
-        raise HTTPException(status.HTTP_409_CONFLICT, f"cannot {command} a job that is {job.state}") from None
+        raise PageError(status.HTTP_409_CONFLICT, f"Cannot {command} a job that is {job.state}.") from None
     return RedirectResponse(f"{PREFIX}/jobs/{quote(job_id)}", status_code=status.HTTP_303_SEE_OTHER)
 
 
@@ -207,9 +246,40 @@ async def episode_page(
 ) -> HTMLResponse:
     episode = await repo.get_episode(session, tenant_id=caller.tenant.id, episode_id=episode_id)
     if episode is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode_id} not found")
+        raise PageError(status.HTTP_404_NOT_FOUND, f"There is no episode {episode_id} in this tenant.")
     t = await transcript(session, store, episode)
-    return page(request, "episode.html", caller=caller, t=t, ep=t.episode)
+    job = await repo.get_job(session, tenant_id=caller.tenant.id, job_id=episode.job_id)
+    weights = dict((job.spec or {}).get("rewards") or {}) if job is not None else {}
+    return page(
+        request, "episode.html", caller=caller, t=t, ep=t.episode, components=reward_rows(t.rewards, weights)
+    )
+
+
+def reward_rows(rewards: dict[str, Any], weights: dict[str, float]) -> list[dict[str, Any]]:
+    """One row per reward component: its value, its weight in the job's reward (None when
+    it is reported but not weighted) and its weighted contribution; weighted ones first."""
+    rows = []
+    for name, c in rewards.items():
+        if isinstance(c, dict):
+            value, ok, reason, details = c.get("value"), c.get("ok", True), c.get("reason"), c.get("details")
+        else:
+            value, ok, reason, details = c, True, None, None
+        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+        weight = weights.get(name)
+        rows.append(
+            {
+                "name": name,
+                "value": number,
+                "raw": None if number is not None else value,
+                "ok": ok,
+                "reason": reason,
+                "details": details if isinstance(details, dict) else ({"": details} if details else {}),
+                "weight": weight,
+                "contribution": None if weight is None or number is None else weight * number,
+            }
+        )
+    rows.sort(key=lambda r: (r["weight"] is None, r["name"]))
+    return rows
 
 
 @router.get("/episodes/{episode_id}/log")
@@ -224,9 +294,25 @@ async def episode_log(
     return Response(data, media_type="text/plain; charset=utf-8")
 
 
+@router.get("/{path:path}")
+async def missing_page(request: Request, path: str) -> HTMLResponse:
+    """Any other console address: a console page saying so (last route: matches everything)."""
+    raise PageError(status.HTTP_404_NOT_FOUND, f"There is no console page at {PREFIX}/{path}.")
+
+
 def mount(app: FastAPI) -> None:
-    app.include_router(router)
+    # the static files first: the router's catch-all page would answer their paths
     app.mount(PREFIX + "/static", StaticFiles(directory=str(HERE / "static")), name="console-static")
+    app.include_router(router)
+
+    @app.exception_handler(PageError)
+    async def _error_page(request: Request, exc: PageError) -> Response:
+        caller = None
+        key = request.cookies.get(COOKIE, "")
+        if key:
+            async with request.app.state.runtime.db.session() as session:
+                caller = await authenticate(session, key)
+        return page(request, "error.html", code=exc.code, caller=caller, message=exc.message, status=exc.code)
 
     @app.exception_handler(LoginRequired)
     async def _to_login(request: Request, exc: LoginRequired) -> Response:
