@@ -93,6 +93,12 @@ def _control(action: str) -> Callable[[argparse.Namespace], int]:
 # --- watch ------------------------------------------------------------------------------
 
 
+def shown_iteration(progress: dict[str, Any]) -> int:
+    """The job's iteration as people count it (from 1; a finished 8-iteration job is at 8)."""
+    total = int(progress["iterations"])
+    return min(int(progress["iteration"]) + 1, total) if total else int(progress["iteration"]) + 1
+
+
 def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width: int = 80) -> list[str]:
     """The watch display: header, bar, episode states, reward/throughput/staleness."""
 
@@ -105,7 +111,7 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
         GREEN if state == "completed" else RED if state in ("failed", "cancelled") else YELLOW, state
     )
     header = (
-        f"{c(BOLD, job['id'])} {job['name']}  {state_txt}  iteration {p['iteration']}/{p['iterations']}  "
+        f"{c(BOLD, job['id'])} {job['name']}  {state_txt}  iteration {shown_iteration(p)}/{p['iterations']}  "
         f"policy v{m['staleness']['current_version']}"
     )
     bar_w = max(10, min(50, width - 30))
@@ -113,12 +119,15 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
     bar = "[" + c(GREEN, "█" * done) + "░" * (bar_w - done) + "]"
     counts = p["episodes_by_state"]
     states = " · ".join(f"{s} {counts[s]}" for s in STATE_ORDER if counts.get(s)) or "no episodes yet"
-    curve = m["reward_curve"]
-    if curve:
-        last = curve[-1]
-        reward = f"mean reward {last['mean']:.3f} ± {last['std']:.3f} (iteration {last['iteration']})"
+    # the newest iteration with scored episodes (an iteration without any has no mean)
+    scored = [point for point in m["reward_curve"] if point["episodes"]]
+    if scored:
+        last = scored[-1]
+        reward = f"mean reward {last['mean']:.3f} ± {last['std']:.3f} (iteration {last['iteration'] + 1})"
+        if last["iteration"] < p["iteration"] and state not in ("completed", "failed", "cancelled"):
+            reward += f", iteration {p['iteration'] + 1}: nothing scored yet"
     else:
-        reward = "mean reward –"
+        reward = "mean reward – (nothing scored yet)"
     st = m["staleness"]
     stale = st["max"] if st["max"] is not None else (st["in_flight_max"] or 0)
     return [

@@ -10,6 +10,18 @@ from markupsafe import Markup
 
 from services.dispatcher.api.schemas import IterationReward
 
+# The chart's styles for a page without console.css (the run's report.html): without
+# them an SVG polygon and polyline are filled black.
+CHART_CSS = """
+svg.chart { width: 100%; max-width: 680px; height: auto; display: block; }
+svg.chart .grid { stroke: #e3e7ee; }
+svg.chart .tick, svg.chart .axis { fill: #6b7280; font-size: 11px; }
+svg.chart .band { fill: rgba(47, 111, 222, .15); stroke: none; }
+svg.chart .mean { fill: none; stroke: #2f6fde; stroke-width: 2; }
+svg.chart .point { fill: #2f6fde; }
+svg.chart.empty text { fill: #6b7280; }
+"""
+
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     if hi <= lo:

@@ -123,3 +123,29 @@ def test_the_band_stays_inside_the_reward_range():
     top = min(float(y) for y in re.findall(r'class="grid" x1="\d+" x2="[\d.]+" y1="([\d.]+)"', svg))
     bottom = max(float(y) for y in re.findall(r'class="grid" x1="\d+" x2="[\d.]+" y1="([\d.]+)"', svg))
     assert all(top - 1 <= y <= bottom + 1 for y in ys + points)
+
+
+def test_the_progress_line_counts_iterations_from_one_and_never_invents_a_mean():
+    from temper.cli import progress_lines
+
+    def metrics(iteration: int, curve: list[dict], state: str = "running") -> dict:
+        return {
+            "progress": {
+                "state": state, "iteration": iteration, "iterations": 8, "fraction": 0.5, "finished": 4,
+                "episodes_total": 8, "episodes_by_state": {"scored": 4},
+            },
+            "reward_curve": curve,
+            "staleness": {"current_version": 1, "max": None, "in_flight_max": None, "max_staleness": 1},
+            "throughput": {"episodes_per_min": 1.0},
+        }  # fmt: skip
+
+    job = {"id": "job-1", "name": "x"}
+    lines = progress_lines(job, metrics(0, []), color=False)
+    assert "iteration 1/8" in lines[0] and "mean reward – (nothing scored yet)" in lines[3]
+    assert "0.000" not in lines[3]
+    point = {"iteration": 0, "episodes": 4, "mean": 0.5, "std": 0.1, "min": 0.4, "max": 0.6}
+    lines = progress_lines(job, metrics(1, [point]), color=False)
+    assert "iteration 2/8" in lines[0]
+    assert "mean reward 0.500 ± 0.100 (iteration 1), iteration 2: nothing scored yet" in lines[3]
+    lines = progress_lines(job, metrics(7, [point], state="completed"), color=False)
+    assert "iteration 8/8" in lines[0]
