@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI
 from fastapi.responses import RedirectResponse
 
-from services.dispatcher.api import episodes, jobs, tenants
+from services.dispatcher.api import episodes, export, jobs, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.component import BootstrapKey, Dispatcher
@@ -63,6 +63,7 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(episodes.router)
     app.include_router(tenants.router)
+    app.include_router(export.router)
     # Embedded mode validates task sets in this process: no Celery worker, no Redis.
     enqueue: Enqueue = (
         InProcessValidation(runtime).enqueue if settings.mode is Mode.embedded else celery_enqueue
