@@ -8,6 +8,7 @@
     temper admin create-tenant NAME        a tenant and its first API key (talks to the database)
     temper tasksets upload|list|show|validate ...   task sets (see temper.tasks.cli)
     temper rescore TENANT JOB --weights ...         re-score a finished job
+    temper episodes|metrics|logs|export|checkpoints|compare ...   results (see temper.cli_results)
 
 The server and key come from ``--url``/``--key`` or ``TEMPER_URL``/``TEMPER_API_KEY``.
 These are the library's client commands; the installed ``temper`` command is
@@ -338,8 +339,10 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
     p.set_defaults(func=cmd_create_tenant)
 
+    from temper.cli_results import add_commands as add_result_commands
     from temper.tasks.cli import add_commands as add_taskset_commands
 
+    add_result_commands(sub)
     add_taskset_commands(sub)
     for add_commands in extensions:
         add_commands(sub)
