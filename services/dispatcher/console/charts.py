@@ -98,3 +98,66 @@ def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, heig
         )
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+PALETTE = ("#2f6fde", "#d9480f", "#2b8a3e", "#862e9c", "#e67700", "#0b7285", "#c2255c", "#495057")
+
+
+def reward_curves_svg(
+    series: Sequence[tuple[str, Sequence[IterationReward]]], *, width: int = 680, height: int = 280
+) -> Markup:
+    """Several jobs' mean reward per iteration (counted from 1) on one chart, one colour
+    each (:data:`PALETTE`, in order), with a legend; the y axis spans the rewards seen."""
+    drawn = [(label, curve) for label, curve in series if curve]
+    if not drawn:
+        return Markup(
+            f'<svg id="compare-curves" class="chart empty" viewBox="0 0 {width} 80" role="img" '
+            'aria-label="reward curves"><text x="12" y="44">None of these jobs has scored episodes yet.</text></svg>'
+        )
+    left, right, top, bottom = 52, 16, 14 + 16 * len(drawn), 34
+    w, h = width - left - right, height - top - bottom
+    points = [p for _, curve in drawn for p in curve]
+    lo, hi = min(p.min for p in points), max(p.max for p in points)
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    pad = (hi - lo) * 0.05
+    lo, hi = lo - pad, hi + pad
+    x0, x1 = min(p.iteration for p in points), max(p.iteration for p in points)
+
+    def sx(x: float) -> float:
+        return left + (w / 2 if x1 == x0 else (x - x0) / (x1 - x0) * w)
+
+    def sy(y: float) -> float:
+        return top + h - (y - lo) / (hi - lo) * h
+
+    parts = [
+        f'<svg id="compare-curves" class="chart" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="mean reward per iteration of several jobs" data-series="{len(drawn)}">'
+    ]
+    for t in _ticks(lo, hi):
+        y = sy(t)
+        parts.append(f'<line class="grid" x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}"/>')
+        parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+    for it in _ticks(x0, x1, min(8, max(1, x1 - x0))) if x1 > x0 else [x0]:
+        if float(it).is_integer():
+            parts.append(
+                f'<text class="tick" x="{sx(it):.1f}" y="{top + h + 18}" text-anchor="middle">{int(it) + 1}</text>'
+            )
+    parts.append(
+        f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>'
+    )
+    for i, (label, curve) in enumerate(drawn):
+        color = PALETTE[i % len(PALETTE)]
+        pts = " ".join(f"{sx(p.iteration):.1f},{sy(p.mean):.1f}" for p in curve)
+        parts.append(f'<polyline class="series" data-job="{escape(label)}" stroke="{color}" points="{pts}"/>')
+        for p in curve:
+            tip = escape(f"{label}, iteration {p.iteration + 1}: mean {p.mean:.3f} ({p.episodes} episodes)")
+            parts.append(
+                f'<circle class="point" fill="{color}" cx="{sx(p.iteration):.1f}" cy="{sy(p.mean):.1f}" r="3">'
+                f"<title>{tip}</title></circle>"
+            )
+        y = 12 + 16 * i
+        parts.append(f'<rect x="{left}" y="{y - 9}" width="10" height="10" fill="{color}"/>')
+        parts.append(f'<text class="legend-label" x="{left + 16}" y="{y}">{escape(label)}</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))

@@ -20,7 +20,7 @@ from fastapi.templating import Jinja2Templates
 from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
 from services.dispatcher.api.transcripts import stored_log, transcript
-from services.dispatcher.console.charts import reward_curve_svg
+from services.dispatcher.console.charts import PALETTE, reward_curve_svg, reward_curves_svg
 from temper.lifecycle import JOB_TERMINAL, IllegalTransition
 from temper.tenants import Caller, authenticate
 
@@ -292,6 +292,39 @@ async def episode_log(
     if data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no log for episode {episode_id}")
     return Response(data, media_type="text/plain; charset=utf-8")
+
+
+MAX_COMPARED = len(PALETTE)
+
+
+@router.get("/compare")
+async def compare_page(
+    request: Request,
+    session: SessionDep,
+    caller: ConsoleCaller,
+    jobs: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI copies it
+) -> HTMLResponse:
+    """Several jobs' reward curves on one chart, and a row of figures per job."""
+    if not jobs:
+        raise PageError(status.HTTP_400_BAD_REQUEST, "Pick the jobs to compare on the jobs page.")
+    if len(set(jobs)) > MAX_COMPARED:
+        raise PageError(status.HTTP_400_BAD_REQUEST, f"Compare at most {MAX_COMPARED} jobs at once.")
+    rows = []
+    for i, job_id in enumerate(dict.fromkeys(jobs)):
+        job = await _job(session, caller, job_id)
+        curve = (await repo.job_metrics(session, job=job)).reward_curve
+        rows.append(
+            {
+                "job": job,
+                "curve": curve,
+                "color": PALETTE[i % len(PALETTE)],
+                "first": curve[0].mean if curve else None,
+                "last": curve[-1].mean if curve else None,
+                "best": max((p.mean for p in curve), default=None),
+            }
+        )
+    chart = reward_curves_svg([(r["job"].id, r["curve"]) for r in rows])
+    return page(request, "compare.html", caller=caller, rows=rows, chart=chart)
 
 
 @router.get("/{path:path}")

@@ -149,3 +149,38 @@ def test_the_progress_line_counts_iterations_from_one_and_never_invents_a_mean()
     assert "mean reward 0.500 ± 0.100 (iteration 1), iteration 2: nothing scored yet" in lines[3]
     lines = progress_lines(job, metrics(7, [point], state="completed"), color=False)
     assert "iteration 8/8" in lines[0]
+
+
+async def test_the_compare_page_overlays_reward_curves(browser, seeded):
+    r = await browser.get("/console/")
+    assert f'name="jobs" value="{seeded.job_id}"' in r.text and 'id="compare-submit"' in r.text
+    r = await browser.get(
+        "/console/compare", params=[("jobs", seeded.job_id), ("jobs", seeded.running_job_id)]
+    )
+    assert r.status_code == 200
+    assert 'data-series="1"' in r.text  # the running job has nothing scored: no line for it
+    assert f'data-job="{seeded.job_id}"' in r.text
+    table = r.text[r.text.index('id="compare-table"') :]
+    assert seeded.job_id in table and seeded.running_job_id in table
+    assert len(re.findall(r'class="point"', r.text)) == 3
+    r = await browser.get("/console/compare", params={"jobs": "job-nope"})
+    assert r.status_code == 404 and "There is no job job-nope" in r.text
+    r = await browser.get("/console/compare")
+    assert r.status_code == 400 and "Pick the jobs" in r.text
+    many = [("jobs", f"job-{i}") for i in range(routes.MAX_COMPARED + 1)]
+    assert (await browser.get("/console/compare", params=many)).status_code == 400
+
+
+def test_curves_of_several_jobs_share_one_axis():
+    from services.dispatcher.console.charts import reward_curves_svg
+
+    a = [IterationReward(iteration=i, episodes=2, mean=0.1 * i, std=0.0, min=0.0, max=0.5) for i in range(3)]
+    b = [
+        IterationReward(iteration=i, episodes=2, mean=0.2 + 0.1 * i, std=0.0, min=0.1, max=1.0)
+        for i in range(5)
+    ]
+    svg = str(reward_curves_svg([("job-a", a), ("job-b", b), ("job-c", [])]))
+    assert 'data-series="2"' in svg and svg.count('class="series"') == 2
+    assert 'stroke="#2f6fde"' in svg and 'stroke="#d9480f"' in svg
+    labels = re.findall(r'text-anchor="middle">(\d+)</text>', svg)
+    assert labels[0] == "1" and labels[-1] == "5"  # iterations counted from 1
