@@ -107,8 +107,9 @@ def reward_curves_svg(
     series: Sequence[tuple[str, Sequence[IterationReward]]], *, width: int = 680, height: int = 280
 ) -> Markup:
     """Several jobs' mean reward per iteration (counted from 1) on one chart, one colour
-    each (:data:`PALETTE`, in order), with a legend; the y axis spans the rewards seen."""
-    drawn = [(label, curve) for label, curve in series if curve]
+    each (:data:`PALETTE` by position in ``series``, so a job without scored episodes
+    keeps its colour unused), with a legend; the y axis spans the rewards seen."""
+    drawn = [(label, curve, PALETTE[i % len(PALETTE)]) for i, (label, curve) in enumerate(series) if curve]
     if not drawn:
         return Markup(
             f'<svg id="compare-curves" class="chart empty" viewBox="0 0 {width} 80" role="img" '
@@ -116,7 +117,7 @@ def reward_curves_svg(
         )
     left, right, top, bottom = 52, 16, 14 + 16 * len(drawn), 34
     w, h = width - left - right, height - top - bottom
-    points = [p for _, curve in drawn for p in curve]
+    points = [p for _, curve, _ in drawn for p in curve]
     lo, hi = min(p.min for p in points), max(p.max for p in points)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
@@ -146,8 +147,7 @@ def reward_curves_svg(
     parts.append(
         f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>'
     )
-    for i, (label, curve) in enumerate(drawn):
-        color = PALETTE[i % len(PALETTE)]
+    for i, (label, curve, color) in enumerate(drawn):
         pts = " ".join(f"{sx(p.iteration):.1f},{sy(p.mean):.1f}" for p in curve)
         parts.append(f'<polyline class="series" data-job="{escape(label)}" stroke="{color}" points="{pts}"/>')
         for p in curve:

@@ -190,12 +190,14 @@ async def job_page(
     state: Annotated[str | None, Query()] = None,
     task: Annotated[str | None, Query()] = None,
     cursor: Annotated[str | None, Query()] = None,
+    per_page: Annotated[int | None, Query(ge=1, le=500)] = None,
 ) -> HTMLResponse:
     job = await _job(session, caller, job_id)
+    limit = per_page or EPISODES_PER_PAGE
 
     async def episodes_page(cursor: str | None) -> repo.Page:
         return await repo.list_episodes(
-            session, job=job, state=state or None, task=task or None, limit=EPISODES_PER_PAGE, cursor=cursor
+            session, job=job, state=state or None, task=task or None, limit=limit, cursor=cursor
         )
 
     try:
@@ -211,6 +213,7 @@ async def job_page(
         episodes_total=episodes.total,
         next_cursor=episodes.next_cursor,
         paged=bool(cursor),
+        per_page=per_page,
         state=state or "",
         task=task or "",
         **await _live_context(session, job),

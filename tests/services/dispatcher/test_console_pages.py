@@ -179,8 +179,9 @@ def test_curves_of_several_jobs_share_one_axis():
         IterationReward(iteration=i, episodes=2, mean=0.2 + 0.1 * i, std=0.0, min=0.1, max=1.0)
         for i in range(5)
     ]
-    svg = str(reward_curves_svg([("job-a", a), ("job-b", b), ("job-c", [])]))
+    svg = str(reward_curves_svg([("job-a", a), ("job-c", []), ("job-b", b)]))
     assert 'data-series="2"' in svg and svg.count('class="series"') == 2
-    assert 'stroke="#2f6fde"' in svg and 'stroke="#d9480f"' in svg
+    # colours by position, as the compare table shows them: job-c's stays unused
+    assert 'data-job="job-a" stroke="#2f6fde"' in svg and 'data-job="job-b" stroke="#2b8a3e"' in svg
     labels = re.findall(r'text-anchor="middle">(\d+)</text>', svg)
     assert labels[0] == "1" and labels[-1] == "5"  # iterations counted from 1
