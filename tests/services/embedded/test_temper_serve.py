@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.services.dispatcher.conftest import env, migrated_template  # noqa: F401 - fixtures
 from tests.services.dispatcher.test_console_browser import ARTIFACTS, chrome, log_in  # noqa: F401
 from tests.services.dispatcher.test_dispatcher_cli import free_port
 
@@ -25,12 +26,14 @@ TASKS = ROOT / "examples" / "tasksets" / "offset.jsonl"
 
 
 @contextmanager
-def temper_serve(data_dir: Path, log_name: str, **env: str) -> Iterator[tuple[str, str, subprocess.Popen]]:
+def temper_serve(
+    data_dir: Path, log_name: str, **settings: str
+) -> Iterator[tuple[str, str, subprocess.Popen]]:
     """``temper serve`` on a free port; yields (url, what it printed, process) once it
     listens, and stops it with SIGTERM on exit."""
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
-    environ.update(PYTHONPATH=f"{ROOT / 'libs'}:{ROOT}", **env)
+    environ.update(PYTHONPATH=f"{ROOT / 'libs'}:{ROOT}", **settings)
     ARTIFACTS.mkdir(exist_ok=True)
     out_path = ARTIFACTS / log_name
     with out_path.open("wb") as out:
@@ -163,8 +166,8 @@ def test_serve_runs_a_submitted_job_and_shows_it_in_the_console(tmp_path, chrome
 
 
 def test_a_standalone_service_refuses_an_unmigrated_database(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
-    env.update(
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
+    environ.update(
         PYTHONPATH=f"{ROOT / 'libs'}:{ROOT}",
         TEMPER_DB__URL=f"sqlite+aiosqlite:///{tmp_path / 'fresh.db'}",
         TEMPER_STORAGE__ROOT=str(tmp_path / "objects"),
@@ -173,7 +176,7 @@ def test_a_standalone_service_refuses_an_unmigrated_database(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "services.dispatcher"],
         cwd=ROOT,
-        env=env,
+        env=environ,
         capture_output=True,
         text=True,
         timeout=60,
@@ -183,3 +186,29 @@ def test_a_standalone_service_refuses_an_unmigrated_database(tmp_path):
         "dispatcher: the database is not migrated: run `python -m temper.db.migrate` "
         "(same TEMPER_DB__URL) first, or `temper serve`, which migrates"
     ]
+
+
+@pytest.mark.timeout(120)
+def test_serve_opens_a_run_directory_as_temper_run_left_it(env, tmp_path):  # noqa: F811
+    """A run directory (temper.db + objects/, the job under tenant ``local``, as ``temper
+    run`` writes it) is served as it is: the printed key sees the job and its trajectories."""
+    import sqlite3
+
+    from tests.services.dispatcher.conftest import KILLED_EPISODE
+
+    settings, seeded = env
+    run_dir = settings.data_dir
+    with sqlite3.connect(run_dir / "temper.db") as conn:
+        conn.execute(
+            "INSERT INTO tenants (id, name, max_concurrent_episodes, created_at) VALUES ('local', 'local run', 1024, CURRENT_TIMESTAMP)"
+        )
+        conn.execute("UPDATE jobs SET tenant_id = 'local' WHERE id = ?", (seeded.job_id,))
+        conn.execute("UPDATE episodes SET tenant_id = 'local' WHERE job_id = ?", (seeded.job_id,))
+    with temper_serve(run_dir, "temper-serve-run-dir.log") as (url, text, _):
+        key = printed_key(text)
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as api:
+            r = api.get(f"/v1/jobs/{seeded.job_id}")
+            assert r.status_code == 200 and r.json()["state"] == "completed"
+            assert api.get(f"/v1/episodes/{KILLED_EPISODE}/transcript").status_code == 200
+            lines = api.get(f"/v1/jobs/{seeded.job_id}/trajectories").text.splitlines()
+            assert len(lines) == 12
