@@ -193,7 +193,7 @@ def render_transcript(t: dict[str, Any], *, color: bool = False) -> str:
     reward = "–" if t["reward"] is None else f"{t['reward']:.3f}"
     lines = [
         c(BOLD, f"episode {ep['id']}")
-        + f"  job {ep['job_id']}  task {ep['task_id']}  iteration {ep['iteration']}",
+        + f"  job {ep['job_id']}  task {ep['task_id']}  iteration {ep['iteration'] + 1}",
         f"state {ep['state']}"
         + (f" ({ep['state_reason']})" if ep.get("state_reason") else "")
         + f"  reward {reward}  policy versions {', '.join(f'v{v}' for v in t['policy_versions']) or '–'}",
@@ -202,8 +202,9 @@ def render_transcript(t: dict[str, Any], *, color: bool = False) -> str:
     for turn in t["turns"]:
         version = f" policy v{turn['policy_version']}" if turn["policy_version"] is not None else ""
         timings = "  ".join(f"{k} {v:.3f}" for k, v in sorted(turn["timings"].items()))
+        # turns counted from 1, as in the console
         lines.append(
-            c(BOLD, f"── turn {turn['turn']}{version}") + (f"  {c(DIM, timings)}" if timings else "")
+            c(BOLD, f"── turn {turn['turn'] + 1}{version}") + (f"  {c(DIM, timings)}" if timings else "")
         )
         if turn["prompt"]:
             lines += [c(DIM, f"[prompt, {turn['prompt_tokens']} tokens]"), turn["prompt"].rstrip()]
