@@ -3,11 +3,12 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
-.PHONY: help setup lock system stack-up stack-down stack-status test test-unit run run-stack lint schemas \
+.PHONY: help setup setup-run lock system stack-up stack-down stack-status test test-unit run serve run-stack lint schemas \
         check-deploy bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
+	@echo "make serve        the API, console and every worker in one process (temper serve)"
 	@echo "make test         set up, start the real stack, run every test"
 	@echo "make test-unit    tests that need no server"
 	@echo "make lock         re-resolve requirements.lock after changing pyproject.toml"
@@ -17,9 +18,14 @@ help:
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
 
 system:
-	bash scripts/setup_system.sh
+	bash scripts/setup_system.sh all
 
 setup: system
+	bash scripts/setup.sh
+
+# What running a job needs, without the test suite's browser and promtool.
+setup-run:
+	bash scripts/setup_system.sh run
 	bash scripts/setup.sh
 
 lock: setup
@@ -40,8 +46,11 @@ test: setup stack-up
 test-unit: setup
 	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis" $(ARGS)
 
-run: setup
+run: setup-run
 	$(PY) -m services.cli run examples/code-job.yaml
+
+serve: setup-run
+	$(PY) -m services.cli serve $(ARGS)
 
 run-stack: setup stack-up
 	bash scripts/run_processes.sh examples/code-job.yaml

@@ -1,14 +1,41 @@
 #!/usr/bin/env bash
-# Install the system packages Temper needs (Debian/Ubuntu). Idempotent: packages that
-# are already installed are skipped, so it is safe to run on every `make` that needs it.
+# Install the system packages (Debian/Ubuntu) that a use of Temper needs, by group:
+#
+#   scripts/setup_system.sh run      running jobs: temper run / temper serve / make run
+#   scripts/setup_system.sh test     the test suite: run's, plus the browser and promtool
+#   scripts/setup_system.sh deploy   make check-deploy: promtool
+#   scripts/setup_system.sh [all]    every group (the default)
+#   scripts/setup_system.sh --list GROUP...   print the packages, install nothing
+#
+# Idempotent: packages already installed are skipped, so every `make` target may call it.
 set -euo pipefail
 
-PACKAGES=(
-  bubblewrap   # the sandbox backend (user/pid/mount/net namespaces)
-  prometheus   # promtool, for the alert-rule checks (make check-deploy)
-  chromium          # headless browser for the web console's browser tests (pytest -m browser)
-  chromium-driver   # /usr/bin/chromedriver, given to Selenium so it never downloads one
-)
+packages_of() {
+  case "$1" in
+    run) echo bubblewrap ;;                                   # the sandbox backend (namespaces)
+    test) packages_of run; echo chromium chromium-driver; packages_of deploy ;;  # browser tests (Selenium gets /usr/bin/chromedriver: nothing downloaded)
+    deploy) echo prometheus ;;                                # promtool, for the alert-rule checks
+    all) packages_of test ;;
+    *) echo "unknown group '$1' (run, test, deploy, all)" >&2; return 2 ;;
+  esac
+}
+
+list=0
+if [ "${1:-}" = "--list" ]; then list=1; shift; fi
+groups=("$@")
+[ "${#groups[@]}" -eq 0 ] && groups=(all)
+
+PACKAGES=()
+for group in "${groups[@]}"; do
+  words=$(packages_of "$group") || exit 2
+  for pkg in $words; do
+    [[ " ${PACKAGES[*]} " == *" $pkg "* ]] || PACKAGES+=("$pkg")
+  done
+done
+if [ "$list" -eq 1 ]; then
+  echo "${PACKAGES[*]}"
+  exit 0
+fi
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do

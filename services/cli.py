@@ -2,6 +2,7 @@
 (:mod:`temper.cli`) plus those that compose services:
 
     temper run spec.yaml [--runs-dir D] [--run-id ID]   one job end to end in this process
+    temper serve [--data-dir D] [--host H] [--port P]   API, console and every worker in this process
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if result.state == "completed" else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.embedded import serve  # every service in this process: import only when asked
+
+    try:
+        asyncio.run(serve.serve(Path(args.data_dir), host=args.host, port=args.port, out=sys.stdout))
+    except StartupError as exc:
+        sys.stderr.write(f"temper serve: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def add_commands(sub: Any) -> None:
     p = sub.add_parser(
         "run", help="run a job end to end in this process (embedded mode: SQLite, in-process bus)"
@@ -41,6 +55,17 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--runs-dir", default="runs", help="where runs/<run-id>/ is written")
     p.add_argument("--run-id", help="name of the run directory (default: a timestamp)")
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser(
+        "serve",
+        help="the REST API, console and every worker in this process (embedded mode: SQLite, "
+        "in-process bus, no Redis); prints the console's URL and, on the first start, an admin key",
+    )
+    p.add_argument(
+        "--data-dir", default=".temper", help="database, objects, logs and admin key (a runs/<id> dir works)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.set_defaults(func=cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

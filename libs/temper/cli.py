@@ -8,6 +8,7 @@
     temper admin create-tenant NAME        a tenant and its first API key (talks to the database)
     temper tasksets upload|list|show|validate ...   task sets (see temper.tasks.cli)
     temper rescore TENANT JOB --weights ...         re-score a finished job
+    temper episodes|metrics|logs|export|checkpoints|compare ...   results (see temper.cli_results)
 
 The server and key come from ``--url``/``--key`` or ``TEMPER_URL``/``TEMPER_API_KEY``.
 These are the library's client commands; the installed ``temper`` command is
@@ -93,6 +94,12 @@ def _control(action: str) -> Callable[[argparse.Namespace], int]:
 # --- watch ------------------------------------------------------------------------------
 
 
+def shown_iteration(progress: dict[str, Any]) -> int:
+    """The job's iteration as people count it (from 1; a finished 8-iteration job is at 8)."""
+    total = int(progress["iterations"])
+    return min(int(progress["iteration"]) + 1, total) if total else int(progress["iteration"]) + 1
+
+
 def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width: int = 80) -> list[str]:
     """The watch display: header, bar, episode states, reward/throughput/staleness."""
 
@@ -105,7 +112,7 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
         GREEN if state == "completed" else RED if state in ("failed", "cancelled") else YELLOW, state
     )
     header = (
-        f"{c(BOLD, job['id'])} {job['name']}  {state_txt}  iteration {p['iteration']}/{p['iterations']}  "
+        f"{c(BOLD, job['id'])} {job['name']}  {state_txt}  iteration {shown_iteration(p)}/{p['iterations']}  "
         f"policy v{m['staleness']['current_version']}"
     )
     bar_w = max(10, min(50, width - 30))
@@ -113,12 +120,15 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
     bar = "[" + c(GREEN, "█" * done) + "░" * (bar_w - done) + "]"
     counts = p["episodes_by_state"]
     states = " · ".join(f"{s} {counts[s]}" for s in STATE_ORDER if counts.get(s)) or "no episodes yet"
-    curve = m["reward_curve"]
-    if curve:
-        last = curve[-1]
-        reward = f"mean reward {last['mean']:.3f} ± {last['std']:.3f} (iteration {last['iteration']})"
+    # the newest iteration with scored episodes (an iteration without any has no mean)
+    scored = [point for point in m["reward_curve"] if point["episodes"]]
+    if scored:
+        last = scored[-1]
+        reward = f"mean reward {last['mean']:.3f} ± {last['std']:.3f} (iteration {last['iteration'] + 1})"
+        if last["iteration"] < p["iteration"] and state not in ("completed", "failed", "cancelled"):
+            reward += f", iteration {p['iteration'] + 1}: nothing scored yet"
     else:
-        reward = "mean reward –"
+        reward = "mean reward – (nothing scored yet)"
     st = m["staleness"]
     stale = st["max"] if st["max"] is not None else (st["in_flight_max"] or 0)
     return [
@@ -183,7 +193,7 @@ def render_transcript(t: dict[str, Any], *, color: bool = False) -> str:
     reward = "–" if t["reward"] is None else f"{t['reward']:.3f}"
     lines = [
         c(BOLD, f"episode {ep['id']}")
-        + f"  job {ep['job_id']}  task {ep['task_id']}  iteration {ep['iteration']}",
+        + f"  job {ep['job_id']}  task {ep['task_id']}  iteration {ep['iteration'] + 1}",
         f"state {ep['state']}"
         + (f" ({ep['state_reason']})" if ep.get("state_reason") else "")
         + f"  reward {reward}  policy versions {', '.join(f'v{v}' for v in t['policy_versions']) or '–'}",
@@ -192,8 +202,9 @@ def render_transcript(t: dict[str, Any], *, color: bool = False) -> str:
     for turn in t["turns"]:
         version = f" policy v{turn['policy_version']}" if turn["policy_version"] is not None else ""
         timings = "  ".join(f"{k} {v:.3f}" for k, v in sorted(turn["timings"].items()))
+        # turns counted from 1, as in the console
         lines.append(
-            c(BOLD, f"── turn {turn['turn']}{version}") + (f"  {c(DIM, timings)}" if timings else "")
+            c(BOLD, f"── turn {turn['turn'] + 1}{version}") + (f"  {c(DIM, timings)}" if timings else "")
         )
         if turn["prompt"]:
             lines += [c(DIM, f"[prompt, {turn['prompt_tokens']} tokens]"), turn["prompt"].rstrip()]
@@ -329,8 +340,10 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
     p.set_defaults(func=cmd_create_tenant)
 
+    from temper.cli_results import add_commands as add_result_commands
     from temper.tasks.cli import add_commands as add_taskset_commands
 
+    add_result_commands(sub)
     add_taskset_commands(sub)
     for add_commands in extensions:
         add_commands(sub)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
@@ -52,15 +52,25 @@ class TemperClient:
     def close(self) -> None:
         self.http.close()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise ApiError(0, f"cannot reach the dispatcher at {self.url}: {exc}") from None
-        if response.is_success:
-            if response.status_code == 204 or not response.content:
-                return None
-            return response.json()
+        if not response.is_success:
+            self._raise(response)
+        return response
+
+    def _raw(self, method: str, path: str, **kwargs: Any) -> bytes:
+        return self._request(method, path, **kwargs).content
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._request(method, path, **kwargs)
+        if response.status_code == 204 or not response.content:
+            return None
+        return response.json()
+
+    def _raise(self, response: httpx.Response) -> NoReturn:
         try:
             body = response.json()
         except ValueError:
@@ -125,6 +135,47 @@ class TemperClient:
 
     def trajectory(self, episode_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/episodes/{episode_id}/trajectory")  # type: ignore[no-any-return]
+
+    def episode_log(self, episode_id: str) -> bytes:
+        """The episode's stored log (JSON lines)."""
+        return self._raw("GET", f"/v1/episodes/{episode_id}/log")
+
+    # --- results ------------------------------------------------------------------------
+
+    def export(
+        self,
+        job_id: str,
+        out: Path,
+        *,
+        format: str = "jsonl",
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> str | None:
+        """Write the job's trajectories to ``out`` as they stream in; returns the next
+        page's ``after`` (None: nothing more)."""
+        params: dict[str, Any] = {"format": format}
+        if after:
+            params["after"] = after
+        if limit:
+            params["limit"] = limit
+        try:
+            with self.http.stream("GET", f"/v1/jobs/{job_id}/trajectories", params=params) as response:
+                if not response.is_success:
+                    response.read()
+                    self._raise(response)
+                with out.open("wb") as f:
+                    for chunk in response.iter_bytes():
+                        f.write(chunk)
+                return response.headers.get("X-Next-After")
+        except httpx.TransportError as exc:
+            raise ApiError(0, f"cannot reach the dispatcher at {self.url}: {exc}") from None
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")  # type: ignore[no-any-return]
+
+    def checkpoint(self, job_id: str, version: int) -> bytes:
+        """A policy version's weights (safetensors)."""
+        return self._raw("GET", f"/v1/jobs/{job_id}/checkpoints/{version}")
 
     # --- tenant -------------------------------------------------------------------------
 

@@ -73,7 +73,10 @@ J, E, S = JobState, EpisodeState, StepState
 
 # to-state -> the rule for entering it
 JOB_TRANSITIONS: dict[JobState, Rule] = {
-    J.running: _rule(J.pending, J.paused),
+    # from failed or cancelled: resumed, the same job going on from its last published
+    # policy version (the trainer reloads it with its optimizer state); the episodes it
+    # already finished still count, its unfinished ones stay cancelled
+    J.running: _rule(J.pending, J.paused, J.failed, J.cancelled),
     J.paused: _rule(J.running),
     J.completed: _rule(J.running),
     J.failed: _rule(J.pending, J.running, J.paused, needs_reason=True),
@@ -125,8 +128,7 @@ async def transition_job(session: AsyncSession, job: Job, to: JobState, *, reaso
     job.state = to
     job.state_reason = reason
     job.updated_at = utcnow()
-    if to in JOB_TERMINAL:
-        job.finished_at = utcnow()
+    job.finished_at = utcnow() if to in JOB_TERMINAL else None  # a resumed job is not finished
     enqueue(
         session,
         Topics.EVENTS,

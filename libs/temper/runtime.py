@@ -27,6 +27,7 @@ from pydantic_settings import SettingsError
 from temper import metrics
 from temper.bus import Bus, BusUnavailable, Consumer, Record, make_bus
 from temper.db import Database, DatabaseUnavailable
+from temper.db.migrate import NotMigrated, check_migrated
 from temper.events import Message, Topics, decode
 from temper.logs import configure_logging, log_context, log_event
 from temper.settings import Settings
@@ -75,6 +76,7 @@ class Runtime:
             if self.needs_db:
                 self.db = Database(self.settings.db)
                 await self.db.check()
+                await check_migrated(self.db)  # else the first query fails with "no such table"
             if self.needs_bus:
                 self.bus = make_bus(self.settings)
                 await self.bus.start()
@@ -84,7 +86,7 @@ class Runtime:
                 if isinstance(self.store, S3Store):
                     await self.store.ensure_bucket()
                 await self.store.check()
-        except (DatabaseUnavailable, BusUnavailable) as exc:
+        except (DatabaseUnavailable, BusUnavailable, NotMigrated) as exc:
             await self.stop()
             raise StartupError(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - storage clients raise many kinds

@@ -7,19 +7,22 @@ episode component; stop in reverse (:func:`temper.runtime.service_app`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import RedirectResponse
 
-from services.dispatcher.api import episodes, jobs, tenants
+from services.dispatcher.api import episodes, export, jobs, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.component import BootstrapKey, Dispatcher
 from services.dispatcher.console import routes as console
 from temper.jobspec import JobSpec
 from temper.runtime import Component, Runtime, service_app
-from temper.settings import Settings
+from temper.settings import Mode, Settings
+from temper.tasks.inprocess import InProcessValidation
+from temper.tasks.routes import Enqueue, celery_enqueue
 from temper.tasks.routes import make_router as make_taskset_router
 
 API_DESCRIPTION = """\
@@ -30,12 +33,21 @@ see belongs to its tenant; another tenant's job or episode answers 404.
 """
 
 
-def create_app(settings: Settings, *, run_episodes: bool = True) -> FastAPI:
+def create_app(
+    settings: Settings,
+    *,
+    run_episodes: bool = True,
+    executors: Callable[[Runtime], Sequence[Component]] | None = None,
+) -> FastAPI:
     """The dispatcher app. ``run_episodes=False`` serves the API and console without the
-    episode component (API tests, read-only replicas)."""
+    episode component (API tests, read-only replicas). ``executors`` builds components
+    started on the same runtime before the episode engine (``temper serve``: the other
+    services in this process)."""
     runtime = Runtime(settings, service="dispatcher")
     dispatcher = Dispatcher(runtime) if run_episodes else None
     components: list[Component] = [BootstrapKey(runtime)]
+    if executors is not None:
+        components.extend(executors(runtime))
     if dispatcher is not None:
         components.append(dispatcher)
     app = service_app(
@@ -51,8 +63,15 @@ def create_app(settings: Settings, *, run_episodes: bool = True) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(episodes.router)
     app.include_router(tenants.router)
+    app.include_router(export.router)
+    # Embedded mode validates task sets in this process: no Celery worker, no Redis.
+    enqueue: Enqueue = (
+        InProcessValidation(runtime).enqueue if settings.mode is Mode.embedded else celery_enqueue
+    )
     app.include_router(  # /v1/tasksets, from the task-set library
-        make_taskset_router(current_tenant), dependencies=[Depends(bearer_scheme)], responses=jobs.AUTH
+        make_taskset_router(current_tenant, enqueue=enqueue),
+        dependencies=[Depends(bearer_scheme)],
+        responses=jobs.AUTH,
     )
     console.mount(app)
 

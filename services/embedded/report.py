@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.dispatcher.api.repo import job_metrics
 from services.dispatcher.api.schemas import IterationReward, JobMetrics, Transcript
 from services.dispatcher.api.transcripts import transcript
-from services.dispatcher.console.charts import reward_curve_svg
+from services.dispatcher.console.charts import CHART_CSS, reward_curve_svg
 from temper.db import Episode, Job
 from temper.storage import ObjectStore
 
@@ -55,10 +55,10 @@ def plot_reward_curve(curve: list[IterationReward], path: Path, *, title: str) -
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
-    xs = [c.iteration for c in curve]
+    xs = [c.iteration + 1 for c in curve]  # counted from 1, as the console counts them
     means = [c.mean for c in curve]
-    lo = [c.mean - c.std for c in curve]
-    hi = [c.mean + c.std for c in curve]
+    lo = [max(c.mean - c.std, c.min) for c in curve]  # the band stays inside the rewards seen
+    hi = [min(c.mean + c.std, c.max) for c in curve]
     ax.fill_between(xs, lo, hi, alpha=0.2, color="#2f6fb3", label="± 1 std")
     ax.plot(xs, means, marker="o", color="#2f6fb3", label="mean reward")
     ax.set_xlabel("iteration")
@@ -95,7 +95,23 @@ async def _sample_episodes(session: AsyncSession, job_id: str) -> list[Episode]:
     return picked[:TRANSCRIPTS_SHOWN]
 
 
+def _components(rewards: dict[str, Any], weights: dict[str, float]) -> str:
+    """The reward components as a table; the weighted ones (those the reward sums) marked."""
+    from services.dispatcher.console.routes import reward_rows
+
+    body = "".join(
+        f"<tr class='{'weighted' if r['weight'] is not None else 'unweighted'}'><td>{escape(r['name'])}"
+        f"{' (weighted)' if r['weight'] is not None else ''}</td>"
+        f"<td>{'–' if r['value'] is None else format(r['value'], '.3f')}</td>"
+        f"<td>{'not weighted' if r['weight'] is None else r['weight']}</td>"
+        f"<td>{escape(', '.join(f'{k} {v}'.strip() for k, v in sorted(r['details'].items()))[:500])}</td></tr>"
+        for r in reward_rows(rewards, weights)
+    )
+    return f"<table class='rewards'><tr><th>component</th><th>value</th><th>weight</th><th>details</th></tr>{body}</table>"
+
+
 def _html(job: Job, metrics: JobMetrics, summary: dict[str, Any], transcripts: list[Transcript]) -> str:
+    weights = dict((job.spec or {}).get("rewards") or {})
     rows = "".join(
         f"<tr><td>{escape(p.task_id)}</td><td>{p.episodes}</td><td>{p.pass_rate:.2f}</td><td>{p.mean_reward:.3f}</td></tr>"
         for p in metrics.pass_rates
@@ -104,18 +120,18 @@ def _html(job: Job, metrics: JobMetrics, summary: dict[str, Any], transcripts: l
     for t in transcripts:
         ep = t.episode
         turns = "".join(
-            f"<h4>turn {turn.turn}</h4>"
+            f"<h4>turn {turn.turn + 1}</h4>"
             + (f"<pre class='prompt'>{escape(turn.prompt)}</pre>" if turn.turn == 0 else "")
             + f"<pre class='action'>{escape(turn.action_text)}</pre>"
             + (f"<pre class='obs'>{escape(turn.observation)}</pre>" if turn.observation else "")
             + (f"<p class='kill'>killed: {escape(turn.kill_reason)}</p>" if turn.kill_reason else "")
             for turn in t.turns
         )
-        rewards = escape(json.dumps(t.rewards, indent=1, default=str)[:4000])
+        reward = "–" if t.reward is None else f"{t.reward:.3f}"
         blocks.append(
-            f"<section><h3>episode {escape(ep.id)} · task {escape(ep.task_id)} · iteration {ep.iteration} · "
-            f"reward {t.reward}</h3>{turns}"
-            f"<details><summary>reward vector</summary><pre>{rewards}</pre></details></section>"
+            f"<section><h3>episode {escape(ep.id)} · task {escape(ep.task_id)} · iteration {ep.iteration + 1} · "
+            f"reward {reward}</h3>{turns}"
+            f"<details><summary>reward vector</summary>{_components(t.rewards, weights)}</details></section>"
         )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Temper run: {escape(job.name)}</title>
@@ -124,7 +140,8 @@ body {{ font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 980p
 pre {{ background: #f5f5f7; padding: .6em; overflow-x: auto; white-space: pre-wrap; }}
 pre.action {{ border-left: 3px solid #2f6fb3; }} pre.obs {{ border-left: 3px solid #999; }}
 table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ddd; padding: .25em .6em; text-align: right; }}
-.kill {{ color: #b00; }} svg.chart {{ width: 100%; height: auto; }}
+.kill {{ color: #b00; }} tr.unweighted td {{ color: #888; }}
+{CHART_CSS}
 </style></head><body>
 <h1>{escape(job.name)} <small>({escape(job.id)}, {escape(job.state)})</small></h1>
 <p>Mean reward {summary["first_mean_reward"]:.3f} in the first iteration, {summary["last_mean_reward"]:.3f} in the

@@ -151,10 +151,15 @@ async def run(
         if components is not None:
             await components.stop()
         await runtime.stop()
+    rewards = (
+        f"mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
+        f"{summary['last_mean_reward']:.3f} (last)"
+        if summary["reward_curve"]
+        else "no episode was scored"
+    )
     out.write(
-        f"\n{state}: mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
-        f"{summary['last_mean_reward']:.3f} (last) in {summary['seconds']:.0f}s\n"
-        f"report: {run_dir / 'report.html'}\n"
+        f"\n{state}: {rewards} in {summary['seconds']:.0f}s\nreport: {run_dir / 'report.html'}\n"
+        f"console: temper serve --data-dir {run_dir}\n"
     )
     return RunResult(run_dir, job_id, state, summary)
 

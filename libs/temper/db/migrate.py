@@ -45,6 +45,33 @@ async def wait_for_database(settings: DatabaseSettings, timeout_s: float = 30.0)
         await db.dispose()
 
 
+class NotMigrated(RuntimeError):
+    """The database's schema is missing or behind the code's; the message says what to run."""
+
+
+async def check_migrated(db: Database) -> None:
+    """Raise :class:`NotMigrated` unless the database is at the newest revision (a revision
+    this checkout does not know, from newer code, is let through)."""
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        async with db.session() as session:
+            current = (await session.execute(text("SELECT version_num FROM alembic_version"))).scalar()
+    except DBAPIError:  # no alembic_version table
+        current = None
+    script = ScriptDirectory.from_config(alembic_config(db.url))
+    heads = set(script.get_heads())
+    fix = "run `python -m temper.db.migrate` (same TEMPER_DB__URL) first, or `temper serve`, which migrates"
+    if current is None:
+        raise NotMigrated(f"the database is not migrated: {fix}")
+    if current not in heads and script.get_revision(current) is not None:
+        raise NotMigrated(
+            f"the database is at revision {current}, the code needs {', '.join(sorted(heads))}: {fix}"
+        )
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(url), revision)
 

@@ -10,8 +10,9 @@ database and object store) at ``app.state.runtime``, or passes ``runtime_depende
 
 # no `from __future__ import annotations`: FastAPI must see the dependency aliases made in make_router
 import asyncio
+import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
@@ -23,7 +24,9 @@ from temper.tasks.models import TaskFormatError, TaskSpec, parse_tasks
 
 MAX_UPLOAD_BYTES = 64 << 20
 
-Enqueue = Callable[[str], str]
+# Queues validation and returns a job id: a blocking call (run in a thread: Celery) or a
+# coroutine function (run on the loop: the in-process validation of embedded mode).
+Enqueue = Callable[[str], str] | Callable[[str], Awaitable[str]]
 
 
 def celery_enqueue(taskset_id: str) -> str:
@@ -51,7 +54,10 @@ def _tenant_id(value: Any) -> str:
 
 async def _enqueue(enqueue: Enqueue, taskset_id: str) -> dict[str, Any]:
     try:
-        job = await asyncio.wait_for(asyncio.to_thread(enqueue, taskset_id), 10)
+        if inspect.iscoroutinefunction(enqueue):
+            job = await asyncio.wait_for(enqueue(taskset_id), 10)
+        else:
+            job = await asyncio.wait_for(asyncio.to_thread(enqueue, taskset_id), 10)
         return {"queued": True, "celery_task_id": job}
     except Exception as exc:  # noqa: BLE001 - report, the upload itself succeeded
         return {"queued": False, "error": f"{exc.__class__.__name__}: {exc}"[:300]}

@@ -10,6 +10,18 @@ from markupsafe import Markup
 
 from services.dispatcher.api.schemas import IterationReward
 
+# The chart's styles for a page without console.css (the run's report.html): without
+# them an SVG polygon and polyline are filled black.
+CHART_CSS = """
+svg.chart { width: 100%; max-width: 680px; height: auto; display: block; }
+svg.chart .grid { stroke: #e3e7ee; }
+svg.chart .tick, svg.chart .axis { fill: #6b7280; font-size: 11px; }
+svg.chart .band { fill: rgba(47, 111, 222, .15); stroke: none; }
+svg.chart .mean { fill: none; stroke: #2f6fde; stroke-width: 2; }
+svg.chart .point { fill: #2f6fde; }
+svg.chart.empty text { fill: #6b7280; }
+"""
+
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     if hi <= lo:
@@ -30,7 +42,8 @@ def _fmt(v: float) -> str:
 
 
 def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, height: int = 260) -> Markup:
-    """Mean reward per iteration with a ±1 std band; each point has a tooltip."""
+    """Mean reward per iteration (counted from 1) with a ±1 std band clipped to the rewards seen (a band
+    never claims a reward below the lowest or above the highest); each point has a tooltip."""
     if not curve:
         return Markup(
             f'<svg id="reward-curve" class="chart empty" viewBox="0 0 {width} 80" role="img" '
@@ -39,8 +52,8 @@ def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, heig
     left, right, top, bottom = 52, 16, 14, 34
     w, h = width - left - right, height - top - bottom
     xs = [p.iteration for p in curve]
-    lo = min(min(p.mean - p.std, p.min) for p in curve)
-    hi = max(max(p.mean + p.std, p.max) for p in curve)
+    lo = min(p.min for p in curve)
+    hi = max(p.max for p in curve)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
     pad = (hi - lo) * 0.05
@@ -65,23 +78,86 @@ def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, heig
         if float(it).is_integer():
             x = sx(it)
             parts.append(
-                f'<text class="tick" x="{x:.1f}" y="{top + h + 18}" text-anchor="middle">{int(it)}</text>'
+                f'<text class="tick" x="{x:.1f}" y="{top + h + 18}" text-anchor="middle">{int(it) + 1}</text>'
             )
     parts.append(
         f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>'
     )
-    band = [f"{sx(p.iteration):.1f},{sy(p.mean + p.std):.1f}" for p in curve]
-    band += [f"{sx(p.iteration):.1f},{sy(p.mean - p.std):.1f}" for p in reversed(curve)]
+    band = [f"{sx(p.iteration):.1f},{sy(min(p.mean + p.std, p.max)):.1f}" for p in curve]
+    band += [f"{sx(p.iteration):.1f},{sy(max(p.mean - p.std, p.min)):.1f}" for p in reversed(curve)]
     parts.append(f'<polygon class="band" points="{" ".join(band)}"/>')
     mean_pts = " ".join(f"{sx(p.iteration):.1f},{sy(p.mean):.1f}" for p in curve)
     parts.append(f'<polyline class="mean" points="{mean_pts}"/>')
     for p in curve:
         tip = escape(
-            f"iteration {p.iteration}: mean {p.mean:.3f} ± {p.std:.3f} (min {p.min:.3f}, max {p.max:.3f}, "
+            f"iteration {p.iteration + 1}: mean {p.mean:.3f} ± {p.std:.3f} (min {p.min:.3f}, max {p.max:.3f}, "
             f"{p.episodes} episodes)"
         )
         parts.append(
             f'<circle class="point" cx="{sx(p.iteration):.1f}" cy="{sy(p.mean):.1f}" r="3.5"><title>{tip}</title></circle>'
         )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+PALETTE = ("#2f6fde", "#d9480f", "#2b8a3e", "#862e9c", "#e67700", "#0b7285", "#c2255c", "#495057")
+
+
+def reward_curves_svg(
+    series: Sequence[tuple[str, Sequence[IterationReward]]], *, width: int = 680, height: int = 280
+) -> Markup:
+    """Several jobs' mean reward per iteration (counted from 1) on one chart, one colour
+    each (:data:`PALETTE` by position in ``series``, so a job without scored episodes
+    keeps its colour unused), with a legend; the y axis spans the rewards seen."""
+    drawn = [(label, curve, PALETTE[i % len(PALETTE)]) for i, (label, curve) in enumerate(series) if curve]
+    if not drawn:
+        return Markup(
+            f'<svg id="compare-curves" class="chart empty" viewBox="0 0 {width} 80" role="img" '
+            'aria-label="reward curves"><text x="12" y="44">None of these jobs has scored episodes yet.</text></svg>'
+        )
+    left, right, top, bottom = 52, 16, 14 + 16 * len(drawn), 34
+    w, h = width - left - right, height - top - bottom
+    points = [p for _, curve, _ in drawn for p in curve]
+    lo, hi = min(p.min for p in points), max(p.max for p in points)
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    pad = (hi - lo) * 0.05
+    lo, hi = lo - pad, hi + pad
+    x0, x1 = min(p.iteration for p in points), max(p.iteration for p in points)
+
+    def sx(x: float) -> float:
+        return left + (w / 2 if x1 == x0 else (x - x0) / (x1 - x0) * w)
+
+    def sy(y: float) -> float:
+        return top + h - (y - lo) / (hi - lo) * h
+
+    parts = [
+        f'<svg id="compare-curves" class="chart" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="mean reward per iteration of several jobs" data-series="{len(drawn)}">'
+    ]
+    for t in _ticks(lo, hi):
+        y = sy(t)
+        parts.append(f'<line class="grid" x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}"/>')
+        parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+    for it in _ticks(x0, x1, min(8, max(1, x1 - x0))) if x1 > x0 else [x0]:
+        if float(it).is_integer():
+            parts.append(
+                f'<text class="tick" x="{sx(it):.1f}" y="{top + h + 18}" text-anchor="middle">{int(it) + 1}</text>'
+            )
+    parts.append(
+        f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>'
+    )
+    for i, (label, curve, color) in enumerate(drawn):
+        pts = " ".join(f"{sx(p.iteration):.1f},{sy(p.mean):.1f}" for p in curve)
+        parts.append(f'<polyline class="series" data-job="{escape(label)}" stroke="{color}" points="{pts}"/>')
+        for p in curve:
+            tip = escape(f"{label}, iteration {p.iteration + 1}: mean {p.mean:.3f} ({p.episodes} episodes)")
+            parts.append(
+                f'<circle class="point" fill="{color}" cx="{sx(p.iteration):.1f}" cy="{sy(p.mean):.1f}" r="3">'
+                f"<title>{tip}</title></circle>"
+            )
+        y = 12 + 16 * i
+        parts.append(f'<rect x="{left}" y="{y - 9}" width="10" height="10" fill="{color}"/>')
+        parts.append(f'<text class="legend-label" x="{left + 16}" y="{y}">{escape(label)}</text>')
     parts.append("</svg>")
     return Markup("".join(parts))

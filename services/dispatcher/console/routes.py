@@ -20,7 +20,7 @@ from fastapi.templating import Jinja2Templates
 from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
 from services.dispatcher.api.transcripts import stored_log, transcript
-from services.dispatcher.console.charts import reward_curve_svg
+from services.dispatcher.console.charts import PALETTE, reward_curve_svg, reward_curves_svg
 from temper.lifecycle import JOB_TERMINAL, IllegalTransition
 from temper.tenants import Caller, authenticate
 
@@ -29,14 +29,41 @@ COOKIE = "temper_key"
 PREFIX = "/console"
 REFRESH_S = 3
 
+EPISODES_PER_PAGE = 100
+
+
+def iteration_shown(iteration: int, iterations: int) -> int:
+    """The iteration as people count it: the first is 1, a finished 8-iteration job is at 8."""
+    return min(iteration + 1, iterations) if iterations else iteration + 1
+
+
+def turns_taken(episode: Any) -> int:
+    """Turns an episode has started: none while pending, else its 0-based turn index + 1."""
+    return 0 if episode.state == "pending" else episode.turn + 1
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 templates = Jinja2Templates(directory=str(HERE / "templates"))
-templates.env.globals["prefix"] = PREFIX
+templates.env.globals.update(
+    prefix=PREFIX, iteration_shown=iteration_shown, turns_taken=turns_taken, plural=plural
+)
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 
 class LoginRequired(Exception):
     def __init__(self, next_path: str) -> None:
         self.next_path = next_path
+
+
+class PageError(Exception):
+    """A console page that cannot be shown: answered as a console page, not JSON."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        self.message = message
 
 
 async def console_caller(request: Request, session: SessionDep) -> Caller:
@@ -139,7 +166,7 @@ async def jobs_page(
 async def _job(session: SessionDep, caller: Caller, job_id: str) -> Any:
     job = await repo.get_job(session, tenant_id=caller.tenant.id, job_id=job_id)
     if job is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} not found")
+        raise PageError(status.HTTP_404_NOT_FOUND, f"There is no job {job_id} in this tenant.")
     return job
 
 
@@ -162,9 +189,21 @@ async def job_page(
     job_id: str,
     state: Annotated[str | None, Query()] = None,
     task: Annotated[str | None, Query()] = None,
+    cursor: Annotated[str | None, Query()] = None,
+    per_page: Annotated[int | None, Query(ge=1, le=500)] = None,
 ) -> HTMLResponse:
     job = await _job(session, caller, job_id)
-    episodes = await repo.list_episodes(session, job=job, state=state or None, task=task or None, limit=200)
+    limit = per_page or EPISODES_PER_PAGE
+
+    async def episodes_page(cursor: str | None) -> repo.Page:
+        return await repo.list_episodes(
+            session, job=job, state=state or None, task=task or None, limit=limit, cursor=cursor
+        )
+
+    try:
+        episodes = await episodes_page(cursor or None)
+    except repo.BadCursor:
+        cursor, episodes = None, await episodes_page(None)
     return page(
         request,
         "job.html",
@@ -172,6 +211,9 @@ async def job_page(
         spec=job.spec,
         episodes=episodes.rows,
         episodes_total=episodes.total,
+        next_cursor=episodes.next_cursor,
+        paged=bool(cursor),
+        per_page=per_page,
         state=state or "",
         task=task or "",
         **await _live_context(session, job),
@@ -191,13 +233,13 @@ async def job_command(
 ) -> Response:
     same_origin(request)
     if command not in repo.JOB_COMMANDS:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, "unknown command")
+        raise PageError(status.HTTP_404_NOT_FOUND, f"A job has no command {command!r}.")
     job = await _job(session, caller, job_id)
     try:
         await repo.command_job(session, job=job, command=command, reason=f"{command} from the console")
         await session.commit()
     except IllegalTransition:
-        raise HTTPException(status.HTTP_409_CONFLICT, f"cannot {command} a job that is {job.state}") from None
+        raise PageError(status.HTTP_409_CONFLICT, f"Cannot {command} a job that is {job.state}.") from None
     return RedirectResponse(f"{PREFIX}/jobs/{quote(job_id)}", status_code=status.HTTP_303_SEE_OTHER)
 
 
@@ -207,9 +249,40 @@ async def episode_page(
 ) -> HTMLResponse:
     episode = await repo.get_episode(session, tenant_id=caller.tenant.id, episode_id=episode_id)
     if episode is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode_id} not found")
+        raise PageError(status.HTTP_404_NOT_FOUND, f"There is no episode {episode_id} in this tenant.")
     t = await transcript(session, store, episode)
-    return page(request, "episode.html", caller=caller, t=t, ep=t.episode)
+    job = await repo.get_job(session, tenant_id=caller.tenant.id, job_id=episode.job_id)
+    weights = dict((job.spec or {}).get("rewards") or {}) if job is not None else {}
+    return page(
+        request, "episode.html", caller=caller, t=t, ep=t.episode, components=reward_rows(t.rewards, weights)
+    )
+
+
+def reward_rows(rewards: dict[str, Any], weights: dict[str, float]) -> list[dict[str, Any]]:
+    """One row per reward component: its value, its weight in the job's reward (None when
+    it is reported but not weighted) and its weighted contribution; weighted ones first."""
+    rows = []
+    for name, c in rewards.items():
+        if isinstance(c, dict):
+            value, ok, reason, details = c.get("value"), c.get("ok", True), c.get("reason"), c.get("details")
+        else:
+            value, ok, reason, details = c, True, None, None
+        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+        weight = weights.get(name)
+        rows.append(
+            {
+                "name": name,
+                "value": number,
+                "raw": None if number is not None else value,
+                "ok": ok,
+                "reason": reason,
+                "details": details if isinstance(details, dict) else ({"": details} if details else {}),
+                "weight": weight,
+                "contribution": None if weight is None or number is None else weight * number,
+            }
+        )
+    rows.sort(key=lambda r: (r["weight"] is None, r["name"]))
+    return rows
 
 
 @router.get("/episodes/{episode_id}/log")
@@ -224,9 +297,58 @@ async def episode_log(
     return Response(data, media_type="text/plain; charset=utf-8")
 
 
+MAX_COMPARED = len(PALETTE)
+
+
+@router.get("/compare")
+async def compare_page(
+    request: Request,
+    session: SessionDep,
+    caller: ConsoleCaller,
+    jobs: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI copies it
+) -> HTMLResponse:
+    """Several jobs' reward curves on one chart, and a row of figures per job."""
+    if not jobs:
+        raise PageError(status.HTTP_400_BAD_REQUEST, "Pick the jobs to compare on the jobs page.")
+    if len(set(jobs)) > MAX_COMPARED:
+        raise PageError(status.HTTP_400_BAD_REQUEST, f"Compare at most {MAX_COMPARED} jobs at once.")
+    rows = []
+    for i, job_id in enumerate(dict.fromkeys(jobs)):
+        job = await _job(session, caller, job_id)
+        curve = (await repo.job_metrics(session, job=job)).reward_curve
+        rows.append(
+            {
+                "job": job,
+                "curve": curve,
+                "color": PALETTE[i % len(PALETTE)],
+                "first": curve[0].mean if curve else None,
+                "last": curve[-1].mean if curve else None,
+                "best": max((p.mean for p in curve), default=None),
+            }
+        )
+    chart = reward_curves_svg([(r["job"].id, r["curve"]) for r in rows])
+    return page(request, "compare.html", caller=caller, rows=rows, chart=chart)
+
+
+@router.get("/{path:path}")
+async def missing_page(request: Request, path: str) -> HTMLResponse:
+    """Any other console address: a console page saying so (last route: matches everything)."""
+    raise PageError(status.HTTP_404_NOT_FOUND, f"There is no console page at {PREFIX}/{path}.")
+
+
 def mount(app: FastAPI) -> None:
-    app.include_router(router)
+    # the static files first: the router's catch-all page would answer their paths
     app.mount(PREFIX + "/static", StaticFiles(directory=str(HERE / "static")), name="console-static")
+    app.include_router(router)
+
+    @app.exception_handler(PageError)
+    async def _error_page(request: Request, exc: PageError) -> Response:
+        caller = None
+        key = request.cookies.get(COOKIE, "")
+        if key:
+            async with request.app.state.runtime.db.session() as session:
+                caller = await authenticate(session, key)
+        return page(request, "error.html", code=exc.code, caller=caller, message=exc.message, status=exc.code)
 
     @app.exception_handler(LoginRequired)
     async def _to_login(request: Request, exc: LoginRequired) -> Response:

@@ -89,7 +89,12 @@ def test_transcript_and_watch(server, capsys):
     base = ["--url", url, "--key", seeded.key]
     code, out, _ = run_cli([*base, "transcript", KILLED_EPISODE], capsys)
     assert code == 0
-    assert "turn 0" in out and "Write a function add(a, b)" in out and "killed: timeout" in out
+    assert (
+        "── turn 1" in out
+        and "── turn 2" in out
+        and "Write a function add(a, b)" in out
+        and "killed: timeout" in out
+    )
     assert "tests_passed" in out
     code, out, _ = run_cli([*base, "watch", seeded.job_id], capsys)
     assert code == 0  # the job completed

@@ -55,7 +55,7 @@ def test_temper_run_completes_and_writes_the_report(tmp_path, capsys):
     html = (run / "report.html").read_text()
     # (40 warm-start steps teach little, so what the model wrote is not checked here;
     # tests/services/dispatcher/test_console_real_job.py trains long enough to check it)
-    assert 'id="reward-curve"' in html and "reward vector" in html and "<h4>turn 0</h4>" in html
+    assert 'id="reward-curve"' in html and "reward vector" in html and "<h4>turn 1</h4>" in html
     assert "mean reward" in err, "progress was shown"
 
 

@@ -1,0 +1,229 @@
+"""Getting results out, from the command line (over the REST API):
+
+    temper episodes JOB [--state S] [--task T] [--all] [--json]   a job's episodes
+    temper metrics JOB [--json]                                    progress, reward per iteration, pass rates
+    temper logs EPISODE                                            an episode's stored log (JSON lines)
+    temper export JOB [--format jsonl|parquet] [-o FILE]           trajectories: tokens, logprobs, rewards, versions
+    temper checkpoints JOB [--download V [-o FILE]]                policy versions, and their weights
+    temper compare JOB JOB [...]                                   reward curves side by side
+
+Iterations and turns are counted from 1, as the console counts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from temper.client import TemperClient
+
+STATES = ("pending", "awaiting_action", "acting", "scoring", "scored", "trained", "failed", "cancelled")
+
+
+def _client(args: argparse.Namespace) -> TemperClient:
+    return TemperClient(args.url, args.key)
+
+
+def _out(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _reward(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
+    return [
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def turns_taken(episode: dict[str, Any]) -> int:
+    return 0 if episode["state"] == "pending" else int(episode["turn"]) + 1
+
+
+def cmd_episodes(args: argparse.Namespace) -> int:
+    items: list[dict[str, Any]] = []
+    with _client(args) as api:
+        cursor = None
+        while True:
+            page = api.episodes(
+                args.job,
+                state=args.state,
+                task=args.task,
+                iteration=None if args.iteration is None else args.iteration - 1,
+                limit=min(args.limit, 500),
+                cursor=cursor,
+            )
+            items += page["items"]
+            cursor = page["next_cursor"]
+            if not cursor or (not args.all and len(items) >= args.limit):
+                break
+        total = page["total"]
+    if args.json:
+        _out(json.dumps(items, indent=2))
+        return 0
+    rows = [
+        [e["id"], str(e["iteration"] + 1), e["task_id"], e["state"], str(turns_taken(e)), _reward(e["reward"]),
+         "–" if e["behaviour_version"] is None else f"v{e['behaviour_version']}"]
+        for e in items
+    ]  # fmt: skip
+    for line in table(["episode", "iteration", "task", "state", "turns", "reward", "policy"], rows):
+        _out(line)
+    if len(items) < total:
+        _out(f"({len(items)} of {total}; --all for every one)")
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from temper.cli import progress_lines
+
+    with _client(args) as api:
+        job = api.job(args.job)
+        m = api.metrics(args.job)
+    if args.json:
+        _out(json.dumps(m, indent=2))
+        return 0
+    for line in progress_lines(job, m, color=False):
+        _out(line)
+    if m["reward_curve"]:
+        _out("\nreward per iteration")
+        rows = [
+            [str(p["iteration"] + 1), str(p["episodes"]), f"{p['mean']:.3f}", f"{p['std']:.3f}",
+             f"{p['min']:.3f}", f"{p['max']:.3f}"]
+            for p in m["reward_curve"]
+        ]  # fmt: skip
+        for line in table(["iteration", "scored", "mean", "std", "min", "max"], rows):
+            _out("  " + line)
+    if m["pass_rates"]:
+        _out("\npass rate per task")
+        rows = [
+            [
+                p["task_id"],
+                str(p["episodes"]),
+                str(p["passed"]),
+                f"{p['pass_rate'] * 100:.1f}%",
+                f"{p['mean_reward']:.3f}",
+            ]
+            for p in m["pass_rates"]
+        ]
+        for line in table(["task", "episodes", "passed", "pass rate", "mean reward"], rows):
+            _out("  " + line)
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        data = api.episode_log(args.episode)
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = Path(args.output or f"{args.job}-trajectories.{args.format}")
+    with _client(args) as api:
+        nxt = api.export(args.job, out, format=args.format, after=args.after, limit=args.limit)
+    count = ""
+    if args.format == "jsonl":
+        with out.open("rb") as f:
+            count = f"{sum(1 for _ in f)} trajectories, "
+    sys.stderr.write(f"wrote {out} ({count}{out.stat().st_size} bytes)\n")
+    if nxt:
+        sys.stderr.write(f"more after this page: --after {nxt}\n")
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        if args.download is not None:
+            out = Path(args.output or f"{args.job}-v{args.download}.safetensors")
+            out.write_bytes(api.checkpoint(args.job, args.download))
+            sys.stderr.write(f"wrote {out} ({out.stat().st_size} bytes)\n")
+            return 0
+        versions = api.checkpoints(args.job)
+    if not versions:
+        _out("no policy version published yet")
+        return 0
+    rows = [[f"v{v['version']}", str(v["step"]), v["created_at"]] for v in versions]
+    for line in table(["version", "step", "published"], rows):
+        _out(line)
+    return 0
+
+
+def compare_lines(jobs: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> list[str]:
+    """A summary row per job, then the mean reward per iteration side by side."""
+    rows = []
+    for job, m in zip(jobs, metrics, strict=True):
+        curve = m["reward_curve"]
+        best = max((p["mean"] for p in curve), default=None)
+        rows.append(
+            [job["id"], job["name"], job["state"], str(len(curve)),
+             _reward(curve[0]["mean"] if curve else None), _reward(curve[-1]["mean"] if curve else None),
+             _reward(best), f"v{m['staleness']['current_version']}"]
+        )  # fmt: skip
+    lines = table(["job", "name", "state", "iterations", "first", "last", "best", "policy"], rows)
+    iterations = sorted({p["iteration"] for m in metrics for p in m["reward_curve"]})
+    if iterations:
+        by_job = [{p["iteration"]: p["mean"] for p in m["reward_curve"]} for m in metrics]
+        curve_rows = [[str(i + 1), *(_reward(c.get(i)) for c in by_job)] for i in iterations]
+        lines += ["", "mean reward per iteration"]
+        lines += ["  " + line for line in table(["iteration", *(j["id"] for j in jobs)], curve_rows)]
+    return lines
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    with _client(args) as api:
+        jobs = [api.job(j) for j in args.jobs]
+        metrics = [api.metrics(j) for j in args.jobs]
+    if args.json:
+        _out(json.dumps([{"job": j, "metrics": m} for j, m in zip(jobs, metrics, strict=True)], indent=2))
+        return 0
+    for line in compare_lines(jobs, metrics):
+        _out(line)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("episodes", help="a job's episodes")
+    p.add_argument("job")
+    p.add_argument("--state", choices=STATES)
+    p.add_argument("--task", help="only this task id")
+    p.add_argument("--iteration", type=int, help="only this iteration (counted from 1)")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--all", action="store_true", help="every episode, page after page")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_episodes)
+
+    p = sub.add_parser("metrics", help="a job's progress, reward per iteration and pass rates")
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_metrics)
+
+    p = sub.add_parser("logs", help="an episode's stored log (JSON lines)")
+    p.add_argument("episode")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("export", help="a job's trajectories (tokens, logprobs, rewards, versions) to a file")
+    p.add_argument("job")
+    p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    p.add_argument("-o", "--output", help="file to write (default JOB-trajectories.FORMAT)")
+    p.add_argument("--after", help="start after this episode id (the next page)")
+    p.add_argument("--limit", type=int, help="at most this many trajectories")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("checkpoints", help="a job's policy versions; --download V writes one's weights")
+    p.add_argument("job")
+    p.add_argument("--download", type=int, metavar="VERSION")
+    p.add_argument("-o", "--output", help="file to write (default JOB-vVERSION.safetensors)")
+    p.set_defaults(func=cmd_checkpoints)
+
+    p = sub.add_parser("compare", help="jobs side by side: summary and mean reward per iteration")
+    p.add_argument("jobs", nargs="+", metavar="JOB")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compare)
