@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +34,26 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from temper.jobspec import Advantage, Aggregation, AlgorithmSpec, KLEstimator, Overlong, Precision
+from temper.logs import log_event
 from temper.policy import load_weights, position_ids_from_mask, save_weights, token_logprobs
 from temper.storage import ObjectStore
 from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
 from temper.training.config import Device, TrainerSettings
 from temper.training.grpo import Objective, grpo_token_loss, sample_weights
+from temper.training.memory import (
+    GiB,
+    MemoryEstimate,
+    alternatives,
+    check_fits,
+    estimate,
+    lora_trainable,
+    model_shape,
+    size,
+)
 from temper.trajectory import Trajectory
 
 OPTIMIZER_FORMAT = "temper-adamw-v1"
+log = logging.getLogger("temper.training")
 
 
 def pick_device(device: Device | str = Device.auto) -> torch.device:
@@ -122,6 +135,7 @@ class LearnerConfig:
     overlong_max_tokens: int = 0
     overlong_buffer: int = 0
     gradient_checkpointing: bool = False
+    memory_limit_gb: float | None = None  # default: the CUDA device's memory; none on CPU
 
     def objective(self) -> Objective:
         return Objective(
@@ -168,6 +182,7 @@ class LearnerConfig:
             micro_batch_tokens=a.max_tokens_per_microbatch or s.micro_batch_tokens,
             bf16=s.bf16 if a.precision is None else a.precision is Precision.bf16,
             gradient_checkpointing=a.gradient_checkpointing,
+            memory_limit_gb=s.memory_limit_gb,
         )
 
 
@@ -244,13 +259,21 @@ class Learner:
     ) -> None:
         self.config = config or LearnerConfig()
         self.device = torch.device(device) if device is not None else pick_device()
+        self.memory_plan = self.plan_memory(
+            model, reference_copy=self.config.kl_coef > 0 and reference is None
+        )
         self.model = model.to(self.device).float()
         self.model.train()
         if self.config.gradient_checkpointing:
-            enable = getattr(self.model, "gradient_checkpointing_enable", None)
-            if enable is None:
+            # transformers 5 renamed it (the old name warns); older releases have only the old one
+            new: Callable[..., Any] | None = getattr(self.model, "activation_checkpointing_enable", None)
+            old: Callable[..., Any] | None = getattr(self.model, "gradient_checkpointing_enable", None)
+            if new is not None:
+                new({"use_reentrant": False})
+            elif old is not None:
+                old(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
                 raise ValueError("gradient_checkpointing: this model does not support it")
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.config.kl_coef > 0 and reference is None:
             reference = copy.deepcopy(model)  # the policy as it is now: normally the initial weights
         self.reference = reference.to(self.device).eval() if reference is not None else None
@@ -268,6 +291,31 @@ class Learner:
         )
         self.step_count = step
         self.version = version
+
+    def plan_memory(self, model: torch.nn.Module, *, reference_copy: bool) -> MemoryEstimate:
+        """Estimate the job's memory (temper.training.memory), log it with the alternatives,
+        and refuse (:class:`MemoryPlanError`) a plan above the limit, before any weight
+        moves to the device."""
+        cfg = self.config
+        shape = model_shape(model)
+        plan = estimate(
+            shape,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            bf16=self.device.type == "cuda" and cfg.bf16,
+            reference=reference_copy,
+        )
+        lora = lora_trainable(model, 16)
+        log_event(log, "memory plan", plan=plan.describe(), device=str(self.device),
+                  alternatives={what: size(alt.total) for what, alt in alternatives(shape, plan, lora=lora)})  # fmt: skip
+        limit = None
+        if cfg.memory_limit_gb is not None:
+            limit = int(cfg.memory_limit_gb * GiB)
+        elif self.device.type == "cuda":
+            limit = torch.cuda.get_device_properties(self.device).total_memory
+        if limit is not None:
+            check_fits(shape, plan, limit, lora=lora, device=str(self.device))
+        return plan
 
     @property
     def autocast_enabled(self) -> bool:
