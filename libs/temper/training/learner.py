@@ -291,6 +291,11 @@ class Learner:
         )
         self.step_count = step
         self.version = version
+        # set by temper.training.distributed.shard: the whole model is called (its root
+        # gathers the output layer), and the loss is multiplied by the world size because
+        # FSDP averages the ranks' gradients where the step needs their sum
+        self.full_forward = False
+        self.loss_scale = 1.0
 
     def plan_memory(self, model: torch.nn.Module, *, reference_copy: bool) -> MemoryEstimate:
         """Estimate the job's memory (temper.training.memory), log it with the alternatives,
@@ -393,14 +398,23 @@ class Learner:
         stats.tokens_per_s = tokens / seconds if seconds > 0 else 0.0
         return stats
 
-    def backward(self, samples: Sequence[Sample], normalizer: int | None = None) -> Accumulated:
+    def backward(
+        self,
+        samples: Sequence[Sample],
+        normalizer: int | None = None,
+        *,
+        batch: Sequence[Sample] | None = None,
+    ) -> Accumulated:
         """Forward and backward every micro-batch of ``samples``, adding the gradient of
-        the step's loss to ``.grad`` (the optimizer is not touched). The samples' loss
-        weights are set here for the whole of ``samples`` (the aggregation); ``normalizer``
-        is kept for callers of the token-mean form and must equal the scored tokens."""
+        the step's loss to ``.grad`` (the optimizer is not touched). The loss weights
+        (the aggregation) are computed over ``batch``, the whole optimizer batch, of
+        which ``samples`` may be one rank's share (default: ``samples`` itself), so that
+        the ranks' gradients sum to the whole batch's. ``normalizer`` is kept for callers
+        of the token-mean form and must equal the scored tokens."""
         obj = self.config.objective()
-        for s, w in zip(samples, sample_weights([s.scored_tokens for s in samples], obj), strict=True):
-            s.weight = w
+        whole = samples if batch is None else batch
+        for s, w in zip(whole, sample_weights([s.scored_tokens for s in whole], obj), strict=True):
+            s.weight = w * self.loss_scale
         if normalizer is None:
             normalizer = sum(s.scored_tokens for s in samples)
         self.model.train()
@@ -410,9 +424,12 @@ class Learner:
             b = collate(mb, self.pad_id, self.device)
             entropy: list[torch.Tensor] | None = [] if obj.entropy_coef else None
             with self._autocast():
-                logprobs = completion_logprobs(
-                    self.model, b.input_ids, b.attention_mask, b.completion_mask, entropy
-                )
+                if self.full_forward:  # a sharded model is called as a whole (its root gathers the head)
+                    logprobs = token_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask)
+                else:
+                    logprobs = completion_logprobs(
+                        self.model, b.input_ids, b.attention_mask, b.completion_mask, entropy
+                    )
                 ref = None
                 if self.reference is not None:
                     with torch.no_grad():
@@ -434,7 +451,7 @@ class Learner:
                 entropy_coef=obj.entropy_coef,
             )
             parts.loss.backward()
-            acc.loss += float(parts.loss.detach())
+            acc.loss += float(parts.loss.detach()) / self.loss_scale
             acc.entropy += parts.entropy_sum
             acc.pg += parts.pg_sum
             acc.kl += parts.kl_sum
