@@ -420,6 +420,8 @@ class Learner:
         self.model.train()
         acc = Accumulated()
         batches = micro_batches(samples, self.config.micro_batch_tokens)
+        if self.loss_scale != 1.0:
+            batches = self._same_count_on_every_rank(batches)
         for mb in batches:
             b = collate(mb, self.pad_id, self.device)
             entropy: list[torch.Tensor] | None = [] if obj.entropy_coef else None
@@ -461,6 +463,16 @@ class Learner:
             acc.tokens += b.tokens
         acc.micro_batches = len(batches)
         return acc
+
+    def _same_count_on_every_rank(self, batches: list[list[Sample]]) -> list[list[Sample]]:
+        """Sharded training: FSDP's collectives need every rank to run as many forward and
+        backward passes, so a rank with fewer micro-batches adds passes that weigh nothing."""
+        import torch.distributed as dist
+
+        most = torch.tensor([len(batches)])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        idle = Sample([self.pad_id, self.pad_id], [False, False], [0.0, 0.0], 0.0, 0.0)
+        return batches + [[idle]] * (int(most) - len(batches))
 
     def _truncate(self, s: Sample) -> Sample:
         if self.max_len is None or len(s.ids) <= self.max_len:

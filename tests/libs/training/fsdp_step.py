@@ -1,8 +1,10 @@
 """One optimizer step on the fixed batch, on one process or under torchrun with FSDP2
 (gloo): writes the loss, the gradient norm and the weights after the step to OUT.
 
-    python tests/libs/training/fsdp_step.py OUT                      # one process
-    python -m torch.distributed.run --nproc_per_node 2 tests/libs/training/fsdp_step.py OUT
+    python tests/libs/training/fsdp_step.py OUT BUDGET                      # one process
+    python -m torch.distributed.run --nproc_per_node 2 tests/libs/training/fsdp_step.py OUT BUDGET
+
+BUDGET is the micro-batch token budget.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from temper.training.distributed import full_norm, shard, share
 from tests.libs.training.batches import fixed_batch
 
 
-def main(out: Path) -> None:
+def main(out: Path, budget: int) -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -31,7 +33,7 @@ def main(out: Path) -> None:
     # AdamW's first step moves each weight by about lr * g / (|g| + 1e-8): for the few
     # gradient entries near 1e-8 the ranks' different summation order shows up at the
     # scale of lr (2e-5 at lr 1e-2, measured), so the test uses 1e-3
-    config = LearnerConfig(learning_rate=1e-3, kl_coef=0.05, micro_batch_tokens=1 << 20)
+    config = LearnerConfig(learning_rate=1e-3, kl_coef=0.05, micro_batch_tokens=budget)
     learner = Learner(create_model(seed=1), config, device="cpu", reference=create_model(seed=2))
     if world > 1:
         shard(learner)
@@ -61,4 +63,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -44,9 +44,10 @@ def run(args: list[str]) -> None:
 
 
 def test_two_ranks_make_the_same_step_as_one(tmp_path):
-    run([sys.executable, str(SCRIPT), str(tmp_path / "one")])
+    # one process, one micro-batch; two ranks with a budget that gives them 2 and 1 micro-batches
+    run([sys.executable, str(SCRIPT), str(tmp_path / "one"), str(1 << 20)])
     run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--standalone", str(SCRIPT), str(tmp_path / "two")])  # fmt: skip
+         "--standalone", str(SCRIPT), str(tmp_path / "two"), "108"])  # fmt: skip
     one = json.loads((tmp_path / "one" / "step.json").read_text())
     two = json.loads((tmp_path / "two" / "step.json").read_text())
     assert (one["world"], two["world"]) == (1, 2)
