@@ -20,9 +20,9 @@ of a step (the median resists other processes' bursts on a shared machine);
 TRL runs with ``gradient_checkpointing=False`` (its default is True, which recomputes
 activations in the backward pass; Temper does not).
 
-TRL is a bench-only dependency: installed here with pip if it is missing, never part
-of Temper's runtime dependencies. It runs offline (local model directory, in-memory
-dataset, HF_HUB_OFFLINE=1).
+TRL and accelerate are bench-only dependencies: the ``bench`` extra of pyproject.toml,
+pinned in requirements.lock and installed by ``make setup``; never installed at run
+time. It runs offline (local model directory, in-memory dataset, HF_HUB_OFFLINE=1).
 
     python bench/trainer.py [--steps 6] [--warmup 1] [--preset tiny]
 
@@ -37,7 +37,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,13 +60,16 @@ from temper.training.grpo import group_advantages  # noqa: E402
 LR, CLIP, MAX_GRAD_NORM = 1e-5, 0.2, 1.0
 
 
-def ensure_trl() -> str:
+def require_trl() -> str:
+    """TRL's version; exits with what to do when TRL or accelerate is missing."""
     try:
+        import accelerate  # noqa: F401  (TRL's Trainer needs it)
         import trl
-    except ImportError:
-        print("installing trl (bench-only) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "trl"], check=True)
-        import trl
+    except ImportError as exc:
+        sys.exit(
+            f"bench/trainer.py needs the bench extra ({exc.name} is missing): "
+            "run `make setup`, or install it from the lock: pip install -c requirements.lock '.[bench]'"
+        )
     return str(trl.__version__)
 
 
@@ -251,7 +253,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "trainer.json"))
     args = ap.parse_args()
 
-    trl_version = ensure_trl()
+    trl_version = require_trl()
     device = torch.device(
         "cuda"
         if args.device == "auto" and torch.cuda.is_available()

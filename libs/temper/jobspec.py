@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Spec(BaseModel):
@@ -167,21 +167,136 @@ class EnvironmentSpec(_Spec):
 
 
 class Algorithm(StrEnum):
+    """A preset of the objective's parts (docs/training.md, "Presets")."""
+
     grpo = "grpo"
-    ppo = "ppo"
+    dr_grpo = "dr_grpo"
+    dapo = "dapo"
+    rloo = "rloo"
+
+
+class Advantage(StrEnum):
+    group_norm = "group_norm"  # (r - mean) / (std + eps): GRPO, DAPO
+    group_mean = "group_mean"  # r - mean: Dr. GRPO
+    leave_one_out = "leave_one_out"  # r - mean of the others: RLOO
+
+
+class Aggregation(StrEnum):
+    token_mean = "token_mean"  # every model token of the batch weighs the same
+    seq_mean = "seq_mean"  # mean over each sequence's tokens, then over sequences
+    seq_sum = "seq_sum"  # sum over each sequence's tokens / loss_constant, mean over sequences
+
+
+class KLEstimator(StrEnum):
+    none = "none"
+    k1 = "k1"  # log pi_theta - log pi_ref
+    k3 = "k3"  # exp(log pi_ref - log pi_theta) - (log pi_ref - log pi_theta) - 1
+
+
+class Overlong(StrEnum):
+    keep = "keep"  # trained like any other response
+    filter = "filter"  # responses of overlong_max_tokens model tokens or more carry no loss
+    penalty = "penalty"  # reward minus a penalty growing linearly over the last overlong_buffer tokens
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # bf16 autocast on CUDA; weights, gradients and AdamW state stay fp32
+
+
+# What each preset sets; a field given explicitly in the spec wins over its preset.
+PRESETS: dict[Algorithm, dict[str, Any]] = {
+    Algorithm.grpo: {"advantage": Advantage.group_norm, "aggregation": Aggregation.token_mean,
+                     "overlong": Overlong.keep},
+    Algorithm.dr_grpo: {"advantage": Advantage.group_mean, "aggregation": Aggregation.seq_sum,
+                        "overlong": Overlong.keep},
+    Algorithm.dapo: {"advantage": Advantage.group_norm, "aggregation": Aggregation.token_mean,
+                     "clip_eps_high": 0.28, "overlong": Overlong.penalty},
+    Algorithm.rloo: {"advantage": Advantage.leave_one_out, "aggregation": Aggregation.token_mean,
+                     "overlong": Overlong.keep},
+}  # fmt: skip
+REFUSED_ALGORITHMS = {"ppo": "ppo needs a value model, which Temper does not train"}
 
 
 class AlgorithmSpec(_Spec):
-    name: Algorithm = Algorithm.grpo
+    name: Algorithm = Field(Algorithm.grpo, description="a preset of the parts below")
     learning_rate: float = Field(1e-4, gt=0, le=1)
-    clip_eps: float = Field(0.2, gt=0, le=1)
+    advantage: Advantage | None = Field(None, description="default: the preset's")
+    aggregation: Aggregation | None = Field(None, description="default: the preset's")
+    loss_constant: int | None = Field(
+        None,
+        ge=1,
+        description="divisor of seq_sum; default: policy.sampling.max_tokens x environment.max_turns",
+    )
+    clip_eps: float = Field(0.2, gt=0, le=1, description="lower clip bound: ratio >= 1 - clip_eps")
+    clip_eps_high: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="upper clip bound: ratio <= 1 + clip_eps_high; default: the preset's, else clip_eps",
+    )
     kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: KLEstimator = KLEstimator.k3
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
+    overlong: Overlong | None = Field(None, description="default: the preset's")
+    overlong_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="model tokens of a full-length response; default: policy.sampling.max_tokens x environment.max_turns",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="the band before overlong_max_tokens where the penalty grows; default: a fifth of it",
+    )
     max_grad_norm: float = Field(1.0, gt=0)
     groups_per_step: int = Field(4, ge=1, description="groups in one optimizer batch")
     checkpoint_every: int = Field(
         1, ge=1, description="optimizer steps between checkpoints / policy versions"
     )
     skip_zero_variance: bool = True
+    dynamic_sampling: bool = Field(
+        False, description="replace skipped zero-variance groups with fresh ones (not implemented: refused)"
+    )
+    max_tokens_per_microbatch: int | None = Field(
+        None,
+        ge=64,
+        description="padded tokens per forward/backward; default: TEMPER_TRAINER__MICRO_BATCH_TOKENS",
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    precision: Precision | None = Field(None, description="default: TEMPER_TRAINER__BF16")
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _refused(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in REFUSED_ALGORITHMS:
+            allowed = ", ".join(a.value for a in Algorithm)
+            raise ValueError(f"{REFUSED_ALGORITHMS[value]}; allowed: {allowed}")
+        return value
+
+    @model_validator(mode="after")
+    def _preset(self) -> AlgorithmSpec:
+        for name, value in PRESETS[self.name].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.clip_eps_high is None:
+            self.clip_eps_high = self.clip_eps
+        if self.kl_coef > 0 and self.kl_estimator is KLEstimator.none:
+            raise ValueError("kl_coef > 0 needs a kl_estimator (k1 or k3)")
+        if self.dynamic_sampling:
+            # The trainer already fills each batch with groups that carry a signal; what is
+            # missing is the dispatcher starting a fresh group for each skipped one.
+            raise ValueError(
+                "dynamic_sampling is not implemented: the dispatcher does not start replacement groups yet; "
+                "with skip_zero_variance the trainer skips zero-variance groups and fills each batch from later ones"
+            )
+        if (
+            self.overlong_max_tokens
+            and self.overlong_buffer
+            and self.overlong_buffer > self.overlong_max_tokens
+        ):
+            raise ValueError("overlong_buffer must not exceed overlong_max_tokens")
+        return self
 
 
 class Schedule(_Spec):
@@ -212,6 +327,15 @@ class JobSpec(_Spec):
             )
         if not self.rewards:
             raise ValueError("rewards: name at least one reward component")
+        a = self.algorithm
+        longest = self.policy.sampling.max_tokens * self.environment.max_turns
+        if a.aggregation is Aggregation.seq_sum and a.loss_constant is None:
+            a.loss_constant = longest
+        if a.overlong is not Overlong.keep:
+            a.overlong_max_tokens = a.overlong_max_tokens or longest
+            a.overlong_buffer = a.overlong_buffer or max(1, a.overlong_max_tokens // 5)
+            if a.overlong_buffer > a.overlong_max_tokens:
+                raise ValueError("algorithm.overlong_buffer must not exceed algorithm.overlong_max_tokens")
         return self
 
 

@@ -1,8 +1,9 @@
 """From trajectories to padded tensors.
 
 A :class:`Sample` is one trajectory flattened: every token id, a mask that is True on
-the model's own tokens, the behaviour logprob of each token and the sample's
-advantage. :func:`micro_batches` packs samples of similar length under a padded-token
+the model's own tokens, the behaviour logprob of each token, the sample's advantage
+and the per-token weight its aggregation gives it (set by the learner for the whole
+batch). :func:`micro_batches` packs samples of similar length under a padded-token
 budget; :func:`collate` right-pads one micro-batch into tensors.
 """
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from temper.training.grpo import group_advantages, is_zero_variance
+from temper.jobspec import Overlong
+from temper.training.grpo import Objective, advantages, is_zero_variance, overlong_penalty
 from temper.trajectory import Trajectory
 
 
@@ -27,6 +29,8 @@ class Sample:
     behaviour_version: int = 0
     episode_id: str = ""
     group_id: str = ""
+    filtered: bool = False  # an overlong response under ``overlong: filter``: no loss
+    weight: float = 0.0  # per-token loss weight (temper.training.grpo.sample_weights)
 
     def __post_init__(self) -> None:
         if not (len(self.ids) == len(self.mask) == len(self.behaviour_logprobs)):
@@ -36,6 +40,11 @@ class Sample:
     def model_tokens(self) -> int:
         return sum(self.mask)
 
+    @property
+    def scored_tokens(self) -> int:
+        """Model tokens that enter the loss (token 0 has no context; a filtered sample has none)."""
+        return 0 if self.filtered else sum(self.mask[1:])
+
 
 @dataclass
 class Batch:
@@ -44,6 +53,7 @@ class Batch:
     completion_mask: torch.Tensor  # [B, T] bool: the model's own tokens
     behaviour_logprobs: torch.Tensor  # [B, T] float32, 0 where masked
     advantages: torch.Tensor  # [B] float32
+    weights: torch.Tensor  # [B] float32: per-token loss weight of each row
 
     @property
     def tokens(self) -> int:
@@ -51,19 +61,33 @@ class Batch:
 
 
 def samples_from_groups(
-    groups: Sequence[Sequence[Trajectory]], *, eps: float = 1e-4, skip_zero_variance: bool = True
+    groups: Sequence[Sequence[Trajectory]],
+    *,
+    eps: float = 1e-4,
+    skip_zero_variance: bool = True,
+    objective: Objective | None = None,
 ) -> tuple[list[Sample], int]:
-    """One :class:`Sample` per trajectory with its group-normalised advantage; returns
-    the samples and how many groups were dropped for zero reward variance."""
+    """One :class:`Sample` per trajectory with its advantage (``objective.advantage``, after
+    any overlong penalty on the reward); returns the samples and how many groups were
+    dropped for zero reward variance (of the rewards as trained on, penalties included).
+    ``eps`` is used when no ``objective`` is given."""
+    obj = objective or Objective(adv_eps=eps)
     samples: list[Sample] = []
     skipped = 0
     for group in groups:
+        flat = [t.flat() for t in group]
         rewards = [t.reward for t in group]
+        lengths = [sum(mask) for _, mask, _ in flat]
+        if obj.overlong is Overlong.penalty:
+            rewards = [
+                r + overlong_penalty(n, obj.overlong_max_tokens, obj.overlong_buffer)
+                for r, n in zip(rewards, lengths, strict=True)
+            ]
         if skip_zero_variance and is_zero_variance(rewards):
             skipped += 1
             continue
-        for traj, adv in zip(group, group_advantages(rewards, eps), strict=True):
-            ids, mask, logprobs = traj.flat()
+        advs = advantages(rewards, obj.advantage, obj.adv_eps)
+        for traj, (ids, mask, logprobs), adv, n in zip(group, flat, advs, lengths, strict=True):
             samples.append(
                 Sample(
                     ids,
@@ -74,6 +98,7 @@ def samples_from_groups(
                     traj.behaviour_version,
                     traj.episode_id,
                     traj.group_id,
+                    filtered=obj.overlong is Overlong.filter and n >= obj.overlong_max_tokens,
                 )
             )
     return samples, skipped
@@ -112,7 +137,12 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device | str =
         attn[i, :k] = 1
         comp[i, :k] = torch.tensor(s.mask, dtype=torch.bool)
         old[i, :k] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        if s.filtered:
+            comp[i] = False
     # The first token has no context, so it can never be scored (token_logprobs gives 0 there).
     comp[:, 0] = False
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Batch(ids.to(device), attn.to(device), comp.to(device), old.to(device), adv.to(device))
+    weights = torch.tensor([s.weight for s in samples], dtype=torch.float32)
+    return Batch(
+        ids.to(device), attn.to(device), comp.to(device), old.to(device), adv.to(device), weights.to(device)
+    )

@@ -31,6 +31,11 @@ class TrainerSettings(BaseModel):
     micro_batch_tokens: int = Field(
         8192, ge=64, description="padded tokens per forward/backward pass; gradients accumulate across passes"
     )
+    memory_limit_gb: float | None = Field(
+        None,
+        gt=0,
+        description="refuse a job whose memory estimate exceeds this; unset: the CUDA device's memory, no limit on CPU",
+    )
     adv_eps: float = Field(1e-4, gt=0, description="eps in (r - mean) / (std + eps)")
     weight_decay: float = Field(0.0, ge=0)
     group_timeout_s: float = Field(

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,15 +33,27 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from temper.jobspec import AlgorithmSpec
+from temper.jobspec import Advantage, Aggregation, AlgorithmSpec, KLEstimator, Overlong, Precision
+from temper.logs import log_event
 from temper.policy import load_weights, position_ids_from_mask, save_weights, token_logprobs
 from temper.storage import ObjectStore
 from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
 from temper.training.config import Device, TrainerSettings
-from temper.training.grpo import grpo_token_loss
+from temper.training.grpo import Objective, grpo_token_loss, sample_weights
+from temper.training.memory import (
+    GiB,
+    MemoryEstimate,
+    alternatives,
+    check_fits,
+    estimate,
+    lora_trainable,
+    model_shape,
+    size,
+)
 from temper.trajectory import Trajectory
 
 OPTIMIZER_FORMAT = "temper-adamw-v1"
+log = logging.getLogger("temper.training")
 
 
 def pick_device(device: Device | str = Device.auto) -> torch.device:
@@ -58,16 +71,20 @@ def completion_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
+    entropy: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``token_logprobs(model, ids, attention, completion)`` computed only where it is
     needed: the decoder runs on every token, but the output projection and the softmax
     only on the positions that predict a model token. For real vocabularies (10^5
     entries) this is most of the memory and a large share of the compute of a step
     with long prompts and observations. Falls back to ``token_logprobs`` for models
-    without a separate decoder and output layer."""
+    without a separate decoder and output layer. With ``entropy`` (a list), the entropy
+    of the policy at each scored position is appended to it, shaped like the result."""
     decoder = getattr(model, "get_decoder", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if decoder is None or head is None:
+        if entropy is not None:
+            raise ValueError("the entropy bonus needs a model with a decoder and an output layer")
         return token_logprobs(model, input_ids, attention_mask, completion_mask)
     hidden = decoder(
         input_ids=input_ids,
@@ -79,9 +96,13 @@ def completion_logprobs(
     # position t is scored from the hidden state at t-1, if both tokens are real and t is the model's
     scored = completion_mask[:, 1:].bool() & am[:, 1:] & am[:, :-1]
     logits = head(hidden[:, :-1][scored]).float()
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:][scored].unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:][scored].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
     index = scored.nonzero(as_tuple=True)
+    if entropy is not None:
+        h = -(logp.exp() * logp).sum(-1)
+        entropy.append(torch.zeros_like(out).index_put((index[0], index[1] + 1), h))
     return out.index_put((index[0], index[1] + 1), picked)
 
 
@@ -103,21 +124,65 @@ class LearnerConfig:
     skip_zero_variance: bool = True
     micro_batch_tokens: int = 8192
     bf16: bool = True
+    # the objective's parts (temper.training.grpo.Objective); clip_eps is the lower clip bound
+    advantage: Advantage = Advantage.group_norm
+    aggregation: Aggregation = Aggregation.token_mean
+    loss_constant: float = 1.0
+    clip_high: float | None = None  # default: clip_eps
+    kl_estimator: KLEstimator = KLEstimator.k3
+    entropy_coef: float = 0.0
+    overlong: Overlong = Overlong.keep
+    overlong_max_tokens: int = 0
+    overlong_buffer: int = 0
+    gradient_checkpointing: bool = False
+    memory_limit_gb: float | None = None  # default: the CUDA device's memory; none on CPU
+
+    def objective(self) -> Objective:
+        return Objective(
+            advantage=self.advantage,
+            aggregation=self.aggregation,
+            loss_constant=self.loss_constant,
+            clip_low=self.clip_eps,
+            clip_high=self.clip_eps if self.clip_high is None else self.clip_high,
+            kl=self.kl_estimator,
+            kl_coef=self.kl_coef,
+            entropy_coef=self.entropy_coef,
+            overlong=self.overlong,
+            overlong_max_tokens=self.overlong_max_tokens,
+            overlong_buffer=self.overlong_buffer,
+            adv_eps=self.adv_eps,
+        )
 
     @classmethod
     def from_spec(cls, algorithm: AlgorithmSpec, settings: TrainerSettings | None = None) -> LearnerConfig:
         """The job's algorithm settings plus the trainer process's own knobs."""
         s = settings or TrainerSettings.model_validate({})
+        a = algorithm
+        if a.aggregation is Aggregation.seq_sum and a.loss_constant is None:
+            raise ValueError("aggregation seq_sum needs algorithm.loss_constant")
+        if a.overlong not in (None, Overlong.keep) and not (a.overlong_max_tokens and a.overlong_buffer):
+            raise ValueError(f"overlong {a.overlong} needs algorithm.overlong_max_tokens and overlong_buffer")
         return cls(
-            learning_rate=algorithm.learning_rate,
-            clip_eps=algorithm.clip_eps,
-            kl_coef=algorithm.kl_coef,
-            max_grad_norm=algorithm.max_grad_norm,
-            skip_zero_variance=algorithm.skip_zero_variance,
+            learning_rate=a.learning_rate,
+            clip_eps=a.clip_eps,
+            clip_high=a.clip_eps_high,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+            entropy_coef=a.entropy_coef,
+            max_grad_norm=a.max_grad_norm,
+            skip_zero_variance=a.skip_zero_variance,
+            advantage=a.advantage or Advantage.group_norm,
+            aggregation=a.aggregation or Aggregation.token_mean,
+            loss_constant=float(a.loss_constant or 1),
+            overlong=a.overlong or Overlong.keep,
+            overlong_max_tokens=a.overlong_max_tokens or 0,
+            overlong_buffer=a.overlong_buffer or 0,
             weight_decay=s.weight_decay,
             adv_eps=s.adv_eps,
-            micro_batch_tokens=s.micro_batch_tokens,
-            bf16=s.bf16,
+            micro_batch_tokens=a.max_tokens_per_microbatch or s.micro_batch_tokens,
+            bf16=s.bf16 if a.precision is None else a.precision is Precision.bf16,
+            gradient_checkpointing=a.gradient_checkpointing,
+            memory_limit_gb=s.memory_limit_gb,
         )
 
 
@@ -132,6 +197,7 @@ class StepStats:
     loss: float = 0.0
     pg_loss: float = 0.0
     kl: float = 0.0
+    entropy: float = 0.0  # mean policy entropy over the model tokens (when the bonus is on)
     clip_fraction: float = 0.0
     ratio_mean: float = 1.0
     abs_log_ratio: float = 0.0  # mean |log pi_theta - log pi_behaviour| over model tokens
@@ -141,6 +207,7 @@ class StepStats:
     groups: int = 0
     skipped_groups: int = 0
     samples: int = 0
+    filtered_samples: int = 0  # overlong responses that carried no loss
     tokens: int = 0  # every real (non-pad) token forwarded and backpropagated
     model_tokens: int = 0  # the tokens the loss is averaged over
     micro_batches: int = 0
@@ -161,8 +228,10 @@ class StepStats:
 class Accumulated:
     """Sums over the model tokens of a step's micro-batches."""
 
+    loss: float = 0.0  # the weighted loss (sum over micro-batches)
     pg: float = 0.0
     kl: float = 0.0
+    entropy: float = 0.0
     clipped: float = 0.0
     ratio: float = 0.0
     abs_log_ratio: float = 0.0
@@ -190,8 +259,21 @@ class Learner:
     ) -> None:
         self.config = config or LearnerConfig()
         self.device = torch.device(device) if device is not None else pick_device()
+        self.memory_plan = self.plan_memory(
+            model, reference_copy=self.config.kl_coef > 0 and reference is None
+        )
         self.model = model.to(self.device).float()
         self.model.train()
+        if self.config.gradient_checkpointing:
+            # transformers 5 renamed it (the old name warns); older releases have only the old one
+            new: Callable[..., Any] | None = getattr(self.model, "activation_checkpointing_enable", None)
+            old: Callable[..., Any] | None = getattr(self.model, "gradient_checkpointing_enable", None)
+            if new is not None:
+                new({"use_reentrant": False})
+            elif old is not None:
+                old(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                raise ValueError("gradient_checkpointing: this model does not support it")
         if self.config.kl_coef > 0 and reference is None:
             reference = copy.deepcopy(model)  # the policy as it is now: normally the initial weights
         self.reference = reference.to(self.device).eval() if reference is not None else None
@@ -209,6 +291,36 @@ class Learner:
         )
         self.step_count = step
         self.version = version
+        # set by temper.training.distributed.shard: the whole model is called (its root
+        # gathers the output layer), and the loss is multiplied by the world size because
+        # FSDP averages the ranks' gradients where the step needs their sum
+        self.full_forward = False
+        self.loss_scale = 1.0
+
+    def plan_memory(self, model: torch.nn.Module, *, reference_copy: bool) -> MemoryEstimate:
+        """Estimate the job's memory (temper.training.memory), log it with the alternatives,
+        and refuse (:class:`MemoryPlanError`) a plan above the limit, before any weight
+        moves to the device."""
+        cfg = self.config
+        shape = model_shape(model)
+        plan = estimate(
+            shape,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            bf16=self.device.type == "cuda" and cfg.bf16,
+            reference=reference_copy,
+        )
+        lora = lora_trainable(model, 16)
+        log_event(log, "memory plan", plan=plan.describe(), device=str(self.device),
+                  alternatives={what: size(alt.total) for what, alt in alternatives(shape, plan, lora=lora)})  # fmt: skip
+        limit = None
+        if cfg.memory_limit_gb is not None:
+            limit = int(cfg.memory_limit_gb * GiB)
+        elif self.device.type == "cuda":
+            limit = torch.cuda.get_device_properties(self.device).total_memory
+        if limit is not None:
+            check_fits(shape, plan, limit, lora=lora, device=str(self.device))
+        return plan
 
     @property
     def autocast_enabled(self) -> bool:
@@ -224,7 +336,7 @@ class Learner:
     def step(self, groups: Sequence[Sequence[Trajectory]]) -> StepStats:
         """One optimizer step on ``groups`` (each: the trajectories of one task)."""
         samples, skipped = samples_from_groups(
-            groups, eps=self.config.adv_eps, skip_zero_variance=self.config.skip_zero_variance
+            groups, skip_zero_variance=self.config.skip_zero_variance, objective=self.config.objective()
         )
         return self.step_samples(samples, groups=len(groups), skipped_groups=skipped)
 
@@ -241,6 +353,7 @@ class Learner:
             groups=groups,
             skipped_groups=skipped_groups,
             samples=len(samples),
+            filtered_samples=sum(s.filtered for s in samples),
         )
         if samples:
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
@@ -250,7 +363,7 @@ class Learner:
             stats.staleness_mean = sum(stats.staleness) / len(stats.staleness)
             stats.staleness_max = max(stats.staleness)
         # token 0 of a sample has no context and is never scored (see collate)
-        normalizer = sum(sum(s.mask[1:]) for s in samples)
+        normalizer = sum(s.scored_tokens for s in samples)
         if normalizer == 0:
             stats.seconds = time.perf_counter() - started
             return stats
@@ -272,7 +385,8 @@ class Learner:
         stats.step = self.step_count
         stats.pg_loss = pg / normalizer
         stats.kl = kl / normalizer
-        stats.loss = stats.pg_loss + self.config.kl_coef * stats.kl
+        stats.entropy = acc.entropy / normalizer
+        stats.loss = acc.loss
         stats.clip_fraction = clipped / normalizer
         stats.ratio_mean = ratio / normalizer
         stats.abs_log_ratio = alr / normalizer
@@ -284,19 +398,40 @@ class Learner:
         stats.tokens_per_s = tokens / seconds if seconds > 0 else 0.0
         return stats
 
-    def backward(self, samples: Sequence[Sample], normalizer: int | None = None) -> Accumulated:
+    def backward(
+        self,
+        samples: Sequence[Sample],
+        normalizer: int | None = None,
+        *,
+        batch: Sequence[Sample] | None = None,
+    ) -> Accumulated:
         """Forward and backward every micro-batch of ``samples``, adding the gradient of
-        the step's loss to ``.grad`` (the optimizer is not touched). ``normalizer`` is the
-        model-token count of the whole step (default: that of ``samples``)."""
+        the step's loss to ``.grad`` (the optimizer is not touched). The loss weights
+        (the aggregation) are computed over ``batch``, the whole optimizer batch, of
+        which ``samples`` may be one rank's share (default: ``samples`` itself), so that
+        the ranks' gradients sum to the whole batch's. ``normalizer`` is kept for callers
+        of the token-mean form and must equal the scored tokens."""
+        obj = self.config.objective()
+        whole = samples if batch is None else batch
+        for s, w in zip(whole, sample_weights([s.scored_tokens for s in whole], obj), strict=True):
+            s.weight = w * self.loss_scale
         if normalizer is None:
-            normalizer = sum(sum(s.mask[1:]) for s in samples)
+            normalizer = sum(s.scored_tokens for s in samples)
         self.model.train()
         acc = Accumulated()
         batches = micro_batches(samples, self.config.micro_batch_tokens)
+        if self.loss_scale != 1.0:
+            batches = self._same_count_on_every_rank(batches)
         for mb in batches:
             b = collate(mb, self.pad_id, self.device)
+            entropy: list[torch.Tensor] | None = [] if obj.entropy_coef else None
             with self._autocast():
-                logprobs = completion_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask)
+                if self.full_forward:  # a sharded model is called as a whole (its root gathers the head)
+                    logprobs = token_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask)
+                else:
+                    logprobs = completion_logprobs(
+                        self.model, b.input_ids, b.attention_mask, b.completion_mask, entropy
+                    )
                 ref = None
                 if self.reference is not None:
                     with torch.no_grad():
@@ -308,12 +443,18 @@ class Learner:
                 b.behaviour_logprobs,
                 b.advantages,
                 b.completion_mask,
-                clip_eps=self.config.clip_eps,
-                normalizer=float(max(normalizer, 1)),
+                clip_eps=obj.clip_low,
+                clip_high=obj.clip_high,
+                weights=b.weights,
                 ref_logprobs=None if ref is None else ref.float(),
-                kl_coef=self.config.kl_coef,
+                kl_coef=obj.kl_coef,
+                kl=obj.kl,
+                entropy=entropy[0] if entropy else None,
+                entropy_coef=obj.entropy_coef,
             )
             parts.loss.backward()
+            acc.loss += float(parts.loss.detach()) / self.loss_scale
+            acc.entropy += parts.entropy_sum
             acc.pg += parts.pg_sum
             acc.kl += parts.kl_sum
             acc.clipped += parts.clipped
@@ -322,6 +463,16 @@ class Learner:
             acc.tokens += b.tokens
         acc.micro_batches = len(batches)
         return acc
+
+    def _same_count_on_every_rank(self, batches: list[list[Sample]]) -> list[list[Sample]]:
+        """Sharded training: FSDP's collectives need every rank to run as many forward and
+        backward passes, so a rank with fewer micro-batches adds passes that weigh nothing."""
+        import torch.distributed as dist
+
+        most = torch.tensor([len(batches)])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        idle = Sample([self.pad_id, self.pad_id], [False, False], [0.0, 0.0], 0.0, 0.0)
+        return batches + [[idle]] * (int(most) - len(batches))
 
     def _truncate(self, s: Sample) -> Sample:
         if self.max_len is None or len(s.ids) <= self.max_len:
@@ -336,6 +487,7 @@ class Learner:
             s.behaviour_version,
             s.episode_id,
             s.group_id,
+            filtered=s.filtered,
         )
 
     @torch.no_grad()

@@ -1,0 +1,89 @@
+"""Memory planned before the first step, and the options that change it: gradient
+checkpointing and the micro-batch token budget."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from temper.policy import create_model
+from temper.training import Learner, LearnerConfig, samples_from_groups
+from temper.training.memory import GiB, MemoryPlanError, estimate, model_shape, size
+from tests.libs.training.batches import fixed_batch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_weights_gradients_and_optimizer_are_counted_exactly():
+    learner = Learner(create_model(seed=1), LearnerConfig(), device="cpu")
+    n = sum(p.numel() for p in learner.model.parameters())
+    plan = learner.memory_plan
+    assert (plan.weights, plan.gradients, plan.optimizer, plan.reference) == (4 * n, 4 * n, 8 * n, 0)
+    learner.step(fixed_batch(learner.model))
+    state = learner.optimizer.state_dict()["state"].values()
+    moments = sum(t.numel() * t.element_size() for s in state for k, t in s.items() if k != "step")
+    assert moments == plan.optimizer
+    with_kl = Learner(create_model(seed=1), LearnerConfig(kl_coef=0.1), device="cpu").memory_plan
+    assert with_kl.reference == 4 * n, "the KL term keeps a copy of the initial policy"
+
+
+def test_checkpointing_a_smaller_budget_and_lora_shrink_the_plan():
+    model = create_model(seed=1)
+    shape = model_shape(model)
+    base = estimate(shape, micro_batch_tokens=8192)
+    assert (
+        estimate(shape, micro_batch_tokens=8192, gradient_checkpointing=True).activations < base.activations
+    )
+    assert estimate(shape, micro_batch_tokens=4096).activations == base.activations // 2
+    assert estimate(shape, micro_batch_tokens=8192, bf16=True).activations < base.activations
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)  # tied to the embeddings: a small trainable part
+    frozen = estimate(model_shape(model), micro_batch_tokens=8192)
+    assert frozen.weights == base.weights and frozen.optimizer < base.optimizer
+
+
+def test_a_job_that_cannot_fit_is_refused_with_the_estimate_and_the_fix(caplog):
+    shape = model_shape(create_model(seed=1))
+    plain = estimate(shape, micro_batch_tokens=8192)
+    ckpt = estimate(shape, micro_batch_tokens=8192, gradient_checkpointing=True)
+    limit_gb = (plain.total + ckpt.total) / 2 / GiB
+    with pytest.raises(MemoryPlanError) as exc:
+        Learner(create_model(seed=1), LearnerConfig(memory_limit_gb=limit_gb), device="cpu")
+    text = str(exc.value)
+    assert (
+        f"the job needs about {size(plain.total)} (weights 1.6 MiB, gradients 1.6 MiB, optimizer 3.3 MiB"
+        in text
+    )
+    assert "more than the " + size(int(limit_gb * GiB)) in text
+    assert "it would fit with algorithm.gradient_checkpointing: true" in text
+
+    with caplog.at_level(logging.INFO, logger="temper.training"):
+        fits = Learner(
+            create_model(seed=1),
+            LearnerConfig(memory_limit_gb=limit_gb, gradient_checkpointing=True),
+            device="cpu",
+        )
+    assert fits.memory_plan.total == ckpt.total
+    assert any(r.getMessage() == "memory plan" for r in caplog.records), "the plan is logged at start"
+
+
+def test_gradient_checkpointing_gives_the_same_gradient():
+    groups = fixed_batch(create_model(seed=1))
+    got = {}
+    for ckpt in (False, True):
+        learner = Learner(
+            create_model(seed=1),
+            LearnerConfig(gradient_checkpointing=ckpt, micro_batch_tokens=128),
+            device="cpu",
+        )
+        assert learner.model.is_activation_checkpointing is ckpt
+        samples, _ = samples_from_groups(groups, objective=learner.config.objective())
+        learner.optimizer.zero_grad()
+        learner.backward(samples)
+        got[ckpt] = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+    assert got[False].keys() == got[True].keys()
+    for name, g in got[False].items():
+        assert torch.allclose(got[True][name], g, atol=1e-6, rtol=0), name
