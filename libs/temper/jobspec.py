@@ -171,6 +171,28 @@ class Algorithm(StrEnum):
     ppo = "ppo"
 
 
+class LoraSpec(_Spec):
+    """LoRA adapters instead of full weights (PEFT). Absent: the trainer updates every weight."""
+
+    rank: int = Field(16, ge=1, le=1024, description="adapter rank r")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: updates are scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="names of the linear layers that get an adapter (suffixes of module names)",
+    )
+
+    @model_validator(mode="after")
+    def _names(self) -> LoraSpec:
+        bad = [m for m in self.target_modules if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", m)]
+        if bad:
+            raise ValueError(f"target_modules: not module names: {bad}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError("target_modules: names repeat")
+        return self
+
+
 class AlgorithmSpec(_Spec):
     name: Algorithm = Algorithm.grpo
     learning_rate: float = Field(1e-4, gt=0, le=1)
@@ -182,6 +204,7 @@ class AlgorithmSpec(_Spec):
         1, ge=1, description="optimizer steps between checkpoints / policy versions"
     )
     skip_zero_variance: bool = True
+    lora: LoraSpec | None = Field(None, description="train a LoRA adapter; absent: full weights")
 
 
 class Schedule(_Spec):
