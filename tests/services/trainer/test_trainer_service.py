@@ -17,6 +17,7 @@ from temper.db import Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.db.migrate import upgrade
 from temper.events import PolicyUpdate, Topics
 from temper.policy import create_model, load_weights
+from temper.registry import fetch_version
 from temper.runtime import Runtime
 from temper.settings import DatabaseSettings, LogSettings, Settings, StorageSettings
 from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
@@ -68,7 +69,7 @@ async def versions(runtime: Runtime, job_id: str) -> list[tuple[int, int]]:
         return [(r.version, r.step) for r in rows]
 
 
-async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings):
+async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings, tmp_path):
     runtime, trainer = await start(settings)
     try:
         assert runtime.db and runtime.bus and runtime.store
@@ -114,14 +115,15 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings):
 
         assert [u.version for u in updates] == [1, 2] and [u.step for u in updates] == [1, 2]
         assert all(u.job_id == "job-a" for u in updates)
-        assert updates[1].checkpoint_key == "tenants/acme/jobs/job-a/checkpoints/v2.safetensors"
-        # the gateway loads the weights file alone; it is not the initial policy any more
-        weights = settings.storage.root / updates[1].checkpoint_key
-        model = load_weights(create_model("tiny", seed=0), weights)
+        assert updates[1].checkpoint_key == "tenants/acme/jobs/job-a/versions/v2/manifest.json"
+        # the gateway loads the version's verified directory; it is not the initial policy any more
+        manifest = await fetch_version(runtime.store, updates[1].checkpoint_key, tmp_path / "v2")
+        assert (manifest.job_id, manifest.version, manifest.kind) == ("job-a", 2, "full")
+        model = load_weights(create_model("tiny", seed=0), tmp_path / "v2")
         assert not torch.equal(
             model.model.embed_tokens.weight, create_model("tiny", seed=0).model.embed_tokens.weight
         )
-        assert await runtime.store.exists("tenants/acme/jobs/job-a/checkpoints/v2.optimizer.safetensors")
+        assert "trainer/optimizer.safetensors" in manifest.files
         after = REGISTRY.get_sample_value("temper_trainer_skipped_groups_total", {"job_id": "job-a"})
         assert after == skipped_before + 1
         assert REGISTRY.get_sample_value("temper_policy_version", {"job_id": "job-a"}) == 2
@@ -291,7 +293,7 @@ async def test_a_failed_publish_is_retried_on_its_own_and_shows_while_it_fails(s
         down = True
 
         async def put(key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
-            if down and "/checkpoints/" in key:
+            if down and "/versions/" in key:
                 raise ConnectionRefusedError(111, "Connection refused")
             await real_put(key, data, content_type)
 
