@@ -3,6 +3,8 @@ one batch, and every result names the version that produced it."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -89,3 +91,60 @@ async def test_a_new_version_replaces_the_jobs_adapter_and_a_corrupt_one_is_refu
     with pytest.raises(registry.CorruptVersion, match="checksum"):
         engine.load_weights(d, 3)
     assert engine.served("job-a") == ("job-a-v2", 2), "a refused version changes nothing"
+
+
+async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_own_adapter(tmp_path):
+    """The gateway's own path: policy.updates with manifest keys, per-job routing, tags."""
+    from services.inference_gateway.inference import InferenceService
+    from services.inference_gateway.local import LocalBackend
+    from temper.events import InferenceRequest, PolicyUpdate
+    from temper.events import SamplingParams as Sampling
+    from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+
+    store = LocalStore(tmp_path / "objects")
+    cfg = InferenceSettings(backends=[], checkpoint_cache_dir=str(tmp_path / "cache"))
+    spec = BackendSpec(name="local-0", kind=BackendKind.local)
+    backend = LocalBackend(spec, model_name="temper-policy", engine=Engine(create_model(seed=0), TOK))
+    svc = InferenceService(cfg, store=store, backends=[backend], tokenizer=TOK)
+    await svc.start()
+    try:
+        learners = {"job-a": adapter_learner(1), "job-b": adapter_learner(2)}
+
+        def request(job: str, version_seen: int = 0) -> InferenceRequest:
+            return InferenceRequest(
+                job_id=job, episode_id=f"{job}-e", turn=0, attempt=1, model="temper-policy",
+                prompt_ids=PROMPT, sampling=Sampling(max_tokens=6, seed=11),
+            )  # fmt: skip
+
+        before = await svc.handle(request("job-a"))
+        assert before.policy_version == 0, "no version loaded yet: the base model"
+        for job, version in (("job-a", 2), ("job-b", 7)):
+            key = await learners[job].publish_version(
+                store,
+                registry.version_prefix("t", job, version),
+                job_id=job,
+                version=version,
+                base_model="tiny",
+            )
+            await svc.apply_update(
+                PolicyUpdate(job_id=job, version=version, checkpoint_key=key, step=version)
+            )
+        assert svc.versions == {"job-a": 2, "job-b": 7}
+        a, b = await asyncio.gather(svc.handle(request("job-a")), svc.handle(request("job-b")))
+        assert (a.policy_version, b.policy_version) == (2, 7)
+        for res, job in ((a, "job-a"), (b, "job-b")):
+            assert res.error is None
+            assert res.logprobs == pytest.approx(
+                own_logprobs(learners[job].model, PROMPT, res.token_ids), abs=1e-4
+            )
+        other = own_logprobs(learners["job-b"].model, PROMPT, a.token_ids)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, other, strict=True)) > 1e-2
+        # an update for one job leaves the other's requests on its own version
+        key = await learners["job-a"].publish_version(
+            store, registry.version_prefix("t", "job-a", 3), job_id="job-a", version=3, base_model="tiny"
+        )
+        await svc.apply_update(PolicyUpdate(job_id="job-a", version=3, checkpoint_key=key, step=3))
+        assert (await svc.handle(request("job-b"))).policy_version == 7
+        assert (await svc.handle(request("job-a"))).policy_version == 3
+    finally:
+        await svc.stop()
