@@ -51,7 +51,7 @@ class FileEntry(BaseModel):
 
 
 class Manifest(BaseModel):
-    format: Literal["temper-policy-version-v1"] = MANIFEST_FORMAT
+    format: Literal["temper-policy-version-v1"] = "temper-policy-version-v1"
     job_id: str
     version: int = Field(ge=0)
     kind: Kind

@@ -194,7 +194,7 @@ def _cache_arg(model: torch.nn.Module) -> str:
     cls = type(model)
     if cls not in _FORWARD_CACHE_ARG:
         # a PEFT wrapper takes **kwargs and passes them on: ask the model it wraps
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
         params = inspect.signature(inner.forward).parameters
         _FORWARD_CACHE_ARG[cls] = "cache" if "cache" in params else "past_key_values"
     return _FORWARD_CACHE_ARG[cls]

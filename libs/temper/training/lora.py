@@ -38,7 +38,7 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, *, adapter_name: str = "d
         )
     config = LoraConfig(
         r=spec.rank,
-        lora_alpha=spec.alpha,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]  # a float scale works; peft annotates int
         lora_dropout=spec.dropout,
         target_modules=list(spec.target_modules),
         bias="none",

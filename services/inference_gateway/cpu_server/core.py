@@ -151,6 +151,10 @@ class Engine:
         self.max_len = int(getattr(model.config, "max_position_embeddings", 2048))
         self.adapters: dict[str, tuple[str, int]] = {}
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
     def served(self, job_id: str | None) -> tuple[str | None, int]:
         """The adapter and version a request of ``job_id`` runs on now."""
         if job_id is not None and job_id in self.adapters:
@@ -162,33 +166,37 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
-        rows = []
-        for r in requests:
-            adapter, version = self.served(r.job_id)
-            rows.append(_Row(r, self.tok, version, self.max_len, adapter))
+        rows: list[_Row] = []
+        for request in requests:
+            adapter, version = self.served(request.job_id)
+            rows.append(_Row(request, self.tok, version, self.max_len, adapter))
         live = [r for r in rows if r.finish is None]
         if not live:
             return [r.output() for r in rows]
         for r in live:
             if not r.req.prompt_ids:
                 raise ValueError("empty prompt")
+        dev = self.device
         ids, mask = pad_batch([r.req.prompt_ids for r in live], self.tok.pad_id, left=True)
+        ids, mask = ids.to(dev), mask.to(dev)
         names = [r.adapter or BASE_ADAPTER for r in live] if self.model is not self.base else None
         logits, cache = forward(self.model, ids, mask, use_cache=True, adapter_names=names)
         pos = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)
         while True:
             nxt = torch.full((len(live), 1), self.tok.pad_id, dtype=torch.long)
+            # sampling runs on the CPU with each request's own generator (on CUDA too)
+            last = logits[:, -1].float().cpu()
             for i, r in enumerate(live):
                 if r.finish is None:
-                    t, lp = sample_token(logits[i, -1], r.p, r.gen)
+                    t, lp = sample_token(last[i], r.p, r.gen)
                     r.push(t, lp)
                     nxt[i, 0] = t
             if all(r.finish is not None for r in live):
                 break
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=dev)], dim=1)
             pos = pos + 1
             logits, cache = forward(
-                self.model, nxt, mask, position_ids=pos, cache=cache, use_cache=True, adapter_names=names
+                self.model, nxt.to(dev), mask, position_ids=pos, cache=cache, use_cache=True, adapter_names=names
             )
         return [r.output() for r in rows]
 
@@ -233,6 +241,7 @@ class Engine:
                     self.base, str(directory), adapter_name=name, is_trainable=False
                 )
         self.adapters[job_id] = (name, version)
+        self.model.to(self.device)  # the adapter's weights beside the base's (CUDA too)
         if current is not None:
             # the active adapter only matters without adapter_names, which generate always passes
             self.model.set_adapter(name)  # type: ignore[operator]
