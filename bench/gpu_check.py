@@ -177,17 +177,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({part: got}), flush=True)  # noqa: T201
     peaks = [v for k, v in figures.items() if k.endswith("_peak_memory_gb")]
     figures["peak_memory_gb"] = max(peaks, default=0.0)
-    figures["config"] = {
-        "size": args.size,
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-        "torch": torch.__version__,
-        "samples": args.samples,
-        "prompt_len": args.prompt_len,
-        "completion_len": args.completion_len,
-        "steps": args.steps,
-        "gen_batch": args.gen_batch,
-        "gen_tokens": args.gen_tokens,
-    }
+    # flat scalars, like every bench result (tests/test_bench_results.py)
+    figures.update(
+        {
+            "size": args.size,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+            "torch": torch.__version__,
+            "samples": args.samples,
+            "prompt_len": args.prompt_len,
+            "completion_len": args.completion_len,
+            "steps": args.steps,
+            "gen_batch": args.gen_batch,
+            "gen_tokens": args.gen_tokens,
+        }
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
     return 0
