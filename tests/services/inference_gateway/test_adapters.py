@@ -93,15 +93,34 @@ async def test_a_new_version_replaces_the_jobs_adapter_and_a_corrupt_one_is_refu
     assert engine.served("job-a") == ("job-a-v2", 2), "a refused version changes nothing"
 
 
-async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_own_adapter(tmp_path):
-    """The gateway's own path: policy.updates with manifest keys, per-job routing, tags."""
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+async def registry_store(request, tmp_path, unique):
+    """The registry on a local directory and on the real S3 server (its own tenant prefix)."""
+    if request.param == "local":
+        yield LocalStore(tmp_path / "objects"), "t"
+        return
+    from temper.storage import S3Store
+
+    s3 = S3Store(request.getfixturevalue("s3_settings"))
+    await s3.ensure_bucket()
+    tenant = f"test-{unique}"
+    yield s3, tenant
+    for key in await s3.list(f"tenants/{tenant}/"):
+        await s3.delete(key)
+
+
+async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_own_adapter(
+    tmp_path, registry_store
+):
+    """The gateway's own path: policy.updates with manifest keys (fetched and verified from
+    the object store), per-job routing, version tags."""
     from services.inference_gateway.inference import InferenceService
     from services.inference_gateway.local import LocalBackend
     from temper.events import InferenceRequest, PolicyUpdate
     from temper.events import SamplingParams as Sampling
     from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 
-    store = LocalStore(tmp_path / "objects")
+    store, tenant = registry_store
     cfg = InferenceSettings(backends=[], checkpoint_cache_dir=str(tmp_path / "cache"))
     spec = BackendSpec(name="local-0", kind=BackendKind.local)
     backend = LocalBackend(spec, model_name="temper-policy", engine=Engine(create_model(seed=0), TOK))
@@ -141,7 +160,7 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
         assert max(abs(x - y) for x, y in zip(a.logprobs, other, strict=True)) > 1e-2
         # an update for one job leaves the other's requests on its own version
         key = await learners["job-a"].publish_version(
-            store, registry.version_prefix("t", "job-a", 3), job_id="job-a", version=3, base_model="tiny"
+            store, registry.version_prefix(tenant, "job-a", 3), job_id="job-a", version=3, base_model="tiny"
         )
         await svc.apply_update(PolicyUpdate(job_id="job-a", version=3, checkpoint_key=key, step=3))
         assert (await svc.handle(request("job-b"))).policy_version == 7
