@@ -122,3 +122,12 @@ async def test_a_corrupt_version_is_refused(tmp_path):
         await Learner(create_model(seed=5), LearnerConfig(lora=LORA), device="cpu").load_version(store, key)
     with pytest.raises(registry.CorruptVersion, match="no manifest"):
         await registry.read_manifest(store, registry.manifest_key(registry.version_prefix("t", "job-a", 9)))
+
+
+def test_retention_keeps_every_file_of_the_latest_registry_version():
+    from temper.retention import _stem
+
+    latest = _stem("tenants/t/jobs/j/versions/v2/manifest.json")
+    assert latest == "tenants/t/jobs/j/versions/v2/"
+    assert "tenants/t/jobs/j/versions/v2/trainer/optimizer.safetensors".startswith(latest)
+    assert not "tenants/t/jobs/j/versions/v20/manifest.json".startswith(latest)
