@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
-.PHONY: help setup setup-run lock system stack-up stack-down stack-status test test-unit run serve run-stack lint schemas \
+.PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-unit run serve run-stack lint schemas \
         check-deploy bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
 
 help:
@@ -84,3 +84,9 @@ bench-dispatch: setup stack-up
 
 bench-trainer: setup
 	$(PY) bench/trainer.py
+
+# On a GPU node, with the machine's own python3/torch/transformers/peft (not the project venv):
+# every part once into bench/results/gpu.json, then each part as a gpu test (each <= 6 minutes).
+gpu-check:
+	PYTHONPATH=libs:. python3 bench/gpu_check.py
+	PYTHONPATH=libs:. python3 -m pytest -m gpu --noconftest -p no:cacheprovider -o addopts="" tests/gpu -q

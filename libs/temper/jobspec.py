@@ -218,6 +218,28 @@ PRESETS: dict[Algorithm, dict[str, Any]] = {
 REFUSED_ALGORITHMS = {"ppo": "ppo needs a value model, which Temper does not train"}
 
 
+class LoraSpec(_Spec):
+    """LoRA adapters instead of full weights (PEFT). Absent: the trainer updates every weight."""
+
+    rank: int = Field(16, ge=1, le=1024, description="adapter rank r")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: updates are scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="names of the linear layers that get an adapter (suffixes of module names)",
+    )
+
+    @model_validator(mode="after")
+    def _names(self) -> LoraSpec:
+        bad = [m for m in self.target_modules if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", m)]
+        if bad:
+            raise ValueError(f"target_modules: not module names: {bad}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError("target_modules: names repeat")
+        return self
+
+
 class AlgorithmSpec(_Spec):
     name: Algorithm = Field(Algorithm.grpo, description="a preset of the parts below")
     learning_rate: float = Field(1e-4, gt=0, le=1)
@@ -265,6 +287,7 @@ class AlgorithmSpec(_Spec):
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     precision: Precision | None = Field(None, description="default: TEMPER_TRAINER__BF16")
+    lora: LoraSpec | None = Field(None, description="train a LoRA adapter; absent: full weights")
 
     @field_validator("name", mode="before")
     @classmethod

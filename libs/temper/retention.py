@@ -31,7 +31,10 @@ KINDS = ("trajectories", "logs", "checkpoints", "snapshots", "rewards", "other")
 
 
 def _stem(checkpoint_key: str) -> str:
-    """``.../v3.safetensors`` -> ``.../v3.``: the prefix its weights and optimizer state share."""
+    """The prefix every file of a version shares: ``.../versions/v3/manifest.json`` ->
+    ``.../versions/v3/`` (the registry); ``.../v3.safetensors`` -> ``.../v3.`` (before it)."""
+    if checkpoint_key.endswith("/manifest.json"):
+        return checkpoint_key[: -len("manifest.json")]
     return checkpoint_key.rsplit(".safetensors", 1)[0] + "."
 
 
@@ -105,6 +108,8 @@ async def _delete_job(
     prefix = object_key(tenant, job_id) + "/"
     for key in await store.list(prefix):
         kind = key[len(prefix) :].split("/", 1)[0]
+        if kind == "versions":  # the registry's policy versions are the job's checkpoints
+            kind = "checkpoints"
         if kind == "checkpoints" and keep is not None and key.startswith(keep):
             continue
         await store.delete(key)

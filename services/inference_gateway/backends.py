@@ -13,6 +13,9 @@ third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engi
 
 from __future__ import annotations
 
+import asyncio
+import os
+import shutil
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ import pydantic_core
 from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
 from temper.events import SamplingParams
 from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+from temper.registry import MANIFEST_FILE, CorruptVersion, Manifest, verify_directory
 
 
 class ErrorKind(StrEnum):
@@ -58,6 +62,7 @@ class GenerateRequest:
     episode_id: str | None = None
     request_id: str | None = None
     ignore_eos: bool = False
+    job_id: str | None = None  # routes to the job's adapter where a backend serves one
 
 
 @dataclass
@@ -122,6 +127,7 @@ class Backend(ABC):
         self.url = spec.url.rstrip("/")
         self.model_name = spec.model or model_name
         self.version = 0
+        self.versions: dict[str, int] = {}  # job -> version confirmed loaded (set by the service)
         self.client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
@@ -283,7 +289,10 @@ class CpuServerBackend(Backend):
     """Temper's CPU engine (``python -m services.inference_gateway.cpu_server``)."""
 
     async def complete(self, req: GenerateRequest) -> BackendResult:
-        data = await self.post("/v1/completions", self.completion_body(req, model=self.model_name))
+        body = self.completion_body(req, model=self.model_name)
+        if req.job_id:
+            body["job_id"] = req.job_id  # the engine picks the job's adapter
+        data = await self.post("/v1/completions", body)
         fields = parse_completion(data, req.prompt_ids)
         version = data.get("policy_version")
         if version is not None:
@@ -311,13 +320,19 @@ class CpuServerBackend(Backend):
 
 
 class VLLMBackend(Backend):
-    """A vLLM OpenAI-compatible server.
+    """A vLLM OpenAI-compatible server (pinned: vLLM 0.33.0, see docs/inference.md).
 
     With ``reload_mode=lora`` each policy version is a LoRA adapter named
-    ``<model>-v<version>``: requests name the adapter of the version they should run on,
-    so a request in flight keeps its adapter while new ones use the new one; the
-    adapter two versions back is unloaded. With ``reload_mode=full`` the server reloads
-    its weights in place through ``/collective_rpc``.
+    ``<job>-v<version>``, loaded through vLLM's runtime LoRA API from a path the vLLM
+    server reads (the gateway's checkpoint cache on a volume both mount). A request names
+    its job's adapter, and its result carries that adapter's version: a version is used
+    only after ``/v1/load_lora_adapter`` answered 200 for it. The job's adapter two
+    versions back is unloaded. Requests of a job with no adapter yet run on the base model
+    (version 0).
+
+    With ``reload_mode=full`` the new weights are first written into the directory vLLM
+    serves (``model_dir`` of the backend spec, on the shared volume), then the server
+    reloads them in place through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``).
     """
 
     def __init__(
@@ -331,10 +346,17 @@ class VLLMBackend(Backend):
         super().__init__(spec, model_name=model_name, **kwargs)
         self.reload_mode = reload_mode
         self.served_model = self.model_name
-        self.adapters: list[str] = []
+        self.adapters: dict[str, list[tuple[str, int]]] = {}  # job -> loaded adapters, oldest first
+
+    def route(self, job_id: str | None) -> tuple[str, int]:
+        """The model name a request of ``job_id`` is sent with, and the version that is."""
+        loaded = self.adapters.get(job_id or "")
+        if self.reload_mode is VLLMReloadMode.lora and loaded:
+            return loaded[-1]
+        return self.served_model, self.version
 
     async def complete(self, req: GenerateRequest) -> BackendResult:
-        version, model = self.version, self.served_model
+        model, version = self.route(req.job_id)
         data = await self.post("/v1/completions", self.completion_body(req, model=model))
         fields = parse_completion(data, req.prompt_ids)
         return BackendResult(**fields, policy_version=version, backend=self.name)
@@ -343,23 +365,75 @@ class VLLMBackend(Backend):
         if path is None:
             raise BackendError(ErrorKind.client, "vLLM reload needs a path the vLLM server can read")
         t0 = time.perf_counter()
+        manifest = _manifest(path)
         if self.reload_mode is VLLMReloadMode.lora:
-            name = f"{self.model_name}-v{version}"
+            if manifest is None or manifest.kind != "lora":
+                raise BackendError(
+                    ErrorKind.client,
+                    f"{self.name}: reload_mode=lora needs a LoRA version from the registry; {path} is not one "
+                    "(train with algorithm.lora, or set TEMPER_INFERENCE__VLLM_RELOAD_MODE=full)",
+                )
+            name = adapter_name(manifest.job_id, version)
             await self.post(
                 "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True, wait_s=300.0
             )
-            self.adapters.append(name)
-            self.served_model = name
-            while len(self.adapters) > 2:
-                old = self.adapters.pop(0)
+            loaded = self.adapters.setdefault(manifest.job_id, [])
+            loaded.append((name, version))
+            while len(loaded) > 2:
+                old, _ = loaded.pop(0)
                 try:
                     await self.post("/v1/unload_lora_adapter", {"lora_name": old}, raw=True)
                 except BackendError:
                     pass  # a leftover adapter costs memory, not correctness
+            # self.version stays the base model's: requests without an adapter still run on it
         else:
+            if manifest is not None and manifest.kind != "full":
+                raise BackendError(
+                    ErrorKind.client, f"{self.name}: reload_mode=full cannot load a LoRA version"
+                )
+            if not self.spec.model_dir:
+                raise BackendError(
+                    ErrorKind.client,
+                    f"{self.name}: reload_mode=full needs model_dir: the directory vLLM serves, on a volume "
+                    "the gateway writes",
+                )
+            await asyncio.to_thread(write_full_weights, path, Path(self.spec.model_dir))
             await self.post("/collective_rpc", {"method": "reload_weights"}, raw=True, wait_s=600.0)
-        self.version = version
+            self.version = version
         return time.perf_counter() - t0
+
+
+def adapter_name(job_id: str, version: int) -> str:
+    """The LoRA adapter name of a job's version on vLLM (and the CPU engine)."""
+    return f"{job_id}-v{version}"
+
+
+def _manifest(path: Path) -> Manifest | None:
+    """The registry manifest of a fetched version directory (checked), or None for a bare file."""
+    if not (Path(path) / MANIFEST_FILE).is_file():
+        return None
+    try:
+        return verify_directory(path)
+    except CorruptVersion as exc:
+        raise BackendError(ErrorKind.client, str(exc)) from exc
+
+
+def write_full_weights(src: Path, dest: Path) -> None:
+    """Put a full version's weights into the directory vLLM reloads from: every shard
+    first under a temporary name, then renamed, the index last."""
+    src = Path(src)
+    names = [p.name for p in src.iterdir() if p.suffix == ".safetensors"] if src.is_dir() else []
+    if not names:
+        raise BackendError(ErrorKind.client, f"{src}: no safetensors weights to write for vLLM")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in sorted(names):
+        tmp = dest / f".{name}.tmp"
+        shutil.copyfile(src / name, tmp)
+        os.replace(tmp, dest / name)
+    for extra in ("model.safetensors.index.json", "config.json", "generation_config.json"):
+        if (src / extra).is_file():
+            shutil.copyfile(src / extra, dest / f".{extra}.tmp")
+            os.replace(dest / f".{extra}.tmp", dest / extra)
 
 
 def make_backend(

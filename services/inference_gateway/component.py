@@ -97,7 +97,7 @@ class Gateway:
         self.requests: Consumer | None = None
         self.updates: Consumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._pending_update: PolicyUpdate | None = None
+        self._pending: dict[str, PolicyUpdate] = {}  # job -> newest update not applied yet
         self._current: PolicyUpdate | None = None  # the version served, for the version watch
         self._update_ready = asyncio.Event()
         self._flow_changed = asyncio.Event()
@@ -192,57 +192,63 @@ class Gateway:
 
     # --- policy.updates -----------------------------------------------------------------------------
     async def on_policy_update(self, message: PolicyUpdate) -> None:
-        if message.version <= self.service.policy_version:
+        if message.version <= self.service.job_version(message.job_id):
             return  # already served (or older): idempotent
-        pending = self._pending_update
+        pending = self._pending.get(message.job_id or "")
         if pending is None or message.version > pending.version:
-            self._pending_update = message
+            self._pending[message.job_id or ""] = message
             self._update_ready.set()
 
     async def current_policy(self) -> PolicyUpdate | None:
-        """The newest published policy version of a job that is not finished, from the
-        database (the runtime's, or the configured one for a gateway without its own)."""
+        """The newest published policy version of a job that is not finished."""
+        current = await self.current_policies()
+        return current[-1] if current else None
+
+    async def current_policies(self) -> list[PolicyUpdate]:
+        """The newest published policy version of every job that is not finished, oldest
+        first, from the database (the runtime's, or the configured one for a gateway
+        without its own)."""
         db, own = self.runtime.db, False
         if db is None:
             settings = self.runtime.settings
             if settings.mode is not Mode.distributed or settings.db.url.startswith("sqlite"):
-                return None  # no shared database to ask: the updates it reads will do
+                return []  # no shared database to ask: the updates it reads will do
             db, own = Database(settings.db), True
         try:
             async with db.session() as s:
-                row = (
+                rows = (
                     await s.execute(
                         select(PolicyVersion)
                         .join(Job, Job.id == PolicyVersion.job_id)
                         .where(Job.state.in_([JobState.pending, JobState.running, JobState.paused]))
-                        .order_by(PolicyVersion.created_at.desc(), PolicyVersion.version.desc())
-                        .limit(1)
+                        .order_by(PolicyVersion.created_at, PolicyVersion.version)
                     )
-                ).scalar_one_or_none()
+                ).scalars()
+                newest = {row.job_id: row for row in rows}  # the last row of a job is its newest
         finally:
             if own:
                 await db.dispose()
-        if row is None:
-            return None
-        return PolicyUpdate(
-            job_id=row.job_id, version=row.version, checkpoint_key=row.checkpoint_key, step=row.step
-        )
+        ordered = sorted(newest.values(), key=lambda r: (r.created_at, r.version))
+        return [
+            PolicyUpdate(job_id=r.job_id, version=r.version, checkpoint_key=r.checkpoint_key, step=r.step)
+            for r in ordered
+        ]
 
     async def _load_current_policy(self, attempts: int = 3) -> None:
         for attempt in range(1, attempts + 1):
             try:
-                current = await self.current_policy()
-                if current is not None and current.version > self.service.policy_version:
-                    await self.service.apply_update(current)
-                    self._current = current
-                    self.updates_applied += 1
-                    log_event(
-                        log,
-                        "policy version loaded at start",
-                        version=current.version,
-                        job_id=current.job_id,
-                        checkpoint_key=current.checkpoint_key,
-                    )
+                for current in await self.current_policies():
+                    if current.version > self.service.job_version(current.job_id):
+                        await self.service.apply_update(current)
+                        self._current = current
+                        self.updates_applied += 1
+                        log_event(
+                            log,
+                            "policy version loaded at start",
+                            version=current.version,
+                            job_id=current.job_id,
+                            checkpoint_key=current.checkpoint_key,
+                        )
                 return
             except asyncio.CancelledError:
                 raise
@@ -281,40 +287,45 @@ class Gateway:
         while True:
             await self._update_ready.wait()
             self._update_ready.clear()
-            update, self._pending_update = self._pending_update, None
-            if update is None or update.version <= self.service.policy_version:
-                continue
-            for attempt in range(1, self.policy_retries + 1):
-                try:
-                    times = await self.service.apply_update(update)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not stop the gateway
-                    newer = self._pending_update is not None and self._pending_update.version > update.version
-                    log_event(
-                        log,
-                        "policy update failed",
-                        logging.ERROR,
-                        version=update.version,
-                        checkpoint_key=update.checkpoint_key,
-                        attempt=attempt,
-                        error=repr(exc),
-                    )
-                    if newer or attempt == self.policy_retries:
-                        self.update_errors += 1
-                        break
-                    await asyncio.sleep(0.5 * attempt)
-                    continue
-                self.updates_applied += 1
-                self._current = update
+            while self._pending:
+                _, update = self._pending.popitem()
+                if update.version > self.service.job_version(update.job_id):
+                    await self._apply_one(update)
+
+    async def _apply_one(self, update: PolicyUpdate) -> None:
+        """Apply one job's newest update, retried; a newer one queued meanwhile wins."""
+        for attempt in range(1, self.policy_retries + 1):
+            try:
+                times = await self.service.apply_update(update)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not stop the gateway
+                queued = self._pending.get(update.job_id or "")
+                newer = queued is not None and queued.version > update.version
                 log_event(
                     log,
-                    "policy version switched",
+                    "policy update failed",
+                    logging.ERROR,
                     version=update.version,
-                    job_id=update.job_id,
-                    switch_ms={k: round(v * 1000, 3) for k, v in times.items()},
+                    checkpoint_key=update.checkpoint_key,
+                    attempt=attempt,
+                    error=repr(exc),
                 )
-                break
+                if newer or attempt == self.policy_retries:
+                    self.update_errors += 1
+                    return
+                await asyncio.sleep(0.5 * attempt)
+                continue
+            self.updates_applied += 1
+            self._current = update
+            log_event(
+                log,
+                "policy version switched",
+                version=update.version,
+                job_id=update.job_id,
+                switch_ms={k: round(v * 1000, 3) for k, v in times.items()},
+            )
+            return
 
     # --- health and status ---------------------------------------------------------------------------
     async def check_backends(self) -> None:

@@ -133,7 +133,8 @@ class InferenceService:
                 for spec in settings.backends
             ]
         self.router = Router(backends, settings)
-        self.policy_version = 0
+        self.policy_version = 0  # the newest version loaded, of any job
+        self.versions: dict[str, int] = {}  # job -> the version its requests run on now
         self._update_lock = asyncio.Lock()
         self.last_switch_s: dict[str, float] = {}
 
@@ -173,11 +174,14 @@ class InferenceService:
             sampling=request.sampling,
             episode_id=request.episode_id,
             request_id=str(request.id),
+            job_id=request.job_id,
         )
         try:
             res = await self.router.generate(req)
         except RequestFailed as exc:
-            return InferenceResult(**envelope, error=exc.reason, policy_version=self.policy_version)
+            return InferenceResult(
+                **envelope, error=exc.reason, policy_version=self.job_version(request.job_id)
+            )
         return InferenceResult(
             **envelope,
             token_ids=res.token_ids,
@@ -196,15 +200,30 @@ class InferenceService:
         requests that start after a backend switched report the new one. Returns the
         switch time per backend in seconds.
         """
-        return await self.reload(version=update.version, key=update.checkpoint_key)
+        return await self.reload(version=update.version, key=update.checkpoint_key, job_id=update.job_id)
+
+    def job_version(self, job_id: str | None) -> int:
+        """The version ``job_id``'s requests run on (every job's, before per-job versions)."""
+        return self.versions.get(job_id, self.policy_version) if job_id else self.policy_version
 
     async def reload(
-        self, *, version: int, key: str | None = None, path: str | Path | None = None
+        self,
+        *,
+        version: int,
+        key: str | None = None,
+        path: str | Path | None = None,
+        job_id: str | None = None,
     ) -> dict[str, float]:
+        """Load ``version`` (of ``job_id``) on every backend that does not serve it yet. A
+        backend counts as serving it only once its ``load_weights`` returned."""
         async with self._update_lock:
-            todo = [s for s in self.router.slots.values() if s.backend.version < version]
+
+            def behind(b: Backend) -> bool:
+                return (b.versions.get(job_id, b.version) if job_id else b.version) < version
+
+            todo = [s for s in self.router.slots.values() if behind(s.backend)]
             if not todo:
-                self.policy_version = max(self.policy_version, version)
+                self._served(job_id, version)
                 return {}
             local: Path | None = Path(path) if path else None
             if local is None and key is not None and self.store is not None:
@@ -219,16 +238,24 @@ class InferenceService:
                     log.error("backend %s failed to load version %s: %s", s.name, version, r)
                     continue
                 times[s.name] = r
+                if job_id:
+                    s.backend.versions[job_id] = version
                 metrics.WEIGHT_SWITCH_SECONDS.observe(r)
             if todo and not times:
                 raise RuntimeError(f"no backend could load policy version {version}")
-            self.policy_version = max(self.policy_version, version)
+            self._served(job_id, version)
             self.last_switch_s.update(times)
             return times
+
+    def _served(self, job_id: str | None, version: int) -> None:
+        self.policy_version = max(self.policy_version, version)
+        if job_id:
+            self.versions[job_id] = max(self.versions.get(job_id, 0), version)
 
     def status(self) -> dict[str, Any]:
         return {
             "policy_version": self.policy_version,
+            "job_versions": dict(self.versions),
             "has_capacity": self.has_capacity(),
             "backends": self.router.snapshot(),
             "time": time.time(),

@@ -4,7 +4,10 @@ Embedded mode (``temper run``) uses it when no backend is configured, and a dist
 gateway can name it (``{"name": "local-0", "kind": "local"}``) to serve a small model
 itself. It batches concurrent requests with the engine's :class:`BatchScheduler`, and
 switches weights on policy updates the same way the engine server does: the running
-batch finishes on the old weights, the next one runs on the new version.
+batch finishes on the old weights, the next one runs on the new version. Versions from
+the registry that are LoRA adapters become their job's adapter (requests carry
+``job_id``), so many jobs share the one base model; each result's version is the one the
+engine really ran it on.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class LocalBackend(Backend):
         self.url = f"local://{spec.name}"
         self.model_name = spec.model or model_name
         self.version = engine.version if engine is not None else 0
+        self.versions: dict[str, int] = {}
         self.engine = engine
         self.scheduler: BatchScheduler | None = None
 
@@ -84,12 +88,13 @@ class LocalBackend(Backend):
             ignore_eos=req.ignore_eos,
         )
         try:
-            out = await sched.submit(GenRequest(list(ids), params))
+            out = await sched.submit(GenRequest(list(ids), params, job_id=req.job_id))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a failed batch is the backend's fault: retryable
             raise BackendError(ErrorKind.server, f"{self.name}: {type(exc).__name__}: {exc}") from exc
-        self.version = max(self.version, out.policy_version)
+        if out.adapter is None:
+            self.version = max(self.version, out.policy_version)
         return BackendResult(
             prompt_ids=out.prompt_ids,
             token_ids=out.token_ids,
@@ -109,7 +114,8 @@ class LocalBackend(Backend):
                 ErrorKind.client, f"{self.name}: a local reload needs the fetched checkpoint file"
             )
         seconds = await self.scheduler.reload(path, version)
-        self.version = version
+        assert self.engine is not None
+        self.version = self.engine.version  # a LoRA version became its job's adapter, not the base
         return seconds
 
     async def served_version(self) -> int | None:

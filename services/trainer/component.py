@@ -42,7 +42,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from services.trainer import handlers
-from temper import metrics
+from temper import metrics, registry
 from temper.bus import Consumer, Poison
 from temper.bus.errors import DATABASE, NETWORK, OBJECT_STORE, unavailable_dependency
 from temper.db import Job, PolicyVersion, TrainedTrajectory
@@ -51,9 +51,16 @@ from temper.jobspec import JobSpec
 from temper.lifecycle import mark_job_stuck
 from temper.logs import dependency_failed, dependency_recovered, log_context, log_event
 from temper.outbox import OutboxRelay, enqueue
-from temper.policy import create_model, is_model_dir, load_causal_lm, load_weights
+from temper.policy import (
+    ChatTokenizer,
+    create_model,
+    default_tokenizer,
+    is_model_dir,
+    load_causal_lm,
+    load_weights,
+)
 from temper.runtime import Runtime
-from temper.storage import NotFound, object_key
+from temper.storage import NotFound
 from temper.training import Learner, LearnerConfig, StepStats, TrainerSettings, is_zero_variance, pick_device
 from temper.trajectory import Trajectory
 
@@ -305,7 +312,10 @@ class Trainer:
             Learner, model, LearnerConfig.from_spec(spec.algorithm, self.settings), device=self.device
         )
         if latest is not None:
-            await learner.load_checkpoint(store, latest.checkpoint_key)
+            if registry.is_manifest_key(latest.checkpoint_key):
+                await learner.load_version(store, latest.checkpoint_key)
+            else:  # a checkpoint written before the registry: two safetensors files
+                await learner.load_checkpoint(store, latest.checkpoint_key)
             learner.step_count, learner.version = latest.step, latest.version
         metrics.POLICY_VERSION.labels(job_id).set(learner.version)
         state = JobState(job_id=job_id, tenant_id=row.tenant_id, spec=spec, learner=learner)
@@ -556,8 +566,14 @@ class Trainer:
         assert db is not None and store is not None
         learner = job.learner
         version = learner.version + 1
-        key = object_key(job.tenant_id, job.job_id, "checkpoints", f"v{version}.safetensors")
-        await learner.save_checkpoint(store, key, version=version)
+        key = await learner.publish_version(
+            store,
+            registry.version_prefix(job.tenant_id, job.job_id, version),
+            job_id=job.job_id,
+            version=version,
+            base_model=job.spec.policy.init or job.spec.policy.model,
+            tokenizer=await asyncio.to_thread(_tokenizer, job.spec),
+        )
         summary = stats.as_dict() if stats is not None else {}
         by_step: dict[int, list[str]] = {}
         for episode, step in job.uncheckpointed.items():
@@ -652,6 +668,15 @@ class Trainer:
                 for jid, j in self.jobs.items()
             },
         }
+
+
+def _tokenizer(spec: JobSpec) -> ChatTokenizer:
+    """The tokenizer a full version is published with: the initial model directory's, else
+    the byte tokenizer of the CPU presets."""
+    init = spec.policy.init or spec.policy.model
+    if Path(init).is_dir() and (Path(init) / "tokenizer.json").is_file():
+        return ChatTokenizer.load(init)
+    return default_tokenizer()
 
 
 def _load_local(init: str) -> torch.nn.Module | None:

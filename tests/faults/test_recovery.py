@@ -147,7 +147,7 @@ def test_an_object_store_outage_during_the_last_checkpoint_is_retried_and_visibl
         threading.Timer(outage_s, restore).start()
 
     last = 3  # small_spec's iterations: one version each
-    tripwire = Tripwire(private_minio.port, rb"PUT /[^ ]*/checkpoints/v%d\." % last, outage)
+    tripwire = Tripwire(private_minio.port, rb"PUT /[^ ]*/versions/v%d/" % last, outage)
     tripwire.armed = True
     try:
         stack: FaultStack = fault_stack(

@@ -195,3 +195,92 @@ async def test_results_carry_the_version_a_kafka_policy_update_switched_to(
         assert h.gateway.update_errors == 0
     finally:
         await h.stop()
+
+
+async def test_two_jobs_share_one_gateway_each_sampling_its_own_adapter(
+    tmp_path,
+    kafka_bootstrap,
+    s3_settings,
+    unique,  # noqa: ANN001
+) -> None:
+    """Two LoRA jobs on one base model: versions published to the registry on S3, updates
+    over Kafka, requests of each job answered by its own adapter (shown by the logprobs)."""
+    import torch
+
+    from temper import registry
+    from temper.jobspec import LoraSpec
+    from temper.storage import make_store
+    from temper.training import Learner, LearnerConfig
+
+    h = await start(tmp_path, kafka_bootstrap, s3_settings, unique)
+    jobs = {f"{h.job}-a": (1, 3), f"{h.job}-b": (2, 5)}  # job -> (adapter seed, version)
+    got: list[InferenceResult] = []
+
+    async def collect(record: Record) -> None:
+        msg = decode(record.value)
+        if isinstance(msg, InferenceResult) and msg.job_id in jobs:
+            got.append(msg)
+
+    assert h.runtime.bus is not None
+    await start_groups_at_end(kafka_bootstrap, {f"test-gw-{unique}-res2": [Topics.INFERENCE_RESULTS]})
+    await h.runtime.bus.subscribe([Topics.INFERENCE_RESULTS], f"test-gw-{unique}-res2", collect)
+    store = h.runtime.store or make_store(h.runtime.settings)
+    learners = {}
+    try:
+        for job, (seed, version) in jobs.items():
+            learner = Learner(
+                create_model(seed=0), LearnerConfig(lora=LoraSpec(rank=4, target_modules=["q_proj", "v_proj"])),
+                device="cpu",
+            )  # fmt: skip
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(seed)
+                for name, p in learner.model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            learner.model.eval()
+            learners[job] = learner
+            key = await learner.publish_version(
+                store,
+                registry.version_prefix("t", job, version),
+                job_id=job,
+                version=version,
+                base_model="tiny",
+            )
+            await h.runtime.bus.send_message(
+                Topics.POLICY_UPDATES,
+                PolicyUpdate(job_id=job, version=version, checkpoint_key=key, step=version),
+            )
+        deadline = asyncio.get_running_loop().time() + 30
+        while h.gateway.service.versions != {j: v for j, (_, v) in jobs.items()}:
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"updates not applied: {h.gateway.service.versions}"
+            )
+            await asyncio.sleep(0.05)
+        prompt = encode_chat(TOK, [{"role": "user", "content": "same prompt"}])
+        for job in jobs:
+            await h.send(
+                InferenceRequest(
+                    job_id=job, episode_id=f"{job}-e", turn=0, attempt=1, model="temper-policy",
+                    prompt_ids=prompt, sampling=SamplingParams(max_tokens=6, seed=9),
+                )
+            )  # fmt: skip
+        deadline = asyncio.get_running_loop().time() + 60
+        while len(got) < 2:
+            assert asyncio.get_running_loop().time() < deadline, f"{len(got)}/2 results"
+            await asyncio.sleep(0.05)
+        for res in got:
+            assert res.error is None and res.policy_version == jobs[res.job_id][1]
+            ids = torch.tensor([prompt + res.token_ids])
+            with torch.no_grad():
+                own = token_logprobs(learners[res.job_id].model, ids)[0, len(prompt) :].tolist()
+            assert res.logprobs == pytest.approx(own, abs=1e-4), "sampled from its own adapter"
+            other = next(j for j in jobs if j != res.job_id)
+            with torch.no_grad():
+                theirs = token_logprobs(learners[other].model, ids)[0, len(prompt) :].tolist()
+            assert max(abs(x - y) for x, y in zip(res.logprobs, theirs, strict=True)) > 1e-2
+        assert h.gateway.update_errors == 0
+    finally:
+        await h.stop()
+        for job in jobs:
+            for key in await store.list(f"tenants/t/jobs/{job}/"):
+                await store.delete(key)

@@ -193,7 +193,9 @@ def _cache_arg(model: torch.nn.Module) -> str:
     """``cache`` in recent transformers, ``past_key_values`` before."""
     cls = type(model)
     if cls not in _FORWARD_CACHE_ARG:
-        params = inspect.signature(model.forward).parameters
+        # a PEFT wrapper takes **kwargs and passes them on: ask the model it wraps
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
+        params = inspect.signature(inner.forward).parameters
         _FORWARD_CACHE_ARG[cls] = "cache" if "cache" in params else "past_key_values"
     return _FORWARD_CACHE_ARG[cls]
 
@@ -211,8 +213,10 @@ def forward(
     position_ids: torch.Tensor | None = None,
     cache: Any = None,
     use_cache: bool = False,
+    adapter_names: list[str] | None = None,
 ) -> tuple[torch.Tensor, Any]:
-    """Logits ``[B, T, V]`` (float32) and the updated KV cache."""
+    """Logits ``[B, T, V]`` (float32) and the updated KV cache. ``adapter_names`` (a PEFT
+    model only): the LoRA adapter of each row, ``"__base__"`` for none."""
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
     kwargs: dict[str, Any] = {
@@ -223,6 +227,8 @@ def forward(
     }
     if cache is not None:
         kwargs[_cache_arg(model)] = cache
+    if adapter_names is not None:
+        kwargs["adapter_names"] = adapter_names
     out = model(**kwargs)
     name = "cache" if _cache_arg(model) == "cache" else "past_key_values"
     new_cache = getattr(out, name, None)

@@ -33,13 +33,14 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from temper.jobspec import Advantage, Aggregation, AlgorithmSpec, KLEstimator, Overlong, Precision
+from temper.jobspec import Advantage, Aggregation, AlgorithmSpec, KLEstimator, LoraSpec, Overlong, Precision
 from temper.logs import log_event
 from temper.policy import load_weights, position_ids_from_mask, save_weights, token_logprobs
 from temper.storage import ObjectStore
 from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
 from temper.training.config import Device, TrainerSettings
 from temper.training.grpo import Objective, grpo_token_loss, sample_weights
+from temper.training.lora import adapter_state, apply_lora, load_adapter_state, reference_off
 from temper.training.memory import (
     GiB,
     MemoryEstimate,
@@ -136,6 +137,7 @@ class LearnerConfig:
     overlong_buffer: int = 0
     gradient_checkpointing: bool = False
     memory_limit_gb: float | None = None  # default: the CUDA device's memory; none on CPU
+    lora: LoraSpec | None = None  # train a LoRA adapter; None: every weight
 
     def objective(self) -> Objective:
         return Objective(
@@ -183,6 +185,7 @@ class LearnerConfig:
             bf16=s.bf16 if a.precision is None else a.precision is Precision.bf16,
             gradient_checkpointing=a.gradient_checkpointing,
             memory_limit_gb=s.memory_limit_gb,
+            lora=a.lora,
         )
 
 
@@ -259,8 +262,12 @@ class Learner:
     ) -> None:
         self.config = config or LearnerConfig()
         self.device = torch.device(device) if device is not None else pick_device()
+        self.lora = self.config.lora is not None
+        if self.config.lora is not None:
+            # the reference policy is this model with the adapter off: never a second copy
+            model, reference = apply_lora(model, self.config.lora), None
         self.memory_plan = self.plan_memory(
-            model, reference_copy=self.config.kl_coef > 0 and reference is None
+            model, reference_copy=self.config.kl_coef > 0 and reference is None and not self.lora
         )
         self.model = model.to(self.device).float()
         self.model.train()
@@ -274,7 +281,7 @@ class Learner:
                 old(gradient_checkpointing_kwargs={"use_reentrant": False})
             else:
                 raise ValueError("gradient_checkpointing: this model does not support it")
-        if self.config.kl_coef > 0 and reference is None:
+        if self.config.kl_coef > 0 and reference is None and not self.lora:
             reference = copy.deepcopy(model)  # the policy as it is now: normally the initial weights
         self.reference = reference.to(self.device).eval() if reference is not None else None
         if self.reference is not None:
@@ -438,6 +445,11 @@ class Learner:
                         ref = completion_logprobs(
                             self.reference, b.input_ids, b.attention_mask, b.completion_mask
                         )
+                elif self.lora and self.config.kl_coef > 0:
+                    with torch.no_grad(), reference_off(self.model):
+                        ref = completion_logprobs(
+                            self.model, b.input_ids, b.attention_mask, b.completion_mask
+                        )
             parts = grpo_token_loss(
                 logprobs.float(),
                 b.behaviour_logprobs,
@@ -504,7 +516,11 @@ class Learner:
     # --- checkpoints --------------------------------------------------------------------
 
     def weights_bytes(self, metadata: dict[str, Any] | None = None) -> bytes:
-        """The weights as one safetensors file (tied embeddings stored once)."""
+        """The weights as one safetensors file (tied embeddings stored once); with LoRA,
+        the adapter's weights alone (PEFT's key names)."""
+        if self.lora:
+            meta = {k: str(v) for k, v in (metadata or {}).items()}
+            return st_save(adapter_state(self.model), metadata=meta or None)
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "model.safetensors"
             save_weights(self.model, path, metadata=metadata)
@@ -532,6 +548,10 @@ class Learner:
         return st_save(tensors, metadata=meta)
 
     def load_weights_bytes(self, data: bytes) -> None:
+        if self.lora:
+            load_adapter_state(self.model, st_load(data))
+            self.model.to(self.device)
+            return
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "model.safetensors"
             path.write_bytes(data)
@@ -595,3 +615,77 @@ class Learner:
         meta = await asyncio.to_thread(restore)
         self.step_count = int(meta["step"])
         self.version = int(meta["version"])
+
+    # --- published versions (temper.registry) --------------------------------------------
+
+    def export_version(self, directory: str | Path, *, tokenizer: Any = None) -> str:
+        """Write what a server loads into ``directory``; returns the kind: ``"lora"`` (a
+        PEFT adapter directory) or ``"full"`` (a Hugging Face model directory with
+        ``tokenizer``, a :class:`temper.policy.ChatTokenizer`)."""
+        from temper.policy import save_checkpoint
+
+        if self.lora:
+            self.model.save_pretrained(str(directory))  # type: ignore[operator]
+            return "lora"
+        save_checkpoint(self.model, directory, tokenizer=tokenizer)
+        return "full"
+
+    async def publish_version(
+        self,
+        store: ObjectStore,
+        prefix: str,
+        *,
+        job_id: str,
+        version: int,
+        base_model: str,
+        tokenizer: Any = None,
+    ) -> str:
+        """Publish the current weights as ``version`` under ``prefix`` (with the optimizer
+        state as a trainer file); returns the manifest key."""
+        import asyncio
+
+        from temper import registry
+
+        with tempfile.TemporaryDirectory() as d:
+            kind = await asyncio.to_thread(self.export_version, d, tokenizer=tokenizer)
+            optim = await asyncio.to_thread(self.optimizer_bytes, version=version)
+            return await registry.publish_version(
+                store,
+                prefix,
+                d,
+                job_id=job_id,
+                version=version,
+                kind=kind,  # type: ignore[arg-type]
+                base_model=base_model,
+                step=self.step_count,
+                extra={f"{registry.TRAINER_DIR}/optimizer.safetensors": optim},
+            )
+
+    async def load_version(self, store: ObjectStore, manifest_key: str) -> None:
+        """Restore weights (or adapter), optimizer, step and version from a published
+        version; a corrupt one raises :class:`temper.registry.CorruptVersion`."""
+        import asyncio
+
+        from temper import registry
+
+        manifest, files = await registry.fetch_files(store, manifest_key, trainer=True)
+        if (manifest.kind == "lora") != self.lora:
+            raise registry.CorruptVersion(
+                f"{manifest_key} is a {manifest.kind} version but this learner trains "
+                f"{'a LoRA adapter' if self.lora else 'full weights'}"
+            )
+
+        def restore() -> None:
+            if self.lora:
+                load_adapter_state(self.model, st_load(files["adapter_model.safetensors"]))
+            else:
+                with tempfile.TemporaryDirectory() as d:
+                    for name, data in files.items():
+                        (Path(d) / name).parent.mkdir(parents=True, exist_ok=True)
+                        (Path(d) / name).write_bytes(data)
+                    load_weights(self.model, d)
+            self.model.to(self.device)
+            self.load_optimizer_bytes(files[f"{registry.TRAINER_DIR}/optimizer.safetensors"])
+
+        await asyncio.to_thread(restore)
+        self.step_count, self.version = manifest.step, manifest.version

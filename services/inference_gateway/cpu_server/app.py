@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.inference_gateway.checkpoints import fetch_checkpoint
 from services.inference_gateway.cpu_server.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
 from temper import metrics
+from temper.registry import CorruptVersion
 from temper.storage import NotFound, ObjectStore
 
 VERSION_HEADER = "X-Temper-Policy-Version"
@@ -50,6 +51,7 @@ class CompletionBody(BaseModel):
     stream: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    job_id: str | None = Field(None, description="Temper's: run on this job's LoRA adapter, if one is loaded")
 
 
 class LoadWeightsBody(BaseModel):
@@ -151,7 +153,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "policy_version": engine.version}
+        return {"status": "ok", "policy_version": engine.version, "adapters": engine.served_versions()}
 
     @app.get("/metrics")
     async def prom() -> Response:
@@ -202,7 +204,11 @@ def create_app(
         t0 = time.perf_counter()
         metrics.INFERENCE_INFLIGHT.labels(backend).inc()
         try:
-            outs = list(await asyncio.gather(*(scheduler.submit(GenRequest(p, params)) for p in prompts)))
+            outs = list(
+                await asyncio.gather(
+                    *(scheduler.submit(GenRequest(p, params, job_id=body.job_id)) for p in prompts)
+                )
+            )
         except Exception:
             metrics.INFERENCE_REQUESTS.labels(backend, "error").inc()
             raise
@@ -227,12 +233,18 @@ def create_app(
                 path = await fetch_checkpoint(store, body.key, cache_dir, body.version)
             except NotFound as exc:
                 raise HTTPException(404, f"no checkpoint at key {body.key}") from exc
+            except CorruptVersion as exc:
+                raise HTTPException(422, str(exc)) from exc
         try:
             seconds = await scheduler.reload(path, body.version)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         metrics.WEIGHT_SWITCH_SECONDS.observe(seconds)
         app.state.last_switch_s = seconds
-        return {"policy_version": engine.version, "switch_ms": seconds * 1000}
+        return {
+            "policy_version": engine.version,
+            "adapters": engine.served_versions(),
+            "switch_ms": seconds * 1000,
+        }
 
     return app

@@ -9,6 +9,13 @@ The logprob reported for a sampled token is the raw model distribution's (log-so
 of the logits, before temperature and top-p), as vLLM V1 reports by default
 (``logprobs_mode=raw_logprobs``); ``temper.policy.token_logprobs`` recomputes exactly
 this from a forward pass.
+
+Many jobs share one base model: each job's policy is a LoRA adapter (PEFT) named
+``<job>-v<version>``, chosen per request by ``job_id``. Requests of different jobs run
+in the same batch: PEFT's ``adapter_names`` applies each row's own adapter inside every
+LoRA layer (rows without an adapter get ``__base__``, the base model), so one forward
+step serves every adapter at once. Every output carries the version of the adapter (or
+base weights) that produced it. A full-weights version replaces the base weights.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 import torch
 
 from temper.policy import ChatTokenizer, forward, load_weights, pad_batch
+from temper.registry import CorruptVersion, verify_directory
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,7 @@ class SamplingParams:
 class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    job_id: str | None = None  # picks the job's adapter; none loaded: the base weights
 
 
 @dataclass
@@ -54,6 +63,7 @@ class GenOutput:
     finish_reason: str  # "stop" | "length"
     stop_reason: int | str | None
     policy_version: int
+    adapter: str | None = None  # the LoRA adapter that produced it; None: the base weights
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
@@ -75,7 +85,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Genera
 class _Row:
     """The decoding state of one request inside a batch."""
 
-    def __init__(self, req: GenRequest, tok: ChatTokenizer, version: int, max_len: int) -> None:
+    def __init__(
+        self, req: GenRequest, tok: ChatTokenizer, version: int, max_len: int, adapter: str | None = None
+    ) -> None:
         self.req = req
         self.p = req.params
         seed = self.p.seed if self.p.seed is not None else random.getrandbits(63)
@@ -89,6 +101,7 @@ class _Row:
         self.finish: str | None = None if self.budget > 0 else "length"
         self.stop_reason: int | str | None = None
         self.version = version
+        self.adapter = adapter
         self.tok = tok
 
     def push(self, token: int, logprob: float) -> None:
@@ -118,52 +131,129 @@ class _Row:
             finish_reason=self.finish or "length",
             stop_reason=self.stop_reason,
             policy_version=self.version,
+            adapter=self.adapter,
         )
 
 
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+
+
 class Engine:
-    """A model, its tokenizer and its policy version; ``generate`` runs one batch synchronously."""
+    """A base model, its tokenizer, the base weights' policy version and the jobs' LoRA
+    adapters (``adapters``: job -> (adapter name, version)); ``generate`` runs one batch
+    synchronously. Loading and generating must not overlap (the scheduler's lock)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: ChatTokenizer, *, version: int = 0) -> None:
-        self.model = model.eval()
+        self.base = model.eval()
+        self.model: torch.nn.Module = self.base  # a PeftModel around it once an adapter is loaded
         self.tok = tokenizer
         self.version = version
         self.max_len = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.adapters: dict[str, tuple[str, int]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
+    def served(self, job_id: str | None) -> tuple[str | None, int]:
+        """The adapter and version a request of ``job_id`` runs on now."""
+        if job_id is not None and job_id in self.adapters:
+            return self.adapters[job_id]
+        return None, self.version
+
+    def served_versions(self) -> dict[str, int]:
+        return {job: v for job, (_, v) in self.adapters.items()}
 
     @torch.inference_mode()
     def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
-        version = self.version
-        rows = [_Row(r, self.tok, version, self.max_len) for r in requests]
+        rows: list[_Row] = []
+        for request in requests:
+            adapter, version = self.served(request.job_id)
+            rows.append(_Row(request, self.tok, version, self.max_len, adapter))
         live = [r for r in rows if r.finish is None]
         if not live:
             return [r.output() for r in rows]
         for r in live:
             if not r.req.prompt_ids:
                 raise ValueError("empty prompt")
+        dev = self.device
         ids, mask = pad_batch([r.req.prompt_ids for r in live], self.tok.pad_id, left=True)
-        logits, cache = forward(self.model, ids, mask, use_cache=True)
+        ids, mask = ids.to(dev), mask.to(dev)
+        names = [r.adapter or BASE_ADAPTER for r in live] if self.model is not self.base else None
+        logits, cache = forward(self.model, ids, mask, use_cache=True, adapter_names=names)
         pos = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)
         while True:
             nxt = torch.full((len(live), 1), self.tok.pad_id, dtype=torch.long)
+            # sampling runs on the CPU with each request's own generator (on CUDA too)
+            last = logits[:, -1].float().cpu()
             for i, r in enumerate(live):
                 if r.finish is None:
-                    t, lp = sample_token(logits[i, -1], r.p, r.gen)
+                    t, lp = sample_token(last[i], r.p, r.gen)
                     r.push(t, lp)
                     nxt[i, 0] = t
             if all(r.finish is not None for r in live):
                 break
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=dev)], dim=1)
             pos = pos + 1
-            logits, cache = forward(self.model, nxt, mask, position_ids=pos, cache=cache, use_cache=True)
+            logits, cache = forward(
+                self.model,
+                nxt.to(dev),
+                mask,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                adapter_names=names,
+            )
         return [r.output() for r in rows]
 
     def load_weights(self, path: str | Path, version: int) -> float:
-        """Swap in new weights (same architecture); returns the switch time in seconds."""
+        """Swap in new base weights (same architecture); returns the switch time in seconds.
+        A version directory from the registry (with its manifest) is checked first, and a
+        LoRA version is loaded as its job's adapter instead."""
         t0 = time.perf_counter()
-        load_weights(self.model, path)
-        self.model.eval()
+        p = Path(path)
+        if p.is_dir() and (p / "manifest.json").is_file():
+            manifest = verify_directory(p)  # CorruptVersion: refused, nothing changes
+            if manifest.version != version:
+                raise CorruptVersion(f"{p} holds version {manifest.version}, not {version}")
+            if manifest.kind == "lora":
+                self.load_adapter(p, job_id=manifest.job_id, version=version)
+                return time.perf_counter() - t0
+        if self.adapters:
+            raise ValueError(
+                "full weights cannot replace the base model while LoRA adapters are served on it"
+            )
+        load_weights(self.base, path)
+        self.base.eval()
         self.version = version
         return time.perf_counter() - t0
+
+    def load_adapter(self, directory: str | Path, *, job_id: str, version: int) -> str:
+        """Serve ``job_id`` with the PEFT adapter in ``directory`` as ``version`` (the
+        job's previous adapter is dropped: no batch runs while this does). Returns its name."""
+        from peft import PeftModel
+
+        from temper.training.lora import peft_quiet
+
+        current = self.adapters.get(job_id)
+        if current is not None and current[1] >= version:
+            return current[0]
+        name = f"{job_id}-v{version}"
+        with peft_quiet():
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(str(directory), adapter_name=name, is_trainable=False)
+            else:
+                self.model = PeftModel.from_pretrained(
+                    self.base, str(directory), adapter_name=name, is_trainable=False
+                )
+        self.adapters[job_id] = (name, version)
+        self.model.to(self.device)  # the adapter's weights beside the base's (CUDA too)
+        if current is not None:
+            # the active adapter only matters without adapter_names, which generate always passes
+            self.model.set_adapter(name)  # type: ignore[operator]
+            self.model.delete_adapter(current[0])  # type: ignore[operator]
+        self.model.eval()
+        return name
 
 
 @dataclass

@@ -9,8 +9,10 @@ import httpx
 import pytest
 
 from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, VLLMBackend
+from temper import registry
 from temper.events import SamplingParams
 from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+from temper.storage import LocalStore
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -105,7 +107,27 @@ async def test_a_response_without_token_ids_is_a_protocol_error() -> None:
     await b.aclose()
 
 
-async def test_lora_reload_names_an_adapter_per_version_and_requests_use_it(tmp_path) -> None:
+async def version_dir(tmp_path: Path, job: str, version: int, kind: str = "lora") -> Path:
+    """A registry version (fake weights, real manifest) fetched to where vLLM would read it."""
+    src = tmp_path / f"src-{job}-{version}"
+    src.mkdir()
+    if kind == "lora":
+        (src / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
+        (src / "adapter_model.safetensors").write_bytes(b"adapter-%d" % version)
+    else:
+        (src / "config.json").write_text("{}")
+        (src / "model.safetensors").write_bytes(b"weights-%d" % version)
+    store = LocalStore(tmp_path / "objects")
+    prefix = registry.version_prefix("t", job, version)
+    key = await registry.publish_version(
+        store, prefix, src, job_id=job, version=version, kind=kind, base_model="base"
+    )
+    dest = tmp_path / "shared" / job / f"v{version}"
+    await registry.fetch_version(store, key, dest)
+    return dest
+
+
+async def test_lora_reload_names_an_adapter_per_job_and_version_and_requests_use_it(tmp_path) -> None:
     calls: list[tuple[str, dict]] = []
     completion = load("vllm_0.10.2_completion_token_ids.json")["response"]
 
@@ -118,28 +140,64 @@ async def test_lora_reload_names_an_adapter_per_version_and_requests_use_it(tmp_
 
     b = vllm_backend(handler)
     for v in (1, 2, 3):
-        await b.load_weights(version=v, path=tmp_path / f"v{v}")
-    res = await b.complete(GenerateRequest([1, 2]))
+        await b.load_weights(version=v, path=await version_dir(tmp_path, "job-a", v))
+    await b.load_weights(version=1, path=await version_dir(tmp_path, "job-b", 1))
+    res = await b.complete(GenerateRequest([1, 2], job_id="job-a"))
     assert res.policy_version == 3
+    assert calls[-1][0] == "/v1/completions" and calls[-1][1]["model"] == "job-a-v3"
+    res = await b.complete(GenerateRequest([1, 2], job_id="job-b"))
+    assert res.policy_version == 1 and calls[-1][1]["model"] == "job-b-v1"
+    res = await b.complete(GenerateRequest([1, 2], job_id="job-c"))  # no adapter: the base model
+    assert res.policy_version == 0 and calls[-1][1]["model"] == "temper-policy"
     loads = [body for path, body in calls if path == "/v1/load_lora_adapter"]
-    assert [x["lora_name"] for x in loads] == ["temper-policy-v1", "temper-policy-v2", "temper-policy-v3"]
-    assert loads[0]["lora_path"] == str(tmp_path / "v1")
-    assert ("/v1/unload_lora_adapter", {"lora_name": "temper-policy-v1"}) in calls
-    assert calls[-1][0] == "/v1/completions" and calls[-1][1]["model"] == "temper-policy-v3"
+    assert [x["lora_name"] for x in loads] == ["job-a-v1", "job-a-v2", "job-a-v3", "job-b-v1"]
+    assert loads[0]["lora_path"] == str(tmp_path / "shared" / "job-a" / "v1")
+    assert ("/v1/unload_lora_adapter", {"lora_name": "job-a-v1"}) in calls
     await b.aclose()
 
 
-async def test_full_reload_uses_collective_rpc(tmp_path) -> None:
+async def test_a_version_vllm_refuses_is_never_served(tmp_path) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/load_lora_adapter":
+            return httpx.Response(400, json=load("vllm_error_400.json")["response"])
+        return httpx.Response(200, json=load("vllm_0.10.2_completion_token_ids.json")["response"])
+
+    b = vllm_backend(handler)
+    with pytest.raises(BackendError):
+        await b.load_weights(version=1, path=await version_dir(tmp_path, "job-a", 1))
+    assert (await b.complete(GenerateRequest([1], job_id="job-a"))).policy_version == 0
+    with pytest.raises(BackendError, match="not one"):  # a bare weights file is not an adapter
+        await b.load_weights(version=2, path=tmp_path)
+    d = await version_dir(tmp_path, "job-a", 3)
+    (d / "adapter_model.safetensors").write_bytes(b"tampered")
+    with pytest.raises(BackendError, match="checksum"):
+        await b.load_weights(version=3, path=d)
+    await b.aclose()
+
+
+async def test_full_reload_writes_the_weights_where_vllm_reads_them_then_reloads(tmp_path) -> None:
     calls: list[tuple[str, dict]] = []
+    served = tmp_path / "vllm-model"
 
     def handler(request: httpx.Request) -> httpx.Response:
+        # by the time vLLM is asked to reload, the new weights are in its model directory
+        assert (served / "model.safetensors").read_bytes() == b"weights-4"
         calls.append((request.url.path, json.loads(request.content)))
         return httpx.Response(200, json={"results": [None]})
 
-    b = vllm_backend(handler, VLLMReloadMode.full)
-    await b.load_weights(version=4, path=tmp_path)
+    b = VLLMBackend(
+        BackendSpec(name="v0", url="http://vllm", kind=BackendKind.vllm, model_dir=str(served)),
+        model_name="temper-policy",
+        reload_mode=VLLMReloadMode.full,
+    )
+    b.client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://vllm")
+    await b.load_weights(version=4, path=await version_dir(tmp_path, "job-a", 4, kind="full"))
     assert calls == [("/collective_rpc", {"method": "reload_weights"})] and b.version == 4
+    no_dir = vllm_backend(handler, VLLMReloadMode.full)
+    with pytest.raises(BackendError, match="model_dir"):
+        await no_dir.load_weights(version=5, path=await version_dir(tmp_path, "job-a", 5, kind="full"))
     await b.aclose()
+    await no_dir.aclose()
 
 
 def test_models_fixture_is_what_the_gateway_serves_too() -> None:

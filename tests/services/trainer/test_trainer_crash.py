@@ -216,8 +216,8 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
         mine = [u for u in mine if u.job_id == job_id]
         assert sorted(u.version for u in mine) == [1, 2, 3]
         await wait_for(lambda: _all_published(database), within=30, what="the outbox relay")
-        assert await store.exists(f"tenants/acme/jobs/{job_id}/checkpoints/v3.safetensors")
-        assert await store.exists(f"tenants/acme/jobs/{job_id}/checkpoints/v3.optimizer.safetensors")
+        assert await store.exists(f"tenants/acme/jobs/{job_id}/versions/v3/manifest.json")
+        assert await store.exists(f"tenants/acme/jobs/{job_id}/versions/v3/trainer/optimizer.safetensors")
 
         # The updates reached Kafka for the gateway.
         seen: set[int] = set()

@@ -17,8 +17,10 @@ from temper.db import Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.db.migrate import upgrade
 from temper.events import PolicyUpdate, Topics
 from temper.policy import create_model, load_weights
+from temper.registry import fetch_version
 from temper.runtime import Runtime
 from temper.settings import DatabaseSettings, LogSettings, Settings, StorageSettings
+from temper.training import Learner
 from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -68,7 +70,7 @@ async def versions(runtime: Runtime, job_id: str) -> list[tuple[int, int]]:
         return [(r.version, r.step) for r in rows]
 
 
-async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings):
+async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings, tmp_path):
     runtime, trainer = await start(settings)
     try:
         assert runtime.db and runtime.bus and runtime.store
@@ -114,14 +116,15 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings):
 
         assert [u.version for u in updates] == [1, 2] and [u.step for u in updates] == [1, 2]
         assert all(u.job_id == "job-a" for u in updates)
-        assert updates[1].checkpoint_key == "tenants/acme/jobs/job-a/checkpoints/v2.safetensors"
-        # the gateway loads the weights file alone; it is not the initial policy any more
-        weights = settings.storage.root / updates[1].checkpoint_key
-        model = load_weights(create_model("tiny", seed=0), weights)
+        assert updates[1].checkpoint_key == "tenants/acme/jobs/job-a/versions/v2/manifest.json"
+        # the gateway loads the version's verified directory; it is not the initial policy any more
+        manifest = await fetch_version(runtime.store, updates[1].checkpoint_key, tmp_path / "v2")
+        assert (manifest.job_id, manifest.version, manifest.kind) == ("job-a", 2, "full")
+        model = load_weights(create_model("tiny", seed=0), tmp_path / "v2")
         assert not torch.equal(
             model.model.embed_tokens.weight, create_model("tiny", seed=0).model.embed_tokens.weight
         )
-        assert await runtime.store.exists("tenants/acme/jobs/job-a/checkpoints/v2.optimizer.safetensors")
+        assert "trainer/optimizer.safetensors" in manifest.files
         after = REGISTRY.get_sample_value("temper_trainer_skipped_groups_total", {"job_id": "job-a"})
         assert after == skipped_before + 1
         assert REGISTRY.get_sample_value("temper_policy_version", {"job_id": "job-a"}) == 2
@@ -291,7 +294,7 @@ async def test_a_failed_publish_is_retried_on_its_own_and_shows_while_it_fails(s
         down = True
 
         async def put(key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
-            if down and "/checkpoints/" in key:
+            if down and "/versions/" in key:
                 raise ConnectionRefusedError(111, "Connection refused")
             await real_put(key, data, content_type)
 
@@ -324,5 +327,56 @@ async def test_a_failed_publish_is_retried_on_its_own_and_shows_while_it_fails(s
             assert (job.state_reason, job.policy_version) == (None, 1)
         assert REGISTRY.get_sample_value("temper_trainer_publish_failing", {"job_id": "job-p"}) == 0
         assert {r.step for r in (await ledger(runtime, "job-p")).values()} == {1}
+    finally:
+        await stop(runtime, trainer)
+
+
+async def test_a_lora_job_publishes_adapter_versions_and_resumes_from_them(settings, tmp_path):
+    """algorithm.lora: the published versions are PEFT adapters with a manifest, and a
+    restarted trainer continues the adapter (not a fresh one) from the registry."""
+    spec = job_spec(group_size=4, groups_per_step=1, checkpoint_every=1, kl_coef=0.1)
+    spec["algorithm"]["lora"] = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    f = TrajectoryFactory("job-l")
+    g1, g2 = f.group("g1", [1, 0, 0, 1]), f.group("g2", [0, 1, 1, 0])
+    runtime, trainer = await start(settings)
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-l", spec)
+        await store_all(runtime.store, g1 + g2)
+        await send_all(runtime.bus, g1)
+
+        async def v1() -> bool:
+            return len(await versions(runtime, "job-l")) == 1
+
+        await wait_for(v1, what="version 1")
+        key = "tenants/acme/jobs/job-l/versions/v1/manifest.json"
+        async with runtime.db.session() as s:
+            assert (
+                await s.scalar(select(PolicyVersion.checkpoint_key).where(PolicyVersion.job_id == "job-l"))
+            ) == key
+        manifest = await fetch_version(runtime.store, key, tmp_path / "v1")
+        assert manifest.kind == "lora" and manifest.base_model == "temper-policy"
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(manifest.served_files())
+        adapter_v1 = {n: p.detach().clone() for n, p in trainer.jobs["job-l"].learner.model.named_parameters()
+                      if p.requires_grad}  # fmt: skip
+    finally:
+        await stop(runtime, trainer)
+
+    runtime, trainer = await start(settings)
+    try:
+        assert runtime.bus
+        await send_all(runtime.bus, g2)
+
+        async def v2() -> bool:
+            return len(await versions(runtime, "job-l")) == 2
+
+        await wait_for(v2, what="version 2")
+        job = trainer.jobs["job-l"]
+        assert job.learner.lora and job.learner.version == 2 and job.learner.step_count == 2
+        # it went on from v1's adapter: restored exactly, then one step moved it
+        restored = Learner(create_model("tiny", seed=0), job.learner.config, device="cpu")
+        await restored.load_version(runtime.store, key)
+        now = dict(restored.model.named_parameters())
+        assert all(torch.equal(now[n], p) for n, p in adapter_v1.items())
     finally:
         await stop(runtime, trainer)
