@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Depends, FastAPI
-from fastapi.responses import RedirectResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, RedirectResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.dispatcher.api import episodes, jobs, tenants
+from services.dispatcher.api import episodes, jobs, schemas, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.component import BootstrapKey, Dispatcher
@@ -52,8 +54,11 @@ def create_app(settings: Settings, *, run_episodes: bool = True) -> FastAPI:
     app.include_router(episodes.router)
     app.include_router(tenants.router)
     app.include_router(  # /v1/tasksets, from the task-set library
-        make_taskset_router(current_tenant), dependencies=[Depends(bearer_scheme)], responses=jobs.AUTH
+        make_taskset_router(current_tenant),
+        dependencies=[Depends(bearer_scheme)],
+        responses={**TASKSET_ERRORS, **jobs.AUTH},
     )
+    install_error_handlers(app)
     console.mount(app)
 
     @app.get("/", include_in_schema=False)
@@ -62,6 +67,84 @@ def create_app(settings: Settings, *, run_episodes: bool = True) -> FastAPI:
 
     _document_job_spec(app)
     return app
+
+
+TASKSET_ERRORS: schemas.Responses = {
+    404: {"model": schemas.Problem, "description": "no such task set for this tenant"},
+    413: {"model": schemas.Problem, "description": "the upload is too large"},
+    503: {"model": schemas.Problem, "description": "validation could not be queued"},
+}
+MAX_MESSAGE = 300  # characters of one error message: never echo a huge input back
+
+
+def _field(loc: tuple[Any, ...] | list[Any]) -> str:
+    return ".".join(str(p)[:80] for p in loc) or "(request)"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error answers with one body, :class:`schemas.Problem`; a 422 names each bad
+    field (its path, what is wrong) and never repeats the input."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            schemas.FieldError(field=_field(e.get("loc", ())), message=str(e.get("msg", ""))[:MAX_MESSAGE])
+            for e in list(exc.errors())[:100]
+        ]
+        first = errors[0] if errors else schemas.FieldError(field="(request)", message="invalid")
+        body = schemas.Problem(detail=f"invalid request: {first.field}: {first.message}", errors=errors)
+        return JSONResponse(body.model_dump(), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        body = schemas.Problem(detail=detail[:1000])
+        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+
+
+def conform(schema: dict[str, Any]) -> dict[str, Any]:
+    """What FastAPI cannot say by itself: every 422 is a Problem (not FastAPI's
+    HTTPValidationError), a body that is not JSON answers 400, ``/metrics`` is text and
+    ``/health`` may answer 503."""
+    problem = {"application/json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
+    for path, item in schema.get("paths", {}).items():
+        for op in item.values():
+            responses = op.setdefault("responses", {})
+            if "422" in responses or op.get("parameters") or op.get("requestBody"):
+                responses["422"] = {
+                    "description": "invalid request: each bad field is named",
+                    "content": problem,
+                }
+            if op.get("requestBody") and path != "/v1/jobs" and "400" not in responses:
+                responses["400"] = {"description": "the body is not valid JSON", "content": problem}
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.pop("HTTPValidationError", None)
+    components.pop("ValidationError", None)
+    metrics_get = schema["paths"].get("/metrics", {}).get("get")
+    if metrics_get:
+        metrics_get["responses"]["200"] = {
+            "description": "Prometheus text exposition format",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    health_get = schema["paths"].get("/health", {}).get("get")
+    if health_get:
+        health = {"application/json": {"schema": {"$ref": "#/components/schemas/Health"}}}
+        health_get["responses"]["200"] = {"description": "every component is up", "content": health}
+        health_get["responses"]["503"] = {
+            "description": "a component is down: `down` names it",
+            "content": health,
+        }
+        components["Health"] = {
+            "type": "object",
+            "properties": {
+                "service": {"type": "string"},
+                "status": {"type": "string", "enum": ["ok", "down"]},
+                "components": {"type": "object", "additionalProperties": {"type": "string"}},
+                "down": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["service", "status", "components"],
+        }
+    return schema
 
 
 def _document_job_spec(app: FastAPI) -> None:
@@ -78,6 +161,7 @@ def _document_job_spec(app: FastAPI) -> None:
         for name, sub in spec_schema.pop("$defs", {}).items():
             components.setdefault(name, sub)
         components["JobSpec"] = spec_schema
+        conform(schema)
         schema["components"]["schemas"] = dict(sorted(components.items()))
         app.openapi_schema = schema
         return schema
