@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from temper.db import TaskSet
 from temper.envs import ENVIRONMENTS
 from temper.jobspec import JobSpec, SpecError
-from temper.policy import PRESETS
+from temper.policy.config import BackendKind, BackendSpec
 from temper.rewards import KNOWN_COMPONENTS
 from temper.settings import Settings
 
@@ -143,10 +143,16 @@ def unknown(what: str, value: str, allowed: Iterable[str]) -> str:
 
 def known_models(settings: Settings) -> set[str]:
     """Model names this deployment's gateway serves: its model name, its backends' model
-    names, the CPU engine's presets and the names an operator lists in
-    ``TEMPER_DISPATCHER__MODELS``. A model directory on this machine is also accepted."""
-    names = {settings.inference.model_name, *PRESETS, *settings.dispatcher.models}
-    names.update(b.model for b in settings.inference.backends if b.model)
+    names, the presets its in-process CPU engines run (the default one when no backend is
+    configured) and the names an operator lists in ``TEMPER_DISPATCHER__MODELS``. A model
+    directory on this machine is also accepted. (Nothing here imports torch: the dispatcher
+    stays small.)"""
+    backends = settings.inference.backends
+    names = {settings.inference.model_name, *settings.dispatcher.models}
+    names.update(b.model for b in backends if b.model)
+    names.update(b.preset for b in backends if b.kind is BackendKind.local)
+    if not backends:
+        names.add(BackendSpec.model_fields["preset"].default)
     return names
 
 

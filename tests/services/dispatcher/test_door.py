@@ -177,3 +177,35 @@ async def test_request_validation_errors_have_the_same_shape(client, seeded):
     assert r.json()["errors"][0]["field"] == "query.limit"
     r = await client.get("/v1/jobs/nope")
     assert r.status_code == 404 and set(r.json()) == {"detail", "errors"}
+
+
+def aware(value: str) -> bool:
+    from datetime import datetime
+
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).utcoffset() is not None
+
+
+async def test_every_timestamp_is_aware_utc_on_sqlite(client, seeded):
+    posted = (await client.post("/v1/jobs", json=spec(name="stamped"))).json()
+    got = (await client.get(f"/v1/jobs/{posted['id']}")).json()
+    assert posted["created_at"] == got["created_at"] and got["created_at"].endswith("Z"), got
+    bodies = [
+        got,
+        (await client.get("/v1/jobs/job-finished")).json(),
+        *(await client.get("/v1/jobs")).json()["items"],
+        *(await client.get("/v1/jobs/job-finished/episodes")).json()["items"],
+        (await client.get("/v1/tenant")).json(),
+        *(await client.get("/v1/keys")).json(),
+    ]
+    stamps = [v for b in bodies for k, v in b.items() if k.endswith("_at") and v is not None]
+    assert len(stamps) > 10 and all(aware(v) for v in stamps), [v for v in stamps if not aware(v)]
+
+
+def test_the_dispatcher_does_not_import_torch():
+    """Checking model names must not load torch into the API process (about 900 MB)."""
+    import subprocess
+    import sys
+
+    code = "import sys, services.dispatcher.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
