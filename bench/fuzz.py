@@ -36,9 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # under test here; they have their own tests in tests/libs/tasks.
 SKIPPED = ("POST /v1/tasksets", "POST /v1/tasksets/{taskset_id}/validate")
 
-# A schema-valid spec may still name a model, task set or environment this deployment does
-# not have: it is refused with 422 by design, which the schema cannot express.
-NAMES_CHECKED = ("POST /v1/jobs",)
+# Schema-valid requests these operations refuse by design, which a schema cannot express:
+# a spec naming a model, task set or environment this deployment does not have (422), and
+# a page cursor that is not one the API handed out (400).
+NAMES_CHECKED = ("POST /v1/jobs", "GET /v1/jobs", "GET /v1/jobs/{job_id}/episodes")
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Result:
     schema_failures: int = 0
     operations: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # "METHOD path: title (status)" -> count
+    examples: dict[str, str] = field(default_factory=dict)  # the same -> the first case, as curl
     seconds: float = 0.0
 
 
@@ -129,69 +131,82 @@ def dispatcher(data_dir: Path) -> Iterator[tuple[str, str, subprocess.Popen[byte
             proc.wait()
 
 
-def fuzz(base: str, key: str, *, examples: int, seed: int, budget_s: float | None = None) -> Result:
+def fuzz(
+    base: str, key: str, *, examples: int, seed: int, budget_s: float | None = None, only: str | None = None
+) -> Result:
     """Every operation of the dispatcher's schema, positive then negative cases."""
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import seed as hseed
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
-    from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-    headers = {"Authorization": f"Bearer {key}"}
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     result = Result()
     started = time.monotonic()
-    operations = [op.ok() for op in schema.get_all_operations()]
-    for op in operations:
+    for op in [op.ok() for op in schema.get_all_operations()]:
         label = f"{op.method.upper()} {op.path}"
-        if label in SKIPPED:
+        if label in SKIPPED or (only is not None and label != only):
             continue
         result.operations += 1
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             if budget_s is not None and time.monotonic() - started > budget_s:
                 break
-
-            @hseed(seed)
-            @settings(
-                max_examples=examples,
-                deadline=None,
-                database=None,
-                phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck),
-            )
-            @given(case=op.as_strategy(generation_mode=mode))
-            def run(case: Any) -> None:
-                result.cases += 1
-                response = case.call(base_url=base, headers=headers, timeout=30)
-                excluded = [positive_data_acceptance] if label in NAMES_CHECKED else []
-                try:
-                    case.validate_response(response, headers=headers, excluded_checks=excluded)
-                except (AssertionError, BaseExceptionGroup) as exc:  # a Failure, or a FailureGroup of them
-                    failures = getattr(exc, "exceptions", None) or [exc]
-                    if response.status_code >= 500:
-                        result.server_errors += 1
-                    else:
-                        result.schema_failures += 1
-                    for failure in failures:
-                        title = getattr(failure, "title", type(failure).__name__)
-                        name = f"{label} [{mode.value}]: {title} ({response.status_code})"
-                        result.failures[name] = result.failures.get(name, 0) + 1
-
             try:
-                run()
+                _operation_test(
+                    op, label, mode, base=base, key=key, examples=examples, seed=seed, into=result
+                )()
             except Unsatisfiable:  # nothing to make negative: an operation without parameters
                 pass
     result.seconds = round(time.monotonic() - started, 1)
     return result
 
 
+def _operation_test(
+    op: Any, label: str, mode: Any, *, base: str, key: str, examples: int, seed: int, into: Result
+) -> Any:
+    """A Hypothesis test that sends ``examples`` cases of one operation and records every
+    check failure (without stopping or shrinking)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+    headers = {"Authorization": f"Bearer {key}"}
+    excluded = [positive_data_acceptance] if label in NAMES_CHECKED else []
+
+    @hseed(seed)
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=op.as_strategy(generation_mode=mode))
+    def run(case: Any) -> None:
+        into.cases += 1
+        response = case.call(base_url=base, headers=headers, timeout=30)
+        try:
+            case.validate_response(response, headers=headers, excluded_checks=excluded)
+        except (AssertionError, BaseExceptionGroup) as exc:  # a Failure, or a FailureGroup of them
+            if response.status_code >= 500:
+                into.server_errors += 1
+            else:
+                into.schema_failures += 1
+            for failure in getattr(exc, "exceptions", None) or [exc]:
+                title = getattr(failure, "title", type(failure).__name__)
+                name = f"{label} [{mode.value}]: {title} ({response.status_code})"
+                into.failures[name] = into.failures.get(name, 0) + 1
+                into.examples.setdefault(name, case.as_curl_command()[:500])
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=int, default=200, help="cases per operation and mode")
+    parser.add_argument("--examples", type=int, default=250, help="cases per operation and mode")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/fuzz.json")
     parser.add_argument("--data-dir", type=Path, default=None)
+    parser.add_argument("--only", default=None, help="one operation, e.g. 'GET /v1/jobs'")
     args = parser.parse_args()
     import tempfile
 
@@ -199,7 +214,7 @@ def main() -> None:
         data_dir = args.data_dir or Path(tmp)
         with dispatcher(data_dir) as (base, key, proc):
             rss_before = rss_mb(proc.pid)
-            result = fuzz(base, key, examples=args.examples, seed=args.seed)
+            result = fuzz(base, key, examples=args.examples, seed=args.seed, only=args.only)
             rss_after, rss_peak = rss_mb(proc.pid), rss_mb(proc.pid, "VmHWM")
     out = {
         "cases": result.cases,
@@ -213,10 +228,11 @@ def main() -> None:
         "rss_mb_after": round(rss_after, 1),
         "rss_mb_peak": round(rss_peak, 1),
         "failures": result.failures,
+        "examples": result.examples,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    rows = [(k, out[k]) for k in out if k != "failures"]
+    rows = [(k, out[k]) for k in out if k not in ("failures", "examples")]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"  {n:>5}  {name}" for name, n in sorted(result.failures.items())]

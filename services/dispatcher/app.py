@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.dependencies.models import Dependant
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.dispatcher.api import episodes, jobs, schemas, tenants
@@ -47,6 +49,7 @@ def create_app(settings: Settings, *, run_episodes: bool = True) -> FastAPI:
         version="1",
         summary="REST API of Temper, the RL post-training platform for LLM agents",
         description=API_DESCRIPTION,
+        dependencies=[Depends(known_query_parameters)],
     )
     app.state.settings = settings
     app.state.dispatcher = dispatcher
@@ -67,6 +70,30 @@ def create_app(settings: Settings, *, run_episodes: bool = True) -> FastAPI:
 
     _document_job_spec(app)
     return app
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+def known_query_parameters(request: Request) -> None:
+    """A ``/v1`` route refuses query parameters it does not declare (a typo such as
+    ``?stat=failed`` would otherwise list every job)."""
+    route = request.scope.get("route")
+    if not request.url.path.startswith("/v1") or not isinstance(route, APIRoute):
+        return
+    known = _query_names(route.dependant)
+    unknown = [name for name in request.query_params if name not in known]
+    if unknown:
+        raise RequestValidationError(
+            [
+                {"loc": ("query", n[:80]), "msg": "unknown query parameter", "type": "extra_forbidden"}
+                for n in unknown
+            ]
+        )
 
 
 TASKSET_ERRORS: schemas.Responses = {

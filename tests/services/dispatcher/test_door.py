@@ -209,3 +209,34 @@ def test_the_dispatcher_does_not_import_torch():
     code = "import sys, services.dispatcher.app; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_unknown_query_parameters_are_a_422(client):
+    r = await client.get("/v1/jobs", params={"stat": "failed"})
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"] == [{"field": "query.stat", "message": "unknown query parameter"}]
+    assert (await client.get("/v1/jobs", params={"state": "failed"})).status_code == 200
+
+
+async def test_a_body_that_is_not_json_is_refused_in_the_same_shape(client):
+    r = await client.post("/v1/keys", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    one_shape(r.json())
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = await client.post("/v1/keys", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code in (400, 422), r.text[:300]
+    one_shape(r.json())
+
+
+def test_the_schema_declares_one_error_shape_and_text_metrics(app):
+    schema = app.openapi()
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    for path, item in schema["paths"].items():
+        for method, op in item.items():
+            for status, response in op["responses"].items():
+                if status.startswith(("4", "5")) and path != "/health":
+                    ref = response["content"]["application/json"]["schema"]["$ref"]
+                    assert ref == "#/components/schemas/Problem", (method, path, status)
+    assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "503" in schema["paths"]["/health"]["get"]["responses"]
+    assert "415" in schema["paths"]["/v1/jobs"]["post"]["responses"]
