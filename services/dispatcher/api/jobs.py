@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
@@ -64,20 +65,29 @@ async def read_spec(request: Request) -> JobSpec:
     if ctype not in ("application/json", "multipart/form-data", *YAML_TYPES):
         raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, UNSUPPORTED)
     if ctype == "multipart/form-data":
-        async with request.form() as form:  # closes the uploaded files' temporary storage
-            upload = form.get("spec")
-            if upload is None:
-                upload = next((v for v in form.values() if isinstance(v, UploadFile)), None)
-            if upload is None:
-                raise SpecError([("(document)", "upload the spec in the form field 'spec'")])
-            raw: bytes = (
-                await upload.read(MAX_SPEC_BYTES + 1)
-                if isinstance(upload, UploadFile)
-                else str(upload).encode()
-            )
+        raw = await read_upload(request)
     else:
         raw = await read_body(request)
     return strict_spec(load_document(raw, json_body=ctype == "application/json"))
+
+
+async def read_upload(request: Request) -> bytes:
+    """The ``spec`` file (or the first file) of a multipart form."""
+    try:
+        form = await request.form(max_files=10, max_fields=100)
+    except StarletteHTTPException as exc:  # starlette's answer to a malformed form
+        raise SpecError([("(document)", f"not a valid multipart form: {str(exc.detail)[:200]}")]) from None
+    try:  # closing the form removes the uploaded files' temporary storage
+        upload = form.get("spec")
+        if upload is None:
+            upload = next((v for v in form.values() if isinstance(v, UploadFile)), None)
+        if upload is None:
+            raise SpecError([("(document)", "upload the spec in the form field 'spec'")])
+        if isinstance(upload, UploadFile):
+            return await upload.read(MAX_SPEC_BYTES + 1)
+        return str(upload).encode()
+    finally:
+        await form.close()
 
 
 async def read_body(request: Request) -> bytes:

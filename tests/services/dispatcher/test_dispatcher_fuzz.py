@@ -6,6 +6,7 @@ schema-violating requests accepted). About three minutes; ``make fuzz`` runs lon
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ def load_fuzzer():
     spec = importlib.util.spec_from_file_location("temper_bench_fuzz", ROOT / "bench" / "fuzz.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

@@ -240,3 +240,14 @@ def test_the_schema_declares_one_error_shape_and_text_metrics(app):
     assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "503" in schema["paths"]["/health"]["get"]["responses"]
     assert "415" in schema["paths"]["/v1/jobs"]["post"]["responses"]
+
+
+async def test_a_malformed_multipart_form_is_a_422(client):
+    boundary = "9cc651cd2c8d168349f50fede4c361ac"
+    body = f"--{boundary}\r\nFalse--{boundary}--\r\n".encode()
+    r = await client.post(
+        "/v1/jobs", content=body, headers={"content-type": f"multipart/form-data; boundary={boundary}"}
+    )
+    assert r.status_code == 422, r.text
+    one_shape(r.json())
+    assert await nothing_stored(client)
