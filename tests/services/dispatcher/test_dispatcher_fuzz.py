@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = 60  # cases per operation and mode: about 2,500 cases in all
+EXAMPLES = 100  # cases per operation and mode: about 4,200 cases in all
 BUDGET_S = 170.0
 
 pytestmark = pytest.mark.timeout(300)
