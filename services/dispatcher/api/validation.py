@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,24 @@ def clip(value: object, limit: int = MAX_ECHO) -> str:
 # --- the document -------------------------------------------------------------------------
 
 
+class SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-5`` as a string (its floats need a dot); people write learning
+    rates that way, and with strict types a string is not a number. Read them as floats."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def _yaml_events_ok(raw: bytes) -> None:
     """Walk the YAML event stream before building anything: refuse aliases and deep
     nesting while the document is still its own size."""
     depth = 0
     try:
-        for event in yaml.parse(raw, Loader=yaml.SafeLoader):
+        for event in yaml.parse(raw, Loader=SpecLoader):
             if isinstance(event, yaml.AliasEvent):
                 raise SpecError([("(document)", "YAML aliases (*name) are not accepted in a job spec")])
             if isinstance(event, yaml.MappingStartEvent | yaml.SequenceStartEvent):
@@ -102,7 +115,7 @@ def load_document(raw: bytes, *, json_body: bool) -> Any:
     else:
         _yaml_events_ok(raw)
         try:
-            data = yaml.safe_load(raw)
+            data = yaml.load(raw, Loader=SpecLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as exc:
             raise SpecError([("(document)", f"not valid YAML: {str(exc)[:300]}")]) from None
     check_shape(data)

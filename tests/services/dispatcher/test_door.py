@@ -251,3 +251,13 @@ async def test_a_malformed_multipart_form_is_a_422(client):
     assert r.status_code == 422, r.text
     one_shape(r.json())
     assert await nothing_stored(client)
+
+
+async def test_yaml_exponent_floats_are_numbers_and_quoted_ones_are_not(client):
+    text = yaml.safe_dump(spec(name="lr")) + "algorithm: {learning_rate: 1e-5}\n"
+    r = await client.post("/v1/jobs", content=text, headers={"content-type": "application/yaml"})
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["algorithm"]["learning_rate"] == 1e-5
+    text = yaml.safe_dump(spec(name="lr")) + "algorithm: {learning_rate: '1e-5'}\n"
+    r = await client.post("/v1/jobs", content=text, headers={"content-type": "application/yaml"})
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "algorithm.learning_rate", r.text
