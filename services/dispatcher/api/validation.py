@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -99,6 +100,8 @@ def check_shape(data: Any) -> None:
         elif isinstance(value, int) and not isinstance(value, bool):
             if not INT64_MIN <= value <= INT64_MAX:
                 raise SpecError([(path or "(root)", "integer out of the 64-bit range")])
+        elif isinstance(value, float) and not math.isfinite(value):  # JSON has no NaN; Postgres refuses it
+            raise SpecError([(path or "(root)", "not a finite number")])
 
 
 def load_document(raw: bytes, *, json_body: bool) -> Any:

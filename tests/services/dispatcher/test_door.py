@@ -261,3 +261,12 @@ async def test_yaml_exponent_floats_are_numbers_and_quoted_ones_are_not(client):
     text = yaml.safe_dump(spec(name="lr")) + "algorithm: {learning_rate: '1e-5'}\n"
     r = await client.post("/v1/jobs", content=text, headers={"content-type": "application/yaml"})
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "algorithm.learning_rate", r.text
+
+
+async def test_nan_and_infinity_are_refused(client):
+    body = json.dumps(spec()).replace('"tests_passed": 1.0', '"tests_passed": NaN')
+    r = await client.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "rewards.tests_passed", r.text
+    text = yaml.safe_dump(spec()).replace("tests_passed: 1.0", "tests_passed: .inf")
+    r = await client.post("/v1/jobs", content=text, headers={"content-type": "application/yaml"})
+    assert r.status_code == 422 and "finite" in r.json()["detail"], r.text
