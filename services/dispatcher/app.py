@@ -7,7 +7,7 @@ episode component; stop in reverse (:func:`temper.runtime.service_app`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_origin
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.dependencies.models import Dependant
@@ -72,28 +72,35 @@ def create_app(settings: Settings, *, run_episodes: bool = True) -> FastAPI:
     return app
 
 
-def _query_names(dependant: Dependant) -> set[str]:
-    names = {p.alias for p in dependant.query_params}
+def _query_params(dependant: Dependant) -> dict[str, bool]:
+    """Query parameter name -> whether it may repeat (a list parameter)."""
+    params = {
+        p.alias: get_origin(p.field_info.annotation) in (list, set, tuple, frozenset)
+        for p in dependant.query_params
+    }
     for sub in dependant.dependencies:
-        names |= _query_names(sub)
-    return names
+        params.update(_query_params(sub))
+    return params
 
 
 def known_query_parameters(request: Request) -> None:
     """A ``/v1`` route refuses query parameters it does not declare (a typo such as
-    ``?stat=failed`` would otherwise list every job)."""
+    ``?stat=failed`` would otherwise list every job) and a single-valued one given twice
+    (which value counts would be a guess)."""
     route = request.scope.get("route")
     if not request.url.path.startswith("/v1") or not isinstance(route, APIRoute):
         return
-    known = _query_names(route.dependant)
-    unknown = [name for name in request.query_params if name not in known]
-    if unknown:
-        raise RequestValidationError(
-            [
-                {"loc": ("query", n[:80]), "msg": "unknown query parameter", "type": "extra_forbidden"}
-                for n in unknown
-            ]
-        )
+    declared = _query_params(route.dependant)
+    errors = []
+    for name in dict.fromkeys(request.query_params):
+        if name not in declared:
+            errors.append(
+                {"loc": ("query", name[:80]), "msg": "unknown query parameter", "type": "extra_forbidden"}
+            )
+        elif not declared[name] and len(request.query_params.getlist(name)) > 1:
+            errors.append({"loc": ("query", name), "msg": "given more than once", "type": "too_long"})
+    if errors:
+        raise RequestValidationError(errors)
 
 
 TASKSET_ERRORS: schemas.Responses = {

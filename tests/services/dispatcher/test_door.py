@@ -216,6 +216,8 @@ async def test_unknown_query_parameters_are_a_422(client):
     assert r.status_code == 422, r.text
     assert r.json()["errors"] == [{"field": "query.stat", "message": "unknown query parameter"}]
     assert (await client.get("/v1/jobs", params={"state": "failed"})).status_code == 200
+    r = await client.get("/v1/jobs", params=[("cursor", "a"), ("cursor", "")])
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "query.cursor", r.text
 
 
 async def test_a_body_that_is_not_json_is_refused_in_the_same_shape(client):
