@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = 100  # cases per operation and mode: about 4,200 cases in all
 BUDGET_S = 170.0
+MAX_GROWTH_MB = 100
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,8 +31,12 @@ def load_fuzzer():
 def test_schemathesis_finds_no_failure(tmp_path):
     fuzzer = load_fuzzer()
     with fuzzer.dispatcher(tmp_path) as (base, key, proc):
+        rss_before = fuzzer.rss_mb(proc.pid)
         result = fuzzer.fuzz(base, key, examples=EXAMPLES, seed=20261201, budget_s=BUDGET_S)
         assert proc.poll() is None, "the dispatcher died under the fuzzer"
+        rss_peak = fuzzer.rss_mb(proc.pid, "VmHWM")
+    # bounded memory: about 100 MB at start and a few MB more after thousands of cases
+    assert rss_peak < rss_before + MAX_GROWTH_MB, (rss_before, rss_peak)
     assert result.operations >= 20 and result.cases >= 1000, result
     assert result.failures == {}, "\n".join(
         f"{n} x {name}: {result.examples[name]}" for name, n in result.failures.items()
