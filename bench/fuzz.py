@@ -199,7 +199,8 @@ def _operation_test(
                 title = getattr(failure, "title", type(failure).__name__)
                 name = f"{label} [{mode.value}]: {title} ({response.status_code})"
                 into.failures[name] = into.failures.get(name, 0) + 1
-                into.examples.setdefault(name, case.as_curl_command()[:500])
+                message = str(getattr(failure, "message", ""))[:300]
+                into.examples.setdefault(name, f"{message}\n{case.as_curl_command()[:500]}")
 
     return run
 

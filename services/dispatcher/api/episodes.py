@@ -43,7 +43,7 @@ async def list_episodes(
     ] = None,
     max_reward: Annotated[float | None, Query(allow_inf_nan=False, description="reward at most this")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[str | None, Query(max_length=500)] = None,
+    cursor: Annotated[str | None, Query(min_length=1, max_length=500)] = None,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> schemas.EpisodePage:
     try:

@@ -154,7 +154,7 @@ async def list_jobs(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[
-        str | None, Query(max_length=500, description="next_cursor of the previous page")
+        str | None, Query(min_length=1, max_length=500, description="next_cursor of the previous page")
     ] = None,
     offset: Annotated[
         int, Query(ge=0, le=MAX_OFFSET, description="skip this many (ignored with cursor)")
