@@ -9,7 +9,8 @@ resident memory (VmRSS) is read before and after.
     python bench/fuzz.py [--examples 200] [--seed 1] [--out bench/results/fuzz.json]
 
 writes ``cases``, ``server_errors``, ``schema_failures`` (flat JSON, with the memory
-figures and the distinct failures) and prints a table. The test suite runs the same
+figures), each distinct failure with a curl command to ``fuzz-failures.txt`` beside it,
+and prints a table. The test suite runs the same
 fuzzer for about three minutes (tests/services/dispatcher/test_dispatcher_fuzz.py).
 """
 
@@ -232,12 +233,15 @@ def main() -> None:
         "rss_mb_before": round(rss_before, 1),
         "rss_mb_after": round(rss_after, 1),
         "rss_mb_peak": round(rss_peak, 1),
-        "failures": result.failures,
-        "examples": result.examples,
+        "distinct_failures": len(result.failures),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    rows = [(k, out[k]) for k in out if k not in ("failures", "examples")]
+    args.out.write_text(json.dumps(out, indent=2) + "\n")  # flat: one scalar per figure
+    details = args.out.with_name(args.out.stem + "-failures.txt")
+    details.write_text(
+        "".join(f"{n} x {name}\n{result.examples[name]}\n\n" for name, n in result.failures.items())
+    )
+    rows = list(out.items())
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += [f"  {n:>5}  {name}" for name, n in sorted(result.failures.items())]
