@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-unit run serve run-stack lint schemas \
-        check-deploy bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
+        check-deploy fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -15,6 +15,7 @@ help:
 	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed)"
 	@echo "make run-stack    the example job on the real stack, services as separate processes"
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
+	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
 
 system:
@@ -67,6 +68,9 @@ schemas: setup
 
 check-deploy: setup system
 	bash scripts/check_deploy.sh
+
+fuzz: setup
+	$(PY) bench/fuzz.py $(ARGS)
 
 bench: bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
 

@@ -129,6 +129,11 @@ class DispatcherSettings(BaseModel):
     max_context_tokens: int = Field(
         32768, ge=64, description="an episode whose prompt would pass this is scored"
     )
+    models: list[str] = Field(
+        default_factory=list,
+        description="model names the gateway serves beyond its model_name and backends' models; "
+        "a job naming another model is refused at submission",
+    )
 
 
 class LogSettings(BaseModel):

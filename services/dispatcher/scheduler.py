@@ -16,6 +16,7 @@ from datetime import timedelta
 
 from pydantic import ValidationError
 from sqlalchemy import and_, func, or_, select
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
@@ -73,11 +74,35 @@ class Scheduler:
         for job_id in job_ids:
             if await self.leadership.acquire(job_id):
                 with log_context(job_id=job_id):
-                    await self.schedule_job(job_id)
+                    await self.schedule_isolated(job_id)
         for job_id in self.leadership.held - set(job_ids):
             await self.leadership.release(job_id)
 
     # --- one job -------------------------------------------------------------------------------
+    async def schedule_isolated(self, job_id: str) -> None:
+        """Schedule one job so that its failure is its own: an error that is not an outage
+        (of the database or the network: every job stalls alike, and it is waited out)
+        fails this job with the error as its reason, and the tick goes on to the next job."""
+        try:
+            await self.schedule_job(job_id)
+        except DBAPIError as exc:
+            if exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError):
+                raise
+            await self._fail_unschedulable(job_id, exc)
+        except (OSError, TimeoutError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad job must not stall the others
+            await self._fail_unschedulable(job_id, exc)
+
+    async def _fail_unschedulable(self, job_id: str, exc: Exception) -> None:
+        reason = f"scheduling failed: {type(exc).__name__}: {str(exc)[:300]}"
+        log.error("scheduling job %s failed; failing it", job_id, exc_info=exc)
+        async with self.engine.tx() as s:
+            job = await s.get(Job, job_id)
+            if job is not None and JobState(job.state) in (J.pending, J.running, J.paused):
+                await transition_job(s, job, J.failed, reason=reason)
+                log_event(log, "job failed", reason=reason)
+
     async def schedule_job(self, job_id: str) -> None:
         engine = self.engine
         async with engine.tx() as s:

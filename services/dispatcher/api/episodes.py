@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, SessionDep, StoreDep
-from services.dispatcher.api.jobs import AUTH, JobDep
+from services.dispatcher.api.jobs import AUTH, BAD_CURSOR, MAX_OFFSET, JobDep
 from services.dispatcher.api.transcripts import stored_log, transcript
 from temper.db import Episode
 from temper.lifecycle import EpisodeState
@@ -26,19 +26,25 @@ EPISODE_NOT_FOUND: schemas.Responses = {
     "/v1/jobs/{job_id}/episodes",
     summary="List a job's episodes",
     response_model=schemas.EpisodePage,
-    responses={404: {"model": schemas.Problem, "description": "no such job for this tenant"}, **AUTH},
+    responses={
+        404: {"model": schemas.Problem, "description": "no such job for this tenant"},
+        **BAD_CURSOR,
+        **AUTH,
+    },
 )
 async def list_episodes(
     session: SessionDep,
     job: JobDep,
     state: Annotated[EpisodeState | None, Query(description="only episodes in this state")] = None,
     task: Annotated[str | None, Query(description="only episodes of this task id")] = None,
-    iteration: Annotated[int | None, Query(ge=0)] = None,
-    min_reward: Annotated[float | None, Query(description="reward at least this")] = None,
-    max_reward: Annotated[float | None, Query(description="reward at most this")] = None,
+    iteration: Annotated[int | None, Query(ge=0, le=MAX_OFFSET)] = None,
+    min_reward: Annotated[
+        float | None, Query(allow_inf_nan=False, description="reward at least this")
+    ] = None,
+    max_reward: Annotated[float | None, Query(allow_inf_nan=False, description="reward at most this")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[str | None, Query()] = None,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    cursor: Annotated[str | None, Query(min_length=1, max_length=500)] = None,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
 ) -> schemas.EpisodePage:
     try:
         page = await repo.list_episodes(

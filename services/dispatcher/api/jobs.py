@@ -3,25 +3,29 @@ pause, resume, cancel, and read a job's metrics."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
-from services.dispatcher.api.deps import CurrentTenant, SessionDep
+from services.dispatcher.api.deps import CurrentTenant, RuntimeDep, SessionDep
+from services.dispatcher.api.validation import MAX_SPEC_BYTES, check_names, clip, load_document, strict_spec
 from temper.db import Job
-from temper.jobspec import JobSpec, SpecError, parse_spec
+from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import IllegalTransition, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(bearer_scheme)])
 
-MAX_SPEC_BYTES = 1 << 20
-YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain")
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 NOT_FOUND: schemas.Responses = {404: {"model": schemas.Problem, "description": "no such job for this tenant"}}
+BAD_CURSOR: schemas.Responses = {
+    400: {"model": schemas.Problem, "description": "the cursor is not one we gave"}
+}
+MAX_OFFSET = (1 << 31) - 1  # a 32-bit integer column's range: larger never matches and overflows Postgres
 AUTH: schemas.Responses = {401: {"model": schemas.Problem, "description": "missing or invalid API key"}}
 
 SPEC_BODY: dict[str, Any] = {
@@ -45,40 +49,56 @@ SPEC_BODY: dict[str, Any] = {
 
 
 def spec_problem(exc: SpecError) -> JSONResponse:
-    body = schemas.SpecProblem(
-        detail=f"invalid job spec: {exc}",
-        errors=[schemas.FieldError(field=path, message=msg) for path, msg in exc.errors],
+    body = schemas.Problem(
+        detail=f"invalid job spec: {clip(exc.errors[0][0], 200)}: {exc.errors[0][1][:300]}",
+        errors=[schemas.FieldError(field=path, message=msg) for path, msg in exc.errors[:100]],
     )
     return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
 
+UNSUPPORTED = "send the spec as application/json, application/yaml, or multipart/form-data with a 'spec' file"
+
+
 async def read_spec(request: Request) -> JobSpec:
-    """The spec from whichever form the request carries it in."""
+    """The spec from whichever form the request carries it in, checked for shape and types."""
     ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype not in ("application/json", "multipart/form-data", *YAML_TYPES):
+        raise HTTPException(status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, UNSUPPORTED)
     if ctype == "multipart/form-data":
-        async with request.form() as form:  # closes the uploaded files' temporary storage
-            upload = form.get("spec")
-            if upload is None:
-                upload = next((v for v in form.values() if isinstance(v, UploadFile)), None)
-            if upload is None:
-                raise SpecError([("(document)", "upload the spec in the form field 'spec'")])
-            raw: bytes = await upload.read() if isinstance(upload, UploadFile) else str(upload).encode()
+        raw = await read_upload(request)
     else:
-        raw = await request.body()
-    if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError([("(document)", f"the spec is larger than {MAX_SPEC_BYTES} bytes")])
-    if ctype in ("application/json", ""):
-        try:
-            data = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise SpecError([("(document)", f"not valid JSON: {exc}")]) from None
-        return parse_spec(data)
-    if ctype in YAML_TYPES or ctype == "multipart/form-data":
-        return parse_spec(raw)
-    raise HTTPException(
-        status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
-        "send the spec as application/json, application/yaml, or multipart/form-data with a 'spec' file",
-    )
+        raw = await read_body(request)
+    return strict_spec(load_document(raw, json_body=ctype == "application/json"))
+
+
+async def read_upload(request: Request) -> bytes:
+    """The ``spec`` file (or the first file) of a multipart form."""
+    try:
+        form = await request.form(max_files=10, max_fields=100)
+    except StarletteHTTPException as exc:  # starlette's answer to a malformed form
+        raise SpecError([("(document)", f"not a valid multipart form: {str(exc.detail)[:200]}")]) from None
+    try:  # closing the form removes the uploaded files' temporary storage
+        upload = form.get("spec")
+        if upload is None:
+            upload = next((v for v in form.values() if isinstance(v, UploadFile)), None)
+        if upload is None:
+            raise SpecError([("(document)", "upload the spec in the form field 'spec'")])
+        if isinstance(upload, UploadFile):
+            return await upload.read(MAX_SPEC_BYTES + 1)
+        return str(upload).encode()
+    finally:
+        await form.close()
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, refused once it passes the limit instead of read whole."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_SPEC_BYTES:
+            raise SpecError([("(document)", f"the spec is larger than {MAX_SPEC_BYTES} bytes")])
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def job_or_404(session: SessionDep, tenant: CurrentTenant, job_id: str) -> Job:
@@ -98,20 +118,25 @@ def job_detail(job: Job) -> schemas.Job:
 @router.post(
     "",
     summary="Submit a job",
-    description="Validates the spec and checks that its task set belongs to the caller; the job starts "
-    "in state `pending` and the scheduler picks it up.",
+    description="Validates the spec strictly (no type coercion, no YAML aliases, bounded size, depth and "
+    "integers) and checks every name it references (environment kind, reward components, model, backend "
+    "pool, task set) against this deployment; the job starts in state `pending` and the scheduler picks "
+    "it up.",
     status_code=status.HTTP_201_CREATED,
     response_model=schemas.Job,
     responses={
-        422: {"model": schemas.SpecProblem, "description": "the spec is invalid; each bad field is named"},
-        415: {"model": schemas.Problem},
+        422: {"model": schemas.Problem, "description": "the spec is invalid; each bad field is named"},
+        415: {"model": schemas.Problem, "description": "the body is not JSON, YAML or a form upload"},
         **AUTH,
     },
     openapi_extra=SPEC_BODY,
 )
-async def submit_job(request: Request, session: SessionDep, tenant: CurrentTenant) -> Any:
+async def submit_job(
+    request: Request, runtime: RuntimeDep, session: SessionDep, tenant: CurrentTenant
+) -> Any:
     try:
         spec = await read_spec(request)
+        await check_names(session, spec=spec, settings=runtime.settings, tenant_id=tenant.id)
         job = await repo.create_job(session, tenant=tenant, spec=spec)
     except SpecError as exc:
         return spec_problem(exc)
@@ -119,7 +144,7 @@ async def submit_job(request: Request, session: SessionDep, tenant: CurrentTenan
     return job_detail(job)
 
 
-@router.get("", summary="List jobs", response_model=schemas.JobPage, responses=AUTH)
+@router.get("", summary="List jobs", response_model=schemas.JobPage, responses={**BAD_CURSOR, **AUTH})
 async def list_jobs(
     session: SessionDep,
     tenant: CurrentTenant,
@@ -128,8 +153,12 @@ async def list_jobs(
         str | None, Query(description="only jobs whose name contains this (case-insensitive)")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    cursor: Annotated[str | None, Query(description="next_cursor of the previous page")] = None,
-    offset: Annotated[int, Query(ge=0, description="skip this many (ignored with cursor)")] = 0,
+    cursor: Annotated[
+        str | None, Query(min_length=1, max_length=500, description="next_cursor of the previous page")
+    ] = None,
+    offset: Annotated[
+        int, Query(ge=0, le=MAX_OFFSET, description="skip this many (ignored with cursor)")
+    ] = 0,
 ) -> schemas.JobPage:
     try:
         page = await repo.list_jobs(
@@ -212,6 +241,8 @@ async def cancel_job(session: SessionDep, job: JobDep) -> schemas.Job:
 async def job_metrics(
     session: SessionDep,
     job: JobDep,
-    pass_threshold: Annotated[float | None, Query(description=schemas.PASS_THRESHOLD)] = None,
+    pass_threshold: Annotated[
+        float | None, Query(ge=-1e9, le=1e9, allow_inf_nan=False, description=schemas.PASS_THRESHOLD)
+    ] = None,
 ) -> schemas.JobMetrics:
     return await repo.job_metrics(session, job=job, pass_threshold=pass_threshold)

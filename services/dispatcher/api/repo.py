@@ -44,7 +44,10 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created, row_id = json.loads(raw)
-        return datetime.fromisoformat(created), str(row_id)
+        at = datetime.fromisoformat(created)
+        if at.tzinfo is None:
+            raise ValueError("naive")
+        return at, str(row_id)
     except (ValueError, TypeError) as exc:
         raise BadCursor("cursor is not one this API handed out") from exc
 

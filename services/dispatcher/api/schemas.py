@@ -17,22 +17,22 @@ class _Out(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
-class Problem(BaseModel):
-    detail: str
-
-
-# The documented error answers of a route (FastAPI's ``responses=``).
-Responses = dict[int | str, dict[str, Any]]
-
-
 class FieldError(BaseModel):
     field: str = Field(description="dotted path of the offending field, e.g. schedule.iterations")
     message: str
 
 
-class SpecProblem(BaseModel):
-    detail: str = "invalid job spec"
-    errors: list[FieldError]
+class Problem(BaseModel):
+    """The one error body of every 4xx/5xx answer."""
+
+    detail: str = Field(description="what went wrong, in one line")
+    errors: list[FieldError] = Field(
+        [], description="the offending fields (422): each with its path and what is wrong with it"
+    )
+
+
+# The documented error answers of a route (FastAPI's ``responses=``).
+Responses = dict[int | str, dict[str, Any]]
 
 
 # --- jobs -----------------------------------------------------------------------------
@@ -223,14 +223,14 @@ class CreateTenant(BaseModel):
     id: str | None = Field(
         None, pattern=r"^[a-z0-9][a-z0-9-]{0,63}$", description="defaults to a slug of name"
     )
-    max_concurrent_episodes: int = Field(64, ge=1)
+    max_concurrent_episodes: int = Field(64, ge=1, le=1_000_000)
     admin: bool = Field(False, description="whether its first key is an admin key")
 
 
 class UpdateTenant(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, min_length=1, max_length=200)
-    max_concurrent_episodes: int | None = Field(None, ge=1)
+    max_concurrent_episodes: int | None = Field(None, ge=1, le=1_000_000)
 
 
 class CreateKey(BaseModel):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, HTTPException, status
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Path, status
 from sqlalchemy import select
 
 from services.dispatcher.api import repo, schemas
@@ -14,6 +16,7 @@ from temper.tenants import TenantExists, create_tenant, issue_key, revoke_key
 router = APIRouter(prefix="/v1", tags=["tenants"], dependencies=[Depends(bearer_scheme)])
 
 AUTH: schemas.Responses = {401: {"model": schemas.Problem, "description": "missing or invalid API key"}}
+INT32_MAX = (1 << 31) - 1  # key ids are 32-bit integer columns
 ADMIN: schemas.Responses = {**AUTH, 403: {"model": schemas.Problem, "description": "needs an admin key"}}
 
 
@@ -70,7 +73,9 @@ async def create_key(body: schemas.CreateKey, session: SessionDep, caller: Curre
     status_code=204,
     responses={404: {"model": schemas.Problem}, **AUTH},
 )
-async def delete_key(key_id: int, session: SessionDep, caller: CurrentCaller) -> None:
+async def delete_key(
+    key_id: Annotated[int, Path(ge=1, le=INT32_MAX)], session: SessionDep, caller: CurrentCaller
+) -> None:
     if not await revoke_key(session, tenant_id=caller.tenant.id, key_id=key_id):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"key {key_id} not found")
     await session.commit()

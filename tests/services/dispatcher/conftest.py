@@ -24,7 +24,7 @@ from temper.trajectory import Segment, Trajectory, TurnRecord
 
 SPEC = {
     "name": "add-numbers",
-    "policy": {"model": "tiny-byte", "sampling": {"temperature": 0.7, "max_tokens": 64}},
+    "policy": {"model": "tiny", "sampling": {"temperature": 0.7, "max_tokens": 64}},
     "tasks": {"taskset": "ts-acme", "group_size": 2},
     "environment": {"kind": "code", "max_turns": 3},
     "rewards": {"tests_passed": 1.0},

@@ -1,0 +1,208 @@
+"""Validation at the door: a job spec is checked at ``POST /v1/jobs`` against what this
+deployment can run, so that nothing the scheduler reads later can surprise it.
+
+Three layers, each refusing with ``(field path, message)`` pairs (:class:`SpecError`):
+
+- the document: size, no YAML aliases (a 458-byte alias bomb expands to gigabytes),
+  nesting depth, integers within 64 bits;
+- the types: the spec is validated strictly (``"iterations": "5"`` is refused, not
+  coerced to 5);
+- the names: environment kind, reward components, model, backend pool and task set must
+  be ones this deployment knows, with the allowed values and a "did you mean".
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from temper.db import TaskSet
+from temper.envs import ENVIRONMENTS
+from temper.jobspec import JobSpec, SpecError
+from temper.policy.config import BackendKind, BackendSpec
+from temper.rewards import KNOWN_COMPONENTS
+from temper.settings import Settings
+
+MAX_SPEC_BYTES = 1 << 20
+MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few more
+MAX_NODES = 100_000
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_LISTED = 20  # allowed values named in one message
+MAX_ECHO = 80  # characters of a user's value repeated in an error message
+
+
+def clip(value: object, limit: int = MAX_ECHO) -> str:
+    """``repr`` of a value, cut so an error never echoes a huge input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+# --- the document -------------------------------------------------------------------------
+
+
+class SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-5`` as a string (its floats need a dot); people write learning
+    rates that way, and with strict types a string is not a number. Read them as floats."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_events_ok(raw: bytes) -> None:
+    """Walk the YAML event stream before building anything: refuse aliases and deep
+    nesting while the document is still its own size."""
+    depth = 0
+    try:
+        for event in yaml.parse(raw, Loader=SpecLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise SpecError([("(document)", "YAML aliases (*name) are not accepted in a job spec")])
+            if isinstance(event, yaml.MappingStartEvent | yaml.SequenceStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise SpecError([("(document)", f"nested deeper than {MAX_DEPTH} levels")])
+            elif isinstance(event, yaml.MappingEndEvent | yaml.SequenceEndEvent):
+                depth -= 1
+    except yaml.YAMLError as exc:
+        raise SpecError([("(document)", f"not valid YAML: {str(exc)[:300]}")]) from None
+
+
+def check_shape(data: Any) -> None:
+    """Depth, size and integer range of a parsed document, walked without recursion."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    nodes = 0
+    while stack:
+        value, depth, path = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            raise SpecError([("(document)", f"more than {MAX_NODES} values")])
+        if isinstance(value, dict | list):
+            if depth > MAX_DEPTH:
+                raise SpecError([("(document)", f"nested deeper than {MAX_DEPTH} levels")])
+            items: Iterable[tuple[object, Any]] = (
+                value.items() if isinstance(value, dict) else enumerate(value)
+            )
+            for key, sub in items:
+                stack.append((sub, depth + 1, f"{path}.{key}" if path else str(key)))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise SpecError([(path or "(root)", "integer out of the 64-bit range")])
+        elif isinstance(value, float) and not math.isfinite(value):  # JSON has no NaN; Postgres refuses it
+            raise SpecError([(path or "(root)", "not a finite number")])
+
+
+def load_document(raw: bytes, *, json_body: bool) -> Any:
+    """The parsed spec document (JSON, or YAML, which includes JSON), checked for shape."""
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError([("(document)", f"the spec is larger than {MAX_SPEC_BYTES} bytes")])
+    if json_body:
+        try:
+            data = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SpecError([("(document)", f"not valid JSON: {str(exc)[:200]}")]) from None
+        except RecursionError:
+            raise SpecError([("(document)", f"nested deeper than {MAX_DEPTH} levels")]) from None
+    else:
+        _yaml_events_ok(raw)
+        try:
+            data = yaml.load(raw, Loader=SpecLoader)  # noqa: S506 - a SafeLoader
+        except yaml.YAMLError as exc:
+            raise SpecError([("(document)", f"not valid YAML: {str(exc)[:300]}")]) from None
+    check_shape(data)
+    return data
+
+
+# --- the types ----------------------------------------------------------------------------
+
+
+def strict_spec(data: Any) -> JobSpec:
+    """Validate in pydantic's strict JSON mode: no string-to-number or string-to-bool
+    coercion; enums and floats from JSON values as JSON allows."""
+    if not isinstance(data, dict):
+        raise SpecError([("(document)", "the spec must be a mapping")])
+    try:
+        text = json.dumps(data, default=str)  # YAML dates and the like become strings
+    except (TypeError, ValueError) as exc:
+        raise SpecError([("(document)", f"not representable as JSON: {str(exc)[:200]}")]) from None
+    try:
+        return JobSpec.model_validate_json(text, strict=True)
+    except ValidationError as exc:
+        raise SpecError(
+            [(".".join(str(p) for p in e["loc"]) or "(root)", e["msg"][:300]) for e in exc.errors()]
+        ) from None
+
+
+# --- the names ----------------------------------------------------------------------------
+
+
+def unknown(what: str, value: str, allowed: Iterable[str]) -> str:
+    """ "unknown X 'v'; allowed: a, b (did you mean 'a'?)"."""
+    options = sorted(set(allowed))
+    listed = ", ".join(options[:MAX_LISTED]) + (", ..." if len(options) > MAX_LISTED else "")
+    message = f"unknown {what} {clip(value)}; allowed: {listed or '(none)'}"
+    close = difflib.get_close_matches(value, options, n=1, cutoff=0.6)
+    return f"{message}; did you mean {close[0]!r}?" if close else message
+
+
+def known_models(settings: Settings) -> set[str]:
+    """Model names this deployment's gateway serves: its model name, its backends' model
+    names, the presets its in-process CPU engines run (the default one when no backend is
+    configured) and the names an operator lists in ``TEMPER_DISPATCHER__MODELS``. A model
+    directory on this machine is also accepted. (Nothing here imports torch: the dispatcher
+    stays small.)"""
+    backends = settings.inference.backends
+    names = {settings.inference.model_name, *settings.dispatcher.models}
+    names.update(b.model for b in backends if b.model)
+    names.update(b.preset for b in backends if b.kind is BackendKind.local)
+    if not backends:
+        names.add(BackendSpec.model_fields["preset"].default)
+    return names
+
+
+def backend_pools(settings: Settings) -> set[str]:
+    return {"default", *(b.name for b in settings.inference.backends)}
+
+
+def _model_dir(ref: str) -> bool:
+    try:
+        return len(ref) < 4096 and (Path(ref) / "config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+async def check_names(session: AsyncSession, *, spec: JobSpec, settings: Settings, tenant_id: str) -> None:
+    """Every name the spec references, checked against this deployment; all problems at once."""
+    errors: list[tuple[str, str]] = []
+    kinds = [str(k) for k in ENVIRONMENTS]
+    if spec.environment.kind not in kinds:
+        errors.append(("environment.kind", unknown("environment kind", spec.environment.kind, kinds)))
+    for name in spec.rewards:
+        if name not in KNOWN_COMPONENTS:
+            errors.append((f"rewards.{name[:MAX_ECHO]}", unknown("reward component", name, KNOWN_COMPONENTS)))
+    models = known_models(settings)
+    if spec.policy.model not in models and not _model_dir(spec.policy.model):
+        errors.append(
+            ("policy.model", unknown("model", spec.policy.model, models) + " (or a model directory)")
+        )
+    pools = backend_pools(settings)
+    if spec.policy.backend_pool not in pools:
+        errors.append(("policy.backend_pool", unknown("backend pool", spec.policy.backend_pool, pools)))
+    taskset = await session.get(TaskSet, spec.tasks.taskset)
+    if taskset is None or taskset.tenant_id != tenant_id:
+        ids = (await session.execute(select(TaskSet.id).where(TaskSet.tenant_id == tenant_id))).scalars()
+        errors.append(("tasks.taskset", unknown("task set", spec.tasks.taskset, ids)))
+    if errors:
+        raise SpecError(errors)
