@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -55,6 +56,30 @@ def substitute(value: str, variables: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?:(:[-?])([^}]*))?\}", one, value)
 
 
+def healthy(
+    svc: dict, port: int, proc: subprocess.Popen[bytes], env: dict[str, str], http: httpx.Client
+) -> bool:
+    """The service's own compose health check: ``/health`` over HTTP for the services with
+    one, else its CMD-SHELL test (the Celery worker and beat) run here with compose's
+    ``$$`` unescaped, this host's name and the environment's ``celery`` on the path."""
+    test = svc["healthcheck"]["test"]
+    if test[0] == "CMD" and any("/health" in part for part in test):
+        try:
+            return http.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+    assert test[0] == "CMD-SHELL", f"an unknown kind of health check: {test}"
+    shell_env = {
+        **env,
+        "HOSTNAME": socket.gethostname(),
+        "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
+    }
+    check = subprocess.run(
+        ["sh", "-c", test[1].replace("$$", "$")], env=shell_env, capture_output=True, timeout=30
+    )
+    return check.returncode == 0
+
+
 def test_every_service_answers_health_with_the_compose_environment(tmp_path):
     stack = stack_env()
     db_url = stack["TEMPER_DB__URL"]
@@ -94,6 +119,7 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
     upgrade(fresh)
     group_env, _ = run_groups(f"compose-{run_id}")
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    env_of: dict[str, dict[str, str]] = {}
     logs = {name: tmp_path / f"{name}.log" for name in services}
     try:
         for name, svc in services.items():
@@ -111,6 +137,7 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
             )
             env["TEMPER_DATA_DIR"] = str(tmp_path / name)
             env["PYTHONPATH"] = f"{ROOT / 'libs'}:{ROOT}"
+            env_of[name] = env
             with logs[name].open("wb") as log:
                 procs[name] = subprocess.Popen(
                     [sys.executable, *svc["command"][1:]],
@@ -128,11 +155,8 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
                     assert proc.poll() is None, (
                         f"{name} exited {proc.returncode}:\n{logs[name].read_text()[-3000:]}"
                     )
-                    try:
-                        if http.get(f"http://127.0.0.1:{ports[name]}/health").status_code == 200:
-                            pending.discard(name)
-                    except httpx.HTTPError:
-                        pass
+                    if healthy(services[name], ports[name], procs[name], env_of[name], http):
+                        pending.discard(name)
                 time.sleep(1)
         assert not pending, {n: logs[n].read_text()[-1500:] for n in pending}
     finally:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from temper.cli import main
+from services.cli import main
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[2]
