@@ -101,8 +101,11 @@ def test_service_starts_on_the_real_stack_and_reports_health(
     ids=["unreachable-broker", "unreachable-database", "unsupported-database-url", "default-secret"],
 )
 def test_bad_settings_give_one_clear_line_naming_the_setting(overrides, expected, tmp_path):
-    # Embedded settings with the Kafka bus: every other component is local, so the
-    # failure comes from the setting under test alone.
+    # Embedded settings with the Kafka bus: every other component is local (the SQLite
+    # database migrated), so the failure comes from the setting under test alone.
+    from temper.db.migrate import upgrade
+
+    upgrade(f"sqlite+aiosqlite:///{tmp_path}/t.db")
     env = service_env(
         TEMPER_MODE="embedded",
         TEMPER_BUS__KIND="kafka",
