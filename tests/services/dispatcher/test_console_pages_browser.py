@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(180)]
 
 def test_pager_error_page_components_and_compare(dispatcher, chrome):  # noqa: F811
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     url, seeded = dispatcher
     log_in(chrome, url, seeded.key)
@@ -47,7 +48,8 @@ def test_pager_error_page_components_and_compare(dispatcher, chrome):  # noqa: F
     chrome.find_element(By.CSS_SELECTOR, f"input[name=jobs][value='{seeded.job_id}']").click()
     chrome.find_element(By.CSS_SELECTOR, f"input[name=jobs][value='{seeded.running_job_id}']").click()
     chrome.find_element(By.ID, "compare-submit").click()
-    svg = chrome.find_element(By.ID, "compare-curves")
+    # click() returns before the form's navigation: wait for the compare page itself
+    svg = WebDriverWait(chrome, 15).until(lambda c: c.find_element(By.ID, "compare-curves"))
     assert svg.get_attribute("data-series") == "1"
     line = chrome.find_element(By.CSS_SELECTOR, f"#compare-curves polyline[data-job='{seeded.job_id}']")
     swatches = {
