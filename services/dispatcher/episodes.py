@@ -359,6 +359,7 @@ class EpisodeEngine:
                     "finish_reason": msg.finish_reason,
                     "policy_version": msg.policy_version,
                     "backend": msg.backend,
+                    "answered_at": msg.occurred_at.isoformat(),
                     "action": action.to_dict(),
                 },
             )

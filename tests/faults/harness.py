@@ -416,11 +416,13 @@ class FaultStack:
 
         wait_until(f"{name} to be healthy", ok, timeout_s, every_s=0.5)
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+    def kill(self, name: str, sig: int = signal.SIGKILL, *, wait: bool = True) -> None:
+        """Send ``sig`` to a service; ``wait=False`` for one that does not end it (SIGSTOP)."""
         proc = self.services[name].proc
         assert proc is not None
         proc.send_signal(sig)
-        proc.wait(timeout=30)
+        if wait:
+            proc.wait(timeout=30)
 
     def submit(self) -> str:
         dispatcher = self.services["dispatcher"]

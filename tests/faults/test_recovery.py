@@ -4,13 +4,14 @@ and trained once; each test prints its recovery time (``-s`` shows it)."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from datetime import UTC, datetime
 
 import pytest
 
-from tests.faults.harness import FaultStack, Tripwire, wait_until
+from tests.faults.harness import FaultStack, Tripwire, small_spec, wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.s3, pytest.mark.slow]
 
@@ -42,31 +43,40 @@ def test_each_command_reaches_kafka_exactly_once(fault_stack):
 @pytest.mark.timeout(300)
 def test_a_gateway_killed_mid_job_comes_back_on_the_current_policy_version(fault_stack):
     """SIGKILL the gateway once the trainer has published a version: the new process loads
-    the job's current version from the database before it answers a request, so no result
-    after the restart carries an older version (its policy group, set to the topic's end,
-    would otherwise leave it on version 0)."""
-    stack: FaultStack = fault_stack()
+    the job's current version from the database before it answers a request, so none of its
+    results carries an older version (its policy group, set to the topic's end, would
+    otherwise leave it on version 0)."""
+    episodes = 4 * 8  # small_spec's episodes_per_iteration, over the iterations below
+    stack: FaultStack = fault_stack(small_spec("gateway-killed", **{"schedule.iterations": 4}))
     stack.start()
     stack.submit()
-    facts = wait_until("policy version 1", lambda: (f := stack.facts()).job.policy_version >= 1 and f, 120)
-    current = facts.job.policy_version
+    # Freeze the gateway (SIGSTOP) while answers are still owed, so the new process is the one
+    # that gives them: tiny-model answers are too quick to catch in flight any other way.
+    stack.wait(
+        "policy version 1 with answers still owed",
+        lambda: (f := stack.facts()).job.policy_version >= 1 and len(f.inference) < episodes,
+        120,
+        every_s=0.1,
+    )
+    stack.kill("inference_gateway", signal.SIGSTOP, wait=False)
+    frozen = datetime.now(UTC)  # the old process answers nothing after this
+    current = stack.facts().job.policy_version
     killed = time.monotonic()
     stack.kill("inference_gateway")
-    back = datetime.now(UTC)  # every result completed from now on is the new process's
     stack.start_service("inference_gateway")
     stack.wait_healthy("inference_gateway")
 
-    def answered_after_restart():
-        f = stack.facts()
-        return [s for s in f.inference if s.completed_at and s.completed_at > back] or None
+    def answered_by_the_new_process(f):
+        # The answer's own time, not the dispatcher's: the old process's last answers may
+        # still be on the bus when the dispatcher completes them.
+        return [s for s in f.inference if datetime.fromisoformat(s.result["answered_at"]) > frozen]
 
-    stack.wait("a result from the restarted gateway", answered_after_restart, 90)
+    stack.wait("a result from the restarted gateway", lambda: answered_by_the_new_process(stack.facts()), 90)
     report("gateway SIGKILL -> first result from the new process", time.monotonic() - killed)
     facts = stack.assert_each_episode_scored_and_trained_once(stack.wait_job(150))
-    after = [s for s in facts.inference if s.completed_at and s.completed_at > back]
-    versions = sorted({s.result["policy_version"] for s in after})
-    assert after and versions[0] >= current, (
-        f"results after the restart carry {versions}, the job was at v{current}"
+    versions = sorted({s.result["policy_version"] for s in answered_by_the_new_process(facts)})
+    assert versions[0] >= current, (
+        f"results of the restarted gateway carry {versions}, the job was at v{current}"
     )
     assert "policy version loaded at start" in stack.services["inference_gateway"].tail(200_000)
     assert not stack.dead_letters()
@@ -98,16 +108,21 @@ def test_a_postgres_restart_under_load_costs_seconds_and_dead_letters_nothing(fa
     """Restart the job's Postgres (a private cluster) while episodes are in flight: the
     consumers wait for the database instead of dead-lettering the results they hold, so
     nothing waits for a 300 s lease and the job completes."""
-    stack: FaultStack = fault_stack(db_url=private_postgres.url)
+    episodes = 4 * 8  # small_spec's episodes_per_iteration, over the iterations below
+    stack: FaultStack = fault_stack(
+        small_spec("postgres-restart", **{"schedule.iterations": 4}), db_url=private_postgres.url
+    )
     stack.start()
     stack.submit()
-    wait_until(
-        "episodes in flight after a first version",
+    # At least an iteration still to score: the fourth cannot start before version 2.
+    stack.wait(
+        "a first version with an iteration still to score",
         lambda: (
             (f := stack.facts()).job.policy_version >= 1
-            and sum(e.state in ("pending", "awaiting_action", "acting", "scoring") for e in f.episodes) >= 4
+            and episodes - sum(e.state in ("scored", "trained") for e in f.episodes) >= 8
         ),
         120,
+        every_s=0.1,
     )
     # Down for longer than the bus's quick retries (0.2 + 0.4 + 0.6 s), as a failover is.
     down_s = private_postgres.restart(down_s=3.0)
