@@ -112,6 +112,10 @@ class SandboxRequest(Message):
     kind: str | None = "sandbox"
     session_id: str
     action: dict[str, Any]
+    more_actions: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="actions of the same turn that run after `action`, in order (several tool calls)",
+    )
     limits: dict[str, Any] | None = None
     snapshot_key: str | None = Field(
         None, description="where to restore the session from if this worker lacks it"
@@ -129,6 +133,9 @@ class SandboxResult(Message):
     kind: str | None = "sandbox"
     session_id: str
     result: dict[str, Any] = {}
+    more_results: list[dict[str, Any]] = Field(
+        default_factory=list, description="the results of the request's `more_actions`, in order"
+    )
     snapshot_key: str | None = None
     worker: str | None = None
     error: str | None = None

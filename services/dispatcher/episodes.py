@@ -376,12 +376,15 @@ class EpisodeEngine:
                     turn=turn,
                     session_id=ep.session_id or ep.id,
                     action=action.command,
+                    more_actions=action.more or [],
                     limits=limits,
                     snapshot_key=ep.snapshot_key,
                     files=env.setup_files() if ep.snapshot_key is None else {},
                 )
-                # The lease covers the action's own wall-clock limit on top of the hop.
-                self._issue(session, ep, "sandbox", request, extra_s=float((limits or {}).get("wall_s", 0.0)))
+                # The lease covers the actions' own wall-clock limits on top of the hop.
+                actions = 1 + len(action.more or [])
+                wall_s = actions * float((limits or {}).get("wall_s", 0.0))
+                self._issue(session, ep, "sandbox", request, extra_s=wall_s)
                 transition_episode(session, ep, E.acting)
                 return
             if not action.format_ok:
@@ -390,9 +393,9 @@ class EpisodeEngine:
                 self._issue_reward(session, ep, spec, env, action, final_text=text)
                 return
             # A malformed action: its error is the observation, and the model tries again.
-            observation = env.observe(action, None)
-            step.result = {**(step.result or {}), "observation": observation}
-            self._next_turn(session, ep, spec, env, step, observation)
+            observations = env.observe(action, None)
+            step.result = {**(step.result or {}), "observation": observations[0]}
+            self._next_turn(session, ep, spec, env, step, observations)
 
     async def on_sandbox(self, msg: SandboxResult) -> None:
         async with self.tx() as session:
@@ -405,14 +408,16 @@ class EpisodeEngine:
             inference = await self._step(session, ep.id, step.turn, "inference")
             assert inference is not None and inference.result is not None
             action = ParsedAction.from_dict(inference.result["action"])
-            observation = env.observe(action, msg.result)
+            observations = env.observe(action, msg.result, msg.more_results)
             complete_step(
                 step,
                 {
                     "exec": msg.result,
+                    **({"more_exec": msg.more_results} if msg.more_results else {}),
                     "worker": msg.worker,
                     "snapshot_key": msg.snapshot_key,
-                    "observation": observation,
+                    "observation": "\n\n".join(observations),
+                    **({"observations": observations} if len(observations) > 1 else {}),
                 },
             )
             self._observe_step(step)
@@ -423,7 +428,7 @@ class EpisodeEngine:
                     session, ep, spec, env, action, final_text=inference.result.get("text", "")
                 )
                 return
-            self._next_turn(session, ep, spec, env, inference, observation)
+            self._next_turn(session, ep, spec, env, inference, observations)
 
     def _next_turn(
         self,
@@ -432,14 +437,15 @@ class EpisodeEngine:
         spec: JobSpec,
         env: Environment,
         inference: Step,
-        observation: str,
+        observations: list[str],
     ) -> None:
-        """Extend the conversation token-wise with ``observation`` and ask for the next action."""
+        """Extend the conversation token-wise with ``observations`` (one message per tool
+        call) and ask for the next action."""
         sampled = inference.result["token_ids"] if inference.result else []
         prompt = [
             *inference.request["prompt_ids"],
             *sampled,
-            *env.observation_ids(self.tok_of(spec), sampled, observation),
+            *env.observation_ids(self.tok_of(spec), sampled, observations),
         ]
         if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
             # Out of context: score what there is.

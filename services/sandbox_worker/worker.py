@@ -209,14 +209,19 @@ class SandboxWorker:
             action = None
             if request.action.get("kind") != "destroy":
                 action = Action.model_validate(request.action)
+            more = [Action.model_validate(a) for a in request.more_actions]
             limits = SandboxLimits.model_validate(request.limits) if request.limits else None
         except ValidationError as e:
             return self._result(request, error=f"invalid request: {e.errors()[0]['msg']}")
-        # The whole step (restore or create, the action, the snapshot) holds one slot.
-        return await self._run(self._step(request, action, limits))
+        # The whole step (restore or create, the actions, the snapshot) holds one slot.
+        return await self._run(self._step(request, action, limits, more))
 
     async def _step(
-        self, request: SandboxRequest, action: Action | None, limits: SandboxLimits | None
+        self,
+        request: SandboxRequest,
+        action: Action | None,
+        limits: SandboxLimits | None,
+        more: list[Action] | None = None,
     ) -> SandboxResult:
         sid = request.session_id
         if action is None:  # {"kind": "destroy"}: the teardown runs off the hot path
@@ -228,12 +233,18 @@ class SandboxWorker:
             if error is not None:
                 return self._result(request, error=error)
         result = await self.manager.act(sid, action)
+        more_results = [(await self.manager.act(sid, a)).model_dump(mode="json") for a in more or []]
         snapshot_key = None
         if request.snapshot_after and self.store is not None:
             turn = request.turn or 0
             snapshot_key = f"{self.settings.snapshot_prefix}/{sid}/turn-{turn:06d}-a{request.attempt}.tar.gz"
             await self.manager.snapshot(sid, snapshot_key)
-        return self._result(request, result=result.model_dump(mode="json"), snapshot_key=snapshot_key)
+        return self._result(
+            request,
+            result=result.model_dump(mode="json"),
+            more_results=more_results,
+            snapshot_key=snapshot_key,
+        )
 
     async def _open_session(self, request: SandboxRequest, limits: SandboxLimits | None) -> str | None:
         """Make the session this worker lacks: restored from ``snapshot_key`` when the

@@ -60,13 +60,15 @@ class ParsedAction:
     """What the model's output asks for.
 
     ``sandbox``: run ``command`` (a ``temper.sandbox.Action`` as a dict) in the episode's
-    session, then (if ``submit_after``) score. ``submit``: score now (``answer`` for math).
+    session, then the ``more`` commands of the same turn in order (several tool calls),
+    then (if ``submit_after``) score. ``submit``: score now (``answer`` for math).
     ``invalid``: nothing runs; ``error`` goes back to the model as the observation and the
     episode's format flag turns false.
     """
 
     kind: ActionKind
     command: dict[str, Any] | None = None
+    more: list[dict[str, Any]] | None = None
     answer: str | None = None
     submit_after: bool = False
     format_ok: bool = True
@@ -203,21 +205,35 @@ class Environment(ABC):
     def parse(self, text: str, *, turn: int) -> ParsedAction:
         """The model's output to an action; never raises (malformed output is ``invalid``)."""
 
-    def observe(self, action: ParsedAction, result: Mapping[str, Any] | None) -> str:
-        """The observation text for a sandbox result (or for an invalid action)."""
+    def observe(
+        self,
+        action: ParsedAction,
+        result: Mapping[str, Any] | None,
+        more_results: Sequence[Mapping[str, Any]] = (),
+    ) -> list[str]:
+        """The observation texts of a turn: one per command that ran (the first command's
+        ``result``, then ``more_results`` in order), or the error of an invalid action."""
         if action.kind == "invalid":
-            return f"Error: {action.error}\n{self.format_help()}"
-        text = render_result(action.command or {}, result or {}, self.max_observation_chars)
+            return [f"Error: {action.error}\n{self.format_help()}"]
+        commands = [action.command or {}, *(action.more or [])]
+        results = [result or {}, *more_results]
+        texts = [
+            render_result(c, r, self.max_observation_chars) for c, r in zip(commands, results, strict=False)
+        ]
         if action.note:
-            text = f"{text}\nNote: {action.note}"
-        return text
+            texts[-1] = f"{texts[-1]}\nNote: {action.note}"
+        return texts
 
-    def observation_ids(self, tok: ChatTokenizer, model_ids: Sequence[int], text: str) -> list[int]:
+    def observation_ids(
+        self, tok: ChatTokenizer, model_ids: Sequence[int], texts: str | Sequence[str]
+    ) -> list[int]:
         """The ids that extend the conversation after the model's sampled ``model_ids``: the
-        rest of the template's end-of-turn, the observation message as the template renders
-        it, and the opening of the next assistant turn. Sampled ids are never changed."""
-        message = {"role": self.observation_role, "content": text}
-        return tok.continuation(model_ids, [message], tools=self.tool_schemas())
+        rest of the template's end-of-turn, the observation messages (one per tool call) as
+        the template renders them, and the opening of the next assistant turn. Sampled ids
+        are never changed."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        messages = [{"role": self.observation_role, "content": t} for t in texts]
+        return tok.continuation(model_ids, messages, tools=self.tool_schemas())
 
     def is_last_turn(self, turn: int) -> bool:
         return turn + 1 >= self.max_turns
@@ -235,8 +251,9 @@ class Environment(ABC):
     # --- shared parsing -----------------------------------------------------------------------
     def parse_function_calls(self, text: str) -> ParsedAction | None:
         """Function calls (hermes, llama3_json) checked against the declared tools; None if
-        the turn has none. The first call that runs in the sandbox is the action; a submit
-        call after it scores the episode once it ran."""
+        the turn has none. The calls that run in the sandbox run in order, each with its
+        own observation; a submit call scores the episode once they ran (calls after the
+        submit are ignored, and the last observation says so)."""
         try:
             calls = parse_calls(text, self.action_format)
             commands = [call_action(c, tool_table(self.tools)) for c in calls]
@@ -244,13 +261,15 @@ class Environment(ABC):
             return ParsedAction.invalid(str(exc))
         if not commands:
             return None
-        first = commands[0]
-        if first["kind"] == "submit":
-            return ParsedAction("submit", answer=first.get("answer"))
-        submit_after = any(c["kind"] == "submit" for c in commands[1:])
-        others = [c for c in commands[1:] if c["kind"] != "submit"]
-        note = f"only the first tool call ran ({len(others)} more were ignored)" if others else None
-        return ParsedAction("sandbox", command=first, submit_after=submit_after, note=note)
+        kinds = [c["kind"] for c in commands]
+        end = kinds.index("submit") if "submit" in kinds else len(commands)
+        runs, ignored = commands[:end], len(commands) - end - 1
+        if not runs:
+            return ParsedAction("submit", answer=commands[0].get("answer"))
+        note = f"{ignored} tool call(s) after submit were ignored" if ignored > 0 else None
+        return ParsedAction(
+            "sandbox", command=runs[0], more=runs[1:] or None, submit_after=end < len(commands), note=note
+        )
 
     def function_help(self) -> str:
         names = ", ".join(t.function.name for t in self.tools)

@@ -143,7 +143,11 @@ def train_tokenizer(
         raise ValueError(f"unknown template {template!r}; choose one of {sorted(TEMPLATES)}")
     t = TEMPLATES[template]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # digits one by one, as Qwen2's and Llama 3's pre-tokenizers split numbers (Llama 3 in
+    # threes): a number's tokens are its digits, which a small model can learn to copy
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -98,7 +98,7 @@ def test_malformed_output_is_an_invalid_action_not_an_exception(text, error):
     env = code()
     action = env.parse(text, turn=0)
     assert action.kind == "invalid" and not action.format_ok and error in (action.error or "")
-    obs = env.observe(action, None)
+    (obs,) = env.observe(action, None)
     assert obs.startswith("Error: ") and "```bash" in obs
 
 

@@ -48,7 +48,20 @@ def test_hermes_reads_every_call_in_order():
     ]
     action = env().parse(text, turn=0)
     assert action.kind == "sandbox" and action.command == {"kind": "run_command", "command": "ls"}
-    assert "1 more" in (action.note or "")
+    assert action.more == [{"kind": "run_python", "code": "print(1)"}] and action.note is None
+    assert not action.submit_after
+
+
+def test_several_calls_get_one_observation_each_and_a_submit_ends_the_turn():
+    call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'.format
+    text = call("bash", '{"command": "ls"}') + call("submit", "{}") + call("bash", '{"command": "pwd"}')
+    e = env(tools=[{"function": {"name": "bash"}}, {"function": {"name": "submit"}}])
+    action = e.parse(text, turn=0)
+    assert action.kind == "sandbox" and action.more is None and action.submit_after
+    assert "1 tool call(s) after submit were ignored" in e.observe(action, {"exit_code": 0})[-1]
+    two = e.parse(call("bash", '{"command": "ls"}') + call("bash", '{"command": "pwd"}'), turn=0)
+    texts = e.observe(two, {"exit_code": 0, "stdout": "a.py"}, [{"exit_code": 1, "stderr": "boom"}])
+    assert len(texts) == 2 and "a.py" in texts[0] and "boom" in texts[1] and "exit code 1" in texts[1]
 
 
 @pytest.mark.parametrize(
@@ -77,7 +90,7 @@ def test_bad_calls_become_an_observation_with_the_error(text, error):
     action = e.parse(text, turn=0)
     assert action.kind == "invalid" and not action.format_ok
     assert error in (action.error or "")
-    observation = e.observe(action, None)
+    (observation,) = e.observe(action, None)
     assert observation.startswith(f"Error: {action.error}") and "<tool_call>" in observation
 
 

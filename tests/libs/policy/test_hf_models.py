@@ -65,17 +65,12 @@ def test_the_engine_stops_on_the_generation_configs_end_of_turn(chatml, tmp_path
     d = build_model_dir(tmp_path / "m", "qwen2", chatml)
     model, tok = load_model(d)
     im_end = int(tok.hf.convert_tokens_to_ids("<|im_end|>"))
-    with torch.no_grad():  # make <|im_end|> the only likely token
+    prompt = tok.render([{"role": "user", "content": "hi"}])
+    with torch.no_grad():  # make <|im_end|> the only likely first token: its row is the last hidden state
+        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
         model.lm_head.weight.zero_()
-        model.lm_head.weight[im_end] = 1.0
-        model.model.norm.weight.fill_(50.0)
-    [out] = Engine(model, tok).generate(
-        [
-            GenRequest(
-                tok.render([{"role": "user", "content": "hi"}]), SamplingParams(max_tokens=5, temperature=0)
-            )
-        ]
-    )
+        model.lm_head.weight[im_end] = 50.0 * hidden / hidden.norm()
+    [out] = Engine(model, tok).generate([GenRequest(prompt, SamplingParams(max_tokens=5, temperature=0))])
     assert out.token_ids == [im_end] and out.finish_reason == "stop"
 
 
