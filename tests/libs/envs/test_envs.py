@@ -28,7 +28,7 @@ def code(**kw) -> CodeEnvironment:
 
 
 def test_unknown_kind_names_the_choices():
-    with pytest.raises(UnknownEnvironment, match="code, math"):
+    with pytest.raises(UnknownEnvironment, match=r"installed: code \(temper\), math \(temper\), shell"):
         make_environment("chess", TASK)
 
 
