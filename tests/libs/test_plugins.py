@@ -141,3 +141,17 @@ def test_a_parser_plugin_reads_tool_calls_for_any_environment(tmp_path):
         )
         with pytest.raises(ToolCallError, match="returned str, not a list of calls"):
             parse_calls("x", "broken")
+
+
+def test_the_walkthrough_shows_the_tested_example(tmp_path):
+    doc = (ROOT / "docs" / "environments.md").read_text()
+    python = doc.split("```python\n", 1)[1].split("```\n", 1)[0]
+    assert python == (WORDCOUNT / "temper_wordcount.py").read_text()
+    toml = doc.split("```toml\n", 1)[1].split("```\n", 1)[0]
+    assert toml in (WORDCOUNT / "pyproject.toml").read_text()
+    with on_path(tmp_path / "site", "temper_wordcount"):
+        project_dist(tmp_path / "site", WORDCOUNT)
+        with pytest.raises(SpecError) as err:
+            parse_spec({**BASE, "environment": {"kind": "wordcunt"}})
+    said = " ".join(" ".join(doc.split("- A name nobody registered")[1].split("\n- ")[0].split()).split())
+    assert str(err.value) in said.replace("`", ""), (str(err.value), said)
