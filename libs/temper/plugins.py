@@ -9,9 +9,9 @@ A plugin is any installed distribution that declares, in its packaging metadata,
 
 Temper's own ``code``, ``math`` and ``shell`` environments, its reward components and
 its ``hermes``/``llama3_json`` parsers are registered the same way, in Temper's own
-``pyproject.toml``: there is one lookup path for all. :data:`BUILTINS` is that table;
-it also stands in for Temper's own metadata where an editable install predates an
-entry point (``tests/libs/test_plugins.py`` checks that the two agree).
+``pyproject.toml``, and looked up by the same code. :data:`BUILTINS` is that table
+(``tests/libs/test_plugins.py`` checks that the two agree); it is read instead of
+Temper's installed metadata, which an editable install leaves stale until reinstalled.
 
 Names are read from the metadata (no import) so that validating a job spec is cheap;
 an entry point's module is imported on first use and the object kept. A name nobody
@@ -98,20 +98,20 @@ def _dist_name(ep: metadata.EntryPoint) -> str:
 def _scan(group: Group) -> tuple[dict[str, Plugin], dict[str, list[Plugin]]]:
     found: dict[str, Plugin] = {}
     clashes: dict[str, list[Plugin]] = {}
+    # Temper's own come from the table its pyproject.toml declares, not from its installed
+    # metadata, which an editable install leaves stale until it is reinstalled.
+    for name, value in BUILTINS[group].items():
+        found[name] = Plugin(group, name, value, TEMPER_DIST)
     for ep in metadata.entry_points(group=group.value):
-        plugin = Plugin(group, ep.name, ep.value, _dist_name(ep))
+        dist = _dist_name(ep)
+        if dist == TEMPER_DIST:
+            continue
+        plugin = Plugin(group, ep.name, ep.value, dist)
         have = found.get(ep.name)
         if have is None:
             found[ep.name] = plugin
         elif have.value != plugin.value:
             clashes.setdefault(ep.name, [have]).append(plugin)
-    # Temper's own: from its metadata when current, else from the table it is built from.
-    for name, value in BUILTINS[group].items():
-        have = found.get(name)
-        if have is None:
-            found[name] = Plugin(group, name, value, TEMPER_DIST)
-        elif have.value != value and name not in clashes:
-            clashes[name] = [Plugin(group, name, value, TEMPER_DIST), have]
     return found, clashes
 
 

@@ -155,3 +155,14 @@ def test_the_walkthrough_shows_the_tested_example(tmp_path):
             parse_spec({**BASE, "environment": {"kind": "wordcunt"}})
     said = " ".join(" ".join(doc.split("- A name nobody registered")[1].split("\n- ")[0].split()).split())
     assert str(err.value) in said.replace("`", ""), (str(err.value), said)
+
+
+def test_another_distribution_cannot_take_over_a_builtin_name(tmp_path):
+    site = tmp_path / "site"
+    with on_path(site, "evil"):
+        write_dist(site, "evil", {"evil": "X = 1\n"}, {"temper.environments": {"code": "evil:X"}})
+        with pytest.raises(
+            UnknownEnvironment,
+            match=r"'code' is registered differently by temper \(temper.envs.code:CodeEnvironment\), evil \(evil:X\)",
+        ):
+            make_environment("code", {"id": "t", "prompt": "p"})

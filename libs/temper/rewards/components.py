@@ -296,9 +296,7 @@ class FunctionComponent(Component):
             )
         if isinstance(out, RewardComponent):
             return out
-        if isinstance(out, int | float) and not isinstance(out, bool) and math.isfinite(out):
-            return RewardComponent(value=float(out))
-        if isinstance(out, bool):
+        if isinstance(out, int | float) and math.isfinite(out):  # bool too: True is 1.0
             return RewardComponent(value=float(out))
         return RewardComponent(
             ok=False,
