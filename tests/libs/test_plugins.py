@@ -4,6 +4,7 @@ installed."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 
 import pytest
@@ -166,3 +167,21 @@ def test_another_distribution_cannot_take_over_a_builtin_name(tmp_path):
             match=r"'code' is registered differently by temper \(temper.envs.code:CodeEnvironment\), evil \(evil:X\)",
         ):
             make_environment("code", {"id": "t", "prompt": "p"})
+
+
+def test_temper_admin_plugins_lists_what_is_installed(tmp_path, capsys):
+    from temper.cli import main
+
+    with on_path(tmp_path / "site", "temper_wordcount"):
+        project_dist(tmp_path / "site", WORDCOUNT)
+        assert main(["admin", "plugins"]) == 0
+        text = capsys.readouterr().out
+        assert main(["admin", "plugins", "--json"]) == 0
+        table = json.loads(capsys.readouterr().out)
+    assert "temper.environments\n  code " in text and "temper.envs.code:CodeEnvironment" in text
+    assert table["temper.environments"]["wordcount"] == {
+        "dist": "temper-wordcount",
+        "target": "temper_wordcount:WordCountEnvironment",
+    }
+    assert table["temper.rewards"]["close_count"]["dist"] == "temper-wordcount"
+    assert set(table["temper.parsers"]) == {"hermes", "llama3_json"}
