@@ -26,7 +26,7 @@ from typing import Any
 from temper.events import RewardComponent
 from temper.rewards.answers import DEFAULT_REL_TOL, answers_match, extract_answer
 from temper.rewards.models import CandidateRun, ComponentName, Submission
-from temper.rewards.runner import TestRunner
+from temper.rewards.runner import ScoringError, TestRunner
 from temper.tasks.models import TaskKind, TaskSpec
 
 CODE_KINDS = (TaskKind.code, TaskKind.shell)
@@ -288,7 +288,7 @@ class FunctionComponent(Component):
             out = self.fn(ctx)
             if inspect.isawaitable(out):
                 out = await out
-        except Skip:
+        except (Skip, ScoringError):  # not measurable / the sandbox machinery failed: as for any component
             raise
         except Exception as exc:  # noqa: BLE001 - the plugin's failure is its component's error
             return RewardComponent(
