@@ -123,11 +123,16 @@ class ToolSpec(_Spec):
         if self.run is not None and self.command is not None:
             raise ValueError("give run or command, not both")
         if self.run is None and self.command is None:
-            if self.function.name not in BuiltinTool.__members__:
+            name = self.function.name
+            if name in BuiltinTool.__members__:
+                self.run = BuiltinTool(name)
+            elif name in plugins.installed(plugins.Group.tools):
+                self._bind_plugin(name)
+            else:
                 raise ValueError(
-                    f"tool {self.function.name!r} needs run (one of {', '.join(BuiltinTool)}) or a command template"
+                    f"tool {name!r} needs run (one of {', '.join(BuiltinTool)}) or a command template, "
+                    f"or a temper.tools plugin of that name ({plugins.unknown_message(plugins.Group.tools, name)})"
                 )
-            self.run = BuiltinTool(self.function.name)
         if self.run is not None and not self.function.parameters.get("properties"):
             description, parameters = BUILTIN_TOOLS[self.run]
             self.function.parameters = parameters
@@ -140,6 +145,27 @@ class ToolSpec(_Spec):
                         f"command placeholder {{{field}}} is not a parameter of {self.function.name!r}"
                     )
         return self
+
+    def _bind_plugin(self, name: str) -> None:
+        """Take what the ``temper.tools`` plugin ``name`` does (its ``run`` or ``command``),
+        and its schema unless the spec gives one. The plugin is a ToolSpec or a mapping
+        of one; the stored spec keeps the result, so it runs without the plugin's code."""
+        try:
+            obj = plugins.load(plugins.Group.tools, name)
+        except plugins.PluginError as exc:
+            raise ValueError(str(exc)) from None
+        if isinstance(obj, dict) and obj.get("run") is None and obj.get("command") is None:
+            raise ValueError(f"the temper.tools plugin {name!r} gives neither run nor command")
+        try:
+            bound = obj if isinstance(obj, ToolSpec) else ToolSpec.model_validate(obj)
+        except ValidationError as exc:
+            raise ValueError(
+                f"the temper.tools plugin {name!r} is not a tool: {exc.errors()[0]['msg']}"
+            ) from None
+        self.run, self.command = bound.run, bound.command
+        if not self.function.parameters.get("properties"):
+            self.function.parameters = bound.function.parameters
+        self.function.description = self.function.description or bound.function.description
 
     def openai_schema(self) -> dict[str, Any]:
         """The OpenAI function schema the chat template renders."""

@@ -6,6 +6,7 @@ A plugin is any installed distribution that declares, in its packaging metadata,
     [project.entry-points."temper.environments"]   # an Environment subclass
     [project.entry-points."temper.rewards"]        # a Component (class or instance) or a function
     [project.entry-points."temper.parsers"]        # text -> list of temper.envs.tools.ToolCall
+    [project.entry-points."temper.tools"]          # a ToolSpec (or its mapping): a tool jobs name
 
 Temper's own ``code``, ``math`` and ``shell`` environments, its reward components and
 its ``hermes``/``llama3_json`` parsers are registered the same way, in Temper's own
@@ -34,6 +35,7 @@ class Group(StrEnum):
     environments = "temper.environments"
     rewards = "temper.rewards"
     parsers = "temper.parsers"
+    tools = "temper.tools"
 
 
 # What each group calls one of its plugins, in error messages.
@@ -41,6 +43,7 @@ WHAT = {
     Group.environments: "environment kind",
     Group.rewards: "reward component",
     Group.parsers: "action format",
+    Group.tools: "tool",
 }
 
 TEMPER_DIST = "temper"
@@ -64,6 +67,7 @@ BUILTINS: dict[Group, dict[str, str]] = {
         "hermes": "temper.envs.tools:parse_hermes",
         "llama3_json": "temper.envs.tools:parse_llama3_json",
     },
+    Group.tools: {},  # Temper's own tools are the built-ins (temper.jobspec.BuiltinTool)
 }
 
 

@@ -24,7 +24,7 @@ BASE = {"name": "x", "policy": {"model": "m"}, "tasks": {"taskset": "t", "group_
 
 def test_pyproject_registers_exactly_the_builtins():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert declared == {group.value: table for group, table in plugins.BUILTINS.items()}
+    assert declared == {group.value: table for group, table in plugins.BUILTINS.items() if table}
     for group, table in plugins.BUILTINS.items():
         for name in table:
             assert plugins.load(group, name) is not None  # every target imports
@@ -184,4 +184,34 @@ def test_temper_admin_plugins_lists_what_is_installed(tmp_path, capsys):
         "target": "temper_wordcount:WordCountEnvironment",
     }
     assert table["temper.rewards"]["close_count"]["dist"] == "temper-wordcount"
-    assert set(table["temper.parsers"]) == {"hermes", "llama3_json"}
+    assert set(table["temper.parsers"]) == {"hermes", "llama3_json"} and table["temper.tools"] == {}
+
+
+def test_a_tool_plugin_is_named_in_a_spec_and_runs_as_its_command(tmp_path):
+    tool = (
+        "TOOL = {'function': {'name': 'count_words', 'description': 'Count the words of a file.',\n"
+        "        'parameters': {'type': 'object', 'properties': {'path': {'type': 'string'}}, 'required': ['path']}},\n"
+        "        'command': 'wc -w {path}'}\n"
+    )
+    site = tmp_path / "site"
+    tools = [{"function": {"name": "count_words"}}, {"function": {"name": "submit"}}]
+    with on_path(site, "wc_tool"):
+        write_dist(site, "wc-tool", {"wc_tool": tool}, {"temper.tools": {"count_words": "wc_tool:TOOL"}})
+        spec = parse_spec(
+            {**BASE, "environment": {"kind": "shell", "action_format": "hermes", "tools": tools}}
+        )
+        bound = spec.environment.tools[0]
+        assert bound.command == "wc -w {path}" and bound.function.description == "Count the words of a file."
+        env = make_environment(
+            "shell", {"id": "t", "prompt": "p"}, action_format="hermes", tools=spec.environment.tools
+        )
+        call = '<tool_call>{"name": "count_words", "arguments": {"path": "my file.txt"}}</tool_call>'
+        assert env.parse(call, turn=0).command == {"kind": "run_command", "command": "wc -w 'my file.txt'"}
+        with pytest.raises(
+            SpecError,
+            match=r"or a temper.tools plugin of that name \(unknown tool 'count_word'; installed: count_words \(wc-tool\); did you mean 'count_words'\?\)",
+        ):
+            parse_spec({**BASE, "environment": {"tools": [{"function": {"name": "count_word"}}]}})
+    # stored with its command, the spec no longer needs the plugin
+    again = parse_spec(spec.model_dump(mode="json"))
+    assert again.environment.tools and again.environment.tools[0].command == "wc -w {path}"
