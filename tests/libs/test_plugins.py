@@ -72,7 +72,7 @@ def test_two_distributions_claiming_one_name_and_a_broken_plugin_are_named(tmp_p
         write_dist(site, "plugin-a", {"pa": "X = 1\n"}, {"temper.rewards": {"dup": "pa:X"}})
         write_dist(site, "plugin-b", {"pb": "X = 2\n"}, {"temper.rewards": {"dup": "pb:X"}})
         write_dist(site, "plugin-c", {"broken": "raise ImportError('no numpy here')\n"},
-                   {"temper.environments": {"broken": "broken:Env"}})  # fmt: skip
+                   {"temper.environments": {"broken": "broken:Env", "notenv": "pa:X"}})  # fmt: skip
         with pytest.raises(
             plugins.PluginConflict,
             match=r"'dup' is registered differently by plugin-a \(pa:X\), plugin-b \(pb:X\)",
@@ -83,6 +83,10 @@ def test_two_distributions_claiming_one_name_and_a_broken_plugin_are_named(tmp_p
             match=r"'broken' \(plugin-c: broken:Env\) failed to load: ImportError: no numpy",
         ):
             make_environment("broken", {"id": "t", "prompt": "p"})
+        with pytest.raises(
+            UnknownEnvironment, match=r"environment 'notenv' names 1, which is not a temper.envs.Environment"
+        ):
+            make_environment("notenv", {"id": "t", "prompt": "p"})
 
 
 def _ctx(answer: str | None = "7") -> ScoreContext:
