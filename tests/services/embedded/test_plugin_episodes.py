@@ -1,5 +1,6 @@
 """Episodes end to end in one process, with the real sandbox worker, reward scorer and
-dispatcher on the in-process bus and SQLite; only the model is scripted. One job runs
+dispatcher on the in-process bus and SQLite (and the real Postgres under its marker);
+only the model is scripted. One job runs
 an operator's plugin (the example ``temper-wordcount`` distribution, installed into a
 directory on ``sys.path`` as pip would: no change to libs/ or services/), the other
 Temper's ``shell`` environment."""
@@ -77,10 +78,11 @@ class ScriptedModel:
         await self.runtime.bus.send_message(Topics.INFERENCE_RESULTS, result)
 
 
-async def run_job(tmp_path: Path, task: TaskSpec, spec: dict[str, Any], script: Any) -> list[Episode]:
+async def run_job(
+    tmp_path: Path, db_url: str, task: TaskSpec, spec: dict[str, Any], script: Any
+) -> list[Episode]:
     """Start the services, run one job over ``task``, return its episodes once it ends."""
     root = Path("/tmp") / f"temper-plugin-{uuid.uuid4().hex[:8]}"  # the sandbox uid must reach it
-    db_url = f"sqlite+aiosqlite:///{tmp_path}/temper.db"
     await asyncio.to_thread(upgrade, db_url)
     settings = Settings(
         db=DatabaseSettings(url=db_url),
@@ -136,7 +138,7 @@ async def run_job(tmp_path: Path, task: TaskSpec, spec: dict[str, Any], script: 
 SCHEDULE = {"iterations": 1, "episodes_per_iteration": 2, "max_concurrent_episodes": 2}
 
 
-async def test_an_installed_plugin_environment_and_reward_run_an_episode(tmp_path):
+async def test_an_installed_plugin_environment_and_reward_run_an_episode(tmp_path, database_url):
     task = TaskSpec(id="fox", kind="math", prompt="How many words are in text.txt?", files={"text.txt": TEXT},
                     answer="9")  # fmt: skip
 
@@ -153,7 +155,7 @@ async def test_an_installed_plugin_environment_and_reward_run_an_episode(tmp_pat
             "environment": {"kind": "wordcount", "max_turns": 3},
             "rewards": {"close_count": 1.0, "answer_match": 0.5}, "schedule": SCHEDULE,
         }  # fmt: skip
-        episodes = await run_job(tmp_path, task, spec, model)
+        episodes = await run_job(tmp_path, database_url, task, spec, model)
     assert len(episodes) == 2
     for ep in episodes:
         assert ep.state == "scored" and ep.turn == 1, (ep.state, ep.state_reason)
@@ -181,7 +183,7 @@ async def test_the_shell_environment_is_graded_by_the_tasks_tests_after_submit(t
         "environment": {"kind": "shell", "max_turns": 3}, "rewards": {"tests_passed": 1.0},
         "schedule": SCHEDULE,
     }  # fmt: skip
-    episodes = await run_job(tmp_path, task, spec, model)
+    episodes = await run_job(tmp_path, f"sqlite+aiosqlite:///{tmp_path}/temper.db", task, spec, model)
     assert len(episodes) == 2
     for ep in episodes:
         assert ep.state == "scored" and ep.reward == 1.0, (ep.state, ep.state_reason, ep.rewards)
