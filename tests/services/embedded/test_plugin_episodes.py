@@ -164,12 +164,20 @@ async def test_an_installed_plugin_environment_and_reward_run_an_episode(tmp_pat
         assert ep.reward == pytest.approx(1.5)
 
 
+COUNT_LINES = TaskSpec(
+    id="count-lines", kind="shell", prompt="Create count.txt holding the number of lines of data.txt.",
+    files={"data.txt": "a\nb\nc\n"}, solution_file="count.txt", solution="3\n",
+    tests='def test_count():\n    assert open("count.txt").read().strip() == "3"\n',
+)  # fmt: skip
+SHELL_JOB = {
+    "name": "shell", "policy": {"model": "tiny", "sampling": {"max_tokens": 64}},
+    "environment": {"kind": "shell", "max_turns": 3}, "rewards": {"tests_passed": 1.0},
+    "schedule": SCHEDULE,
+}  # fmt: skip
+
+
 async def test_the_shell_environment_is_graded_by_the_tasks_tests_after_submit(tmp_path):
-    task = TaskSpec(
-        id="count-lines", kind="shell", prompt="Create count.txt holding the number of lines of data.txt.",
-        files={"data.txt": "a\nb\nc\n"}, solution_file="count.txt", solution="3\n",
-        tests='def test_count():\n    assert open("count.txt").read().strip() == "3"\n',
-    )  # fmt: skip
+    task = COUNT_LINES
     seen: list[str] = []
 
     def model(prompt: str, turn: int) -> str:
@@ -178,15 +186,26 @@ async def test_the_shell_environment_is_graded_by_the_tasks_tests_after_submit(t
             return "```python\nprint(1)\n```"  # not a tool here: an observation, not a crash
         return "```bash\nwc -l < data.txt > count.txt\n```\nsubmit"
 
-    spec = {
-        "name": "shell", "policy": {"model": "tiny", "sampling": {"max_tokens": 64}},
-        "environment": {"kind": "shell", "max_turns": 3}, "rewards": {"tests_passed": 1.0},
-        "schedule": SCHEDULE,
-    }  # fmt: skip
-    episodes = await run_job(tmp_path, f"sqlite+aiosqlite:///{tmp_path}/temper.db", task, spec, model)
+    episodes = await run_job(tmp_path, f"sqlite+aiosqlite:///{tmp_path}/temper.db", task, SHELL_JOB, model)
     assert len(episodes) == 2
     for ep in episodes:
         assert ep.state == "scored" and ep.reward == 1.0, (ep.state, ep.state_reason, ep.rewards)
         assert ep.format_errors == 1
     assert any("only ```bash blocks run here" in p for p in seen)
     assert "hidden tests check the workspace" in seen[0] and "data.txt" in seen[0]
+
+
+async def test_the_shell_environment_is_graded_at_max_turns_without_a_submit(tmp_path):
+    def model(prompt: str, turn: int) -> str:  # works in the workspace over two turns, never submits
+        return (
+            "```bash\ncp data.txt copy.txt\n```"
+            if turn == 0
+            else "```bash\nwc -l < copy.txt > count.txt\n```"
+        )
+
+    spec = {**SHELL_JOB, "environment": {"kind": "shell", "max_turns": 2}}
+    episodes = await run_job(tmp_path, f"sqlite+aiosqlite:///{tmp_path}/temper.db", COUNT_LINES, spec, model)
+    assert len(episodes) == 2
+    for ep in episodes:
+        # the workspace persisted from turn 0 to turn 1, and the tests graded what was left
+        assert ep.state == "scored" and ep.turn == 1 and ep.reward == 1.0, (ep.state, ep.rewards)
