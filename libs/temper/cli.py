@@ -247,6 +247,26 @@ def cmd_transcript(args: argparse.Namespace) -> int:
 # --- admin ------------------------------------------------------------------------------
 
 
+def cmd_plugins(args: argparse.Namespace) -> int:
+    """The plugins installed in this Python environment (run it in a service's image)."""
+    from temper import plugins
+
+    table = {
+        group.value: {
+            name: {"dist": p.dist, "target": p.value} for name, p in sorted(plugins.installed(group).items())
+        }
+        for group in plugins.Group
+    }
+    if args.json:
+        sys.stdout.write(json.dumps(table, indent=2) + "\n")
+        return 0
+    for group, found in table.items():
+        sys.stdout.write(f"{group}\n")
+        for name, p in found.items():
+            sys.stdout.write(f"  {name:<16} {p['dist']:<20} {p['target']}\n")
+    return 0
+
+
 def cmd_create_tenant(args: argparse.Namespace) -> int:
     """Create a tenant straight in the database (TEMPER_DB__URL): how the first key is made."""
     import asyncio
@@ -339,6 +359,9 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-episodes", type=int, default=64)
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
     p.set_defaults(func=cmd_create_tenant)
+    p = admin_sub.add_parser("plugins", help="list the environment, reward and parser plugins installed here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
 
     from temper.cli_results import add_commands as add_result_commands
     from temper.tasks.cli import add_commands as add_taskset_commands

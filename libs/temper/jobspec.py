@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from temper import plugins
+
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -121,11 +123,16 @@ class ToolSpec(_Spec):
         if self.run is not None and self.command is not None:
             raise ValueError("give run or command, not both")
         if self.run is None and self.command is None:
-            if self.function.name not in BuiltinTool.__members__:
+            name = self.function.name
+            if name in BuiltinTool.__members__:
+                self.run = BuiltinTool(name)
+            elif name in plugins.installed(plugins.Group.tools):
+                self._bind_plugin(name)
+            else:
                 raise ValueError(
-                    f"tool {self.function.name!r} needs run (one of {', '.join(BuiltinTool)}) or a command template"
+                    f"tool {name!r} needs run (one of {', '.join(BuiltinTool)}) or a command template, "
+                    f"or a temper.tools plugin of that name ({plugins.unknown_message(plugins.Group.tools, name)})"
                 )
-            self.run = BuiltinTool(self.function.name)
         if self.run is not None and not self.function.parameters.get("properties"):
             description, parameters = BUILTIN_TOOLS[self.run]
             self.function.parameters = parameters
@@ -139,15 +146,42 @@ class ToolSpec(_Spec):
                     )
         return self
 
+    def _bind_plugin(self, name: str) -> None:
+        """Take what the ``temper.tools`` plugin ``name`` does (its ``run`` or ``command``),
+        and its schema unless the spec gives one. The plugin is a ToolSpec or a mapping
+        of one; the stored spec keeps the result, so it runs without the plugin's code."""
+        try:
+            obj = plugins.load(plugins.Group.tools, name)
+        except plugins.PluginError as exc:
+            raise ValueError(str(exc)) from None
+        if isinstance(obj, dict) and obj.get("run") is None and obj.get("command") is None:
+            raise ValueError(f"the temper.tools plugin {name!r} gives neither run nor command")
+        try:
+            bound = obj if isinstance(obj, ToolSpec) else ToolSpec.model_validate(obj)
+        except ValidationError as exc:
+            raise ValueError(
+                f"the temper.tools plugin {name!r} is not a tool: {exc.errors()[0]['msg']}"
+            ) from None
+        self.run, self.command = bound.run, bound.command
+        if not self.function.parameters.get("properties"):
+            self.function.parameters = bound.function.parameters
+        self.function.description = self.function.description or bound.function.description
+
     def openai_schema(self) -> dict[str, Any]:
         """The OpenAI function schema the chat template renders."""
         return {"type": "function", "function": self.function.model_dump()}
 
 
 class EnvironmentSpec(_Spec):
-    kind: str = Field("code", description="code | math | shell")
+    kind: str = Field(
+        "code",
+        description="code | math | shell, or an environment an operator installed (temper.environments)",
+    )
     max_turns: int = Field(4, ge=1, le=100)
-    action_format: ActionFormat = ActionFormat.code_block
+    action_format: str = Field(
+        ActionFormat.code_block.value,
+        description="code_block | tool_call, or a tool-call parser (hermes, llama3_json, or a temper.parsers plugin)",
+    )
     limits: dict[str, Any] = Field(default_factory=dict, description="sandbox limits (see docs/sandbox.md)")
     system_prompt: str | None = Field(
         None, description="replaces the environment's instructions; an empty string sends no system message"
@@ -370,8 +404,32 @@ class SpecError(ValueError):
         super().__init__("; ".join(f"{path}: {msg}" for path, msg in errors))
 
 
+OWN_FORMATS = (ActionFormat.code_block.value, ActionFormat.tool_call.value)
+
+
+def plugin_errors(spec: JobSpec) -> list[tuple[str, str]]:
+    """(field path, message) for each name in ``spec`` that no installed plugin (Temper's
+    own included) implements: the environment kind, the action format's parser and the
+    reward components. Checked wherever a spec comes in (``parse_spec``, and at the door
+    of ``POST /v1/jobs``), so an unimplemented value is refused, never accepted and
+    failing later."""
+    errors: list[tuple[str, str]] = []
+    env = spec.environment
+    if env.kind not in plugins.installed(plugins.Group.environments):
+        errors.append(("environment.kind", plugins.unknown_message(plugins.Group.environments, env.kind)))
+    fmt = env.action_format
+    if fmt not in OWN_FORMATS and fmt not in plugins.installed(plugins.Group.parsers):
+        message = plugins.unknown_message(plugins.Group.parsers, fmt, also=OWN_FORMATS)
+        errors.append(("environment.action_format", message))
+    rewards = plugins.installed(plugins.Group.rewards)
+    for name in spec.rewards:
+        if name not in rewards:
+            errors.append((f"rewards.{name[:80]}", plugins.unknown_message(plugins.Group.rewards, name)))
+    return errors
+
+
 def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
-    """Validate a spec given as a mapping, or as JSON/YAML text."""
+    """Validate a spec given as a mapping, or as JSON/YAML text, and the plugins it names."""
     if isinstance(data, bytes | str):
         try:
             data = yaml.safe_load(data)
@@ -380,8 +438,12 @@ def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
     if not isinstance(data, dict):
         raise SpecError([("(document)", "the spec must be a mapping")])
     try:
-        return JobSpec.model_validate(data)
+        spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(
             [(".".join(str(p) for p in e["loc"]) or "(root)", e["msg"]) for e in exc.errors()]
         ) from None
+    errors = plugin_errors(spec)
+    if errors:
+        raise SpecError(errors)
+    return spec

@@ -1,13 +1,16 @@
 """Environments: a task becomes a first prompt, the model's output becomes an action,
 a sandbox result becomes an observation, and the environment says when to stop.
 
-``make_environment(kind, task, ...)`` picks the implementation named by :class:`EnvKind`.
+``make_environment(kind, task, ...)`` builds the environment registered under ``kind``
+in the ``temper.environments`` entry points (:mod:`temper.plugins`): Temper's own
+``code``, ``math`` and ``shell``, and any an operator installed.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from temper import plugins
 from temper.envs.base import (
     ActionFormat,
     Environment,
@@ -19,38 +22,48 @@ from temper.envs.base import (
 )
 from temper.envs.code import CodeEnvironment
 from temper.envs.math import MathEnvironment, extract_answer
-
-ENVIRONMENTS: dict[EnvKind, type[Environment]] = {
-    EnvKind.code: CodeEnvironment,
-    EnvKind.math: MathEnvironment,
-}
+from temper.envs.shell import ShellEnvironment
 
 
 class UnknownEnvironment(ValueError):
     pass
 
 
-def make_environment(kind: str | EnvKind, task: Any, **options: Any) -> Environment:
-    """The environment named ``kind`` for ``task`` (options: max_turns, action_format, limits)."""
+def environment_class(kind: str) -> type[Environment]:
+    """The class registered as environment ``kind``; :class:`UnknownEnvironment` names
+    the installed ones when there is none (or it is not an :class:`Environment`)."""
     try:
-        cls = ENVIRONMENTS[EnvKind(kind)]
-    except ValueError:
+        cls = plugins.load(plugins.Group.environments, str(kind))
+    except plugins.PluginError as exc:
+        raise UnknownEnvironment(str(exc)) from None
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise UnknownEnvironment(
-            f"unknown environment {kind!r}; choose one of {', '.join(k.value for k in EnvKind)}"
-        ) from None
-    return cls(task, **options)
+            f"environment {kind!r} names {cls!r}, which is not a temper.envs.Environment"
+        )
+    return cls
+
+
+def environment_kinds() -> list[str]:
+    return plugins.names(plugins.Group.environments)
+
+
+def make_environment(kind: str, task: Any, **options: Any) -> Environment:
+    """The environment named ``kind`` for ``task`` (options: max_turns, action_format, limits)."""
+    return environment_class(kind)(task, **options)
 
 
 __all__ = [
-    "ENVIRONMENTS",
     "ActionFormat",
     "CodeEnvironment",
     "EnvKind",
     "Environment",
     "MathEnvironment",
     "ParsedAction",
+    "ShellEnvironment",
     "TaskView",
     "UnknownEnvironment",
+    "environment_class",
+    "environment_kinds",
     "extract_answer",
     "make_environment",
     "render_result",

@@ -19,13 +19,17 @@ from temper.envs.tools import ToolCallError, builtin_tools, call_action, parse_c
 from temper.jobspec import ActionFormat, ToolSpec
 from temper.policy.tokenizer import ChatTokenizer
 
-# Parsers of function calls whose tools the chat template renders (from OpenAI schemas).
-FUNCTION_FORMATS = frozenset({ActionFormat.hermes, ActionFormat.llama3_json})
+# The formats an environment reads itself; every other action format names a parser of
+# function calls (a ``temper.parsers`` plugin) whose tools the chat template renders.
+OWN_FORMATS = frozenset({ActionFormat.code_block, ActionFormat.tool_call})
 
 
 class EnvKind(StrEnum):
+    """Temper's own environments (plugins may register more kinds)."""
+
     code = "code"  # edit files and run commands and tests over several turns, then submit
     math = "math"  # give a final answer, optionally after running Python
+    shell = "shell"  # run bash in a persistent workspace; the task's tests grade it
 
 
 @dataclass(frozen=True)
@@ -142,9 +146,10 @@ def truncate_middle(text: str, limit: int) -> str:
 
 
 class Environment(ABC):
-    """An enum member names each implementation; :func:`temper.envs.make_environment` picks it."""
+    """One implementation per kind, registered under ``temper.environments``;
+    :func:`temper.envs.make_environment` picks it by name."""
 
-    kind: ClassVar[EnvKind]
+    kind: ClassVar[str]
     observation_role: ClassVar[str] = "tool"
 
     def __init__(
@@ -161,7 +166,7 @@ class Environment(ABC):
         self.task = TaskView.of(task)
         self.custom_system_prompt = system_prompt
         self.max_turns = max(1, max_turns)
-        self.action_format = ActionFormat(action_format)
+        self.action_format = str(action_format)
         self.limits = {**dict(self.task.spec.get("limits") or {}), **dict(limits or {})}
         self.max_observation_chars = max_observation_chars
         declared = [t if isinstance(t, ToolSpec) else ToolSpec.model_validate(t) for t in tools or []]
@@ -171,7 +176,7 @@ class Environment(ABC):
 
     @property
     def calls_functions(self) -> bool:
-        return self.action_format in FUNCTION_FORMATS
+        return self.action_format not in OWN_FORMATS
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
         """The OpenAI function schemas the chat template renders (function-calling formats only)."""
@@ -273,7 +278,7 @@ class Environment(ABC):
 
     def function_help(self) -> str:
         names = ", ".join(t.function.name for t in self.tools)
-        if self.action_format is ActionFormat.llama3_json:
+        if self.action_format == ActionFormat.llama3_json:
             return f'Reply with a JSON call {{"name": ..., "parameters": {{...}}}} of one of: {names}.'
         return f'Call a tool as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>; tools: {names}.'
 

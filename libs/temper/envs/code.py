@@ -3,7 +3,7 @@ sandbox session over several turns, then submits the workspace for scoring."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from temper.envs.base import (
     PYTHON_LANGS,
@@ -29,7 +29,7 @@ CODE_TOOLS = {
 
 class CodeEnvironment(Environment):
     kind = EnvKind.code
-    default_tools = ("bash", "python", "write_file", "read_file", "submit")
+    default_tools: ClassVar[tuple[str, ...]] = ("bash", "python", "write_file", "read_file", "submit")
     max_file_chars = 2000
     max_listing_chars = 6000
 
@@ -37,7 +37,7 @@ class CodeEnvironment(Environment):
         turns = f"You have {self.max_turns} turn{'s' if self.max_turns != 1 else ''}."
         if self.calls_functions:
             how = "Act by calling the tools; call submit when the task is solved."
-        elif self.action_format is ActionFormat.tool_call:
+        elif self.action_format == ActionFormat.tool_call:
             tools = "\n".join(f"- {name}: {desc}" for name, desc in CODE_TOOLS.items())
             how = f'Act with one tool call per turn: <tool>{{"name": ..., "arguments": {{...}}}}</tool>\n{tools}'
         else:
@@ -66,7 +66,7 @@ class CodeEnvironment(Environment):
     def format_help(self) -> str:
         if self.calls_functions:
             return self.function_help()
-        if self.action_format is ActionFormat.tool_call:
+        if self.action_format == ActionFormat.tool_call:
             return 'Reply with one <tool>{"name": "bash"|"python"|"write_file"|"submit", "arguments": {...}}</tool>.'
         return "Reply with one ```bash or ```python block, a ```python path/file.py block to write a file, or `submit`."
 
@@ -77,7 +77,7 @@ class CodeEnvironment(Environment):
             if action is None:
                 return ParsedAction("submit") if submit else ParsedAction.invalid("no tool call found")
             return action
-        if self.action_format is ActionFormat.tool_call:
+        if self.action_format == ActionFormat.tool_call:
             action = self.parse_tool_call(text, CODE_TOOLS)
             if action is None:
                 return ParsedAction("submit") if submit else ParsedAction.invalid("no tool call found")

@@ -31,7 +31,7 @@ class MathEnvironment(Environment):
     def system_prompt(self) -> str:
         if self.calls_functions:
             tool = "To compute, call the python tool; what it prints comes back."
-        elif self.action_format is ActionFormat.tool_call:
+        elif self.action_format == ActionFormat.tool_call:
             tool = 'To compute, call <tool>{"name": "python", "arguments": {"code": "..."}}</tool>; its output comes back.'
         else:
             tool = "To compute, write a ```python block; its output comes back to you."
@@ -50,7 +50,7 @@ class MathEnvironment(Environment):
             action = self.parse_function_calls(text)
             if action is not None:
                 return action
-        elif self.action_format is ActionFormat.tool_call:
+        elif self.action_format == ActionFormat.tool_call:
             action = self.parse_tool_call(text, MATH_TOOLS)
             if action is not None:
                 return action

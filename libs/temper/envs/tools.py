@@ -1,7 +1,7 @@
 """Function calling: parse the model's tool calls, check them against the declared
 schemas, and turn them into sandbox actions.
 
-Parsers (``environment.action_format``): ``hermes`` reads every
+Parsers (``environment.action_format``, registered under ``temper.parsers``): ``hermes`` reads every
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` of a turn, in order (Qwen,
 Hermes); ``llama3_json`` reads a turn that is a JSON object ``{"name": ...,
 "parameters": {...}}`` (several joined by ``;``), optionally after ``<|python_tag|>``.
@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from temper.jobspec import BUILTIN_TOOLS, ActionFormat, BuiltinTool, ToolSpec
+from temper import plugins
+from temper.jobspec import BUILTIN_TOOLS, BuiltinTool, ToolSpec
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 SAFE_PATH = re.compile(r"^(?!/)(?!.*\.\.)[A-Za-z0-9_./-]{1,200}$")
@@ -100,11 +101,21 @@ def parse_llama3_json(text: str) -> list[ToolCall]:
     return calls
 
 
-PARSERS = {ActionFormat.hermes: parse_hermes, ActionFormat.llama3_json: parse_llama3_json}
-
-
-def parse_calls(text: str, parser: ActionFormat | str) -> list[ToolCall]:
-    return PARSERS[ActionFormat(parser)](text)
+def parse_calls(text: str, parser: str) -> list[ToolCall]:
+    """The calls in ``text`` read by the parser registered as ``parser`` under
+    ``temper.parsers`` (Temper's own: ``hermes``, ``llama3_json``). A plugin parser returns
+    a list of :class:`ToolCall` (or of ``{"name", "arguments"}`` objects) and raises
+    :class:`ToolCallError` for a malformed call; any other failure is one too."""
+    fn = plugins.load(plugins.Group.parsers, str(parser))
+    try:
+        calls = fn(text)
+    except ToolCallError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin's bug reaches the model as an observation
+        raise ToolCallError(f"the {parser} parser failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(calls, list):
+        raise ToolCallError(f"the {parser} parser returned {type(calls).__name__}, not a list of calls")
+    return [c if isinstance(c, ToolCall) else _call(c, "arguments") for c in calls]
 
 
 # --- argument checking: the JSON-schema subset function schemas use ---------------------------------
@@ -190,7 +201,6 @@ def tool_table(tools: Sequence[ToolSpec]) -> dict[str, ToolSpec]:
 
 __all__ = [
     "BUILTIN_TOOLS",
-    "PARSERS",
     "ToolCall",
     "ToolCallError",
     "builtin_tools",

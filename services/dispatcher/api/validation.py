@@ -7,8 +7,9 @@ Three layers, each refusing with ``(field path, message)`` pairs (:class:`SpecEr
   nesting depth, integers within 64 bits;
 - the types: the spec is validated strictly (``"iterations": "5"`` is refused, not
   coerced to 5);
-- the names: environment kind, reward components, model, backend pool and task set must
-  be ones this deployment knows, with the allowed values and a "did you mean".
+- the names: environment kind, action format, reward components (the plugins installed
+  here, Temper's own included: ``temper.jobspec.plugin_errors``), model, backend pool and
+  task set must be ones this deployment knows, with the allowed values and a "did you mean".
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper.db import TaskSet
-from temper.envs import ENVIRONMENTS
-from temper.jobspec import JobSpec, SpecError
+from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.policy.config import BackendKind, BackendSpec
-from temper.rewards import KNOWN_COMPONENTS
 from temper.settings import Settings
 
 MAX_SPEC_BYTES = 1 << 20
@@ -185,13 +184,7 @@ def _model_dir(ref: str) -> bool:
 
 async def check_names(session: AsyncSession, *, spec: JobSpec, settings: Settings, tenant_id: str) -> None:
     """Every name the spec references, checked against this deployment; all problems at once."""
-    errors: list[tuple[str, str]] = []
-    kinds = [str(k) for k in ENVIRONMENTS]
-    if spec.environment.kind not in kinds:
-        errors.append(("environment.kind", unknown("environment kind", spec.environment.kind, kinds)))
-    for name in spec.rewards:
-        if name not in KNOWN_COMPONENTS:
-            errors.append((f"rewards.{name[:MAX_ECHO]}", unknown("reward component", name, KNOWN_COMPONENTS)))
+    errors = plugin_errors(spec)
     models = known_models(settings)
     if spec.policy.model not in models and not _model_dir(spec.policy.model):
         errors.append(

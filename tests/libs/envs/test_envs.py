@@ -28,7 +28,7 @@ def code(**kw) -> CodeEnvironment:
 
 
 def test_unknown_kind_names_the_choices():
-    with pytest.raises(UnknownEnvironment, match="code, math"):
+    with pytest.raises(UnknownEnvironment, match=r"installed: code \(temper\), math \(temper\), shell"):
         make_environment("chess", TASK)
 
 
@@ -187,3 +187,34 @@ def test_observation_ids_extend_token_wise_and_keep_sampled_ids():
 def test_parsed_action_round_trips():
     a = ParsedAction("sandbox", command={"kind": "run_python", "code": "1"}, submit_after=True)
     assert ParsedAction.from_dict(a.to_dict()) == a
+
+
+def test_the_shell_environment_runs_only_bash_and_submits_the_workspace():
+    env = make_environment("shell", {**TASK, "kind": "shell"}, max_turns=5)
+    assert env.kind == "shell" and [t.function.name for t in env.tools] == ["bash", "submit"]
+    assert "5 turns" in env.system_prompt() and "hidden tests check the workspace" in env.system_prompt()
+    action = env.parse(f"{FENCE}bash\nls -la\n{FENCE}\nsubmit", turn=0)
+    assert action.kind == "sandbox" and action.submit_after
+    assert action.command == {"kind": "run_command", "command": "ls -la\n"}
+    assert env.parse("done\nsubmit", turn=1).kind == "submit"
+    python = env.parse(f"{FENCE}python\nprint(1)\n{FENCE}", turn=0)
+    assert python.kind == "invalid" and "only ```bash blocks run here" in (python.error or "")
+    assert "only ```bash" in env.observe(python, None)  # the error is the observation
+    writes = env.parse(f"{FENCE}python x.py\nprint(1)\n{FENCE}", turn=0)
+    assert writes.kind == "invalid"  # no file writes but through bash
+    sub = env.submission(action, final_text="t", snapshot_key="snap", session_id="s")
+    assert sub == {"kind": "shell", "session_id": "s", "snapshot_key": "snap", "final_text": "t"}
+
+
+def test_the_shell_environment_with_tool_calls():
+    env = make_environment("shell", TASK, action_format=ActionFormat.tool_call)
+    action = env.parse('<tool>{"name": "bash", "arguments": {"command": "pwd"}}</tool>', turn=0)
+    assert action.command == {"kind": "run_command", "command": "pwd"}
+    other = env.parse('<tool>{"name": "python", "arguments": {"code": "1"}}</tool>', turn=0)
+    assert other.kind == "invalid" and "available: bash, submit" in (other.error or "")
+    hermes = make_environment("shell", TASK, action_format="hermes")
+    assert [s["function"]["name"] for s in hermes.tool_schemas() or []] == ["bash", "submit"]
+    call = hermes.parse(
+        '<tool_call>{"name": "write_file", "arguments": {"path": "a", "content": ""}}</tool_call>', turn=0
+    )
+    assert call.kind == "invalid" and "unknown tool 'write_file'" in (call.error or "")

@@ -125,8 +125,10 @@ def test_parsers_are_validated_by_name():
     from temper.jobspec import SpecError, parse_spec
 
     base = {"name": "x", "policy": {"model": "m"}, "tasks": {"taskset": "t"}}
-    with pytest.raises(SpecError, match="'code_block', 'tool_call', 'hermes' or 'llama3_json'"):
+    with pytest.raises(
+        SpecError, match=r"installed: code_block, tool_call, hermes \(temper\), llama3_json \(temper\)"
+    ):
         parse_spec({**base, "environment": {"action_format": "mistral"}})
-    assert parse_spec({**base, "environment": {"action_format": "hermes"}}).environment.action_format is (
+    assert parse_spec({**base, "environment": {"action_format": "hermes"}}).environment.action_format == (
         ActionFormat.hermes
     )

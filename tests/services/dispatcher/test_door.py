@@ -38,7 +38,11 @@ def one_shape(body: dict) -> None:
 @pytest.mark.parametrize(
     ("changes", "field", "says"),
     [
-        ({"environment__kind": "browser"}, "environment.kind", "allowed: code, math"),
+        (
+            {"environment__kind": "browser"},
+            "environment.kind",
+            "installed: code (temper), math (temper), shell (temper)",
+        ),
         ({"environment__kind": "cod"}, "environment.kind", "did you mean 'code'?"),
         ({"rewards": {"test_passed": 1.0}}, "rewards.test_passed", "did you mean 'tests_passed'?"),
         ({"policy__model": "gpt-17"}, "policy.model", "unknown model 'gpt-17'"),

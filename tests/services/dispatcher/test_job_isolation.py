@@ -8,16 +8,18 @@ from episode_peers import job_spec, job_state, seed, start_harness, submit_job, 
 from sqlalchemy import select
 
 from temper.db import Job
-from temper.envs import ENVIRONMENTS, EnvKind
+from tests.plugindist import on_path, write_dist
 
 pytestmark = pytest.mark.timeout(90)
 
+# An environment plugin whose construction fails after the job was accepted.
+UNBUILDABLE = """
+from temper.envs import MathEnvironment
 
-class Unbuildable:
-    """An environment plugin whose construction fails after the job was accepted."""
-
+class Unbuildable(MathEnvironment):
     def __init__(self, *args, **kwargs):
         raise RuntimeError("the math plugin lost its grader")
+"""
 
 
 async def _reason(db, job_id: str) -> str | None:
@@ -25,17 +27,22 @@ async def _reason(db, job_id: str) -> str | None:
         return await s.scalar(select(Job.state_reason).where(Job.id == job_id))
 
 
-async def test_a_job_that_breaks_scheduling_fails_and_another_tenants_job_runs(
-    tmp_path, database_url, monkeypatch
-):
-    monkeypatch.setitem(ENVIRONMENTS, EnvKind.math, Unbuildable)
+async def test_a_job_that_breaks_scheduling_fails_and_another_tenants_job_runs(tmp_path, database_url):
+    site = tmp_path / "site"
+    with on_path(site, "unbuildable"):
+        write_dist(site, "unbuildable", {"unbuildable": UNBUILDABLE},
+                   {"temper.environments": {"unbuildable": "unbuildable:Unbuildable"}})  # fmt: skip
+        await _run(tmp_path, database_url)
+
+
+async def _run(tmp_path, database_url) -> None:
     h = await start_harness(tmp_path, database_url)
     try:
         await seed(h.db, tenant="acme", taskset="ts1")
         await seed(h.db, tenant="beta", taskset="ts2", tasks={"b1": {}, "b2": {}})
         # stored before the door checked kinds (or by an older dispatcher): not a kind we run
         browser = job_spec(name="browser-job", environment__kind="browser")
-        math = job_spec(name="math-job", environment__kind="math")
+        math = job_spec(name="math-job", environment__kind="unbuildable")
         bad = [await submit_job(h.db, browser, tenant="acme"), await submit_job(h.db, math, tenant="acme")]
         good = await submit_job(h.db, job_spec(name="good", tasks__taskset="ts2"), tenant="beta")
 

@@ -66,3 +66,13 @@ def test_temper_run_names_a_bad_field(tmp_path, capsys):
     path.write_text(yaml.safe_dump(spec))
     assert main(["run", str(path), "--runs-dir", str(tmp_path)]) == 2
     assert "schedule.iterations" in capsys.readouterr().err
+
+
+def test_temper_run_refuses_an_environment_that_is_not_installed(tmp_path, capsys):
+    spec = yaml.safe_load((ROOT / "examples" / "code-job.yaml").read_text())
+    spec["environment"]["kind"] = "browser"
+    path = tmp_path / "browser.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["run", str(path), "--runs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "environment.kind" in err and "installed: code (temper), math (temper), shell (temper)" in err
