@@ -127,10 +127,18 @@ async def sampleable_tasks(session: AsyncSession, taskset_id: str) -> list[Task]
 
 
 async def set_task_status(
-    session: AsyncSession, task_id: str, status: TaskStatus, reasons: list[str]
+    session: AsyncSession,
+    task_id: str,
+    status: TaskStatus,
+    reasons: list[str],
+    *,
+    validation: dict[str, Any] | None = None,
 ) -> None:
+    """A task's validation verdict, with its oracle runs (``temper.tasks.oracle``) if any."""
     await session.execute(
-        update(Task).where(Task.id == task_id).values(status=str(status), status_reasons=reasons)
+        update(Task)
+        .where(Task.id == task_id)
+        .values(status=str(status), status_reasons=reasons, validation=validation)
     )
 
 
@@ -223,4 +231,5 @@ def task_view(row: Task, totals: tuple[int, int] = (0, 0)) -> dict[str, Any]:
         "attempts": attempts,
         "passes": passes,
         "difficulty": difficulty(attempts, passes, estimate),
+        "validation": row.validation,
     }
