@@ -51,11 +51,11 @@ class Record:
             raise self.fail(f"missing (the record has: {present}){hint}", field)
         return self.values[column]
 
-    def text(self, field: str, *, required: bool = True) -> str | None:
+    def text(self, field: str, *, required: bool = True, number_ok: bool = False) -> str | None:
         value = self.get(field, required=required)
         if value is None and not required:
             return None
-        if isinstance(value, int) and not isinstance(value, bool):
+        if number_ok and isinstance(value, int) and not isinstance(value, bool):
             return str(value)  # MBPP's task_id is an integer
         if not isinstance(value, str) or (required and not value.strip()):
             raise self.fail(f"expected non-empty text, got {_shown(value)}", field)
@@ -125,7 +125,7 @@ def humaneval_task(rec: Record, source: str = "") -> TaskSpec:
     problem's ``check`` function, called with the entry point."""
     prompt = rec.text("prompt") or ""
     return _task(
-        rec, id=rec.text("task_id"), kind=TaskKind.code, prompt=prompt, files={"solution.py": prompt},
+        rec, id=rec.text("task_id", number_ok=True), kind=TaskKind.code, prompt=prompt, files={"solution.py": prompt},
         tests=rec.text("test"), entry_point=rec.text("entry_point"),
         solution=prompt + (rec.text("canonical_solution") or ""), solution_file="solution.py",
         metadata=TaskMeta(source=source or rec.file, tags=["python", "function"]),
@@ -146,7 +146,7 @@ def mbpp_task(rec: Record, source: str = "") -> TaskSpec:
     text = rec.text("text") or ""
     prompt = f"{text.strip()}\nYour code should pass this test:\n{tests[0]}\n"
     return _task(
-        rec, id=f"mbpp/{rec.text('task_id')}", kind=TaskKind.code, prompt=prompt,
+        rec, id=f"mbpp/{rec.text('task_id', number_ok=True)}", kind=TaskKind.code, prompt=prompt,
         tests="\n".join([setup, *tests]).strip() + "\n", entry_point=entry,
         solution=rec.text("code"), solution_file="solution.py",
         metadata=TaskMeta(source=source or rec.file, tags=["python", "function"]),
@@ -162,7 +162,7 @@ def gsm8k_task(rec: Record, source: str = "") -> TaskSpec:
     final = worked.rsplit("####", 1)[1].strip()
     if not final:
         raise rec.fail("the '####' line has no answer after it", "answer")
-    ident = rec.text("id", required=False) or f"gsm8k/{rec.where.split()[-1]}"
+    ident = rec.text("id", required=False, number_ok=True) or f"gsm8k/{rec.where.split()[-1]}"
     return _task(
         rec, id=ident, kind=TaskKind.math, prompt=rec.text("question"), answer=final, solution=worked,
         metadata=TaskMeta(source=source or rec.file, tags=["math", "word-problem"]),

@@ -12,8 +12,8 @@ environment is that sandbox plus files: a Dockerfile may hold ``FROM`` (any base
 ``WORKDIR``, ``COPY``/``ADD`` of files of the task directory, comments and blank lines.
 Anything else (``RUN apt-get ...``, ``ENV``, a multi-container docker-compose) needs its
 own image, and the task is refused naming the line. The copied files become the task's
-starting files; the ``WORKDIR`` path (``/app``) in the tests and the oracle is rewritten
-to the workspace, where both run.
+starting files; the ``WORKDIR`` path (``/app``) in the instruction, the tests and the
+oracle is rewritten to the workspace, where all of them run.
 """
 
 from __future__ import annotations
@@ -160,13 +160,14 @@ def _copied(context: Path, src: str, dest: str, workdir: str | None, where: str)
     }
 
 
-def _relocate(text: str, workdir: str | None) -> str:
-    """The WORKDIR's absolute path made relative: tests and oracle run in the workspace."""
+def _relocate(text: str, workdir: str | None, *, alone: str = ".") -> str:
+    """The WORKDIR's absolute path made relative: the agent, the tests and the oracle all
+    run in the workspace. ``alone`` replaces the bare directory (``/app``)."""
     if not workdir or workdir == "/":
         return text
     wd = re.escape(workdir.rstrip("/"))
-    text = re.sub(wd + r"/", "", text)
-    return re.sub(wd + r"(?![\w.-])", ".", text)
+    text = re.sub(wd + r"/(?=\S)", "", text)
+    return re.sub(wd + r"/?(?![\w.-])", alone, text)
 
 
 def import_task_dir(path: str | Path, *, task_id: str | None = None) -> TaskSpec:
@@ -203,7 +204,7 @@ def import_task_dir(path: str | Path, *, task_id: str | None = None) -> TaskSpec
         return TaskSpec(
             id=task_id or root.name,
             kind=TaskKind.shell,
-            prompt=instruction,
+            prompt=_relocate(instruction, workdir, alone="the current directory"),
             files=files,
             tests=_relocate(tests, workdir),
             oracle=_relocate(_read(oracle), workdir),
