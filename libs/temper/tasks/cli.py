@@ -83,7 +83,7 @@ def import_tasks(fmt: str, path: str, columns: str = "", limit: int | None = Non
     ``ValueError`` (a ``DatasetError``, ``HarborError`` or ``TaskFormatError``) naming
     the file, line and column of the first problem."""
     from temper.tasks import datasets, harbor
-    from temper.tasks.models import parse_tasks
+    from temper.tasks.models import TaskFormatError, parse_tasks
 
     if fmt == "harbor":
         tasks = harbor.import_task_dirs(path)
@@ -91,7 +91,10 @@ def import_tasks(fmt: str, path: str, columns: str = "", limit: int | None = Non
         file = Path(path)
         if not file.is_file():
             raise ValueError(f"{path}: no such file")
-        tasks = parse_tasks(file.read_text(encoding="utf-8"), filename=file.name)
+        try:
+            tasks = parse_tasks(file.read_text(encoding="utf-8"), filename=file.name)
+        except TaskFormatError as exc:
+            raise ValueError(f"{file.name}: {exc}") from None
     else:
         tasks = datasets.import_file(fmt, path, datasets.parse_columns(columns, fmt))
     return tasks[:limit] if limit is not None else tasks

@@ -119,7 +119,7 @@ def _environment(root: Path) -> tuple[str | None, dict[str, str]]:
             for src in sources:
                 if "://" in src:
                     raise HarborError(f"{dockerfile}: line {number}: {op} from a URL needs network access")
-                files.update(_copied(context, src, dest, workdir, f"{dockerfile}: line {number}"))
+                files.update(_copied(root, context, src, dest, workdir, f"{dockerfile}: line {number}"))
     return workdir, files
 
 
@@ -143,7 +143,9 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def _copied(context: Path, src: str, dest: str, workdir: str | None, where: str) -> dict[str, str]:
+def _copied(
+    root: Path, context: Path, src: str, dest: str, workdir: str | None, where: str
+) -> dict[str, str]:
     base = (context / src).resolve()
     if not base.is_relative_to(context.resolve()) or not base.exists():
         raise HarborError(f"{where}: {src!r} is not a file of the task directory")
@@ -154,10 +156,16 @@ def _copied(context: Path, src: str, dest: str, workdir: str | None, where: str)
         raise HarborError(f"{where}: copies to {dest!r}, outside the WORKDIR ({workdir or 'none'})")
     if base.is_file():
         name = rel / base.name if dest.endswith("/") or str(rel) == "." else rel
-        return {str(name): _read(base)}
-    return {
-        str(rel / p.relative_to(base)).lstrip("./"): _read(p) for p in sorted(base.rglob("*")) if p.is_file()
-    }
+        sources = {name: base}
+    else:
+        sources = {rel / p.relative_to(base): p for p in sorted(base.rglob("*")) if p.is_file()}
+    hidden = [root.resolve() / n for n in ("tests", "solution", "solution.sh")]
+    for path in sources.values():
+        if any(path == h or path.is_relative_to(h) for h in hidden):
+            raise HarborError(
+                f"{where}: copies {path.relative_to(root.resolve())}, which the agent must not see"
+            )
+    return {str(name): _read(path) for name, path in sources.items()}
 
 
 def _relocate(text: str, workdir: str | None, *, alone: str = ".") -> str:

@@ -146,6 +146,15 @@ def test_task_directories_that_need_their_own_image_are_refused(tmp_path):
     )
     with pytest.raises(HarborError, match=r"line 3: copies to '/etc/motd', outside the WORKDIR"):
         import_task_dir(d)
+    d = terminal_bench_task(tmp_path, "copies-everything")
+    (d / "Dockerfile").write_text("FROM x\nWORKDIR /app\nCOPY . /app\n")
+    with pytest.raises(HarborError, match=r"line 3: copies solution.sh, which the agent must not see"):
+        import_task_dir(d)
+    d = harbor_task(tmp_path, "copies-a-dir", dockerfile="FROM x\nWORKDIR /app\nCOPY data/ /app/data/\n")
+    (d / "environment" / "data" / "sub").mkdir(parents=True)
+    (d / "environment" / "data" / ".env").write_text("A=1\n")
+    (d / "environment" / "data" / "sub" / "x.csv").write_text("a,b\n")
+    assert import_task_dir(d).files == {"data/.env": "A=1\n", "data/sub/x.csv": "a,b\n"}
     with pytest.raises(HarborError, match="none has tests/"):
         import_task_dirs(tmp_path / "needs-apt" / "solution")
 
@@ -169,4 +178,4 @@ def test_the_cli_writes_temper_jsonl_and_reports_bad_input(tmp_path, capsys):
     assert "--columns is for humaneval, mbpp and gsm8k" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"id": "a", "prompt": "p"}\n')
     assert main(["tasksets", "import", "temper", str(tmp_path / "bad.jsonl"), "--output", str(out)]) == 2
-    assert "line 1: (task): a code task needs hidden tests" in capsys.readouterr().err
+    assert "bad.jsonl: line 1: (task): a code task needs hidden tests" in capsys.readouterr().err
