@@ -36,7 +36,8 @@ class PolicySpec(_Spec):
 
 class Curriculum(StrEnum):
     uniform = "uniform"
-    learnable = "learnable"  # prefer tasks whose recorded pass rate is strictly between 0 and 1
+    # prefer tasks whose pass rate in this job (and its prior_from_job) is strictly in (0, 1)
+    learnable = "learnable"
 
 
 class TaskSampling(_Spec):
@@ -44,6 +45,11 @@ class TaskSampling(_Spec):
     group_size: int = Field(4, ge=1, le=256, description="samples per task: the GRPO group")
     curriculum: Curriculum = Curriculum.learnable
     seed: int = 0
+    prior_from_job: str | None = Field(
+        None,
+        max_length=64,
+        description="start the curriculum from this job's recorded pass rates (a job of yours on the same task set)",
+    )
 
 
 class ActionFormat(StrEnum):

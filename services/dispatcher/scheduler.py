@@ -177,8 +177,9 @@ class Scheduler:
             used: set[str] = set()
             while need > 0 and room >= min(group_size, cap):
                 if candidates is None:
-                    # attempts and passes over all jobs, counted from the recorded outcomes
-                    totals = outcome_totals(taskset_id=spec.tasks.taskset).subquery()
+                    # this job's attempts and passes (and those of the job it starts from)
+                    lineage = [job.id, *filter(None, [spec.tasks.prior_from_job])]
+                    totals = outcome_totals(taskset_id=spec.tasks.taskset, job_ids=lineage).subquery()
                     candidates = [
                         (r[0], int(r[1]), int(r[2]))
                         for r in await s.execute(

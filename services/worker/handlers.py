@@ -9,7 +9,8 @@ from typing import Any
 
 from temper.db import Database
 from temper.retention import delete_expired
-from temper.rewards.runner import TestRunner, scoring_sandbox_settings
+from temper.rewards import Scorer
+from temper.rewards.runner import scoring_sandbox_settings
 from temper.sandbox import SandboxManager
 from temper.settings import Settings
 from temper.storage import make_store
@@ -19,14 +20,14 @@ Progress = Callable[[int, int], None]
 
 
 async def validate_taskset(settings: Settings, taskset_id: str, progress: Progress) -> dict[str, Any]:
-    """Run every task of the set through its hidden tests in a sandbox."""
+    """Run every task of the set through its hidden tests and its oracle in sandboxes."""
     db = Database(settings.db)
     manager = SandboxManager(
         scoring_sandbox_settings(settings.sandbox), distributed=settings.mode == "distributed"
     )
     await manager.start()
     try:
-        counts = await validate(db, TestRunner(manager), taskset_id, progress=progress)
+        counts = await validate(db, Scorer(manager), taskset_id, progress=progress)
     finally:
         await manager.close()
         await db.dispose()

@@ -110,6 +110,9 @@ class Task(Base):
     status_reasons: Mapped[list[Any]] = mapped_column(default=list)
     prompt_hash: Mapped[str] = mapped_column(String(64), default="", index=True)
     tests_hash: Mapped[str] = mapped_column(String(64), default="", index=True)
+    validation: Mapped[dict[str, Any] | None] = mapped_column(
+        default=None, doc="the last validation's oracle and do-nothing runs (temper.tasks.oracle)"
+    )
 
 
 class TaskOutcome(Base):

@@ -2,9 +2,11 @@
 that deal with task sets and rewards (registered by :func:`add_commands`).
 
     temper tasksets upload FILE [--name N] [--no-validate] [--wait]
+    temper tasksets import FORMAT PATH [--columns F=C,..] [--output FILE | --name N --wait]
+                                       FORMAT: humaneval, mbpp, gsm8k, temper, harbor
     temper tasksets list
     temper tasksets show ID [--json]
-    temper tasksets validate ID            queue validation, then a progress bar until done
+    temper tasksets validate ID            queue validation, a progress bar, then the per-task table
     temper rescore TENANT JOB --weights tests_passed=1,coverage=0.2   (talks to DB + store)
 """
 
@@ -73,6 +75,63 @@ def cmd_upload(args: argparse.Namespace) -> int:
     return 0
 
 
+IMPORT_FORMATS = ("humaneval", "mbpp", "gsm8k", "temper", "harbor")
+
+
+def import_tasks(fmt: str, path: str, columns: str = "", limit: int | None = None) -> list[Any]:
+    """The tasks of a local file or directory in one of :data:`IMPORT_FORMATS`. Raises
+    ``ValueError`` (a ``DatasetError``, ``HarborError`` or ``TaskFormatError``) naming
+    the file, line and column of the first problem."""
+    from temper.tasks import datasets, harbor
+    from temper.tasks.models import TaskFormatError, parse_tasks
+
+    if fmt == "harbor":
+        tasks = harbor.import_task_dirs(path)
+    elif fmt == "temper":
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"{path}: no such file")
+        try:
+            tasks = parse_tasks(file.read_text(encoding="utf-8"), filename=file.name)
+        except TaskFormatError as exc:
+            raise ValueError(f"{file.name}: {exc}") from None
+    else:
+        tasks = datasets.import_file(fmt, path, datasets.parse_columns(columns, fmt))
+    return tasks[:limit] if limit is not None else tasks
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from temper.tasks.models import dump_jsonl
+
+    if args.columns and args.format in ("temper", "harbor"):
+        sys.stderr.write(
+            f"temper tasksets import: --columns is for humaneval, mbpp and gsm8k, not {args.format}\n"
+        )
+        return 2
+    try:
+        tasks = import_tasks(args.format, args.path, args.columns or "", args.limit)
+    except ValueError as exc:
+        sys.stderr.write(f"temper tasksets import: {exc}\n")
+        return 2
+    if args.output:
+        Path(args.output).write_text(dump_jsonl(tasks), encoding="utf-8")
+        sys.stderr.write(f"wrote {len(tasks)} {args.format} tasks to {args.output}\n")
+        return 0
+    name = args.name or Path(args.path.rstrip("/")).stem
+    with _client(args) as api:
+        view = api._call(
+            "POST", "/v1/tasksets", content=dump_jsonl(tasks).encode(),
+            headers={"content-type": "application/x-ndjson"},
+            params={"name": name, "validate": str(not args.no_validate).lower(), "source": f"import:{args.format}"},
+        )  # fmt: skip
+        sys.stdout.write(view["id"] + "\n")
+        sys.stderr.write(f"imported {view['task_count']} {args.format} tasks as {view['id']}\n")
+        if args.wait and view.get("validation", {}).get("queued"):
+            view = wait_for_validation(api, view["id"])
+            write_validation_table(api, view["id"], sys.stdout)
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     with _client(args) as api:
         for ts in api._call("GET", "/v1/tasksets"):
@@ -98,10 +157,38 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(run: dict[str, Any] | None) -> str:
+    if not run or run.get("reward") is None:
+        return "-"
+    return f"{run['reward']:g} {'pass' if run.get('passed') else 'fail'}"
+
+
+def validation_table(tasks: list[dict[str, Any]], *, width: int = 120) -> str:
+    """One line per task: status, the oracle's and the do-nothing agent's reward and
+    verdict (from ``tasks.validation``), and why an invalid task is invalid."""
+    lines = [f"{'task':<28} {'status':<8} {'oracle':<10} {'do-nothing':<10} reasons"]
+    for t in tasks:
+        runs = t.get("validation") or {}
+        reasons = "; ".join(t.get("reasons") or [])
+        line = f"{t['key']:<28} {t['status']:<8} {_run(runs.get('oracle')):<10} {_run(runs.get('null')):<10} {reasons}"
+        lines.append(line[:width].rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def write_validation_table(api: Any, taskset_id: str, out: TextIO) -> dict[str, Any]:
+    view: dict[str, Any] = api._call("GET", f"/v1/tasksets/{taskset_id}")
+    width = shutil.get_terminal_size((120, 20)).columns
+    out.write(validation_table(view.get("tasks", []), width=max(width, 80)))
+    counts = view.get("counts", {})
+    out.write(f"{counts.get('valid', 0)} valid, {counts.get('invalid', 0)} invalid of {view['task_count']}\n")
+    return view
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     with _client(args) as api:
         api._call("POST", f"/v1/tasksets/{args.id}/validate")
-        view = wait_for_validation(api, args.id, interval=args.interval)
+        wait_for_validation(api, args.id, interval=args.interval)
+        view = write_validation_table(api, args.id, sys.stdout)
     return 0 if view.get("counts", {}).get("invalid", 0) == 0 else 3
 
 
@@ -161,6 +248,20 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--no-validate", action="store_true")
     p.add_argument("--wait", action="store_true", help="show validation progress until it ends")
     p.set_defaults(func=cmd_upload)
+    p = ts_sub.add_parser(
+        "import", help="import HumanEval, MBPP, GSM8K, Temper or Harbor tasks from local files"
+    )
+    p.add_argument("format", choices=IMPORT_FORMATS)
+    p.add_argument("path", help="a .jsonl/.parquet file (temper: .jsonl/.yaml), or a task directory (harbor)")
+    p.add_argument(
+        "--columns", help="FIELD=COLUMN,... where the file's column names differ from the dataset's"
+    )
+    p.add_argument("--limit", type=int, help="import only the first N tasks")
+    p.add_argument("--output", help="write the tasks as Temper JSONL to this file instead of uploading")
+    p.add_argument("--name")
+    p.add_argument("--no-validate", action="store_true")
+    p.add_argument("--wait", action="store_true", help="wait for validation and print its table")
+    p.set_defaults(func=cmd_import)
     p = ts_sub.add_parser("list", help="task sets of your tenant")
     p.set_defaults(func=cmd_list)
     p = ts_sub.add_parser("show", help="a task set with each task's status")

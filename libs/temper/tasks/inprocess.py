@@ -11,7 +11,8 @@ import asyncio
 import uuid
 
 from temper.logs import get_logger, log_event
-from temper.rewards.runner import TestRunner, scoring_sandbox_settings
+from temper.rewards import Scorer
+from temper.rewards.runner import scoring_sandbox_settings
 from temper.runtime import Runtime
 from temper.sandbox import SandboxManager
 from temper.tasks.validation import validate_taskset
@@ -40,7 +41,7 @@ class InProcessValidation:
         manager = SandboxManager(scoring_sandbox_settings(settings.sandbox), distributed=False)
         await manager.start()
         try:
-            counts = await validate_taskset(self.runtime.db, TestRunner(manager), taskset_id)
+            counts = await validate_taskset(self.runtime.db, Scorer(manager), taskset_id)
         finally:
             await manager.close()
             self.running.pop(taskset_id, None)

@@ -59,6 +59,9 @@ class TaskSpec(BaseModel):
         None, description="reference solution: the content of solution_file (math: worked answer)"
     )
     solution_file: str = Field("solution.py", description="where the agent's code is expected")
+    oracle: str | None = Field(
+        None, description="shell: a bash script that solves the task in the workspace (Harbor's solution.sh)"
+    )
     answer: str | None = Field(None, description="math: the expected final answer")
     metadata: TaskMeta = TaskMeta()
     limits: SandboxLimits | None = Field(

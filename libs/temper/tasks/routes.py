@@ -80,6 +80,7 @@ def make_router(
         runtime: RuntimeDep,
         name: str = Query("taskset", min_length=1, max_length=200),
         validate: bool = Query(True, description="queue the validation pipeline"),
+        source: str = Query("upload", max_length=200, description="where the tasks came from"),
     ) -> Any:
         tenant_id = _tenant_id(tenant)
         body = await request.body()
@@ -91,9 +92,7 @@ def make_router(
             return exc.response()  # type: ignore[return-value]
         assert runtime.db is not None
         async with runtime.db.session() as session:
-            row = await service.create_taskset(
-                session, runtime.store, tenant_id, name, tasks, source="upload"
-            )
+            row = await service.create_taskset(session, runtime.store, tenant_id, name, tasks, source=source)
             view = service.taskset_view(row, {"pending": len(tasks)})
         view["validation"] = await _enqueue(enqueue, row.id) if validate else {"queued": False}
         return view
@@ -129,6 +128,29 @@ def make_router(
                     for t in await service.task_rows(session, taskset_id)
                 ]
         return view
+
+    @router.get("/{taskset_id}/tasks", summary="Each task's validation, pass rate and its lineage")
+    async def tasks_of(
+        taskset_id: str,
+        tenant: TenantDep,
+        runtime: RuntimeDep,
+        job: str | None = Query(None, description="only this job's outcomes"),
+    ) -> list[dict[str, Any]]:
+        """Per task: validation status, reasons and oracle runs; attempts, passes and
+        difficulty over the jobs counted; ``jobs``: per job and per policy version."""
+        assert runtime.db is not None
+        async with runtime.db.session() as session:
+            try:
+                await service.get_taskset(session, taskset_id, tenant=_tenant_id(tenant))
+            except service.TaskSetNotFound:
+                raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
+            lineage = await service.outcome_breakdown(session, taskset_id, job_id=job)
+            out = []
+            for row in await service.task_rows(session, taskset_id):
+                jobs = service.lineage_view(lineage.get(row.id, {}))
+                totals = (sum(j["attempts"] for j in jobs), sum(j["passes"] for j in jobs))
+                out.append({**service.task_view(row, totals), "jobs": jobs})
+        return out
 
     @router.post("/{taskset_id}/validate", status_code=status.HTTP_202_ACCEPTED, summary="Queue validation")
     async def validate_again(taskset_id: str, tenant: TenantDep, runtime: RuntimeDep) -> dict[str, Any]:

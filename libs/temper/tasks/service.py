@@ -9,6 +9,7 @@ status); how often each task was solved is counted from ``task_outcomes``; the u
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Select, case, func, select, update
@@ -127,10 +128,18 @@ async def sampleable_tasks(session: AsyncSession, taskset_id: str) -> list[Task]
 
 
 async def set_task_status(
-    session: AsyncSession, task_id: str, status: TaskStatus, reasons: list[str]
+    session: AsyncSession,
+    task_id: str,
+    status: TaskStatus,
+    reasons: list[str],
+    *,
+    validation: dict[str, Any] | None = None,
 ) -> None:
+    """A task's validation verdict, with its oracle runs (``temper.tasks.oracle``) if any."""
     await session.execute(
-        update(Task).where(Task.id == task_id).values(status=str(status), status_reasons=reasons)
+        update(Task)
+        .where(Task.id == task_id)
+        .values(status=str(status), status_reasons=reasons, validation=validation)
     )
 
 
@@ -164,10 +173,14 @@ def record_outcome(
 
 
 def outcome_totals(
-    *, taskset_id: str | None = None, job_id: str | None = None, policy_version: int | None = None
+    *,
+    taskset_id: str | None = None,
+    job_id: str | None = None,
+    policy_version: int | None = None,
+    job_ids: Sequence[str] | None = None,
 ) -> Select[str, int, Any]:
     """``(task_id, attempts, passes)`` per task with at least one outcome, counted over all
-    jobs unless ``job_id`` (and ``policy_version``) narrow it."""
+    jobs unless ``job_id`` (and ``policy_version``) or ``job_ids`` narrow it."""
     query = select(
         TaskOutcome.task_id.label("task_id"),
         func.count().label("attempts"),
@@ -177,6 +190,8 @@ def outcome_totals(
         query = query.join(Task, Task.id == TaskOutcome.task_id).where(Task.task_set_id == taskset_id)
     if job_id is not None:
         query = query.where(TaskOutcome.job_id == job_id)
+    if job_ids is not None:
+        query = query.where(TaskOutcome.job_id.in_(list(job_ids)))
     if policy_version is not None:
         query = query.where(TaskOutcome.policy_version == policy_version)
     return query
@@ -186,6 +201,53 @@ async def task_totals(session: AsyncSession, taskset_id: str) -> dict[str, tuple
     """``task_id -> (attempts, passes)`` over all jobs, for the tasks of one set."""
     rows = await session.execute(outcome_totals(taskset_id=taskset_id))
     return {task_id: (int(attempts), int(passes or 0)) for task_id, attempts, passes in rows}
+
+
+async def outcome_breakdown(
+    session: AsyncSession, taskset_id: str, *, job_id: str | None = None
+) -> dict[str, dict[str, dict[int | None, tuple[int, int]]]]:
+    """``task_id -> job_id -> policy_version -> (attempts, passes)`` for the tasks of one
+    set (one job's only, with ``job_id``): the lineage of every pass rate."""
+    query = (
+        select(
+            TaskOutcome.task_id,
+            TaskOutcome.job_id,
+            TaskOutcome.policy_version,
+            func.count(),
+            func.sum(case((TaskOutcome.passed, 1), else_=0)),
+        )
+        .join(Task, Task.id == TaskOutcome.task_id)
+        .where(Task.task_set_id == taskset_id)
+        .group_by(TaskOutcome.task_id, TaskOutcome.job_id, TaskOutcome.policy_version)
+    )
+    if job_id is not None:
+        query = query.where(TaskOutcome.job_id == job_id)
+    out: dict[str, dict[str, dict[int | None, tuple[int, int]]]] = {}
+    for task_id, job, version, attempts, passes in await session.execute(query):
+        out.setdefault(task_id, {}).setdefault(job, {})[version] = (int(attempts), int(passes or 0))
+    return out
+
+
+def _rate(attempts: int, passes: int) -> dict[str, Any]:
+    return {"attempts": attempts, "passes": passes, "pass_rate": passes / attempts if attempts else None}
+
+
+def lineage_view(jobs: dict[str, dict[int | None, tuple[int, int]]]) -> list[dict[str, Any]]:
+    """Per job (sorted by id), its totals and one entry per policy version."""
+    out = []
+    for job_id in sorted(jobs):
+        versions = jobs[job_id]
+        attempts = sum(a for a, _ in versions.values())
+        passes = sum(p for _, p in versions.values())
+        ordered = sorted(versions.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+        out.append(
+            {
+                "job_id": job_id,
+                **_rate(attempts, passes),
+                "versions": [{"policy_version": v, **_rate(a, p)} for v, (a, p) in ordered],
+            }
+        )
+    return out
 
 
 def difficulty(attempts: int, passes: int, estimate: float | None = None) -> float | None:
@@ -223,4 +285,5 @@ def task_view(row: Task, totals: tuple[int, int] = (0, 0)) -> dict[str, Any]:
         "attempts": attempts,
         "passes": passes,
         "difficulty": difficulty(attempts, passes, estimate),
+        "validation": row.validation,
     }

@@ -12,6 +12,11 @@ For every task:
 - across the set: a task whose normalised prompt or whose tests repeat an earlier
   task's is a duplicate.
 
+Then every task goes through :func:`temper.tasks.oracle.run_oracle`: its reference
+(or oracle script) and a do-nothing agent are scored by the reward scorer's
+:class:`Scorer`; the oracle must score full marks and the do-nothing agent must not
+pass. Both runs are stored in ``tasks.validation``.
+
 Each task ends ``valid`` or ``invalid`` with its reasons; invalid tasks are never
 sampled.
 """
@@ -21,13 +26,16 @@ from __future__ import annotations
 import ast
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from temper.db import Database
+from temper.rewards import Scorer
 from temper.rewards.answers import answers_match, extract_answer
 from temper.rewards.runner import ScoringError, TestRunner
 from temper.rewards.testsplit import split_tests
 from temper.tasks import service
 from temper.tasks.models import TaskKind, TaskSpec, TaskStatus
+from temper.tasks.oracle import run_oracle
 
 TRIVIAL_BODIES: list[tuple[str, str]] = [
     ("empty body (pass)", "pass"),
@@ -87,7 +95,8 @@ async def check_task(runner: TestRunner, task: TaskSpec) -> list[str]:
     if not split.chunks:
         return ["hidden tests contain no assertions"]
     if not task.solution:
-        return ["no reference solution"]
+        # a shell task's oracle script is run and scored by temper.tasks.oracle instead
+        return [] if task.oracle else ["no reference solution"]
     try:
         trivial = trivial_variants(task.solution, task.entry_point)
     except SyntaxError as exc:
@@ -142,14 +151,14 @@ def duplicate_reasons(rows: list[tuple[str, str, str]]) -> dict[str, list[str]]:
 
 async def validate_taskset(
     db: Database,
-    runner: TestRunner,
+    scorer: Scorer,
     taskset_id: str,
     *,
     progress: Progress | None = None,
     concurrency: int = 4,
 ) -> dict[str, int]:
-    """Validate every task of a set, writing each status as it is decided. Returns the
-    counts by status."""
+    """Validate every task of a set with the reward scorer's ``scorer``, writing each
+    status and its oracle runs as they are decided. Returns the counts by status."""
     async with db.session() as session:
         rows = await service.task_rows(session, taskset_id)
         await service.set_taskset_status(session, taskset_id, "validating")
@@ -163,14 +172,17 @@ async def validate_taskset(
     async def one(row_id: str, spec: TaskSpec) -> None:
         nonlocal done
         async with gate:
+            runs: dict[str, Any] | None = None
             try:
-                reasons = await check_task(runner, spec)
+                reasons = await check_task(scorer.runner, spec)
+                runs, oracle_reasons = await run_oracle(scorer, spec)
+                reasons += [r for r in oracle_reasons if r not in reasons]
             except ScoringError as exc:
                 reasons = [f"could not be validated: {exc}"]
         reasons = dups.get(spec.id, []) + reasons
         status = TaskStatus.invalid if reasons else TaskStatus.valid
         async with db.session() as session:
-            await service.set_task_status(session, row_id, status, reasons)
+            await service.set_task_status(session, row_id, status, reasons, validation=runs)
         async with lock:
             done += 1
             if progress is not None:

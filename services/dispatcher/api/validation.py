@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from temper.db import TaskSet
+from temper.db import Job, TaskSet
 from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.policy.config import BackendKind, BackendSpec
 from temper.settings import Settings
@@ -197,5 +197,18 @@ async def check_names(session: AsyncSession, *, spec: JobSpec, settings: Setting
     if taskset is None or taskset.tenant_id != tenant_id:
         ids = (await session.execute(select(TaskSet.id).where(TaskSet.tenant_id == tenant_id))).scalars()
         errors.append(("tasks.taskset", unknown("task set", spec.tasks.taskset, ids)))
+    prior = spec.tasks.prior_from_job
+    if prior is not None:
+        job = await session.get(Job, prior)
+        if job is None or job.tenant_id != tenant_id:
+            errors.append(("tasks.prior_from_job", f"unknown job {clip(prior)}: no job of yours has that id"))
+        elif (job.spec.get("tasks") or {}).get("taskset") != spec.tasks.taskset:
+            ran_on = (job.spec.get("tasks") or {}).get("taskset")
+            errors.append(
+                (
+                    "tasks.prior_from_job",
+                    f"job {prior} ran on task set {ran_on!r}, not {spec.tasks.taskset!r}",
+                )
+            )
     if errors:
         raise SpecError(errors)

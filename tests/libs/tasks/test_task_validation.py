@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from temper.db import Tenant
+from temper.rewards import Scorer
 from temper.rewards.runner import TestRunner
 from temper.tasks import service
 from temper.tasks.importers import arithmetic_tasks, humaneval
@@ -59,7 +60,7 @@ async def test_validate_a_taskset_writes_statuses_progress_and_duplicates(databa
         row = await service.create_taskset(s, None, "acme", "v", [GOOD, WEAK, DUP, *arithmetic_tasks(2)])
     seen: list[tuple[int, int]] = []
     counts = await validate_taskset(
-        database, TestRunner(scoring_manager), row.id, progress=lambda c, t: seen.append((c, t))
+        database, Scorer(scoring_manager), row.id, progress=lambda c, t: seen.append((c, t))
     )
     assert counts == {"valid": 3, "invalid": 2}
     assert seen[0] == (0, 5) and seen[-1] == (5, 5)

@@ -137,3 +137,92 @@ def test_cli_progress_bar_and_validation_wait():
     out = io.StringIO()
     view = wait_for_validation(Api(), "ts", interval=0, stream=out)
     assert view["counts"]["invalid"] == 1 and "2/2 valid 1  invalid 1" in out.getvalue()
+
+
+async def test_pass_rates_per_job_and_policy_version_over_rest(database, tmp_path):
+    await _tenant(database)
+    await _tenant(database, "other")
+    async with database.session() as s:
+        row = await service.create_taskset(s, None, "acme", "lineage", parse_tasks(SET))
+        a, b = f"{row.id}:a", f"{row.id}:b"
+        runs = {"full_marks": 1.0, "oracle": {"reward": 1.0, "passed": True, "failure": None}, "null": None}
+        await service.set_task_status(s, a, TaskStatus.valid, [], validation=runs)
+        for job in ("j1", "j2"):
+            s.add(Job(id=job, tenant_id="acme", name=job, spec={"tasks": {"taskset": row.id}}))
+        await s.flush()
+        # j1: task a at version 0 (1 of 2) and version 1 (2 of 2); j2 starts over: 0 of 1
+        for n, (job, task, version, ok) in enumerate([
+            ("j1", a, 0, True), ("j1", a, 0, False), ("j1", a, 1, True), ("j1", a, 1, True),
+            ("j2", a, 0, False), ("j1", b, 1, False),
+        ]):  # fmt: skip
+            s.add(Episode(id=f"e{n}", job_id=job, tenant_id="acme", task_id=task, group_id="g"))
+            await s.flush()
+            service.record_outcome(s, episode_id=f"e{n}", task_id=task, job_id=job,
+                                   policy_version=version, passed=ok, reward=float(ok))  # fmt: skip
+    async with database.session() as s:
+        # what the curriculum of a job that starts from j1 counts: j1's outcomes plus its own
+        rows = await s.execute(service.outcome_totals(taskset_id=row.id, job_ids=["j2", "j1"]))
+        assert sorted(tuple(r) for r in rows) == [(a, 5, 3), (b, 1, 0)]
+        rows = await s.execute(service.outcome_totals(taskset_id=row.id, job_ids=["j2"]))
+        assert [tuple(r) for r in rows] == [(a, 1, 0)]
+
+    app = FastAPI()
+
+    class Rt:
+        db = database
+        store = None
+
+    app.state.runtime = Rt()
+    tenant = {"t": "acme"}
+    app.include_router(make_router(lambda: tenant["t"], enqueue=lambda ts: "x"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.get(f"/v1/tasksets/{row.id}/tasks")
+        assert r.status_code == 200, r.text
+        ta, tb = r.json()
+        assert (ta["key"], ta["attempts"], ta["passes"], ta["status"]) == ("a", 5, 3, "valid")
+        assert ta["validation"]["oracle"]["passed"] is True and tb["validation"] is None
+        assert ta["jobs"] == [
+            {"job_id": "j1", "attempts": 4, "passes": 3, "pass_rate": 0.75, "versions": [
+                {"policy_version": 0, "attempts": 2, "passes": 1, "pass_rate": 0.5},
+                {"policy_version": 1, "attempts": 2, "passes": 2, "pass_rate": 1.0}]},
+            {"job_id": "j2", "attempts": 1, "passes": 0, "pass_rate": 0.0, "versions": [
+                {"policy_version": 0, "attempts": 1, "passes": 0, "pass_rate": 0.0}]},
+        ]  # fmt: skip
+        assert tb["jobs"][0]["versions"] == [
+            {"policy_version": 1, "attempts": 1, "passes": 0, "pass_rate": 0.0}
+        ]
+        only = (await client.get(f"/v1/tasksets/{row.id}/tasks", params={"job": "j2"})).json()
+        assert [(t["key"], t["attempts"], [j["job_id"] for j in t["jobs"]]) for t in only] == [
+            ("a", 1, ["j2"]), ("b", 0, [])]  # fmt: skip
+        assert ta["difficulty"] == pytest.approx(1 - 4 / 7)
+        tenant["t"] = "other"
+        assert (await client.get(f"/v1/tasksets/{row.id}/tasks")).status_code == 404
+
+
+def test_cli_validate_prints_the_per_task_oracle_table(capsys):
+    from temper.tasks.cli import validation_table, write_validation_table
+
+    tasks = [
+        {"key": "HumanEval/23", "status": "valid", "reasons": [], "validation": {
+            "oracle": {"reward": 1.0, "passed": True}, "null": {"reward": 0.0, "passed": False}}},
+        {"key": "presolved", "status": "invalid", "reasons": ["a do-nothing agent passes (reward 1)"],
+         "validation": {"oracle": {"reward": 1.0, "passed": True}, "null": {"reward": 1.0, "passed": True}}},
+        {"key": "pending-one", "status": "pending", "reasons": [], "validation": None},
+    ]  # fmt: skip
+    lines = validation_table(tasks).splitlines()
+    assert lines[0].split() == ["task", "status", "oracle", "do-nothing", "reasons"]
+    assert lines[1].split() == ["HumanEval/23", "valid", "1", "pass", "0", "fail"]
+    assert lines[2].split()[:6] == ["presolved", "invalid", "1", "pass", "1", "pass"]
+    assert lines[2].endswith("a do-nothing agent passes (reward 1)")
+    assert lines[3].split() == ["pending-one", "pending", "-", "-"]
+
+    class Api:
+        def _call(self, method, path, **kw):
+            assert (method, path) == ("GET", "/v1/tasksets/ts-1")
+            return {"tasks": tasks, "task_count": 3, "counts": {"valid": 1, "invalid": 1, "pending": 1}}
+
+    import io
+
+    out = io.StringIO()
+    write_validation_table(Api(), "ts-1", out)
+    assert out.getvalue().endswith("1 valid, 1 invalid of 3\n")

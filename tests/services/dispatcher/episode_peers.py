@@ -108,7 +108,9 @@ async def seed(
     quota: int = 64,
     tenant: str = "acme",
     taskset: str = "ts1",
-) -> None:
+) -> str | None:
+    """Tenant, task set and tasks; past outcomes as a finished job left them (its id is
+    returned, for ``tasks.prior_from_job``)."""
     tasks = tasks if tasks is not None else {"t1": {}, "t2": {}}
     async with db.session() as s:
         if await s.get(Tenant, tenant) is None:
@@ -133,7 +135,8 @@ async def seed(
     if history:  # past outcomes, as a finished job of the same tenant left them
         async with db.session() as s:
             past = f"history-{uuid.uuid4().hex[:8]}"
-            s.add(Job(id=past, tenant_id=tenant, name="history", spec={}, state="completed"))
+            s.add(Job(id=past, tenant_id=tenant, name="history", spec={"tasks": {"taskset": taskset}},
+                      state="completed"))  # fmt: skip
             await s.flush()
             for tid, extra in history.items():
                 for i in range(extra["attempts"]):
@@ -143,6 +146,8 @@ async def seed(
                     ok = i < extra.get("passes", 0)
                     record_outcome(s, episode_id=f"{past}-{tid}-{i}", task_id=tid, job_id=past,
                                    policy_version=0, passed=ok, reward=float(ok))  # fmt: skip
+        return past
+    return None
 
 
 async def submit_job(

@@ -260,10 +260,12 @@ async def test_groups_curriculum_and_tenant_quota(tmp_path, database_url):
     }
     h = await start_harness(tmp_path, database_url, peers={"hold": True})
     try:
-        await seed(h.db, tasks=tasks, quota=2)
-        job = await submit_job(
-            h.db, job_spec(tasks__group_size=2, schedule__episodes_per_iteration=4, schedule__iterations=2)
-        )
+        past = await seed(h.db, tasks=tasks, quota=2)
+        spec = job_spec(
+            tasks__group_size=2, tasks__prior_from_job=past,
+            schedule__episodes_per_iteration=4, schedule__iterations=2,
+        )  # fmt: skip
+        job = await submit_job(h.db, spec)
         await wait_for(lambda: _held(h, 2), what="first group")
         await asyncio.sleep(0.3)
         assert len(await episodes_of(h.db, job)) == 2, "the tenant's quota of 2 holds back the second group"

@@ -17,7 +17,9 @@ import pytest
 from temper.batch import make_celery
 from temper.db import Tenant
 from temper.tasks import service
+from temper.tasks.harbor import import_task_dir
 from temper.tasks.importers import arithmetic_tasks, humaneval
+from tests.libs.tasks.fixtures import harbor_task
 
 pytestmark = [pytest.mark.redis, pytest.mark.sandbox, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[3]
@@ -61,10 +63,10 @@ def worker(redis_url, database_url, database, tmp_path):
         yield queue
 
 
-async def test_a_worker_validates_a_task_set_with_visible_progress(redis_url, database, worker):
+async def test_a_worker_validates_a_task_set_with_visible_progress(redis_url, database, worker, tmp_path):
     async with database.session() as s:
         s.add(Tenant(id="acme", name="acme"))
-    tasks = [*humaneval()[:3], *arithmetic_tasks(2)]
+    tasks = [*humaneval()[:3], *arithmetic_tasks(2), import_task_dir(harbor_task(tmp_path))]
     async with database.session() as s:
         row = await service.create_taskset(s, None, "acme", "celery", tasks)
     app = make_celery(redis_url)
@@ -74,13 +76,18 @@ async def test_a_worker_validates_a_task_set_with_visible_progress(redis_url, da
     while not result.ready() and time.monotonic() < deadline:
         states.add(result.state)
         if result.state == "PROGRESS":
-            assert result.info["total"] == 5 and 0 <= result.info["current"] <= 5
+            assert result.info["total"] == 6 and 0 <= result.info["current"] <= 6
         await asyncio.sleep(0.05)
     assert result.ready(), "the Celery worker did not finish in time"
     out = result.get(timeout=5)
-    assert out["counts"] == {"valid": 5}
+    assert out["counts"] == {"valid": 6}
     assert states & {"STARTED", "PROGRESS"}
     async with database.session() as s:
-        assert {t.status for t in await service.task_rows(s, row.id)} == {"valid"}
+        rows = await service.task_rows(s, row.id)
+    assert {t.status for t in rows} == {"valid"}
+    # the oracle (reference, or the Harbor task's solve.sh) passed; doing nothing did not
+    assert {(t.validation["oracle"]["passed"], t.validation["null"]["passed"]) for t in rows} == {
+        (True, False)
+    }
     result.forget()
     app.close()
