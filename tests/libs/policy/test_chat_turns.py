@@ -132,3 +132,23 @@ def test_parsers_are_validated_by_name():
     assert parse_spec({**base, "environment": {"action_format": "hermes"}}).environment.action_format == (
         ActionFormat.hermes
     )
+
+
+def test_two_calls_in_one_turn_get_two_tool_messages_as_the_template_renders_them(setup):
+    name, tok = setup
+    reply, parser = REPLIES[name]
+    env = make_environment("math", TASK, max_turns=3, action_format=parser)
+    prompt = env.first_prompt_ids(tok)
+    sampled = tok.encode(reply) + [tok.end_of_turn_ids[0]]
+    obs = env.observation_ids(tok, sampled, ["391", "done"])
+    calls = [{"type": "function", "function": CALL}] * 2
+    msgs = [
+        *env.first_messages(),
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "content": "391"},
+        {"role": "tool", "content": "done"},
+    ]
+    rendered = tok.decode(tok.render(msgs, tools=env.tool_schemas()), skip_special=False)
+    ours = tok.decode([*prompt, *sampled, *obs], skip_special=False)
+    # the observations are the template's own rendering of two tool messages, in order
+    assert ours.endswith(rendered[rendered.index("391") - 40 :]) and rendered.count("done") == 1

@@ -209,3 +209,25 @@ async def test_the_shell_environment_is_graded_at_max_turns_without_a_submit(tmp
     for ep in episodes:
         # the workspace persisted from turn 0 to turn 1, and the tests graded what was left
         assert ep.state == "scored" and ep.turn == 1 and ep.reward == 1.0, (ep.state, ep.rewards)
+
+
+async def test_several_tool_calls_in_one_turn_run_in_order_each_with_its_own_observation(tmp_path):
+    """Hermes calls: the second reads what the first wrote (so they ran in order, in one
+    session), and the next prompt holds one tool message per call."""
+    call = '<tool_call>{{"name": "bash", "arguments": {{"command": "{}"}}}}</tool_call>'.format
+    seen: list[str] = []
+
+    def model(prompt: str, turn: int) -> str:
+        seen.append(prompt)
+        if turn == 0:
+            return call("wc -l < data.txt > count.txt") + "\n" + call("cat count.txt; echo second-call")
+        return '<tool_call>{"name": "submit", "arguments": {}}</tool_call>'
+
+    spec = {**SHELL_JOB, "environment": {"kind": "shell", "max_turns": 3, "action_format": "hermes"}}
+    episodes = await run_job(tmp_path, f"sqlite+aiosqlite:///{tmp_path}/temper.db", COUNT_LINES, spec, model)
+    for ep in episodes:
+        assert ep.state == "scored" and ep.reward == 1.0 and ep.turn == 1, (ep.state, ep.rewards)
+        assert ep.format_errors == 0
+    second = next(p for p in seen if "second-call" in p)
+    first_out, second_out = second.index("(no output)"), second.index("3\nsecond-call")
+    assert first_out < second_out, "the calls' observations follow the calls' order"
