@@ -203,6 +203,7 @@ class Router:
         st = self.settings
         tried: set[str] = set()
         reason = "no attempt made"
+        backend_error = ""  # the last backend's own error, kept when a later attempt finds none up
         attempts = 0
         deadline = time.monotonic() + st.request_timeout_s * (st.max_retries + 1)
         while attempts <= st.max_retries:
@@ -216,7 +217,7 @@ class Router:
                     await self._wait_for_capacity(0.05)
                     continue
                 attempts += 1
-                reason = "no backend available (all unhealthy or circuit open)"
+                reason = "no backend available (all unhealthy or circuit open)" + backend_error
                 if attempts <= st.max_retries:
                     await asyncio.sleep(self._backoff(attempts))
                 continue
@@ -231,6 +232,7 @@ class Router:
                 slot.failed += 1
                 metrics.INFERENCE_REQUESTS.labels(slot.name, exc.kind.value).inc()
                 reason = f"{slot.name}: {exc}"
+                backend_error = f"; before that {reason}"
                 if not exc.retryable:
                     slot.breaker.success()  # the backend answered; the request is at fault
                     raise RequestFailed(reason, attempts) from exc

@@ -113,6 +113,14 @@ async def test_retry_budget_ends_in_a_failure_with_the_reason() -> None:
     assert e2.value.attempts == 1  # a bad request is not retried
 
 
+async def test_an_open_circuit_keeps_the_error_that_opened_it_in_the_reason() -> None:
+    router = Router([FakeBackend("only", fail=ErrorKind.server)], settings(breaker_failures=1))
+    with pytest.raises(RequestFailed) as e:
+        await router.generate(GenerateRequest([1]))
+    assert e.value.reason.startswith("failed after 3 attempt(s): no backend available")
+    assert e.value.reason.endswith("; before that only: server_error: injected")  # not only "circuit open"
+
+
 def test_breaker_half_open_lets_one_trial_through() -> None:
     now = [0.0]
     br = CircuitBreaker(failures_to_open=1, reset_s=1.0, clock=lambda: now[0])
