@@ -85,7 +85,14 @@ class Ranks:
         """Tell the other ranks to exit (they may be gone already: do not wait long)."""
         if not self.sharded:
             return
-        sender = threading.Thread(target=self._broadcast, args=(["stop", {}],), daemon=True)
+
+        def send() -> None:
+            try:
+                self._broadcast(["stop", {}])
+            except Exception as exc:  # noqa: BLE001 - torchrun is stopping them all anyway
+                log_event(log, "the other ranks are gone", rank=self.rank, error=repr(exc)[:200])
+
+        sender = threading.Thread(target=send, daemon=True)
         sender.start()
         sender.join(wait_s)
 

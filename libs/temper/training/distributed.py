@@ -16,6 +16,7 @@ process without a process group included).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from datetime import timedelta
@@ -35,8 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
+from temper.logs import log_event
 from temper.training.batch import Sample
 from temper.training.learner import Learner
+
+log = logging.getLogger("temper.training")
 
 DCP_DIR = "dcp"  # a version's sharded trainer state: trainer/dcp/ (.metadata, __<rank>_0.distcp)
 
@@ -56,7 +60,14 @@ def init(device: torch.device, *, timeout_s: float = 600.0) -> torch.device:
         device = torch.device("cuda", local)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        log_event(log, "joining the process group", rank=rank, world=world, backend=backend, attempt=attempt)
+        # torchrun's store outlives a restart of the ranks, and with it the addresses the
+        # dead ranks published: keys of their own per attempt, or a new rank dials a dead one
+        store = dist.PrefixStore(f"temper/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return device
 
 
@@ -117,7 +128,7 @@ def summed(values: Sequence[float]) -> list[float]:
     return [float(v) for v in t]
 
 
-def full_weights(learner: Learner) -> dict[str, torch.Tensor]:
+def full_weights(learner: Learner) -> dict[str, Any]:
     """The whole model's weights, gathered on rank 0 in CPU memory ({} on the others).
     Every rank must call it."""
     return get_model_state_dict(
@@ -144,8 +155,5 @@ def load_state(learner: Learner, directory: str | Path) -> None:
     """Restore the model and AdamW state from a DCP directory holding every rank's files,
     whatever number of ranks wrote it (resharded to this learner's)."""
     model, optim = get_state_dict(learner.model, learner.optimizer)
-    state = {"model": model, "optim": optim}
-    dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(
-        learner.model, learner.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    dcp.load({"model": model, "optim": optim}, checkpoint_id=str(directory))  # in place
+    set_state_dict(learner.model, learner.optimizer, model_state_dict=model, optim_state_dict=optim)
