@@ -14,14 +14,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load
 from sqlalchemy import select
 
 from services.trainer.component import SKIP_ZERO_VARIANCE
 from temper.bus import KafkaBus
 from temper.db import Database, Job, PolicyVersion, TrainedTrajectory
 from temper.events import Topics
+from temper.jobspec import JobSpec
+from temper.policy import create_model
 from temper.registry import read_manifest
 from temper.storage import S3Store
+from temper.training import Learner, LearnerConfig
 from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
 from tests.services.trainer.test_trainer_crash import ROOT, TrainerProcess
 
@@ -156,10 +161,17 @@ async def test_two_ranks_train_a_job(
     f = TrajectoryFactory(job_id)
     g1, flat, g2 = f.group("g1", [1, 0, 0, 0]), f.group("flat", [1, 1, 1, 1]), f.group("g2", [0, 1, 0.5, 1])
     await store_all(store, g1 + flat + g2)
+    spec = job_spec(group_size=4, groups_per_step=1, checkpoint_every=2)
     try:
         await trainer.start()
-        for group in (g1, flat, g2):
+        # one group at a time, so that g1 is step 1 and g2 step 2 (flat is skipped between)
+        for group, step in ((g1, 1), (flat, 1), (g2, 2)):
             await send_all(bus, group)
+
+            async def reached(step: int = step) -> bool:
+                return (await trainer.status(job_id)).get("step") == step
+
+            await wait_for(reached, within=120, what=f"step {step}")
 
         async def published() -> bool:
             return await versions(database, job_id) == [(1, 2)]
@@ -168,12 +180,8 @@ async def test_two_ranks_train_a_job(
         status = await trainer.status(job_id)
         assert status["step"] == 2 and status["policy_version"] == 1
         rows = await ledger(database, job_id)
-        assert {rows[m.message.episode_id].step for m in g1} | {
-            rows[m.message.episode_id].step for m in g2
-        } == {
-            1,
-            2,
-        }
+        assert {rows[m.message.episode_id].step for m in g1} == {1}
+        assert {rows[m.message.episode_id].step for m in g2} == {2}
         assert {rows[m.message.episode_id].skipped for m in flat} == {SKIP_ZERO_VARIANCE}
         assert Counter(r.step for r in rows.values() if r.step) == {1: 4, 2: 4}
         # the version: served weights from rank 0, and each rank's shard of the DCP state
@@ -187,6 +195,20 @@ async def test_two_ranks_train_a_job(
             assert (await s.get(Job, job_id)).policy_version == 1
         async with httpx.AsyncClient() as client:
             assert (await client.get(f"{trainer.url}/v1/status")).json()["ranks"] == 2
+        # the two ranks trained what one process trains on the same batches
+        served = load(await store.get(key.replace("manifest.json", "model.safetensors")))
+        one = Learner(
+            create_model("tiny", seed=0),
+            LearnerConfig.from_spec(JobSpec.model_validate(spec).algorithm),
+            device="cpu",
+        )
+        one.full_forward = True  # the sharded model's forward (the whole model called)
+        for group in (g1, g2):
+            assert one.step([[m.trajectory for m in group]]).updated
+        initial = create_model("tiny", seed=0).state_dict()
+        for name, value in served.items():
+            assert torch.allclose(value, one.model.state_dict()[name], atol=1e-5, rtol=0), name
+            assert not torch.equal(value, initial[name]), f"{name} was trained"
     finally:
         trainer.terminate()
 
