@@ -63,7 +63,7 @@ from temper.policy import (
 from temper.runtime import Runtime
 from temper.storage import NotFound, ObjectStore
 from temper.training import Learner, LearnerConfig, StepStats, TrainerSettings, is_zero_variance, pick_device
-from temper.training.distributed import DCP_DIR, shard
+from temper.training.distributed import DCP_DIR, agree, shard
 from temper.trajectory import Trajectory
 
 log = logging.getLogger("temper.trainer")
@@ -748,13 +748,24 @@ async def build_learner(
     With several ``ranks`` the model is sharded over them (every rank calls this, in step):
     a version with sharded state is loaded after sharding, whatever number of ranks wrote
     it; an older one (full weights, one process's) before."""
-    model = await initial_model(spec, settings, store, model_factory)
-    learner = await asyncio.to_thread(
-        Learner, model, LearnerConfig.from_spec(spec.algorithm, settings), device=device
-    )
     sharded = ranks is not None and ranks.sharded
     key = checkpoint[0] if checkpoint else None
-    has_state = sharded and key is not None and registry.is_manifest_key(key) and await _has_state(store, key)
+    error: Exception | None = None
+    try:
+        model = await initial_model(spec, settings, store, model_factory)
+        learner = await asyncio.to_thread(
+            Learner, model, LearnerConfig.from_spec(spec.algorithm, settings), device=device
+        )
+        has_state = (
+            sharded and key is not None and registry.is_manifest_key(key) and await _has_state(store, key)
+        )
+    except Exception as exc:
+        if not sharded:
+            raise
+        error = exc
+    if sharded:
+        # the ranks go on to sharding (collectives) together, or all fail here
+        await asyncio.to_thread(agree, error)
     if sharded and has_state:
         await asyncio.to_thread(shard, learner)
     if key is not None:

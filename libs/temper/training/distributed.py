@@ -128,6 +128,16 @@ def summed(values: Sequence[float]) -> list[float]:
     return [float(v) for v in t]
 
 
+def agree(error: BaseException | None) -> None:
+    """Every rank says whether its part went well; if any rank's failed, raise the same
+    error on every rank (so that none goes on to a collective the others never reach)."""
+    said: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(said, None if error is None else repr(error)[:300])
+    failed = [f"rank {r}: {e}" for r, e in enumerate(said) if e]
+    if failed:
+        raise RuntimeError("; ".join(failed)) from error
+
+
 def full_weights(learner: Learner) -> dict[str, Any]:
     """The whole model's weights, gathered on rank 0 in CPU memory ({} on the others).
     Every rank must call it."""
