@@ -160,8 +160,12 @@ async def test_two_ranks_train_a_job(
     )
     f = TrajectoryFactory(job_id)
     g1, flat, g2 = f.group("g1", [1, 0, 0, 0]), f.group("flat", [1, 1, 1, 1]), f.group("g2", [0, 1, 0.5, 1])
-    await store_all(store, g1 + flat + g2)
+    g3, g4 = f.group("g3", [0.2, 0.8, 0, 1]), f.group("g4", [1, 0, 1, 0.5])
+    await store_all(store, g1 + flat + g2 + g3 + g4)
     spec = job_spec(group_size=4, groups_per_step=1, checkpoint_every=2)
+    single = TrainerProcess(
+        trainer_env(database_url, kafka_bootstrap, s3_settings, unique, job_id), tmp_path / "one.log"
+    )
     try:
         await trainer.start()
         # one group at a time, so that g1 is step 1 and g2 step 2 (flat is skipped between)
@@ -209,8 +213,32 @@ async def test_two_ranks_train_a_job(
         for name, value in served.items():
             assert torch.allclose(value, one.model.state_dict()[name], atol=1e-5, rtol=0), name
             assert not torch.equal(value, initial[name]), f"{name} was trained"
+
+        # the job goes on in one process (no torchrun): version 1's DCP state, saved by two
+        # ranks, restored on one; two more steps match the one-process reference's
+        trainer.terminate()
+        await single.start()  # loads the job with its first trajectory: step 3 means it resumed at 2
+        for group, step in ((g3, 3), (g4, 4)):
+            await send_all(bus, group)
+
+            async def reached_one(step: int = step) -> bool:
+                return (await single.status(job_id)).get("step") == step
+
+            await wait_for(reached_one, within=120, what=f"step {step} in one process")
+
+        async def second() -> bool:
+            return await versions(database, job_id) == [(1, 2), (2, 4)]
+
+        await wait_for(second, within=60, what="version 2 from one process")
+        one.full_forward = False  # what the one-process trainer runs
+        for group in (g3, g4):
+            assert one.step([[m.trajectory for m in group]]).updated
+        served = load(await store.get(key.replace("v1/manifest.json", "v2/model.safetensors")))
+        for name, value in served.items():
+            assert torch.allclose(value, one.model.state_dict()[name], atol=1e-5, rtol=0), name
     finally:
         trainer.terminate()
+        single.terminate()
 
 
 @pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
