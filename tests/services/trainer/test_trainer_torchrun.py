@@ -1,7 +1,7 @@
 """The trainer service under ``torchrun --nproc-per-node 2`` (gloo, CPU) on the real
 stack (Kafka, Postgres, S3): rank 0 consumes, keeps the ledger and publishes; both ranks
-train the FSDP2-sharded model. Then a SIGKILL of rank 1 mid-job: torchrun restarts both
-ranks, and the ledger shows every trajectory trained once."""
+train the FSDP2-sharded model. Then a SIGKILL of one rank mid-job (a follower, or rank 0
+itself): torchrun restarts both ranks, and the ledger shows every trajectory trained once."""
 
 from __future__ import annotations
 
@@ -241,8 +241,10 @@ async def test_two_ranks_train_a_job(
         single.terminate()
 
 
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
 @pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
 async def test_rank_killed_mid_job_trains_no_trajectory_twice(
+    victim: int,
     database: Database,
     database_url: str,
     kafka_bootstrap: str,
@@ -288,9 +290,9 @@ async def test_rank_killed_mid_job_trains_no_trajectory_twice(
         # the moment of the kill: step 3 trained but not published, half a group buffered
         assert await versions(database, job_id) == [(1, 2)]
         first_rank0 = trainer.rank_pid(0)
-        victim = trainer.rank_pid(1)
-        assert first_rank0 and victim
-        os.kill(victim, signal.SIGKILL)
+        pid = trainer.rank_pid(victim)
+        assert first_rank0 and pid
+        os.kill(pid, signal.SIGKILL)  # rank 1: a follower; rank 0: the service itself
 
         async def restarted() -> bool:
             pid = trainer.rank_pid(0)
