@@ -310,6 +310,8 @@ class Learner:
         """Estimate the job's memory (temper.training.memory), log it with the alternatives,
         and refuse (:class:`MemoryPlanError`) a plan above the limit, before any weight
         moves to the device."""
+        import torch.distributed as dist
+
         cfg = self.config
         shape = model_shape(model)
         plan = estimate(
@@ -318,6 +320,8 @@ class Learner:
             gradient_checkpointing=cfg.gradient_checkpointing,
             bf16=self.device.type == "cuda" and cfg.bf16,
             reference=reference_copy,
+            # under torchrun the learner is about to be sharded over every rank
+            ranks=dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
         )
         lora = lora_trainable(model, 16)
         log_event(log, "memory plan", plan=plan.describe(), device=str(self.device),

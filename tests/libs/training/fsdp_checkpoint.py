@@ -55,9 +55,19 @@ async def save(out: Path) -> None:
         LocalStore(out / "store"), PREFIX, job_id="j", version=1, base_model="tiny"
     )
     state = everything(learner, full_weights(learner))
+    # AdamW's moments this rank holds (its shards), added over the ranks
+    held = [t.to_local() for s in learner.optimizer.state.values() for k, t in s.items() if k != "step"]
+    moments = torch.tensor([float(sum(t.numel() * t.element_size() for t in held))], dtype=torch.float64)
+    dist.all_reduce(moments)
     if dist.get_rank() == 0:
         save_file(state, str(out / "reference.safetensors"))
-        (out / "saved.json").write_text(json.dumps({"key": key, "step": learner.step_count}))
+        plan = learner.memory_plan
+        (out / "saved.json").write_text(
+            json.dumps(
+                {"key": key, "step": learner.step_count, "plan_ranks": plan.ranks,
+                 "plan_optimizer": plan.optimizer, "moments_all_ranks": int(moments)}
+            )
+        )  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -31,6 +31,9 @@ async def test_saved_by_two_ranks_loads_on_one(tmp_path: Path):
         "trainer/dcp/.metadata", "trainer/dcp/__0_0.distcp", "trainer/dcp/__1_0.distcp"
     }  # fmt: skip
     assert json.loads((tmp_path / "loaded.json").read_text()) == {"step": 1, "version": 1}
+    # the memory plan of a sharded learner counts this rank's shard of AdamW's state
+    assert saved["plan_ranks"] == 2
+    assert saved["plan_optimizer"] * 2 == saved["moments_all_ranks"]
     reference = load_file(str(tmp_path / "reference.safetensors"))
     loaded = load_file(str(tmp_path / "loaded.safetensors"))
     assert reference.keys() == loaded.keys()
