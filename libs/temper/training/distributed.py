@@ -121,11 +121,11 @@ def full_norm(norm: torch.Tensor) -> float:
     return float(full() if full is not None else norm)
 
 
-def summed(values: Sequence[float]) -> list[float]:
-    """``values`` added over every rank (float64)."""
-    t = torch.tensor(list(values), dtype=torch.float64)
+def summed(values: Sequence[float], device: torch.device) -> list[float]:
+    """``values`` added over every rank (float64; on ``device``, as NCCL needs)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return [float(v) for v in t]
+    return [float(v) for v in t.cpu()]
 
 
 def agree(error: BaseException | None) -> None:

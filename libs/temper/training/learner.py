@@ -388,7 +388,17 @@ class Learner:
 
             acc = self.backward(share(samples, self.rank, self.world), normalizer, batch=samples)
             acc.loss, acc.pg, acc.kl, acc.entropy, acc.clipped, acc.ratio, acc.abs_log_ratio, t = summed(
-                [acc.loss, acc.pg, acc.kl, acc.entropy, acc.clipped, acc.ratio, acc.abs_log_ratio, acc.tokens]
+                [
+                    acc.loss,
+                    acc.pg,
+                    acc.kl,
+                    acc.entropy,
+                    acc.clipped,
+                    acc.ratio,
+                    acc.abs_log_ratio,
+                    acc.tokens,
+                ],
+                self.device,
             )
             acc.tokens = int(t)
         else:
@@ -498,7 +508,7 @@ class Learner:
         backward passes, so a rank with fewer micro-batches adds passes that weigh nothing."""
         import torch.distributed as dist
 
-        most = torch.tensor([len(batches)])
+        most = torch.tensor([len(batches)], device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         idle = Sample([self.pad_id, self.pad_id], [False, False], [0.0, 0.0], 0.0, 0.0)
         return batches + [[idle]] * (int(most) - len(batches))
