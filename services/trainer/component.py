@@ -22,6 +22,11 @@ The ledger (``trained_trajectories``, one row per episode) is what makes a crash
 One trainer owns a job: run one trainer process for all jobs (consumer group
 ``trainer``), or one per job with ``TEMPER_TRAINER__JOB_ID`` (group ``trainer.<job>``).
 Two trainers on one job would each hold part of its groups.
+
+Under ``torchrun`` this class runs on rank 0 only; every learner operation with
+collectives (load, step, publish) is opened with a command to the other ranks
+(:mod:`services.trainer.ranks`, :mod:`services.trainer.follower`), and the model is
+sharded over all of them (:func:`build_learner`).
 """
 
 from __future__ import annotations
