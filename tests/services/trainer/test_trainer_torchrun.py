@@ -5,6 +5,7 @@ itself): torchrun restarts both ranks, and the ledger shows every trajectory tra
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -241,10 +242,13 @@ async def test_two_ranks_train_a_job(
         single.terminate()
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
+@pytest.mark.parametrize(
+    ("victim", "moment"), [(1, "idle"), (0, "idle"), (1, "in-step")], ids=["rank1", "rank0", "rank1-in-step"]
+)
 @pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
 async def test_rank_killed_mid_job_trains_no_trajectory_twice(
     victim: int,
+    moment: str,
     database: Database,
     database_url: str,
     kafka_bootstrap: str,
@@ -278,21 +282,43 @@ async def test_rank_killed_mid_job_trains_no_trajectory_twice(
 
     try:
         await trainer.start()
-        for number, group in enumerate((g1, g2, g3), start=1):
-            await send_all(bus, group)
-            await until_step(number)
-        await send_all(bus, half[:2])
-
-        async def half_buffered() -> bool:
-            return (await trainer.status(job_id)).get("buffered_trajectories") == 2
-
-        await wait_for(half_buffered, within=60, what="half a group buffered")
-        # the moment of the kill: step 3 trained but not published, half a group buffered
-        assert await versions(database, job_id) == [(1, 2)]
         first_rank0 = trainer.rank_pid(0)
         pid = trainer.rank_pid(victim)
         assert first_rank0 and pid
-        os.kill(pid, signal.SIGKILL)  # rank 1: a follower; rank 0: the service itself
+        if moment == "idle":
+            for number, group in enumerate((g1, g2, g3), start=1):
+                await send_all(bus, group)
+                await until_step(number)
+            await send_all(bus, half[:2])
+
+            async def half_buffered() -> bool:
+                return (await trainer.status(job_id)).get("buffered_trajectories") == 2
+
+            await wait_for(half_buffered, within=60, what="half a group buffered")
+            # the moment of the kill: step 3 trained but not published, half a group buffered
+            assert await versions(database, job_id) == [(1, 2)]
+            os.kill(pid, signal.SIGKILL)  # rank 1: a follower; rank 0: the service itself
+        else:
+            for number, group in enumerate((g1, g2), start=1):
+                await send_all(bus, group)
+                await until_step(number)
+
+            async def published() -> bool:
+                return await versions(database, job_id) == [(1, 2)]
+
+            await wait_for(published, within=60, what="version 1")
+            # rank 1 frozen, so that rank 0 is caught inside step 3's collectives when it dies
+            os.kill(pid, signal.SIGSTOP)
+            await send_all(bus, g3)
+
+            async def taken() -> bool:
+                st = await trainer.status(job_id)
+                return st.get("buffered_trajectories") == 0 and st.get("step") == 2
+
+            await wait_for(taken, within=60, what="step 3 under way")
+            await asyncio.sleep(1.0)
+            assert (await trainer.status(job_id)).get("step") == 2, "rank 0 waits for rank 1"
+            os.kill(pid, signal.SIGKILL)
 
         async def restarted() -> bool:
             pid = trainer.rank_pid(0)
@@ -324,5 +350,8 @@ async def test_rank_killed_mid_job_trains_no_trajectory_twice(
         assert await versions(database, job_id) == [(1, 2), (2, 4)]
         log = (tmp_path / "trainer.log").read_text()
         assert log.count("trainer rank started") == 2, "rank 1 ran twice: torchrun restarted it"
+        if moment == "in-step":
+            # rank 0 learnt of it from the failed collective, and exited without recording step 3
+            assert "a rank failed; exiting for torchrun to restart every rank" in log
     finally:
         trainer.terminate()
