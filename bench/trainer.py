@@ -24,9 +24,17 @@ TRL and accelerate are bench-only dependencies: the ``bench`` extra of pyproject
 pinned in requirements.lock and installed by ``make setup``; never installed at run
 time. It runs offline (local model directory, in-memory dataset, HF_HUB_OFFLINE=1).
 
-    python bench/trainer.py [--steps 6] [--warmup 1] [--preset tiny]
+FSDP: the same Learner step on the same global batch, sharded with FSDP2 over 2
+processes under ``torchrun`` (gloo, CPU; each process with half the torch threads), against
+the one-process figure above: ``fsdp_tokens_per_s`` (the batch's tokens over the median
+step time of rank 0) and ``fsdp_ratio`` (that over ``temper_tokens_per_s``). On one small
+CPU machine this measures what sharding costs (the collectives), not what it buys: its
+use is a model that does not fit one device.
 
-Writes ``bench/results/trainer.json`` and prints a table.
+    python bench/trainer.py [--steps 6] [--warmup 1] [--preset tiny] [--fsdp-only]
+
+Writes ``bench/results/trainer.json`` (``--fsdp-only``: Temper one process against two,
+no TRL, to ``bench/results/trainer-fsdp.json``) and prints a table.
 """
 
 from __future__ import annotations
@@ -85,9 +93,11 @@ def merge(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     }
 
 
-def temper_bench(args: argparse.Namespace, device: torch.device, *, steps: int) -> dict[str, Any]:
+def temper_bench(
+    args: argparse.Namespace, device: torch.device, *, steps: int, sharded: bool = False
+) -> dict[str, Any]:
     tok = default_tokenizer()
-    rng = random.Random(0)
+    rng = random.Random(0)  # every rank of a sharded run draws the same global batches
     learner = Learner(
         create_model(args.preset, seed=0),
         LearnerConfig(
@@ -99,6 +109,10 @@ def temper_bench(args: argparse.Namespace, device: torch.device, *, steps: int) 
         ),
         device=device,
     )
+    if sharded:
+        from temper.training.distributed import shard
+
+        shard(learner)
 
     def batch() -> list[Sample]:
         samples = []
@@ -134,6 +148,33 @@ def temper_bench(args: argparse.Namespace, device: torch.device, *, steps: int) 
         "step_s": times,
         "tokens_per_step": statistics.median(tokens),
     }
+
+
+def fsdp_worker(args: argparse.Namespace) -> None:
+    """One rank of the sharded measurement (under torchrun); rank 0 writes the result."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    result = temper_bench(args, torch.device("cpu"), steps=args.steps, sharded=True)
+    if dist.get_rank() == 0:
+        Path(args.fsdp_worker).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def fsdp_bench(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """The same steps, sharded over 2 processes with ``threads // 2`` threads each."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "fsdp.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   __file__, "--fsdp-worker", str(out), "--preset", args.preset, "--groups", str(args.groups),
+                   "--group-size", str(args.group_size), "--prompt-len", str(args.prompt_len),
+                   "--completion-len", str(args.completion_len), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // 2))}
+        subprocess.run(command, env=env, check=True, timeout=900)
+        return dict(json.loads(out.read_text()))
 
 
 def trl_bench(args: argparse.Namespace, device: torch.device, model_dir: Path) -> dict[str, float]:
@@ -250,8 +291,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "trainer.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--fsdp-only", action="store_true", help="Temper on 1 process against 2, no TRL")
+    ap.add_argument("--fsdp-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.fsdp_worker:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        fsdp_worker(args)
+        return
+    name = "trainer-fsdp.json" if args.fsdp_only else "trainer.json"
+    args.out = args.out or str(ROOT / "bench" / "results" / name)
+    if args.fsdp_only:
+        fsdp_only(args)
+        return
 
     trl_version = require_trl()
     device = torch.device(
@@ -269,6 +321,8 @@ def main() -> None:
         trl = trl_bench(args, device, model_dir)
         second = temper_bench(args, device, steps=args.steps // 2) if args.steps > 1 else first
         temper = merge(first, second)
+    fsdp = fsdp_bench(args, threads)
+    fsdp_tokens_per_s = fsdp["tokens_per_step"] / statistics.median(fsdp["step_s"])
 
     params = sum(p.numel() for p in create_model(args.preset, seed=0).parameters())
     result = {
@@ -281,6 +335,9 @@ def main() -> None:
         "temper_s_per_step": round(temper["s_per_step"], 4),
         "trl_s_per_step": round(trl["s_per_step"], 4),
         "trl_generation_s_per_step": round(trl["generation_s_per_step"], 4),
+        "fsdp_tokens_per_s": round(fsdp_tokens_per_s, 1),
+        "fsdp_ratio": round(fsdp_tokens_per_s / temper["tokens_per_s"], 3),
+        "fsdp_processes": 2,
         "temper_tokens_per_step": temper["tokens_per_step"],
         "trl_tokens_per_step": trl["tokens_per_step"],
         "model": f"{args.preset} (Qwen2ForCausalLM, {params} parameters)",
@@ -333,6 +390,37 @@ def main() -> None:
         f"ratio (Temper / TRL): {result['ratio']:.2f} wall-clock, {result['ratio_cpu']:.2f} per CPU-second"
         f"   -> {args.out}"
     )
+    print(
+        f"FSDP2, 2 gloo processes: {result['fsdp_tokens_per_s']:,.0f} tokens/s, {result['fsdp_ratio']:.2f}x one process"
+    )
+
+
+def fsdp_only(args: argparse.Namespace) -> None:
+    """Temper's step on one process against the same steps sharded over two (no TRL)."""
+    threads = torch.get_num_threads()
+    one = temper_bench(args, torch.device("cpu"), steps=args.steps)
+    two = fsdp_bench(args, threads)
+    one_tps = one["tokens_per_step"] / statistics.median(one["step_s"])
+    two_tps = two["tokens_per_step"] / statistics.median(two["step_s"])
+    result = {
+        "temper_tokens_per_s": round(one_tps, 1),
+        "fsdp_tokens_per_s": round(two_tps, 1),
+        "fsdp_ratio": round(two_tps / one_tps, 3),
+        "fsdp_processes": 2,
+        "tokens_per_step": one["tokens_per_step"],
+        "model": args.preset,
+        "batch": f"{args.groups}x{args.group_size} of {args.prompt_len}+{args.completion_len} tokens",
+        "steps_measured": args.steps,
+        "warmup_steps": args.warmup,
+        "torch_threads": threads,
+        "threads_per_fsdp_process": max(1, threads // 2),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -105,10 +105,13 @@ async def publish_version(
     base_model: str,
     step: int = 0,
     extra: dict[str, bytes] | None = None,
+    uploaded: dict[str, FileEntry] | None = None,
 ) -> str:
     """Upload every file of ``directory`` (and ``extra``: relative path -> bytes) under
-    ``prefix``, then the manifest; returns the manifest's key. Re-publishing the same
-    version overwrites it whole (a trainer retrying a failed publish)."""
+    ``prefix``, then the manifest; returns the manifest's key. ``uploaded`` lists files
+    already under ``prefix`` (each rank's shard of a sharded trainer state), named in the
+    manifest as they are. Re-publishing the same version overwrites it whole (a trainer
+    retrying a failed publish)."""
     files = await asyncio.to_thread(_read_tree, Path(directory))
     files.update(extra or {})
     if kind == "lora" and "adapter_config.json" not in files:
@@ -121,7 +124,10 @@ async def publish_version(
         kind=kind,
         base_model=base_model,
         step=step,
-        files={name: FileEntry(sha256=sha256(data), size=len(data)) for name, data in files.items()},
+        files={
+            **(uploaded or {}),
+            **{name: FileEntry(sha256=sha256(data), size=len(data)) for name, data in files.items()},
+        },
     )
     for name, data in files.items():
         await store.put(f"{prefix.rstrip('/')}/{name}", data)
@@ -142,13 +148,16 @@ async def read_manifest(store: ObjectStore, key: str) -> Manifest:
 
 
 async def fetch_files(
-    store: ObjectStore, key: str, *, trainer: bool = False
+    store: ObjectStore, key: str, *, trainer: bool = False, names: list[str] | None = None
 ) -> tuple[Manifest, dict[str, bytes]]:
     """The manifest at ``key`` and its files (the server's; with ``trainer`` also the
-    trainer's), each checked against its checksum."""
+    trainer's; or those in ``names``), each checked against its checksum."""
     manifest = await read_manifest(store, key)
     prefix = prefix_of(key)
-    names = sorted(manifest.files) if trainer else manifest.served_files()
+    if names is None:
+        names = sorted(manifest.files) if trainer else manifest.served_files()
+    elif unknown := [n for n in names if n not in manifest.files]:
+        raise CorruptVersion(f"{key}: the manifest names no file {unknown[0]!r}")
     out: dict[str, bytes] = {}
     for name in names:
         if ".." in Path(name).parts or name.startswith("/"):

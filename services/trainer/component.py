@@ -22,6 +22,11 @@ The ledger (``trained_trajectories``, one row per episode) is what makes a crash
 One trainer owns a job: run one trainer process for all jobs (consumer group
 ``trainer``), or one per job with ``TEMPER_TRAINER__JOB_ID`` (group ``trainer.<job>``).
 Two trainers on one job would each hold part of its groups.
+
+Under ``torchrun`` this class runs on rank 0 only; every learner operation with
+collectives (load, step, publish) is opened with a command to the other ranks
+(:mod:`services.trainer.ranks`, :mod:`services.trainer.follower`), and the model is
+sharded over all of them (:func:`build_learner`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from services.trainer import handlers
+from services.trainer.ranks import Ranks
 from temper import metrics, registry
 from temper.bus import Consumer, Poison
 from temper.bus.errors import DATABASE, NETWORK, OBJECT_STORE, unavailable_dependency
@@ -60,8 +66,9 @@ from temper.policy import (
     load_weights,
 )
 from temper.runtime import Runtime
-from temper.storage import NotFound
+from temper.storage import NotFound, ObjectStore
 from temper.training import Learner, LearnerConfig, StepStats, TrainerSettings, is_zero_variance, pick_device
+from temper.training.distributed import DCP_DIR, agree, shard
 from temper.trajectory import Trajectory
 
 log = logging.getLogger("temper.trainer")
@@ -144,6 +151,9 @@ class Trainer:
         self.relay: OutboxRelay | None = None
         self.consumer: Consumer | None = None
         self.device = pick_device(self.settings.device)
+        # torchrun's ranks: with more than one, this process is rank 0 (the others run
+        # services.trainer.follower) and every learner is sharded over all of them
+        self.ranks = Ranks.from_env()
         self._jobs_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._last_error: str | None = None
@@ -161,6 +171,8 @@ class Trainer:
         if self.settings.threads:
             torch.set_num_threads(self.settings.threads)
         assert self.runtime.db is not None and self.runtime.bus is not None and self.runtime.store is not None
+        if self.ranks.sharded:
+            self.device = await asyncio.to_thread(self.ranks.init, self.device)
         if self.settings.run_relay:
             self.relay = OutboxRelay(self.runtime.db, self.runtime.bus)
             self.runtime.spawn(self.relay.run(), "outbox-relay")
@@ -168,12 +180,14 @@ class Trainer:
         self.runtime.checks["trainer"] = self._check
         self.consumer = await self.runtime.consume_handlers(handlers.topics(self), group=self.group)
         self.runtime.spawn(self._loop(), "trainer-loop")
-        log_event(log, "trainer started", group=self.group, device=str(self.device), jobs=sorted(self.jobs))
+        log_event(log, "trainer started", group=self.group, device=str(self.device), jobs=sorted(self.jobs),
+                  ranks=self.ranks.world)  # fmt: skip
 
     async def stop(self) -> None:
         if self.consumer is not None:
             await self.consumer.stop()
             self.consumer = None
+        await asyncio.to_thread(self.ranks.stop)
 
     async def _check(self) -> None:
         failing = [j for j in self.jobs.values() if j.publish_error]
@@ -306,17 +320,19 @@ class Trainer:
             spec = JobSpec.model_validate(row.spec)
         except ValidationError as exc:
             raise Poison(f"job {job_id} has an invalid spec: {exc.errors()[0]['msg']}") from None
-        model = await self._initial_model(spec)
-        # The reference policy for the KL term is the initial policy, also after a restart.
-        learner = await asyncio.to_thread(
-            Learner, model, LearnerConfig.from_spec(spec.algorithm, self.settings), device=self.device
-        )
-        if latest is not None:
-            if registry.is_manifest_key(latest.checkpoint_key):
-                await learner.load_version(store, latest.checkpoint_key)
-            else:  # a checkpoint written before the registry: two safetensors files
-                await learner.load_checkpoint(store, latest.checkpoint_key)
-            learner.step_count, learner.version = latest.step, latest.version
+        checkpoint = None if latest is None else (latest.checkpoint_key, latest.step, latest.version)
+        if self.ranks.sharded:
+            async with self.ranks.turn(
+                "load", {"job_id": job_id, "spec": row.spec, "checkpoint": checkpoint}
+            ):
+                learner = await build_learner(
+                    spec, self.settings, store, self.device, checkpoint, ranks=self.ranks,
+                    model_factory=self.model_factory,
+                )  # fmt: skip
+        else:
+            learner = await build_learner(
+                spec, self.settings, store, self.device, checkpoint, model_factory=self.model_factory
+            )
         metrics.POLICY_VERSION.labels(job_id).set(learner.version)
         state = JobState(job_id=job_id, tenant_id=row.tenant_id, spec=spec, learner=learner)
         missing = []
@@ -340,30 +356,6 @@ class Trainer:
         )
         return state
 
-    async def _initial_model(self, spec: JobSpec) -> torch.nn.Module:
-        if self.model_factory is not None:
-            return await asyncio.to_thread(self.model_factory, spec)
-        # no initial weights named: the model the gateway serves, when policy.model is a directory
-        init = spec.policy.init or (spec.policy.model if is_model_dir(spec.policy.model) else None)
-        if not init:
-            return await asyncio.to_thread(create_model, self.settings.preset, seed=self.settings.seed)
-        local = await asyncio.to_thread(_load_local, init)
-        if local is not None:
-            return local
-        # an object-store key: a model directory prefix (config.json + model.safetensors)
-        # or a .safetensors file of the configured preset
-        store = self.runtime.store
-        assert store is not None
-        files: dict[str, bytes] = {}
-        if init.endswith(".safetensors"):
-            files["model.safetensors"] = await store.get(init)
-        else:
-            base = init.rstrip("/") + "/"
-            for key in await store.list(base):
-                if "/" not in key[len(base) :]:
-                    files[key[len(base) :]] = await store.get(key)
-        return await asyncio.to_thread(_load_files, files, self.settings.preset, self.settings.seed)
-
     # --- training -----------------------------------------------------------------------
 
     async def _loop(self) -> None:
@@ -374,6 +366,7 @@ class Trainer:
                 pass
             self._wake.clear()
             try:
+                await self.ranks.keepalive()
                 await self.retry_publishes()
                 await self.train_ready()
                 self._last_error = None
@@ -407,8 +400,16 @@ class Trainer:
         groups = [[b.trajectory for b in g] for g in batch]
         episodes = [b.episode_id for g in batch for b in g]
         try:
-            stats = await asyncio.to_thread(job.learner.step, groups)
+            if self.ranks.sharded:
+                args = {"job_id": job.job_id, "groups": groups, "version": job.learner.version}
+                async with self.ranks.turn("step", args):
+                    stats = await asyncio.to_thread(job.learner.step, groups)
+            else:
+                stats = await asyncio.to_thread(job.learner.step, groups)
         except Exception as exc:  # noqa: BLE001 - any failure of this batch
+            if self.ranks.sharded:
+                # the ranks may have parted mid-step (one rank's share failed): start them again
+                self.ranks.abort(exc)
             # A batch that cannot be trained on must not stall the job: skip it, say why.
             log.exception("training step failed; its groups are skipped")
             await self._mark_skipped(job, episodes, SKIP_TRAIN_ERROR, groups=len(batch))
@@ -566,14 +567,25 @@ class Trainer:
         assert db is not None and store is not None
         learner = job.learner
         version = learner.version + 1
-        key = await learner.publish_version(
-            store,
-            registry.version_prefix(job.tenant_id, job.job_id, version),
-            job_id=job.job_id,
-            version=version,
-            base_model=job.spec.policy.init or job.spec.policy.model,
-            tokenizer=await asyncio.to_thread(_tokenizer, job.spec),
-        )
+        prefix = registry.version_prefix(job.tenant_id, job.job_id, version)
+        base_model = job.spec.policy.init or job.spec.policy.model
+        tokenizer = await asyncio.to_thread(_tokenizer, job.spec)
+        if self.ranks.sharded:
+            # every rank writes its shard of the state; rank 0 the served weights and manifest
+            args = {"job_id": job.job_id, "prefix": prefix, "version": version, "base_model": base_model}
+            async with self.ranks.turn("publish", args):
+                key = await learner.publish_version(
+                    store,
+                    prefix,
+                    job_id=job.job_id,
+                    version=version,
+                    base_model=base_model,
+                    tokenizer=tokenizer,
+                )
+        else:
+            key = await learner.publish_version(
+                store, prefix, job_id=job.job_id, version=version, base_model=base_model, tokenizer=tokenizer
+            )
         summary = stats.as_dict() if stats is not None else {}
         by_step: dict[int, list[str]] = {}
         for episode, step in job.uncheckpointed.items():
@@ -652,6 +664,7 @@ class Trainer:
         return {
             "group": self.group,
             "device": str(self.device),
+            "ranks": self.ranks.world,
             "last_error": self._last_error,
             "jobs": {
                 jid: {
@@ -695,3 +708,83 @@ def _load_files(files: dict[str, bytes], preset: str, seed: int) -> torch.nn.Mod
         model = create_model(preset, seed=seed)
         load_weights(model, Path(d) / "model.safetensors")
         return model
+
+
+async def initial_model(
+    spec: JobSpec, settings: TrainerSettings, store: ObjectStore, model_factory: ModelFactory | None = None
+) -> torch.nn.Module:
+    """A job's initial policy: ``model_factory``'s, else ``policy.init`` (a local model
+    directory or an object-store key), else ``policy.model`` when it is a model
+    directory, else the ``TEMPER_TRAINER__PRESET`` preset."""
+    if model_factory is not None:
+        return await asyncio.to_thread(model_factory, spec)
+    # no initial weights named: the model the gateway serves, when policy.model is a directory
+    init = spec.policy.init or (spec.policy.model if is_model_dir(spec.policy.model) else None)
+    if not init:
+        return await asyncio.to_thread(create_model, settings.preset, seed=settings.seed)
+    local = await asyncio.to_thread(_load_local, init)
+    if local is not None:
+        return local
+    # an object-store key: a model directory prefix (config.json + model.safetensors)
+    # or a .safetensors file of the configured preset
+    files: dict[str, bytes] = {}
+    if init.endswith(".safetensors"):
+        files["model.safetensors"] = await store.get(init)
+    else:
+        base = init.rstrip("/") + "/"
+        for key in await store.list(base):
+            if "/" not in key[len(base) :]:
+                files[key[len(base) :]] = await store.get(key)
+    return await asyncio.to_thread(_load_files, files, settings.preset, settings.seed)
+
+
+async def build_learner(
+    spec: JobSpec,
+    settings: TrainerSettings,
+    store: ObjectStore,
+    device: torch.device,
+    checkpoint: tuple[str, int, int] | None,
+    *,
+    ranks: Ranks | None = None,
+    model_factory: ModelFactory | None = None,
+) -> Learner:
+    """A job's learner: the initial policy (which stays the KL reference, also after a
+    restart), with the latest version ``(checkpoint key, step, version)`` restored on top.
+    With several ``ranks`` the model is sharded over them (every rank calls this, in step):
+    a version with sharded state is loaded after sharding, whatever number of ranks wrote
+    it; an older one (full weights, one process's) before."""
+    sharded = ranks is not None and ranks.sharded
+    key = checkpoint[0] if checkpoint else None
+    error: Exception | None = None
+    try:
+        model = await initial_model(spec, settings, store, model_factory)
+        learner = await asyncio.to_thread(
+            Learner, model, LearnerConfig.from_spec(spec.algorithm, settings), device=device
+        )
+        has_state = (
+            sharded and key is not None and registry.is_manifest_key(key) and await _has_state(store, key)
+        )
+    except Exception as exc:
+        if not sharded:
+            raise
+        error = exc
+    if sharded:
+        # the ranks go on to sharding (collectives) together, or all fail here
+        await asyncio.to_thread(agree, error)
+    if sharded and has_state:
+        await asyncio.to_thread(shard, learner)
+    if key is not None:
+        if registry.is_manifest_key(key):
+            await learner.load_version(store, key)
+        else:  # a checkpoint written before the registry: two safetensors files
+            await learner.load_checkpoint(store, key)
+    if sharded and not has_state:
+        await asyncio.to_thread(shard, learner)
+    if checkpoint is not None:
+        learner.step_count, learner.version = checkpoint[1], checkpoint[2]
+    return learner
+
+
+async def _has_state(store: ObjectStore, key: str) -> bool:
+    manifest = await registry.read_manifest(store, key)
+    return any(n.startswith(f"{registry.TRAINER_DIR}/{DCP_DIR}/") for n in manifest.files)

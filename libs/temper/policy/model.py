@@ -101,10 +101,12 @@ def save_checkpoint(
     tokenizer: ChatTokenizer | None = None,
     metadata: dict[str, Any] | None = None,
     max_shard_size: str | int = "5GB",
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a Hugging Face model directory: config, safetensors weights (sharded with an
     index above ``max_shard_size``), generation config (its eos ids are the tokenizer's
-    stop ids) and the tokenizer with its chat template (+ ``temper.json``)."""
+    stop ids) and the tokenizer with its chat template (+ ``temper.json``). ``state_dict``:
+    the weights to write instead of the model's own (a sharded model's, gathered)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tok = tokenizer or default_tokenizer()
@@ -112,7 +114,7 @@ def save_checkpoint(
     if gen is not None:
         gen.eos_token_id = list(tok.stop_ids)
         gen.pad_token_id = tok.pad_id
-    model.save_pretrained(str(d), max_shard_size=max_shard_size)  # type: ignore[operator]
+    model.save_pretrained(str(d), max_shard_size=max_shard_size, state_dict=state_dict)  # type: ignore[operator]
     tok.save(d)
     if metadata:
         (d / META_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))

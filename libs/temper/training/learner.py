@@ -303,11 +303,15 @@ class Learner:
         # FSDP averages the ranks' gradients where the step needs their sum
         self.full_forward = False
         self.loss_scale = 1.0
+        # this process's place among the ranks of a sharded learner (shard sets them)
+        self.rank, self.world = 0, 1
 
     def plan_memory(self, model: torch.nn.Module, *, reference_copy: bool) -> MemoryEstimate:
         """Estimate the job's memory (temper.training.memory), log it with the alternatives,
         and refuse (:class:`MemoryPlanError`) a plan above the limit, before any weight
         moves to the device."""
+        import torch.distributed as dist
+
         cfg = self.config
         shape = model_shape(model)
         plan = estimate(
@@ -316,6 +320,8 @@ class Learner:
             gradient_checkpointing=cfg.gradient_checkpointing,
             bf16=self.device.type == "cuda" and cfg.bf16,
             reference=reference_copy,
+            # under torchrun the learner is about to be sharded over every rank
+            ranks=dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
         )
         lora = lora_trainable(model, 16)
         log_event(log, "memory plan", plan=plan.describe(), device=str(self.device),
@@ -376,11 +382,32 @@ class Learner:
             return stats
 
         self.optimizer.zero_grad(set_to_none=True)
-        acc = self.backward(samples, normalizer)
+        if self.world > 1:
+            # each rank trains on its share; the loss weights are the whole batch's
+            from temper.training.distributed import full_norm, share, summed
+
+            acc = self.backward(share(samples, self.rank, self.world), normalizer, batch=samples)
+            acc.loss, acc.pg, acc.kl, acc.entropy, acc.clipped, acc.ratio, acc.abs_log_ratio, t = summed(
+                [
+                    acc.loss,
+                    acc.pg,
+                    acc.kl,
+                    acc.entropy,
+                    acc.clipped,
+                    acc.ratio,
+                    acc.abs_log_ratio,
+                    acc.tokens,
+                ],
+                self.device,
+            )
+            acc.tokens = int(t)
+        else:
+            acc = self.backward(samples, normalizer)
         pg, kl, clipped, ratio, alr = acc.pg, acc.kl, acc.clipped, acc.ratio, acc.abs_log_ratio
         tokens, batches = acc.tokens, acc.micro_batches
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        grad_norm = float(norm) if self.world == 1 else full_norm(norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.step_count += 1
@@ -481,7 +508,7 @@ class Learner:
         backward passes, so a rank with fewer micro-batches adds passes that weigh nothing."""
         import torch.distributed as dist
 
-        most = torch.tensor([len(batches)])
+        most = torch.tensor([len(batches)], device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         idle = Sample([self.pad_id, self.pad_id], [False, False], [0.0, 0.0], 0.0, 0.0)
         return batches + [[idle]] * (int(most) - len(batches))
@@ -646,6 +673,10 @@ class Learner:
 
         from temper import registry
 
+        if self.world > 1:
+            return await self._publish_sharded(
+                store, prefix, job_id=job_id, version=version, base_model=base_model, tokenizer=tokenizer
+            )
         with tempfile.TemporaryDirectory() as d:
             kind = await asyncio.to_thread(self.export_version, d, tokenizer=tokenizer)
             optim = await asyncio.to_thread(self.optimizer_bytes, version=version)
@@ -661,13 +692,83 @@ class Learner:
                 extra={f"{registry.TRAINER_DIR}/optimizer.safetensors": optim},
             )
 
+    async def _publish_sharded(
+        self, store: ObjectStore, prefix: str, *, job_id: str, version: int, base_model: str, tokenizer: Any
+    ) -> str:
+        """:meth:`publish_version` of a sharded learner; every rank calls it. The weights are
+        gathered on rank 0 and published as a full model directory (what servers load);
+        the model and AdamW state go to ``trainer/dcp/`` with DCP, each rank uploading
+        its own shard file, and rank 0 writes the manifest once every rank has uploaded."""
+        import asyncio
+
+        import torch.distributed as dist
+
+        from temper import registry
+        from temper.policy import save_checkpoint
+        from temper.training import distributed as fsdp
+
+        base = f"{registry.TRAINER_DIR}/{fsdp.DCP_DIR}"
+        with tempfile.TemporaryDirectory() as d:
+            full = await asyncio.to_thread(fsdp.full_weights, self)
+            written = await asyncio.to_thread(fsdp.save_state, self, Path(d) / "dcp")
+            mine: dict[str, registry.FileEntry] = {}
+            error = None
+            try:
+                for path in written:
+                    data = path.read_bytes()
+                    await store.put(f"{prefix.rstrip('/')}/{base}/{path.name}", data)
+                    mine[f"{base}/{path.name}"] = registry.FileEntry(
+                        sha256=registry.sha256(data), size=len(data)
+                    )
+            except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the publish
+                error = f"rank {self.rank}: {exc!r}"[:300]
+            # every rank reaches the gather, so a failed upload cannot hang the others
+            gathered: list[Any] = [None] * self.world
+            await asyncio.to_thread(dist.all_gather_object, gathered, (mine, error))
+            errors = [e for _, e in gathered if e]
+            if errors:
+                raise RuntimeError("sharded checkpoint upload failed: " + "; ".join(errors))
+            if self.rank != 0:
+                return registry.manifest_key(prefix)
+            uploaded = {name: entry for files, _ in gathered for name, entry in files.items()}
+            hf = Path(d) / "model"
+            await asyncio.to_thread(save_checkpoint, self.model, hf, tokenizer=tokenizer, state_dict=full)
+            return await registry.publish_version(
+                store,
+                prefix,
+                hf,
+                job_id=job_id,
+                version=version,
+                kind="full",
+                base_model=base_model,
+                step=self.step_count,
+                uploaded=uploaded,
+            )
+
     async def load_version(self, store: ObjectStore, manifest_key: str) -> None:
         """Restore weights (or adapter), optimizer, step and version from a published
-        version; a corrupt one raises :class:`temper.registry.CorruptVersion`."""
+        version; a corrupt one raises :class:`temper.registry.CorruptVersion`. A version
+        with sharded state (``trainer/dcp/``, written by a sharded learner) is restored
+        from it, on any number of ranks."""
         import asyncio
 
         from temper import registry
+        from temper.training.distributed import DCP_DIR
 
+        manifest = await registry.read_manifest(store, manifest_key)
+        sharded = sorted(n for n in manifest.files if n.startswith(f"{registry.TRAINER_DIR}/{DCP_DIR}/"))
+        if sharded and not self.lora:
+            _, files = await registry.fetch_files(store, manifest_key, names=sharded)
+            with tempfile.TemporaryDirectory() as d:
+                for name, data in files.items():
+                    (Path(d) / Path(name).name).write_bytes(data)
+                from temper.training.distributed import load_state
+
+                await asyncio.to_thread(load_state, self, d)
+            self.step_count, self.version = manifest.step, manifest.version
+            return
+        if self.world > 1:
+            raise ValueError(f"{manifest_key} has no sharded state: load it before sharding the learner")
         manifest, files = await registry.fetch_files(store, manifest_key, trainer=True)
         if (manifest.kind == "lora") != self.lora:
             raise registry.CorruptVersion(

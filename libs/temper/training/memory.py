@@ -54,6 +54,7 @@ class MemoryEstimate:
     micro_batch_tokens: int
     gradient_checkpointing: bool
     bf16: bool
+    ranks: int = 1  # FSDP: weights, gradients and optimizer state are this rank's shard
 
     @property
     def total(self) -> int:
@@ -69,6 +70,8 @@ class MemoryEstimate:
         ]
         body = ", ".join(f"{name} {size(b)}" for name, b in parts)
         how = f"{self.micro_batch_tokens} tokens/micro-batch, checkpointing {'on' if self.gradient_checkpointing else 'off'}, {'bf16' if self.bf16 else 'fp32'} activations"
+        if self.ranks > 1:
+            how += f", per rank of {self.ranks} (FSDP)"
         return f"{size(self.total)} ({body}; {how})"
 
 
@@ -106,7 +109,12 @@ def estimate(
     gradient_checkpointing: bool = False,
     bf16: bool = False,
     reference: bool = False,
+    ranks: int = 1,
 ) -> MemoryEstimate:
+    """What one process holds. With ``ranks`` > 1 (FSDP2), the weights, gradients and
+    AdamW state are this rank's shard (a ``ranks``-th, rounded up), plus two decoder
+    layers' whole weights, gathered for the forward or backward of one while the next is
+    prefetched; the reference policy stays whole on every rank, activations per rank."""
     act_bytes = 2 if bf16 else 4
     per_layer_token = 8 * shape.hidden + 2 * shape.kv + 4 * shape.intermediate
     if gradient_checkpointing:
@@ -114,15 +122,17 @@ def estimate(
     else:
         layers = shape.layers * per_layer_token
     activations = micro_batch_tokens * (layers * act_bytes + 3 * shape.vocab * 4)
+    gathered = 2 * 4 * (shape.params // max(shape.layers, 1)) if ranks > 1 else 0
     return MemoryEstimate(
-        weights=4 * shape.params,
-        gradients=4 * shape.trainable,
-        optimizer=8 * shape.trainable,
+        weights=-(-4 * shape.params // ranks) + gathered,
+        gradients=-(-4 * shape.trainable // ranks),
+        optimizer=-(-8 * shape.trainable // ranks),
         reference=4 * shape.params if reference else 0,
         activations=activations,
         micro_batch_tokens=micro_batch_tokens,
         gradient_checkpointing=gradient_checkpointing,
         bf16=bf16,
+        ranks=ranks,
     )
 
 
@@ -135,6 +145,7 @@ def alternatives(shape: Shape, plan: MemoryEstimate, *, lora: int) -> list[tuple
             "gradient_checkpointing": plan.gradient_checkpointing,
             "bf16": plan.bf16,
             "reference": plan.reference > 0,
+            "ranks": plan.ranks,
         }
         return estimate(of, **{**kw, **changes})
 

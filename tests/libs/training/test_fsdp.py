@@ -60,3 +60,16 @@ def test_two_ranks_make_the_same_step_as_one(tmp_path):
         assert torch.allclose(w2[name], w, atol=1e-5, rtol=0), name
     initial = dict(create_model(seed=1).named_parameters())
     assert all(not torch.equal(w1[n], initial[n].detach()) for n in w1), "the step moved every weight"
+
+
+def test_what_a_sharded_learner_refuses_is_said_before_any_collective():
+    from temper.jobspec import LoraSpec
+    from temper.training import Learner, LearnerConfig
+    from temper.training.distributed import shard
+
+    lora = Learner(create_model(seed=1), LearnerConfig(lora=LoraSpec(rank=4, alpha=8)), device="cpu")
+    with pytest.raises(ValueError, match="LoRA on a sharded model is not built"):
+        shard(lora)  # no process group: it must fail before needing one
+    entropy = Learner(create_model(seed=1), LearnerConfig(entropy_coef=0.01), device="cpu")
+    with pytest.raises(ValueError, match="entropy bonus"):
+        shard(entropy)

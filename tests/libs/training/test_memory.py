@@ -45,6 +45,17 @@ def test_checkpointing_a_smaller_budget_and_lora_shrink_the_plan():
     assert frozen.weights == base.weights and frozen.optimizer < base.optimizer
 
 
+def test_sharding_over_ranks_divides_weights_gradients_and_optimizer():
+    shape = model_shape(create_model(seed=1))
+    one = estimate(shape, micro_batch_tokens=8192, reference=True)
+    four = estimate(shape, micro_batch_tokens=8192, reference=True, ranks=4)
+    layer = 4 * (shape.params // shape.layers)
+    assert four.weights == one.weights // 4 + 2 * layer, "a shard, and two layers gathered"
+    assert (four.gradients, four.optimizer) == (one.gradients // 4, one.optimizer // 4)
+    assert (four.reference, four.activations) == (one.reference, one.activations)
+    assert "per rank of 4 (FSDP)" in four.describe()
+
+
 def test_a_job_that_cannot_fit_is_refused_with_the_estimate_and_the_fix(caplog):
     shape = model_shape(create_model(seed=1))
     plain = estimate(shape, micro_batch_tokens=8192)
