@@ -130,6 +130,7 @@ class SandboxManager:
             except (OSError, SandboxError) as e:
                 log.warning("sandbox spawner unavailable (%s): sandboxes are forked from the worker", e)
                 await spawner.stop()
+        self.images.store = self.store  # the store may be set after construction
         if self.settings.default_image is not None:
             await self.images.ensure(self.settings.default_image)  # the pool runs on it
         self.started = True
