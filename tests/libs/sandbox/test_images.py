@@ -221,3 +221,22 @@ async def test_cache_refuses_corrupt_and_unsafe_images(tmp_path: Path) -> None:
     root = cache.install(digest_of(tame), tame)
     assert not (root / "dev/sda").exists()
     assert not os.stat(root / "usr/bin/python3").st_mode & stat.S_ISUID
+
+
+def test_cli_imports_checks_and_refuses(tmp_path: Path, monkeypatch, capsys) -> None:
+    from temper.cli import main
+
+    monkeypatch.setenv("TEMPER_STORAGE__KIND", "local")
+    monkeypatch.setenv("TEMPER_STORAGE__ROOT", str(tmp_path / "objects"))
+    archive = tmp_path / "image.tar"
+    archive.write_bytes(docker_save([tar_of(BASE), tar_of(TOP)]))
+    assert main(["images", "import-oci", str(archive)]) == 0
+    digest = capsys.readouterr().out.strip()
+    assert digest.startswith("sha256:")
+    assert main(["images", "check", digest]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == {"oci": "image.tar"}
+    assert main(["images", "check", "sha256:" + "1" * 64]) == 1
+    assert "is not in object storage" in capsys.readouterr().err
+    archive.write_bytes(tar_of([("etc", None)], gz=False))
+    assert main(["images", "import-oci", str(archive)]) == 1
+    assert "not an OCI image archive" in capsys.readouterr().err
