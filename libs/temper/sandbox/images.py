@@ -257,14 +257,17 @@ def _image_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
     """tarfile's ``tar`` filter (no absolute names, nothing written outside ``dest`` or
     through a link, setuid/setgid/sticky and group/other write bits cleared) plus: device
     nodes and fifos are skipped (the sandbox gets its own /dev), hard links must point
-    inside ``dest``. Symlinks may point anywhere: they resolve inside the sandbox."""
+    inside ``dest``, every member is owned by root. Symlinks may point anywhere: they
+    resolve inside the sandbox."""
     if member.ischr() or member.isblk() or member.isfifo():
         return None
     if member.islnk():
         target = os.path.realpath(os.path.join(dest, _norm(member.linkname)))
         if not target.startswith(os.path.realpath(dest) + os.sep):
             raise tarfile.LinkOutsideDestinationError(member, target)
-    return tarfile.tar_filter(member, dest)
+    # Everything owned by root on the host, whatever the archive says: no file of the image
+    # may belong to the (shared) sandbox uid or any other host user.
+    return tarfile.tar_filter(member, dest).replace(uid=0, gid=0, uname="", gname="", deep=False)
 
 
 @dataclass(frozen=True)

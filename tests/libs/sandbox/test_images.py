@@ -200,6 +200,7 @@ async def test_cache_refuses_corrupt_and_unsafe_images(tmp_path: Path) -> None:
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         py = tarfile.TarInfo("usr/bin/python3")
         py.size, py.mode = 1, 0o4755
+        py.uid, py.gid, py.uname, py.gname = 65534, 65534, "nobody", "nogroup"  # the sandbox uid
         tar.addfile(py, io.BytesIO(b"x"))
         dev = tarfile.TarInfo("dev/sda")
         dev.type, dev.devmajor, dev.devminor = tarfile.BLKTYPE, 8, 0
@@ -220,7 +221,10 @@ async def test_cache_refuses_corrupt_and_unsafe_images(tmp_path: Path) -> None:
     tame = out.getvalue()
     root = cache.install(digest_of(tame), tame)
     assert not (root / "dev/sda").exists()
-    assert not os.stat(root / "usr/bin/python3").st_mode & stat.S_ISUID
+    st = os.stat(root / "usr/bin/python3")
+    assert not st.st_mode & stat.S_ISUID
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (0, 0), "an image file owned by the sandbox uid"
 
 
 def test_cli_imports_checks_and_refuses(tmp_path: Path, monkeypatch, capsys) -> None:
