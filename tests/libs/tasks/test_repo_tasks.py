@@ -89,3 +89,20 @@ async def test_repo_bugs_validate_on_the_debian_image(database, image_scoring_ma
     cheat = {**task.files, "tests/test_pages.py": "", "pager/pages.py": task.files["pager/pages.py"]}
     reward, comps = await scorer.score(task, Submission(files=cheat), DEFAULT_WEIGHTS[task.kind])
     assert reward == 0.0 and "not resolved" in (comps["tests_passed"].reason or ""), comps
+
+
+def test_import_cli_writes_the_repo_bugs_with_an_image(tmp_path: Path, capsys) -> None:
+    from temper.cli import main
+    from temper.tasks.models import parse_tasks
+
+    out = tmp_path / "repo-bugs.jsonl"
+    digest = "sha256:" + "e" * 64
+    assert main(["tasksets", "import", "repo", str(REPO_BUGS), "--image", digest, "--output", str(out)]) == 0
+    tasks = parse_tasks(out.read_text(), filename=out.name)
+    assert len(tasks) >= 10 and {t.limits.image for t in tasks} == {digest}
+    assert {t.limits.wall_s for t in tasks} == {10.0}  # the rest of the limits stay the defaults
+    assert (
+        main(["tasksets", "import", "repo", str(REPO_BUGS), "--image", "latest", "--output", str(out)]) == 2
+    )
+    assert "image" in capsys.readouterr().err
+    assert main(["tasksets", "import", "repo", str(tmp_path / "nothing"), "--output", str(out)]) == 2
