@@ -233,7 +233,7 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     async def run() -> list[Any]:
         settings = get_settings()
         db = Database(settings.db)
-        manager = SandboxManager(scoring_sandbox_settings(settings.sandbox))
+        manager = SandboxManager(scoring_sandbox_settings(settings.sandbox), store=make_store(settings))
         await manager.start()
 
         async def load(task_id: str) -> Any:
