@@ -244,3 +244,23 @@ def test_cli_imports_checks_and_refuses(tmp_path: Path, monkeypatch, capsys) -> 
     archive.write_bytes(tar_of([("etc", None)], gz=False))
     assert main(["images", "import-oci", str(archive)]) == 1
     assert "not an OCI image archive" in capsys.readouterr().err
+
+
+@pytest.mark.s3
+async def test_publish_check_and_pull_on_the_real_s3_server(tmp_path: Path, s3_settings, unique) -> None:
+    from temper.storage import S3Store
+
+    s3 = S3Store(s3_settings)
+    await s3.ensure_bucket()
+    prefix = f"test-{unique}/sandbox-images"
+    try:
+        blob = flatten_oci(oci_layout([tar_of(BASE), tar_of(TOP)]))
+        digest = await publish(s3, blob, source={"oci": "test"}, prefix=prefix)
+        assert (await check_published(s3, digest, prefix=prefix))["size"] == len(blob)
+        image = await ImageCache(tmp_path / "cache", s3, prefix=prefix).ensure(digest)
+        assert (image.rootfs / "opt/app/new").read_text() == "n"
+        with pytest.raises(ImageError, match="not in object storage"):
+            await check_published(s3, "sha256:" + "2" * 64, prefix=prefix)
+    finally:
+        for key in await s3.list(f"test-{unique}/"):
+            await s3.delete(key)

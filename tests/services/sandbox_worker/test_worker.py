@@ -171,11 +171,11 @@ async def test_consumer_pauses_while_the_worker_is_full(tmp_path, root) -> None:
 
 async def test_a_session_on_a_task_image_and_a_missing_image(tmp_path, root) -> None:
     from temper.sandbox.images import publish
-    from tests.libs.sandbox.conftest import IMAGE_CACHE, debian_blob
+    from tests.libs.sandbox.conftest import debian_blob
 
-    runtime = Runtime(
-        settings(tmp_path, root, image_cache=IMAGE_CACHE), service="sandbox-worker", needs_db=False
-    )
+    # A fresh image cache: the worker's first session on the image pulls it from the store.
+    cache = root / "images"
+    runtime = Runtime(settings(tmp_path, root, image_cache=cache), service="sandbox-worker", needs_db=False)
     await runtime.start()
     digest = await publish(runtime.store, debian_blob(), source={"test": "worker"})
     service = SandboxWorkerService(runtime, worker_id="a")
@@ -192,8 +192,9 @@ async def test_a_session_on_a_task_image_and_a_missing_image(tmp_path, root) -> 
             request("img", 0, {"kind": "run_command", "command": "git init -q r && git -C r status --short && echo ok"},
                     limits=imaged),
         )  # fmt: skip
-        (r0,) = await results.wait(1)
+        (r0,) = await results.wait(1, limit_s=60)
         assert r0.error is None and r0.result["stdout"] == "ok\n", r0
+        assert digest in service.worker.manager.images.pulls and (cache / f"sha256-{digest[7:]}").is_dir()
         await bus.send_message(
             Topics.SANDBOX_REQUESTS, request("gone", 0, {"kind": "list_files"}, limits=missing)
         )
