@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from temper.sandbox import SandboxManager
-from tests.libs.sandbox.conftest import IMAGE_CACHE
+from tests.libs.sandbox.conftest import IMAGE_CACHE, make_settings
 from tests.libs.sandbox.test_hostile import *  # noqa: F403 - the same attacks, collected here too
 from tests.libs.sandbox.test_hostile import attack, py, sh
 
@@ -29,6 +29,11 @@ def tree_digest(root: Path) -> str:
             target = os.readlink(p) if os.path.islink(p) else ""
             h.update(f"{p}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n".encode())
     return h.hexdigest()
+
+
+@pytest.fixture
+def hostile_settings(sandbox_root: Path, debian_image: str):  # noqa: F811 - replaces test_hostile's
+    return make_settings(sandbox_root, image_cache=IMAGE_CACHE, default_image=debian_image)
 
 
 @pytest.fixture
