@@ -108,9 +108,7 @@ def build_debian(
             "--dpkgopt=path-exclude=/usr/share/locale/*",
             "--dpkgopt=path-exclude=/usr/share/doc/*",
             "--dpkgopt=path-include=/usr/share/doc/*/copyright",
-            "--skip=cleanup/apt/lists",  # keep nothing: lists are removed below
-            "--customize-hook=rm -rf \"$1\"/var/lib/apt/lists/* \"$1\"/var/cache/apt/*",
-            release, str(out),
+            release, str(out),  # mmdebstrap's own cleanup removes apt's lists and caches
         ]  # fmt: skip
         if mirror:
             argv.append(mirror)
