@@ -50,6 +50,10 @@ class SandboxSettings(BaseModel):
         "so the sandbox uid must be able to reach it",
     )
     image_prefix: str = Field("sandbox-images", description="where images live in object storage")
+    preload_images: list[str] = Field(
+        default_factory=list,
+        description="images this worker pulls at start, so no episode's first turn waits for a pull",
+    )
     default_image: str | None = Field(
         None,
         pattern=r"^sha256:[0-9a-f]{64}$",

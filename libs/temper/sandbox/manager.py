@@ -122,6 +122,9 @@ class SandboxManager:
                         f"{blocked} is not searchable by other users; the sandbox uid cannot reach "
                         f"{source}, which sandboxes bind in (put the checkout or the venv under a mode o+x tree)"
                     )
+        self.images.store = self.store  # the store may be set after construction
+        for digest in [*self.settings.preload_images, *filter(None, [self.settings.default_image])]:
+            await self.images.ensure(digest)  # the pool runs on the default one
         if self.settings.spawner:
             spawner = Spawner(self.settings.python)
             try:
@@ -130,9 +133,6 @@ class SandboxManager:
             except (OSError, SandboxError) as e:
                 log.warning("sandbox spawner unavailable (%s): sandboxes are forked from the worker", e)
                 await spawner.stop()
-        self.images.store = self.store  # the store may be set after construction
-        if self.settings.default_image is not None:
-            await self.images.ensure(self.settings.default_image)  # the pool runs on it
         self.started = True
         await self.refill()
         self._reaper = asyncio.create_task(self._reap_idle())

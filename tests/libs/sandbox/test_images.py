@@ -264,3 +264,32 @@ async def test_publish_check_and_pull_on_the_real_s3_server(tmp_path: Path, s3_s
     finally:
         for key in await s3.list(f"test-{unique}/"):
             await s3.delete(key)
+
+
+async def test_a_manager_preloads_its_images_at_start(tmp_path: Path) -> None:
+    import shutil
+    import uuid
+
+    from temper.sandbox import SandboxManager, SandboxSettings
+
+    store = LocalStore(tmp_path / "store")
+    digest = await publish(store, tar_of(BASE), source={})
+    root = Path("/tmp") / f"temper-pre-{uuid.uuid4().hex[:8]}"  # the sandbox uid must reach the cache
+    settings = SandboxSettings(
+        pool_size=0, workspace_root=root / "ws", image_cache=root / "cache", preload_images=[digest]
+    )
+    manager = SandboxManager(settings, store=store)
+    await manager.start()
+    try:
+        assert manager.images.cached(digest) is not None and digest in manager.images.pulls
+    finally:
+        await manager.close()
+    missing = SandboxManager(
+        settings.model_copy(update={"preload_images": ["sha256:" + "3" * 64]}), store=store
+    )
+    try:
+        with pytest.raises(ImageError, match="not in object storage"):
+            await missing.start()
+    finally:
+        await missing.close()
+        shutil.rmtree(root, ignore_errors=True)
