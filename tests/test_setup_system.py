@@ -26,7 +26,8 @@ def packages(*groups: str) -> list[str]:
 def test_each_use_gets_its_own_packages():
     assert packages("run") == ["bubblewrap"]
     assert packages("deploy") == ["prometheus"]
-    assert set(packages("test")) == {"bubblewrap", "chromium", "chromium-driver", "prometheus"}
+    assert packages("images") == ["mmdebstrap"]
+    assert set(packages("test")) == {"bubblewrap", "chromium", "chromium-driver", "prometheus", "mmdebstrap"}
     assert packages() == packages("all") == packages("test")
     bad = subprocess.run(
         ["bash", "scripts/setup_system.sh", "--list", "bogus"], cwd=ROOT, capture_output=True, text=True

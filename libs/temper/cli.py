@@ -364,10 +364,12 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plugins)
 
     from temper.cli_results import add_commands as add_result_commands
+    from temper.sandbox.cli import add_commands as add_image_commands
     from temper.tasks.cli import add_commands as add_taskset_commands
 
     add_result_commands(sub)
     add_taskset_commands(sub)
+    add_image_commands(sub)
     for add_commands in extensions:
         add_commands(sub)
     return parser

@@ -75,7 +75,9 @@ class RewardScorer:
         if self.manager is None:
             settings = self.runtime.settings
             self.manager = SandboxManager(
-                scoring_sandbox_settings(settings.sandbox), distributed=settings.mode == "distributed"
+                scoring_sandbox_settings(settings.sandbox),
+                distributed=settings.mode == "distributed",
+                store=self.runtime.store,  # task images are pulled from it
             )
             await self.manager.start()
         self.scorer = Scorer(self.manager)

@@ -39,6 +39,7 @@ from temper.sandbox import (
     SnapshotError,
 )
 from temper.sandbox.config import SandboxSettings
+from temper.sandbox.images import ImageError
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +262,13 @@ class SandboxWorker:
                 return f"snapshot {request.snapshot_key} not found"
             except SnapshotError as e:
                 return f"snapshot {request.snapshot_key} cannot be restored: {e}"
+            except ImageError as e:
+                return str(e)
             return None
-        await self.manager.create_session(limits, session_id=sid)
+        try:
+            await self.manager.create_session(limits, session_id=sid)
+        except ImageError as e:  # missing or corrupt: the job's submission checks it was published
+            return str(e)
         for path, content in request.files.items():
             r = await self.manager.act(sid, Action(kind="write_file", path=path, content=content))
             if r.error:

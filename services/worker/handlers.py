@@ -23,7 +23,9 @@ async def validate_taskset(settings: Settings, taskset_id: str, progress: Progre
     """Run every task of the set through its hidden tests and its oracle in sandboxes."""
     db = Database(settings.db)
     manager = SandboxManager(
-        scoring_sandbox_settings(settings.sandbox), distributed=settings.mode == "distributed"
+        scoring_sandbox_settings(settings.sandbox),
+        distributed=settings.mode == "distributed",
+        store=make_store(settings),  # task images are pulled from it
     )
     await manager.start()
     try:

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from temper.sandbox.config import BackendKind, SandboxSettings
+from temper.sandbox.images import Image
 from temper.sandbox.models import SandboxLimits
 
 log = logging.getLogger(__name__)
@@ -23,6 +24,11 @@ AGENT_SOURCE = (Path(__file__).parent / "agent.py").read_text()
 SANDBOX_WORKSPACE = "/workspace"
 SANDBOX_AGENT = "/.temper-agent.pyc"  # where a prepared (compiled) agent is bound in the sandbox
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Top-level entries of an image a sandbox does not see: it gets its own /dev, /proc, /tmp
+# and /workspace; the rest is the kernel's or boot's.
+IMAGE_SKIP = frozenset(
+    {"dev", "proc", "sys", "tmp", "workspace", "run", "boot", "lost+found", "mnt", "media"}
+)
 
 
 class Backend(ABC):
@@ -34,8 +40,9 @@ class Backend(ABC):
         self.settings = settings
 
     @abstractmethod
-    def agent_argv(self, workspace: Path, limits: SandboxLimits) -> list[str]:
-        """The command line that starts the agent for a sandbox on ``workspace``."""
+    def agent_argv(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
+        """The command line that starts the agent for a sandbox on ``workspace`` (on
+        ``image``'s root filesystem when one is given)."""
 
     @abstractmethod
     def inner_workspace(self, workspace: Path) -> str:
@@ -98,7 +105,27 @@ class BwrapBackend(Backend):
     def inner_workspace(self, workspace: Path) -> str:
         return SANDBOX_WORKSPACE
 
-    def mount_args(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+    def image_args(self, image: Image, limits: SandboxLimits) -> list[str]:
+        """The image's top-level directories bound read-only (its links recreated) on the
+        empty root: the image's own /usr, /etc, /var… and never a writable path into it."""
+        args: list[str] = []
+        for name in sorted(os.listdir(image.rootfs)):
+            if name in IMAGE_SKIP:
+                continue
+            path = image.rootfs / name
+            if path.is_symlink():
+                args += ["--symlink", os.readlink(path), f"/{name}"]
+            elif path.is_dir():
+                args += ["--ro-bind", str(path), f"/{name}"]
+        if limits.network:
+            for name in ("resolv.conf", "hosts"):
+                if os.path.lexists(image.rootfs / "etc" / name):
+                    args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        return args
+
+    def mount_args(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
+        if image is not None:
+            return self.image_args(image, limits) + self._own_mounts(workspace)
         args: list[str] = []
         for entry in self.settings.ro_binds:
             source, _, target = entry.partition(":")
@@ -116,7 +143,11 @@ class BwrapBackend(Backend):
         if limits.network:
             for path in ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf"):
                 args += ["--ro-bind-try", path, path]
-        args += [
+        return args + self._own_mounts(workspace)
+
+    def _own_mounts(self, workspace: Path) -> list[str]:
+        """What every sandbox gets of its own; the read-only remount of / comes last."""
+        return [
             "--dev", "/dev",
             "--proc", "/proc",
             "--size", str(16 << 20), "--tmpfs", "/tmp",
@@ -124,7 +155,6 @@ class BwrapBackend(Backend):
             "--chdir", SANDBOX_WORKSPACE,
             "--remount-ro", "/",
         ]  # fmt: skip
-        return args
 
     def namespace_args(self, limits: SandboxLimits) -> list[str]:
         args = [
@@ -136,9 +166,10 @@ class BwrapBackend(Backend):
             args.append("--share-net")
         return args
 
-    def agent_argv(self, workspace: Path, limits: SandboxLimits) -> list[str]:
-        mounts = self.mount_args(workspace, limits)
-        if self.agent_pyc is not None and self.agent_pyc.exists():
+    def agent_argv(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
+        mounts = self.mount_args(workspace, limits, image)
+        same_python = image is None or image.python_name() == self.host_python_name
+        if same_python and self.agent_pyc is not None and self.agent_pyc.exists():
             # Bound before the root is remounted read-only (the last mount argument).
             mounts[-2:-2] = ["--ro-bind", str(self.agent_pyc), SANDBOX_AGENT]
             agent = [SANDBOX_AGENT]
@@ -152,11 +183,17 @@ class BwrapBackend(Backend):
             self.settings.python, "-S", *agent, SANDBOX_WORKSPACE, "pidns",
         ]  # fmt: skip
 
-    def floor_argv(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+    @property
+    def host_python_name(self) -> str:
+        """The interpreter the agent was compiled by: an image whose python3 is another
+        version gets the agent's source instead of the ``.pyc``."""
+        return os.path.basename(os.path.realpath(self.settings.python))
+
+    def floor_argv(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
         """A bare bwrap with the same namespaces and mounts running ``python3 -S -c pass``
         (the benchmark's floor)."""
         return [
-            self.bwrap, *self.namespace_args(limits), *self.mount_args(workspace, limits),
+            self.bwrap, *self.namespace_args(limits), *self.mount_args(workspace, limits, image),
             self.settings.python, "-S", "-c", "pass",
         ]  # fmt: skip
 
@@ -179,7 +216,11 @@ class ProcessBackend(Backend):
     def inner_workspace(self, workspace: Path) -> str:
         return str(workspace)
 
-    def agent_argv(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+    def agent_argv(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
+        if image is not None:
+            raise ValueError(
+                "the process backend cannot run a sandbox on an image (it has no mount namespace)"
+            )
         return [self.settings.python, "-S", "-c", AGENT_SOURCE, str(workspace), "nopidns"]
 
 

@@ -44,3 +44,18 @@ class SandboxSettings(BaseModel):
         "(missing ones are skipped)",
     )
     snapshot_prefix: str = "sandbox-snapshots"
+    image_cache: Path = Field(
+        Path(".temper/images"),
+        description="where this worker unpacks images (by digest); sandboxes bind them read-only, "
+        "so the sandbox uid must be able to reach it",
+    )
+    image_prefix: str = Field("sandbox-images", description="where images live in object storage")
+    preload_images: list[str] = Field(
+        default_factory=list,
+        description="images this worker pulls at start, so no episode's first turn waits for a pull",
+    )
+    default_image: str | None = Field(
+        None,
+        pattern=r"^sha256:[0-9a-f]{64}$",
+        description="the image of sandboxes whose limits name none (the pool's too); none: the host's /usr",
+    )

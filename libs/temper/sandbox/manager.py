@@ -26,6 +26,7 @@ from temper.sandbox import snapshot
 from temper.sandbox.backends import Backend, make_backend
 from temper.sandbox.cgroups import CgroupManager, detect
 from temper.sandbox.config import SandboxSettings
+from temper.sandbox.images import Image, ImageCache
 from temper.sandbox.models import Action, ExecResult, SandboxLimits
 from temper.sandbox.sandbox import Sandbox, SandboxError
 from temper.sandbox.spawner import Spawner
@@ -83,6 +84,7 @@ class SandboxManager:
         self._refill_lock = asyncio.Lock()
         self._reaper: asyncio.Task[None] | None = None
         self.spawner: Spawner | None = None
+        self.images = ImageCache(settings.image_cache, store, prefix=settings.image_prefix)
         self.leaked = 0
         self.started = False
 
@@ -101,6 +103,8 @@ class SandboxManager:
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o711)
         await asyncio.to_thread(self.backend.prepare, self.root)
+        if self.backend.isolated:
+            self.images.root.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0 and self.backend.isolated:
             # bwrap runs as the unprivileged sandbox uid: it must be able to reach the workspace
             # and every directory it binds in (else it exits before the agent says a word).
@@ -110,7 +114,7 @@ class SandboxManager:
                     f"{blocked} is not searchable by other users; the sandbox uid cannot reach "
                     f"{self.root} (set TEMPER_SANDBOX__WORKSPACE_ROOT to a path under a mode o+x tree)"
                 )
-            for entry in self.settings.ro_binds:
+            for entry in [*self.settings.ro_binds, str(self.images.root)]:
                 source = Path(entry.partition(":")[0])
                 blocked = _unsearchable_parent(source)
                 if blocked is not None:
@@ -118,6 +122,9 @@ class SandboxManager:
                         f"{blocked} is not searchable by other users; the sandbox uid cannot reach "
                         f"{source}, which sandboxes bind in (put the checkout or the venv under a mode o+x tree)"
                     )
+        self.images.store = self.store  # the store may be set after construction
+        for digest in [*self.settings.preload_images, *filter(None, [self.settings.default_image])]:
+            await self.images.ensure(digest)  # the pool runs on the default one
         if self.settings.spawner:
             spawner = Spawner(self.settings.python)
             try:
@@ -167,12 +174,23 @@ class SandboxManager:
         return out
 
     # --- sandboxes ------------------------------------------------------------------
-    def _new(self, limits: SandboxLimits, sandbox_id: str | None = None) -> Sandbox:
+    def with_image(self, limits: SandboxLimits) -> SandboxLimits:
+        """``limits`` with the worker's default image filled in when they name none."""
+        if limits.image is None and self.settings.default_image is not None:
+            return limits.model_copy(update={"image": self.settings.default_image})
+        return limits
+
+    async def _new(self, limits: SandboxLimits, sandbox_id: str | None = None) -> Sandbox:
         assert self.backend is not None, "SandboxManager.start() first"
+        image: Image | None = None
+        if limits.image is not None:
+            if not self.backend.isolated:
+                raise SandboxError("the process backend cannot run sandboxes on an image")
+            image = await self.images.ensure(limits.image)
         run_as = (self.settings.run_as_uid, self.settings.run_as_gid)
         return Sandbox(
-            backend=self.backend, cgroups=self.cgroups, limits=limits,
-            workspace_root=self.root, run_as=run_as, sandbox_id=sandbox_id, spawner=self.spawner,
+            backend=self.backend, cgroups=self.cgroups, limits=limits, workspace_root=self.root,
+            run_as=run_as, sandbox_id=sandbox_id, spawner=self.spawner, image=image,
         )  # fmt: skip
 
     async def _destroy(self, sb: Sandbox) -> None:
@@ -194,7 +212,11 @@ class SandboxManager:
         """Bring the pool up to ``pool_size``, one sandbox at a time."""
         async with self._refill_lock:
             while self.started and len(self._pool) < self.settings.pool_size:
-                sb = self._new(self.settings.default_limits)
+                try:
+                    sb = await self._new(self.with_image(self.settings.default_limits))
+                except Exception:
+                    log.exception("warm pool: no image for the pool's sandboxes")
+                    return
                 try:
                     await sb.start()
                     # One trivial action first, so the first real one finds the agent's
@@ -212,11 +234,12 @@ class SandboxManager:
 
     async def acquire(self, limits: SandboxLimits | None = None, *, sandbox_id: str | None = None) -> Sandbox:
         """A started sandbox with these limits: from the pool when one fits, else a new one."""
-        limits = limits or self.settings.default_limits
+        limits = self.with_image(limits or self.settings.default_limits)
         t0 = time.perf_counter()
         sb: Sandbox | None = None
-        # Pooled sandboxes all carry the default network setting; the rest can change.
-        while self._pool and sb is None and limits.network == self.settings.default_limits.network:
+        # Pooled sandboxes all carry the default network setting and image; the rest can change.
+        pooled = self.with_image(self.settings.default_limits)
+        while self._pool and sb is None and (limits.network, limits.image) == (pooled.network, pooled.image):
             candidate = self._pool.popleft()
             try:
                 if candidate.dead:
@@ -231,7 +254,7 @@ class SandboxManager:
                 sb.id = sandbox_id
         else:
             metrics.SANDBOX_POOL_MISSES.inc()
-            sb = self._new(limits, sandbox_id)
+            sb = await self._new(limits, sandbox_id)
             await sb.start()
         self._in_use.add(sb)
         self._update_gauges()

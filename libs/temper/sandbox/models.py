@@ -34,6 +34,11 @@ class SandboxLimits(BaseModel):
     open_files: int = Field(256, ge=16, le=65536)
     workspace_mb: int = Field(256, ge=1, le=65536, description="size of the writable workspace")
     network: bool = Field(False, description="share the host network (off unless the task asks)")
+    image: str | None = Field(
+        None,
+        pattern=r"^sha256:[0-9a-f]{64}$",
+        description="the root filesystem to run on (a published image's digest); none: the host's /usr",
+    )
 
 
 ActionKind = Literal["run_command", "run_python", "write_file", "read_file", "list_files"]

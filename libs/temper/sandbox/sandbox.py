@@ -30,6 +30,7 @@ from temper.sandbox.fork_server import enter_sandbox
 from temper.sandbox.models import Action, ExecResult, FileInfo, KillReason, SandboxLimits
 
 if TYPE_CHECKING:
+    from temper.sandbox.images import Image
     from temper.sandbox.spawner import SpawnedProcess, Spawner
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,10 @@ class Sandbox:
         run_as: tuple[int, int] | None,
         sandbox_id: str | None = None,
         spawner: Spawner | None = None,
+        image: Image | None = None,
     ) -> None:
         self.id = sandbox_id or uuid.uuid4().hex[:16]
+        self.image = image  # the unpacked root filesystem it runs on (None: the host's /usr)
         self.backend = backend
         self.cgroups = cgroups
         self.limits = limits
@@ -178,7 +181,7 @@ class Sandbox:
         return lambda: enter_sandbox(join, uid, gid)
 
     async def _spawn(self) -> None:
-        argv = self.backend.agent_argv(self.workspace.path, self.limits)
+        argv = self.backend.agent_argv(self.workspace.path, self.limits, self.image)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         if self.spawner is not None and self.spawner.running:
             # Forked by the small spawner process, not by this (large) one.
@@ -265,6 +268,8 @@ class Sandbox:
         """Change a (pooled) sandbox's limits; the network setting cannot change."""
         if limits.network != self.limits.network:
             raise SandboxError("network access cannot change after a sandbox starts")
+        if limits.image != self.limits.image:
+            raise SandboxError("the image cannot change after a sandbox starts")
         if self.cgroup is not None and (limits.memory_mb, limits.pids) != (
             self.limits.memory_mb,
             self.limits.pids,

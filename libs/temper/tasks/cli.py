@@ -75,7 +75,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     return 0
 
 
-IMPORT_FORMATS = ("humaneval", "mbpp", "gsm8k", "temper", "harbor")
+IMPORT_FORMATS = ("humaneval", "mbpp", "gsm8k", "temper", "harbor", "repo")
 
 
 def import_tasks(fmt: str, path: str, columns: str = "", limit: int | None = None) -> list[Any]:
@@ -87,6 +87,14 @@ def import_tasks(fmt: str, path: str, columns: str = "", limit: int | None = Non
 
     if fmt == "harbor":
         tasks = harbor.import_task_dirs(path)
+    elif fmt == "repo":  # a directory of repository tasks (temper.tasks.repo)
+        from temper.tasks.repo import repo_tasks
+
+        if not Path(path).is_dir():
+            raise ValueError(f"{path}: not a directory of repository tasks")
+        tasks = repo_tasks(Path(path))
+        if not tasks:
+            raise ValueError(f"{path}: no repository task (a directory with task.json) in it")
     elif fmt == "temper":
         file = Path(path)
         if not file.is_file():
@@ -100,16 +108,28 @@ def import_tasks(fmt: str, path: str, columns: str = "", limit: int | None = Non
     return tasks[:limit] if limit is not None else tasks
 
 
+def _limits(task: Any) -> dict[str, Any]:
+    return task.limits.model_dump(exclude_unset=True) if task.limits is not None else {}
+
+
 def cmd_import(args: argparse.Namespace) -> int:
+    from temper.sandbox.models import SandboxLimits
     from temper.tasks.models import dump_jsonl
 
-    if args.columns and args.format in ("temper", "harbor"):
+    if args.columns and args.format in ("temper", "harbor", "repo"):
         sys.stderr.write(
             f"temper tasksets import: --columns is for humaneval, mbpp and gsm8k, not {args.format}\n"
         )
         return 2
     try:
         tasks = import_tasks(args.format, args.path, args.columns or "", args.limit)
+        if args.image:  # every task's sandboxes (episodes, grading, validation) on this image
+            tasks = [
+                t.model_copy(
+                    update={"limits": SandboxLimits.model_validate({**_limits(t), "image": args.image})}
+                )
+                for t in tasks
+            ]
     except ValueError as exc:
         sys.stderr.write(f"temper tasksets import: {exc}\n")
         return 2
@@ -213,7 +233,7 @@ def cmd_rescore(args: argparse.Namespace) -> int:
     async def run() -> list[Any]:
         settings = get_settings()
         db = Database(settings.db)
-        manager = SandboxManager(scoring_sandbox_settings(settings.sandbox))
+        manager = SandboxManager(scoring_sandbox_settings(settings.sandbox), store=make_store(settings))
         await manager.start()
 
         async def load(task_id: str) -> Any:
@@ -257,6 +277,7 @@ def add_commands(sub: Any) -> None:
         "--columns", help="FIELD=COLUMN,... where the file's column names differ from the dataset's"
     )
     p.add_argument("--limit", type=int, help="import only the first N tasks")
+    p.add_argument("--image", help="run the tasks on this task image (a digest from `temper images`)")
     p.add_argument("--output", help="write the tasks as Temper JSONL to this file instead of uploading")
     p.add_argument("--name")
     p.add_argument("--no-validate", action="store_true")

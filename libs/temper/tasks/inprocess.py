@@ -38,7 +38,9 @@ class InProcessValidation:
     async def _validate(self, taskset_id: str) -> None:
         assert self.runtime.db is not None, "validation needs the database"
         settings = self.runtime.settings
-        manager = SandboxManager(scoring_sandbox_settings(settings.sandbox), distributed=False)
+        manager = SandboxManager(
+            scoring_sandbox_settings(settings.sandbox), distributed=False, store=self.runtime.store
+        )
         await manager.start()
         try:
             counts = await validate_taskset(self.runtime.db, Scorer(manager), taskset_id)

@@ -136,7 +136,9 @@ async def submit_job(
 ) -> Any:
     try:
         spec = await read_spec(request)
-        await check_names(session, spec=spec, settings=runtime.settings, tenant_id=tenant.id)
+        await check_names(
+            session, spec=spec, settings=runtime.settings, tenant_id=tenant.id, store=runtime.store
+        )
         job = await repo.create_job(session, tenant=tenant, spec=spec)
     except SpecError as exc:
         return spec_problem(exc)

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from temper.db import Job, TaskSet
+from temper.db import Job, Task, TaskSet
 from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.policy.config import BackendKind, BackendSpec
 from temper.settings import Settings
@@ -182,7 +182,36 @@ def _model_dir(ref: str) -> bool:
         return False
 
 
-async def check_names(session: AsyncSession, *, spec: JobSpec, settings: Settings, tenant_id: str) -> None:
+async def image_errors(session: AsyncSession, *, spec: JobSpec, store: Any) -> list[tuple[str, str]]:
+    """Every task image the job would run on (the environment's, its tasks'), published in
+    object storage: a missing one is refused now, not at the first sandbox of an episode."""
+    from temper.sandbox.images import ImageError, check_published
+
+    named: list[tuple[str, Any]] = []
+    if "image" in spec.environment.limits:
+        named.append(("environment.limits.image", spec.environment.limits["image"]))
+    rows = await session.execute(
+        select(Task.spec["limits"]["image"].as_string())
+        .where(Task.task_set_id == spec.tasks.taskset)
+        .distinct()
+    )
+    named += [("tasks.taskset", digest) for digest in rows.scalars() if digest]
+    errors = []
+    for field, digest in named:
+        try:
+            if not isinstance(digest, str):
+                raise ImageError(f"an image is a digest string, not {type(digest).__name__}")
+            if store is None:
+                raise ImageError(f"image {digest}: no object store is configured to hold it")
+            await check_published(store, digest)
+        except ImageError as e:
+            errors.append((field, str(e)))
+    return errors
+
+
+async def check_names(
+    session: AsyncSession, *, spec: JobSpec, settings: Settings, tenant_id: str, store: Any = None
+) -> None:
     """Every name the spec references, checked against this deployment; all problems at once."""
     errors = plugin_errors(spec)
     models = known_models(settings)
@@ -210,5 +239,6 @@ async def check_names(session: AsyncSession, *, spec: JobSpec, settings: Setting
                     f"job {prior} ran on task set {ran_on!r}, not {spec.tasks.taskset!r}",
                 )
             )
+    errors += await image_errors(session, spec=spec, store=store)
     if errors:
         raise SpecError(errors)

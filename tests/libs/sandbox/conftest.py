@@ -77,3 +77,64 @@ async def manager(sandbox_root: Path) -> AsyncIterator[SandboxManager]:
     await m.start()
     yield m
     await assert_clean_close(m)
+
+
+# --- task images --------------------------------------------------------------------------
+# The Debian image (python3 + git) is built once by mmdebstrap (about a minute) and kept in
+# ~/.cache/temper/images; its unpacked copy is kept, by digest, in an image cache under /tmp
+# (the sandbox uid must reach it; /root is 0700). Both are content-addressed, so reuse is safe.
+DEBIAN_RELEASE, DEBIAN_PACKAGES = "bookworm", ("git",)
+IMAGE_BLOBS = Path.home() / ".cache" / "temper" / "images"
+IMAGE_CACHE = Path("/tmp/temper-image-cache")
+
+
+def debian_blob() -> bytes:
+    from temper.sandbox.images import build_debian
+
+    path = IMAGE_BLOBS / f"{DEBIAN_RELEASE}-{'-'.join(DEBIAN_PACKAGES)}.tar.gz"
+    if not path.exists():
+        if shutil.which("mmdebstrap") is None:
+            pytest.skip("mmdebstrap is not installed (scripts/setup_system.sh test)")
+        IMAGE_BLOBS.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_bytes(build_debian(DEBIAN_RELEASE, DEBIAN_PACKAGES))
+        tmp.rename(path)
+    return path.read_bytes()
+
+
+@pytest.fixture(scope="session")
+def image_store(tmp_path_factory: pytest.TempPathFactory):
+    """An object store (a LocalStore directory) holding the published Debian image."""
+    import asyncio
+
+    from temper.sandbox.images import publish
+    from temper.storage.local import LocalStore
+
+    store = LocalStore(tmp_path_factory.mktemp("image-store"))
+    blob = debian_blob()
+    digest = asyncio.run(publish(store, blob, source={"debian": DEBIAN_RELEASE, "packages": DEBIAN_PACKAGES}))
+    return store, digest
+
+
+@pytest.fixture(scope="session")
+def debian_image(image_store) -> str:
+    """The digest of the Debian image, published and unpacked in IMAGE_CACHE."""
+    from temper.sandbox.images import ImageCache
+
+    store, digest = image_store
+    cache = ImageCache(IMAGE_CACHE, store)
+    if cache.cached(digest) is None:
+        cache.install(digest, debian_blob())
+    return digest
+
+
+@pytest.fixture
+async def image_manager(sandbox_root: Path, image_store, debian_image: str) -> AsyncIterator[SandboxManager]:
+    """A manager whose sandboxes (the pool's too) run on the Debian image by default."""
+    store, _ = image_store
+    m = SandboxManager(
+        make_settings(sandbox_root, image_cache=IMAGE_CACHE, default_image=debian_image), store=store
+    )
+    await m.start()
+    yield m
+    await assert_clean_close(m)

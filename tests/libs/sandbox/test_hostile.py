@@ -9,6 +9,7 @@ import asyncio
 import os
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -136,11 +137,19 @@ async def test_network_connect_to_a_host_port(manager: SandboxManager) -> None:
     assert r.stdout.count("blocked") == 3 and accepted == []
 
 
-async def test_reading_host_files_and_worker_environment(sandbox_root, monkeypatch) -> None:
-    from tests.libs.sandbox.conftest import assert_clean_close, make_settings
+@pytest.fixture
+def hostile_settings(sandbox_root):
+    """Settings of a manager that a test starts itself (test_hostile_image.py puts it on an image)."""
+    from tests.libs.sandbox.conftest import make_settings
+
+    return make_settings(sandbox_root)
+
+
+async def test_reading_host_files_and_worker_environment(sandbox_root, hostile_settings, monkeypatch) -> None:
+    from tests.libs.sandbox.conftest import assert_clean_close
 
     monkeypatch.setenv("TEMPER_TEST_SECRET", "hunter2-must-not-leak")
-    m = SandboxManager(make_settings(sandbox_root))
+    m = SandboxManager(hostile_settings)
     await m.start()
     try:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -148,7 +157,7 @@ async def test_reading_host_files_and_worker_environment(sandbox_root, monkeypat
             "import os, glob\n"
             f"for p in ['/etc/shadow', '/etc/passwd', '/root', '{repo}/pyproject.toml', '/proc/1/environ', '{sandbox_root}']:\n"
             "    try:\n"
-            "        print('READ', p, open(p, 'rb').read(20) if os.path.isfile(p) else os.listdir(p))\n"
+            "        print('READ', p, open(p, 'rb').read(200) if os.path.isfile(p) else os.listdir(p))\n"
             "    except OSError as e:\n"
             "        print('denied', p, type(e).__name__)\n"
             "print(sorted(os.environ))\n"
@@ -160,9 +169,19 @@ async def test_reading_host_files_and_worker_environment(sandbox_root, monkeypat
             r = await sb.act(py(code))
             r2 = await sb.act(sh("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; ls /"))
         assert "hunter2" not in r.stdout + r.stderr + r2.stdout + r2.stderr
-        assert "READ" not in r.stdout.replace("READ /proc/1/environ", ""), r.stdout
-        assert sorted(r2.stdout.split("\n")[-1:]) is not None
-        assert "work" not in r2.stdout.split() and "root" not in r2.stdout.split()
+        reads = [line for line in r.stdout.splitlines() if line.startswith("READ ")]
+        if hostile_settings.default_image is None:
+            assert reads == [], r.stdout
+        else:  # the image's own /etc/passwd is there to read (its bytes, not the host's); nothing else
+            assert [line.split()[1] for line in reads] == ["/etc/passwd"], r.stdout
+            digest = hostile_settings.default_image.split(":")[1]
+            image_passwd = (
+                Path(hostile_settings.image_cache) / f"sha256-{digest}" / "etc/passwd"
+            ).read_bytes()
+            assert repr(image_passwd[:200]) in reads[0]
+        assert "work" not in r2.stdout.split()  # the host's /work (this checkout) is not there
+        if hostile_settings.default_image is None:
+            assert "root" not in r2.stdout.split()
     finally:
         await assert_clean_close(m)
 

@@ -167,3 +167,41 @@ async def test_consumer_pauses_while_the_worker_is_full(tmp_path, root) -> None:
         await service.stop()
         await runtime.stop()
     assert "sandbox_worker" not in runtime.checks
+
+
+async def test_a_session_on_a_task_image_and_a_missing_image(tmp_path, root) -> None:
+    from temper.sandbox.images import publish
+    from tests.libs.sandbox.conftest import debian_blob
+
+    # A fresh image cache: the worker's first session on the image pulls it from the store.
+    cache = root / "images"
+    runtime = Runtime(settings(tmp_path, root, image_cache=cache), service="sandbox-worker", needs_db=False)
+    await runtime.start()
+    digest = await publish(runtime.store, debian_blob(), source={"test": "worker"})
+    service = SandboxWorkerService(runtime, worker_id="a")
+    await service.start()
+    results = Results()
+    await runtime.consume([Topics.SANDBOX_RESULTS], results, group="test-results")
+    bus = runtime.bus
+    assert bus is not None
+    imaged = {**LIMITS.model_dump(), "image": digest}
+    missing = {**LIMITS.model_dump(), "image": "sha256:" + "cd" * 32}
+    try:
+        await bus.send_message(
+            Topics.SANDBOX_REQUESTS,
+            request("img", 0, {"kind": "run_command", "command": "git init -q r && git -C r status --short && echo ok"},
+                    limits=imaged),
+        )  # fmt: skip
+        (r0,) = await results.wait(1, limit_s=60)
+        assert r0.error is None and r0.result["stdout"] == "ok\n", r0
+        assert digest in service.worker.manager.images.pulls and (cache / f"sha256-{digest[7:]}").is_dir()
+        await bus.send_message(
+            Topics.SANDBOX_REQUESTS, request("gone", 0, {"kind": "list_files"}, limits=missing)
+        )
+        r1 = (await results.wait(2))[1]
+        assert (
+            r1.error is not None and "sha256:" + "cd" * 32 in r1.error and "not in object storage" in r1.error
+        )
+    finally:
+        await service.stop()
+        await runtime.stop()

@@ -1,0 +1,1 @@
+from calendarx.years import days_in_february, is_leap

@@ -1,0 +1,1 @@
+from csvtotals.totals import column_total, read_rows

@@ -1,0 +1,1 @@
+from ledger.money import format_cents, to_cents

@@ -1,0 +1,1 @@
+from lrucache.lru import LRU

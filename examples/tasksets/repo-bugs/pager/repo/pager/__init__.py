@@ -1,0 +1,1 @@
+from pager.pages import page_count, page_slice

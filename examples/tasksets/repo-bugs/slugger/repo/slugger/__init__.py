@@ -1,0 +1,1 @@
+from slugger.slug import slugify

@@ -1,0 +1,1 @@
+from stockroom.inventory import Inventory

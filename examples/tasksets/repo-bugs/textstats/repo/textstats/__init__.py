@@ -1,0 +1,1 @@
+from textstats.core import char_count, word_count

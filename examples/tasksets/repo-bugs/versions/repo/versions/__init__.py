@@ -1,0 +1,1 @@
+from versions.compare import newer, parse

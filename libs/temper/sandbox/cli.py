@@ -1,0 +1,85 @@
+"""``temper images``: build or import a task image and publish it to the object store
+named by the settings (``TEMPER_STORAGE__*``); prints the digest a task or job names."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from temper.sandbox.images import ImageError, build_debian, check_published, flatten_oci, publish
+
+
+def _store() -> Any:
+    from temper.runtime import load_settings
+    from temper.storage import S3Store, make_store
+
+    settings = load_settings()
+    store = make_store(settings)
+    return store, settings.sandbox.image_prefix, isinstance(store, S3Store)
+
+
+async def _publish(blob: bytes, source: dict[str, Any]) -> str:
+    store, prefix, s3 = _store()
+    if s3:
+        await store.ensure_bucket()
+    return await publish(store, blob, source=source, prefix=prefix)
+
+
+def cmd_build_debian(args: argparse.Namespace) -> int:
+    packages = [p for p in (args.packages or "").split(",") if p]
+    sys.stderr.write(f"building Debian {args.release} with {packages or 'python3 only'} (mmdebstrap)...\n")
+    blob = build_debian(args.release, packages, mirror=args.mirror)
+    digest = asyncio.run(_publish(blob, {"debian": args.release, "packages": ["python3", *packages]}))
+    sys.stderr.write(f"published {len(blob) / 1e6:.1f} MB\n")
+    sys.stdout.write(digest + "\n")
+    return 0
+
+
+def cmd_import_oci(args: argparse.Namespace) -> int:
+    blob = flatten_oci(Path(args.archive).read_bytes())
+    digest = asyncio.run(_publish(blob, {"oci": Path(args.archive).name}))
+    sys.stdout.write(digest + "\n")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    async def check() -> dict[str, Any]:
+        store, prefix, _ = _store()
+        return await check_published(store, args.digest, prefix=prefix)
+
+    sys.stdout.write(json.dumps(asyncio.run(check()), indent=2) + "\n")
+    return 0
+
+
+def _guard(func: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(func(args))
+        except ImageError as e:
+            sys.stderr.write(f"error: {e}\n")
+            return 1
+
+    return run
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``images`` on the ``temper`` parser's subparsers."""
+    im = sub.add_parser("images", help="build, import and check sandbox task images (object storage)")
+    im_sub = im.add_subparsers(dest="images_command", required=True, metavar="IMAGES_COMMAND")
+    p = im_sub.add_parser("build-debian", help="a Debian release + packages (mmdebstrap), published")
+    p.add_argument("release", help="e.g. bookworm")
+    p.add_argument("--packages", help="comma-separated Debian packages (python3 is always added)")
+    p.add_argument("--mirror", help="a Debian mirror URL (default: mmdebstrap's)")
+    p.set_defaults(func=_guard(cmd_build_debian))
+    p = im_sub.add_parser(
+        "import-oci", help="an OCI archive (docker save / OCI layout tar), flattened and published"
+    )
+    p.add_argument("archive")
+    p.set_defaults(func=_guard(cmd_import_oci))
+    p = im_sub.add_parser("check", help="is this image published? prints its manifest")
+    p.add_argument("digest")
+    p.set_defaults(func=_guard(cmd_check))
