@@ -199,7 +199,7 @@ def test_the_shell_environment_runs_only_bash_and_submits_the_workspace():
     assert env.parse("done\nsubmit", turn=1).kind == "submit"
     python = env.parse(f"{FENCE}python\nprint(1)\n{FENCE}", turn=0)
     assert python.kind == "invalid" and "only ```bash blocks run here" in (python.error or "")
-    assert "only ```bash" in env.observe(python, None)  # the error is the observation
+    assert "only ```bash" in env.observe(python, None)[0]  # the error is the observation
     writes = env.parse(f"{FENCE}python x.py\nprint(1)\n{FENCE}", turn=0)
     assert writes.kind == "invalid"  # no file writes but through bash
     sub = env.submission(action, final_text="t", snapshot_key="snap", session_id="s")
