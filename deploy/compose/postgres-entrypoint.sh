@@ -9,8 +9,10 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
   rm -f "$pw"
   echo "host all all all scram-sha-256" >>"$PGDATA/pg_hba.conf"
   pg_ctl -D "$PGDATA" -o "-c listen_addresses=''" -w start >/dev/null
-  if [ "${POSTGRES_DB:-$POSTGRES_USER}" != "$POSTGRES_USER" ]; then
-    createdb -U "$POSTGRES_USER" "$POSTGRES_DB"
+  # initdb makes only "postgres"; the official image also makes POSTGRES_DB (default: the user).
+  db="${POSTGRES_DB:-$POSTGRES_USER}"
+  if [ "$db" != postgres ]; then
+    createdb -U "$POSTGRES_USER" "$db"
   fi
   pg_ctl -D "$PGDATA" -m fast -w stop >/dev/null
 fi

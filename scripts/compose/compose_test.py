@@ -96,11 +96,15 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+# compose v2 (`docker compose`, or its binary) where given, else Debian's v1 `docker-compose`.
+COMPOSE = os.environ.get("COMPOSE", "docker-compose").split()
+
+
 def compose(
     env: dict[str, str], *args: str, check: bool = True, **kw: Any
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["docker-compose", "-p", PROJECT, *FILES, *args], cwd=ROOT, env=env, text=True, check=check, **kw
+        [*COMPOSE, "-p", PROJECT, *FILES, *args], cwd=ROOT, env=env, text=True, check=check, **kw
     )
 
 
@@ -109,7 +113,7 @@ def containers(env: dict[str, str]) -> dict[str, dict[str, Any]]:
     ids = compose(env, "ps", "-a", "-q", capture_output=True).stdout.split()
     if not ids:
         return {}
-    out = subprocess.run(["docker", "inspect", *ids], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["/usr/bin/docker", "inspect", *ids], capture_output=True, text=True, check=True).stdout
     return {c["Config"]["Labels"]["com.docker.compose.service"]: c["State"] for c in json.loads(out)}
 
 
@@ -376,6 +380,10 @@ def run(summary: Summary) -> None:
         "MINIO_ROOT_PASSWORD": secrets.token_urlsafe(12),
         "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(12),
     }
+    version = subprocess.run([*COMPOSE, "version"], capture_output=True, text=True).stdout.strip()
+    summary.check(
+        bool(version), "compose", f"{COMPOSE[0]}: {version.splitlines()[0] if version else 'missing'}"
+    )
     log_dir = ROOT / ".docker" / "compose-test"
     log_dir.mkdir(parents=True, exist_ok=True)
     analytics: subprocess.Popen[bytes] | None = None
