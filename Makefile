@@ -103,4 +103,4 @@ compose-build:
 	bash scripts/compose/build.sh
 
 compose-test: setup compose-build
-	$(PY) scripts/compose/compose_test.py $(ARGS)
+	COMPOSE="$$(bash scripts/compose/compose_v2.sh)" $(PY) scripts/compose/compose_test.py $(ARGS)

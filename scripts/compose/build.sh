@@ -16,6 +16,7 @@ log() { printf '[build] %s\n' "$*"; }
 timed() { local t0=$SECONDS; "${@:2}"; log "$1: $((SECONDS - t0))s"; }
 
 timed "engine" bash scripts/compose/engine.sh
+timed "compose v2" bash -c 'bash scripts/compose/compose_v2.sh >/dev/null'
 timed "base image $BASE" bash scripts/compose/base_image.sh "$BASE"
 timed "wheelhouse" bash scripts/compose/wheelhouse.sh
 
