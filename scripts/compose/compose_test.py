@@ -113,7 +113,9 @@ def containers(env: dict[str, str]) -> dict[str, dict[str, Any]]:
     ids = compose(env, "ps", "-a", "-q", capture_output=True).stdout.split()
     if not ids:
         return {}
-    out = subprocess.run(["/usr/bin/docker", "inspect", *ids], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["/usr/bin/docker", "inspect", *ids], capture_output=True, text=True, check=True
+    ).stdout
     return {c["Config"]["Labels"]["com.docker.compose.service"]: c["State"] for c in json.loads(out)}
 
 
