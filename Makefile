@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-unit run serve run-stack lint schemas \
-        check-deploy fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
+        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -15,6 +15,7 @@ help:
 	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed)"
 	@echo "make run-stack    the example job on the real stack, services as separate processes"
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
+	@echo "make compose-test the whole platform in Docker: build, compose up, a job end to end, dashboard queries"
 	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
 
@@ -94,3 +95,12 @@ bench-trainer: setup
 gpu-check:
 	PYTHONPATH=libs:. python3 bench/gpu_check.py
 	PYTHONPATH=libs:. python3 -m pytest -m gpu --noconftest -p no:cacheprovider -o addopts="" tests/gpu -q
+
+# The whole platform in Docker (not part of `make test`: minutes, and it needs a Docker engine):
+# installs/starts the engine (Debian's docker.io, docker-compose v1), makes the local Debian
+# base image, builds the images, then scripts/compose/compose_test.py (docs/compose.md).
+compose-build:
+	bash scripts/compose/build.sh
+
+compose-test: setup compose-build
+	COMPOSE="$$(bash scripts/compose/compose_v2.sh)" $(PY) scripts/compose/compose_test.py $(ARGS)

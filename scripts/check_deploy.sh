@@ -3,7 +3,9 @@
 #   kustomize renders every overlay; each manifest validates against the Kubernetes schemas
 #   shipped in kubernetes-validate (strict) or, for operator kinds, deploy/schemas/crds;
 #   docker-compose.yml validates against the Compose specification schema shipped in
-#   check-jsonschema; promtool checks the Prometheus config and rules and runs the alert tests.
+#   check-jsonschema; promtool checks the Prometheus config and rules and runs the alert tests;
+#   every Temper process's environment (compose and each rendered overlay) loads as Settings
+#   (deploy/tools/settings_check.py).
 # Installs its tools idempotently under ${TEMPER_CACHE_DIR:-<repo>/.cache} and .venv.
 # Exits non-zero on any failure.
 set -uo pipefail
@@ -64,7 +66,8 @@ render_and_validate() {  # render_and_validate DIR
   local dir="$1" file="$OUT/$(echo "$1" | tr / _).yaml"
   "$KUSTOMIZE" build "$dir" >"$file" || return 1
   "$PY" deploy/tools/deploycheck.py k8s "$file" || return 1
-  "$PY" deploy/tools/deploycheck.py topics "$file"
+  "$PY" deploy/tools/deploycheck.py topics "$file" || return 1
+  PYTHONPATH="$ROOT/libs:$ROOT" "$PY" deploy/tools/settings_check.py k8s "$file"
 }
 
 dashboard_json() {
@@ -86,11 +89,15 @@ fi
 mkdir -p "$OUT"
 for dir in k8s k8s/overlays/*/; do
   dir="${dir%/}"
-  step "kustomize build + validate $dir" render_and_validate "$dir"
+  step "kustomize build + validate + Settings of $dir" render_and_validate "$dir"
 done
 step "k8s copies of rules and dashboard match deploy/" "$PY" deploy/tools/deploycheck.py check-sync
 step "docker-compose.yml against the Compose specification" \
   "$VENV/bin/check-jsonschema" --builtin-schema vendor.compose-spec docker-compose.yml
+step "every Temper service's compose environment loads as Settings" \
+  env PYTHONPATH="$ROOT/libs:$ROOT" "$PY" deploy/tools/settings_check.py compose docker-compose.yml
+step "the same with deploy/compose/local-servers.yml (compose-test)" \
+  env PYTHONPATH="$ROOT/libs:$ROOT" "$PY" deploy/tools/settings_check.py compose docker-compose.yml deploy/compose/local-servers.yml
 step "promtool check config deploy/prometheus/prometheus.yml" promtool check config deploy/prometheus/prometheus.yml
 step "promtool check rules deploy/prometheus/rules.yml" promtool check rules deploy/prometheus/rules.yml
 step "promtool test rules deploy/prometheus/rules_test.yml" promtool test rules deploy/prometheus/rules_test.yml
