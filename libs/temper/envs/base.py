@@ -276,6 +276,19 @@ class Environment(ABC):
             "sandbox", command=runs[0], more=runs[1:] or None, submit_after=end < len(commands), note=note
         )
 
+    def parse_calls_or_submit(self, text: str, tool_help: Mapping[str, str]) -> ParsedAction | None:
+        """For the tool formats (function calls, ``<tool>``): the call, else ``submit`` where
+        the text says so, else an invalid action. None for the other formats."""
+        if self.calls_functions:
+            action = self.parse_function_calls(text)
+        elif self.action_format == ActionFormat.tool_call:
+            action = self.parse_tool_call(text, tool_help)
+        else:
+            return None
+        if action is not None:
+            return action
+        return ParsedAction("submit") if wants_submit(text) else ParsedAction.invalid("no tool call found")
+
     def function_help(self) -> str:
         names = ", ".join(t.function.name for t in self.tools)
         if self.action_format == ActionFormat.llama3_json:

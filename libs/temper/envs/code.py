@@ -71,17 +71,10 @@ class CodeEnvironment(Environment):
         return "Reply with one ```bash or ```python block, a ```python path/file.py block to write a file, or `submit`."
 
     def parse(self, text: str, *, turn: int) -> ParsedAction:
+        action = self.parse_calls_or_submit(text, CODE_TOOLS)
+        if action is not None:
+            return action
         submit = wants_submit(text)
-        if self.calls_functions:
-            action = self.parse_function_calls(text)
-            if action is None:
-                return ParsedAction("submit") if submit else ParsedAction.invalid("no tool call found")
-            return action
-        if self.action_format == ActionFormat.tool_call:
-            action = self.parse_tool_call(text, CODE_TOOLS)
-            if action is None:
-                return ParsedAction("submit") if submit else ParsedAction.invalid("no tool call found")
-            return action
         if has_unclosed_fence(text):
             return ParsedAction.invalid("a ``` block was opened but never closed")
         blocks = fenced_blocks(text)
