@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -124,3 +125,23 @@ async def wait_for(predicate: Callable[[], Awaitable[bool]], within: float = 30.
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what or predicate}")
         await asyncio.sleep(0.05)
+
+
+def trainer_env(
+    database_url: str, kafka_bootstrap: str, s3_settings: Any, unique: str, job_id: str
+) -> dict[str, str]:
+    """The environment of a trainer process for ``job_id`` on the real stack."""
+    return {
+        **os.environ,
+        "TEMPER_MODE": "distributed",
+        "TEMPER_API__SECRET": f"test-secret-{unique}",
+        "TEMPER_DB__URL": database_url,
+        "TEMPER_BUS__BOOTSTRAP": kafka_bootstrap,
+        "TEMPER_STORAGE__ENDPOINT": s3_settings.endpoint,
+        "TEMPER_STORAGE__ACCESS_KEY": s3_settings.access_key,
+        "TEMPER_STORAGE__SECRET_KEY": s3_settings.secret_key.get_secret_value(),
+        "TEMPER_STORAGE__BUCKET": s3_settings.bucket,
+        "TEMPER_TRAINER__JOB_ID": job_id,
+        "TEMPER_TRAINER__DEVICE": "cpu",
+        "TEMPER_TRAINER__THREADS": "1",
+    }

@@ -22,7 +22,15 @@ from temper.bus import KafkaBus
 from temper.db import Database, Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.events import PolicyUpdate, Topics
 from temper.storage import S3Store
-from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
+from tests.services.trainer.factory import (
+    TrajectoryFactory,
+    add_job,
+    job_spec,
+    send_all,
+    store_all,
+    trainer_env,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -110,20 +118,7 @@ async def test_sigkill_mid_job_trains_no_trajectory_twice(
     bus = KafkaBus(bootstrap=kafka_bootstrap, partitions=6)
     await bus.start()
     await bus.create_topics(Topics.ALL)
-    env = {
-        **os.environ,
-        "TEMPER_MODE": "distributed",
-        "TEMPER_API__SECRET": f"test-secret-{unique}",
-        "TEMPER_DB__URL": database_url,
-        "TEMPER_BUS__BOOTSTRAP": kafka_bootstrap,
-        "TEMPER_STORAGE__ENDPOINT": s3_settings.endpoint,
-        "TEMPER_STORAGE__ACCESS_KEY": s3_settings.access_key,
-        "TEMPER_STORAGE__SECRET_KEY": s3_settings.secret_key.get_secret_value(),
-        "TEMPER_STORAGE__BUCKET": s3_settings.bucket,
-        "TEMPER_TRAINER__JOB_ID": job_id,
-        "TEMPER_TRAINER__DEVICE": "cpu",
-        "TEMPER_TRAINER__THREADS": "1",
-    }
+    env = trainer_env(database_url, kafka_bootstrap, s3_settings, unique, job_id)
     trainer = TrainerProcess(env, tmp_path / "trainer.log")
 
     f = TrajectoryFactory(job_id)

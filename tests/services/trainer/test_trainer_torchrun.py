@@ -28,7 +28,15 @@ from temper.policy import create_model
 from temper.registry import read_manifest
 from temper.storage import S3Store
 from temper.training import Learner, LearnerConfig
-from tests.services.trainer.factory import TrajectoryFactory, add_job, job_spec, send_all, store_all, wait_for
+from tests.services.trainer.factory import (
+    TrajectoryFactory,
+    add_job,
+    job_spec,
+    send_all,
+    store_all,
+    trainer_env,
+    wait_for,
+)
 from tests.services.trainer.test_trainer_crash import ROOT, TrainerProcess
 
 pytestmark = [
@@ -93,24 +101,13 @@ class TorchrunTrainer(TrainerProcess):
                 self.proc.wait(10)
 
 
-def trainer_env(
+def torchrun_env(
     database_url: str, kafka_bootstrap: str, s3_settings, unique: str, job_id: str
 ) -> dict[str, str]:
     return {
-        **os.environ,
+        **trainer_env(database_url, kafka_bootstrap, s3_settings, unique, job_id),
         "PYTHONPATH": f"{ROOT / 'libs'}:{ROOT}",
         "OMP_NUM_THREADS": "1",
-        "TEMPER_MODE": "distributed",
-        "TEMPER_API__SECRET": f"test-secret-{unique}",
-        "TEMPER_DB__URL": database_url,
-        "TEMPER_BUS__BOOTSTRAP": kafka_bootstrap,
-        "TEMPER_STORAGE__ENDPOINT": s3_settings.endpoint,
-        "TEMPER_STORAGE__ACCESS_KEY": s3_settings.access_key,
-        "TEMPER_STORAGE__SECRET_KEY": s3_settings.secret_key.get_secret_value(),
-        "TEMPER_STORAGE__BUCKET": s3_settings.bucket,
-        "TEMPER_TRAINER__JOB_ID": job_id,
-        "TEMPER_TRAINER__DEVICE": "cpu",
-        "TEMPER_TRAINER__THREADS": "1",
     }
 
 
@@ -157,7 +154,7 @@ async def test_two_ranks_train_a_job(
     job_id = f"fsdp-{unique}"
     await add_job(database, job_id, job_spec(group_size=4, groups_per_step=1, checkpoint_every=2))
     trainer = TorchrunTrainer(
-        trainer_env(database_url, kafka_bootstrap, s3_settings, unique, job_id), tmp_path / "trainer.log"
+        torchrun_env(database_url, kafka_bootstrap, s3_settings, unique, job_id), tmp_path / "trainer.log"
     )
     f = TrajectoryFactory(job_id)
     g1, flat, g2 = f.group("g1", [1, 0, 0, 0]), f.group("flat", [1, 1, 1, 1]), f.group("g2", [0, 1, 0.5, 1])
@@ -165,7 +162,7 @@ async def test_two_ranks_train_a_job(
     await store_all(store, g1 + flat + g2 + g3 + g4)
     spec = job_spec(group_size=4, groups_per_step=1, checkpoint_every=2)
     single = TrainerProcess(
-        trainer_env(database_url, kafka_bootstrap, s3_settings, unique, job_id), tmp_path / "one.log"
+        torchrun_env(database_url, kafka_bootstrap, s3_settings, unique, job_id), tmp_path / "one.log"
     )
     try:
         await trainer.start()
@@ -261,7 +258,7 @@ async def test_rank_killed_mid_job_trains_no_trajectory_twice(
     job_id = f"fsdpkill-{unique}"
     await add_job(database, job_id, job_spec(group_size=4, groups_per_step=1, checkpoint_every=2))
     trainer = TorchrunTrainer(
-        trainer_env(database_url, kafka_bootstrap, s3_settings, unique, job_id),
+        torchrun_env(database_url, kafka_bootstrap, s3_settings, unique, job_id),
         tmp_path / "trainer.log",
         max_restarts=1,
     )
