@@ -138,6 +138,13 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(
         await wait_for(
             lambda: _is(db, job, "completed"), limit_s=90, what=f"job completed after restart ({log})"
         )
+        # Rows the killed process committed stay claimed by it for the relay's claim_s (30 s);
+        # the restarted relay sends them after that, so it must still be running meanwhile.
+        await wait_for(
+            lambda: _enough({m.episode_id for m in peers.trajectories}, 16),
+            limit_s=60,
+            what=f"16 trajectories ({log})",
+        )
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -170,11 +177,6 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(
             )
         assert rewards == {e.id: 1 for e in eps}, "one recorded reward result per episode"
         assert outbox == {e.id: 1 for e in eps}, "one scoring transaction per episode"
-        await wait_for(
-            lambda: _enough({m.episode_id for m in peers.trajectories}, 16),
-            limit_s=30,
-            what="16 trajectories",
-        )
         ids: dict[str, set[uuid.UUID]] = defaultdict(set)
         for m in peers.trajectories:
             assert isinstance(m, TrajectoryReady)
