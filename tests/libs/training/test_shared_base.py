@@ -54,15 +54,11 @@ def test_two_adapters_on_one_base_train_as_they_would_alone():
         mine, theirs = shared_learner.adapter_weights(), alone.adapter_weights()
         assert mine.keys() == theirs.keys()
         assert all(torch.allclose(mine[k], theirs[k], atol=1e-6, rtol=0) for k in mine)
-    start = LearnerConfig(lora=CONFIG_A.lora)
-    assert any(
-        not torch.equal(v, w)
-        for v, w in zip(
-            a.adapter_weights().values(),
-            Learner(create_model(seed=3), start, device="cpu").adapter_weights().values(),
-            strict=True,
-        )  # fmt: skip
-    ), "the adapters moved"
+    # they moved (a fresh adapter's B matrices are zero)
+    assert all(
+        any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in learner.adapter_weights().items())
+        for learner in (a, b)
+    )
 
     # the base: unchanged, and held once (one tensor per weight, whatever the number of jobs)
     fresh = create_model(seed=3).state_dict()
