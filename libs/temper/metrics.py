@@ -114,6 +114,10 @@ TRAINER_PUBLISH_FAILING = Gauge(
 TRAINER_PUBLISH_FAILURES = Counter(
     "temper_trainer_publish_failures_total", "Failed attempts to publish a policy version", ["job_id"]
 )
+TRAINER_BASE_MODELS = Gauge(
+    "temper_trainer_base_models",
+    "Copies of a base model the trainer holds (LoRA jobs on one base model share one)",
+)
 TRAINER_SKIPPED_GROUPS = Counter(
     "temper_trainer_skipped_groups_total", "Groups skipped for zero reward variance", ["job_id"]
 )

@@ -23,6 +23,10 @@ One trainer owns a job: run one trainer process for all jobs (consumer group
 ``trainer``), or one per job with ``TEMPER_TRAINER__JOB_ID`` (group ``trainer.<job>``).
 Two trainers on one job would each hold part of its groups.
 
+LoRA jobs on the same base model share one copy of it in the trainer process
+(:class:`temper.training.lora.SharedBase`, keyed by :func:`base_key`): each job holds its
+adapter and that adapter's AdamW state, and the jobs step in turn.
+
 Under ``torchrun`` this class runs on rank 0 only; every learner operation with
 collectives (load, step, publish) is opened with a command to the other ranks
 (:mod:`services.trainer.ranks`, :mod:`services.trainer.follower`), and the model is
@@ -69,6 +73,7 @@ from temper.runtime import Runtime
 from temper.storage import NotFound, ObjectStore
 from temper.training import Learner, LearnerConfig, StepStats, TrainerSettings, is_zero_variance, pick_device
 from temper.training.distributed import DCP_DIR, agree, shard
+from temper.training.lora import SharedBase
 from temper.trajectory import Trajectory
 
 log = logging.getLogger("temper.trainer")
@@ -158,6 +163,8 @@ class Trainer:
         self._wake = asyncio.Event()
         self._last_error: str | None = None
         self._foreign_jobs: set[str] = set()
+        # base models under LoRA jobs' adapters, by base_key (not under torchrun)
+        self.bases: dict[str, SharedBase] = {}
 
     @property
     def group(self) -> str:
@@ -331,10 +338,13 @@ class Trainer:
                 )  # fmt: skip
         else:
             learner = await build_learner(
-                spec, self.settings, store, self.device, checkpoint, model_factory=self.model_factory
-            )
+                spec, self.settings, store, self.device, checkpoint, model_factory=self.model_factory,
+                bases=self.bases,
+            )  # fmt: skip
         metrics.POLICY_VERSION.labels(job_id).set(learner.version)
         state = JobState(job_id=job_id, tenant_id=row.tenant_id, spec=spec, learner=learner)
+        # a job is in self.jobs once loaded; count it with the others
+        metrics.TRAINER_BASE_MODELS.set(self.base_models(also=learner))
         missing = []
         for r in buffered:
             try:
@@ -659,6 +669,14 @@ class Trainer:
                 await self._publish_recovered(job, version)
             return version
 
+    def base_models(self, *, also: Learner | None = None) -> int:
+        """Copies of a base model this process holds: one per shared base, one per job
+        that has its own (full-weights jobs, LoRA jobs under torchrun); ``also``: a
+        learner not yet in ``jobs``."""
+        learners = [j.learner for j in self.jobs.values()] + ([also] if also is not None else [])
+        own = {id(lr.model) for lr in learners if lr.shared is None}
+        return len(self.bases) + len(own)
+
     def status(self) -> dict[str, Any]:
         """What ``GET /v1/status`` shows."""
         return {
@@ -666,9 +684,15 @@ class Trainer:
             "device": str(self.device),
             "ranks": self.ranks.world,
             "last_error": self._last_error,
+            "base_models": self.base_models(),
+            "shared_bases": {
+                key: sorted(jid for jid, j in self.jobs.items() if j.learner.shared is base)
+                for key, base in self.bases.items()
+            },
             "jobs": {
                 jid: {
                     "policy_version": j.learner.version,
+                    "shared_base": j.learner.shared.key if j.learner.shared is not None else None,
                     "step": j.learner.step_count,
                     "buffered_trajectories": j.buffered,
                     "ready_groups": len(j.ready),
@@ -738,6 +762,14 @@ async def initial_model(
     return await asyncio.to_thread(_load_files, files, settings.preset, settings.seed)
 
 
+def base_key(spec: JobSpec, config: LearnerConfig) -> str:
+    """What makes two LoRA jobs' base models the same one in memory: the initial weights'
+    name (as :func:`initial_model` resolves it) and gradient checkpointing, a switch on
+    the model itself. The weights are float32 in every learner (bf16 is autocast)."""
+    name = spec.policy.init or spec.policy.model
+    return f"{name} (gradient checkpointing)" if config.gradient_checkpointing else name
+
+
 async def build_learner(
     spec: JobSpec,
     settings: TrainerSettings,
@@ -747,20 +779,30 @@ async def build_learner(
     *,
     ranks: Ranks | None = None,
     model_factory: ModelFactory | None = None,
+    bases: dict[str, SharedBase] | None = None,
 ) -> Learner:
     """A job's learner: the initial policy (which stays the KL reference, also after a
     restart), with the latest version ``(checkpoint key, step, version)`` restored on top.
     With several ``ranks`` the model is sharded over them (every rank calls this, in step):
     a version with sharded state is loaded after sharding, whatever number of ranks wrote
-    it; an older one (full weights, one process's) before."""
+    it; an older one (full weights, one process's) before. With ``bases`` (one process),
+    a LoRA job's adapter goes on the shared base model of its :func:`base_key`, loaded
+    the first time and added to ``bases``."""
     sharded = ranks is not None and ranks.sharded
     key = checkpoint[0] if checkpoint else None
     error: Exception | None = None
     try:
-        model = await initial_model(spec, settings, store, model_factory)
-        learner = await asyncio.to_thread(
-            Learner, model, LearnerConfig.from_spec(spec.algorithm, settings), device=device
-        )
+        config = LearnerConfig.from_spec(spec.algorithm, settings)
+        if bases is not None and config.lora is not None and not sharded:
+            name = base_key(spec, config)
+            shared = bases.get(name)
+            if shared is None:
+                shared = SharedBase(await initial_model(spec, settings, store, model_factory), key=name)
+            learner = await asyncio.to_thread(Learner, shared, config, device=device)
+            bases[name] = shared  # once it holds an adapter
+        else:
+            model = await initial_model(spec, settings, store, model_factory)
+            learner = await asyncio.to_thread(Learner, model, config, device=device)
         has_state = (
             sharded and key is not None and registry.is_manifest_key(key) and await _has_state(store, key)
         )
@@ -774,15 +816,31 @@ async def build_learner(
     if sharded and has_state:
         await asyncio.to_thread(shard, learner)
     if key is not None:
-        if registry.is_manifest_key(key):
-            await learner.load_version(store, key)
-        else:  # a checkpoint written before the registry: two safetensors files
-            await learner.load_checkpoint(store, key)
+        try:
+            if registry.is_manifest_key(key):
+                await learner.load_version(store, key)
+            else:  # a checkpoint written before the registry: two safetensors files
+                await learner.load_checkpoint(store, key)
+        except Exception:
+            _release(learner, bases)
+            raise
     if sharded and not has_state:
         await asyncio.to_thread(shard, learner)
     if checkpoint is not None:
         learner.step_count, learner.version = checkpoint[1], checkpoint[2]
     return learner
+
+
+def _release(learner: Learner, bases: dict[str, SharedBase] | None) -> None:
+    """Take back the adapter of a job that failed to load (and the base, if it was the
+    only job on it)."""
+    shared = learner.shared
+    if shared is None or bases is None:
+        return
+    if shared.adapters == [learner.adapter]:
+        bases.pop(shared.key, None)
+    else:
+        shared.remove(learner.adapter)
 
 
 async def _has_state(store: ObjectStore, key: str) -> bool:

@@ -18,7 +18,9 @@ its metadata. No pickle is involved.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import logging
 import math
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from safetensors.torch import load as st_load
@@ -40,7 +42,14 @@ from temper.storage import ObjectStore
 from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
 from temper.training.config import Device, TrainerSettings
 from temper.training.grpo import Objective, grpo_token_loss, sample_weights
-from temper.training.lora import adapter_state, apply_lora, load_adapter_state, reference_off
+from temper.training.lora import (
+    SharedBase,
+    adapter_state,
+    apply_lora,
+    load_adapter_state,
+    reference_off,
+    save_adapter,
+)
 from temper.training.memory import (
     GiB,
     MemoryEstimate,
@@ -55,6 +64,21 @@ from temper.trajectory import Trajectory
 
 OPTIMIZER_FORMAT = "temper-adamw-v1"
 log = logging.getLogger("temper.training")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def on_adapter(method: Callable[Concatenate[Learner, P], R]) -> Callable[Concatenate[Learner, P], R]:
+    """Run a method that uses the model with this learner's adapter active (on a shared
+    base model, see :class:`temper.training.lora.SharedBase`)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Learner, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.adapter_active():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def pick_device(device: Device | str = Device.auto) -> torch.device:
@@ -247,11 +271,16 @@ class Learner:
 
     ``step`` counts optimizer steps; ``version`` is the policy version the weights
     correspond to (bumped by whoever publishes a checkpoint, see :meth:`save_checkpoint`).
+
+    ``model`` may be a :class:`temper.training.lora.SharedBase` (with ``config.lora``):
+    the learner then adds its own adapter to that base model, which other learners share,
+    and holds only the adapter's weights and their AdamW state; every method that uses
+    the model activates this learner's adapter first.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | SharedBase,
         config: LearnerConfig | None = None,
         *,
         device: torch.device | str | None = None,
@@ -263,9 +292,35 @@ class Learner:
         self.config = config or LearnerConfig()
         self.device = torch.device(device) if device is not None else pick_device()
         self.lora = self.config.lora is not None
-        if self.config.lora is not None:
-            # the reference policy is this model with the adapter off: never a second copy
-            model, reference = apply_lora(model, self.config.lora), None
+        self.shared: SharedBase | None = None
+        self.adapter = "default"
+        if isinstance(model, SharedBase):
+            if self.config.lora is None:
+                raise ValueError("a shared base model holds LoRA adapters: this job has no algorithm.lora")
+            self.shared, self.adapter = model, model.add(self.config.lora)
+            try:
+                with self.adapter_active():
+                    self._setup(model.model, None, pad_id)
+            except Exception:
+                model.remove(self.adapter)
+                raise
+        else:
+            if self.config.lora is not None:
+                # the reference policy is this model with the adapter off: never a second copy
+                model, reference = apply_lora(model, self.config.lora), None
+            self._setup(model, reference, pad_id)
+        self.step_count = step
+        self.version = version
+        # set by temper.training.distributed.shard: the whole model is called (its root
+        # gathers the output layer), and the loss is multiplied by the world size because
+        # FSDP averages the ranks' gradients where the step needs their sum
+        self.full_forward = False
+        self.loss_scale = 1.0
+        # this process's place among the ranks of a sharded learner (shard sets them)
+        self.rank, self.world = 0, 1
+
+    def _setup(self, model: torch.nn.Module, reference: torch.nn.Module | None, pad_id: int | None) -> None:
+        """Plan the memory, place the model, and build AdamW over its trainable weights."""
         self.memory_plan = self.plan_memory(
             model, reference_copy=self.config.kl_coef > 0 and reference is None and not self.lora
         )
@@ -296,15 +351,13 @@ class Learner:
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
         )
-        self.step_count = step
-        self.version = version
-        # set by temper.training.distributed.shard: the whole model is called (its root
-        # gathers the output layer), and the loss is multiplied by the world size because
-        # FSDP averages the ranks' gradients where the step needs their sum
-        self.full_forward = False
-        self.loss_scale = 1.0
-        # this process's place among the ranks of a sharded learner (shard sets them)
-        self.rank, self.world = 0, 1
+
+    def adapter_active(self) -> contextlib.AbstractContextManager[Any]:
+        """On a shared base model: this learner's adapter active, the base held by this
+        thread, for the duration. Otherwise nothing to do."""
+        if self.shared is None:
+            return contextlib.nullcontext()
+        return self.shared.active(self.adapter)
 
     def plan_memory(self, model: torch.nn.Module, *, reference_copy: bool) -> MemoryEstimate:
         """Estimate the job's memory (temper.training.memory), log it with the alternatives,
@@ -353,6 +406,7 @@ class Learner:
         )
         return self.step_samples(samples, groups=len(groups), skipped_groups=skipped)
 
+    @on_adapter
     def step_samples(
         self, samples: Sequence[Sample], *, groups: int = 0, skipped_groups: int = 0
     ) -> StepStats:
@@ -432,6 +486,7 @@ class Learner:
         stats.tokens_per_s = tokens / seconds if seconds > 0 else 0.0
         return stats
 
+    @on_adapter
     def backward(
         self,
         samples: Sequence[Sample],
@@ -529,6 +584,7 @@ class Learner:
             filtered=s.filtered,
         )
 
+    @on_adapter
     @torch.no_grad()
     def logprobs(self, trajectory: Trajectory) -> list[float]:
         """The current policy's logprob of every token of ``trajectory`` (0 where masked)."""
@@ -542,12 +598,22 @@ class Learner:
 
     # --- checkpoints --------------------------------------------------------------------
 
+    @on_adapter
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """A LoRA learner's adapter weights, copied to the CPU (PEFT's key names)."""
+        return adapter_state(self.model, self.adapter)
+
+    @on_adapter
+    def load_adapter(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_adapter_state(self.model, tensors, self.adapter)
+        self.model.to(self.device)
+
     def weights_bytes(self, metadata: dict[str, Any] | None = None) -> bytes:
         """The weights as one safetensors file (tied embeddings stored once); with LoRA,
         the adapter's weights alone (PEFT's key names)."""
         if self.lora:
             meta = {k: str(v) for k, v in (metadata or {}).items()}
-            return st_save(adapter_state(self.model), metadata=meta or None)
+            return st_save(self.adapter_weights(), metadata=meta or None)
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "model.safetensors"
             save_weights(self.model, path, metadata=metadata)
@@ -576,8 +642,7 @@ class Learner:
 
     def load_weights_bytes(self, data: bytes) -> None:
         if self.lora:
-            load_adapter_state(self.model, st_load(data))
-            self.model.to(self.device)
+            self.load_adapter(st_load(data))
             return
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "model.safetensors"
@@ -652,7 +717,8 @@ class Learner:
         from temper.policy import save_checkpoint
 
         if self.lora:
-            self.model.save_pretrained(str(directory))  # type: ignore[operator]
+            with self.adapter_active():
+                save_adapter(self.model, directory, self.adapter)
             return "lora"
         save_checkpoint(self.model, directory, tokenizer=tokenizer)
         return "full"
@@ -778,7 +844,7 @@ class Learner:
 
         def restore() -> None:
             if self.lora:
-                load_adapter_state(self.model, st_load(files["adapter_model.safetensors"]))
+                self.load_adapter(st_load(files["adapter_model.safetensors"]))
             else:
                 with tempfile.TemporaryDirectory() as d:
                     for name, data in files.items():
