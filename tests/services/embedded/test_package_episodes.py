@@ -167,6 +167,16 @@ async def test_an_uploaded_package_runs_a_job_and_only_its_tenant_sees_it(
         changed = {**package_files(), "tools/count.py": "print(0)\n"}
         assert (await push(p, "a", changed)).status_code == 409  # a version is immutable
 
+        bad = {**package_files(), "environment.yaml": package_files()["environment.yaml"].replace(
+            "network: none", "network: host")}  # fmt: skip
+        r = await push(p, "a", bad)
+        assert r.status_code == 422, r.text
+        line = next(
+            i for i, t in enumerate(bad["environment.yaml"].splitlines(), 1) if t.startswith("network:")
+        )
+        assert r.json()["errors"][0]["field"] == "network" and r.json()["errors"][0]["line"] == line, r.text
+        assert f"network (line {line}): network 'host' is not built" in r.json()["detail"], r.text
+
         listed = (await p.api.get("/v1/environments", headers=p.as_("a"))).json()
         assert [(m["name"], m["version"]) for m in listed] == [("wordcount-pkg", "1.0.0")]
         # the other tenant: nothing listed, 404 on read, and a job naming it is refused
@@ -180,6 +190,10 @@ async def test_an_uploaded_package_runs_a_job_and_only_its_tenant_sees_it(
                 "schedule": {"episodes_per_iteration": 2}}  # fmt: skip
         r = await p.api.post("/v1/jobs", json=spec, headers=p.as_("b"))
         assert r.status_code == 422 and "no environment package 'wordcount-pkg'" in r.text, r.text
+
+        spec["environment"]["max_turns"] = 9  # the package decides its turns
+        r = await p.api.post("/v1/jobs", json=spec, headers=p.as_("b"))
+        assert r.status_code == 422 and "'environment.max_turns': set by the package" in r.text, r.text
 
         episodes = await run_job(p, "a", "wordcount-pkg")
         assert len(episodes) == 2
