@@ -141,3 +141,42 @@ def test_the_walkthrough_shows_the_tested_package_and_its_error() -> None:
     [(field, line, message)] = errors_of(GOOD.replace("network: none", "network: host"))
     said = " ".join(doc.split("- A manifest that does not validate")[1].split("\n- ")[0].split())
     assert f"invalid environment.yaml: {field} (line {line}): {message}"[:80] in said.replace("`", "")
+
+
+async def test_a_pinned_package_environment_shows_the_agent_only_public_files(tmp_path) -> None:
+    from temper.envpkg import service
+    from temper.envs import make_environment
+    from temper.jobspec import JobSpec, SpecError
+    from temper.storage import LocalStore
+
+    store = LocalStore(tmp_path)
+    files = {str(p.relative_to(EXAMPLE)): p.read_text() for p in EXAMPLE.rglob("*") if p.is_file()}
+    await service.upload(store, tenant_id="acme", data=pack(files))
+    base = {"name": "j", "policy": {"model": "tiny"}, "tasks": {"taskset": "ts"},
+            "environment": {"kind": "package", "name": "wordcount-pkg", "version": "1.0.0"}}  # fmt: skip
+    spec = JobSpec.model_validate(base)
+    await service.pin(store, tenant_id="acme", spec=spec)
+    assert spec.rewards == {"correct": 1.0, "used_tool": 0.25} and spec.environment.action_format == "hermes"
+    with pytest.raises(SpecError, match="no environment package 'wordcount-pkg'"):
+        await service.pin(store, tenant_id="other", spec=JobSpec.model_validate(base))
+
+    env_spec = spec.environment
+    task = {"id": "fox", "kind": "math", "prompt": "How many words?", "spec": {"files": {"text.txt": "a b"}}}
+    env = make_environment("package", task, max_turns=env_spec.max_turns, action_format=env_spec.action_format,
+                           tools=env_spec.tools, package=env_spec.package)  # fmt: skip
+    start = env.setup_files()
+    assert {"text.txt", "tools/count.py", "tools/setup.py"} <= set(start)
+    assert not any("hidden" in p or "expected" in p or p == "environment.yaml" for p in start)
+    assert env.setup_actions() == [{"kind": "run_command", "command": "python3 tools/setup.py"}]
+    system, user = env.first_messages()
+    assert "sandboxed workspace" in system["content"] and user["content"].startswith(
+        "How many words?\nRecord"
+    )
+    action = env.parse(
+        '<tool_call>{"name": "count_words", "arguments": {"path": "a b.txt"}}</tool_call>', turn=0
+    )
+    assert action.command == {"kind": "run_command", "command": "python3 tools/count.py 'a b.txt'"}
+    action = env.parse('<tool_call>{"name": "read_file", "arguments": {"path": "x"}}</tool_call>', turn=0)
+    assert action.kind == "invalid" and "unknown tool 'read_file'" in (action.error or "")
+    sub = env.submission(None, final_text="", snapshot_key="snap", session_id="s")
+    assert sub["kind"] == "package" and sub["package"]["key"].startswith("tenants/acme/environments/")
