@@ -1,11 +1,11 @@
 """A tenant environment package end to end, with nothing of it in libs/ or services/: the
 example package (examples/environments/wordcount-pkg) is uploaded over REST, a job names
-it over REST, and its episodes run through the real dispatcher, sandbox worker and reward
-scorer (in one process, on the in-process bus) against the real Postgres and the real S3
-server; only the model is scripted. The package's setup, tools and grader run in
-sandboxes; another tenant cannot list, read or use it; a grader that misbehaves gives a
-recorded ``reward_error`` with its stderr in the episode log; a hostile grader finds
-neither the platform's environment nor another tenant's files."""
+it over REST, and its episodes run through the real dispatcher, sandbox worker and
+reward scorer (in one process, on the in-process bus and on the real Kafka) against the
+real Postgres and the real S3 server; only the model is scripted. The package's setup,
+tools and grader run in sandboxes; another tenant cannot list, read or use it; a grader
+that misbehaves gives a recorded ``reward_error`` with its stderr in the episode log; a
+hostile grader finds neither the platform's environment nor another tenant's files."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class Platform:
 
 @asynccontextmanager
 async def platform(
-    tmp_path: Path, db_url: str, s3: Any, script: Callable[[str, int], str]
+    tmp_path: Path, db_url: str, s3: Any, script: Callable[[str, int], str], kafka: str | None = None
 ) -> AsyncIterator[Platform]:
     """The dispatcher's app with the sandbox worker, the reward scorer and a scripted model
     in its process, started by its own lifespan; two tenants with keys."""
@@ -82,7 +82,9 @@ async def platform(
     root = Path("/tmp") / f"temper-pkg-{uuid.uuid4().hex[:8]}"  # the sandbox uid must reach it
     settings = Settings(
         db=DatabaseSettings(url=db_url),
-        bus=BusSettings(kind=BusKind.inprocess, partitions=4, retry_backoff_s=0.01),
+        bus=BusSettings(kind=BusKind.kafka, bootstrap=kafka, partitions=2, namespace=f"pkg{uuid.uuid4().hex[:8]}.")
+        if kafka
+        else BusSettings(kind=BusKind.inprocess, partitions=4, retry_backoff_s=0.01),
         storage=s3,
         sandbox=SandboxSettings(pool_size=1, workspace_root=root),
         dispatcher=DispatcherSettings(lease_s=30.0, trainer_attached=False, scheduler_interval_s=0.05,
@@ -150,16 +152,18 @@ async def episode_log(p: Platform, ep: Episode) -> list[dict[str, Any]]:
     return read_episode_log(await p.runtime.store.get(log_key(ep.tenant_id, ep.job_id, ep.id)))
 
 
+@pytest.mark.parametrize("bus", ["inprocess", pytest.param("kafka", marks=pytest.mark.kafka)])
 async def test_an_uploaded_package_runs_a_job_and_only_its_tenant_sees_it(
-    tmp_path, postgres_database_url, s3_settings
+    tmp_path, postgres_database_url, s3_settings, bus, request
 ):
+    kafka = request.getfixturevalue("kafka_bootstrap") if bus == "kafka" else None
     seen: list[str] = []
 
     def agent(prompt: str, turn: int) -> str:
         seen.append(prompt)
         return counting_agent(prompt, turn)
 
-    async with platform(tmp_path, postgres_database_url, s3_settings, agent) as p:
+    async with platform(tmp_path, postgres_database_url, s3_settings, agent, kafka) as p:
         r = await push(p, "a", package_files())
         assert r.status_code == 201, r.text
         assert r.json()["hidden_files"] == 2 and "hidden/grade.py" not in r.json()["public_files"]
