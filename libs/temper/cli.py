@@ -7,6 +7,7 @@
     temper pause|resume|cancel JOB
     temper admin create-tenant NAME        a tenant and its first API key (talks to the database)
     temper tasksets upload|list|show|validate ...   task sets (see temper.tasks.cli)
+    temper environments push DIR|list|show ...      tenant environment packages (temper.envpkg.cli)
     temper rescore TENANT JOB --weights ...         re-score a finished job
     temper episodes|metrics|logs|export|checkpoints|compare ...   results (see temper.cli_results)
 
@@ -364,12 +365,14 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plugins)
 
     from temper.cli_results import add_commands as add_result_commands
+    from temper.envpkg.cli import add_commands as add_environment_commands
     from temper.sandbox.cli import add_commands as add_image_commands
     from temper.tasks.cli import add_commands as add_taskset_commands
 
     add_result_commands(sub)
     add_taskset_commands(sub)
     add_image_commands(sub)
+    add_environment_commands(sub)
     for add_commands in extensions:
         add_commands(sub)
     return parser

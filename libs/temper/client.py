@@ -85,6 +85,20 @@ class TemperClient:
         )
         raise ApiError(response.status_code, detail, errors)
 
+    # --- environment packages ---------------------------------------------------------------
+
+    def push_environment(self, archive: bytes) -> dict[str, Any]:
+        """Upload a package (a tar.gz with environment.yaml at its top)."""
+        return self._call(  # type: ignore[no-any-return]
+            "POST", "/v1/environments", content=archive, headers={"Content-Type": "application/gzip"}
+        )
+
+    def environments(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/environments")  # type: ignore[no-any-return]
+
+    def environment(self, name: str, version: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/environments/{name}/{version}")  # type: ignore[no-any-return]
+
     # --- jobs ---------------------------------------------------------------------------
 
     def submit(self, spec: dict[str, Any] | str | Path) -> dict[str, Any]:

@@ -126,6 +126,11 @@ class SandboxRequest(Message):
         description="the task's starting files: written into the workspace when the session is created "
         "fresh (not when it is restored from snapshot_key)",
     )
+    setup: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="actions run once when the session is created fresh, after `files` and before `action` "
+        "(an environment package's setup program); one that fails fails the step",
+    )
 
 
 class SandboxResult(Message):

@@ -178,10 +178,21 @@ class ToolSpec(_Spec):
         return {"type": "function", "function": self.function.model_dump()}
 
 
+PACKAGE_KIND = "package"  # a tenant environment package (temper.envpkg), named by name and version
+
+
 class EnvironmentSpec(_Spec):
     kind: str = Field(
         "code",
-        description="code | math | shell, or an environment an operator installed (temper.environments)",
+        description="code | math | shell, an environment an operator installed (temper.environments), "
+        "or package: a tenant environment package named by name and version",
+    )
+    name: str | None = Field(None, max_length=64, description="package: the package's name")
+    version: str | None = Field(None, max_length=32, description="package: the package's version")
+    package: dict[str, Any] | None = Field(
+        None,
+        description="package: what the job runs, pinned from the package by the server when the job is "
+        "submitted (anything sent here is replaced)",
     )
     max_turns: int = Field(4, ge=1, le=100)
     action_format: str = Field(
@@ -199,6 +210,10 @@ class EnvironmentSpec(_Spec):
 
     @model_validator(mode="after")
     def _unique_tools(self) -> EnvironmentSpec:
+        if self.kind == PACKAGE_KIND and not (self.name and self.version):
+            raise ValueError("kind package needs the package's name and version")
+        if self.kind != PACKAGE_KIND and (self.name or self.version or self.package):
+            raise ValueError("name, version and package apply to kind package only")
         names = [t.function.name for t in self.tools or []]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -421,6 +436,8 @@ def plugin_errors(spec: JobSpec) -> list[tuple[str, str]]:
     failing later."""
     errors: list[tuple[str, str]] = []
     env = spec.environment
+    if env.kind == PACKAGE_KIND:  # the package's own names are checked when it is uploaded and pinned
+        return errors
     if env.kind not in plugins.installed(plugins.Group.environments):
         errors.append(("environment.kind", plugins.unknown_message(plugins.Group.environments, env.kind)))
     fmt = env.action_format

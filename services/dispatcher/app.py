@@ -22,6 +22,7 @@ from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.component import BootstrapKey, Dispatcher
 from services.dispatcher.console import routes as console
+from temper.envpkg.routes import make_router as make_environment_router
 from temper.jobspec import JobSpec
 from temper.runtime import Component, Runtime, service_app
 from temper.settings import Mode, Settings
@@ -78,6 +79,11 @@ def create_app(
         dependencies=[Depends(bearer_scheme)],
         responses={**TASKSET_ERRORS, **jobs.AUTH},
     )
+    app.include_router(  # /v1/environments: tenant environment packages
+        make_environment_router(current_tenant),
+        dependencies=[Depends(bearer_scheme)],
+        responses={**ENVIRONMENT_ERRORS, **jobs.AUTH},
+    )
     install_error_handlers(app)
     console.mount(app)
 
@@ -124,6 +130,12 @@ TASKSET_ERRORS: schemas.Responses = {
     404: {"model": schemas.Problem, "description": "no such task set for this tenant"},
     413: {"model": schemas.Problem, "description": "the upload is too large"},
     503: {"model": schemas.Problem, "description": "validation could not be queued"},
+}
+ENVIRONMENT_ERRORS: schemas.Responses = {
+    404: {"model": schemas.Problem, "description": "no such environment package for this tenant"},
+    409: {"model": schemas.Problem, "description": "the version exists with other content"},
+    413: {"model": schemas.Problem, "description": "the upload is too large"},
+    415: {"model": schemas.Problem, "description": "the body is not a tar.gz"},
 }
 MAX_MESSAGE = 300  # characters of one error message: never echo a huge input back
 

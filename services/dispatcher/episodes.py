@@ -44,7 +44,7 @@ from temper.events import (
     Topics,
     TrajectoryReady,
 )
-from temper.jobspec import JobSpec
+from temper.jobspec import PACKAGE_KIND, JobSpec
 from temper.lifecycle import (
     STEP_WAITING,
     EpisodeState,
@@ -165,6 +165,7 @@ class EpisodeEngine:
             max_observation_chars=self.settings.max_observation_chars,
             system_prompt=env.system_prompt,
             tools=env.tools,
+            **({"package": env.package} if env.kind == PACKAGE_KIND else {}),
         )
 
     async def _lock_with_step(
@@ -380,6 +381,7 @@ class EpisodeEngine:
                     limits=limits,
                     snapshot_key=ep.snapshot_key,
                     files=env.setup_files() if ep.snapshot_key is None else {},
+                    setup=env.setup_actions() if ep.snapshot_key is None else [],
                 )
                 # The lease covers the actions' own wall-clock limits on top of the hop.
                 actions = 1 + len(action.more or [])

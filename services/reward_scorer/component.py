@@ -21,6 +21,7 @@ from typing import Any
 
 from services.reward_scorer import handlers
 from temper import metrics
+from temper.envpkg import grader as envpkg_grader
 from temper.events import RewardRequest, RewardResult, Topics
 from temper.logs import log_event
 from temper.rewards import Scorer, ScoringError
@@ -153,11 +154,17 @@ class RewardScorer:
             return RewardResult(**ids, error=str(exc))
         assert self.scorer is not None
         try:
-            submission = await load_submission(request.submission, self.runtime.store)
-            reward, components = await self.scorer.score(
-                task, submission, request.weights or None, turns_used=request.turns_used,
-                max_turns=request.max_turns, format_ok=request.format_ok,
-            )  # fmt: skip
+            if request.submission.get("kind") == "package":  # a tenant package: its grade program decides
+                assert self.manager is not None
+                reward, components = await envpkg_grader.grade(
+                    self.manager, self.store, task, request.submission
+                )
+            else:
+                submission = await load_submission(request.submission, self.runtime.store)
+                reward, components = await self.scorer.score(
+                    task, submission, request.weights or None, turns_used=request.turns_used,
+                    max_turns=request.max_turns, format_ok=request.format_ok,
+                )  # fmt: skip
         except ScoringError as exc:
             metrics.REWARDS_SCORED.labels(status="error").inc()
             return RewardResult(**ids, error=f"scoring failed: {exc}")

@@ -211,6 +211,8 @@ class SandboxWorker:
             if request.action.get("kind") != "destroy":
                 action = Action.model_validate(request.action)
             more = [Action.model_validate(a) for a in request.more_actions]
+            for raw in request.setup:
+                Action.model_validate(raw)
             limits = SandboxLimits.model_validate(request.limits) if request.limits else None
         except ValidationError as e:
             return self._result(request, error=f"invalid request: {e.errors()[0]['msg']}")
@@ -274,6 +276,14 @@ class SandboxWorker:
             if r.error:
                 await self.manager.destroy_session(sid)
                 return f"cannot write starting file {path}: {r.error}"
+        for raw in request.setup:  # the environment's setup program, before the agent's first action
+            r = await self.manager.act(sid, Action.model_validate(raw))
+            if r.error or r.kill_reason is not None or r.exit_code != 0:
+                await self.manager.destroy_session(sid)
+                why = r.error or (
+                    f"killed ({r.kill_reason})" if r.kill_reason else f"exit status {r.exit_code}"
+                )
+                return f"setup failed: {why}: {(r.stderr or r.stdout).strip()[-500:]}"
         return None
 
 

@@ -22,7 +22,9 @@ from temper.envs.base import (
 )
 from temper.envs.code import CodeEnvironment
 from temper.envs.math import MathEnvironment, extract_answer
+from temper.envs.package import PackageEnvironment
 from temper.envs.shell import ShellEnvironment
+from temper.jobspec import PACKAGE_KIND
 
 
 class UnknownEnvironment(ValueError):
@@ -31,7 +33,10 @@ class UnknownEnvironment(ValueError):
 
 def environment_class(kind: str) -> type[Environment]:
     """The class registered as environment ``kind``; :class:`UnknownEnvironment` names
-    the installed ones when there is none (or it is not an :class:`Environment`)."""
+    the installed ones when there is none (or it is not an :class:`Environment`).
+    ``package`` (a tenant package) is built in: its code is data run in sandboxes."""
+    if kind == PACKAGE_KIND:
+        return PackageEnvironment
     try:
         cls = plugins.load(plugins.Group.environments, str(kind))
     except plugins.PluginError as exc:
@@ -58,6 +63,7 @@ __all__ = [
     "EnvKind",
     "Environment",
     "MathEnvironment",
+    "PackageEnvironment",
     "ParsedAction",
     "ShellEnvironment",
     "TaskView",

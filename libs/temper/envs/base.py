@@ -205,6 +205,11 @@ class Environment(ABC):
         files = self.task.spec.get("files") or {}
         return {str(k): str(v) for k, v in files.items()} if isinstance(files, Mapping) else {}
 
+    def setup_actions(self) -> list[dict[str, Any]]:
+        """Commands run in the sandbox session when it is created, after the starting files
+        and before the first action (``temper.sandbox.Action`` as dicts)."""
+        return []
+
     # --- one turn -----------------------------------------------------------------------------
     @abstractmethod
     def parse(self, text: str, *, turn: int) -> ParsedAction:

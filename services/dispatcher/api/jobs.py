@@ -15,6 +15,7 @@ from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, RuntimeDep, SessionDep
 from services.dispatcher.api.validation import MAX_SPEC_BYTES, check_names, clip, load_document, strict_spec
 from temper.db import Job
+from temper.envpkg import service as envpkg
 from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import IllegalTransition, JobState
 
@@ -139,6 +140,7 @@ async def submit_job(
         await check_names(
             session, spec=spec, settings=runtime.settings, tenant_id=tenant.id, store=runtime.store
         )
+        await envpkg.pin(runtime.store, tenant_id=tenant.id, spec=spec)
         job = await repo.create_job(session, tenant=tenant, spec=spec)
     except SpecError as exc:
         return spec_problem(exc)

@@ -281,3 +281,73 @@ async def test_worker_keeps_serving_after_the_suite(manager: SandboxManager) -> 
     r = await attack(manager, py("print(sum(range(10)))"))
     assert r.ok and r.stdout == "45\n"
     assert cgroup_members("no-such-tag") == []
+
+
+HOSTILE_PACKAGE_GRADER = """
+import json, os
+leak = {probe!r}[::-1]  # reversed here, so that this file is not what it finds
+env_leak = any(leak in v for v in os.environ.values()) or any(k.startswith("TEMPER_") for k in os.environ)
+for pid in os.listdir("/proc"):
+    try:
+        env_leak = env_leak or leak.encode() in open("/proc/" + pid + "/environ", "rb").read()
+    except (OSError, ValueError):
+        pass
+file_leak = 0.0
+for path in {paths!r}:  # the other tenant's stored package, by its exact host paths
+    try:
+        open(path, "rb").read()
+        file_leak = 1.0
+    except OSError:
+        pass
+print(json.dumps({{"env_leak": float(env_leak), "file_leak": file_leak, "own": float(os.path.exists("hidden/own.txt"))}}))
+"""
+
+
+async def test_a_tenant_package_grader_reads_neither_the_platform_env_nor_another_tenants_files(
+    scoring_manager: SandboxManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant package's grade program (temper.envpkg.grader) in its grading sandbox: the
+    scorer's secrets are not in its environment (nor readable from /proc), and another
+    tenant's package, stored on this very host, cannot be opened even by its exact path."""
+    import shutil
+    import uuid
+
+    from temper.envpkg import grader, service
+    from temper.envpkg.archive import pack
+    from temper.storage import LocalStore
+    from temper.tasks.models import TaskSpec
+
+    probe = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("TEMPER_STORAGE__SECRET_KEY", probe)  # the scorer's own environment
+    root = (
+        Path("/tmp") / f"temper-pkgstore-{uuid.uuid4().hex[:8]}"
+    )  # world-readable: only the sandbox stops it
+    root.mkdir(mode=0o755)
+    try:
+        store = LocalStore(root)
+        manifest = (
+            Path(__file__).resolve().parents[3] / "examples/environments/wordcount-pkg/environment.yaml"
+        ).read_text()
+        theirs = {"environment.yaml": manifest.replace("name: wordcount-pkg", "name: theirs"),
+                  "hidden/grade.py": "print(1)\n", "hidden/secret.txt": "theirs\n"}  # fmt: skip
+        await service.upload(store, tenant_id="other", data=pack(theirs))
+        paths = [str(p) for p in root.rglob("*") if p.is_file()]
+        for p in root.rglob("*"):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        assert paths, "the other tenant's package is on this host"
+        mine_manifest = manifest.replace("name: wordcount-pkg", "name: mine").replace(
+            "  correct: 1.0\n  used_tool: 0.25", "  env_leak: -1.0\n  file_leak: -1.0\n  own: 1.0"
+        )
+        mine = {"environment.yaml": mine_manifest, "hidden/own.txt": "mine\n",
+                "hidden/grade.py": HOSTILE_PACKAGE_GRADER.format(probe=probe[::-1], paths=paths)}  # fmt: skip
+        meta, _ = await service.upload(store, tenant_id="me", data=pack(mine))
+        submission = {"kind": "package", "snapshot_key": None,
+                      "package": {"key": meta["archive_key"], "rubric": meta["rubric"]}}  # fmt: skip
+        task = TaskSpec(id="t", kind="math", prompt="p", answer="1")
+        reward, components = await grader.grade(scoring_manager, store, task, submission)
+        values = {n: c.value for n, c in components.items()}
+        assert all(c.ok for c in components.values()), components
+        assert values == {"env_leak": 0.0, "file_leak": 0.0, "own": 1.0}, values
+        assert reward == 1.0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -147,3 +147,34 @@ def test_admin_create_tenant_prints_a_working_key(server, env, capsys, monkeypat
     assert me["id"] == "blue-team" and me["max_concurrent_episodes"] == 5
     code, _, err = run_cli(["admin", "create-tenant", "Blue Team"], capsys)
     assert code == 1 and "already exists" in err
+
+
+def test_environments_push_list_show_through_the_cli(server, tmp_path, capsys, monkeypatch):
+    """``temper environments push DIR`` uploads the example package; a bad manifest is
+    reported with its field and line; the other tenant sees nothing."""
+    import shutil
+    from pathlib import Path
+
+    url, seeded = server
+    monkeypatch.setenv("TEMPER_URL", url)
+    monkeypatch.setenv("TEMPER_API_KEY", seeded.key)
+    example = Path(__file__).resolve().parents[3] / "examples" / "environments" / "wordcount-pkg"
+    code, out, err = run_cli(["environments", "push", str(example)], capsys)
+    assert code == 0 and out.strip() == "wordcount-pkg 1.0.0", err
+    assert "count_words" in err and "2 hidden files" in err
+    code, out, _ = run_cli(["environments", "list"], capsys)
+    assert code == 0 and out.startswith("wordcount-pkg\t1.0.0\t")
+    code, out, _ = run_cli(["environments", "show", "wordcount-pkg", "1.0.0"], capsys)
+    assert code == 0 and '"hidden/grade.py"' not in out and '"tools/count.py"' in out
+
+    bad = tmp_path / "bad"
+    shutil.copytree(example, bad)
+    manifest = (bad / "environment.yaml").read_text()
+    (bad / "environment.yaml").write_text(manifest.replace("max_turns: 4", "max_turns: many"))
+    code, _, err = run_cli(["environments", "push", str(bad)], capsys)
+    line = manifest.splitlines().index("max_turns: 4") + 1
+    assert code == 1 and "422" in err and f"max_turns (line {line})" in err, err
+
+    monkeypatch.setenv("TEMPER_API_KEY", seeded.other_key)
+    code, _, err = run_cli(["environments", "show", "wordcount-pkg", "1.0.0"], capsys)
+    assert code == 1 and "404" in err

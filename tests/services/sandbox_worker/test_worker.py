@@ -205,3 +205,44 @@ async def test_a_session_on_a_task_image_and_a_missing_image(tmp_path, root) -> 
     finally:
         await service.stop()
         await runtime.stop()
+
+
+async def test_setup_runs_once_in_a_fresh_session_before_the_action_and_a_failing_one_is_an_error(
+    tmp_path, root
+) -> None:
+    """An environment package's setup: after the starting files, before the first action,
+    not again in the held session; a setup that fails fails the step with its output."""
+    runtime = Runtime(settings(tmp_path, root), service="sandbox-worker", needs_db=False)
+    await runtime.start()
+    service = SandboxWorkerService(runtime, worker_id="a")
+    await service.start()
+    results = Results()
+    await runtime.consume([Topics.SANDBOX_RESULTS], results, group="test-results")
+    bus = runtime.bus
+    assert bus is not None
+    setup = [{"kind": "run_command", "command": "cat seed.txt >> log.txt; echo setup >> log.txt"}]
+    try:
+        await bus.send_message(
+            Topics.SANDBOX_REQUESTS,
+            request("ok", 0, {"kind": "run_command", "command": "cat log.txt"}, files={"seed.txt": "seed\n"},
+                    setup=setup),
+        )  # fmt: skip
+        (r0,) = await results.wait(1)
+        assert r0.error is None and r0.result["stdout"] == "seed\nsetup\n", r0
+        await bus.send_message(
+            Topics.SANDBOX_REQUESTS,
+            request("ok", 1, {"kind": "run_command", "command": "cat log.txt"}, setup=setup),
+        )
+        r1 = (await results.wait(2))[1]
+        assert r1.result["stdout"] == "seed\nsetup\n", r1  # the held session: setup did not run again
+        failing = [{"kind": "run_command", "command": "echo no database >&2; exit 4"}]
+        await bus.send_message(
+            Topics.SANDBOX_REQUESTS,
+            request("bad", 0, {"kind": "run_command", "command": "true"}, setup=failing),
+        )
+        r2 = (await results.wait(3))[2]
+        assert r2.error == "setup failed: exit status 4: no database", r2
+        assert "bad" not in service.worker.manager.sessions
+    finally:
+        await service.stop()
+        await runtime.stop()
