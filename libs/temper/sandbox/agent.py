@@ -35,7 +35,7 @@ PROXY_SOCKET, PROXY_PORT = "/run/temper/proxy.sock", 3128
 CHUNK = 65536
 # Sessions that outlive actions: the services and the proxy forwarder, each the session
 # of a process the agent forked (setsid), so code in the sandbox cannot join one.
-KEPT = set()
+KEPT: set[int] = set()
 
 
 _prctl = None
