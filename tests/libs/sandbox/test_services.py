@@ -95,3 +95,16 @@ async def test_services_need_a_loopback_policy() -> None:
     assert SandboxLimits(network=NetworkPolicy.loopback, services=[HTTP]).services[0].name == "web"
     with pytest.raises(ValueError, match="exactly one of ready_port and ready_command"):
         ServiceSpec(name="x", command="true")
+
+
+async def test_a_fork_bomb_beside_a_service_is_cleaned_up(manager: SandboxManager) -> None:
+    sid = await manager.create_session(with_services(COUNTER))
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    r = await manager.act(sid, Action(kind="run_python", code=bomb, timeout_s=2))
+    assert r.kill_reason is not None
+    r = await manager.act(sid, count())
+    assert r.ok and r.stdout.strip() == "1", r.stdout + r.stderr
+    procs = "import os\nprint(sum(e.isdigit() for e in os.listdir('/proc')))"
+    r = await manager.act(sid, Action(kind="run_python", code=procs))
+    assert r.ok and int(r.stdout) <= 3, r.stdout  # the agent, the counter, this action
+    await manager.destroy_session(sid)
