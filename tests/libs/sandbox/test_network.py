@@ -170,3 +170,49 @@ def test_limits_validate_the_policy() -> None:
     with pytest.raises(ValueError, match="is not host:port"):
         SandboxLimits(network=NetworkPolicy.allowlist, allow=["example.com"])
     assert SandboxLimits(network="allowlist", allow=["Example.COM:443"]).allow == ["example.com:443"]
+
+
+async def test_allowlist_and_a_service_on_the_image(
+    sandbox_root: Path, image_store, debian_image: str, servers: tuple[int, int]
+) -> None:
+    """The same on the Debian image: its python3 runs the forwarder and the service."""
+    from temper.sandbox import ServiceSpec
+    from tests.libs.sandbox.conftest import IMAGE_CACHE
+
+    store, _ = image_store
+    settings = make_settings(
+        sandbox_root,
+        pool_size=0,
+        image_cache=IMAGE_CACHE,
+        default_image=debian_image,
+        egress_allow_private=True,
+    )
+    m = SandboxManager(settings, store=store)
+    await m.start()
+    try:
+        allowed, other = servers
+        web = ServiceSpec(
+            name="web", command="exec python3 -m http.server 8080 --bind 127.0.0.1", ready_port=8080
+        )
+        limits = SandboxLimits.model_validate(
+            {
+                **SMALL.model_dump(),
+                "network": "allowlist",
+                "allow": [f"127.0.0.1:{allowed}"],
+                "services": [web.model_dump()],
+            }
+        )
+        async with m.sandbox(limits) as sb:
+            assert sb.image is not None
+            r = await sb.act(fetch(f"http://127.0.0.1:{allowed}/img"))
+            assert r.stdout.strip() == f"hello from {allowed} /img", r.stdout + r.stderr
+            r = await sb.act(fetch(f"http://127.0.0.1:{other}/"))
+            assert r.stdout.startswith("HTTP 403"), r.stdout + r.stderr
+            local = Action(
+                kind="run_command",
+                command="git --version && python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8080/').status)\"",
+            )
+            r = await sb.act(local)  # NO_PROXY: the sandbox's own service is reached directly
+            assert r.ok and r.stdout.split()[-1] == "200", r.stdout + r.stderr
+    finally:
+        await assert_clean_close(m)
