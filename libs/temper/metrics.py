@@ -64,6 +64,9 @@ SANDBOX_KILLS = Counter("temper_sandbox_kills_total", "Sandbox actions killed", 
 SANDBOX_LEAKED_PROCESSES = Gauge(
     "temper_sandbox_leaked_processes", "Processes left behind by destroyed sandboxes (must stay 0)"
 )
+SANDBOX_EGRESS_REFUSED = Counter(
+    "temper_sandbox_egress_refused_total", "Connections the allowlist proxy refused (network: allowlist)"
+)
 
 # --- rewards ---------------------------------------------------------------------------
 REWARDS_SCORED = Counter("temper_rewards_scored_total", "Episodes scored", ["status"])

@@ -4,7 +4,15 @@ a warm pool, stateful sessions and workspace snapshots. See docs/sandbox.md."""
 from temper.sandbox.backends import Backend, BwrapBackend, ProcessBackend, make_backend
 from temper.sandbox.config import BackendKind, SandboxSettings
 from temper.sandbox.manager import SandboxManager, SessionNotFound
-from temper.sandbox.models import Action, ExecResult, FileInfo, KillReason, SandboxLimits
+from temper.sandbox.models import (
+    Action,
+    ExecResult,
+    FileInfo,
+    KillReason,
+    NetworkPolicy,
+    SandboxLimits,
+    ServiceSpec,
+)
 from temper.sandbox.sandbox import Sandbox, SandboxError
 from temper.sandbox.snapshot import SnapshotError
 
@@ -16,12 +24,14 @@ __all__ = [
     "ExecResult",
     "FileInfo",
     "KillReason",
+    "NetworkPolicy",
     "ProcessBackend",
     "Sandbox",
     "SandboxError",
     "SandboxLimits",
     "SandboxManager",
     "SandboxSettings",
+    "ServiceSpec",
     "SessionNotFound",
     "SnapshotError",
     "make_backend",

@@ -30,7 +30,12 @@ import time
 REQ_FD, REP_FD = 3, 4
 WORKSPACE = sys.argv[1] if len(sys.argv) > 1 else "/workspace"
 PIDNS = len(sys.argv) > 2 and sys.argv[2] == "pidns"
+PROXY = len(sys.argv) > 3 and sys.argv[3] == "proxy"  # network: allowlist
+PROXY_SOCKET, PROXY_PORT = "/run/temper/proxy.sock", 3128
 CHUNK = 65536
+# Sessions that outlive actions: the services and the proxy forwarder, each the session
+# of a process the agent forked (setsid), so code in the sandbox cannot join one.
+KEPT: set[int] = set()
 
 
 _prctl = None
@@ -94,10 +99,45 @@ def reap_all():
         if pid == 0:
             return
         children[pid] = status
+        KEPT.discard(pid)  # a service's leader died: its pid may be reused, its session is not kept
+
+
+def session_of(pid):
+    """(session id, state) of a process of this pid namespace, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return int(fields[3]), fields[0]
+
+
+def kill_unkept():
+    """Kill every process but the agent and the kept sessions, until none is left."""
+    for _ in range(200):
+        victims = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or entry == "1":
+                continue
+            found = session_of(entry)
+            if found is None or found[0] in KEPT or found[1] == b"Z":
+                continue
+            victims += 1
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        reap_all()
+        if not victims:
+            return
+        time.sleep(0.0005)
 
 
 def kill_all(main_pid):
     """Kill every process of the action: all of the pid namespace but the agent."""
+    if PIDNS and KEPT:
+        kill_unkept()
+        return
     for _ in range(200):
         try:
             if PIDNS:
@@ -370,7 +410,100 @@ def op_list(req):
     send({"ok": 1}, data="\0".join(entries).encode("utf-8", "surrogateescape"))
 
 
-OPS = {"exec": run, "write": op_write, "read": op_read, "list": op_list}
+def start_kept(target):
+    """Fork ``target()`` as the leader of a new, kept session; returns its pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            target()
+        finally:
+            os._exit(126)
+    KEPT.add(pid)
+    return pid
+
+
+def op_service(req):
+    """Start a service: ``/bin/sh -c command`` in a kept session, output to its log."""
+
+    def service():
+        null = os.open("/dev/null", os.O_RDONLY)
+        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.closerange(3, 65536)
+        _set_dumpable(1)
+        try:
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            os.write(fd, b"1000")
+            os.close(fd)
+        except OSError:
+            pass
+        for name, (soft, hard) in req["rlimits"].items():
+            try:
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+            except (ValueError, OSError):
+                pass
+        os.chdir(resolve(req.get("cwd")))
+        os.execve("/bin/sh", ["/bin/sh", "-c", req["command"]], req["env"])
+
+    send({"ok": 1, "pid": start_kept(service)})
+
+
+def forwarder(listener):
+    """Relay each connection to 127.0.0.1:3128 to the worker's proxy socket (a child
+    per connection): tools in the sandbox speak HTTP(S)_PROXY over TCP, not Unix sockets."""
+    import _socket
+
+    os.closerange(3, listener.fileno())
+    os.closerange(listener.fileno() + 1, 65536)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # connection children reap themselves
+    while True:
+        try:
+            fd, _addr = listener._accept()
+        except OSError:
+            continue
+        if os.fork() == 0:
+            listener.close()
+            client = _socket.socket(fileno=fd)
+            upstream = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            try:
+                upstream.connect(PROXY_SOCKET)
+                relay(client, upstream)
+            finally:
+                os._exit(0)
+        os.close(fd)
+
+
+def relay(a, b):
+    poller = select.poll()
+    peers = {a.fileno(): b, b.fileno(): a}
+    for s in (a, b):
+        poller.register(s.fileno(), select.POLLIN)
+    while peers:
+        for fd, _ev in poller.poll():
+            src = a if fd == a.fileno() else b
+            try:
+                data = src.recv(CHUNK)
+            except OSError:
+                data = b""
+            if data:
+                try:
+                    peers[fd].sendall(data)
+                    continue
+                except OSError:
+                    return
+            poller.unregister(fd)
+            try:
+                peers.pop(fd).shutdown(1)  # SHUT_WR: pass the EOF on
+            except OSError:
+                pass
+
+
+OPS = {"exec": run, "write": op_write, "read": op_read, "list": op_list, "service": op_service}
 
 
 def main():
@@ -388,7 +521,19 @@ def main():
         signal.signal(sig, signal.SIG_DFL)
     _set_dumpable(0)
     os.chdir(WORKSPACE)
-    send({"ok": 1, "pid": os.getpid()})
+    if PROXY:
+        # Listening before the first action: a connection waits in the backlog until
+        # the forwarder accepts it.
+        import _socket
+
+        listener = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", PROXY_PORT))
+        listener.listen(64)
+        fwd = start_kept(lambda: forwarder(listener))
+        listener.close()
+        send({"ok": 1, "pid": os.getpid(), "fwd": fwd})
+    else:
+        send({"ok": 1, "pid": os.getpid()})
     while True:
         try:
             (n,) = struct.unpack("<I", read_exact(4))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from temper.sandbox.config import BackendKind, SandboxSettings
 from temper.sandbox.images import Image
-from temper.sandbox.models import SandboxLimits
+from temper.sandbox.models import NetworkPolicy, SandboxLimits
+from temper.sandbox.proxy import SANDBOX_SOCKET
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,12 @@ class Backend(ABC):
         self.settings = settings
 
     @abstractmethod
-    def agent_argv(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
+    def agent_argv(
+        self, workspace: Path, limits: SandboxLimits, image: Image | None = None, proxy: Path | None = None
+    ) -> list[str]:
         """The command line that starts the agent for a sandbox on ``workspace`` (on
-        ``image``'s root filesystem when one is given)."""
+        ``image``'s root filesystem when one is given; with ``proxy``, the egress proxy's
+        socket, for ``network: allowlist``)."""
 
     @abstractmethod
     def inner_workspace(self, workspace: Path) -> str:
@@ -117,7 +121,7 @@ class BwrapBackend(Backend):
                 args += ["--symlink", os.readlink(path), f"/{name}"]
             elif path.is_dir():
                 args += ["--ro-bind", str(path), f"/{name}"]
-        if limits.network:
+        if limits.network is NetworkPolicy.host:
             for name in ("resolv.conf", "hosts"):
                 if os.path.lexists(image.rootfs / "etc" / name):
                     args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
@@ -140,7 +144,7 @@ class BwrapBackend(Backend):
                 args += ["--symlink", target, link]
             elif os.path.isdir(link):
                 args += ["--ro-bind", link, link]
-        if limits.network:
+        if limits.network is NetworkPolicy.host:
             for path in ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf"):
                 args += ["--ro-bind-try", path, path]
         return args + self._own_mounts(workspace)
@@ -162,12 +166,23 @@ class BwrapBackend(Backend):
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--hostname", "sandbox", "--clearenv",
         ]  # fmt: skip
-        if limits.network:
+        if limits.network is NetworkPolicy.host:
             args.append("--share-net")
+        # none, loopback, allowlist: a network namespace of its own, in which bubblewrap
+        # brings up the loopback (0.8 always does); allowlist adds the proxy socket.
         return args
 
-    def agent_argv(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
+    def agent_argv(
+        self, workspace: Path, limits: SandboxLimits, image: Image | None = None, proxy: Path | None = None
+    ) -> list[str]:
         mounts = self.mount_args(workspace, limits, image)
+        mode = []
+        if limits.network is NetworkPolicy.allowlist:
+            if proxy is None:
+                raise ValueError("network: allowlist needs the worker's proxy socket")
+            # Bound before the root is remounted read-only (the last mount argument).
+            mounts[-2:-2] = ["--ro-bind", str(proxy), SANDBOX_SOCKET]
+            mode = ["proxy"]
         same_python = image is None or image.python_name() == self.host_python_name
         if same_python and self.agent_pyc is not None and self.agent_pyc.exists():
             # Bound before the root is remounted read-only (the last mount argument).
@@ -180,7 +195,7 @@ class BwrapBackend(Backend):
             *self.namespace_args(limits),
             "--as-pid-1",
             *mounts,
-            self.settings.python, "-S", *agent, SANDBOX_WORKSPACE, "pidns",
+            self.settings.python, "-S", *agent, SANDBOX_WORKSPACE, "pidns", *mode,
         ]  # fmt: skip
 
     @property
@@ -216,7 +231,13 @@ class ProcessBackend(Backend):
     def inner_workspace(self, workspace: Path) -> str:
         return str(workspace)
 
-    def agent_argv(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
+    def agent_argv(
+        self, workspace: Path, limits: SandboxLimits, image: Image | None = None, proxy: Path | None = None
+    ) -> list[str]:
+        if limits.network is NetworkPolicy.allowlist:
+            raise ValueError(
+                "the process backend cannot run network: allowlist (it has no network namespace)"
+            )
         if image is not None:
             raise ValueError(
                 "the process backend cannot run a sandbox on an image (it has no mount namespace)"

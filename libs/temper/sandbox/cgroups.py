@@ -92,16 +92,21 @@ class Cgroup(ABC):
     @abstractmethod
     def _remove_dirs(self) -> bool: ...
 
-    def kill_except(self, keep: set[int]) -> int:
-        """SIGKILL every process in the group but ``keep``. The group is frozen while the
-        list is read and the signals sent, so a fork bomb cannot race the kill."""
+    def kill_except(self, keep: set[int], spare: Callable[[int], bool] | None = None) -> int:
+        """SIGKILL every process in the group but ``keep`` (and those ``spare`` says to
+        keep). The group is frozen while the list is read and the signals sent, so a fork
+        bomb cannot race the kill."""
         killed = 0
-        if keep and set(self.procs()) <= keep:
+
+        def doomed() -> list[int]:
+            return [p for p in self.procs() if p not in keep and not (spare and spare(p))]
+
+        if keep and not doomed():
             return 0  # the common case after an action: nothing to freeze
         for _ in range(20):
             self._freeze(True)
             try:
-                victims = [p for p in self.procs() if p not in keep]
+                victims = doomed()
                 for pid in victims:
                     try:
                         os.kill(pid, signal.SIGKILL)
@@ -116,7 +121,7 @@ class Cgroup(ABC):
             # look again soon rather than freezing for another round straight away.
             for _ in range(10):
                 time.sleep(0.0002)
-                if not [p for p in self.procs() if p not in keep]:
+                if not doomed():
                     return killed
         return killed
 

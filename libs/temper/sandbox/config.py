@@ -15,6 +15,18 @@ class BackendKind(StrEnum):
     process = "process"  # no isolation at all: for hosts without user namespaces
 
 
+class LimitMaxima(BaseModel):
+    """The most a task or job may ask for (``TEMPER_SANDBOX__MAX_LIMITS__*``): a request
+    above one is refused at job submission and by the worker, never clamped."""
+
+    wall_s: float = Field(3600.0, gt=0, description="wall_s and an action's timeout_s")
+    cpu_s: float = Field(3600.0, gt=0)
+    memory_mb: int = Field(16384, ge=16)
+    pids: int = Field(4096, ge=4)
+    workspace_mb: int = Field(16384, ge=1, description="the workspace (the sandbox's disk)")
+    file_size_mb: int = Field(16384, ge=1)
+
+
 class SandboxSettings(BaseModel):
     backend: BackendKind = BackendKind.bwrap
     allow_unsafe: bool = Field(False, description="allow the process backend in distributed mode")
@@ -42,6 +54,15 @@ class SandboxSettings(BaseModel):
         ],
         description="host paths bound read-only at the same place, or HOST:SANDBOX to bind elsewhere "
         "(missing ones are skipped)",
+    )
+    max_limits: LimitMaxima = LimitMaxima()
+    allow_host_network: bool = Field(
+        False, description="let a task ask for network: host (the host's network namespace)"
+    )
+    egress_allow_private: bool = Field(
+        False,
+        description="let the allowlist proxy connect to loopback, private and link-local addresses "
+        "(off: a listed name that resolves to one is refused)",
     )
     snapshot_prefix: str = "sandbox-snapshots"
     image_cache: Path = Field(

@@ -28,6 +28,7 @@ from temper.sandbox.cgroups import CgroupManager, detect
 from temper.sandbox.config import SandboxSettings
 from temper.sandbox.images import Image, ImageCache
 from temper.sandbox.models import Action, ExecResult, SandboxLimits
+from temper.sandbox.policy import limit_errors, timeout_error
 from temper.sandbox.sandbox import Sandbox, SandboxError
 from temper.sandbox.spawner import Spawner
 
@@ -191,6 +192,7 @@ class SandboxManager:
         return Sandbox(
             backend=self.backend, cgroups=self.cgroups, limits=limits, workspace_root=self.root,
             run_as=run_as, sandbox_id=sandbox_id, spawner=self.spawner, image=image,
+            egress_allow_private=self.settings.egress_allow_private,
         )  # fmt: skip
 
     async def _destroy(self, sb: Sandbox) -> None:
@@ -235,11 +237,15 @@ class SandboxManager:
     async def acquire(self, limits: SandboxLimits | None = None, *, sandbox_id: str | None = None) -> Sandbox:
         """A started sandbox with these limits: from the pool when one fits, else a new one."""
         limits = self.with_image(limits or self.settings.default_limits)
+        refused = limit_errors(limits, self.settings)
+        if refused:
+            raise SandboxError("; ".join(message for _field, message in refused))
         t0 = time.perf_counter()
         sb: Sandbox | None = None
-        # Pooled sandboxes all carry the default network setting and image; the rest can change.
+        # Pooled sandboxes all carry the default network policy, services and image; the
+        # rest can change.
         pooled = self.with_image(self.settings.default_limits)
-        while self._pool and sb is None and (limits.network, limits.image) == (pooled.network, pooled.image):
+        while self._pool and sb is None and limits.fixed_at_start == pooled.fixed_at_start:
             candidate = self._pool.popleft()
             try:
                 if candidate.dead:
@@ -293,6 +299,9 @@ class SandboxManager:
             await self.release(sb)
 
     async def execute(self, sb: Sandbox, action: Action) -> ExecResult:
+        refused = timeout_error(action.timeout_s, self.settings)
+        if refused is not None:
+            return ExecResult(error=refused)
         t0 = time.perf_counter()
         result = await sb.act(action)
         metrics.SANDBOX_EXEC_SECONDS.observe(time.perf_counter() - t0)

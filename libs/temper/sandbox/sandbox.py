@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, Any
 from temper.sandbox.backends import Backend
 from temper.sandbox.cgroups import Cgroup, CgroupManager, CgroupStats
 from temper.sandbox.fork_server import enter_sandbox
-from temper.sandbox.models import Action, ExecResult, FileInfo, KillReason, SandboxLimits
+from temper.sandbox.models import (
+    Action,
+    ExecResult,
+    FileInfo,
+    KillReason,
+    NetworkPolicy,
+    SandboxLimits,
+    ServiceSpec,
+)
+from temper.sandbox.proxy import FORWARD_PORT, EgressProxy
 
 if TYPE_CHECKING:
     from temper.sandbox.images import Image
@@ -144,8 +153,15 @@ class Sandbox:
         sandbox_id: str | None = None,
         spawner: Spawner | None = None,
         image: Image | None = None,
+        egress_allow_private: bool = False,
     ) -> None:
         self.id = sandbox_id or uuid.uuid4().hex[:16]
+        self.workspace_root = workspace_root
+        self.egress_allow_private = egress_allow_private
+        self.proxy: EgressProxy | None = None
+        # Sessions (ids inside the sandbox's pid namespace) of the services and the proxy
+        # forwarder: their processes survive the end of an action.
+        self.kept_sessions: set[int] = set()
         self.image = image  # the unpacked root filesystem it runs on (None: the host's /usr)
         self.backend = backend
         self.cgroups = cgroups
@@ -170,6 +186,12 @@ class Sandbox:
             if self.cgroups is not None:
                 self.cgroup = self.cgroups.create(f"sb-{self.id}")
                 self.cgroup.set_limits(memory_bytes=self.limits.memory_mb << 20, pids=self.limits.pids)
+            if self.limits.network is NetworkPolicy.allowlist:
+                self.proxy = EgressProxy(
+                    self.workspace_root / f"{self.id}.proxy", self.limits.allow,
+                    sandbox_id=self.id, allow_private=self.egress_allow_private,
+                )  # fmt: skip
+                await self.proxy.start()
             await self._spawn()
         except BaseException:
             await self.destroy()
@@ -181,7 +203,9 @@ class Sandbox:
         return lambda: enter_sandbox(join, uid, gid)
 
     async def _spawn(self) -> None:
-        argv = self.backend.agent_argv(self.workspace.path, self.limits, self.image)
+        argv = self.backend.agent_argv(
+            self.workspace.path, self.limits, self.image, self.proxy.path if self.proxy else None
+        )
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         if self.spawner is not None and self.spawner.running:
             # Forked by the small spawner process, not by this (large) one.
@@ -211,7 +235,80 @@ class Sandbox:
         # those are spared when an action's processes are killed.
         self.keep = {self.proc.pid, *(self.cgroup.procs() if self.cgroup else [])}
         self.agent_pid = ready.int("pid")
+        forwarder = ready.int("fwd")
+        self.kept_sessions = {forwarder} if forwarder is not None else set()
         self.dead = False
+        for service in self.limits.services:
+            await self._start_service(service)
+
+    def _spare(self, pid: int) -> bool:
+        """A process of a kept session (a service, the proxy forwarder), found by its
+        session id inside the sandbox's pid namespace (the last ``NSsid`` entry)."""
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("NSsid:"):
+                        return int(line.split()[-1]) in self.kept_sessions
+        except (OSError, ValueError):
+            pass
+        return False
+
+    def _kill_rest(self) -> None:
+        """Kill what an action left in the cgroup: all but the agent and kept sessions."""
+        if self.cgroup is not None:
+            self.cgroup.kill_except(self.keep, self._spare if self.kept_sessions else None)
+
+    def _proxy_env(self) -> dict[str, str]:
+        if self.proxy is None:
+            return {}
+        url = f"http://127.0.0.1:{FORWARD_PORT}"
+        env = {"HTTP_PROXY": url, "HTTPS_PROXY": url, "NO_PROXY": "localhost,127.0.0.1"}
+        return {**env, **{k.lower(): v for k, v in env.items()}}
+
+    async def _start_service(self, service: ServiceSpec) -> None:
+        """Start one service in a kept session and wait until its readiness check passes."""
+        log_path = f"/tmp/temper-service-{service.name}.log"
+        lim = self.limits
+        rlimits = {k: v for k, v in self._rlimits(lim.cpu_s).items() if k != "RLIMIT_CPU"}
+        env = {**self.backend.base_env(self.workspace.path), **self._proxy_env(), **service.env}
+        self._send(
+            {"op": "service", "command": service.command, "env": env, "rlimits": rlimits,
+             "log": log_path, "cwd": self.backend.inner_workspace(self.workspace.path)}
+        )  # fmt: skip
+        reply = await asyncio.wait_for(self._read_reply(), timeout=10)
+        pid = reply.int("pid")
+        if reply.head.get("ok") != "1" or pid is None:
+            raise SandboxError(f"service {service.name}: {reply.data.decode('utf-8', 'replace')}")
+        self.kept_sessions.add(pid)
+        if service.ready_port is not None:
+            check = Action(
+                kind="run_python",
+                code=(
+                    "import socket, time\n"
+                    "while True:\n"
+                    "    try:\n"
+                    f"        socket.create_connection(('127.0.0.1', {service.ready_port}), 1).close()\n"
+                    "        break\n"
+                    "    except OSError:\n"
+                    "        time.sleep(0.05)\n"
+                ),
+                timeout_s=service.ready_timeout_s,
+            )
+        else:
+            check = Action(
+                kind="run_command",
+                command=f"until (\n{service.ready_command}\n) >/dev/null 2>&1; do sleep 0.1; done",
+                timeout_s=service.ready_timeout_s,
+            )
+        result = await self._exec(check, cpu_s=service.ready_timeout_s)
+        if not result.ok:
+            log = await self._file_op(Action(kind="read_file", path=log_path))
+            tail = (log.content or "")[-2000:]
+            raise SandboxError(
+                f"service {service.name} was not ready within {service.ready_timeout_s:g} s "
+                f"({'port ' + str(service.ready_port) if service.ready_port else 'ready_command'}); "
+                f"its output: {tail!r}"
+            )
 
     async def _respawn(self) -> None:
         self._hard_kill()
@@ -258,6 +355,8 @@ class Sandbox:
             except TimeoutError:
                 log.error("sandbox %s: agent did not exit", self.id)
             self._release_proc()
+        if self.proxy is not None:
+            await self.proxy.close()
         leaked = 0
         if self.cgroup is not None:
             leaked = await asyncio.to_thread(self.cgroup.destroy)
@@ -265,9 +364,11 @@ class Sandbox:
         return leaked
 
     async def apply_limits(self, limits: SandboxLimits) -> None:
-        """Change a (pooled) sandbox's limits; the network setting cannot change."""
-        if limits.network != self.limits.network:
+        """Change a (pooled) sandbox's limits; the network policy and services cannot change."""
+        if (limits.network, limits.allow) != (self.limits.network, self.limits.allow):
             raise SandboxError("network access cannot change after a sandbox starts")
+        if limits.services != self.limits.services:
+            raise SandboxError("services cannot change after a sandbox starts")
         if limits.image != self.limits.image:
             raise SandboxError("the image cannot change after a sandbox starts")
         if self.cgroup is not None and (limits.memory_mb, limits.pids) != (
@@ -333,16 +434,17 @@ class Sandbox:
             rl["RLIMIT_AS"] = (lim.memory_mb << 20, lim.memory_mb << 20)
         return rl
 
-    async def _exec(self, action: Action) -> ExecResult:
+    async def _exec(self, action: Action, cpu_s: float | None = None) -> ExecResult:
         lim = self.limits
         wall = action.timeout_s or lim.wall_s
+        cpu_s = cpu_s or lim.cpu_s
         inner_ws = self.backend.inner_workspace(self.workspace.path)
-        env = {**self.backend.base_env(self.workspace.path), **action.env}
+        env = {**self.backend.base_env(self.workspace.path), **self._proxy_env(), **action.env}
         req: dict[str, Any] = {
             "op": "exec",
             "wall": wall,
             "out_cap": lim.output_bytes,
-            "rlimits": self._rlimits(lim.cpu_s),
+            "rlimits": self._rlimits(cpu_s),
             "env": env,
             "cwd": os.path.join(inner_ws, action.cwd) if action.cwd else inner_ws,
             "stdin": (action.stdin or "").encode(),
@@ -361,12 +463,12 @@ class Sandbox:
         was_full = self.workspace.full()
         t0 = time.monotonic()
         self._send(req)
-        reply, host_reason = await self._await_reply(wall, lim.cpu_s, before, was_full)
+        reply, host_reason = await self._await_reply(wall, cpu_s, before, was_full)
         elapsed = time.monotonic() - t0
         after = cg.stats() if cg is not None else CgroupStats()
         if cg is not None and not self.dead:
             # Belt and braces: nothing of the action may outlive it.
-            cg.kill_except(self.keep)
+            self._kill_rest()
         result = ExecResult(
             wall_s=round(elapsed, 6),
             cpu_s=round(max(0, after.cpu_ns - before.cpu_ns) / 1e9, 6),
@@ -453,7 +555,7 @@ class Sandbox:
                     elif self.workspace.mounted and not was_full and self.workspace.full():
                         host_reason = KillReason.disk
                     if host_reason is not None:
-                        self.cgroup.kill_except(self.keep)
+                        self._kill_rest()
                 elif (
                     host_reason is None
                     and not was_full
@@ -467,7 +569,7 @@ class Sandbox:
                     if host_reason is None:
                         host_reason = KillReason.timeout
                         if self.cgroup is not None:
-                            self.cgroup.kill_except(self.keep)
+                            self._kill_rest()
                         else:
                             self._hard_kill()
                     if now > deadline + 3 * GRACE_S:

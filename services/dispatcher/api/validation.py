@@ -209,6 +209,39 @@ async def image_errors(session: AsyncSession, *, spec: JobSpec, store: Any) -> l
     return errors
 
 
+async def limit_errors(session: AsyncSession, *, spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
+    """The sandbox limits every episode would run with (each task's, overridden by the
+    environment's) within this deployment's maxima and network rules: a request above a
+    maximum is refused now, not clamped by the worker later. (Images: ``image_errors``.)"""
+    from temper.sandbox.models import SandboxLimits
+    from temper.sandbox.policy import limit_errors as policy_errors
+
+    env = {k: v for k, v in spec.environment.limits.items() if k != "image"}
+    rows = await session.execute(select(Task.spec["limits"]).where(Task.task_set_id == spec.tasks.taskset))
+    distinct = {json.dumps(row, sort_keys=True, default=str): row for row in rows.scalars() if row}
+    errors: dict[tuple[str, str], None] = {}
+    for task_limits in [{}, *distinct.values()]:
+        if not isinstance(task_limits, dict):
+            continue
+        merged = {**{k: v for k, v in task_limits.items() if k != "image"}, **env}
+
+        def field(name: str) -> str:
+            return f"environment.limits.{name}" if name in env else "tasks.taskset"
+
+        try:
+            limits = SandboxLimits.model_validate(merged)
+        except ValidationError as exc:
+            for e in exc.errors():
+                name = str(e["loc"][0]) if e["loc"] else ""
+                errors[
+                    (field(name) if name else "environment.limits", f"sandbox limits: {e['msg'][:300]}")
+                ] = None
+            continue
+        for name, message in policy_errors(limits, settings.sandbox):
+            errors[(field(name), message if name in env else f"a task's limits: {message}")] = None
+    return list(errors)
+
+
 async def check_names(
     session: AsyncSession, *, spec: JobSpec, settings: Settings, tenant_id: str, store: Any = None
 ) -> None:
@@ -240,5 +273,6 @@ async def check_names(
                 )
             )
     errors += await image_errors(session, spec=spec, store=store)
+    errors += await limit_errors(session, spec=spec, settings=settings)
     if errors:
         raise SpecError(errors)

@@ -233,3 +233,23 @@ async def test_a_bind_source_the_sandbox_uid_cannot_reach_is_refused_by_name(san
     ) as info:
         await manager.start()
     assert str(closed / "pkg") in str(info.value)
+
+
+async def test_limits_above_the_operator_maxima_are_refused(sandbox_root) -> None:
+    from temper.sandbox.config import LimitMaxima
+
+    maxima = LimitMaxima(memory_mb=128, pids=64, wall_s=5, cpu_s=5, workspace_mb=16, file_size_mb=8)
+    m = SandboxManager(make_settings(sandbox_root, pool_size=0, max_limits=maxima))
+    await m.start()
+    try:
+        for field, value in (("memory_mb", 256), ("pids", 65), ("workspace_mb", 32), ("wall_s", 6.0)):
+            with pytest.raises(SandboxError, match=f"{field}={value:g} is above the operator's maximum"):
+                await m.acquire(SMALL.model_copy(update={field: value}))
+        sid = await m.create_session(SMALL.model_copy(update={"memory_mb": 128, "wall_s": 5.0}))
+        r = await m.act(sid, Action(kind="run_command", command="echo ok", timeout_s=10))
+        assert r.error is not None and "timeout_s=10 is above the operator's maximum wall_s 5" in r.error
+        r = await m.act(sid, Action(kind="run_command", command="echo ok", timeout_s=5))
+        assert r.ok and r.stdout == "ok\n"
+        await m.destroy_session(sid)
+    finally:
+        await assert_clean_close(m)
