@@ -6,15 +6,23 @@ field and the line of the YAML it came from (``tools.0.command (line 12): ...``)
 from __future__ import annotations
 
 import re
-from enum import StrEnum
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from temper import plugins
 from temper.jobspec import ActionFormat, ToolSpec
 from temper.sandbox import SandboxLimits
+from temper.sandbox.models import NetworkPolicy
 
 NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 VERSION = r"^[0-9A-Za-z][0-9A-Za-z._-]{0,31}$"
@@ -24,10 +32,10 @@ COMPONENT = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
 TEXT_FORMATS = (ActionFormat.code_block.value, ActionFormat.tool_call.value)
 
 
-class Network(StrEnum):
-    """What the package's programs may reach. Only ``none`` is built."""
-
-    none = "none"
+# What the agent's sandbox may reach (docs/sandbox.md): none, loopback (the sandbox's own
+# services) or allowlist (``limits.allow``). Never the host's network: a tenant's package
+# cannot ask for what only an operator may grant.
+PACKAGE_NETWORKS = (NetworkPolicy.none, NetworkPolicy.loopback, NetworkPolicy.allowlist)
 
 
 class Manifest(BaseModel):
@@ -46,7 +54,9 @@ class Manifest(BaseModel):
     max_turns: int = Field(4, ge=1, le=100)
     tools: list[ToolSpec] = Field(min_length=1, description="OpenAI function schemas bound to commands")
     limits: dict[str, Any] = Field(default_factory=dict, description="the agent's sandbox limits")
-    network: Network = Network.none
+    network: NetworkPolicy = Field(
+        NetworkPolicy.none, description="the agent's sandbox: none, loopback or allowlist"
+    )
     rubric: dict[str, float] = Field(min_length=1, description="component -> weight")
     setup: str | None = Field(
         None, description="shell command run in the agent's sandbox before its first action"
@@ -59,11 +69,14 @@ class Manifest(BaseModel):
 
     @field_validator("network", mode="before")
     @classmethod
-    def _network(cls, value: Any) -> Any:
-        if value != Network.none.value:
-            raise ValueError(
-                f"network {value!r} is not built; only 'none' is accepted (no network in any sandbox)"
-            )
+    def _network(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in [n.value for n in PACKAGE_NETWORKS]:
+            allowed = ", ".join(n.value for n in PACKAGE_NETWORKS)
+            raise ValueError(f"network {value!r} is not one a package may ask for; allowed: {allowed}")
+        try:  # with the limits (declared above): allowlist needs limits.allow, services a network
+            SandboxLimits.model_validate({**info.data.get("limits", {}), "network": value})
+        except ValidationError as exc:
+            raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
         return value
 
     @field_validator("action_format")
@@ -104,6 +117,10 @@ class Manifest(BaseModel):
         if dupes:
             raise ValueError(f"tools: duplicate names {dupes}")
         return self
+
+    def agent_limits(self) -> dict[str, Any]:
+        """The agent's sandbox limits a job on this package runs with."""
+        return {**self.limits, "network": self.network.value}
 
     def package_spec(self, key: str, files: dict[str, str]) -> dict[str, Any]:
         """What a job pins when it names this package (``environment.package``): everything

@@ -121,7 +121,7 @@ async def pin(store: ObjectStore | None, *, tenant_id: str, spec: JobSpec) -> No
     assert meta is not None
     pkg = read_package(await store.get(meta["archive_key"]))
     m = pkg.manifest
-    env.max_turns, env.action_format, env.limits = m.max_turns, m.action_format, dict(m.limits)
+    env.max_turns, env.action_format, env.limits = m.max_turns, m.action_format, m.agent_limits()
     env.tools, env.system_prompt = list(m.tools), None
     env.package = m.package_spec(meta["archive_key"], pkg.public)
     spec.rewards = dict(m.rubric)

@@ -47,7 +47,8 @@ def test_a_bad_field_is_named_with_its_line() -> None:
 @pytest.mark.parametrize(
     ("change", "field", "says"),
     [
-        (("network: none", "network: host"), "network", "only 'none' is accepted"),
+        (("network: none", "network: host"), "network", "allowed: none, loopback, allowlist"),
+        (("network: none", "network: allowlist"), "network", "needs at least one host:port in allow"),
         (("action_format: hermes", "action_format: code_block"), "action_format", "function-calling format"),
         (("action_format: hermes", "action_format: hermez"), "action_format", "hermes"),
         (("limits: {wall_s: 10, cpu_s: 10}", "limits: {network: true}"), "limits", "top-level 'network'"),
