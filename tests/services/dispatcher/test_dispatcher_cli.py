@@ -136,14 +136,20 @@ def test_admin_create_tenant_prints_a_working_key(server, env, capsys, monkeypat
     url, _ = server
     settings, _ = env
     monkeypatch.setenv("TEMPER_DB__URL", settings.db.url)
+    with pytest.raises(SystemExit):  # argparse refuses a weight that is not positive
+        run_cli(["admin", "create-tenant", "Blue Team", "--weight", "0"], capsys)
+    assert "must be more than 0" in capsys.readouterr().err
     code, out, err = run_cli(
-        ["admin", "create-tenant", "Blue Team", "--max-concurrent-episodes", "5"], capsys
-    )
+        ["admin", "create-tenant", "Blue Team", "--max-concurrent-episodes", "5", "--weight", "2",
+         "--quota-sandbox-cpu-s", "30"],
+        capsys,
+    )  # fmt: skip
     assert code == 0, err
     key = out.strip()
     assert key.startswith("tmp_") and key not in err
     with TemperClient(url, key) as api:
         me = api.tenant()
     assert me["id"] == "blue-team" and me["max_concurrent_episodes"] == 5
+    assert me["weight"] == 2 and me["quota_sandbox_cpu_s"] == 30 and me["quota_inference_tokens"] is None
     code, _, err = run_cli(["admin", "create-tenant", "Blue Team"], capsys)
     assert code == 1 and "already exists" in err
