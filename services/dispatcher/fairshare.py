@@ -102,17 +102,26 @@ class FleetShare:
         """Plan this tick's room for ``tenants`` (those with live jobs)."""
         if self.capacity is None:
             return
-        self.idle |= {t for t, room in self.plan.items() if room > 0 and t not in self._asked}
-        self._asked = set()
         live = set(tenants)
-        rows = await session.execute(select(Tenant.id, Tenant.weight).where(Tenant.id.in_(live)))
-        self.weights.update({t: float(w or 1.0) for t, w in rows})
-        rows = await session.execute(
+        weights = await session.execute(select(Tenant.id, Tenant.weight).where(Tenant.id.in_(live)))
+        active = await session.execute(
             select(Episode.tenant_id, func.count())
             .where(Episode.state.in_([s.value for s in IN_FLIGHT]))
             .group_by(Episode.tenant_id)
         )
-        self.active = Counter({tenant: int(n) for tenant, n in rows})
+        self.replan(
+            live,
+            active={t: int(n) for t, n in active},
+            weights={t: float(w or 1.0) for t, w in weights},
+        )
+
+    def replan(self, live: set[str], *, active: dict[str, int], weights: dict[str, float]) -> None:
+        """Plan a tick's room from the episodes in flight per tenant."""
+        assert self.capacity is not None
+        self.idle |= {t for t, room in self.plan.items() if room > 0 and t not in self._asked}
+        self._asked = set()
+        self.weights.update(weights)
+        self.active = Counter(active)
         self.free = max(0, self.capacity - sum(self.active.values()))
         self.plan = self._water_fill(sorted(live - self.idle), self.free)
 
