@@ -15,7 +15,6 @@ resumes them once the quota is raised (or lifted).
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -81,12 +80,18 @@ class FleetShare:
     """Weighted admission to a fleet of ``capacity`` concurrent episodes (None: no limit).
 
     One object lives as long as the scheduler. :meth:`begin_tick` reads the episodes in
-    flight per tenant and divides the free room among the tenants with live jobs by
-    water-filling: each free slot goes to the tenant with the fewest episodes (in flight
-    and planned) per unit of weight. :meth:`admit` then answers for each group a job
-    wants to start. A tenant that was given room and asked for none is *idle* until it
-    asks again, so room no one wants is not held back tick after tick.
+    flight per tenant and plans the free room among the tenants with live jobs, one slot
+    at a time: the slot goes to the tenant admitted the fewest episodes per unit of weight
+    (start-time fair queueing: a tenant that starts contending begins level with those
+    already contending, banking nothing from its absence), among those holding less than
+    ``SLACK`` times their weighted share of the fleet, so a tenant whose episodes run long
+    cannot take the fleet over; when every tenant holds that much, the slot goes to the
+    one with the fewest in flight per unit of weight. :meth:`admit` then answers for each
+    group a job wants to start. A tenant that was given room and asked for none is *idle*
+    until it asks again, so room no one wants is not held back tick after tick.
     """
+
+    SLACK = 1.25
 
     def __init__(self, capacity: int | None) -> None:
         self.capacity = capacity
@@ -95,6 +100,8 @@ class FleetShare:
         self.plan: Counter[str] = Counter()
         self.free = 0
         self.idle: set[str] = set()
+        self.contending: set[str] = set()
+        self.served: dict[str, float] = {}  # episodes admitted per unit of weight, lifted as above
         self._asked: set[str] = set()
         self.admitted: Counter[str] = Counter()  # episodes admitted per tenant since start
 
@@ -123,23 +130,36 @@ class FleetShare:
         self.weights.update(weights)
         self.active = Counter(active)
         self.free = max(0, self.capacity - sum(self.active.values()))
-        self.plan = self._water_fill(sorted(live - self.idle), self.free)
+        contending = live - self.idle
+        stayed = contending & self.contending
+        floor = min((self.served.get(t, 0.0) for t in stayed), default=0.0)
+        for t in contending - self.contending:
+            self.served[t] = max(self.served.get(t, 0.0), floor)
+        self.contending = contending
+        self.plan = self._fill(sorted(contending), self.free)
 
-    def _water_fill(self, tenants: list[str], slots: int) -> Counter[str]:
+    def _fill(self, tenants: list[str], slots: int) -> Counter[str]:
         plan: Counter[str] = Counter()
         if not tenants:
             return plan
-        heap = [(self.need(t), t) for t in tenants]
-        heapq.heapify(heap)
+        assert self.capacity is not None
+        total = sum(self._w(t) for t in tenants)
+        cap = {t: self.SLACK * self.capacity * self._w(t) / total for t in tenants}
         for _ in range(slots):
-            _, t = heapq.heappop(heap)
+            under = [t for t in tenants if self.active[t] + plan[t] < cap[t]]
+            if under:
+                t = min(under, key=lambda t: (self.served.get(t, 0.0) + plan[t] / self._w(t), t))
+            else:
+                t = min(tenants, key=lambda t: ((self.active[t] + plan[t]) / self._w(t), t))
             plan[t] += 1
-            heapq.heappush(heap, ((self.active[t] + plan[t]) / self.weights.get(t, 1.0), t))
         return plan
 
+    def _w(self, tenant_id: str) -> float:
+        return self.weights.get(tenant_id, 1.0)
+
     def need(self, tenant_id: str) -> float:
-        """Episodes in flight per unit of weight: the lowest is served first."""
-        return self.active[tenant_id] / self.weights.get(tenant_id, 1.0)
+        """Episodes in flight per unit of weight."""
+        return self.active[tenant_id] / self._w(tenant_id)
 
     def admit(self, tenant_id: str, size: int) -> bool:
         """May ``tenant_id`` start a group of ``size`` episodes now? A group may pass its
@@ -152,6 +172,7 @@ class FleetShare:
                 return False
             self.plan[tenant_id] = max(0, self.plan[tenant_id] - size)
             self.free -= size
+            self.served[tenant_id] = self.served.get(tenant_id, 0.0) + size / self._w(tenant_id)
         self.active[tenant_id] += size
         self.admitted[tenant_id] += size
         return True
