@@ -153,3 +153,17 @@ def test_admin_create_tenant_prints_a_working_key(server, env, capsys, monkeypat
     assert me["weight"] == 2 and me["quota_sandbox_cpu_s"] == 30 and me["quota_inference_tokens"] is None
     code, _, err = run_cli(["admin", "create-tenant", "Blue Team"], capsys)
     assert code == 1 and "already exists" in err
+
+
+def test_the_client_sets_a_tenants_weight_and_quotas(server):
+    url, seeded = server
+    with TemperClient(url, seeded.admin_key) as api:
+        made = api.create_tenant("Green Team", weight=3, quota_inference_tokens=1000)["tenant"]
+        assert (made["weight"], made["quota_inference_tokens"]) == (3, 1000)
+        api.update_tenant("green-team", quota_sandbox_cpu_s=60.5, quota_inference_tokens=None)
+        got = api.get_tenant("green-team")
+    assert got["quota_sandbox_cpu_s"] == 60.5 and got["quota_inference_tokens"] is None
+    assert (got["weight"], got["used_sandbox_cpu_s"], got["used_inference_tokens"]) == (3, 0, 0)
+    with pytest.raises(ApiError) as info, TemperClient(url, seeded.key) as api:
+        api.update_tenant("green-team", weight=10)  # not an admin key
+    assert info.value.status == 403
