@@ -268,6 +268,22 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(kind: type[float] | type[int], above: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` that is at least 0 (or more than ``above``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if (above is not None and value <= above) or value < 0:
+            bound = f"more than {above:g}" if above is not None else "at least 0"
+            raise argparse.ArgumentTypeError(f"{text} must be {bound}")
+        return value
+
+    return parse
+
+
 def cmd_create_tenant(args: argparse.Namespace) -> int:
     """Create a tenant straight in the database (TEMPER_DB__URL): how the first key is made."""
     import asyncio
@@ -293,6 +309,9 @@ def cmd_create_tenant(args: argparse.Namespace) -> int:
                     tenant_id=args.id,
                     max_concurrent_episodes=args.max_concurrent_episodes,
                     admin=args.admin,
+                    weight=args.weight,
+                    quota_sandbox_cpu_s=args.quota_sandbox_cpu_s,
+                    quota_inference_tokens=args.quota_inference_tokens,
                 )
             return tenant.id, issued.key
         finally:
@@ -358,6 +377,15 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     p.add_argument("name")
     p.add_argument("--id", help="tenant id (default: a slug of NAME)")
     p.add_argument("--max-concurrent-episodes", type=int, default=64)
+    p.add_argument("--weight", type=_number(float, above=0.0), default=1.0, help="share of a contended fleet")
+    p.add_argument(
+        "--quota-sandbox-cpu-s",
+        type=_number(float),
+        help="sandbox CPU-seconds it may use (default: no limit)",
+    )
+    p.add_argument(
+        "--quota-inference-tokens", type=_number(int), help="inference tokens it may use (default: no limit)"
+    )
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
     p.set_defaults(func=cmd_create_tenant)
     p = admin_sub.add_parser("plugins", help="list the environment, reward and parser plugins installed here")

@@ -206,15 +206,29 @@ class TemperClient:
         tenant_id: str | None = None,
         max_concurrent_episodes: int = 64,
         admin: bool = False,
+        weight: float = 1.0,
+        quota_sandbox_cpu_s: float | None = None,
+        quota_inference_tokens: int | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "name": name,
             "max_concurrent_episodes": max_concurrent_episodes,
             "admin": admin,
+            "weight": weight,
+            "quota_sandbox_cpu_s": quota_sandbox_cpu_s,
+            "quota_inference_tokens": quota_inference_tokens,
         }
         if tenant_id:
             body["id"] = tenant_id
         return self._call("POST", "/v1/tenants", json=body)  # type: ignore[no-any-return]
+
+    def get_tenant(self, tenant_id: str) -> dict[str, Any]:
+        """A tenant's weight, quotas and usage (admin key)."""
+        return self._call("GET", f"/v1/tenants/{tenant_id}")  # type: ignore[no-any-return]
+
+    def update_tenant(self, tenant_id: str, **fields: Any) -> dict[str, Any]:
+        """Set ``name``, ``max_concurrent_episodes``, ``weight`` or a quota (None lifts it)."""
+        return self._call("PATCH", f"/v1/tenants/{tenant_id}", json=fields)  # type: ignore[no-any-return]
 
 
 def _is_file(text: str) -> bool:

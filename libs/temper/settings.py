@@ -119,6 +119,12 @@ class DispatcherSettings(BaseModel):
         True, description="with a trainer attached, a job completes only when its last episodes were trained"
     )
     scheduler_interval_s: float = Field(0.5, gt=0)
+    fleet_max_episodes: int | None = Field(
+        None,
+        ge=1,
+        description="episodes in flight across all tenants; when more wait, the room is shared "
+        "by tenant weight (default: no limit beyond each tenant's max_concurrent_episodes)",
+    )
     reaper_interval_s: float = Field(1.0, gt=0)
     result_concurrency: int = Field(
         8, ge=1, description="results handled at once (one episode's in order); keep under the db pool size"

@@ -73,12 +73,22 @@ async def create_tenant(
     tenant_id: str | None = None,
     max_concurrent_episodes: int = 64,
     admin: bool = False,
+    weight: float = 1.0,
+    quota_sandbox_cpu_s: float | None = None,
+    quota_inference_tokens: int | None = None,
 ) -> tuple[Tenant, IssuedKey]:
     """A new tenant and its first key. Raises :class:`TenantExists` if the id is taken."""
     tid = tenant_id or tenant_id_for(name)
     if await session.get(Tenant, tid) is not None:
         raise TenantExists(f"tenant {tid!r} already exists")
-    tenant = Tenant(id=tid, name=name, max_concurrent_episodes=max_concurrent_episodes)
+    tenant = Tenant(
+        id=tid,
+        name=name,
+        max_concurrent_episodes=max_concurrent_episodes,
+        weight=weight,
+        quota_sandbox_cpu_s=quota_sandbox_cpu_s,
+        quota_inference_tokens=quota_inference_tokens,
+    )
     session.add(tenant)
     await session.flush()
     issued = await issue_key(session, tenant_id=tid, name="initial", admin=admin)

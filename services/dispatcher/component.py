@@ -83,6 +83,7 @@ class Dispatcher:
             self.leadership,
             trainer_attached=s.trainer_attached,
             wait_for_training=s.wait_for_training,
+            fleet_max_episodes=s.fleet_max_episodes,
         )
         # Loops on the runtime (a crash shows in /health); stop() cancels them before the
         # final outbox flush, so the relay is not sending while the flush does.

@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s
 from services.dispatcher.trajectories import build_trajectory
 from temper import metrics
 from temper.clock import utcnow
@@ -347,6 +348,7 @@ class EpisodeEngine:
             if awaited is None:
                 return
             ep, step = awaited
+            ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(step.request, msg)
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
             text = msg.text or self.tok_of(spec).decode(msg.token_ids)
@@ -405,6 +407,7 @@ class EpisodeEngine:
             if awaited is None:
                 return
             ep, step = awaited
+            ep.sandbox_cpu_s = (ep.sandbox_cpu_s or 0.0) + sandbox_cpu_s(msg)
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
             inference = await self._step(session, ep.id, step.turn, "inference")

@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
+from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
 from temper import metrics
 from temper.clock import utcnow
@@ -60,17 +61,29 @@ class Scheduler:
         *,
         trainer_attached: bool,
         wait_for_training: bool,
+        fleet_max_episodes: int | None = None,
     ) -> None:
         self.engine = engine
         self.leadership = leadership
         self.trainer_attached = trainer_attached
         self.wait_for_training = trainer_attached and wait_for_training
+        self.fleet = FleetShare(fleet_max_episodes)
 
     async def tick(self) -> None:
         async with self.engine.db.session() as session:
-            job_ids = list(
-                (await session.execute(select(Job.id).where(Job.state.in_([J.pending, J.running])))).scalars()
+            live = or_(
+                Job.state.in_([J.pending, J.running]),
+                and_(Job.state == J.paused, Job.state_reason.startswith(QUOTA_REASON)),
             )
+            jobs = list(
+                await session.execute(select(Job.id, Job.tenant_id, Job.state).where(live).order_by(Job.id))
+            )
+            # the fleet's room is planned for the tenants that may start episodes now
+            await self.fleet.begin_tick(session, {t for _, t, state in jobs if state != J.paused})
+        # the neediest tenant's jobs first; ties in a new order each tick, so no tenant's
+        # episodes are always the first sent on
+        jobs.sort(key=lambda row: (self.fleet.need(row[1]), random.random()))
+        job_ids = [job_id for job_id, _, _ in jobs]
         for job_id in job_ids:
             if await self.leadership.acquire(job_id):
                 with log_context(job_id=job_id):
@@ -113,6 +126,9 @@ class Scheduler:
             if job is None:
                 return
             if job.state == J.pending and not await self._start_job(s, job):
+                return
+            tenant = await s.get(Tenant, job.tenant_id)
+            if job.state == J.paused and not await self._resume_within_quota(s, job, tenant):
                 return
             if job.state != J.running:
                 return
@@ -161,12 +177,16 @@ class Scheduler:
             need = per_iteration - started[job.iteration]
             if need <= 0:
                 return
+            if tenant is not None and (reason := await self._over_quota(s, tenant)):
+                await transition_job(s, job, J.paused, reason=reason)
+                log_event(log, "job paused", reason=reason)
+                return
             tenant_active = await s.scalar(
                 select(func.count())
                 .select_from(Episode)
                 .where(Episode.tenant_id == job.tenant_id, Episode.state.in_([x.value for x in ACTIVE]))
             )
-            quota = await s.scalar(select(Tenant.max_concurrent_episodes).where(Tenant.id == job.tenant_id))
+            quota = tenant.max_concurrent_episodes if tenant is not None else None
             cap = min(spec.schedule.max_concurrent_episodes, quota or DEFAULT_TENANT_QUOTA)
             room = min(
                 spec.schedule.max_concurrent_episodes - active,
@@ -207,6 +227,9 @@ class Scheduler:
                         s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
                     )
                     return
+                size = min(group_size, need)
+                if not self.fleet.admit(job.tenant_id, size):
+                    break  # the fleet is full, or its room is planned for needier tenants
                 rng = random.Random(f"{spec.tasks.seed}:{job.id}:{job.iteration}:{started[job.iteration]}")
                 pool = [c for c in candidates if c[0] not in used] or candidates
                 weights = [task_weight(a, p, spec.tasks.curriculum) for _, a, p in pool]
@@ -214,7 +237,6 @@ class Scheduler:
                 used.add(task_id)
                 task = await engine.task_of(s, task_id)
                 group_id = new_id()
-                size = min(group_size, need)
                 for _ in range(size):
                     engine.start_episode(
                         s, job=job, spec=spec, task=task, group_id=group_id, iteration=job.iteration
@@ -232,6 +254,23 @@ class Scheduler:
                     iteration=job.iteration,
                 )
             metrics.EPISODES_ACTIVE.labels(job.id).set(active)
+
+    @staticmethod
+    async def _over_quota(s: AsyncSession, tenant: Tenant) -> str | None:
+        if tenant.quota_sandbox_cpu_s is None and tenant.quota_inference_tokens is None:
+            return None
+        return quota_exceeded(tenant, (await tenant_usage(s, [tenant.id]))[tenant.id])
+
+    async def _resume_within_quota(self, s: AsyncSession, job: Job, tenant: Tenant | None) -> bool:
+        """A job paused for a quota goes on once its tenant is within its quotas again
+        (an admin raised or lifted them); one paused over the API waits for a resume."""
+        if not (job.state_reason or "").startswith(QUOTA_REASON) or tenant is None:
+            return False
+        if await self._over_quota(s, tenant):
+            return False
+        await transition_job(s, job, J.running, reason="resumed: within quota again")
+        log_event(log, "job resumed", reason="within quota again")
+        return True
 
     async def _start_job(self, s: AsyncSession, job: Job) -> bool:
         try:

@@ -64,6 +64,15 @@ class Tenant(Base):
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
     max_concurrent_episodes: Mapped[int] = mapped_column(Integer, default=64)
+    weight: Mapped[float] = mapped_column(
+        Float, default=1.0, doc="share of a contended fleet, relative to the other tenants'"
+    )
+    quota_sandbox_cpu_s: Mapped[float | None] = mapped_column(
+        Float, default=None, doc="sandbox CPU-seconds its episodes may use in all; None: no limit"
+    )
+    quota_inference_tokens: Mapped[int | None] = mapped_column(
+        BigInteger, default=None, doc="prompt and sampled tokens its episodes may use in all; None: no limit"
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -183,6 +192,9 @@ class Episode(Base):
     trajectory_key: Mapped[str | None] = mapped_column(String(512), default=None)
     lease_expires_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
     timings: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # what it consumed, counted by the transaction that accepts each result (once per result)
+    sandbox_cpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    inference_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

@@ -183,15 +183,32 @@ class JobMetrics(BaseModel):
 # --- tenants and keys -----------------------------------------------------------------
 
 
+WEIGHT = "share of a contended fleet: episodes are admitted in proportion to the tenants' weights"
+CPU_QUOTA = "sandbox CPU-seconds its episodes may use in all; at it, its jobs pause"
+TOKEN_QUOTA = "inference tokens (prompt and sampled) its episodes may use in all; at it, its jobs pause"
+
+
 class TenantOut(_Out):
     id: str
     name: str
     max_concurrent_episodes: int = Field(description="quota: episodes this tenant may run at once")
+    weight: float = Field(description="share of a contended fleet, relative to the other tenants' weights")
+    quota_sandbox_cpu_s: float | None = Field(
+        description="sandbox CPU-seconds its episodes may use in all (null: no limit)"
+    )
+    quota_inference_tokens: int | None = Field(
+        description="prompt and sampled tokens its episodes may use in all (null: no limit)"
+    )
     created_at: datetime
 
 
-class TenantUsage(TenantOut):
+class TenantDetail(TenantOut):
     active_episodes: int = Field(description="episodes of this tenant currently in flight")
+    used_sandbox_cpu_s: float = Field(description="sandbox CPU-seconds its episodes have used")
+    used_inference_tokens: int = Field(description="prompt and sampled tokens its episodes have used")
+
+
+class TenantUsage(TenantDetail):
     admin: bool = Field(description="whether the calling key is an admin key")
 
 
@@ -224,6 +241,9 @@ class CreateTenant(BaseModel):
         None, pattern=r"^[a-z0-9][a-z0-9-]{0,63}$", description="defaults to a slug of name"
     )
     max_concurrent_episodes: int = Field(64, ge=1, le=1_000_000)
+    weight: float = Field(1.0, gt=0, le=1000, description=WEIGHT)
+    quota_sandbox_cpu_s: float | None = Field(None, ge=0, description=CPU_QUOTA)
+    quota_inference_tokens: int | None = Field(None, ge=0, le=2**62, description=TOKEN_QUOTA)
     admin: bool = Field(False, description="whether its first key is an admin key")
 
 
@@ -231,6 +251,11 @@ class UpdateTenant(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, min_length=1, max_length=200)
     max_concurrent_episodes: int | None = Field(None, ge=1, le=1_000_000)
+    weight: float | None = Field(None, gt=0, le=1000, description=WEIGHT)
+    quota_sandbox_cpu_s: float | None = Field(None, ge=0, description=CPU_QUOTA + "; null lifts it")
+    quota_inference_tokens: int | None = Field(
+        None, ge=0, le=2**62, description=TOKEN_QUOTA + "; null lifts it"
+    )
 
 
 class CreateKey(BaseModel):

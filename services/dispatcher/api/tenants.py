@@ -6,10 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path, status
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import AdminCaller, CurrentCaller, SessionDep
+from services.dispatcher.fairshare import tenant_usage
 from temper.db import ApiKey, Tenant
 from temper.tenants import TenantExists, create_tenant, issue_key, revoke_key
 
@@ -20,22 +22,25 @@ INT32_MAX = (1 << 31) - 1  # key ids are 32-bit integer columns
 ADMIN: schemas.Responses = {**AUTH, 403: {"model": schemas.Problem, "description": "needs an admin key"}}
 
 
+async def _detail(session: AsyncSession, t: Tenant) -> schemas.TenantDetail:
+    used = (await tenant_usage(session, [t.id]))[t.id]
+    return schemas.TenantDetail(
+        **schemas.TenantOut.model_validate(t).model_dump(),
+        active_episodes=await repo.active_episodes(session, tenant_id=t.id),
+        used_sandbox_cpu_s=used.sandbox_cpu_s,
+        used_inference_tokens=used.inference_tokens,
+    )
+
+
 @router.get(
     "/tenant",
-    summary="The caller's tenant, quota and usage",
+    summary="The caller's tenant: weight, quotas and usage",
     response_model=schemas.TenantUsage,
     responses=AUTH,
 )
 async def my_tenant(session: SessionDep, caller: CurrentCaller) -> schemas.TenantUsage:
-    t = caller.tenant
-    return schemas.TenantUsage(
-        id=t.id,
-        name=t.name,
-        max_concurrent_episodes=t.max_concurrent_episodes,
-        created_at=t.created_at,
-        active_episodes=await repo.active_episodes(session, tenant_id=t.id),
-        admin=caller.admin,
-    )
+    detail = await _detail(session, caller.tenant)
+    return schemas.TenantUsage(**detail.model_dump(), admin=caller.admin)
 
 
 @router.get(
@@ -105,6 +110,9 @@ async def new_tenant(
             tenant_id=body.id,
             max_concurrent_episodes=body.max_concurrent_episodes,
             admin=body.admin,
+            weight=body.weight,
+            quota_sandbox_cpu_s=body.quota_sandbox_cpu_s,
+            quota_inference_tokens=body.quota_inference_tokens,
         )
     except TenantExists as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
@@ -117,9 +125,24 @@ async def new_tenant(
     )
 
 
+@router.get(
+    "/tenants/{tenant_id}",
+    summary="A tenant: weight, quotas and usage (admin)",
+    response_model=schemas.TenantDetail,
+    responses={**ADMIN, 404: {"model": schemas.Problem}},
+)
+async def get_tenant(tenant_id: str, session: SessionDep, _admin: AdminCaller) -> schemas.TenantDetail:
+    tenant = await session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"tenant {tenant_id} not found")
+    return await _detail(session, tenant)
+
+
 @router.patch(
     "/tenants/{tenant_id}",
-    summary="Rename a tenant or set its episode quota (admin)",
+    summary="Rename a tenant or set its quotas and weight (admin)",
+    description="A quota given as null is lifted; a job paused for a quota resumes once its "
+    "tenant is within its quotas again.",
     response_model=schemas.TenantOut,
     responses={**ADMIN, 404: {"model": schemas.Problem}},
 )
@@ -133,5 +156,12 @@ async def update_tenant(
         tenant.name = body.name
     if body.max_concurrent_episodes is not None:
         tenant.max_concurrent_episodes = body.max_concurrent_episodes
+    if body.weight is not None:
+        tenant.weight = body.weight
+    # an explicit null lifts a quota; a field left out keeps it
+    if "quota_sandbox_cpu_s" in body.model_fields_set:
+        tenant.quota_sandbox_cpu_s = body.quota_sandbox_cpu_s
+    if "quota_inference_tokens" in body.model_fields_set:
+        tenant.quota_inference_tokens = body.quota_inference_tokens
     await session.commit()
     return tenant

@@ -185,6 +185,7 @@ class Peers:
     hold: bool = False
     job_prefix: str = ""  # on a shared Kafka, answer only this test's jobs
     delay_s: float = 0.0  # model "thinking" time per inference request
+    cpu_s: float = 0.0  # CPU time each sandbox action reports (what a tenant's quota counts)
     _consumers: list[Consumer] = field(default_factory=list)
 
     def groups(self, group_suffix: str) -> dict[str, list[str]]:
@@ -281,7 +282,12 @@ class Peers:
             return SandboxResult(
                 **ids,
                 session_id=msg.session_id,
-                result={"exit_code": 0, "stdout": f"ran {msg.action['kind']}", "wall_s": 0.001},
+                result={
+                    "exit_code": 0,
+                    "stdout": f"ran {msg.action['kind']}",
+                    "wall_s": 0.001,
+                    **({"cpu_s": self.cpu_s} if self.cpu_s else {}),
+                },
                 snapshot_key=f"snapshots/{msg.session_id}/{msg.turn}.tar.gz",
                 worker="fake-worker",
             )

@@ -136,15 +136,21 @@ def test_admin_create_tenant_prints_a_working_key(server, env, capsys, monkeypat
     url, _ = server
     settings, _ = env
     monkeypatch.setenv("TEMPER_DB__URL", settings.db.url)
+    with pytest.raises(SystemExit):  # argparse refuses a weight that is not positive
+        run_cli(["admin", "create-tenant", "Blue Team", "--weight", "0"], capsys)
+    assert "must be more than 0" in capsys.readouterr().err
     code, out, err = run_cli(
-        ["admin", "create-tenant", "Blue Team", "--max-concurrent-episodes", "5"], capsys
-    )
+        ["admin", "create-tenant", "Blue Team", "--max-concurrent-episodes", "5", "--weight", "2",
+         "--quota-sandbox-cpu-s", "30"],
+        capsys,
+    )  # fmt: skip
     assert code == 0, err
     key = out.strip()
     assert key.startswith("tmp_") and key not in err
     with TemperClient(url, key) as api:
         me = api.tenant()
     assert me["id"] == "blue-team" and me["max_concurrent_episodes"] == 5
+    assert me["weight"] == 2 and me["quota_sandbox_cpu_s"] == 30 and me["quota_inference_tokens"] is None
     code, _, err = run_cli(["admin", "create-tenant", "Blue Team"], capsys)
     assert code == 1 and "already exists" in err
 
@@ -178,3 +184,17 @@ def test_environments_push_list_show_through_the_cli(server, tmp_path, capsys, m
     monkeypatch.setenv("TEMPER_API_KEY", seeded.other_key)
     code, _, err = run_cli(["environments", "show", "wordcount-pkg", "1.0.0"], capsys)
     assert code == 1 and "404" in err
+
+
+def test_the_client_sets_a_tenants_weight_and_quotas(server):
+    url, seeded = server
+    with TemperClient(url, seeded.admin_key) as api:
+        made = api.create_tenant("Green Team", weight=3, quota_inference_tokens=1000)["tenant"]
+        assert (made["weight"], made["quota_inference_tokens"]) == (3, 1000)
+        api.update_tenant("green-team", quota_sandbox_cpu_s=60.5, quota_inference_tokens=None)
+        got = api.get_tenant("green-team")
+    assert got["quota_sandbox_cpu_s"] == 60.5 and got["quota_inference_tokens"] is None
+    assert (got["weight"], got["used_sandbox_cpu_s"], got["used_inference_tokens"]) == (3, 0, 0)
+    with pytest.raises(ApiError) as info, TemperClient(url, seeded.key) as api:
+        api.update_tenant("green-team", weight=10)  # not an admin key
+    assert info.value.status == 403

@@ -1,0 +1,176 @@
+"""Tenants share a contended fleet by weight, and a tenant over a quota is paused with the
+quota as its reason (not failed), and goes on when an admin raises the quota.
+
+Both run the whole dispatcher (scheduler, result handlers, outbox) against fake peers, on
+SQLite and on the real Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+
+import httpx
+import pytest
+from episode_peers import (
+    FENCE,
+    episodes_of,
+    job_spec,
+    job_state,
+    seed,
+    settings_for,
+    start_harness,
+    submit_job,
+    wait_for,
+)
+from sqlalchemy import func, select, update
+
+from services.dispatcher.app import create_app
+from temper.db import Database, Episode, Job, Step, Tenant
+from temper.db.migrate import upgrade
+from temper.events import InferenceRequest
+from temper.settings import DatabaseSettings
+from temper.tenants import create_tenant
+
+pytestmark = pytest.mark.timeout(120)
+
+FLEET = 12  # episodes in flight across all tenants
+ADMITTED = 90  # episodes admitted before the shares are counted
+
+
+def one_turn(req: InferenceRequest) -> str:
+    """Write the fix and submit: one inference, one sandbox and one reward step per episode."""
+    return f"{FENCE}python add.py\ndef add(a, b):\n    return a + b\n{FENCE}\nsubmit"
+
+
+async def tenant_with_job(db: Database, name: str, *, weight: float = 1.0, **spec: object) -> str:
+    """A tenant (with its own task set) and one pending job; returns the job id."""
+    await seed(db, tenant=name, taskset=f"ts-{name}", tasks={f"{name}-t{i}": {} for i in range(3)})
+    async with db.session() as s:
+        await s.execute(update(Tenant).where(Tenant.id == name).values(weight=weight))
+    return await submit_job(db, job_spec(tasks__taskset=f"ts-{name}", **spec), tenant=name)
+
+
+@pytest.mark.parametrize(
+    "database_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+async def test_a_contended_fleet_admits_episodes_two_to_one_by_weight(tmp_path, database_url):
+    await asyncio.to_thread(upgrade, database_url)
+    db = Database(DatabaseSettings(url=database_url))
+    u = uuid.uuid4().hex[:8]
+    # each job alone would fill the fleet ten times over
+    big = dict(
+        tasks__group_size=1, schedule__episodes_per_iteration=400, schedule__max_concurrent_episodes=64
+    )
+    light = await tenant_with_job(db, f"light-{u}", weight=1.0, **big)  # submitted first
+    heavy = await tenant_with_job(db, f"heavy-{u}", weight=2.0, **big)
+    await db.dispose()
+
+    h = await start_harness(
+        tmp_path,
+        database_url,
+        migrate=False,
+        fleet_max_episodes=FLEET,
+        peers={"script": one_turn},
+    )
+    try:
+        in_flight_seen: list[int] = []
+
+        async def admitted() -> bool:
+            async with h.db.session() as s:
+                rows = dict(
+                    (
+                        await s.execute(
+                            select(Episode.state, func.count())
+                            .where(Episode.job_id.in_([light, heavy]))
+                            .group_by(Episode.state)
+                        )
+                    ).all()
+                )
+            in_flight_seen.append(sum(n for st, n in rows.items() if st not in ("scored", "failed")))
+            return sum(rows.values()) >= ADMITTED
+
+        await wait_for(admitted, limit_s=90, what=f"{ADMITTED} episodes admitted")
+        per_job = {job: len(await episodes_of(h.db, job)) for job in (light, heavy)}
+    finally:
+        await h.stop()
+    ratio = per_job[heavy] / per_job[light]
+    assert abs(ratio - 2.0) <= 0.2, f"admitted {per_job}: {ratio:.2f}, wanted 2:1 within 10 %"
+    # the work each fleet was given follows the same shares
+    for kind in ("inference", "sandbox"):
+        sent = Counter(m.job_id for m in h.peers.requests[kind])
+        fleet_ratio = sent[heavy] / sent[light]
+        assert abs(fleet_ratio - 2.0) <= 0.2, f"{kind} requests {dict(sent)}: {fleet_ratio:.2f}"
+    assert max(in_flight_seen) <= FLEET, in_flight_seen
+
+
+async def test_a_tenant_over_its_quota_is_paused_not_failed_and_resumes_when_it_is_raised(
+    tmp_path, database_url
+):
+    await asyncio.to_thread(upgrade, database_url)
+    db = Database(DatabaseSettings(url=database_url))
+    name = f"thrifty-{uuid.uuid4().hex[:8]}"
+    # 8 episodes, 2 at a time; each runs one sandbox action that reports 0.25 CPU-seconds
+    job = await tenant_with_job(
+        db, name, tasks__group_size=2, schedule__episodes_per_iteration=8, schedule__max_concurrent_episodes=2
+    )
+    async with db.session() as s:
+        await s.execute(update(Tenant).where(Tenant.id == name).values(quota_sandbox_cpu_s=0.5))
+        _, admin = await create_tenant(s, name="ops", tenant_id=f"ops-{name}", admin=True)
+    await db.dispose()
+
+    h = await start_harness(tmp_path, database_url, migrate=False, peers={"cpu_s": 0.25})
+    app = create_app(settings_for(tmp_path, database_url), run_episodes=False)
+    try:
+        await wait_for(lambda: paused(h.db, job), limit_s=60, what="the job paused for its quota")
+        async with h.db.session() as s:
+            reason = await s.scalar(select(Job.state_reason).where(Job.id == job))
+        assert reason == "quota sandbox_cpu_s exceeded: used 0.500 of 0.5", reason
+        await asyncio.sleep(1.0)  # paused stays paused, and starts nothing more
+        assert await job_state(h.db, job) == "paused"
+        assert len(await episodes_of(h.db, job)) == 2
+
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app),
+                base_url="http://d",
+                headers={"Authorization": f"Bearer {admin.key}"},
+            ) as c,
+        ):
+            seen = (await c.get(f"/v1/tenants/{name}")).json()
+            assert seen["quota_sandbox_cpu_s"] == 0.5 and seen["weight"] == 1.0
+            # the episodes in flight when it paused finished, and counted
+            assert seen["used_sandbox_cpu_s"] == pytest.approx(0.25 * len(h.peers.requests["sandbox"]))
+            assert seen["used_inference_tokens"] == await tokens_in_steps(h.db, job) > 0
+            assert (await c.get(f"/v1/jobs/{job}")).status_code == 404  # another tenant's job
+            r = await c.patch(f"/v1/tenants/{name}", json={"quota_sandbox_cpu_s": 10, "weight": 3})
+            assert r.status_code == 200 and r.json()["quota_sandbox_cpu_s"] == 10 and r.json()["weight"] == 3
+            bad = await c.patch(f"/v1/tenants/{name}", json={"weight": 0})
+            assert bad.status_code == 422 and "weight" in bad.text
+
+        async def done() -> bool:
+            return await job_state(h.db, job) == "completed"
+
+        await wait_for(done, limit_s=60, what="the job completed once its quota was raised")
+        states = Counter(e.state for e in await episodes_of(h.db, job))
+    finally:
+        await h.stop()
+    assert states == {"scored": 8}, states
+
+
+async def paused(db: Database, job_id: str) -> bool:
+    return await job_state(db, job_id) == "paused"
+
+
+async def tokens_in_steps(db: Database, job_id: str) -> int:
+    """Prompt and sampled tokens of the job's answered inference steps, counted from the steps."""
+    async with db.session() as s:
+        steps = (
+            await s.execute(
+                select(Step)
+                .join(Episode, Episode.id == Step.episode_id)
+                .where(Episode.job_id == job_id, Step.kind == "inference", Step.state == "done")
+            )
+        ).scalars()
+        return sum(len(st.request["prompt_ids"]) + len(st.result["token_ids"]) for st in steps)
