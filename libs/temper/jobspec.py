@@ -333,7 +333,14 @@ class AlgorithmSpec(_Spec):
     )
     skip_zero_variance: bool = True
     dynamic_sampling: bool = Field(
-        False, description="replace skipped zero-variance groups with fresh ones (not implemented: refused)"
+        False,
+        description="start a fresh group (drawn by the curriculum) for each zero-variance group the trainer skips",
+    )
+    max_replacement_groups: int = Field(
+        8,
+        ge=0,
+        description="with dynamic_sampling: replacement groups started per iteration at most; "
+        "past it, skipped groups stay unreplaced (counted) and the job goes on",
     )
     max_tokens_per_microbatch: int | None = Field(
         None,
@@ -361,12 +368,10 @@ class AlgorithmSpec(_Spec):
             self.clip_eps_high = self.clip_eps
         if self.kl_coef > 0 and self.kl_estimator is KLEstimator.none:
             raise ValueError("kl_coef > 0 needs a kl_estimator (k1 or k3)")
-        if self.dynamic_sampling:
-            # The trainer already fills each batch with groups that carry a signal; what is
-            # missing is the dispatcher starting a fresh group for each skipped one.
+        if self.dynamic_sampling and not self.skip_zero_variance:
+            # replacements answer the trainer's zero-variance skips; without skips there are none
             raise ValueError(
-                "dynamic_sampling is not implemented: the dispatcher does not start replacement groups yet; "
-                "with skip_zero_variance the trainer skips zero-variance groups and fills each batch from later ones"
+                "dynamic_sampling needs skip_zero_variance: true (it replaces the skipped groups)"
             )
         if (
             self.overlong_max_tokens

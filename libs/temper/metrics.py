@@ -122,7 +122,12 @@ TRAINER_BASE_MODELS = Gauge(
     "Copies of a base model the trainer holds (LoRA jobs on one base model share one)",
 )
 TRAINER_SKIPPED_GROUPS = Counter(
-    "temper_trainer_skipped_groups_total", "Groups skipped for zero reward variance", ["job_id"]
+    "temper_trainer_skipped_groups_total", "Groups not trained on, any reason", ["job_id"]
+)
+DISPATCHER_REPLACEMENT_GROUPS = Counter(
+    "temper_dispatcher_replacement_groups_total",
+    "Groups started by dynamic sampling in place of zero-variance groups the trainer skipped",
+    ["job_id"],
 )
 
 

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
+from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
 from temper import metrics
 from temper.clock import utcnow
 from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory
@@ -165,8 +166,21 @@ class Scheduler:
                 )
             metrics.JOB_ITERATION.labels(job.id).set(job.iteration)
 
+            group_size = spec.tasks.group_size
+            replace = 0
+            if spec.algorithm.dynamic_sampling:
+                replace = replacements_due(
+                    skipped=await zero_variance_groups(s, job.id),
+                    started=started,
+                    iteration=job.iteration,
+                    per_iteration=per_iteration,
+                    group_size=group_size,
+                    max_per_iteration=spec.algorithm.max_replacement_groups,
+                )
             total, done = sum(started.values()), sum(finished.values())
-            if total >= per_iteration * iterations and done == total:
+            # every iteration started its own episodes (replacements do not stand in for them)
+            own = sum(min(n, per_iteration) for n in started.values())
+            if own >= per_iteration * iterations and done == total and not replace:
                 if self.wait_for_training and not await self._training_done(s, job, spec):
                     return
                 await transition_job(s, job, J.completed)
@@ -174,13 +188,15 @@ class Scheduler:
                 log_event(log, "job completed", episodes=total)
                 return
 
-            need = per_iteration - started[job.iteration]
+            # the iteration's own episodes still to start, then one group per due replacement
+            need = max(0, per_iteration - started[job.iteration]) + replace * group_size
             if need <= 0:
                 return
             if tenant is not None and (reason := await self._over_quota(s, tenant)):
                 await transition_job(s, job, J.paused, reason=reason)
                 log_event(log, "job paused", reason=reason)
                 return
+            replaced_before = replacement_groups(started[job.iteration], per_iteration, group_size)
             tenant_active = await s.scalar(
                 select(func.count())
                 .select_from(Episode)
@@ -192,7 +208,6 @@ class Scheduler:
                 spec.schedule.max_concurrent_episodes - active,
                 (quota or DEFAULT_TENANT_QUOTA) - (tenant_active or 0),
             )
-            group_size = spec.tasks.group_size
             candidates: list[tuple[str, int, int]] | None = None
             used: set[str] = set()
             while need > 0 and room >= min(group_size, cap):
@@ -253,6 +268,10 @@ class Scheduler:
                     size=size,
                     iteration=job.iteration,
                 )
+            replaced = replacement_groups(started[job.iteration], per_iteration, group_size) - replaced_before
+            if replaced:
+                metrics.DISPATCHER_REPLACEMENT_GROUPS.labels(job.id).inc(replaced)
+                log_event(log, "replacement groups started", groups=replaced, iteration=job.iteration)
             metrics.EPISODES_ACTIVE.labels(job.id).set(active)
 
     @staticmethod

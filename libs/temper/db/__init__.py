@@ -3,6 +3,7 @@
 
 from temper.db.engine import Database, DatabaseUnavailable
 from temper.db.models import (
+    SKIPPED_ZERO_VARIANCE,
     ApiKey,
     Base,
     Episode,
@@ -26,6 +27,7 @@ __all__ = [
     "Job",
     "OutboxRow",
     "PolicyVersion",
+    "SKIPPED_ZERO_VARIANCE",
     "Step",
     "Task",
     "TaskOutcome",

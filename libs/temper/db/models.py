@@ -231,6 +231,11 @@ class PolicyVersion(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+# ``TrainedTrajectory.skipped`` of a group with zero reward variance: the trainer writes it,
+# the dispatcher's dynamic sampling reads it (services/dispatcher/sampling.py).
+SKIPPED_ZERO_VARIANCE = "zero_reward_variance"
+
+
 class TrainedTrajectory(Base):
     """The trainer's ledger: which trajectory was consumed by which optimizer step, so a
     restarted trainer neither trains on one twice nor drops one."""

@@ -16,6 +16,7 @@ from sqlalchemy import Select, and_, case, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
+from services.dispatcher.sampling import replacement_groups, zero_variance_groups
 from temper.clock import utcnow
 from temper.db import Episode, Job, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, Topics
@@ -224,6 +225,25 @@ async def active_episodes(session: AsyncSession, *, tenant_id: str) -> int:
 # --- metrics --------------------------------------------------------------------------
 
 
+async def _sampling(
+    session: AsyncSession, job: Job, spec: dict[str, Any], per_iteration: int
+) -> tuple[schemas.Sampling, int]:
+    """Zero-variance skips and replacements (:mod:`services.dispatcher.sampling`), and the
+    episodes of the replacement groups."""
+    group_size = int(spec.get("tasks", {}).get("group_size", 1)) or 1
+    query = select(func.count()).where(Episode.job_id == job.id).group_by(Episode.iteration)
+    started = list((await session.execute(query)).scalars()) if per_iteration else []
+    replaced = sum(replacement_groups(n, per_iteration, group_size) for n in started)
+    skipped = await zero_variance_groups(session, job.id)
+    sampling = schemas.Sampling(
+        dynamic_sampling=bool(spec.get("algorithm", {}).get("dynamic_sampling", False)),
+        zero_variance_groups=skipped,
+        replacement_groups=replaced,
+        unreplaced_groups=max(0, skipped - replaced),
+    )
+    return sampling, sum(max(0, n - per_iteration) for n in started)
+
+
 async def job_metrics(
     session: AsyncSession, *, job: Job, pass_threshold: float | None = None
 ) -> schemas.JobMetrics:
@@ -331,7 +351,8 @@ async def job_metrics(
         in_flight_max=int(in_flight) if in_flight is not None else None,
     )
 
-    total = iterations * per_iteration
+    sampling, replacement_episodes = await _sampling(session, job, spec, per_iteration)
+    total = iterations * per_iteration + replacement_episodes
     progress = schemas.Progress(
         state=job.state,
         iteration=job.iteration,
@@ -345,6 +366,7 @@ async def job_metrics(
     return schemas.JobMetrics(
         job_id=job.id,
         progress=progress,
+        sampling=sampling,
         reward_curve=curve,
         pass_rates=pass_rates,
         throughput=throughput,

@@ -164,15 +164,30 @@ class Progress(BaseModel):
     iteration: int
     iterations: int
     episodes_per_iteration: int
-    episodes_total: int = Field(description="episodes the whole job will run")
+    episodes_total: int = Field(
+        description="episodes the whole job will run (with dynamic sampling: plus the replacements started so far)"
+    )
     episodes_by_state: dict[str, int]
     finished: int
     fraction: float = Field(description="finished / episodes_total, 0..1")
 
 
+class Sampling(BaseModel):
+    """Groups the trainer skipped for zero reward variance and what dynamic sampling did about them."""
+
+    dynamic_sampling: bool = Field(description="algorithm.dynamic_sampling of the job")
+    zero_variance_groups: int = Field(description="groups the trainer skipped for zero reward variance")
+    replacement_groups: int = Field(description="groups started in place of skipped ones")
+    unreplaced_groups: int = Field(
+        description="skipped groups not (yet) replaced: all of them without dynamic sampling, "
+        "else those past algorithm.max_replacement_groups or still waiting for room"
+    )
+
+
 class JobMetrics(BaseModel):
     job_id: str
     progress: Progress
+    sampling: Sampling
     reward_curve: list[IterationReward]
     pass_rates: list[TaskPassRate]
     throughput: Throughput
