@@ -11,6 +11,12 @@ gpu_filter=(-m "not gpu")
 if .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   gpu_filter=()
 fi
+# Docker-engine tests (images from a Dockerfile) likewise: deselected, and said so, where
+# `docker info` fails (scripts/compose/engine.sh starts an engine).
+if ! docker info >/dev/null 2>&1; then
+  echo "run_tests: no Docker engine reachable: deselecting tests marked docker" >&2
+  if [ "${#gpu_filter[@]}" -gt 0 ]; then gpu_filter=(-m "not gpu and not docker"); else gpu_filter=(-m "not docker"); fi
+fi
 .venv/bin/python -m pytest "${gpu_filter[@]}" "$@"
 status=$?
 if [ "$status" -eq 5 ]; then

@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from temper.sandbox.images import ImageError, build_debian, check_published, flatten_oci, publish
+from temper.sandbox.images import (
+    ImageError,
+    build_debian,
+    build_dockerfile,
+    check_published,
+    flatten_oci,
+    publish,
+)
 
 
 def _store() -> Any:
@@ -42,6 +49,16 @@ def cmd_build_debian(args: argparse.Namespace) -> int:
 def cmd_import_oci(args: argparse.Namespace) -> int:
     blob = flatten_oci(Path(args.archive).read_bytes())
     digest = asyncio.run(_publish(blob, {"oci": Path(args.archive).name}))
+    sys.stdout.write(digest + "\n")
+    return 0
+
+
+def cmd_build_dockerfile(args: argparse.Namespace) -> int:
+    file = Path(args.file) if args.file else None
+    sys.stderr.write(f"building {args.context} with the local Docker engine...\n")
+    blob = build_dockerfile(Path(args.context), dockerfile=file)
+    digest = asyncio.run(_publish(blob, {"dockerfile": str(file or Path(args.context) / "Dockerfile")}))
+    sys.stderr.write(f"published {len(blob) / 1e6:.1f} MB\n")
     sys.stdout.write(digest + "\n")
     return 0
 
@@ -80,6 +97,12 @@ def add_commands(sub: Any) -> None:
     )
     p.add_argument("archive")
     p.set_defaults(func=_guard(cmd_import_oci))
+    p = im_sub.add_parser(
+        "build-dockerfile", help="a Dockerfile built by the local Docker engine, flattened and published"
+    )
+    p.add_argument("context", help="the build context (a directory holding the Dockerfile)")
+    p.add_argument("--file", "-f", help="the Dockerfile, if not CONTEXT/Dockerfile")
+    p.set_defaults(func=_guard(cmd_build_dockerfile))
     p = im_sub.add_parser("check", help="is this image published? prints its manifest")
     p.add_argument("digest")
     p.set_defaults(func=_guard(cmd_check))

@@ -215,6 +215,40 @@ def flatten_oci(archive_bytes: bytes) -> bytes:
     return out.getvalue()
 
 
+def build_dockerfile(
+    context: Path, *, dockerfile: Path | None = None, docker: str = "docker", timeout_s: float = 1800
+) -> bytes:
+    """Build a Dockerfile with the local Docker engine (``docker build``), export the image
+    (``docker save``) and flatten it like any OCI archive. The temporary tag is removed."""
+    if not (Path(context) / "Dockerfile").is_file() and dockerfile is None:
+        raise ImageError(f"no Dockerfile in {context}")
+    exe = shutil.which(docker)
+    if exe is None:
+        raise ImageError(
+            f"{docker!r} not found: a Dockerfile needs a Docker engine (scripts/compose/engine.sh)"
+        )
+    info = subprocess.run([exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
+    if info.returncode != 0:
+        raise ImageError(
+            f"no Docker engine is reachable (`docker info`: {info.stderr.strip()[-500:]}); start one "
+            "(scripts/compose/engine.sh) or build elsewhere and `temper images import-oci` the archive"
+        )
+    tag = f"temper-image-build:{uuid.uuid4().hex[:12]}"
+    argv = [exe, "build", "-q", "-t", tag]
+    if dockerfile is not None:
+        argv += ["-f", str(dockerfile)]
+    try:
+        proc = subprocess.run([*argv, str(context)], capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise ImageError(f"docker build failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        saved = subprocess.run([exe, "save", tag], capture_output=True, timeout=timeout_s)
+        if saved.returncode != 0:
+            raise ImageError(f"docker save failed: {saved.stderr.decode(errors='replace')[-500:]}")
+    finally:
+        subprocess.run([exe, "rmi", "-f", tag], capture_output=True)
+    return flatten_oci(saved.stdout)
+
+
 # --- publishing and checking -------------------------------------------------------------
 async def publish(store: Any, blob: bytes, *, source: dict[str, Any], prefix: str = IMAGE_PREFIX) -> str:
     """Check a rootfs blob (a gzip'd tar holding ``/usr/bin/python3``) and put it to the

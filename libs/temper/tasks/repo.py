@@ -2,7 +2,9 @@
 
 A repository task is a directory:
 
-- ``repo/``: the repository's files at the task's commit (what the agent starts with),
+- ``repo/``: the repository's files at the task's commit (what the agent starts with), or
+  ``repo.bundle``: a git bundle holding that commit, named by ``commit`` in ``task.json``
+  (its tree, checked out when the task is loaded, is what the agent starts with),
 - ``issue.md``: the issue text (the prompt),
 - ``hidden/``: test files the agent never sees (the tests that show the bug),
 - ``gold.patch``: the fix, a unified diff against ``repo/``,
@@ -23,11 +25,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from temper.tasks.models import TaskSpec
 
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
 TEST_ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 PROMPT = (
     "You are working in a Python repository (your working directory). Resolve this issue by "
@@ -72,6 +78,31 @@ def read_tree(root: Path) -> dict[str, str]:
     return files
 
 
+def bundle_tree(bundle: Path, commit: str) -> dict[str, str]:
+    """The files of ``commit`` in a git bundle: cloned into a temporary directory (git
+    checks the bundle's pack) and the commit checked out, detached."""
+    if not COMMIT.match(commit or ""):
+        raise RepoTaskError(f"{bundle}: commit {commit!r} is not a full 40-hex git commit id")
+    with tempfile.TemporaryDirectory(prefix="temper-bundle-") as tmp:
+        work = Path(tmp) / "repo"
+
+        def git(*args: str, cwd: Path | None = None) -> None:
+            env = {"GIT_CONFIG_NOSYSTEM": "1", "HOME": tmp, "PATH": "/usr/bin:/bin"}
+            proc = subprocess.run(
+                ["git", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=60
+            )
+            if proc.returncode != 0:
+                raise RepoTaskError(f"{bundle}: git {args[0]} failed: {proc.stderr.strip()[-300:]}")
+
+        git("clone", "--quiet", "--no-checkout", str(Path(bundle).absolute()), str(work))
+        try:
+            git("checkout", "--quiet", "--detach", commit, cwd=work)
+        except RepoTaskError as e:
+            raise RepoTaskError(f"{bundle}: commit {commit} is not in the bundle ({e})") from None
+        shutil.rmtree(work / ".git")  # the agent gets the tree at the commit, not the history
+        return read_tree(work)
+
+
 def grading_program(restore: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[str]) -> str:
     """The hidden tests of a repository task: one ``test_resolved`` function."""
     return (
@@ -104,9 +135,12 @@ def repo_task(
 ) -> TaskSpec:
     """The task of one repository task directory (see the module's docstring)."""
     directory = Path(directory)
-    for need in ("repo", "hidden", "issue.md", "gold.patch", "task.json"):
+    for need in ("hidden", "issue.md", "gold.patch", "task.json"):
         if not (directory / need).exists():
             raise RepoTaskError(f"{directory}: {need} is missing")
+    has_tree, has_bundle = (directory / "repo").exists(), (directory / "repo.bundle").exists()
+    if has_tree == has_bundle:
+        raise RepoTaskError(f"{directory}: needs exactly one of repo/ and repo.bundle")
     meta = json.loads((directory / "task.json").read_text())
     f2p, p2p = list(meta.get("fail_to_pass") or []), list(meta.get("pass_to_pass") or [])
     if not f2p:
@@ -114,7 +148,10 @@ def repo_task(
     for tid in f2p + p2p:
         if not TEST_ID.match(tid):
             raise RepoTaskError(f"{directory}: {tid!r} is not a dotted unittest id")
-    files = read_tree(directory / "repo")
+    if has_bundle:
+        files = bundle_tree(directory / "repo.bundle", str(meta.get("commit") or ""))
+    else:
+        files = read_tree(directory / "repo")
     hidden = read_tree(directory / "hidden")
     tests = {p: t for p, t in files.items() if p.split("/")[0] == "tests" or "/tests/" in f"/{p}"}
     patch = (directory / "gold.patch").read_text()
@@ -130,7 +167,7 @@ def repo_task(
             "tests": grading_program({**tests, **hidden}, f2p, p2p),
             "oracle": oracle,
             "metadata": {"source": "repo-bugs", "tags": ["repository", "python"], "fail_to_pass": f2p,
-                         "pass_to_pass": p2p},
+                         "pass_to_pass": p2p, **({"commit": meta["commit"]} if has_bundle else {})},
             **({"limits": limits} if limits else {}),
         }
     )  # fmt: skip

@@ -106,3 +106,66 @@ def test_import_cli_writes_the_repo_bugs_with_an_image(tmp_path: Path, capsys) -
     )
     assert "image" in capsys.readouterr().err
     assert main(["tasksets", "import", "repo", str(tmp_path / "nothing"), "--output", str(out)]) == 2
+
+
+def bundled(src: Path, dest: Path) -> str:
+    """``src`` (a repo-bugs task) with its repo/ made into repo.bundle; returns the commit."""
+    import subprocess
+
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {"HOME": str(dest.parent), "PATH": "/usr/bin:/bin", "GIT_CONFIG_NOSYSTEM": "1"}
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=dest / "repo", env=env, check=True, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "the task's commit")
+    commit = git("rev-parse", "HEAD")
+    (dest / "repo" / "later.txt").write_text("after the task's commit\n")
+    git("add", "-A")
+    git("commit", "-qm", "a later commit the task must not see")
+    git("bundle", "create", str(dest / "repo.bundle"), "--all")
+    shutil.rmtree(dest / "repo")
+    meta = json.loads((dest / "task.json").read_text())
+    (dest / "task.json").write_text(json.dumps({**meta, "commit": commit}))
+    return commit
+
+
+def test_a_repo_task_carried_as_a_git_bundle_loads_at_its_commit(tmp_path: Path) -> None:
+    commit = bundled(REPO_BUGS / "pager", tmp_path / "pager")
+    task, plain = repo_task(tmp_path / "pager"), repo_task(REPO_BUGS / "pager")
+    assert task.files == plain.files and task.tests == plain.tests  # the commit, not the later one
+    assert task.metadata.model_extra["commit"] == commit
+    meta = json.loads((tmp_path / "pager" / "task.json").read_text())
+    (tmp_path / "pager" / "task.json").write_text(json.dumps({**meta, "commit": "f" * 40}))
+    with pytest.raises(RepoTaskError, match="is not in the bundle"):
+        repo_task(tmp_path / "pager")
+    (tmp_path / "pager" / "task.json").write_text(json.dumps({**meta, "commit": "HEAD"}))
+    with pytest.raises(RepoTaskError, match="not a full 40-hex"):
+        repo_task(tmp_path / "pager")
+    (tmp_path / "pager" / "repo.bundle").write_bytes(b"# v2 git bundle\nnot really\n")
+    (tmp_path / "pager" / "task.json").write_text(json.dumps(meta))
+    with pytest.raises(RepoTaskError, match="git clone failed"):
+        repo_task(tmp_path / "pager")
+    (tmp_path / "pager" / "repo").mkdir()
+    with pytest.raises(RepoTaskError, match="exactly one of repo/ and repo.bundle"):
+        repo_task(tmp_path / "pager")
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+async def test_a_bundled_repo_task_validates_oracle_1_nothing_0(
+    tmp_path: Path, database, scoring_manager
+) -> None:
+    bundled(REPO_BUGS / "ledger", tmp_path / "ledger")
+    async with database.session() as s:
+        s.add(Tenant(id="acme", name="acme"))
+    async with database.session() as s:
+        row = await service.create_taskset(s, None, "acme", "bundled", [repo_task(tmp_path / "ledger")])
+    assert await validate_taskset(database, Scorer(scoring_manager), row.id) == {"valid": 1}
+    async with database.session() as s:
+        [r] = await service.task_rows(s, row.id)
+    assert r.validation["oracle"]["reward"] == 1.0 and r.validation["null"]["reward"] == 0.0, r.validation
