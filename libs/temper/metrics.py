@@ -4,6 +4,7 @@ so names and labels stay consistent with the alert rules in deploy/prometheus/."
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 # Latency buckets from 0.5 ms to 60 s: sandbox execs and bus hops are millisecond-scale.
 FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -129,6 +130,14 @@ DISPATCHER_REPLACEMENT_GROUPS = Counter(
     "Groups started by dynamic sampling in place of zero-variance groups the trainer skipped",
     ["job_id"],
 )
+
+
+def zero(metric: MetricWrapperBase, *label_sets: str | tuple[str, ...]) -> None:
+    """Create ``metric``'s children for known label values before anything happens, so each
+    exports 0: a panel or alert on a fault that has not occurred reads 0, not "no data"
+    (a labelled metric has no series until its first ``.labels()``)."""
+    for values in label_sets:
+        metric.labels(*((values,) if isinstance(values, str) else values))
 
 
 def render_latest() -> tuple[bytes, str]:

@@ -90,6 +90,16 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+def init_metrics() -> None:
+    """Every episode state, failure reason (the prefix before ":" that transition_episode
+    counts), step kind and expired-lease kind exports 0 from the start (metrics.zero says why)."""
+    kinds = list(STEP_FOR_STATE.values())
+    metrics.zero(metrics.EPISODE_TRANSITIONS, *E)
+    metrics.zero(metrics.EPISODE_FAILURES, "lease_expired", *(f"{k}_error" for k in kinds))
+    metrics.zero(metrics.TURN_SECONDS, *kinds)
+    metrics.zero(metrics.STEP_LEASES_EXPIRED, *kinds, "trajectory")  # trajectory: the scheduler's
+
+
 class EpisodeEngine:
     """Drives episodes from result to result. Stateless between calls except for caches
     of immutable rows (job specs, tasks), so any replica can handle any episode."""
@@ -103,6 +113,7 @@ class EpisodeEngine:
         tokenizer: ChatTokenizer | None = None,
         transaction: Callable[[], AbstractAsyncContextManager[AsyncSession]] | None = None,
     ) -> None:
+        init_metrics()
         self.db = db
         self.store = store
         self.settings = settings

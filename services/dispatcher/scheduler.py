@@ -54,6 +54,13 @@ def versions_per_iteration(spec: JobSpec) -> float:
     return groups / (spec.algorithm.groups_per_step * spec.algorithm.checkpoint_every)
 
 
+def init_job_metrics(job_id: str) -> None:
+    """A started job's gauges read 0 until its first tick sets them, so its panels show
+    the job from its start."""
+    metrics.EPISODES_ACTIVE.labels(job_id).set(0)
+    metrics.JOB_ITERATION.labels(job_id).set(0)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -310,6 +317,7 @@ class Scheduler:
             )
             return False
         await transition_job(s, job, J.running)
+        init_job_metrics(job.id)
         log_event(log, "job started", tasks=sampleable)
         return True
 

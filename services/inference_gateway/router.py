@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from services.inference_gateway.backends import (
     Backend,
     BackendError,
@@ -85,6 +87,17 @@ class CircuitBreaker:
             self.state, self.opened_at = BreakerState.open, self.clock()
 
 
+def backend_metrics(name: str) -> tuple[Gauge, Counter, Histogram]:
+    """A backend's in-flight, ok and latency children. Its error counts by every kind export 0
+    from the start (metrics.zero says why)."""
+    metrics.zero(metrics.INFERENCE_REQUESTS, *((name, kind.value) for kind in ErrorKind))
+    return (
+        metrics.INFERENCE_INFLIGHT.labels(name),
+        metrics.INFERENCE_REQUESTS.labels(name, "ok"),
+        metrics.INFERENCE_SECONDS.labels(name),
+    )
+
+
 @dataclass
 class Slot:
     backend: Backend
@@ -97,9 +110,7 @@ class Slot:
 
     def __post_init__(self) -> None:
         # The per-request metrics, labelled once: ``.labels()`` costs more than the update.
-        self.m_inflight = metrics.INFERENCE_INFLIGHT.labels(self.name)
-        self.m_ok = metrics.INFERENCE_REQUESTS.labels(self.name, "ok")
-        self.m_seconds = metrics.INFERENCE_SECONDS.labels(self.name)
+        self.m_inflight, self.m_ok, self.m_seconds = backend_metrics(self.name)
 
     @property
     def name(self) -> str:

@@ -49,6 +49,13 @@ def record_key(
     )
 
 
+def init_metrics() -> None:
+    """This service's outcomes and its own failure reasons export 0 from the start (metrics.zero
+    says why); a component's failures (temper.rewards.scorer) add their series when they occur."""
+    metrics.zero(metrics.REWARDS_SCORED, "ok", "error", "duplicate")
+    metrics.zero(metrics.REWARD_FAILURES, ("*", "unknown_task"), ("*", "bad_submission"))
+
+
 class RewardScorer:
     def __init__(
         self,
@@ -59,6 +66,7 @@ class RewardScorer:
         task_cache: int = 2048,
         group: str | None = None,
     ) -> None:
+        init_metrics()
         self.runtime = runtime
         self.group = group or runtime.settings.reward_scorer.group  # TEMPER_REWARD_SCORER__GROUP
         self._own_manager = manager is None

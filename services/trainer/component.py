@@ -51,6 +51,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 
 from services.trainer import handlers
+from services.trainer.observe import init_job_metrics, observe_step
 from services.trainer.ranks import Ranks
 from temper import metrics, registry
 from temper.bus import Consumer, Poison
@@ -341,7 +342,7 @@ class Trainer:
                 spec, self.settings, store, self.device, checkpoint, model_factory=self.model_factory,
                 bases=self.bases,
             )  # fmt: skip
-        metrics.POLICY_VERSION.labels(job_id).set(learner.version)
+        init_job_metrics(job_id, learner.version)
         state = JobState(job_id=job_id, tenant_id=row.tenant_id, spec=spec, learner=learner)
         # a job is in self.jobs once loaded; count it with the others
         metrics.TRAINER_BASE_MODELS.set(self.base_models(also=learner))
@@ -558,16 +559,7 @@ class Trainer:
         log_event(log, "trajectories skipped", job_id=job.job_id, reason=reason, episodes=len(episodes))
 
     def _observe(self, job: JobState, stats: StepStats) -> None:
-        jid = job.job_id
-        metrics.TRAINER_STEPS.labels(jid).inc()
-        metrics.TRAINER_LOSS.labels(jid).set(stats.loss)
-        metrics.TRAINER_REWARD_MEAN.labels(jid).set(stats.reward_mean)
-        metrics.TRAINER_REWARD_STD.labels(jid).set(stats.reward_std)
-        metrics.TRAINER_KL.labels(jid).set(stats.kl)
-        metrics.TRAINER_CLIP_FRACTION.labels(jid).set(stats.clip_fraction)
-        metrics.TRAINER_TOKENS_PER_SECOND.labels(jid).set(stats.tokens_per_s)
-        for s in stats.staleness:
-            metrics.TRAINER_STALENESS.observe(s)
+        observe_step(job.job_id, stats)
         log_event(log, "trainer step", **stats.as_dict())
 
     async def checkpoint(self, job: JobState, stats: StepStats | None = None) -> int:

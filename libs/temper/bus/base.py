@@ -99,6 +99,16 @@ class Bus(ABC):
         await self.send(topic, message.to_bytes(), key=message.key())
 
 
+def init_consumer_metrics(topics: Iterable[str], group: str) -> None:
+    """A consumer's handled, failed and dead-lettered counts export 0 from its subscription on
+    (metrics.zero says why), and its lag from then until the consumer's first measurement."""
+    pairs = [(t, group) for t in topics]
+    metrics.zero(metrics.BUS_CONSUMED, *pairs)
+    metrics.zero(metrics.BUS_HANDLER_FAILURES, *pairs)
+    metrics.zero(metrics.BUS_CONSUMER_LAG, *pairs)
+    metrics.zero(metrics.BUS_DEAD_LETTERS, *(t for t, _ in pairs))
+
+
 class DependencyWait(RuntimeError):
     """Raised by :meth:`Delivery.run` when it stops waiting for a dependency because the
     consumer no longer wants the record (stopping, or the partition was revoked): the
@@ -123,7 +133,8 @@ class Delivery:
 
     dependency_backoff_max_s = 2.0
 
-    def __init__(self, bus: Bus, group: str, handler: Handler) -> None:
+    def __init__(self, bus: Bus, group: str, handler: Handler, topics: Iterable[str] = ()) -> None:
+        init_consumer_metrics(topics, group)
         self.bus = bus
         self.group = group
         self.handler = handler

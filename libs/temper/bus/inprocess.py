@@ -119,7 +119,7 @@ class InProcessConsumer(Consumer):
         self._group = group
         self.group = group.name
         self.topics = topics
-        self.delivery = Delivery(bus, group.name, handler)
+        self.delivery = Delivery(bus, group.name, handler, self.topics)
         self.concurrency = max(1, concurrency)
         self.assigned: set[TopicPartition] = set()
         self.positions: dict[TopicPartition, int] = {}

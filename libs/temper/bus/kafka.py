@@ -172,7 +172,7 @@ class KafkaConsumer(Consumer):
         self.bus = bus
         self.topics = topics
         self.group = group
-        self.delivery = Delivery(bus, group, handler)
+        self.delivery = Delivery(bus, group, handler, self.topics)
         self.concurrency = max(1, concurrency)
         self._slots = asyncio.Semaphore(self.concurrency)
         self._paused = False

@@ -27,7 +27,7 @@ from temper.sandbox.backends import Backend, make_backend
 from temper.sandbox.cgroups import CgroupManager, detect
 from temper.sandbox.config import SandboxSettings
 from temper.sandbox.images import Image, ImageCache
-from temper.sandbox.models import Action, ExecResult, SandboxLimits
+from temper.sandbox.models import Action, ExecResult, KillReason, SandboxLimits
 from temper.sandbox.policy import limit_errors, timeout_error
 from temper.sandbox.sandbox import Sandbox, SandboxError
 from temper.sandbox.spawner import Spawner
@@ -68,10 +68,16 @@ class SessionNotFound(KeyError):
     pass
 
 
+def init_metrics() -> None:
+    """Kills by every reason export 0 from the start (metrics.zero says why)."""
+    metrics.zero(metrics.SANDBOX_KILLS, *KillReason)
+
+
 class SandboxManager:
     def __init__(
         self, settings: SandboxSettings, *, distributed: bool = False, store: object | None = None
     ) -> None:
+        init_metrics()
         self.settings = settings
         self.distributed = distributed
         self.store = store  # a temper.storage.ObjectStore, for snapshots
