@@ -66,7 +66,10 @@ def test_the_learner_gets_every_part():
         ),
         ({"name": "reinforce"}, "Input should be 'grpo', 'dr_grpo', 'dapo' or 'rloo'"),
         ({"kl_coef": 0.1, "kl_estimator": "none"}, "kl_coef > 0 needs a kl_estimator"),
-        ({"dynamic_sampling": True, "skip_zero_variance": False}, "dynamic_sampling needs skip_zero_variance"),
+        (
+            {"dynamic_sampling": True, "skip_zero_variance": False},
+            "dynamic_sampling needs skip_zero_variance",
+        ),
         ({"dynamic_sampling": True, "max_replacement_groups": -1}, "greater than or equal to 0"),
         ({"overlong": "penalty", "overlong_max_tokens": 10, "overlong_buffer": 20}, "must not exceed"),
         ({"aggregation": "per_token"}, "Input should be 'token_mean', 'seq_mean' or 'seq_sum'"),

@@ -179,7 +179,9 @@ async def test_an_uploaded_package_runs_a_job_and_only_its_tenant_sees_it(
             i for i, t in enumerate(bad["environment.yaml"].splitlines(), 1) if t.startswith("network:")
         )
         assert r.json()["errors"][0]["field"] == "network" and r.json()["errors"][0]["line"] == line, r.text
-        assert f"network (line {line}): network 'host' is not one a package may ask for" in r.json()["detail"], r.text
+        assert (
+            f"network (line {line}): network 'host' is not one a package may ask for" in r.json()["detail"]
+        ), r.text
 
         listed = (await p.api.get("/v1/environments", headers=p.as_("a"))).json()
         assert [(m["name"], m["version"]) for m in listed] == [("wordcount-pkg", "1.0.0")]
