@@ -30,6 +30,10 @@ MOMENTS = ("early", "mid-iteration", "publish")
 PUBLISH = rb"PUT /[^ ]*/versions/v\d+/"
 
 
+class JobFinished(Exception):
+    """The job ended before the moment came: submit another and try the scenario there."""
+
+
 @dataclass
 class Outcome:
     scenario: str
@@ -129,25 +133,35 @@ class Chaos:
 
     # --- moments and progress -------------------------------------------------------------
     def wait_for(self, moment: str, on_publish: Callable[[], None]) -> None:
-        """Until ``moment``; for ``publish``, ``on_publish`` runs inside it (in the proxy)."""
-        stack = self.stack
+        """Until ``moment``; for ``publish``, ``on_publish`` runs inside it (in the proxy).
+        Raises :class:`JobFinished` if the job ends first."""
+
+        def until(what: str, moment_came: Callable[[Facts], bool]) -> None:
+            def check() -> bool:
+                f = self.stack.facts()
+                if moment_came(f):
+                    return True
+                if f.job.state in ("completed", "failed", "cancelled"):
+                    raise JobFinished(f"job {f.job.id} {f.job.state} before {what}")
+                return False
+
+            self.stack.wait(what, check, self.timeout, every_s=0.1)
+
         if moment == "early":
-            stack.wait("the first inference results", lambda: len(stack.facts().inference) >= 1,
-                       self.timeout, every_s=0.1)  # fmt: skip
+            until("the first inference results", lambda f: len(f.inference) >= 1)
         elif moment == "mid-iteration":
 
             def mid(f: Facts) -> bool:
                 busy = [e for e in f.episodes if e.state not in ("scored", "trained")]
                 return f.job.policy_version >= 1 and bool(busy) and f.job.state == "running"
 
-            stack.wait("a version out and episodes in flight", lambda: mid(stack.facts()),
-                       self.timeout, every_s=0.1)  # fmt: skip
+            until("a version out and episodes in flight", mid)
         else:
             self.proxy.on_trip = on_publish
             self.proxy.tripped_at = None
             self.proxy.armed = True
             try:
-                stack.wait("a version upload", lambda: self.proxy.tripped_at is not None, self.timeout)
+                until("a version upload", lambda f: self.proxy.tripped_at is not None)
             finally:
                 self.proxy.armed = False
 
