@@ -165,18 +165,25 @@ class Chaos:
             finally:
                 self.proxy.armed = False
 
-    def progress(self, service: str | None = None) -> int:
+    def progress(self, service: str | None = None) -> tuple[int, bool]:
+        """Work done so far (what counts for ``service``), and whether the job is over."""
         f = self.stack.facts()
-        finished = int(f.job.state == "completed")
+        over = f.job.state in ("completed", "failed", "cancelled")
         if service == "trainer":
-            return len(f.ledger) + len(f.versions) + finished
-        return len(f.inference) + sum(f.rewards_done.values()) + len(f.ledger) + len(f.versions) + finished
+            return len(f.ledger) + len(f.versions), over
+        return len(f.inference) + sum(f.rewards_done.values()) + len(f.ledger) + len(f.versions), over
 
     def recovered(self, fault_at: float, service: str | None = None) -> float:
-        """Seconds from ``fault_at`` until progress after now (the broken part is back)."""
-        base = self.progress(service)
-        self.stack.wait("progress after the fault", lambda: self.progress(service) > base, self.timeout,
-                        every_s=0.2)  # fmt: skip
+        """Seconds from ``fault_at`` until progress after now (the broken part is back). A
+        job that ended meanwhile counts as progress: it has nothing left to do (whether it
+        lost anything is :meth:`check_job`'s to say)."""
+        base, _ = self.progress(service)
+
+        def moved() -> bool:
+            done, over = self.progress(service)
+            return done > base or over
+
+        self.stack.wait("progress after the fault", moved, self.timeout, every_s=0.2)
         return time.monotonic() - fault_at
 
     # --- the faults ------------------------------------------------------------------------
