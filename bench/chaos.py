@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     totals = {"episodes_lost": 0, "double_scored": 0, "double_trained": 0, "outbox_rows_lost": 0}
     try:
         for name, iterations, scenarios in plan(chaos):
-            scenarios = [(n, f) for n, f in scenarios if not args.only or args.only in n]
+            wanted = [w for w in args.only.split(",") if w]
+            scenarios = [(n, f) for n, f in scenarios if not wanted or any(w in n for w in wanted)]
             if not scenarios:
                 continue
             print(f"job {name}: {iterations} iterations, {len(scenarios)} faults")
@@ -154,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", default="", help="run only the scenarios whose name contains this")
+    parser.add_argument(
+        "--only", default="", help="run only the scenarios whose name contains one of these (comma-separated)"
+    )
     parser.add_argument("--step-timeout", type=float, default=240.0,
                         help="seconds to wait for one moment, restart or recovery")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -11,6 +11,7 @@ published or the job completed (for a killed trainer: a trajectory or a version)
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,11 +158,19 @@ class Chaos:
 
             until("a version out and episodes in flight", mid)
         else:
-            self.proxy.on_trip = on_publish
+            acted = threading.Event()  # on_publish has returned, not just begun
+
+            def trip() -> None:
+                try:
+                    on_publish()
+                finally:
+                    acted.set()
+
+            self.proxy.on_trip = trip
             self.proxy.tripped_at = None
             self.proxy.armed = True
             try:
-                until("a version upload", lambda f: self.proxy.tripped_at is not None)
+                until("a version upload", lambda f: acted.is_set())
             finally:
                 self.proxy.armed = False
 
