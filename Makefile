@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
+        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer chaos
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -17,6 +17,7 @@ help:
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
 	@echo "make compose-test the whole platform in Docker: build, compose up, a job end to end, dashboard queries"
 	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
+	@echo "make chaos        kill/restart every service and server mid-job: bench/results/chaos.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
 
 system:
@@ -89,6 +90,11 @@ bench-dispatch: setup stack-up
 
 bench-trainer: setup
 	$(PY) bench/trainer.py
+
+# Every service killed at three moments of a job, Kafka/Postgres/object store restarted, the
+# object store refusing for 20 s; private servers, so the shared stack is untouched.
+chaos: setup stack-up
+	$(PY) bench/chaos.py $(ARGS)
 
 # On a GPU node, with the machine's own python3/torch/transformers/peft (not the project venv):
 # every part once into bench/results/gpu.json, then each part as a gpu test (each <= 6 minutes).

@@ -220,15 +220,102 @@ class PrivateMinio:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class PrivateKafka:
+    """A single-node KRaft broker of its own (the jars ``make stack-up`` fetched) on free
+    ports, configured as scripts/stack/up.sh configures the shared one; it keeps its log
+    directory across :meth:`stop` and :meth:`start`, as a restarted broker does."""
+
+    def __init__(self) -> None:
+        found = sorted((CACHE_DIR / "kafka").glob("*/libs"))
+        if not found:
+            raise FaultError(f"no Kafka under {CACHE_DIR}/kafka: run `make stack-up` first")
+        self.classpath = f"{found[-1]}/*"
+        self.port, self.controller_port = free_port(), free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="temper-fault-kafka-"))
+        self.bootstrap = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        shared = (ROOT / "scripts" / "stack" / "up.sh").read_text()
+        body = shared.split("write_kafka_config() {", 1)[1].split("<<EOF\n", 1)[1].split("\nEOF", 1)[0]
+        for var, value in {
+            "$HOST": "127.0.0.1",
+            "$KAFKA_PORT": str(self.port),
+            "$KAFKA_CONTROLLER_PORT": str(self.controller_port),
+            "$KAFKA_DIR": str(self.dir),
+        }.items():
+            body = body.replace(var, value)
+        (self.dir / "server.properties").write_text(body + "\n")
+        log4j = ROOT / "scripts" / "stack" / "kafka" / "log4j2-quiet.properties"
+        self.jvm = ["java", f"-Dlog4j2.configurationFile={log4j}", "-cp", self.classpath]
+        subprocess.run(
+            [*self.jvm[:1], "-Xmx128m", *self.jvm[1:], "kafka.tools.StorageTool", "format",
+             "--ignore-formatted", "-t", uuid.uuid4().hex[:22], "-c", str(self.dir / "server.properties")],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=180,
+        )  # fmt: skip
+
+    def start(self, timeout_s: float = 180) -> PrivateKafka:
+        with (self.dir / "kafka.out").open("ab") as log:
+            self.proc = subprocess.Popen(
+                [*self.jvm[:1], "-Xms128m", "-Xmx384m", "-XX:+UseG1GC", f"-Dkafka.logs.dir={self.dir}",
+                 *self.jvm[1:], "kafka.Kafka", str(self.dir / "server.properties")],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        wait_until("the private Kafka broker to answer", self._answers, timeout_s, every_s=1.0)
+        return self
+
+    def _answers(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise FaultError(f"Kafka exited with {self.proc.returncode}; see {self.dir}/kafka.out")
+
+        async def probe() -> bool:
+            from aiokafka.admin import AIOKafkaAdminClient
+
+            admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=3000)
+            try:
+                await admin.start()
+                await admin.list_topics()
+                return True
+            except Exception:
+                return False
+            finally:
+                with contextlib.suppress(Exception):
+                    await admin.close()
+
+        return asyncio.run(probe())
+
+    def stop(self) -> None:
+        """SIGKILL: the broker dies as a crashed one does (no controlled shutdown)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class Tripwire:
     """A TCP proxy in front of a server that calls ``on_trip`` (once, when armed) the first
     time a client chunk starts with a request matching ``pattern``, and drops that
     connection: "the object store went down just as the trainer uploaded a checkpoint"."""
 
-    def __init__(self, target_port: int, pattern: bytes, on_trip: Callable[[], None]) -> None:
+    # What a refusing object store answers: S3's "slow down", which clients retry.
+    _BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code></Error>'
+    REFUSAL = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BODY), _BODY)
+    )
+
+    def __init__(
+        self, target_port: int, pattern: bytes, on_trip: Callable[[], None], *, drop: bool = True
+    ) -> None:
+        """``drop=False`` forwards the matching request after ``on_trip`` (a moment to act
+        on, not a fault of its own)."""
         self.target_port = target_port
         self.pattern = re.compile(pattern)
         self.on_trip = on_trip
+        self.drop = drop
+        self.refusing_until = 0.0
         self.armed = False
         self.tripped_at: float | None = None
         self.port = free_port()
@@ -248,7 +335,21 @@ class Tripwire:
                 return
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
+    def refuse(self, seconds: float) -> None:
+        """Answer every request with 503 for ``seconds`` (an object store that is up but
+        refuses work), on new and open connections alike."""
+        self.refusing_until = time.monotonic() + seconds
+
+    def _refusing(self) -> bool:
+        return time.monotonic() < self.refusing_until
+
     def _serve(self, client: socket.socket) -> None:
+        if self._refusing():
+            with contextlib.suppress(OSError):
+                client.recv(65536)
+                client.sendall(self.REFUSAL)
+            client.close()
+            return
         try:
             upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
         except OSError:
@@ -266,10 +367,14 @@ class Tripwire:
         threading.Thread(target=pump_back, daemon=True).start()
         with contextlib.suppress(OSError):
             while data := client.recv(65536):
+                if self._refusing():
+                    client.sendall(self.REFUSAL)
+                    break
                 if self.armed and self.tripped_at is None and self.pattern.match(data):
                     self.tripped_at = time.monotonic()
                     self.on_trip()
-                    break
+                    if self.drop:
+                        break
                 upstream.sendall(data)
         for s in (client, upstream):
             with contextlib.suppress(OSError):
@@ -291,6 +396,9 @@ class Facts:
     ledger: dict[str, TrainedTrajectory]
     versions: list[int]
     inference: list[Step]  # finished inference steps, with their results
+    # Samples each published version's step trained on (its metrics): a trajectory trained
+    # twice shows as more samples than trajectories.
+    version_samples: dict[int, int] = field(default_factory=dict)
 
     def by_state(self) -> Counter[str]:
         return Counter(e.state for e in self.episodes)
@@ -306,6 +414,7 @@ class FaultStack:
     spec: dict[str, Any]
     db_url: str | None = None
     storage: dict[str, str] | None = None
+    bootstrap: str | None = None  # a private Kafka broker instead of the shared one
     env_overrides: dict[str, str] = field(default_factory=dict)
     services: dict[str, launcher.Service] = field(default_factory=dict)
     run_id: str = field(default_factory=lambda: "fault-" + uuid.uuid4().hex[:8])
@@ -316,6 +425,8 @@ class FaultStack:
         self.stack_env = launcher.stack_env()
         if self.storage:
             self.stack_env.update(self.storage)
+        if self.bootstrap:
+            self.stack_env["TEMPER_BUS__BOOTSTRAP"] = self.bootstrap
         self.run_dir = self.workdir / self.run_id
         self.run_dir.mkdir(parents=True)
         self.key = new_key()
@@ -342,10 +453,11 @@ class FaultStack:
         asyncio.run(launcher.upload_files(self.stack_env, files, policy_key))
         self.spec["policy"]["init"] = policy_key
         self.policy_dir = policy_dir
-        watched = [*COMMAND_TOPICS, *(Topics.dead_letter(t) for t in Topics.ALL)]
-        self.offsets = asyncio.run(_end_offsets(self.stack_env["TEMPER_BUS__BOOTSTRAP"], watched))
+        bootstrap = self.stack_env["TEMPER_BUS__BOOTSTRAP"]
         self.group_env, groups = launcher.run_groups(self.run_id)
-        asyncio.run(launcher.groups_start_at_end(self.stack_env["TEMPER_BUS__BOOTSTRAP"], groups))
+        asyncio.run(launcher.groups_start_at_end(bootstrap, groups))  # creates the topics too
+        watched = [*Topics.ALL, *(Topics.dead_letter(t) for t in Topics.ALL)]
+        self.offsets = asyncio.run(_end_offsets(bootstrap, watched))
         self.groups = groups
         return self
 
@@ -510,9 +622,29 @@ class FaultStack:
         offsets = {t: o for t, o in self.offsets.items() if t in COMMAND_TOPICS}
         return asyncio.run(_count_commands(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets, self.job_id))
 
+    def outbox_lost(self) -> list[str]:
+        """Outbox rows of this run's database that never reached their topic: not marked
+        published, or marked but absent from the topic since :meth:`prepare` (compared by
+        payload). A row published twice is not lost; consumers drop the second copy."""
+        rows = asyncio.run(_outbox_rows(self.database_url))
+        topics = {topic for topic, _, _ in rows}
+        unknown = topics - set(self.offsets)
+        if unknown:
+            raise FaultError(f"outbox rows for topics the harness does not watch: {sorted(unknown)}")
+        records = asyncio.run(
+            _read_range(self.stack_env["TEMPER_BUS__BOOTSTRAP"], {t: self.offsets[t] for t in topics})
+        )
+        seen = {(r.topic, bytes(r.value)) for r in records}
+        return [
+            f"outbox row {row_id} ({topic}): " + ("never published" if not published else "not on the topic")
+            for topic, (row_id, published), payload in rows
+            if not published or (topic, payload) not in seen
+        ]
+
     def dead_letters(self) -> Counter[str]:
         """This job's messages on the dead-letter topics since :meth:`prepare`, per topic."""
-        offsets = {t: o for t, o in self.offsets.items() if t not in COMMAND_TOPICS}
+        dead = {Topics.dead_letter(t) for t in Topics.ALL}
+        offsets = {t: o for t, o in self.offsets.items() if t in dead}
         records = asyncio.run(_read_range(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets))
         return Counter(r.topic for r in records if json.loads(r.value).get("job_id") == self.job_id)
 
@@ -575,11 +707,13 @@ async def _facts(url: str, job_id: str) -> Facts:
                     await s.execute(select(TrainedTrajectory).where(TrainedTrajectory.job_id == job_id))
                 ).scalars()
             }
-            versions = sorted(
-                (
-                    await s.execute(select(PolicyVersion.version).where(PolicyVersion.job_id == job_id))
-                ).scalars()
-            )
+            published = (
+                await s.execute(
+                    select(PolicyVersion.version, PolicyVersion.metrics).where(PolicyVersion.job_id == job_id)
+                )
+            ).all()
+            versions = sorted(v for v, _ in published)
+            samples = {v: int((m or {}).get("samples", 0)) for v, m in published}
             inference = list(
                 (
                     await s.execute(
@@ -589,7 +723,22 @@ async def _facts(url: str, job_id: str) -> Facts:
                     )
                 ).scalars()
             )
-            return Facts(job, episodes, rewards, ledger, versions, inference)
+            return Facts(job, episodes, rewards, ledger, versions, inference, samples)
+    finally:
+        await db.dispose()
+
+
+async def _outbox_rows(url: str) -> list[tuple[str, tuple[int, bool], bytes]]:
+    from temper.db import Database, OutboxRow
+    from temper.settings import DatabaseSettings
+
+    db = Database(DatabaseSettings(url=url))
+    try:
+        async with db.session() as s:
+            rows = await s.execute(
+                select(OutboxRow.topic, OutboxRow.id, OutboxRow.published_at, OutboxRow.payload)
+            )
+            return [(t, (i, p is not None), bytes(payload)) for t, i, p, payload in rows.all()]
     finally:
         await db.dispose()
 
