@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer chaos
+        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -95,6 +95,11 @@ bench-trainer: setup
 # object store refusing for 20 s; private servers, so the shared stack is untouched.
 chaos: setup stack-up
 	$(PY) bench/chaos.py $(ARGS)
+
+# The reduced chaos set (one job, four faults in sequence). Not in `make test` yet: it
+# failed 1 run in 3 (a restarted reward scorer could not find the job's task; docs/operations.md).
+chaos-reduced: setup stack-up
+	$(PY) -m pytest -q -p no:cacheprovider tests/faults/reduced_chaos.py $(ARGS)
 
 # On a GPU node, with the machine's own python3/torch/transformers/peft (not the project venv):
 # every part once into bench/results/gpu.json, then each part as a gpu test (each <= 6 minutes).
