@@ -132,10 +132,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **totals,
         "max_recovery_s": max(recoveries, default=None),
         "jobs": chaos.jobs,
-        "per_scenario": {
-            o.scenario: {"passed": o.passed, "recovery_s": o.recovery_s, "error": o.error} for o in outcomes
-        },  # fmt: skip
     }
+    for o in outcomes:  # flat, like every bench result: one scalar per figure
+        result[f"recovery_s[{o.scenario}]"] = o.recovery_s
+        result[f"passed[{o.scenario}]"] = o.passed
+        if o.error:
+            result[f"error[{o.scenario}]"] = o.error
     print(table(outcomes))
     return result
 
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = round(time.monotonic() - started, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "per_scenario"}))
+    print(json.dumps({k: v for k, v in result.items() if "[" not in k}))
     return 0 if result["scenarios_passed"] == result["scenarios"] else 1
 
 

@@ -14,14 +14,14 @@ pytestmark = pytest.mark.timeout(60)
 async def sampled(h, past: str | None) -> Counter[str]:
     spec = job_spec(
         tasks__group_size=1, tasks__seed=3, tasks__prior_from_job=past,
-        schedule__episodes_per_iteration=16, schedule__max_concurrent_episodes=16,
+        schedule__episodes_per_iteration=32, schedule__max_concurrent_episodes=32,
     )  # fmt: skip
     job = await submit_job(h.db, spec)
 
     async def started() -> bool:
-        return len(await episodes_of(h.db, job)) == 16
+        return len(await episodes_of(h.db, job)) == 32
 
-    await wait_for(started, what="16 episodes started")
+    await wait_for(started, what="32 episodes started")
     return Counter(e.task_id for e in await episodes_of(h.db, job))
 
 
@@ -37,6 +37,10 @@ async def test_a_job_starts_from_its_prior_jobs_pass_rates_only_when_asked(tmp_p
     finally:
         h.peers.hold = False
         await h.stop()
-    # with the prior, the settled task weighs 0.05 against 1; without it both are unmeasured
-    assert with_prior["solved"] <= 2 and with_prior["learnable"] >= 14, with_prior
-    assert fresh["solved"] >= 5, fresh
+    # With the prior, the settled task weighs 0.05 against 1; without it both are unmeasured.
+    # The second draw of an iteration takes the task the first left unused, then 30 draws are
+    # free: "solved" expects 1 + 30 x 0.048 = 2.4 with the prior (8 or more: p = 0.0004) and
+    # 1 + 30 / 2 = 16 without (8 or fewer: p = 0.003). The old bounds on 16 episodes failed
+    # about one run in six by chance.
+    assert with_prior["solved"] <= 7 and with_prior["learnable"] >= 25, with_prior
+    assert fresh["solved"] >= 9, fresh
