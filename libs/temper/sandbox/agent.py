@@ -158,6 +158,26 @@ def resolve(path):
     return path if path.startswith("/") else os.path.join(WORKSPACE, path)
 
 
+def _limit_self(req):
+    """In a forked child before exec: the action's or service's rlimits and cwd, first in
+    line for the OOM killer (never the agent)."""
+    _set_dumpable(1)
+    try:
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    for name, (soft, hard) in req["rlimits"].items():
+        try:
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        except (ValueError, OSError):
+            pass
+    os.chdir(resolve(req.get("cwd")))
+
+
 def child(req, rin, wout, werr):
     try:
         os.setsid()
@@ -167,21 +187,7 @@ def child(req, rin, wout, werr):
         os.closerange(3, 65536)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        _set_dumpable(1)
-        try:
-            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-            try:
-                os.write(fd, b"1000")  # the OOM killer takes the action's processes, not the agent
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
-        for name, (soft, hard) in req["rlimits"].items():
-            try:
-                resource.setrlimit(getattr(resource, name), (soft, hard))
-            except (ValueError, OSError):
-                pass
-        os.chdir(resolve(req.get("cwd")))
+        _limit_self(req)
         env = req["env"]
         argv = req.get("argv")
         if argv:
@@ -435,19 +441,7 @@ def op_service(req):
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.closerange(3, 65536)
-        _set_dumpable(1)
-        try:
-            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-            os.write(fd, b"1000")
-            os.close(fd)
-        except OSError:
-            pass
-        for name, (soft, hard) in req["rlimits"].items():
-            try:
-                resource.setrlimit(getattr(resource, name), (soft, hard))
-            except (ValueError, OSError):
-                pass
-        os.chdir(resolve(req.get("cwd")))
+        _limit_self(req)
         os.execve("/bin/sh", ["/bin/sh", "-c", req["command"]], req["env"])
 
     send({"ok": 1, "pid": start_kept(service)})
