@@ -44,6 +44,7 @@ stack-status:
 	bash scripts/stack/status.sh
 
 test: setup stack-up
+	bash scripts/check_deploy.sh --tools
 	bash scripts/run_tests.sh
 
 test-unit: setup

@@ -39,8 +39,9 @@ SKIPPED = ("POST /v1/tasksets", "POST /v1/tasksets/{taskset_id}/validate")
 
 # Schema-valid requests these operations refuse by design, which a schema cannot express:
 # a spec naming a model, task set or environment this deployment does not have (422), and
-# a page cursor that is not one the API handed out (400).
-NAMES_CHECKED = ("POST /v1/jobs", "GET /v1/jobs", "GET /v1/jobs/{job_id}/episodes")
+# a page cursor that is not one the API handed out (400), and bytes that are no tar.gz with
+# a valid environment.yaml (422).
+NAMES_CHECKED = ("POST /v1/jobs", "GET /v1/jobs", "GET /v1/jobs/{job_id}/episodes", "POST /v1/environments")
 
 
 @dataclass

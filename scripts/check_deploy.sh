@@ -7,7 +7,8 @@
 #   every Temper process's environment (compose and each rendered overlay) loads as Settings
 #   (deploy/tools/settings_check.py).
 # Installs its tools idempotently under ${TEMPER_CACHE_DIR:-<repo>/.cache} and .venv.
-# Exits non-zero on any failure.
+# Exits non-zero on any failure. `check_deploy.sh --tools` only installs the tools (make test
+# does, so the tests that render overlays find kustomize on a fresh machine).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,8 +17,6 @@ VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
 GO="${GO:-/usr/local/go/bin/go}"
 KUSTOMIZE_VERSION="v5.7.1"
-KUBERNETES_VALIDATE_VERSION="1.37.0"
-CHECK_JSONSCHEMA_VERSION="0.39.0"
 KUSTOMIZE="$CACHE/bin/kustomize"
 OUT="$CACHE/deploy-rendered"
 cd "$ROOT"
@@ -27,9 +26,9 @@ setup() {
   if [[ ! -x "$PY" ]]; then
     python3.11 -m venv "$VENV" || return 1
   fi
+  # pinned in pyproject.toml's dev extra and the lock; scripts/setup.sh installs them
   if ! "$PY" -c "import kubernetes_validate, check_jsonschema" 2>/dev/null; then
-    "$VENV/bin/pip" install -q "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" \
-      "check-jsonschema==$CHECK_JSONSCHEMA_VERSION" || return 1
+    echo "kubernetes-validate or check-jsonschema missing from .venv: run make setup" >&2; return 1
   fi
   if ! command -v promtool >/dev/null; then
     if [[ $(id -u) -eq 0 ]]; then
@@ -82,6 +81,10 @@ PYEOF
 }
 
 start=$(date +%s)
+if [[ "${1:-}" == "--tools" ]]; then
+  setup || { echo "check-deploy: installing the tools failed" >&2; exit 1; }
+  exit 0
+fi
 step "tools (kustomize $KUSTOMIZE_VERSION, kubernetes-validate, check-jsonschema, promtool)" setup
 if [[ $FAILED -ne 0 ]]; then
   printf '%s\n' "${RESULTS[@]}"; exit 1

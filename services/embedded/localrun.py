@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from temper.jobspec import JobSpec, SpecError, parse_spec
 
@@ -36,7 +36,17 @@ class WarmStart(BaseModel):
     steps: int = Field(1000, ge=1)
     batch_size: int = Field(16, ge=1)
     learning_rate: float = Field(3e-3, gt=0)
+    betas: tuple[float, float] = Field(
+        (0.9, 0.999), description="AdamW's betas; 0.99 as the second helps a copy hidden among easy tokens"
+    )
     seed: int = 0
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
 
 
 class Build(BaseModel):

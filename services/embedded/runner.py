@@ -45,7 +45,7 @@ from temper.runtime import Runtime
 from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Settings, StorageSettings
 from temper.tasks.models import parse_tasks
 from temper.tasks.service import create_taskset
-from temper.training.sft import warm_start
+from temper.training.sft import turn_text, warm_start
 
 log = get_logger("temper.run")
 TENANT = "local"
@@ -228,7 +228,7 @@ def _make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progres
 
         stats = warm_start(
             model, tok, conversations, steps=ws.steps, batch_size=ws.batch_size,
-            learning_rate=ws.learning_rate, seed=ws.seed, on_step=on_step, tools=tools,
+            learning_rate=ws.learning_rate, betas=ws.betas, seed=ws.seed, on_step=on_step, tools=tools,
         )  # fmt: skip
         progress.done()
         log_event(log, "warm start finished", loss=stats.loss, seconds=stats.seconds, tokens=stats.tokens)
@@ -249,9 +249,9 @@ def _build_model(
     tasks = parse_tasks(local.taskset_file.read_bytes(), filename=local.taskset_file.name)
     conversations: list[list[dict[str, Any]]] = []
     for task, reply in pairs[:2000]:
-        turns = [reply] if isinstance(reply, str) else list(reply)
+        turns = [reply] if isinstance(reply, str | dict) else list(reply)
         roles = ["assistant", "tool"] * len(turns)
-        said = [{"role": r, "content": t} for r, t in zip(roles, turns, strict=False)]
+        said = [{"role": r, "content": turn_text(t)} for r, t in zip(roles, turns, strict=False)]
         conversations.append([*_environment(spec, task).first_messages(), *said])
     for t in tasks:
         conversations.append(_environment(spec, {"prompt": t.prompt}).first_messages())

@@ -17,6 +17,14 @@ CHECK = ROOT / "deploy" / "tools" / "settings_check.py"
 KUSTOMIZE = shutil.which("kustomize") or str(Path.home() / ".cache/temper/bin/kustomize")
 
 
+def kustomize() -> str:
+    """The kustomize binary; `make test` installs it (scripts/check_deploy.sh --tools)."""
+    assert Path(KUSTOMIZE).exists(), (
+        f"kustomize missing at {KUSTOMIZE}: run bash scripts/check_deploy.sh --tools"
+    )
+    return KUSTOMIZE
+
+
 def run_check(*args: str | Path) -> subprocess.CompletedProcess[str]:
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{ROOT / 'libs'}:{ROOT}"}
     return subprocess.run(
@@ -56,9 +64,6 @@ def test_a_missing_required_compose_variable_fails(tmp_path):
     assert result.returncode == 1 and "NOT_IN_THE_EXAMPLE" in result.stdout + result.stderr
 
 
-@pytest.mark.skipif(
-    not Path(KUSTOMIZE).exists(), reason="kustomize not installed (make check-deploy installs it)"
-)
 @pytest.mark.parametrize(
     "overlay", ["k8s", "k8s/overlays/dev", "k8s/overlays/gpu", "k8s/overlays/gpu-gvisor"]
 )
@@ -66,19 +71,16 @@ def test_each_rendered_overlay_loads(tmp_path, overlay):
     rendered = tmp_path / "rendered.yaml"
     rendered.write_text(
         subprocess.run(
-            [KUSTOMIZE, "build", overlay], capture_output=True, text=True, check=True, cwd=ROOT
+            [kustomize(), "build", overlay], capture_output=True, text=True, check=True, cwd=ROOT
         ).stdout
     )
     result = run_check("k8s", rendered)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.skipif(
-    not Path(KUSTOMIZE).exists(), reason="kustomize not installed (make check-deploy installs it)"
-)
 def test_a_bad_config_map_value_fails_every_service_that_reads_it(tmp_path):
     text = subprocess.run(
-        [KUSTOMIZE, "build", "k8s/overlays/dev"], capture_output=True, text=True, check=True, cwd=ROOT
+        [kustomize(), "build", "k8s/overlays/dev"], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
     docs = list(yaml.safe_load_all(text))
     [config] = [

@@ -50,6 +50,13 @@ def make_router(
         description="The body is a gzip'd tar with environment.yaml at its top. A manifest that does not "
         "validate is a 422 naming each field and its line; a version that exists with other content is a "
         "409 (versions are immutable); the same archive again is a 200.",
+        # the body is read as a stream, so FastAPI cannot infer it: declare it for clients
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in ARCHIVE_TYPES},
+            }
+        },
     )
     async def upload(request: Request, response: Response, tenant: TenantDep, runtime: RuntimeDep) -> Any:
         ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()

@@ -23,8 +23,30 @@ from temper.policy import pad_batch, token_logprobs
 from temper.policy.tokenizer import ChatTokenizer
 
 # (chat messages before the answer, the answer text) or, for several turns,
-# (messages, [reply 1, observation 1, reply 2, ...]) ending with a reply.
-Pair = tuple[list[dict[str, str]], str | list[str]]
+# (messages, [reply 1, observation 1, reply 2, ...]) ending with a reply. A reply may be
+# {"content": text, "train": False}: it stays in the conversation, the loss skips it (a
+# teacher turn shown as context, so that the turns after it carry the whole loss).
+Turn = str | Mapping[str, Any]
+Pair = tuple[list[dict[str, str]], Turn | list[Turn]]
+
+
+def turn_text(turn: Turn) -> str:
+    """The text of a reply or observation, given as a string or as ``{"content": ...}``."""
+    if isinstance(turn, str):
+        return turn
+    content = turn.get("content")
+    if not isinstance(content, str):
+        raise ValueError(f"a turn given as a mapping needs a string 'content', got {turn!r:.80}")
+    return content
+
+
+def _trained(turn: Turn) -> bool:
+    if isinstance(turn, str):
+        return True
+    train = turn.get("train", True)
+    if not isinstance(train, bool):
+        raise ValueError(f"a turn's 'train' must be true or false, got {train!r}")
+    return train
 
 
 @dataclass
@@ -38,27 +60,31 @@ class WarmStartStats:
 def encode_conversation(
     tok: ChatTokenizer,
     messages: Sequence[Mapping[str, Any]],
-    turns: str | Sequence[str],
+    turns: Turn | Sequence[Turn],
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     observation_role: str = "tool",
 ) -> tuple[list[int], list[bool]]:
-    """Ids of the conversation and a mask that is True on the assistant's own tokens."""
-    parts = [turns] if isinstance(turns, str) else list(turns)
+    """Ids of the conversation and a mask that is True on the assistant's own tokens
+    (those of the replies the loss covers)."""
+    parts = [turns] if isinstance(turns, str | Mapping) else list(turns)
     if len(parts) % 2 == 0:
         raise ValueError("turns alternate reply, observation, reply ...; they must end with a reply")
     ids = tok.render(messages, tools=tools)
     mask = [False] * len(ids)
     stop = tok.end_of_turn_ids[:1]
-    for i, text in enumerate(parts):
+    for i, turn in enumerate(parts):
+        text = turn_text(turn)
         if i % 2 == 0:
             reply = tok.encode(text) + stop
             ids += reply
-            mask += [True] * len(reply)
+            mask += [_trained(turn)] * len(reply)
         else:
             more = tok.continuation(ids, [{"role": observation_role, "content": text}], tools=tools)
             ids += more
             mask += [False] * len(more)
+    if not any(mask):
+        raise ValueError("a warm-start conversation needs at least one reply the loss covers")
     return ids, mask
 
 
@@ -79,17 +105,23 @@ def warm_start(
     steps: int,
     batch_size: int = 16,
     learning_rate: float = 3e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
 ) -> WarmStartStats:
     """Train ``model`` in place for ``steps`` batches drawn from ``pairs`` (with replacement
-    once they run out). Returns the last step's loss and the time taken."""
+    once they run out). Returns the last step's loss and the time taken.
+
+    ``betas`` are AdamW's. A shorter second-moment memory (0.99) matters where a few
+    tokens that need attention (an answer copied from a tool's output) share the loss with
+    many easy ones (the call's fixed JSON): the easy tokens' large early gradients keep
+    the step for the hard ones small for thousands of steps at 0.999."""
     if not pairs:
         raise ValueError("warm start needs at least one (messages, completion) pair")
     encoded = [encode_conversation(tok, m, c, tools=tools) for m, c in pairs]
     rng = random.Random(seed)
     order: list[int] = []
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=betas)
     model.train()
     start, tokens, loss_value = time.perf_counter(), 0, float("nan")
     for step in range(steps):

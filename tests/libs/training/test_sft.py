@@ -39,3 +39,31 @@ def test_warm_start_teaches_the_completion_and_only_the_completion():
 def test_warm_start_refuses_no_data():
     with pytest.raises(ValueError, match="at least one"):
         warm_start(create_model("tiny"), default_tokenizer(), [], steps=1)
+
+
+def test_a_reply_shown_as_context_is_in_the_ids_and_out_of_the_loss():
+    from temper.training.sft import encode_conversation
+
+    tok = default_tokenizer()
+    messages = [{"role": "user", "content": "Which word?"}]
+    call, shown, answer = "run secret.py", "stdout: apple", "apple"
+    trained_ids, trained_mask = encode_conversation(tok, messages, [call, shown, answer])
+    ids, mask = encode_conversation(tok, messages, [{"content": call, "train": False}, shown, answer])
+    assert ids == trained_ids  # the same conversation, token for token
+    answer_tokens = len(tok.encode(answer)) + 1  # and the end-of-turn token
+    assert sum(mask) == answer_tokens and mask[-answer_tokens:] == [True] * answer_tokens
+    assert sum(trained_mask) == answer_tokens + len(tok.encode(call)) + 1
+    with pytest.raises(ValueError, match="at least one reply the loss covers"):
+        encode_conversation(tok, messages, {"content": answer, "train": False})
+    with pytest.raises(ValueError, match="'train' must be true or false"):
+        encode_conversation(tok, messages, {"content": answer, "train": "no"})
+
+
+def test_warm_start_uses_the_betas_it_is_given():
+    messages = [{"role": "user", "content": "Say hi."}]
+    weights = []
+    for betas in ((0.9, 0.999), (0.9, 0.99)):
+        model = create_model("tiny", seed=1)
+        warm_start(model, default_tokenizer(), [(messages, "hi")], steps=5, batch_size=2, betas=betas)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert not torch.allclose(weights[0], weights[1]), "the second beta changed nothing"

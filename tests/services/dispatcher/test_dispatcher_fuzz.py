@@ -1,7 +1,7 @@
 """Schemathesis against the dispatcher: a real dispatcher process (embedded mode, SQLite,
 an API key), every operation with positive and negative cases from a fixed seed, and no
 check may fail (server errors, undeclared statuses, content types, response schemas,
-schema-violating requests accepted). About three minutes; ``make fuzz`` runs longer."""
+schema-violating requests accepted). About a minute; ``make fuzz`` runs longer."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-EXAMPLES = 100  # cases per operation and mode: about 4,200 cases in all
-BUDGET_S = 170.0
+EXAMPLES = 40  # cases per operation and mode: about 1,700 cases in all
+BUDGET_S = 120.0
 MAX_GROWTH_MB = 100
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,7 +37,7 @@ def test_schemathesis_finds_no_failure(tmp_path):
         rss_peak = fuzzer.rss_mb(proc.pid, "VmHWM")
     # bounded memory: about 100 MB at start and a few MB more after thousands of cases
     assert rss_peak < rss_before + MAX_GROWTH_MB, (rss_before, rss_peak)
-    assert result.operations >= 20 and result.cases >= 1000, result
+    assert result.operations >= 20 and result.cases >= 500, result
     assert result.failures == {}, "\n".join(
         f"{n} x {name}: {result.examples[name]}" for name, n in result.failures.items()
     )

@@ -76,3 +76,14 @@ def test_temper_run_refuses_an_environment_that_is_not_installed(tmp_path, capsy
     assert main(["run", str(path), "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "environment.kind" in err and "installed: code (temper), math (temper), shell (temper)" in err
+
+
+@pytest.mark.parametrize("betas", [[0.9, 1.0], [0.9], "fast"])
+def test_temper_run_refuses_warm_start_betas_adamw_cannot_use(tmp_path, capsys, betas):
+    spec = yaml.safe_load((ROOT / "examples" / "tool-job.yaml").read_text())
+    spec["local"]["warm_start"]["betas"] = betas
+    spec["local"]["taskset_file"] = str(ROOT / "examples" / spec["local"]["taskset_file"])
+    path = tmp_path / "betas.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["run", str(path), "--runs-dir", str(tmp_path)]) == 2
+    assert "local.warm_start.betas" in capsys.readouterr().err
