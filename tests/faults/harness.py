@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -572,8 +572,23 @@ class FaultStack:
         return "\n".join(f"--- {n} ---\n{s.tail(chars)}" for n, s in self.services.items())
 
     # --- reading the truth back -------------------------------------------------------------
-    def facts(self) -> Facts:
-        return asyncio.run(_facts(self.database_url, self.job_id))
+    def facts(self, job_id: str | None = None) -> Facts:
+        """What the database says of this run's job (or of another job of the run)."""
+        return asyncio.run(_facts(self.database_url, job_id or self.job_id))
+
+    def group_lag(self, service_group_env: str, topic: str) -> int:
+        """Messages of ``topic`` that the service's consumer group has not committed yet."""
+        return asyncio.run(
+            _group_lag(self.stack_env["TEMPER_BUS__BOOTSTRAP"], self.group_env[service_group_env], topic)
+        )
+
+    def peak_rss_mb(self, name: str) -> float:
+        """The service process's peak resident memory so far (the kernel's VmHWM)."""
+        proc = self.services[name].proc
+        assert proc is not None and proc.poll() is None, f"{name} is not running"
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        kb = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1))  # type: ignore[union-attr]
+        return kb / 1024
 
     def job_state(self) -> str:
         return self.facts().job.state
@@ -641,12 +656,14 @@ class FaultStack:
             if not published or (topic, payload) not in seen
         ]
 
-    def dead_letters(self) -> Counter[str]:
-        """This job's messages on the dead-letter topics since :meth:`prepare`, per topic."""
+    def dead_letters(self, job_ids: Collection[str] = ()) -> Counter[str]:
+        """This job's (or these jobs') messages on the dead-letter topics since :meth:`prepare`,
+        per topic."""
+        jobs = set(job_ids) or {self.job_id}
         dead = {Topics.dead_letter(t) for t in Topics.ALL}
         offsets = {t: o for t, o in self.offsets.items() if t in dead}
         records = asyncio.run(_read_range(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets))
-        return Counter(r.topic for r in records if json.loads(r.value).get("job_id") == self.job_id)
+        return Counter(r.topic for r in records if json.loads(r.value).get("job_id") in jobs)
 
     def dead_letter_waiting(self, service_group_env: str, topic: str) -> int:
         """Move what waits on ``topic`` for this run's group named by ``service_group_env``
@@ -807,6 +824,25 @@ async def _count_commands(
         if doc.get("job_id") == job_id:
             counts[r.topic][tuple(doc.get(k) for k in COMMAND_TOPICS[r.topic])] += 1
     return counts
+
+
+async def _group_lag(bootstrap: str, group: str, topic: str) -> int:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        if not tps:
+            await consumer._client.force_metadata_update()
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        ends = await consumer.end_offsets(tps)
+        lag = 0
+        for tp in tps:
+            lag += ends[tp] - ((await consumer.committed(tp)) or 0)
+        return lag
+    finally:
+        await consumer.stop()
 
 
 async def _dead_letter_waiting(bootstrap: str, group: str, topic: str, job_id: str) -> int:
