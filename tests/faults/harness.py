@@ -498,7 +498,9 @@ class FaultStack:
             self.wait_healthy(name, timeout_s)
         return self
 
-    def start_service(self, name: str) -> None:
+    def start_service(self, name: str, module: str | None = None) -> None:
+        """Start ``services.<module or name>`` as the process called ``name`` (a second
+        replica of a service: ``start_service("dispatcher-2", "dispatcher")``)."""
         svc = self.services.get(name)
         if svc is None:
             svc = self.services[name] = launcher.Service(name, free_port(), self.run_dir / f"{name}.log")
@@ -506,7 +508,7 @@ class FaultStack:
             raise FaultError(f"{name} is already running")
         with svc.log_path.open("ab") as log:
             svc.proc = subprocess.Popen(
-                [sys.executable, "-m", f"services.{name}"],
+                [sys.executable, "-m", f"services.{module or name}"],
                 cwd=ROOT,
                 env={**self.env(), "TEMPER_PORT": str(svc.port), "TEMPER_HOST": "127.0.0.1"},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
