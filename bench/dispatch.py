@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing
 import os
+import random
 import statistics
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,13 +83,20 @@ def pct(values: list[float], q: float) -> float:
 
 
 class StubPeers:
-    """Instant policy, sandbox and scorer, on a bus of their own."""
+    """Policy, sandbox and scorer doubles, on a bus of their own: instant, or (bench/scale.py)
+    a policy that answers after ``policy_delay_s`` = (low, high) seconds, drawn per turn, as
+    a long LLM call does. A delayed answer is sent from a task of its own, so thousands
+    can wait at once without holding a consumer slot."""
 
-    def __init__(self, bus: KafkaBus, max_turns: int, prefix: str) -> None:
+    def __init__(
+        self, bus: KafkaBus, max_turns: int, prefix: str, policy_delay_s: tuple[float, float] = (0.0, 0.0)
+    ) -> None:
         self.bus = bus
         self.max_turns = max_turns
         self.prefix = prefix
+        self.policy_delay_s = policy_delay_s
         self.consumers = []
+        self.waiting: set[asyncio.Task] = set()
 
     async def start(self, suffix: str) -> None:
         for topic in (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS):
@@ -105,12 +116,16 @@ class StubPeers:
         if isinstance(msg, InferenceRequest):
             text = SUBMIT_TEXT if msg.turn + 1 >= self.max_turns else RUN_TEXT
             tokens = [*TOK.encode(text), TOK.stop_ids[0]]
-            await self.bus.send_message(
-                Topics.INFERENCE_RESULTS,
-                InferenceResult(
-                    **ids, token_ids=tokens, logprobs=[-0.1] * len(tokens), text=text, finish_reason="stop"
-                ),
+            answer = InferenceResult(
+                **ids, token_ids=tokens, logprobs=[-0.1] * len(tokens), text=text, finish_reason="stop"
             )
+            low, high = self.policy_delay_s
+            if high <= 0:
+                await self.bus.send_message(Topics.INFERENCE_RESULTS, answer)
+            else:
+                task = asyncio.create_task(self._answer_later(random.uniform(low, high), answer))
+                self.waiting.add(task)
+                task.add_done_callback(self.waiting.discard)
         elif isinstance(msg, SandboxRequest):
             await self.bus.send_message(
                 Topics.SANDBOX_RESULTS,
@@ -129,8 +144,21 @@ class StubPeers:
                 ),
             )
 
+    async def _answer_later(self, delay_s: float, answer: InferenceResult) -> None:
+        await asyncio.sleep(delay_s)
+        await self.bus.send_message(Topics.INFERENCE_RESULTS, answer)
 
-def run_peers(bootstrap: str, partitions: int, max_turns: int, prefix: str, suffix: str, ready, stop) -> None:
+
+def run_peers(
+    bootstrap: str,
+    partitions: int,
+    max_turns: int,
+    prefix: str,
+    suffix: str,
+    ready,
+    stop,
+    policy_delay_s: tuple[float, float] = (0.0, 0.0),
+) -> None:
     """The peers' process: in a deployment they are other services, so their CPU is not
     the dispatcher's."""
 
@@ -138,7 +166,7 @@ def run_peers(bootstrap: str, partitions: int, max_turns: int, prefix: str, suff
         logging.disable(logging.WARNING)
         bus = KafkaBus(bootstrap=bootstrap, partitions=partitions)
         await bus.start()
-        peers = StubPeers(bus, max_turns, prefix)
+        peers = StubPeers(bus, max_turns, prefix, policy_delay_s)
         await peers.start(suffix)
         ready.set()
         await asyncio.to_thread(stop.wait)
@@ -242,27 +270,49 @@ async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: i
     }
 
 
-async def main(args: argparse.Namespace) -> dict:
-    logging.disable(logging.WARNING)
+@dataclass
+class Bench:
+    """What :func:`bench_stack` started: the runtime and dispatcher in this process, the
+    stub peers in another, on a fresh database and the shared Kafka."""
+
+    runtime: Runtime
+    dispatcher: Dispatcher
+    peers: multiprocessing.process.BaseProcess
+    prefix: str  # every job id starts with it (the peers answer only those)
+    suffix: str
+    database: str
+    admin_url: str
+    results_group: str
+
+
+@contextlib.asynccontextmanager
+async def bench_stack(
+    name: str,
+    *,
+    partitions: int,
+    max_turns: int,
+    policy_delay_s: tuple[float, float] = (0.0, 0.0),
+    lease_s: float = 120,
+) -> AsyncIterator[Bench]:
     suffix = uuid.uuid4().hex[:8]
     base = os.environ.get("TEMPER_DB__URL", "postgresql+asyncpg://temper:temper@127.0.0.1:55432/temper")
     bootstrap = os.environ.get("TEMPER_BUS__BOOTSTRAP", "127.0.0.1:59092")
     admin = base.replace("postgresql+asyncpg://", "postgresql://")
-    dbname = f"bench_dispatch_{suffix}"
+    dbname = f"bench_{name}_{suffix}"
     conn = await asyncpg.connect(admin)
     await conn.execute(f'CREATE DATABASE "{dbname}"')
     await conn.close()
     url = base.rsplit("/", 1)[0] + f"/{dbname}"
-    tmp = Path(tempfile.mkdtemp(prefix="bench-dispatch-"))
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     try:
         await asyncio.to_thread(upgrade, url)
         settings = Settings(
             db=DatabaseSettings(url=url, pool_size=20),
-            bus=BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=args.partitions),
+            bus=BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=partitions),
             storage=StorageSettings(kind=StorageKind.local, root=tmp / "objects"),
             data_dir=tmp,
         )
-        runtime = Runtime(settings, service="bench-dispatch")
+        runtime = Runtime(settings, service=f"bench-{name}")
         await runtime.start()
         logging.disable(logging.WARNING)
         async with runtime.db.session() as s:
@@ -282,6 +332,7 @@ async def main(args: argparse.Namespace) -> dict:
                 )
             )
         prefix = f"bench-{suffix}-"
+        results_group = f"bench-dispatcher-{suffix}"
         # New consumer groups would start at the earliest offset and replay what earlier runs
         # left in the shared topics: start them at the end instead.
         requests = (Topics.INFERENCE_REQUESTS, Topics.SANDBOX_REQUESTS, Topics.REWARD_REQUESTS)
@@ -289,11 +340,7 @@ async def main(args: argparse.Namespace) -> dict:
             bootstrap,
             {
                 **{f"bench-{t}-{suffix}": [t] for t in requests},
-                f"bench-dispatcher-{suffix}": [
-                    Topics.INFERENCE_RESULTS,
-                    Topics.SANDBOX_RESULTS,
-                    Topics.REWARD_RESULTS,
-                ],
+                results_group: [Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS],
                 f"bench-dispatcher-policy-{suffix}": [Topics.POLICY_UPDATES],
             },
         )
@@ -301,7 +348,7 @@ async def main(args: argparse.Namespace) -> dict:
         peers_ready, peers_stop = spawn.Event(), spawn.Event()
         peers = spawn.Process(
             target=run_peers,
-            args=(bootstrap, args.partitions, args.turns, prefix, suffix, peers_ready, peers_stop),
+            args=(bootstrap, partitions, max_turns, prefix, suffix, peers_ready, peers_stop, policy_delay_s),
             daemon=True,
         )
         peers.start()
@@ -312,20 +359,14 @@ async def main(args: argparse.Namespace) -> dict:
             settings=DispatcherSettings(
                 trainer_attached=False,
                 scheduler_interval_s=0.02,
-                lease_s=120,
+                lease_s=lease_s,
                 result_concurrency=16,  # under the pool size (20)
-                results_group=f"bench-dispatcher-{suffix}",
+                results_group=results_group,
                 policy_group=f"bench-dispatcher-policy-{suffix}",
             ),
         )
         await dispatcher.start()
-        ping = await kafka_roundtrip(runtime, args.pings, suffix)
-        # Warm-up (consumer groups join, caches fill), then a latency run with few episodes
-        # in flight, then a throughput run with many.
-        await run_job(runtime.db, f"{prefix}warm", 4, 4, 2)
-        latency = await run_job(runtime.db, f"{prefix}lat", args.latency_episodes, 4, args.turns)
-        throughput = await run_job(runtime.db, f"{prefix}tput", args.episodes, args.concurrency, args.turns)
-        ping_after = await kafka_roundtrip(runtime, args.pings, suffix + "b")
+        yield Bench(runtime, dispatcher, peers, prefix, suffix, dbname, admin, results_group)
         await dispatcher.stop()
         peers_stop.set()
         await asyncio.to_thread(peers.join, 30)
@@ -334,6 +375,19 @@ async def main(args: argparse.Namespace) -> dict:
         conn = await asyncpg.connect(admin)
         await conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
         await conn.close()
+
+
+async def main(args: argparse.Namespace) -> dict:
+    logging.disable(logging.WARNING)
+    async with bench_stack("dispatch", partitions=args.partitions, max_turns=args.turns) as bench:
+        runtime, prefix, suffix = bench.runtime, bench.prefix, bench.suffix
+        ping = await kafka_roundtrip(runtime, args.pings, suffix)
+        # Warm-up (consumer groups join, caches fill), then a latency run with few episodes
+        # in flight, then a throughput run with many.
+        await run_job(runtime.db, f"{prefix}warm", 4, 4, 2)
+        latency = await run_job(runtime.db, f"{prefix}lat", args.latency_episodes, 4, args.turns)
+        throughput = await run_job(runtime.db, f"{prefix}tput", args.episodes, args.concurrency, args.turns)
+        ping_after = await kafka_roundtrip(runtime, args.pings, suffix + "b")
     pings = ping + ping_after
     gaps = latency["gaps_ms"]
     return {

@@ -185,20 +185,25 @@ async def upload_files(env: dict[str, str], files: dict[str, bytes], prefix: str
         await store.put(f"{prefix}/{name}", data)
 
 
-async def groups_start_at_end(bootstrap: str, groups: dict[str, tuple[str, ...]]) -> None:
+async def groups_start_at_end(
+    bootstrap: str, groups: dict[str, tuple[str, ...]], namespace: str = ""
+) -> None:
     """Create the topics if need be and commit their end offsets for each new group: a new
-    group would otherwise start at the earliest offset and replay what others left."""
+    group would otherwise start at the earliest offset and replay what others left.
+    ``namespace`` is the bus setting of that name (put in front of topics and groups)."""
     from temper.bus import KafkaBus
     from temper.bus.kafka import start_groups_at_end
     from temper.events import Topics
 
-    bus = KafkaBus(bootstrap=bootstrap)
+    bus = KafkaBus(bootstrap=bootstrap, namespace=namespace)
     await bus.start()
     try:
         await bus.create_topics(Topics.ALL)
     finally:
         await bus.stop()
-    await start_groups_at_end(bootstrap, groups)
+    await start_groups_at_end(
+        bootstrap, {namespace + g: tuple(namespace + t for t in topics) for g, topics in groups.items()}
+    )
 
 
 def run_groups(run_id: str) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:

@@ -56,7 +56,7 @@ from services.trainer.ranks import Ranks
 from temper import metrics, registry
 from temper.bus import Consumer, Poison
 from temper.bus.errors import DATABASE, NETWORK, OBJECT_STORE, unavailable_dependency
-from temper.db import SKIPPED_ZERO_VARIANCE, Job, PolicyVersion, TrainedTrajectory
+from temper.db import SKIPPED_STALE, SKIPPED_ZERO_VARIANCE, Job, PolicyVersion, TrainedTrajectory
 from temper.events import LifecycleEvent, PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import JobSpec
 from temper.lifecycle import mark_job_stuck
@@ -80,7 +80,7 @@ from temper.trajectory import Trajectory
 log = logging.getLogger("temper.trainer")
 
 SKIP_ZERO_VARIANCE = SKIPPED_ZERO_VARIANCE  # read by the dispatcher (dynamic sampling)
-SKIP_STALE = "stale"
+SKIP_STALE = SKIPPED_STALE
 SKIP_INCOMPLETE = "incomplete_group"
 SKIP_MISSING = "trajectory_missing"
 SKIP_NO_UPDATE = "no_update"  # the step produced a non-finite gradient and was dropped

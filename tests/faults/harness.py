@@ -41,7 +41,7 @@ from sqlalchemy import func, select
 
 from services.launcher import processes as launcher
 from temper.client import TemperClient
-from temper.db import Episode, Job, PolicyVersion, Step, TrainedTrajectory
+from temper.db import SKIPPED_STALE, Episode, Job, PolicyVersion, Step, TrainedTrajectory
 from temper.events import Topics
 from temper.tenants import new_key
 
@@ -76,8 +76,9 @@ def wait_until(what: str, predicate: Callable[[], Any], timeout_s: float, every_
 def small_spec(name: str, **overrides: Any) -> dict[str, Any]:
     """A job of single-turn arithmetic episodes on a tiny random policy: every group is
     trained (``skip_zero_variance`` off), each iteration's two groups are one step and one
-    version, and ``max_staleness: 1`` lets the next iteration start on the version before,
-    so no trajectory is ever too stale to train on."""
+    version, and ``max_staleness: 1`` lets the next iteration start on the version before.
+    Without faults no trajectory is too stale to train on; a fault that delays one group
+    past a step of the next iteration's groups can make it so (see ``allow_stale``)."""
     spec: dict[str, Any] = {
         "name": name,
         "policy": {"model": "temper-tiny", "sampling": {"temperature": 1.0, "max_tokens": 12}},
@@ -408,7 +409,10 @@ class Facts:
 class FaultStack:
     """One small job on the stack, each service its own process. ``db_url`` and
     ``storage`` replace the shared Postgres and object store (private servers the test
-    may break); Kafka is the shared broker, isolated by per-run groups and job ids."""
+    may break); Kafka is the shared broker (or ``bootstrap``'s), and the run's topics and
+    groups are its own: the bus namespace ``<run_id>.`` is put in front of every name, as a
+    deployment sharing a cluster does, so runs at the same time never read each other's
+    messages. The run's topics are deleted at :meth:`stop`."""
 
     workdir: Path
     spec: dict[str, Any]
@@ -427,6 +431,8 @@ class FaultStack:
             self.stack_env.update(self.storage)
         if self.bootstrap:
             self.stack_env["TEMPER_BUS__BOOTSTRAP"] = self.bootstrap
+        self.ns = f"{self.run_id}."
+        self.stack_env["TEMPER_BUS__NAMESPACE"] = self.ns
         self.run_dir = self.workdir / self.run_id
         self.run_dir.mkdir(parents=True)
         self.key = new_key()
@@ -455,9 +461,9 @@ class FaultStack:
         self.policy_dir = policy_dir
         bootstrap = self.stack_env["TEMPER_BUS__BOOTSTRAP"]
         self.group_env, groups = launcher.run_groups(self.run_id)
-        asyncio.run(launcher.groups_start_at_end(bootstrap, groups))  # creates the topics too
+        asyncio.run(launcher.groups_start_at_end(bootstrap, groups, self.ns))  # creates the topics too
         watched = [*Topics.ALL, *(Topics.dead_letter(t) for t in Topics.ALL)]
-        self.offsets = asyncio.run(_end_offsets(bootstrap, watched))
+        self.offsets = asyncio.run(_end_offsets(bootstrap, watched, self.ns))
         self.groups = groups
         return self
 
@@ -563,6 +569,8 @@ class FaultStack:
         if self.api is not None:
             self.api.close()
         shutil.rmtree(Path(tempfile.gettempdir()) / f"temper-sandboxes-{self.run_id}", ignore_errors=True)
+        with contextlib.suppress(Exception):  # a private broker may be gone already
+            asyncio.run(_delete_topics(self.stack_env["TEMPER_BUS__BOOTSTRAP"], self.ns))
         if self.database_url and not self.db_url:  # the run's database on the shared Postgres
             name = self.database_url.rsplit("/", 1)[1]
             with contextlib.suppress(Exception):
@@ -581,7 +589,11 @@ class FaultStack:
     def group_lag(self, service_group_env: str, topic: str) -> int:
         """Messages of ``topic`` that the service's consumer group has not committed yet."""
         return asyncio.run(
-            _group_lag(self.stack_env["TEMPER_BUS__BOOTSTRAP"], self.group_env[service_group_env], topic)
+            _group_lag(
+                self.stack_env["TEMPER_BUS__BOOTSTRAP"],
+                self.ns + self.group_env[service_group_env],
+                self.ns + topic,
+            )
         )
 
     def peak_rss_mb(self, name: str) -> float:
@@ -619,7 +631,14 @@ class FaultStack:
             ) from None
         return self.facts()
 
-    def assert_each_episode_scored_and_trained_once(self, facts: Facts | None = None) -> Facts:
+    def assert_each_episode_scored_and_trained_once(
+        self, facts: Facts | None = None, *, allow_stale: bool = False
+    ) -> Facts:
+        """``allow_stale``: a trajectory the trainer dropped by the job's own staleness rule
+        (ledger ``skipped: stale``) counts as handled, not lost. A fault that delays one group
+        (a restarted scorer, say) while the next iteration's groups make a step can leave
+        it more than ``max_staleness`` versions behind; it was still scored exactly once
+        and its drop is recorded (and counted in ``temper_trainer_skipped_groups_total``)."""
         f = facts or self.facts()
         assert f.job.state == "completed", (f.job.state, f.job.state_reason)
         schedule = self.spec["schedule"]
@@ -629,7 +648,12 @@ class FaultStack:
         assert set(f.by_state()) <= {"scored", "trained"}, f.by_state()
         assert f.rewards_done == {e.id: 1 for e in f.episodes}, "each episode scored exactly once"
         assert set(f.ledger) == {e.id for e in f.episodes}, "each trajectory reached the trainer"
-        skipped = {e: r.skipped for e, r in f.ledger.items() if r.skipped or r.step is None}
+        allowed = {SKIPPED_STALE} if allow_stale else set()
+        skipped = {
+            e: r.skipped
+            for e, r in f.ledger.items()
+            if (r.skipped or r.step is None) and r.skipped not in allowed
+        }
         assert not skipped, f"trajectories not trained on: {skipped}"
         return f
 
@@ -637,7 +661,9 @@ class FaultStack:
         """Every command message of this job since :meth:`prepare`, counted per topic by
         its identity (episode, turn, attempt; the episode for a trajectory)."""
         offsets = {t: o for t, o in self.offsets.items() if t in COMMAND_TOPICS}
-        return asyncio.run(_count_commands(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets, self.job_id))
+        return asyncio.run(
+            _count_commands(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets, self.job_id, self.ns)
+        )
 
     def outbox_lost(self) -> list[str]:
         """Outbox rows of this run's database that never reached their topic: not marked
@@ -649,7 +675,9 @@ class FaultStack:
         if unknown:
             raise FaultError(f"outbox rows for topics the harness does not watch: {sorted(unknown)}")
         records = asyncio.run(
-            _read_range(self.stack_env["TEMPER_BUS__BOOTSTRAP"], {t: self.offsets[t] for t in topics})
+            _read_range(
+                self.stack_env["TEMPER_BUS__BOOTSTRAP"], {t: self.offsets[t] for t in topics}, self.ns
+            )
         )
         seen = {(r.topic, bytes(r.value)) for r in records}
         return [
@@ -664,7 +692,7 @@ class FaultStack:
         jobs = set(job_ids) or {self.job_id}
         dead = {Topics.dead_letter(t) for t in Topics.ALL}
         offsets = {t: o for t, o in self.offsets.items() if t in dead}
-        records = asyncio.run(_read_range(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets))
+        records = asyncio.run(_read_range(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets, self.ns))
         return Counter(r.topic for r in records if json.loads(r.value).get("job_id") in jobs)
 
     def dead_letter_waiting(self, service_group_env: str, topic: str) -> int:
@@ -673,7 +701,7 @@ class FaultStack:
         poison message, and commit the group past it. The service must be stopped."""
         group = self.group_env[service_group_env]
         return asyncio.run(
-            _dead_letter_waiting(self.stack_env["TEMPER_BUS__BOOTSTRAP"], group, topic, self.job_id)
+            _dead_letter_waiting(self.stack_env["TEMPER_BUS__BOOTSTRAP"], group, topic, self.job_id, self.ns)
         )
 
 
@@ -762,7 +790,8 @@ async def _outbox_rows(url: str) -> list[tuple[str, tuple[int, bool], bytes]]:
         await db.dispose()
 
 
-async def _end_offsets(bootstrap: str, topics: list[str]) -> dict[str, dict[int, int]]:
+async def _end_offsets(bootstrap: str, topics: list[str], ns: str = "") -> dict[str, dict[int, int]]:
+    """Each topic's end offset per partition, by its name without the namespace ``ns``."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
@@ -770,10 +799,11 @@ async def _end_offsets(bootstrap: str, topics: list[str]) -> dict[str, dict[int,
     try:
         out: dict[str, dict[int, int]] = {}
         for topic in topics:
-            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            name = ns + topic
+            tps = [TopicPartition(name, p) for p in sorted(consumer.partitions_for_topic(name) or ())]
             if not tps:
                 await consumer._client.force_metadata_update()
-                tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+                tps = [TopicPartition(name, p) for p in sorted(consumer.partitions_for_topic(name) or ())]
             ends = await consumer.end_offsets(tps)
             out[topic] = {tp.partition: off for tp, off in ends.items()}
         return out
@@ -781,18 +811,25 @@ async def _end_offsets(bootstrap: str, topics: list[str]) -> dict[str, dict[int,
         await consumer.stop()
 
 
-async def _read_range(bootstrap: str, offsets: dict[str, dict[int, int]]) -> list[Any]:
-    """Every record of the topics from the given start offsets to their current end."""
+@dataclass(frozen=True)
+class _Record:
+    topic: str  # without the namespace
+    offset: int
+    key: bytes | None
+    value: bytes
+    headers: tuple[tuple[str, bytes], ...]
+
+
+async def _read_range(bootstrap: str, offsets: dict[str, dict[int, int]], ns: str = "") -> list[_Record]:
+    """Every record of the topics (named without the namespace ``ns``) from the given start
+    offsets to their current end; a partition with no start offset is read from 0."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    ends = await _end_offsets(bootstrap, list(offsets))
-    records: list[Any] = []
-    todo = {
-        TopicPartition(t, p): ends[t][p]
-        for t, parts in offsets.items()
-        for p, start in parts.items()
-        if ends[t].get(p, start) > start
-    }
+    ends = await _end_offsets(bootstrap, list(offsets), ns)
+    records: list[_Record] = []
+    starts = {TopicPartition(ns + t, p): offsets[t].get(p, 0) for t, parts in ends.items() for p in parts}
+    todo = {tp: ends[tp.topic.removeprefix(ns)][tp.partition] for tp in starts}
+    todo = {tp: end for tp, end in todo.items() if end > starts[tp]}
     if not todo:
         return records
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
@@ -800,14 +837,15 @@ async def _read_range(bootstrap: str, offsets: dict[str, dict[int, int]]) -> lis
     try:
         consumer.assign(list(todo))
         for tp in todo:
-            consumer.seek(tp, offsets[tp.topic][tp.partition])
+            consumer.seek(tp, starts[tp])
         deadline = time.monotonic() + 60
         while todo and time.monotonic() < deadline:
             batches = await consumer.getmany(timeout_ms=500, max_records=1000)
             for tp, recs in batches.items():
                 for r in recs:
                     if tp in todo and r.offset < todo[tp]:
-                        records.append(r)
+                        topic = r.topic.removeprefix(ns)
+                        records.append(_Record(topic, r.offset, r.key, r.value, tuple(r.headers)))
                 if tp in todo and recs and recs[-1].offset + 1 >= todo[tp]:
                     del todo[tp]
         if todo:
@@ -817,11 +855,25 @@ async def _read_range(bootstrap: str, offsets: dict[str, dict[int, int]]) -> lis
         await consumer.stop()
 
 
+async def _delete_topics(bootstrap: str, ns: str) -> None:
+    """Delete every topic whose name starts with the run's namespace ``ns``."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10000)
+    await admin.start()
+    try:
+        names = [t for t in await admin.list_topics() if t.startswith(ns)]
+        if names:
+            await admin.delete_topics(names)
+    finally:
+        await admin.close()
+
+
 async def _count_commands(
-    bootstrap: str, offsets: dict[str, dict[int, int]], job_id: str
+    bootstrap: str, offsets: dict[str, dict[int, int]], job_id: str, ns: str = ""
 ) -> dict[str, Counter[tuple[Any, ...]]]:
     counts: dict[str, Counter[tuple[Any, ...]]] = {t: Counter() for t in offsets}
-    for r in await _read_range(bootstrap, offsets):
+    for r in await _read_range(bootstrap, offsets, ns):
         doc = json.loads(r.value)
         if doc.get("job_id") == job_id:
             counts[r.topic][tuple(doc.get(k) for k in COMMAND_TOPICS[r.topic])] += 1
@@ -847,10 +899,12 @@ async def _group_lag(bootstrap: str, group: str, topic: str) -> int:
         await consumer.stop()
 
 
-async def _dead_letter_waiting(bootstrap: str, group: str, topic: str, job_id: str) -> int:
+async def _dead_letter_waiting(bootstrap: str, group: str, topic: str, job_id: str, ns: str = "") -> int:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
     from aiokafka.structs import OffsetAndMetadata
 
+    group, plain = ns + group, topic
+    topic = ns + topic
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await consumer.start()
@@ -863,12 +917,12 @@ async def _dead_letter_waiting(bootstrap: str, group: str, topic: str, job_id: s
         consumer.assign(tps)
         ends = await consumer.end_offsets(tps)
         starts = {tp: (await consumer.committed(tp)) or 0 for tp in tps}
-        records = await _read_range(bootstrap, {topic: {tp.partition: starts[tp] for tp in tps}})
+        records = await _read_range(bootstrap, {plain: {tp.partition: starts[tp] for tp in tps}}, ns)
         for r in records:
             if json.loads(r.value).get("job_id") != job_id:
                 continue
             headers = [*r.headers, ("temper.dlq.error", b"injected by the fault harness")]
-            await producer.send_and_wait(Topics.dead_letter(topic), r.value, key=r.key, headers=headers)
+            await producer.send_and_wait(ns + Topics.dead_letter(plain), r.value, key=r.key, headers=headers)
             moved += 1
         await consumer.commit({tp: OffsetAndMetadata(ends[tp], "") for tp in tps})
     finally:

@@ -32,6 +32,7 @@ def test_one_job_survives_four_faults_in_sequence(tmp_path, kafka_bootstrap):
         chaos.close()
     for what, seconds in recoveries.items():
         print(f"\nRECOVERY {what}: {seconds:.1f}s")  # noqa: T201 - the figures the test measures
+    print(f"\n{check.summary}")  # noqa: T201
     assert check.ok, check.problems
     assert (check.episodes_lost, check.double_scored, check.double_trained, check.outbox_lost) == (0, 0, 0, 0)
     assert not chaos.stack.dead_letters(), chaos.stack.dead_letters()

@@ -3,6 +3,7 @@
 
 from temper.db.engine import Database, DatabaseUnavailable
 from temper.db.models import (
+    SKIPPED_STALE,
     SKIPPED_ZERO_VARIANCE,
     ApiKey,
     Base,
@@ -27,6 +28,7 @@ __all__ = [
     "Job",
     "OutboxRow",
     "PolicyVersion",
+    "SKIPPED_STALE",
     "SKIPPED_ZERO_VARIANCE",
     "Step",
     "Task",

@@ -234,6 +234,7 @@ class PolicyVersion(Base):
 # ``TrainedTrajectory.skipped`` of a group with zero reward variance: the trainer writes it,
 # the dispatcher's dynamic sampling reads it (services/dispatcher/sampling.py).
 SKIPPED_ZERO_VARIANCE = "zero_reward_variance"
+SKIPPED_STALE = "stale"  # more than the job's max_staleness versions behind the learner
 
 
 class TrainedTrajectory(Base):
