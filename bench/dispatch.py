@@ -293,6 +293,7 @@ async def bench_stack(
     max_turns: int,
     policy_delay_s: tuple[float, float] = (0.0, 0.0),
     lease_s: float = 120,
+    scheduler_interval_s: float = 0.02,  # the latency bench's; the service's default is 0.5
 ) -> AsyncIterator[Bench]:
     suffix = uuid.uuid4().hex[:8]
     base = os.environ.get("TEMPER_DB__URL", "postgresql+asyncpg://temper:temper@127.0.0.1:55432/temper")
@@ -358,7 +359,7 @@ async def bench_stack(
             runtime,
             settings=DispatcherSettings(
                 trainer_attached=False,
-                scheduler_interval_s=0.02,
+                scheduler_interval_s=scheduler_interval_s,
                 lease_s=lease_s,
                 result_concurrency=16,  # under the pool size (20)
                 results_group=results_group,
@@ -372,8 +373,24 @@ async def bench_stack(
         await asyncio.to_thread(peers.join, 30)
         await runtime.stop()
     finally:
-        conn = await asyncpg.connect(admin)
-        await conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        await drop_database(admin, dbname)
+
+
+async def drop_database(admin: str, dbname: str, tries: int = 30) -> None:
+    """Drop the bench's database. Right after a heavy run an autovacuum worker (the
+    superuser's) may be on it, which FORCE may not terminate: wait for it to finish."""
+    conn = await asyncpg.connect(admin)
+    try:
+        for attempt in range(tries):
+            try:
+                await conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+                return
+            except (asyncpg.InsufficientPrivilegeError, asyncpg.ObjectInUseError):
+                if attempt == tries - 1:
+                    print(f"warning: could not drop database {dbname}; drop it by hand", file=sys.stderr)
+                    return
+                await asyncio.sleep(2)
+    finally:
         await conn.close()
 
 

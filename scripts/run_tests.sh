@@ -17,7 +17,8 @@ if ! docker info >/dev/null 2>&1; then
   echo "run_tests: no Docker engine reachable: deselecting tests marked docker" >&2
   if [ "${#gpu_filter[@]}" -gt 0 ]; then gpu_filter=(-m "not gpu and not docker"); else gpu_filter=(-m "not docker"); fi
 fi
-.venv/bin/python -m pytest "${gpu_filter[@]}" "$@"
+# --durations: the slowest tests in every log, to keep CI well under its budget
+.venv/bin/python -m pytest "${gpu_filter[@]}" --durations=25 "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "run_tests: pytest collected no tests; that is a failure of ours" >&2

@@ -1,7 +1,7 @@
 """A chaos run: a private Postgres, a private object store behind a proxy that sees the
 trainer's publishes and can refuse requests, optionally a private Kafka broker, one
 :class:`FaultStack` of services on them, and jobs submitted in turn, each broken at chosen
-moments. ``bench/chaos.py`` (``make chaos``) runs every scenario; reduced_chaos.py (``make chaos-reduced``) a few.
+moments. ``bench/chaos.py`` (``make chaos``) runs every scenario; test_reduced_chaos.py (in ``make test``; alone: ``make chaos-reduced``) a few.
 
 ``recovered`` measures the time from a fault until the job made progress again once the
 broken part was back: a step finished, a trajectory reached the trainer, a version was
