@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
@@ -62,8 +63,15 @@ class OutboxRelay:
         idle_sleep_s: float = 0.02,
         after_publish: Callable[[list[int]], Awaitable[None]] | None = None,
         claim_s: float = 30.0,
+        keep_published_s: float = 3600.0,
+        prune_every_s: float = 60.0,
     ) -> None:
         self.db = db
+        # Published rows would otherwise stay forever (docs/capacity.md): each relay deletes
+        # those published more than keep_published_s ago, every prune_every_s.
+        self.keep_published_s = keep_published_s
+        self.prune_every_s = prune_every_s
+        self._pruned_at = time.monotonic()
         self.bus = bus
         self.batch = batch
         self.idle_sleep_s = idle_sleep_s
@@ -168,6 +176,24 @@ class OutboxRelay:
             raise
         return len(rows)
 
+    async def prune_published(self, batch: int = 5000) -> int:
+        """Delete rows published more than ``keep_published_s`` ago, ``batch`` at a time
+        (short transactions; relays in other processes may prune at the same moment, and
+        a row deleted twice is simply not there the second time)."""
+        cutoff = utcnow() - timedelta(seconds=self.keep_published_s)
+        deleted = 0
+        while True:
+            async with self.db.session() as session:
+                ids = select(OutboxRow.id).where(OutboxRow.published_at < cutoff).limit(batch)
+                result = await session.execute(delete(OutboxRow).where(OutboxRow.id.in_(ids)))
+            n = result.rowcount or 0
+            deleted += n
+            if n < batch:
+                break
+        if deleted:
+            metrics.OUTBOX_PRUNED.inc(deleted)
+        return deleted
+
     async def pending(self) -> int:
         async with self.db.session() as session:
             count = await session.scalar(
@@ -181,6 +207,9 @@ class OutboxRelay:
         while True:
             try:
                 published = await self.publish_pending()
+                if time.monotonic() - self._pruned_at >= self.prune_every_s:
+                    self._pruned_at = time.monotonic()
+                    await self.prune_published()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the relay must outlive a bus or db blip

@@ -40,6 +40,12 @@ class DatabaseSettings(BaseModel):
     url: str = "sqlite+aiosqlite:///./.temper/temper.db"
     echo: bool = False
     pool_size: int = Field(10, ge=1)
+    outbox_keep_published_s: float = Field(
+        3600.0,
+        gt=0,
+        description="published outbox rows are deleted this long after publishing (Kafka keeps the "
+        "messages; the rows are kept a while to look into what was sent)",
+    )
 
     @field_validator("url")
     @classmethod

@@ -75,7 +75,7 @@ class Dispatcher:
                 "Dispatcher needs a started Runtime with a database, a bus and an object store"
             )
         s = self.settings
-        self.relay = OutboxRelay(rt.db, rt.bus)
+        self.relay = OutboxRelay(rt.db, rt.bus, keep_published_s=rt.settings.db.outbox_keep_published_s)
         self.engine = EpisodeEngine(rt.db, rt.store, s, transaction=self.relay.transaction)
         self.leadership = Leadership(rt.db)
         self.scheduler = Scheduler(

@@ -182,7 +182,11 @@ class Trainer:
         if self.ranks.sharded:
             self.device = await asyncio.to_thread(self.ranks.init, self.device)
         if self.settings.run_relay:
-            self.relay = OutboxRelay(self.runtime.db, self.runtime.bus)
+            self.relay = OutboxRelay(
+                self.runtime.db,
+                self.runtime.bus,
+                keep_published_s=self.runtime.settings.db.outbox_keep_published_s,
+            )
             self.runtime.spawn(self.relay.run(), "outbox-relay")
         await self.recover()
         self.runtime.checks["trainer"] = self._check

@@ -162,3 +162,33 @@ async def test_a_row_has_one_relay_the_writer_until_its_claim_runs_out(database:
     assert await writer.publish_pending() == 1
     assert published_states(bus) == ["fast", "orphan", "retried"]
     assert await writer.pending() == 0
+
+
+async def test_published_rows_are_pruned_after_the_keep_time_and_nothing_else(database: Database):
+    """Published rows older than keep_published_s go; recent and unpublished rows stay."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from temper.clock import utcnow
+
+    async with database.session() as s:
+        for n in range(7):
+            enqueue(s, "events", event(n))
+    async with database.session() as s:
+        ids = sorted((await s.scalars(select(OutboxRow.id))).all())
+        old, recent = ids[:3], ids[3:5]  # the last two stay unpublished
+        now = utcnow()
+        await s.execute(
+            update(OutboxRow).where(OutboxRow.id.in_(old)).values(published_at=now - timedelta(hours=2))
+        )
+        await s.execute(
+            update(OutboxRow).where(OutboxRow.id.in_(recent)).values(published_at=now - timedelta(minutes=5))
+        )
+    relay = OutboxRelay(database, InProcessBus(partitions=1), keep_published_s=3600)
+    assert await relay.prune_published(batch=2) == 3  # in batches smaller than the work
+    async with database.session() as s:
+        left = sorted((await s.scalars(select(OutboxRow.id))).all())
+    assert left == ids[3:]
+    assert await relay.pending() == 2
+    assert await relay.prune_published() == 0
