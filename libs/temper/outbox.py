@@ -28,8 +28,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from typing import Any, cast
 
 from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
@@ -185,7 +187,10 @@ class OutboxRelay:
         while True:
             async with self.db.session() as session:
                 ids = select(OutboxRow.id).where(OutboxRow.published_at < cutoff).limit(batch)
-                result = await session.execute(delete(OutboxRow).where(OutboxRow.id.in_(ids)))
+                # a DELETE's result is a CursorResult, which has the row count
+                result = cast(
+                    CursorResult[Any], await session.execute(delete(OutboxRow).where(OutboxRow.id.in_(ids)))
+                )
             n = result.rowcount or 0
             deleted += n
             if n < batch:
