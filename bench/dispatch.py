@@ -456,9 +456,14 @@ def table(result: dict) -> str:
             "one core: 1000/this turns/s at most",
         ),
     ]
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{'metric'.ljust(width)}  {'value':>10}  target", "-" * (width + 26)]
-    lines += [f"{name.ljust(width)}  {value:>10}  {target}" for name, value, target in rows]
+    return metric_table(rows, "target")
+
+
+def metric_table(rows: list[tuple[str, object, str]], note: str, value_width: int = 10) -> str:
+    """Rows of (metric, value, note) as a plain-text table (bench/scale.py uses it too)."""
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{'metric'.ljust(width)}  {'value':>{value_width}}  {note}", "-" * (width + value_width + 16)]
+    lines += [f"{name.ljust(width)}  {value!s:>{value_width}}  {text}" for name, value, text in rows]
     return "\n".join(lines)
 
 

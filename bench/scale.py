@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 import asyncpg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from bench.dispatch import Bench, bench_stack, pct, spec  # noqa: E402
+from bench.dispatch import Bench, bench_stack, metric_table, pct, spec  # noqa: E402
 from temper import metrics  # noqa: E402
 from temper.db import Episode, Job, Step  # noqa: E402
 from temper.lifecycle import EpisodeState as E  # noqa: E402
@@ -254,10 +254,7 @@ def table(r: dict) -> str:
         ("step rows per episode", r["pg_step_rows_per_episode"], ""),
         ("job wall time (s)", r["job_wall_s"], r["state"]),
     ]
-    width = max(len(name) for name, _, _ in rows)
-    lines = [f"{'metric'.ljust(width)}  {'value':>16}  note", "-" * (width + 40)]
-    lines += [f"{name.ljust(width)}  {value!s:>16}  {note}" for name, value, note in rows]
-    return "\n".join(lines)
+    return metric_table(rows, "note", value_width=16)
 
 
 if __name__ == "__main__":
