@@ -17,7 +17,10 @@ The ledger (``trained_trajectories``, one row per episode) is what makes a crash
   ledger still says "buffered", so the trajectory is trained on again, once, from the
   restored checkpoint;
 - a redelivered message whose episode already has a row is ignored;
-- a group not trained on gets ``skipped`` = the reason, in its own transaction.
+- a group not trained on gets ``skipped`` = the reason, in its own transaction;
+- what a job still buffers when the dispatcher completes it (too few groups for a step,
+  say after a stale group was dropped) gets ``skipped: job_ended``, and the job's learner
+  is let go (:meth:`Trainer.close_completed_jobs`).
 
 One trainer owns a job: run one trainer process for all jobs (consumer group
 ``trainer``), or one per job with ``TEMPER_TRAINER__JOB_ID`` (group ``trainer.<job>``).
@@ -56,7 +59,14 @@ from services.trainer.ranks import Ranks
 from temper import metrics, registry
 from temper.bus import Consumer, Poison
 from temper.bus.errors import DATABASE, NETWORK, OBJECT_STORE, unavailable_dependency
-from temper.db import SKIPPED_STALE, SKIPPED_ZERO_VARIANCE, Job, PolicyVersion, TrainedTrajectory
+from temper.db import (
+    SKIPPED_JOB_ENDED,
+    SKIPPED_STALE,
+    SKIPPED_ZERO_VARIANCE,
+    Job,
+    PolicyVersion,
+    TrainedTrajectory,
+)
 from temper.events import LifecycleEvent, PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import JobSpec
 from temper.lifecycle import mark_job_stuck
@@ -81,6 +91,7 @@ log = logging.getLogger("temper.trainer")
 
 SKIP_ZERO_VARIANCE = SKIPPED_ZERO_VARIANCE  # read by the dispatcher (dynamic sampling)
 SKIP_STALE = SKIPPED_STALE
+SKIP_JOB_ENDED = SKIPPED_JOB_ENDED
 SKIP_INCOMPLETE = "incomplete_group"
 SKIP_MISSING = "trajectory_missing"
 SKIP_NO_UPDATE = "no_update"  # the step produced a non-finite gradient and was dropped
@@ -164,6 +175,8 @@ class Trainer:
         self._wake = asyncio.Event()
         self._last_error: str | None = None
         self._foreign_jobs: set[str] = set()
+        self._closed_jobs: set[str] = set()  # completed jobs this process let go of
+        self._closed_checked_at = 0.0
         # base models under LoRA jobs' adapters, by base_key (not under torchrun)
         self.bases: dict[str, SharedBase] = {}
 
@@ -243,6 +256,9 @@ class Trainer:
             return
         if not message.job_id or not message.episode_id:
             raise Poison("trajectory.ready without job_id or episode_id")
+        if message.job_id in self._closed_jobs:
+            await self._record_after_end(message)
+            return
         try:
             job = await self.job(message.job_id)
         except UnknownJob:
@@ -254,6 +270,9 @@ class Trainer:
             return
         assert self.runtime.db is not None and self.runtime.store is not None
         async with job.lock:
+            if message.job_id in self._closed_jobs:  # closed while this waited for the lock
+                await self._record_after_end(message)
+                return
             if job.holds(message.episode_id):
                 return
             async with self.runtime.db.session() as s:
@@ -284,6 +303,25 @@ class Trainer:
                 return  # a concurrent delivery of the same episode won
             self._add(job, Buffered(trajectory, message.trajectory_key, time.time()))
         self._wake.set()
+
+    async def _record_after_end(self, message: TrajectoryReady) -> None:
+        """A trajectory of a job already completed (a redelivery, or one scored after the
+        job's last step): its ledger row says so, and nothing is loaded for it."""
+        assert self.runtime.db is not None
+        try:
+            async with self.runtime.db.session() as s:
+                if await s.get(TrainedTrajectory, message.episode_id) is None:
+                    s.add(
+                        TrainedTrajectory(
+                            episode_id=message.episode_id,
+                            job_id=message.job_id,
+                            trajectory_key=message.trajectory_key,
+                            group_id=message.group_id,
+                            skipped=SKIP_JOB_ENDED,
+                        )
+                    )
+        except IntegrityError:
+            return  # a concurrent delivery of the same episode won
 
     def _add(self, job: JobState, item: Buffered) -> None:
         group = job.groups.setdefault(item.trajectory.group_id, [])
@@ -384,6 +422,9 @@ class Trainer:
                 await self.ranks.keepalive()
                 await self.retry_publishes()
                 await self.train_ready()
+                if time.monotonic() - self._closed_checked_at >= self.CLOSE_CHECK_S:
+                    self._closed_checked_at = time.monotonic()
+                    await self.close_completed_jobs()
                 self._last_error = None
             except asyncio.CancelledError:
                 raise
@@ -561,6 +602,49 @@ class Trainer:
             job.skipped[reason] = job.skipped.get(reason, 0) + groups
             metrics.TRAINER_SKIPPED_GROUPS.labels(job.job_id).inc(groups)
         log_event(log, "trajectories skipped", job_id=job.job_id, reason=reason, episodes=len(episodes))
+
+    # --- the end of a job ---------------------------------------------------------------
+
+    CLOSE_CHECK_S = 5.0  # how often the loop looks for jobs the dispatcher completed
+
+    async def close_completed_jobs(self) -> list[str]:
+        """Let go of the loaded jobs the dispatcher has completed; returns their ids.
+
+        The dispatcher completes a job once the trainer has read every scored episode and
+        holds fewer than ``groups_per_step`` untrained groups, so what such a job still
+        buffers can never make a step: it is marked ``skipped: job_ended`` (the ledger then
+        accounts for every trajectory), steps not yet checkpointed are published, and the
+        learner's memory goes back (with its adapter's share of a shared base). Failed and
+        cancelled jobs stay loaded: they can be resumed."""
+        if not self.jobs:
+            return []
+        assert self.runtime.db is not None
+        async with self.runtime.db.session() as s:
+            ended = list(
+                (
+                    await s.execute(
+                        select(Job.id).where(Job.id.in_(list(self.jobs)), Job.state == "completed")
+                    )
+                ).scalars()
+            )
+        for job_id in ended:
+            await self.flush(job_id)
+            job = self.jobs[job_id]
+            async with job.train_lock, job.lock:
+                left = [b.episode_id for g in (*job.groups.values(), *job.ready) for b in g]
+                if left:
+                    groups = len(job.groups) + len(job.ready)
+                    await self._mark_skipped(job, left, SKIP_JOB_ENDED, groups=groups)
+                job.groups.clear()
+                job.ready.clear()
+                del self.jobs[job_id]
+                self._closed_jobs.add(job_id)
+                _release(job.learner, self.bases)
+                if self.ranks.sharded:
+                    async with self.ranks.turn("unload", {"job_id": job_id}):
+                        pass
+            log_event(log, "job closed", job_id=job_id, skipped=len(left), version=job.learner.version)
+        return ended
 
     def _observe(self, job: JobState, stats: StepStats) -> None:
         observe_step(job.job_id, stats)
@@ -828,8 +912,8 @@ async def build_learner(
 
 
 def _release(learner: Learner, bases: dict[str, SharedBase] | None) -> None:
-    """Take back the adapter of a job that failed to load (and the base, if it was the
-    only job on it)."""
+    """Take back the adapter of a job that failed to load or was closed (and the base, if
+    it was the only job on it)."""
     shared = learner.shared
     if shared is None or bases is None:
         return

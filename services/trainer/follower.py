@@ -49,6 +49,8 @@ async def follow(settings: Settings) -> None:
                 )
             except Exception as exc:  # noqa: BLE001 - rank 0 reports it; keep following
                 log_event(log, "cannot load job", logging.ERROR, job_id=args["job_id"], error=repr(exc)[:300])
+        elif op == "unload":  # rank 0 let go of a completed job
+            learners.pop(args["job_id"], None)
         elif op == "step":
             learner = learners[args["job_id"]]
             learner.version = args["version"]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from temper.db import SKIPPED_STALE
+from temper.db import SKIPPED_JOB_ENDED, SKIPPED_STALE
 from tests.faults.harness import (
     Facts,
     FaultStack,
@@ -109,7 +109,9 @@ class Chaos:
         trained = {e for e, r in facts.ledger.items() if r.step is not None and not r.skipped}
         # dropped by the job's staleness rule: scored once, the drop recorded; not lost
         stale = {e for e, r in facts.ledger.items() if r.skipped == SKIPPED_STALE}
-        lost = expected - len(done & (trained | stale))
+        # the group a stale drop left without a step: recorded when the job completed
+        ended = {e for e, r in facts.ledger.items() if r.skipped == SKIPPED_JOB_ENDED}
+        lost = expected - len(done & (trained | stale | ended))
         double_scored = sum(1 for n in facts.rewards_done.values() if n > 1)
         trajectories = stack.commands()["trajectories"]
         # One step per version here (``groups_per_step`` groups, ``checkpoint_every: 1``):
@@ -132,6 +134,7 @@ class Chaos:
         summary = (
             f"job {stack.job_id}: {facts.job.state}, {len(facts.episodes)} episodes, versions "
             f"{facts.versions}, trajectories resent {resent}, skipped as stale {len(stale)}, "
+            f"left at the job's end {len(ended)}, "
             f"outbox rows lost {len(outbox)}"
         )
         return JobCheck(lost, double_scored, double_trained, len(outbox), problems, summary)

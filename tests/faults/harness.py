@@ -41,7 +41,7 @@ from sqlalchemy import func, select
 
 from services.launcher import processes as launcher
 from temper.client import TemperClient
-from temper.db import SKIPPED_STALE, Episode, Job, PolicyVersion, Step, TrainedTrajectory
+from temper.db import SKIPPED_JOB_ENDED, SKIPPED_STALE, Episode, Job, PolicyVersion, Step, TrainedTrajectory
 from temper.events import Topics
 from temper.tenants import new_key
 
@@ -629,7 +629,27 @@ class FaultStack:
                 f"{exc}; episodes {dict(f.by_state())}, versions {f.versions}, "
                 f"reason {f.job.state_reason!r}\n{self.logs()}"
             ) from None
+        if self.job_state() == "completed":
+            self.settle()
         return self.facts()
+
+    def settle(self, timeout_s: float = 45.0) -> None:
+        """After a job completed, until the trainer has closed it (no ledger row left
+        buffered: what could not make a step is marked ``job_ended``) and every outbox row is
+        published (a row whose writer could not send it waits out its claim, 30 s). Returns
+        at the timeout all the same: the checks that follow say what is missing."""
+
+        def settled() -> bool:
+            buffered = [r for r in self.facts().ledger.values() if r.step is None and not r.skipped]
+            rows = asyncio.run(_outbox_rows(self.database_url))
+            return not buffered and all(published for _, (_, published), _ in rows)
+
+        try:
+            wait_until(
+                "the trainer to close the job and the outbox to drain", settled, timeout_s, every_s=0.5
+            )
+        except FaultError:
+            pass
 
     def assert_each_episode_scored_and_trained_once(
         self, facts: Facts | None = None, *, allow_stale: bool = False
@@ -638,7 +658,9 @@ class FaultStack:
         (ledger ``skipped: stale``) counts as handled, not lost. A fault that delays one group
         (a restarted scorer, say) while the next iteration's groups make a step can leave
         it more than ``max_staleness`` versions behind; it was still scored exactly once
-        and its drop is recorded (and counted in ``temper_trainer_skipped_groups_total``)."""
+        and its drop is recorded (and counted in ``temper_trainer_skipped_groups_total``).
+        The drop can leave the job's last step a group short: that group is recorded
+        ``skipped: job_ended`` when the job completes, and counts as handled too."""
         f = facts or self.facts()
         assert f.job.state == "completed", (f.job.state, f.job.state_reason)
         schedule = self.spec["schedule"]
@@ -649,6 +671,14 @@ class FaultStack:
         assert f.rewards_done == {e.id: 1 for e in f.episodes}, "each episode scored exactly once"
         assert set(f.ledger) == {e.id for e in f.episodes}, "each trajectory reached the trainer"
         allowed = {SKIPPED_STALE} if allow_stale else set()
+        ended = [e for e, r in f.ledger.items() if r.skipped == SKIPPED_JOB_ENDED]
+        if ended and allowed:
+            # only what a stale drop can leave: less than one step's groups
+            assert (
+                len(ended) < self.spec["algorithm"]["groups_per_step"] * self.spec["tasks"]["group_size"]
+            ), f"{len(ended)} trajectories left untrained at the job's end"
+            assert any(r.skipped == SKIPPED_STALE for r in f.ledger.values()), "left at the end, none stale"
+            allowed.add(SKIPPED_JOB_ENDED)
         skipped = {
             e: r.skipped
             for e, r in f.ledger.items()

@@ -3,6 +3,7 @@
 
 from temper.db.engine import Database, DatabaseUnavailable
 from temper.db.models import (
+    SKIPPED_JOB_ENDED,
     SKIPPED_STALE,
     SKIPPED_ZERO_VARIANCE,
     ApiKey,
@@ -28,6 +29,7 @@ __all__ = [
     "Job",
     "OutboxRow",
     "PolicyVersion",
+    "SKIPPED_JOB_ENDED",
     "SKIPPED_STALE",
     "SKIPPED_ZERO_VARIANCE",
     "Step",

@@ -235,6 +235,8 @@ class PolicyVersion(Base):
 # the dispatcher's dynamic sampling reads it (services/dispatcher/sampling.py).
 SKIPPED_ZERO_VARIANCE = "zero_reward_variance"
 SKIPPED_STALE = "stale"  # more than the job's max_staleness versions behind the learner
+# buffered when the dispatcher completed the job: too few groups were left for a step
+SKIPPED_JOB_ENDED = "job_ended"
 
 
 class TrainedTrajectory(Base):

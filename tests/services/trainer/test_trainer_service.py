@@ -12,7 +12,13 @@ from prometheus_client import REGISTRY
 from sqlalchemy import select
 
 from services.trainer.app import create_app
-from services.trainer.component import SKIP_INCOMPLETE, SKIP_STALE, SKIP_ZERO_VARIANCE, Trainer
+from services.trainer.component import (
+    SKIP_INCOMPLETE,
+    SKIP_JOB_ENDED,
+    SKIP_STALE,
+    SKIP_ZERO_VARIANCE,
+    Trainer,
+)
 from temper.db import Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.db.migrate import upgrade
 from temper.events import PolicyUpdate, Topics
@@ -230,6 +236,51 @@ async def test_late_groups_and_stale_groups(settings):
         rows = await ledger(runtime, "job-s")
         assert {rows[m.message.episode_id].skipped for m in stale} == {SKIP_STALE}
         assert trainer.jobs["job-s"].learner.step_count == 1
+    finally:
+        await stop(runtime, trainer)
+
+
+async def test_a_completed_jobs_leftover_groups_are_recorded_and_its_learner_let_go(settings):
+    """Two groups a step: after one step, one group is left that can never make a step
+    (the dispatcher completed the job). The trainer marks it ``job_ended``, drops the job's
+    learner, and a trajectory of the job that comes later is recorded without loading it."""
+    runtime, trainer = await start(settings)
+    trainer.CLOSE_CHECK_S = 3600.0  # type: ignore[misc]  # closed by the calls below, not the loop
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-e", job_spec(group_size=4, groups_per_step=2, checkpoint_every=1))
+        f = TrajectoryFactory("job-e")
+        g1, g2, left = f.group("g1", [1, 0, 0, 1]), f.group("g2", [0, 1, 0, 0]), f.group("left", [0, 1, 1, 0])
+        await store_all(runtime.store, g1 + g2 + left)
+        await send_all(runtime.bus, g1 + g2 + left)
+
+        async def stepped() -> bool:
+            job = trainer.jobs.get("job-e")
+            return len(await versions(runtime, "job-e")) == 1 and job is not None and job.buffered == 4
+
+        await wait_for(stepped, what="one step and a group left over")
+        assert await trainer.close_completed_jobs() == []  # still running: nothing closed
+        async with runtime.db.session() as s:
+            (await s.get(Job, "job-e")).state = "completed"
+        assert await trainer.close_completed_jobs() == ["job-e"]
+        assert "job-e" not in trainer.jobs and "job-e" not in trainer.status()["jobs"]
+        rows = await ledger(runtime, "job-e")
+        assert {rows[m.message.episode_id].skipped for m in left} == {SKIP_JOB_ENDED}
+        assert {rows[m.message.episode_id].step for m in g1 + g2} == {1}
+
+        late = f.group("late", [1, 0, 1, 0])
+        await store_all(runtime.store, late)
+        await send_all(runtime.bus, g1 + late)  # a redelivery and a trajectory after the end
+
+        async def recorded() -> bool:
+            rows = await ledger(runtime, "job-e")
+            return all(m.message.episode_id in rows for m in late)
+
+        await wait_for(recorded, what="the late group recorded")
+        rows = await ledger(runtime, "job-e")
+        assert {rows[m.message.episode_id].skipped for m in late} == {SKIP_JOB_ENDED}
+        assert {rows[m.message.episode_id].step for m in g1} == {1}
+        assert "job-e" not in trainer.jobs, "a completed job is not loaded again"
     finally:
         await stop(runtime, trainer)
 
