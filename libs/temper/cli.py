@@ -312,6 +312,8 @@ def cmd_create_tenant(args: argparse.Namespace) -> int:
                     weight=args.weight,
                     quota_sandbox_cpu_s=args.quota_sandbox_cpu_s,
                     quota_inference_tokens=args.quota_inference_tokens,
+                    quota_sandbox_memory_gb_s=args.quota_sandbox_memory_gb_s,
+                    quota_trainer_s=args.quota_trainer_s,
                 )
             return tenant.id, issued.key
         finally:
@@ -385,6 +387,16 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quota-inference-tokens", type=_number(int), help="inference tokens it may use (default: no limit)"
+    )
+    p.add_argument(
+        "--quota-sandbox-memory-gb-s",
+        type=_number(float),
+        help="sandbox memory it may hold, in GB-seconds (default: no limit)",
+    )
+    p.add_argument(
+        "--quota-trainer-s",
+        type=_number(float),
+        help="trainer seconds its steps may take (default: no limit)",
     )
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
     p.set_defaults(func=cmd_create_tenant)

@@ -209,6 +209,8 @@ class TemperClient:
         weight: float = 1.0,
         quota_sandbox_cpu_s: float | None = None,
         quota_inference_tokens: int | None = None,
+        quota_sandbox_memory_gb_s: float | None = None,
+        quota_trainer_s: float | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "name": name,
@@ -217,6 +219,8 @@ class TemperClient:
             "weight": weight,
             "quota_sandbox_cpu_s": quota_sandbox_cpu_s,
             "quota_inference_tokens": quota_inference_tokens,
+            "quota_sandbox_memory_gb_s": quota_sandbox_memory_gb_s,
+            "quota_trainer_s": quota_trainer_s,
         }
         if tenant_id:
             body["id"] = tenant_id

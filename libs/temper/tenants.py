@@ -76,6 +76,8 @@ async def create_tenant(
     weight: float = 1.0,
     quota_sandbox_cpu_s: float | None = None,
     quota_inference_tokens: int | None = None,
+    quota_sandbox_memory_gb_s: float | None = None,
+    quota_trainer_s: float | None = None,
 ) -> tuple[Tenant, IssuedKey]:
     """A new tenant and its first key. Raises :class:`TenantExists` if the id is taken."""
     tid = tenant_id or tenant_id_for(name)
@@ -88,6 +90,8 @@ async def create_tenant(
         weight=weight,
         quota_sandbox_cpu_s=quota_sandbox_cpu_s,
         quota_inference_tokens=quota_inference_tokens,
+        quota_sandbox_memory_gb_s=quota_sandbox_memory_gb_s,
+        quota_trainer_s=quota_trainer_s,
     )
     session.add(tenant)
     await session.flush()

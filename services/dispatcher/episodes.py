@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import and_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s
+from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s, sandbox_memory_gb_s
 from services.dispatcher.trajectories import build_trajectory
 from temper import metrics
 from temper.clock import utcnow
@@ -419,6 +419,7 @@ class EpisodeEngine:
                 return
             ep, step = awaited
             ep.sandbox_cpu_s = (ep.sandbox_cpu_s or 0.0) + sandbox_cpu_s(msg)
+            ep.sandbox_memory_gb_s = (ep.sandbox_memory_gb_s or 0.0) + sandbox_memory_gb_s(msg)
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
             inference = await self._step(session, ep.id, step.turn, "inference")

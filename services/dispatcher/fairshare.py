@@ -8,7 +8,8 @@ flight per unit of weight. At weights 2:1 the first tenant then holds two
 thirds of the fleet, and as episodes finish two thirds of the admitted ones are its.
 
 Usage is counted on the episode row by the transaction that accepts each result (so a
-redelivered result counts once) and summed per tenant here. A tenant at or over a quota
+redelivered result counts once), trainer time on each policy version row by the
+trainer's publish, and summed per tenant here. A tenant at or over a quota
 starts nothing more: the scheduler pauses its jobs with the quota as the reason, and
 resumes them once the quota is raised (or lifted).
 """
@@ -23,7 +24,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from temper.db import Episode, Tenant
+from temper.db import Episode, Job, PolicyVersion, Tenant
 from temper.events import InferenceResult, SandboxResult
 from temper.lifecycle import EpisodeState
 
@@ -42,37 +43,80 @@ def sandbox_cpu_s(msg: SandboxResult) -> float:
     return sum(float(r.get("cpu_s") or 0.0) for r in [msg.result, *msg.more_results])
 
 
+def sandbox_memory_gb_s(msg: SandboxResult) -> float:
+    """Memory the actions of one sandbox step held, in GB-seconds: each action's peak
+    (the cgroup's high-water mark) times its wall time. A sandbox's memory is reserved
+    for as long as it runs, so its peak, not its average, is what the fleet gives up."""
+    return sum(
+        float(r.get("peak_memory_mb") or 0.0) / 1024 * float(r.get("wall_s") or 0.0)
+        for r in [msg.result, *msg.more_results]
+    )
+
+
 @dataclass(frozen=True)
 class Usage:
     sandbox_cpu_s: float = 0.0
+    sandbox_memory_gb_s: float = 0.0
     inference_tokens: int = 0
+    trainer_s: float = 0.0
+
+
+# each quota (a Tenant column) and the usage it limits (a Usage field), in the order checked
+QUOTAS: dict[str, str] = {
+    "quota_sandbox_cpu_s": "sandbox_cpu_s",
+    "quota_sandbox_memory_gb_s": "sandbox_memory_gb_s",
+    "quota_inference_tokens": "inference_tokens",
+    "quota_trainer_s": "trainer_s",
+}
 
 
 async def tenant_usage(session: AsyncSession, tenant_ids: Iterable[str]) -> dict[str, Usage]:
-    """What the episodes of each tenant consumed, over all its jobs."""
+    """What each tenant consumed over all its jobs: its episodes' sandbox and inference
+    use (the dispatcher counts it), its policy versions' trainer time (the trainer's)."""
     ids = list(tenant_ids)
-    usage = dict.fromkeys(ids, Usage())
-    rows = await session.execute(
+    found: dict[str, dict[str, float]] = {t: {} for t in ids}
+    episodes = await session.execute(
         select(
             Episode.tenant_id,
             func.coalesce(func.sum(Episode.sandbox_cpu_s), 0.0),
+            func.coalesce(func.sum(Episode.sandbox_memory_gb_s), 0.0),
             func.coalesce(func.sum(Episode.inference_tokens), 0),
         )
         .where(Episode.tenant_id.in_(ids))
         .group_by(Episode.tenant_id)
     )
-    for tenant_id, cpu, tokens in rows:
-        usage[tenant_id] = Usage(sandbox_cpu_s=float(cpu), inference_tokens=int(tokens))
-    return usage
+    for tenant_id, cpu, memory, tokens in episodes:
+        found[tenant_id].update(sandbox_cpu_s=cpu, sandbox_memory_gb_s=memory, inference_tokens=tokens)
+    versions = await session.execute(
+        select(Job.tenant_id, func.coalesce(func.sum(PolicyVersion.train_s), 0.0))
+        .join(Job, Job.id == PolicyVersion.job_id)
+        .where(Job.tenant_id.in_(ids))
+        .group_by(Job.tenant_id)
+    )
+    for tenant_id, seconds in versions:
+        found[tenant_id]["trainer_s"] = seconds
+    return {
+        t: Usage(
+            sandbox_cpu_s=float(u.get("sandbox_cpu_s", 0.0)),
+            sandbox_memory_gb_s=float(u.get("sandbox_memory_gb_s", 0.0)),
+            inference_tokens=int(u.get("inference_tokens", 0)),
+            trainer_s=float(u.get("trainer_s", 0.0)),
+        )
+        for t, u in found.items()
+    }
+
+
+def has_quota(tenant: Tenant) -> bool:
+    return any(getattr(tenant, quota) is not None for quota in QUOTAS)
 
 
 def quota_exceeded(tenant: Tenant, usage: Usage) -> str | None:
     """Why ``tenant`` may start no more episodes, or None while it is within its quotas."""
-    cpu_quota, token_quota = tenant.quota_sandbox_cpu_s, tenant.quota_inference_tokens
-    if cpu_quota is not None and usage.sandbox_cpu_s >= cpu_quota:
-        return f"{QUOTA_REASON}sandbox_cpu_s exceeded: used {usage.sandbox_cpu_s:.3f} of {cpu_quota:g}"
-    if token_quota is not None and usage.inference_tokens >= token_quota:
-        return f"{QUOTA_REASON}inference_tokens exceeded: used {usage.inference_tokens} of {token_quota}"
+    for quota, used_name in QUOTAS.items():
+        limit, used = getattr(tenant, quota), getattr(usage, used_name)
+        if limit is not None and used >= limit:
+            shown = f"{used}" if isinstance(used, int) else f"{used:.3f}"
+            return f"{QUOTA_REASON}{used_name} exceeded: used {shown} of {limit:g}"
     return None
 
 

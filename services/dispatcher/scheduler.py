@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
-from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, quota_exceeded, tenant_usage
+from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
 from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
 from temper import metrics
@@ -283,7 +283,7 @@ class Scheduler:
 
     @staticmethod
     async def _over_quota(s: AsyncSession, tenant: Tenant) -> str | None:
-        if tenant.quota_sandbox_cpu_s is None and tenant.quota_inference_tokens is None:
+        if not has_quota(tenant):
             return None
         return quota_exceeded(tenant, (await tenant_usage(s, [tenant.id]))[tenant.id])
 

@@ -127,6 +127,7 @@ class JobState:
     ready: list[list[Buffered]] = field(default_factory=list)
     uncheckpointed: dict[str, int] = field(default_factory=dict)  # episode id -> step
     steps_since_checkpoint: int = 0
+    seconds_since_checkpoint: float = 0.0  # trainer time of those steps: the version's train_s
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the buffer
     train_lock: asyncio.Lock = field(
         default_factory=asyncio.Lock
@@ -471,6 +472,7 @@ class Trainer:
             await self._mark_skipped(job, episodes, SKIP_TRAIN_ERROR, groups=len(batch))
             log_event(log, "step skipped", logging.ERROR, job_id=job.job_id, error=repr(exc)[:300])
             return None
+        job.seconds_since_checkpoint += stats.seconds  # a step that learned nothing took time too
         if not stats.updated:
             await self._mark_skipped(job, episodes, SKIP_NO_UPDATE, groups=len(batch))
             return stats
@@ -688,6 +690,7 @@ class Trainer:
                     checkpoint_key=key,
                     step=learner.step_count,
                     metrics=summary,
+                    train_s=round(job.seconds_since_checkpoint, 6),
                 )
             )
             for step, episodes in by_step.items():
@@ -720,6 +723,7 @@ class Trainer:
         learner.version = version
         job.uncheckpointed.clear()
         job.steps_since_checkpoint = 0
+        job.seconds_since_checkpoint = 0.0
         metrics.POLICY_VERSION.labels(job.job_id).set(version)
         if self.relay is not None:
             self.relay.notify()

@@ -73,6 +73,12 @@ class Tenant(Base):
     quota_inference_tokens: Mapped[int | None] = mapped_column(
         BigInteger, default=None, doc="prompt and sampled tokens its episodes may use in all; None: no limit"
     )
+    quota_sandbox_memory_gb_s: Mapped[float | None] = mapped_column(
+        Float, default=None, doc="sandbox memory its episodes may hold, in GB-seconds; None: no limit"
+    )
+    quota_trainer_s: Mapped[float | None] = mapped_column(
+        Float, default=None, doc="trainer seconds its jobs' steps may take in all; None: no limit"
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -194,6 +200,8 @@ class Episode(Base):
     timings: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # what it consumed, counted by the transaction that accepts each result (once per result)
     sandbox_cpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # peak memory x wall time of each sandbox action, summed
+    sandbox_memory_gb_s: Mapped[float] = mapped_column(Float, default=0.0)
     inference_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -228,6 +236,9 @@ class PolicyVersion(Base):
     checkpoint_key: Mapped[str] = mapped_column(String(512))
     step: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    train_s: Mapped[float] = mapped_column(
+        Float, default=0.0, doc="trainer seconds of the steps since the version before"
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -201,6 +201,11 @@ class JobMetrics(BaseModel):
 WEIGHT = "share of a contended fleet: episodes are admitted in proportion to the tenants' weights"
 CPU_QUOTA = "sandbox CPU-seconds its episodes may use in all; at it, its jobs pause"
 TOKEN_QUOTA = "inference tokens (prompt and sampled) its episodes may use in all; at it, its jobs pause"
+MEMORY_QUOTA = (
+    "sandbox memory its episodes may hold in all, in GB-seconds (each action's peak memory x its "
+    "wall time); at it, its jobs pause"
+)
+TRAINER_QUOTA = "trainer seconds its jobs' steps may take in all; at it, its jobs pause"
 
 
 class TenantOut(_Out):
@@ -214,6 +219,10 @@ class TenantOut(_Out):
     quota_inference_tokens: int | None = Field(
         description="prompt and sampled tokens its episodes may use in all (null: no limit)"
     )
+    quota_sandbox_memory_gb_s: float | None = Field(
+        description="sandbox memory its episodes may hold, in GB-seconds (null: no limit)"
+    )
+    quota_trainer_s: float | None = Field(description="trainer seconds its jobs may take (null: no limit)")
     created_at: datetime
 
 
@@ -221,6 +230,10 @@ class TenantDetail(TenantOut):
     active_episodes: int = Field(description="episodes of this tenant currently in flight")
     used_sandbox_cpu_s: float = Field(description="sandbox CPU-seconds its episodes have used")
     used_inference_tokens: int = Field(description="prompt and sampled tokens its episodes have used")
+    used_sandbox_memory_gb_s: float = Field(
+        description="sandbox memory its episodes have held, in GB-seconds"
+    )
+    used_trainer_s: float = Field(description="trainer seconds its jobs' published versions took")
 
 
 class TenantUsage(TenantDetail):
@@ -259,6 +272,8 @@ class CreateTenant(BaseModel):
     weight: float = Field(1.0, gt=0, le=1000, description=WEIGHT)
     quota_sandbox_cpu_s: float | None = Field(None, ge=0, description=CPU_QUOTA)
     quota_inference_tokens: int | None = Field(None, ge=0, le=2**62, description=TOKEN_QUOTA)
+    quota_sandbox_memory_gb_s: float | None = Field(None, ge=0, description=MEMORY_QUOTA)
+    quota_trainer_s: float | None = Field(None, ge=0, description=TRAINER_QUOTA)
     admin: bool = Field(False, description="whether its first key is an admin key")
 
 
@@ -271,6 +286,8 @@ class UpdateTenant(BaseModel):
     quota_inference_tokens: int | None = Field(
         None, ge=0, le=2**62, description=TOKEN_QUOTA + "; null lifts it"
     )
+    quota_sandbox_memory_gb_s: float | None = Field(None, ge=0, description=MEMORY_QUOTA + "; null lifts it")
+    quota_trainer_s: float | None = Field(None, ge=0, description=TRAINER_QUOTA + "; null lifts it")
 
 
 class CreateKey(BaseModel):

@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import AdminCaller, CurrentCaller, SessionDep
-from services.dispatcher.fairshare import tenant_usage
+from services.dispatcher.fairshare import QUOTAS, tenant_usage
 from temper.db import ApiKey, Tenant
 from temper.tenants import TenantExists, create_tenant, issue_key, revoke_key
 
@@ -29,6 +29,8 @@ async def _detail(session: AsyncSession, t: Tenant) -> schemas.TenantDetail:
         active_episodes=await repo.active_episodes(session, tenant_id=t.id),
         used_sandbox_cpu_s=used.sandbox_cpu_s,
         used_inference_tokens=used.inference_tokens,
+        used_sandbox_memory_gb_s=used.sandbox_memory_gb_s,
+        used_trainer_s=used.trainer_s,
     )
 
 
@@ -113,6 +115,8 @@ async def new_tenant(
             weight=body.weight,
             quota_sandbox_cpu_s=body.quota_sandbox_cpu_s,
             quota_inference_tokens=body.quota_inference_tokens,
+            quota_sandbox_memory_gb_s=body.quota_sandbox_memory_gb_s,
+            quota_trainer_s=body.quota_trainer_s,
         )
     except TenantExists as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
@@ -159,9 +163,8 @@ async def update_tenant(
     if body.weight is not None:
         tenant.weight = body.weight
     # an explicit null lifts a quota; a field left out keeps it
-    if "quota_sandbox_cpu_s" in body.model_fields_set:
-        tenant.quota_sandbox_cpu_s = body.quota_sandbox_cpu_s
-    if "quota_inference_tokens" in body.model_fields_set:
-        tenant.quota_inference_tokens = body.quota_inference_tokens
+    for quota in QUOTAS:
+        if quota in body.model_fields_set:
+            setattr(tenant, quota, getattr(body, quota))
     await session.commit()
     return tenant

@@ -185,7 +185,9 @@ class Peers:
     hold: bool = False
     job_prefix: str = ""  # on a shared Kafka, answer only this test's jobs
     delay_s: float = 0.0  # model "thinking" time per inference request
-    cpu_s: float = 0.0  # CPU time each sandbox action reports (what a tenant's quota counts)
+    # what each sandbox action reports beside its output (cpu_s, peak_memory_mb, wall_s:
+    # what a tenant's quotas count)
+    sandbox_reports: dict[str, float] = field(default_factory=dict)
     _consumers: list[Consumer] = field(default_factory=list)
 
     def groups(self, group_suffix: str) -> dict[str, list[str]]:
@@ -286,7 +288,7 @@ class Peers:
                     "exit_code": 0,
                     "stdout": f"ran {msg.action['kind']}",
                     "wall_s": 0.001,
-                    **({"cpu_s": self.cpu_s} if self.cpu_s else {}),
+                    **self.sandbox_reports,
                 },
                 snapshot_key=f"snapshots/{msg.session_id}/{msg.turn}.tar.gz",
                 worker="fake-worker",

@@ -141,7 +141,7 @@ def test_admin_create_tenant_prints_a_working_key(server, env, capsys, monkeypat
     assert "must be more than 0" in capsys.readouterr().err
     code, out, err = run_cli(
         ["admin", "create-tenant", "Blue Team", "--max-concurrent-episodes", "5", "--weight", "2",
-         "--quota-sandbox-cpu-s", "30"],
+         "--quota-sandbox-cpu-s", "30", "--quota-trainer-s", "600"],
         capsys,
     )  # fmt: skip
     assert code == 0, err
@@ -151,6 +151,7 @@ def test_admin_create_tenant_prints_a_working_key(server, env, capsys, monkeypat
         me = api.tenant()
     assert me["id"] == "blue-team" and me["max_concurrent_episodes"] == 5
     assert me["weight"] == 2 and me["quota_sandbox_cpu_s"] == 30 and me["quota_inference_tokens"] is None
+    assert me["quota_trainer_s"] == 600 and me["quota_sandbox_memory_gb_s"] is None
     code, _, err = run_cli(["admin", "create-tenant", "Blue Team"], capsys)
     assert code == 1 and "already exists" in err
 
@@ -189,12 +190,22 @@ def test_environments_push_list_show_through_the_cli(server, tmp_path, capsys, m
 def test_the_client_sets_a_tenants_weight_and_quotas(server):
     url, seeded = server
     with TemperClient(url, seeded.admin_key) as api:
-        made = api.create_tenant("Green Team", weight=3, quota_inference_tokens=1000)["tenant"]
-        assert (made["weight"], made["quota_inference_tokens"]) == (3, 1000)
-        api.update_tenant("green-team", quota_sandbox_cpu_s=60.5, quota_inference_tokens=None)
+        made = api.create_tenant(
+            "Green Team", weight=3, quota_inference_tokens=1000, quota_sandbox_memory_gb_s=50
+        )["tenant"]
+        assert (made["weight"], made["quota_inference_tokens"], made["quota_sandbox_memory_gb_s"]) == (
+            3,
+            1000,
+            50,
+        )
+        api.update_tenant(
+            "green-team", quota_sandbox_cpu_s=60.5, quota_inference_tokens=None, quota_trainer_s=120
+        )
         got = api.get_tenant("green-team")
     assert got["quota_sandbox_cpu_s"] == 60.5 and got["quota_inference_tokens"] is None
+    assert (got["quota_sandbox_memory_gb_s"], got["quota_trainer_s"]) == (50, 120)  # left out: kept
     assert (got["weight"], got["used_sandbox_cpu_s"], got["used_inference_tokens"]) == (3, 0, 0)
+    assert (got["used_sandbox_memory_gb_s"], got["used_trainer_s"]) == (0, 0)
     with pytest.raises(ApiError) as info, TemperClient(url, seeded.key) as api:
         api.update_tenant("green-team", weight=10)  # not an admin key
     assert info.value.status == 403

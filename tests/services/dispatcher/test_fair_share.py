@@ -27,7 +27,8 @@ from episode_peers import (
 from sqlalchemy import func, select, update
 
 from services.dispatcher.app import create_app
-from temper.db import Database, Episode, Job, Step, Tenant
+from services.dispatcher.fairshare import Usage, tenant_usage
+from temper.db import Database, Episode, Job, PolicyVersion, Step, Tenant
 from temper.db.migrate import upgrade
 from temper.events import InferenceRequest
 from temper.settings import DatabaseSettings
@@ -105,22 +106,49 @@ async def test_a_contended_fleet_admits_episodes_two_to_one_by_weight(tmp_path, 
     assert max(in_flight_seen) <= FLEET, in_flight_seen
 
 
+# each quota, the usage field it limits, the limit, and what one sandbox action reports:
+# the job pauses after two actions' worth
+QUOTA_CASES = {
+    "cpu": ("quota_sandbox_cpu_s", "sandbox_cpu_s", 0.5, {"cpu_s": 0.25}),
+    # 256 MB held for 2 s: 0.5 GB-seconds an action
+    "memory": (
+        "quota_sandbox_memory_gb_s",
+        "sandbox_memory_gb_s",
+        1.0,
+        {"peak_memory_mb": 256, "wall_s": 2.0},
+    ),
+}
+
+
+def per_action(used: str, reports: dict[str, float]) -> float:
+    if used == "sandbox_cpu_s":
+        return reports["cpu_s"]
+    return reports["peak_memory_mb"] / 1024 * reports["wall_s"]
+
+
+@pytest.mark.parametrize(
+    ("case", "database_url"),
+    [("cpu", "sqlite"), pytest.param("cpu", "postgres", marks=pytest.mark.postgres), ("memory", "sqlite")],
+    indirect=["database_url"],
+)
 async def test_a_tenant_over_its_quota_is_paused_not_failed_and_resumes_when_it_is_raised(
-    tmp_path, database_url
+    tmp_path, database_url, case
 ):
+    quota, used, limit, reports = QUOTA_CASES[case]
+    step = per_action(used, reports)
     await asyncio.to_thread(upgrade, database_url)
     db = Database(DatabaseSettings(url=database_url))
     name = f"thrifty-{uuid.uuid4().hex[:8]}"
-    # 8 episodes, 2 at a time; each runs one sandbox action that reports 0.25 CPU-seconds
+    # 8 episodes, 2 at a time; each runs one sandbox action that reports ``step`` of the usage
     job = await tenant_with_job(
         db, name, tasks__group_size=2, schedule__episodes_per_iteration=8, schedule__max_concurrent_episodes=2
     )
     async with db.session() as s:
-        await s.execute(update(Tenant).where(Tenant.id == name).values(quota_sandbox_cpu_s=0.5))
+        await s.execute(update(Tenant).where(Tenant.id == name).values({quota: limit}))
         _, admin = await create_tenant(s, name="ops", tenant_id=f"ops-{name}", admin=True)
     await db.dispose()
 
-    h = await start_harness(tmp_path, database_url, migrate=False, peers={"cpu_s": 0.25})
+    h = await start_harness(tmp_path, database_url, migrate=False, peers={"sandbox_reports": reports})
     app = create_app(settings_for(tmp_path, database_url), run_episodes=False)
     try:
         await wait_for(lambda: paused(h.db, job), limit_s=60, what="the job paused for its quota")
@@ -128,10 +156,10 @@ async def test_a_tenant_over_its_quota_is_paused_not_failed_and_resumes_when_it_
             reason = await s.scalar(select(Job.state_reason).where(Job.id == job))
         # the pause is noticed at the scheduler's next tick, so actions already in flight may
         # have added to the usage by then: at least the quota, and a whole number of actions
-        found = re.fullmatch(r"quota sandbox_cpu_s exceeded: used (\d+\.\d{3}) of 0\.5", reason or "")
+        found = re.fullmatch(rf"quota {used} exceeded: used (\d+\.\d{{3}}) of {limit:g}", reason or "")
         assert found, reason
         used_at_pause = float(found.group(1))
-        assert used_at_pause >= 0.5 and (used_at_pause / 0.25).is_integer(), reason
+        assert used_at_pause >= limit and (used_at_pause / step).is_integer(), reason
         await asyncio.sleep(1.0)  # paused stays paused, and starts nothing more
         assert await job_state(h.db, job) == "paused"
         assert len(await episodes_of(h.db, job)) == 2
@@ -145,14 +173,15 @@ async def test_a_tenant_over_its_quota_is_paused_not_failed_and_resumes_when_it_
             ) as c,
         ):
             seen = (await c.get(f"/v1/tenants/{name}")).json()
-            assert seen["quota_sandbox_cpu_s"] == 0.5 and seen["weight"] == 1.0
+            assert seen[quota] == limit and seen["weight"] == 1.0
             # the episodes in flight when it paused finished, and counted
-            assert seen["used_sandbox_cpu_s"] == pytest.approx(0.25 * len(h.peers.requests["sandbox"]))
-            assert seen["used_sandbox_cpu_s"] >= used_at_pause
+            assert seen[f"used_{used}"] == pytest.approx(step * len(h.peers.requests["sandbox"]))
+            assert seen[f"used_{used}"] >= used_at_pause
             assert seen["used_inference_tokens"] == await tokens_in_steps(h.db, job) > 0
+            assert seen["used_trainer_s"] == 0.0  # no trainer here: no version published
             assert (await c.get(f"/v1/jobs/{job}")).status_code == 404  # another tenant's job
-            r = await c.patch(f"/v1/tenants/{name}", json={"quota_sandbox_cpu_s": 10, "weight": 3})
-            assert r.status_code == 200 and r.json()["quota_sandbox_cpu_s"] == 10 and r.json()["weight"] == 3
+            r = await c.patch(f"/v1/tenants/{name}", json={quota: limit * 20, "weight": 3})
+            assert r.status_code == 200 and r.json()[quota] == limit * 20 and r.json()["weight"] == 3
             bad = await c.patch(f"/v1/tenants/{name}", json={"weight": 0})
             assert bad.status_code == 422 and "weight" in bad.text
 
@@ -164,6 +193,36 @@ async def test_a_tenant_over_its_quota_is_paused_not_failed_and_resumes_when_it_
     finally:
         await h.stop()
     assert states == {"scored": 8}, states
+
+
+async def test_trainer_time_counts_against_its_quota(tmp_path, database_url):
+    """The trainer's seconds are on its policy versions (``train_s``); a tenant whose jobs
+    took its trainer quota starts nothing more: its new job pauses before any episode."""
+    await asyncio.to_thread(upgrade, database_url)
+    db = Database(DatabaseSettings(url=database_url))
+    name = f"trained-{uuid.uuid4().hex[:8]}"
+    earlier = await tenant_with_job(db, name)
+    async with db.session() as s:
+        for version, seconds in ((1, 1.5), (2, 2.0)):
+            s.add(PolicyVersion(job_id=earlier, version=version, checkpoint_key=f"k{version}", step=version,
+                                train_s=seconds))  # fmt: skip
+        await s.execute(update(Job).where(Job.id == earlier).values(state="completed"))
+        await s.execute(update(Tenant).where(Tenant.id == name).values(quota_trainer_s=3.0))
+    async with db.session() as s:
+        usage = await tenant_usage(s, [name, "nobody"])
+        assert usage[name].trainer_s == 3.5 and usage["nobody"] == Usage()
+    job = await submit_job(db, job_spec(tasks__taskset=f"ts-{name}"), tenant=name)
+    await db.dispose()
+
+    h = await start_harness(tmp_path, database_url, migrate=False)
+    try:
+        await wait_for(lambda: paused(h.db, job), limit_s=60, what="the new job paused for the quota")
+        async with h.db.session() as s:
+            reason = await s.scalar(select(Job.state_reason).where(Job.id == job))
+        assert reason == "quota trainer_s exceeded: used 3.500 of 3", reason
+        assert await episodes_of(h.db, job) == []
+    finally:
+        await h.stop()
 
 
 async def paused(db: Database, job_id: str) -> bool:

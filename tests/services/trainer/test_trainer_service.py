@@ -114,6 +114,12 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings, 
         assert {rows[e].skipped for e in skipped} == {SKIP_ZERO_VARIANCE}
         assert await versions(runtime, "job-a") == [(1, 1), (2, 2)]
         async with runtime.db.session() as s:
+            train_s = (
+                await s.execute(select(PolicyVersion.train_s).where(PolicyVersion.job_id == "job-a"))
+            ).scalars()
+            # each version holds its step's trainer time: what a tenant's trainer quota counts
+            assert all(0 < t < 30 for t in train_s)
+        async with runtime.db.session() as s:
             assert (await s.get(Job, "job-a")).policy_version == 2
             outbox = (
                 await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))
