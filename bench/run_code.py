@@ -1,0 +1,201 @@
+"""SandboxFusion-compatible ``POST /run_code`` throughput: a hello-world Python program
+sent over real HTTP to a sandbox worker in its own process (uvicorn, the worker's default
+settings: a warm pool of 4, 8 actions at once), by 1, 4, 16 and 64 clients; each request
+runs in a sandbox no other request used. The floor, in the same run: a bare bwrap with the
+same namespaces and mounts started per request (no pool, no cgroup, no HTTP) by as many
+at once as the worker runs, what one fresh sandbox per request costs at best here.
+
+    python bench/run_code.py             # prints the table; bench/sandbox.py merges the figures
+    python bench/run_code.py --serve N   # the worker process the benchmark starts
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]  # the worker child runs this file as a script
+CONCURRENCY = (1, 4, 16, 64)
+HELLO = {"code": "print('hello')", "language": "python"}
+
+
+def serve(port: int, root: Path) -> None:
+    """The worker: ``create_app`` around a started :class:`SandboxWorker`, on uvicorn."""
+    import uvicorn
+
+    from services.sandbox_worker.app import create_app
+    from services.sandbox_worker.worker import SandboxWorker
+    from temper.sandbox import SandboxSettings
+    from temper.storage import LocalStore
+
+    async def main() -> None:
+        worker = SandboxWorker(
+            SandboxSettings(workspace_root=root / "ws"), store=LocalStore(root / "objects")
+        )
+        await worker.start()
+        try:
+            config = uvicorn.Config(
+                create_app(worker=worker), port=port, log_level="warning", access_log=False
+            )
+            await uvicorn.Server(config).serve()
+        finally:
+            await worker.close()
+
+    asyncio.run(main())
+
+
+async def _load(base: str, clients: int, requests: int) -> tuple[float, list[float], int]:
+    """``requests`` POSTs by ``clients`` at once; requests/s, latencies (ms), failures."""
+    latencies: list[float] = []
+    failed = 0
+    left = requests
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as http:
+
+        async def client() -> None:
+            nonlocal left, failed
+            while left > 0:
+                left -= 1
+                t0 = time.perf_counter()
+                r = await http.post("/run_code", json=HELLO)
+                latencies.append((time.perf_counter() - t0) * 1000)
+                body = r.json() if r.status_code == 200 else {}
+                if body.get("status") != "Success" or body["run_result"]["stdout"] != "hello\n":
+                    failed += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - t0
+    return requests / elapsed, latencies, failed
+
+
+async def _floor(root: Path, at_once: int, runs: int) -> float:
+    """Bare bwrap per request, ``at_once`` at a time: runs per second."""
+    from temper.sandbox import SandboxLimits, SandboxSettings
+    from temper.sandbox.backends import BwrapBackend
+
+    settings = SandboxSettings(workspace_root=root / "floor")
+    backend = BwrapBackend(settings)
+    ws = root / "floor" / "ws"
+    ws.mkdir(parents=True, exist_ok=True)
+    uid = 65534 if os.geteuid() == 0 else None
+    if uid is not None:
+        os.chown(ws, uid, uid)
+    argv = backend.floor_argv(ws, SandboxLimits())
+
+    def pre() -> None:
+        os.setsid()
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+
+    gate = asyncio.Semaphore(at_once)
+
+    async def one() -> None:
+        async with gate:
+            proc = await asyncio.create_subprocess_exec(*argv, env={"PATH": "/usr/bin:/bin"}, preexec_fn=pre)
+            assert await proc.wait() == 0
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(runs)))
+    return runs / (time.perf_counter() - t0)
+
+
+async def measure(requests: int = 400) -> dict[str, float | int]:
+    """Every figure: ``run_code_rps_c{N}``, their p50 latencies, the floor and failures."""
+    root = Path("/tmp") / f"temper-bench-runcode-{uuid.uuid4().hex[:8]}"
+    root.mkdir(parents=True)
+    root.chmod(0o711)
+    port = _free_port()
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before any load
+        [sys.executable, __file__, "--serve", str(port), "--root", str(root)], cwd=ROOT
+    )
+    base = f"http://127.0.0.1:{port}"
+    out: dict[str, float | int] = {}
+    try:
+        await _wait_ready(base, proc)
+        await _load(base, 4, 40)  # warm: imports, page cache, the pool
+        for clients in CONCURRENCY:
+            rps, latencies, failed = await _load(
+                base, clients, max(requests // 2, 100) if clients == 1 else requests
+            )
+            out[f"run_code_rps_c{clients}"] = round(rps, 1)
+            out[f"run_code_ms_c{clients}"] = round(statistics.median(latencies), 2)
+            out["run_code_failed"] = int(out.get("run_code_failed", 0)) + failed
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    try:
+        await _floor(root, 8, 20)
+        out["floor_bwrap_rps"] = round(await _floor(root, 8, requests), 1)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    out["run_code_c16_over_floor"] = round(float(out["run_code_rps_c16"]) / float(out["floor_bwrap_rps"]), 3)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base, timeout=2) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the sandbox worker exited with {proc.returncode}")
+            try:
+                if (await http.get("/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError("the sandbox worker did not answer /health in time")
+
+
+def table(res: dict[str, float | int]) -> list[tuple[str, str, str]]:
+    rows = [
+        (f"run_code hello world, {c} client(s) (req/s)", f"{res[f'run_code_rps_c{c}']}",
+         f"p50 {res[f'run_code_ms_c{c}']} ms")
+        for c in CONCURRENCY
+    ]  # fmt: skip
+    rows.append(("bare bwrap per request, 8 at once (runs/s)", f"{res['floor_bwrap_rps']}", "the floor"))
+    rows.append(("run_code c16 / floor", f"{res['run_code_c16_over_floor']}", "target: c16 >= 180 req/s"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--serve", type=int, help="run the worker on this port (the benchmark's child)")
+    parser.add_argument("--root", type=Path)
+    parser.add_argument("--requests", type=int, default=400)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.root)
+        return
+    res = asyncio.run(measure(args.requests))
+    rows = table(res)
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>10}  {note}")
+    print(f"failed requests: {res['run_code_failed']}")
+
+
+if __name__ == "__main__":
+    main()
