@@ -3,13 +3,14 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
-.PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-unit run serve run-stack lint schemas \
+.PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
         check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
 	@echo "make serve        the API, console and every worker in one process (temper serve)"
 	@echo "make test         set up, start the real stack, run every test"
+	@echo "make test-long    the long fault and load tests make test leaves out (about 10 minutes)"
 	@echo "make test-unit    tests that need no server"
 	@echo "make lock         re-resolve requirements.lock after changing pyproject.toml"
 	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed)"
@@ -46,6 +47,10 @@ stack-status:
 test: setup stack-up
 	bash scripts/check_deploy.sh --tools
 	bash scripts/run_tests.sh
+
+# Tests marked long: fault and load runs a shorter test of `make test` covers in part.
+test-long: setup stack-up
+	bash scripts/run_tests.sh -m long
 
 test-unit: setup
 	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis" $(ARGS)

@@ -6,19 +6,21 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export TEMPER_REQUIRE_INTEGRATION=1
 # tests/conftest.py reads the servers' addresses from .stack/env itself.
-# GPU tests run only where a CUDA device is visible (they are deselected, never skipped).
-gpu_filter=(-m "not gpu")
-if .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  gpu_filter=()
+# Deselected, never skipped: tests marked long (fault and load runs that a shorter test of
+# the suite covers in part; `make test-long` runs them), GPU tests where no CUDA device is
+# visible, Docker-engine tests where `docker info` fails (scripts/compose/engine.sh starts one).
+skip=(long)
+if ! .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  skip+=(gpu)
 fi
-# Docker-engine tests (images from a Dockerfile) likewise: deselected, and said so, where
-# `docker info` fails (scripts/compose/engine.sh starts an engine).
 if ! docker info >/dev/null 2>&1; then
   echo "run_tests: no Docker engine reachable: deselecting tests marked docker" >&2
-  if [ "${#gpu_filter[@]}" -gt 0 ]; then gpu_filter=(-m "not gpu and not docker"); else gpu_filter=(-m "not docker"); fi
+  skip+=(docker)
 fi
+filter="not ${skip[0]}"
+for marker in "${skip[@]:1}"; do filter+=" and not $marker"; done
 # --durations: the slowest tests in every log, to keep CI well under its budget
-.venv/bin/python -m pytest "${gpu_filter[@]}" --durations=25 "$@"
+.venv/bin/python -m pytest -m "$filter" --durations=25 "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "run_tests: pytest collected no tests; that is a failure of ours" >&2

@@ -40,6 +40,7 @@ def test_each_command_reaches_kafka_exactly_once(fault_stack):
     assert {k[0] for k in counts["trajectories"]} == episodes
 
 
+@pytest.mark.long  # the reduced chaos set kills the gateway, restarts Postgres, refuses S3
 @pytest.mark.timeout(300)
 def test_a_gateway_killed_mid_job_comes_back_on_the_current_policy_version(fault_stack):
     """SIGKILL the gateway once the trainer has published a version: the new process loads
@@ -103,6 +104,7 @@ def test_a_dead_lettered_trajectory_is_sent_again_and_the_job_completes(fault_st
     assert stack.dead_letters()["trajectories.dlq"] == moved
 
 
+@pytest.mark.long  # the reduced chaos set kills the gateway, restarts Postgres, refuses S3
 @pytest.mark.timeout(300)
 def test_a_postgres_restart_under_load_costs_seconds_and_dead_letters_nothing(fault_stack, private_postgres):
     """Restart the job's Postgres (a private cluster) while episodes are in flight: the
@@ -143,6 +145,7 @@ def test_a_postgres_restart_under_load_costs_seconds_and_dead_letters_nothing(fa
         assert stack.health(name) == 200, name
 
 
+@pytest.mark.long  # the reduced chaos set kills the gateway, restarts Postgres, refuses S3
 @pytest.mark.timeout(300)
 def test_an_object_store_outage_during_the_last_checkpoint_is_retried_and_visible(fault_stack, private_minio):
     """Stop the job's object store (a private MinIO) the moment the trainer uploads the

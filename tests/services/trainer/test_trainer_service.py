@@ -375,13 +375,14 @@ async def test_a_failed_publish_is_retried_on_its_own_and_shows_while_it_fails(s
         down = False
 
         async def published() -> bool:
-            return await versions(runtime, "job-p") == [(1, 1)]
+            # the stuck reason is cleared in its own transaction, right after the publish's
+            async with runtime.db.session() as s:
+                job = await s.get(Job, "job-p")
+                cleared = (job.state_reason, job.policy_version) == (None, 1)
+            return cleared and await versions(runtime, "job-p") == [(1, 1)]
 
-        await wait_for(published, what="the version published after the store came back")
+        await wait_for(published, what="the version published and the stuck reason cleared")
         await trainer._check()
-        async with runtime.db.session() as s:
-            job = await s.get(Job, "job-p")
-            assert (job.state_reason, job.policy_version) == (None, 1)
         assert REGISTRY.get_sample_value("temper_trainer_publish_failing", {"job_id": "job-p"}) == 0
         assert {r.step for r in (await ledger(runtime, "job-p")).values()} == {1}
     finally:

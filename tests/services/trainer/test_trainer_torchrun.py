@@ -240,7 +240,13 @@ async def test_two_ranks_train_a_job(
 
 
 @pytest.mark.parametrize(
-    ("victim", "moment"), [(1, "idle"), (0, "idle"), (1, "in-step")], ids=["rank1", "rank0", "rank1-in-step"]
+    ("victim", "moment"),
+    [
+        # make test kills a rank mid-step; the idle kills (the same recovery) are make test-long's
+        pytest.param(1, "idle", id="rank1", marks=pytest.mark.long),
+        pytest.param(0, "idle", id="rank0", marks=pytest.mark.long),
+        pytest.param(1, "in-step", id="rank1-in-step"),
+    ],
 )
 @pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
 async def test_rank_killed_mid_job_trains_no_trajectory_twice(
