@@ -2,9 +2,15 @@
 # The whole test suite against the real stack (`make stack-up` must have run).
 # Fails when pytest collects nothing (exit 5) or when no integration test against a
 # real Kafka, Postgres, S3 or Redis passed.
+#
+# With no arguments it runs two lanes at once (the machines here have 2 cores, and the
+# slow tests mostly wait on their services): the tests on the shared Kafka, S3 or Redis,
+# one at a time in one pytest (some use the stack's default topics and consumer groups),
+# and the rest (SQLite, a throwaway Postgres database each, sandboxes, torch) in another.
+# The first lane is shown as it runs, the second when it ends. With arguments (a path,
+# `-m long`, `-k ...`) it is one pytest run. TEMPER_TEST_LANES=1 makes it one run too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export TEMPER_REQUIRE_INTEGRATION=1
 # tests/conftest.py reads the servers' addresses from .stack/env itself.
 # Deselected, never skipped: tests marked long (fault and load runs that a shorter test of
 # the suite covers in part; `make test-long` runs them), GPU tests where no CUDA device is
@@ -19,11 +25,45 @@ if ! docker info >/dev/null 2>&1; then
 fi
 filter="not ${skip[0]}"
 for marker in "${skip[@]:1}"; do filter+=" and not $marker"; done
+
+# pytest's exit code, with "collected nothing" (5) made a failure of ours
+checked() {
+  local status=$1 what=$2
+  if [ "$status" -eq 5 ]; then
+    echo "run_tests: pytest collected no tests ($what); that is a failure of ours" >&2
+    return 1
+  fi
+  return "$status"
+}
+
 # --durations: the slowest tests in every log, to keep CI well under its budget
-.venv/bin/python -m pytest -m "$filter" --durations=25 "$@"
-status=$?
-if [ "$status" -eq 5 ]; then
-  echo "run_tests: pytest collected no tests; that is a failure of ours" >&2
-  exit 1
+if [ "$#" -gt 0 ] || [ "${TEMPER_TEST_LANES:-2}" = 1 ]; then
+  TEMPER_REQUIRE_INTEGRATION=1 .venv/bin/python -m pytest -m "$filter" --durations=25 "$@"
+  checked $? "all"
+  exit $?
 fi
-exit "$status"
+
+shared="kafka or s3 or redis"
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+start=$(date +%s)
+# each lane its own basetemp: a pytest run prunes the numbered ones it did not make
+(
+  env -u TEMPER_REQUIRE_INTEGRATION .venv/bin/python -m pytest -m "($filter) and not ($shared)" --durations=15 -p no:cacheprovider \
+    --basetemp="$logs/tmp-local" >"$logs/local.log" 2>&1
+  echo $? >"$logs/local.rc"
+) &
+local_pid=$!
+# the shared lane needs a passing test against each real server (Postgres included)
+TEMPER_REQUIRE_INTEGRATION=1 .venv/bin/python -m pytest -m "($filter) and ($shared)" --durations=15 \
+  -p no:cacheprovider --basetemp="$logs/tmp-shared"
+checked $? "the shared-stack lane"
+shared_status=$?
+echo "run_tests: the shared-stack lane ended after $(( $(date +%s) - start ))s; waiting for the other lane" >&2
+wait "$local_pid"
+echo "==================== the other lane: no shared Kafka, S3 or Redis ===================="
+cat "$logs/local.log"
+checked "$(cat "$logs/local.rc")" "the local lane"
+local_status=$?
+echo "run_tests: both lanes ended after $(( $(date +%s) - start ))s (shared: exit $shared_status, local: exit $local_status)" >&2
+[ "$shared_status" -eq 0 ] && [ "$local_status" -eq 0 ]

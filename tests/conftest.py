@@ -182,6 +182,22 @@ def _missing_integration() -> list[str]:
     return [m for m, n in _integration_passed.items() if n == 0]
 
 
+# scripts/run_tests.sh runs the tests on the shared Kafka, S3 or Redis in a lane of their
+# own, picked by these markers: a test that uses one of those servers must say so.
+SERVER_FIXTURES = {"kafka_bootstrap": "kafka", "s3_settings": "s3", "redis_url": "redis"}
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = sorted(
+        f"{item.nodeid} (uses {fixture}, not marked {marker})"
+        for item in items
+        for fixture, marker in SERVER_FIXTURES.items()
+        if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None
+    )
+    if unmarked:
+        raise pytest.UsageError("tests on a shared server without its marker:\n" + "\n".join(unmarked))
+
+
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("TEMPER_REQUIRE_INTEGRATION") == "1" and exitstatus == 0 and _missing_integration():
         session.exitstatus = 1
