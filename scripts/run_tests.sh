@@ -7,7 +7,8 @@
 # slow tests mostly wait on their services): the tests on the shared Kafka, S3 or Redis,
 # one at a time in one pytest (some use the stack's default topics and consumer groups),
 # and the rest (SQLite, a throwaway Postgres database each, sandboxes, torch) in another.
-# The first lane is shown as it runs, the second when it ends. With arguments (a path,
+# The first lane is shown as it runs, the second when it ends; the second runs at nice 10,
+# so the services the first lane's tests start and wait on get the CPU when both want it. With arguments (a path,
 # `-m long`, `-k ...`) it is one pytest run. TEMPER_TEST_LANES=1 makes it one run too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ trap 'rm -rf "$logs"' EXIT
 start=$(date +%s)
 # each lane its own basetemp: a pytest run prunes the numbered ones it did not make
 (
-  env -u TEMPER_REQUIRE_INTEGRATION .venv/bin/python -m pytest -m "($filter) and not ($shared)" --durations=15 -p no:cacheprovider \
+  env -u TEMPER_REQUIRE_INTEGRATION nice -n 10 .venv/bin/python -m pytest -m "($filter) and not ($shared)" --durations=15 -p no:cacheprovider \
     --basetemp="$logs/tmp-local" >"$logs/local.log" 2>&1
   echo $? >"$logs/local.rc"
 ) &

@@ -200,6 +200,9 @@ class JobMetrics(BaseModel):
 
 WEIGHT = "share of a contended fleet: episodes are admitted in proportion to the tenants' weights"
 CPU_QUOTA = "sandbox CPU-seconds its episodes may use in all; at it, its jobs pause"
+# at most 10**15 tokens: below 2**53, so a JSON number at the bound means one integer whether
+# a client reads it as a float or an int (at 2**62 the fuzzer sent 2**62 + 95 as "equal")
+MAX_TOKEN_QUOTA = 10**15
 TOKEN_QUOTA = "inference tokens (prompt and sampled) its episodes may use in all; at it, its jobs pause"
 MEMORY_QUOTA = (
     "sandbox memory its episodes may hold in all, in GB-seconds (each action's peak memory x its "
@@ -271,7 +274,7 @@ class CreateTenant(BaseModel):
     max_concurrent_episodes: int = Field(64, ge=1, le=1_000_000)
     weight: float = Field(1.0, gt=0, le=1000, description=WEIGHT)
     quota_sandbox_cpu_s: float | None = Field(None, ge=0, description=CPU_QUOTA)
-    quota_inference_tokens: int | None = Field(None, ge=0, le=2**62, description=TOKEN_QUOTA)
+    quota_inference_tokens: int | None = Field(None, ge=0, le=MAX_TOKEN_QUOTA, description=TOKEN_QUOTA)
     quota_sandbox_memory_gb_s: float | None = Field(None, ge=0, description=MEMORY_QUOTA)
     quota_trainer_s: float | None = Field(None, ge=0, description=TRAINER_QUOTA)
     admin: bool = Field(False, description="whether its first key is an admin key")
@@ -284,7 +287,7 @@ class UpdateTenant(BaseModel):
     weight: float | None = Field(None, gt=0, le=1000, description=WEIGHT)
     quota_sandbox_cpu_s: float | None = Field(None, ge=0, description=CPU_QUOTA + "; null lifts it")
     quota_inference_tokens: int | None = Field(
-        None, ge=0, le=2**62, description=TOKEN_QUOTA + "; null lifts it"
+        None, ge=0, le=MAX_TOKEN_QUOTA, description=TOKEN_QUOTA + "; null lifts it"
     )
     quota_sandbox_memory_gb_s: float | None = Field(None, ge=0, description=MEMORY_QUOTA + "; null lifts it")
     quota_trainer_s: float | None = Field(None, ge=0, description=TRAINER_QUOTA + "; null lifts it")
