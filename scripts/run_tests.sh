@@ -3,13 +3,15 @@
 # Fails when pytest collects nothing (exit 5) or when no integration test against a
 # real Kafka, Postgres, S3 or Redis passed.
 #
-# With no arguments it runs two lanes at once (the machines here have 2 cores, and the
-# slow tests mostly wait on their services): the tests on the shared Kafka, S3 or Redis,
+# TEMPER_TEST_LANES=2 (and no arguments) runs two lanes at once (the machines here have
+# 2 cores, and the slow tests mostly wait on their services): the tests on the shared Kafka, S3 or Redis,
 # one at a time in one pytest (some use the stack's default topics and consumer groups),
 # and the rest (SQLite, a throwaway Postgres database each, sandboxes, torch) in another.
 # The first lane is shown as it runs, the second when it ends; the second runs at nice 10,
 # so the services the first lane's tests start and wait on get the CPU when both want it. With arguments (a path,
-# `-m long`, `-k ...`) it is one pytest run. TEMPER_TEST_LANES=1 makes it one run too.
+# `-m long`, `-k ...`), or by default, it is one pytest run: in the one fresh-clone run with
+# two lanes a sandbox test hung in a session's teardown (tests/libs/sandbox/test_sandbox.py::
+# test_idle_sessions_expire), not yet understood, so two lanes are opt-in until it is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # tests/conftest.py reads the servers' addresses from .stack/env itself.
@@ -38,7 +40,7 @@ checked() {
 }
 
 # --durations: the slowest tests in every log, to keep CI well under its budget
-if [ "$#" -gt 0 ] || [ "${TEMPER_TEST_LANES:-2}" = 1 ]; then
+if [ "$#" -gt 0 ] || [ "${TEMPER_TEST_LANES:-1}" != 2 ]; then
   TEMPER_REQUIRE_INTEGRATION=1 .venv/bin/python -m pytest -m "$filter" --durations=25 "$@"
   checked $? "all"
   exit $?
