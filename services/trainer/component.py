@@ -290,39 +290,40 @@ class Trainer:
                 ) from None
             if trajectory.episode_id != message.episode_id or trajectory.job_id != message.job_id:
                 raise Poison(f"{message.trajectory_key} belongs to another episode or job")
-            try:
-                async with self.runtime.db.session() as s:
-                    s.add(
-                        TrainedTrajectory(
-                            episode_id=trajectory.episode_id,
-                            job_id=job.job_id,
-                            trajectory_key=message.trajectory_key,
-                            group_id=trajectory.group_id,
-                        )
-                    )
-            except IntegrityError:
+            row = TrainedTrajectory(
+                episode_id=trajectory.episode_id,
+                job_id=job.job_id,
+                trajectory_key=message.trajectory_key,
+                group_id=trajectory.group_id,
+            )
+            if not await self._add_ledger_row(row):
                 return  # a concurrent delivery of the same episode won
             self._add(job, Buffered(trajectory, message.trajectory_key, time.time()))
         self._wake.set()
 
     async def _record_after_end(self, message: TrajectoryReady) -> None:
         """A trajectory of a job already completed (a redelivery, or one scored after the
-        job's last step): its ledger row says so, and nothing is loaded for it."""
+        job's last step): its ledger row says so, and nothing is loaded for it. An episode
+        that already has a row keeps it."""
+        await self._add_ledger_row(
+            TrainedTrajectory(
+                episode_id=message.episode_id,
+                job_id=message.job_id,
+                trajectory_key=message.trajectory_key,
+                group_id=message.group_id,
+                skipped=SKIP_JOB_ENDED,
+            )
+        )
+
+    async def _add_ledger_row(self, row: TrainedTrajectory) -> bool:
+        """Write one ledger row in its own transaction; False if the episode has one already."""
         assert self.runtime.db is not None
         try:
             async with self.runtime.db.session() as s:
-                if await s.get(TrainedTrajectory, message.episode_id) is None:
-                    s.add(
-                        TrainedTrajectory(
-                            episode_id=message.episode_id,
-                            job_id=message.job_id,
-                            trajectory_key=message.trajectory_key,
-                            group_id=message.group_id,
-                            skipped=SKIP_JOB_ENDED,
-                        )
-                    )
+                s.add(row)
         except IntegrityError:
-            return  # a concurrent delivery of the same episode won
+            return False
+        return True
 
     def _add(self, job: JobState, item: Buffered) -> None:
         group = job.groups.setdefault(item.trajectory.group_id, [])
