@@ -202,6 +202,12 @@ class SandboxManager:
         )  # fmt: skip
 
     async def _destroy(self, sb: Sandbox) -> None:
+        """Tear ``sb`` down. The teardown is a task of its own that ``close()`` waits for, so
+        a caller cancelled half-way (the idle reaper, when the manager closes) cannot leave
+        a workspace mounted or a process unreaped: it finishes either way."""
+        await asyncio.shield(self._spawn(self._teardown(sb)))
+
+    async def _teardown(self, sb: Sandbox) -> None:
         try:
             leaked = await sb.destroy()
         except Exception:
@@ -211,10 +217,11 @@ class SandboxManager:
             self.leaked += leaked
             metrics.SANDBOX_LEAKED_PROCESSES.set(self.leaked)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def refill(self) -> None:
         """Bring the pool up to ``pool_size``, one sandbox at a time."""
@@ -259,7 +266,7 @@ class SandboxManager:
                 await candidate.apply_limits(limits)
                 sb = candidate
             except SandboxError:
-                self._spawn(self._destroy(candidate))
+                self._spawn(self._teardown(candidate))
         if sb is not None:
             metrics.SANDBOX_POOL_HITS.inc()
             if sandbox_id is not None:
@@ -294,7 +301,7 @@ class SandboxManager:
         if wait:
             await self._destroy(sb)
         else:
-            self._spawn(self._destroy(sb))
+            self._spawn(self._teardown(sb))
 
     @contextlib.asynccontextmanager
     async def sandbox(self, limits: SandboxLimits | None = None) -> AsyncIterator[Sandbox]:
@@ -349,7 +356,7 @@ class SandboxManager:
         if wait:
             await self._destroy(sb)
         else:
-            self._spawn(self._destroy(sb))
+            self._spawn(self._teardown(sb))
 
     async def snapshot(self, session_id: str, key: str | None = None) -> str:
         """Put a tar.gz of the session's workspace to object storage; returns its key."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import logging
 import marshal
 import os
 import select
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from temper.sandbox.sandbox import SandboxError
+
+log = logging.getLogger(__name__)
 
 # Run as a script with the standard library only; see its docstring for the protocol.
 FORK_SERVER = Path(__file__).with_name("fork_server.py")
@@ -153,7 +156,10 @@ class Spawner:
                 await asyncio.wait_for(self._proc.wait(), 5)
             except TimeoutError:
                 self._proc.kill()
-                await self._proc.wait()
+                try:  # bounded: a worker that cannot stop says so rather than hanging
+                    await asyncio.wait_for(self._proc.wait(), 5)
+                except TimeoutError:
+                    log.error("sandbox spawner pid %d survived SIGKILL for 5 s", self._proc.pid)
             self._proc = None
 
     async def _call(self, request: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
