@@ -255,6 +255,7 @@ def child(req, rin, wout, werr, wdat=-1):
 
 # --- the zygote: an action in namespaces of its own ------------------------------------
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x08000000
+OWN_PIDNS = -1  # the zygote agent's own pid namespace (an fd), to return to after each fork
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
 _libc = None
 
@@ -334,22 +335,46 @@ def _wait_for(pid):
             return status
 
 
+def fork_into_new_pid_namespace():
+    """``os.fork()`` whose child is PID 1 of a new pid namespace (a zygote's run). The
+    agent stays where it is: unshare(CLONE_NEWPID) only decides where its next child
+    goes, and setns to its own namespace undoes that right after the fork."""
+    _sys("unshare", CLONE_NEWPID)
+    try:
+        pid = os.fork()
+    except BaseException:
+        _sys("setns", OWN_PIDNS, CLONE_NEWPID)
+        raise
+    if pid:
+        _sys("setns", OWN_PIDNS, CLONE_NEWPID)
+    return pid
+
+
+def become_pid1_of_own_namespace():
+    """Go on as PID 1 of a pid namespace of this user namespace, the first process
+    waiting for it. bwrap's pid namespace belongs to the user namespace above this one
+    (``--disable-userns`` nests one), so only from one of our own can the agent setns
+    back after each run's fork."""
+    global OWN_PIDNS
+    _sys("unshare", CLONE_NEWPID)
+    agent = os.fork()
+    if agent:
+        os.close(REQ_FD)
+        os.close(REP_FD)
+        status = _wait_for(agent)
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    OWN_PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+
+
 def fresh_namespaces(req):
-    """In a zygote's forked child: new pid, mount and IPC namespaces, whose init mounts a
-    fresh tmpfs workspace and /tmp and a /proc of its own, writes the request's files,
-    and forks the action. Returns only in the action's process, with no capability and
-    no way back to the init's data pipe. The init waits for the action, reports its
-    status, whether the workspace filled up and the fetched files, then exits, which
-    kills whatever the action left in its pid namespace."""
+    """In a zygote's child, PID 1 of a new pid namespace: new mount and IPC namespaces,
+    a fresh tmpfs workspace and /tmp and a /proc of its own, the request's files, then
+    the action forked. Returns only in the action's process, with no capability and no
+    way back to the data pipe. This init waits for the action, reports its status,
+    whether the workspace filled up and the fetched files, then exits, which kills
+    whatever the action left in its pid namespace."""
     fresh = req["fresh"]
-    _sys("unshare", CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC)
-    init = os.fork()
-    if init:
-        # Outside the new namespaces: wait for its init and end with it.
-        os.close(DATA_FD)
-        status = _wait_for(init)
-        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 125)
-    _mount("none", "/", None, MS_REC | MS_PRIVATE)
+    _sys("unshare", CLONE_NEWNS | CLONE_NEWIPC)  # the copied mounts are private (see main)
     owner = f"uid={os.getuid()},gid={os.getgid()}"
     _mount("tmpfs", WORKSPACE, "tmpfs", MS_NOSUID | MS_NODEV, f"size={fresh['ws_mb']}m,mode=755,{owner}")
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=1777")
@@ -390,7 +415,7 @@ def run(req):
     rerr, werr = os.pipe()
     rdat, wdat = os.pipe() if ZYGOTE else (-1, -1)
     t0 = time.monotonic()
-    pid = os.fork()
+    pid = fork_into_new_pid_namespace() if ZYGOTE else os.fork()
     if pid == 0:
         child(req, rin, wout, werr, wdat)
     os.close(rin)
@@ -677,6 +702,11 @@ def main():
     _set_dumpable(0)
     if ZYGOTE:
         _sys("prctl", 4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0, and libc loaded once, not per run
+        # Once: a mount namespace of this user namespace (bwrap's belongs to the one above),
+        # every mount in it private, so no run's mounts can propagate to another's.
+        _sys("unshare", CLONE_NEWNS)
+        _mount("none", "/", None, MS_REC | MS_PRIVATE)
+        become_pid1_of_own_namespace()
     os.chdir(WORKSPACE)
     if PROXY:
         # Listening before the first action: a connection waits in the backlog until

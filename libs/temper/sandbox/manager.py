@@ -30,7 +30,7 @@ from temper.sandbox.config import SandboxSettings
 from temper.sandbox.images import Image, ImageCache
 from temper.sandbox.models import Action, ExecResult, KillReason, SandboxLimits
 from temper.sandbox.policy import limit_errors, timeout_error
-from temper.sandbox.sandbox import Sandbox, SandboxError
+from temper.sandbox.sandbox import Sandbox, SandboxError, refuse_files
 from temper.sandbox.spawner import Spawner
 from temper.sandbox.zygote import ZygotePool
 
@@ -349,6 +349,9 @@ class SandboxManager:
         timeout_refused = timeout_error(action.timeout_s, self.settings)
         if timeout_refused is not None:
             return ExecResult(error=timeout_refused), {}
+        files_refused = refuse_files(files, limits)
+        if files_refused is not None:
+            return files_refused, {}
         if self._zygote_fits(limits):
             try:
                 zygote = await self.zygotes.take()

@@ -447,15 +447,10 @@ class Sandbox:
             raise SandboxError(f"sandbox {self.id} is destroyed")
         if action.kind not in ("run_command", "run_python"):
             return ExecResult(error=f"a fresh run takes a command or a program, not {action.kind}"), {}
+        refused = refuse_files(files, self.limits)
+        if refused is not None:
+            return refused, {}
         budget = self.limits.file_size_mb << 20
-        for path, data in files.items():
-            refused = _outside_workspace(path) or (
-                f"{path}: larger than file_size_mb" if len(data) > budget else None
-            )
-            if refused:
-                return ExecResult(
-                    error=refused, kill_reason=KillReason.disk if "larger" in refused else None
-                ), {}
         fresh = {"files": files, "fetch": list(fetch), "ws_mb": self.limits.workspace_mb, "fetch_max": budget}
         async with self._lock:
             try:
@@ -464,6 +459,8 @@ class Sandbox:
                 result, reply = await self._exec(action, fresh=fresh)
             finally:
                 self.last_used = time.monotonic()
+        if reply is not None and reply.head.get("ok") != "1":
+            raise SandboxError(f"zygote: {reply.data.decode('utf-8', 'replace')}")
         return result, _parse_fetched(reply.data) if reply is not None else {}
 
     def _rlimits(self, cpu_s: float) -> dict[str, tuple[int, int]]:
@@ -681,11 +678,15 @@ class Sandbox:
         return result
 
 
-def _outside_workspace(path: str) -> str | None:
-    """Why ``path`` cannot be written into a fresh workspace, or None."""
-    norm = os.path.normpath(path)
-    if not path or os.path.isabs(path) or norm == "." or norm.startswith(".."):
-        return f"{path!r}: a file path must be relative and inside the workspace"
+def refuse_files(files: dict[str, bytes], limits: SandboxLimits) -> ExecResult | None:
+    """The error result for files a one-shot run cannot start with (a path that is not
+    relative and inside the workspace, or a file past ``file_size_mb``), or None."""
+    for path, data in files.items():
+        norm = os.path.normpath(path)
+        if not path or os.path.isabs(path) or norm == "." or norm.startswith(".."):
+            return ExecResult(error=f"{path!r}: a file path must be relative and inside the workspace")
+        if len(data) > limits.file_size_mb << 20:
+            return ExecResult(error=f"{path!r}: larger than file_size_mb", kill_reason=KillReason.disk)
     return None
 
 
@@ -694,11 +695,16 @@ def _parse_fetched(data: bytes) -> dict[str, bytes | None]:
     negative size: missing, outside the workspace or over the budget)."""
     fetched: dict[str, bytes | None] = {}
     pos = 0
-    while pos + 4 <= len(data):
-        (n,) = struct.unpack_from("<I", data, pos)
-        name = data[pos + 4 : pos + 4 + n].decode("utf-8", "surrogateescape")
-        (size,) = struct.unpack_from("<i", data, pos + 4 + n)
-        pos += 8 + n
-        fetched[name] = data[pos : pos + size] if size >= 0 else None
-        pos += max(size, 0)
+    try:
+        while pos < len(data):
+            (n,) = struct.unpack_from("<I", data, pos)
+            name = data[pos + 4 : pos + 4 + n].decode("utf-8", "surrogateescape")
+            (size,) = struct.unpack_from("<i", data, pos + 4 + n)
+            pos += 8 + n
+            if pos + max(size, 0) > len(data):
+                raise struct.error("record past the end")
+            fetched[name] = data[pos : pos + size] if size >= 0 else None
+            pos += max(size, 0)
+    except struct.error as e:
+        raise SandboxError(f"malformed fetched files from the sandbox agent: {e}") from e
     return fetched
