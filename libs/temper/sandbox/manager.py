@@ -32,7 +32,7 @@ from temper.sandbox.models import Action, ExecResult, KillReason, SandboxLimits
 from temper.sandbox.policy import limit_errors, timeout_error
 from temper.sandbox.sandbox import Sandbox, SandboxError, refuse_files
 from temper.sandbox.spawner import Spawner
-from temper.sandbox.zygote import ZygotePool
+from temper.sandbox.zygote import ZygotePool, ZygoteUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -355,8 +355,11 @@ class SandboxManager:
         if self._zygote_fits(limits):
             try:
                 zygote = await self.zygotes.take()
-            except SandboxError as e:
-                log.error("zygotes unavailable on this host (%s): one-shot runs start a sandbox each", e)
+            except (SandboxError, OSError) as e:
+                if self.zygotes.broken:
+                    log.error("zygotes cannot run on this host (%s): one-shot runs start a sandbox each", e)
+                else:
+                    log.warning("a zygote did not start (%s): this run starts a sandbox of its own", e)
             else:
                 return await self._run_on_zygote(zygote, limits, files, action, fetch)
         metrics.SANDBOX_FRESH_RUNS.labels("sandbox").inc()
@@ -421,11 +424,16 @@ class SandboxManager:
         """A started zygote that has run one empty program (its code paths warm, and the
         proof that this host lets it make namespaces)."""
         zygote = await self._new(self.with_image(self.settings.default_limits), zygote=True)
-        await zygote.start()
-        probe, _ = await zygote.run_fresh(Action(kind="run_python", code="pass"), {})
-        if probe.exit_code != 0:
+        try:
+            await zygote.start()
+            probe, _ = await zygote.run_fresh(Action(kind="run_python", code="pass"), {})
+            if probe.exit_code != 0:
+                raise SandboxError(probe.stderr.strip() or str(probe))
+        except SandboxError as e:
             await self._destroy(zygote)
-            raise SandboxError(f"a zygote cannot make namespaces here: {probe.stderr.strip() or probe}")
+            if "TimeoutError" in str(e):  # a slow start under load says nothing of the host
+                raise
+            raise ZygoteUnsupported(f"a zygote cannot make namespaces here: {e}") from e
         return zygote
 
     # --- sessions -------------------------------------------------------------------

@@ -30,6 +30,10 @@ from temper.sandbox.sandbox import Sandbox, SandboxError
 log = logging.getLogger(__name__)
 
 
+class ZygoteUnsupported(SandboxError):
+    """This host does not let a zygote make namespaces (its probe run failed)."""
+
+
 class ZygotePool:
     """Up to ``size`` zygotes, each lent to one run at a time; started on first need."""
 
@@ -48,7 +52,8 @@ class ZygotePool:
 
     async def take(self) -> Sandbox:
         """An idle zygote, or a new one; waits while ``size`` runs hold one each. Raises
-        SandboxError when a zygote cannot start on this host (``broken`` says why)."""
+        SandboxError when none could start (ZygoteUnsupported, remembered in ``broken``,
+        when this host cannot run zygotes at all)."""
         await self._slots.acquire()
         try:
             while self._idle:
@@ -59,7 +64,7 @@ class ZygotePool:
             zygote = await self._start()
         except BaseException as e:
             self._slots.release()
-            if isinstance(e, SandboxError | OSError):
+            if isinstance(e, ZygoteUnsupported):
                 self.broken = str(e)
             raise
         self._all.add(zygote)

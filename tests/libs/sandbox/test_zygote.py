@@ -154,3 +154,24 @@ async def test_concurrent_runs_each_get_a_zygote_of_their_own(sandbox_root) -> N
         assert m.zygotes.started == 3
     finally:
         await assert_clean_close(m)
+
+
+async def test_a_host_that_refuses_zygotes_runs_each_in_a_sandbox_and_says_so(sandbox_root, monkeypatch) -> None:
+    from temper.sandbox.backends import BwrapBackend
+
+    plain = BwrapBackend.namespace_args
+    # Without the capabilities a zygote keeps, its agent cannot make namespaces: as on a
+    # host whose bwrap or kernel refuses them.
+    monkeypatch.setattr(BwrapBackend, "namespace_args", lambda self, limits, zygote=False: plain(self, limits))
+    m = SandboxManager(make_settings(sandbox_root, pool_size=0, zygotes=2))
+    await m.start()
+    try:
+        before = fresh_runs("sandbox")
+        for _ in range(2):
+            r, fetched = await m.run_fresh(None, {"in": b"x"}, sh("cat in > out"), ["out"])
+            assert r.ok and fetched == {"out": b"x"}, r
+        assert fresh_runs("sandbox") - before == 2
+        assert m.zygotes.started == 0
+        assert m.health()["zygotes"].startswith("unavailable: a zygote cannot make namespaces here")
+    finally:
+        await assert_clean_close(m)
