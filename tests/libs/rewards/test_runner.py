@@ -1,0 +1,100 @@
+"""The test runner on real sandboxes: one action per score (the files travel with the
+harness's spec), a fresh sandbox for every score, and a test that kills the one test
+process still reported as that test's failure."""
+
+from __future__ import annotations
+
+import pytest
+
+from temper.rewards import Scorer, ScoringError
+from temper.sandbox import Action, SandboxLimits
+from temper.tasks.models import TaskSpec
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(90)]
+
+TESTS = (
+    "def check(candidate):\n    assert candidate(1) == 1\n    assert candidate(2) == 2\n"
+    "    assert candidate(3) == 3\n    assert candidate(4) == 4\n"
+)
+TASK = TaskSpec(
+    id="ident",
+    prompt="ident(x)",
+    entry_point="ident",
+    solution="def ident(x):\n    return x\n",
+    tests=TESTS,
+    files={"data/table.txt": "1 2 3 4\n", "README.md": "starting file"},
+)
+
+
+def _count_actions(manager) -> list[Action]:
+    actions: list[Action] = []
+    execute = manager.execute
+
+    async def counted(sb, action):
+        actions.append(action)
+        return await execute(sb, action)
+
+    manager.execute = counted
+    return actions
+
+
+async def test_a_score_is_one_action_and_the_solution_sees_every_file(scoring_manager):
+    actions = _count_actions(scoring_manager)
+    solution = (
+        "import os\nTABLE = open('data/table.txt').read().split()\n"
+        "assert open('README.md').read() == 'starting file' and os.path.exists('helper.py')\n"
+        "from helper import twice\n"
+        "def ident(x):\n    return int(TABLE[x - 1]) * twice(1) // 2\n"
+    )
+    files = {"solution.py": solution, "helper.py": "def twice(x):\n    return 2 * x\n"}
+    _, comps = await Scorer(scoring_manager).score(TASK, {"files": files})
+    assert comps["tests_passed"].value == 1.0, comps["tests_passed"].details
+    assert comps["compiles"].value == 1.0
+    assert [a.kind for a in actions] == ["run_python"]  # no write_file round trips
+
+
+async def test_every_score_runs_in_a_sandbox_no_earlier_score_touched(scoring_manager):
+    acquired = []
+    acquire = scoring_manager.acquire
+
+    async def remember(*args, **kwargs):
+        sb = await acquire(*args, **kwargs)
+        acquired.append(sb)
+        return sb
+
+    scoring_manager.acquire = remember
+    solution = (
+        "import os\nLEFT = sorted(p for p in ('mark', '/tmp/mark') if os.path.exists(p))\n"
+        "for p in ('mark', '/tmp/mark'):\n    open(p, 'w').write('x')\n"
+        "def ident(x):\n    return x if not LEFT else -1\n"
+    )
+    scorer = Scorer(scoring_manager)
+    for _ in range(4):
+        _, comps = await scorer.score(TASK, {"files": {"solution.py": solution}})
+        assert comps["tests_passed"].value == 1.0, comps["tests_passed"].details
+    assert len({id(sb) for sb in acquired}) == 4
+    assert len({sb.workspace.path for sb in acquired}) == 4
+
+
+async def test_a_test_that_kills_the_process_is_that_tests_failure(scoring_manager):
+    tests = (
+        "def check(candidate):\n    assert candidate(1) == 1\n    assert candidate(0) == 0\n"
+        "    assert candidate(3) == 3\n"
+    )
+    task = TASK.model_copy(update={"tests": tests, "files": {}})
+    solution = "import os\ndef ident(x):\n    if x == 0:\n        os._exit(3)\n    return x\n"
+    _, comps = await Scorer(scoring_manager).score(task, {"files": {"solution.py": solution}})
+    tests_out = comps["tests_passed"].details["tests"]
+    assert [t["passed"] for t in tests_out] == [True, False, False]
+    assert tests_out[1]["message"].startswith("the test process ended early")
+    assert tests_out[2]["message"].startswith("not run")
+    assert comps["tests_passed"].value == pytest.approx(1 / 3)
+
+
+async def test_files_that_cannot_be_written_are_a_scoring_error(scoring_manager):
+    scorer = Scorer(scoring_manager)
+    small = TASK.model_copy(update={"limits": SandboxLimits(file_size_mb=1, wall_s=20, cpu_s=20)})
+    with pytest.raises(ScoringError, match="file larger than file_size_mb"):
+        await scorer.score(small, {"files": {"solution.py": "x = 1\n", "big.txt": "x" * (2 << 20)}})
+    with pytest.raises(ScoringError, match="cannot write README.md/solution.py"):
+        await scorer.score(TASK, {"files": {"README.md/solution.py": "x = 1\n", "solution.py": "x = 1\n"}})
