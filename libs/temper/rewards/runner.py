@@ -18,13 +18,14 @@ import marshal
 import os
 import secrets
 import subprocess
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from temper.rewards.models import CandidateRun, TestOutcome
 from temper.rewards.testsplit import SplitTests, split_tests
-from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings
+from temper.sandbox import Action, ExecResult, SandboxLimits, SandboxManager, SandboxSettings
 from temper.tasks.models import TaskKind, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,59 @@ class TestRunner:
         check_files(all_files, limits)
         if coverage and coverage_site_dir() is None:
             raise ScoringError("coverage.py is not installed on the scorer host")
+        nonce = ""
+        report: dict[str, Any] | None = None
+
+        async def work(sb: Any, workspace: str) -> ExecResult:
+            nonlocal nonce, report
+            nonce, spec = self._spec(task, split, workspace, candidates, repeat, all_files)
+            stdin = encode_spec(spec)
+            if not coverage:
+                code = await self.harness_code()
+                return await self.manager.execute(sb, Action(kind="run_python", code=code, stdin=stdin))
+            res = await self.manager.execute(
+                sb, Action(kind="write_file", path=HARNESS_PATH, content=HARNESS_SOURCE)
+            )
+            if res.error:
+                raise ScoringError(f"cannot write the harness into the scoring sandbox: {res.error}")
+            include = f"--include={workspace.rstrip('/')}/{task.solution_file}"
+            env = {"PYTHONPATH": SANDBOX_SITE}
+            result = await self.manager.execute(
+                sb,
+                Action(
+                    kind="run_command",
+                    command=[self.settings.python, "-m", "coverage", "run", "--branch",
+                             f"--data-file={COVERAGE_DATA}", include, HARNESS_PATH],
+                    stdin=stdin, env=env,
+                ),
+            )  # fmt: skip
+            if files_error(result.stdout, nonce) is None:
+                report = await self._coverage_report(sb, env)
+            return result
+
+        result = await self._in_fresh_sandbox(limits, work)
+        failed = files_error(result.stdout, nonce)
+        if failed is not None:
+            raise ScoringError(f"cannot write {failed[0]} into the scoring sandbox: {failed[1]}")
+        runs = parse_output(result.stdout, nonce, [c[0] for c in candidates], [c.name for c in split.chunks])
+        if result.kill_reason is not None:
+            for run in runs:
+                run.kill_reason = str(result.kill_reason)
+            _mark_unfinished(runs, f"killed by the sandbox: {result.kill_reason}")
+        elif not result.stdout.rstrip().endswith('"ev": "end"}'):
+            detail = (result.stderr.strip().splitlines() or [f"exit status {result.exit_code}"])[-1][:300]
+            _mark_unfinished(runs, f"the test process ended early: {detail}")
+        for run in runs:
+            run.wall_s = result.wall_s
+        return runs, report
+
+    async def _in_fresh_sandbox(
+        self, limits: SandboxLimits, work: Callable[[Any, str], Awaitable[ExecResult]]
+    ) -> ExecResult:
+        """``work(sandbox, inner workspace)`` in a sandbox that no earlier run touched, which
+        is destroyed afterwards. This is where a run meets the sandbox manager: all a score
+        (without coverage) needs of it is one ``run_python`` action (the harness, its spec
+        on stdin) in fresh namespaces, however the manager provides them."""
         try:
             sb = await self.manager.acquire(limits)
         except Exception as exc:  # noqa: BLE001 - any failure to start is the machinery's
@@ -206,49 +260,7 @@ class TestRunner:
         try:
             backend = self.manager.backend
             assert backend is not None
-            workspace = backend.inner_workspace(sb.workspace.path)
-            nonce, spec = self._spec(task, split, workspace, candidates, repeat, all_files)
-            stdin = encode_spec(spec)
-            env: dict[str, str] = {}
-            if coverage:
-                res = await self.manager.execute(
-                    sb, Action(kind="write_file", path=HARNESS_PATH, content=HARNESS_SOURCE)
-                )
-                if res.error:
-                    raise ScoringError(f"cannot write the harness into the scoring sandbox: {res.error}")
-                include = f"--include={workspace.rstrip('/')}/{task.solution_file}"
-                env = {"PYTHONPATH": SANDBOX_SITE}
-                result = await self.manager.execute(
-                    sb,
-                    Action(
-                        kind="run_command",
-                        command=[self.settings.python, "-m", "coverage", "run", "--branch",
-                                 f"--data-file={COVERAGE_DATA}", include, HARNESS_PATH],
-                        stdin=stdin, env=env,
-                    ),
-                )  # fmt: skip
-            else:
-                code = await self.harness_code()
-                result = await self.manager.execute(sb, Action(kind="run_python", code=code, stdin=stdin))
-            failed = files_error(result.stdout, nonce)
-            if failed is not None:
-                raise ScoringError(f"cannot write {failed[0]} into the scoring sandbox: {failed[1]}")
-            runs = parse_output(
-                result.stdout, nonce, [c[0] for c in candidates], [c.name for c in split.chunks]
-            )
-            if result.kill_reason is not None:
-                for run in runs:
-                    run.kill_reason = str(result.kill_reason)
-                _mark_unfinished(runs, f"killed by the sandbox: {result.kill_reason}")
-            elif not result.stdout.rstrip().endswith('"ev": "end"}'):
-                detail = (result.stderr.strip().splitlines() or [f"exit status {result.exit_code}"])[-1][:300]
-                _mark_unfinished(runs, f"the test process ended early: {detail}")
-            for run in runs:
-                run.wall_s = result.wall_s
-            report = None
-            if coverage:
-                report = await self._coverage_report(sb, env)
-            return runs, report
+            return await work(sb, backend.inner_workspace(sb.workspace.path))
         finally:
             await self.manager.release(sb)
 
