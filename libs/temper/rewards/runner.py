@@ -31,9 +31,35 @@ from temper.tasks.models import TaskKind, TaskSpec
 log = logging.getLogger(__name__)
 
 HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_text()
-HARNESS_PATH = "/tmp/temper_harness.py"
-COVERAGE_DATA = "/tmp/.temper_coverage"
 COVERAGE_JSON = "/tmp/temper_coverage.json"
+
+# A run under coverage, in one process and one action: the harness (its source in argv[2])
+# runs under coverage.py's API, then the JSON report goes out as the run's last result
+# line. ``config_file=False``: no .coveragerc, setup.cfg, tox.ini or pyproject.toml of the
+# agent's workspace (the working directory) can exclude lines from the measure.
+COVERAGE_DRIVER = """
+import os, sys
+import coverage
+from coverage.exceptions import NoDataError
+include, source, out = sys.argv[1:4]
+cov = coverage.Coverage(data_file=None, branch=True, include=[include], config_file=False)
+harness = {"__name__": "__main__", "__builtins__": __builtins__}
+code = compile(source, "harness.py", "exec")
+cov.start()
+try:
+    exec(code, harness)
+finally:
+    cov.stop()
+try:
+    cov.json_report(outfile=out)
+    with open(out, encoding="utf-8") as f:
+        report = f.read().strip()
+except NoDataError:
+    report = '{"files": {}}'
+data = (harness["NONCE"] + ' {"ev": "coverage", "report": ' + report + "}\\n").encode()
+while data:
+    data = data[os.write(harness["OUT"], data):]
+"""
 
 # Scoring limits when a task names none: generous for tests, tight enough for a loop.
 SCORING_LIMITS = SandboxLimits(wall_s=20.0, cpu_s=20.0, memory_mb=512, pids=64)
@@ -192,8 +218,9 @@ class TestRunner:
         against the task's tests in one fresh sandbox. With ``coverage`` the run goes
         under coverage.py (line and branch) and its JSON report is returned too.
 
-        Without coverage this is one action in the sandbox: the harness gets the files
-        with its spec and writes them itself."""
+        This is one action in the sandbox (with coverage too): the harness gets the files
+        with its spec and writes them itself. A run under coverage whose process was
+        killed or ended early gives a report with only ``error`` (why) and no files."""
         split = self.split(task)
         limits = self._limits(task)
         all_files = {**task.files, **(files or {})}
@@ -204,44 +231,42 @@ class TestRunner:
         report: dict[str, Any] | None = None
 
         async def work(sb: Any, workspace: str) -> ExecResult:
-            nonlocal nonce, report
+            nonlocal nonce
             nonce, spec = self._spec(task, split, workspace, candidates, repeat, all_files)
             stdin = encode_spec(spec)
             if not coverage:
                 code = await self.harness_code()
                 return await self.manager.execute(sb, Action(kind="run_python", code=code, stdin=stdin))
-            res = await self.manager.execute(
-                sb, Action(kind="write_file", path=HARNESS_PATH, content=HARNESS_SOURCE)
-            )
-            if res.error:
-                raise ScoringError(f"cannot write the harness into the scoring sandbox: {res.error}")
-            include = f"--include={workspace.rstrip('/')}/{task.solution_file}"
-            env = {"PYTHONPATH": SANDBOX_SITE}
-            result = await self.manager.execute(
+            include = f"{workspace.rstrip('/')}/{task.solution_file}"
+            return await self.manager.execute(
                 sb,
                 Action(
                     kind="run_command",
-                    command=[self.settings.python, "-m", "coverage", "run", "--branch",
-                             f"--data-file={COVERAGE_DATA}", include, HARNESS_PATH],
-                    stdin=stdin, env=env,
+                    command=[self.settings.python, "-c", COVERAGE_DRIVER, include, HARNESS_SOURCE, COVERAGE_JSON],
+                    stdin=stdin, env={"PYTHONPATH": SANDBOX_SITE},
                 ),
             )  # fmt: skip
-            if files_error(result.stdout, nonce) is None:
-                report = await self._coverage_report(sb, env)
-            return result
 
         result = await self._in_fresh_sandbox(limits, work)
         failed = files_error(result.stdout, nonce)
         if failed is not None:
             raise ScoringError(f"cannot write {failed[0]} into the scoring sandbox: {failed[1]}")
-        runs = parse_output(result.stdout, nonce, [c[0] for c in candidates], [c.name for c in split.chunks])
+        stdout = result.stdout
+        if coverage:
+            stdout, report = coverage_report(stdout, nonce)
+        runs = parse_output(stdout, nonce, [c[0] for c in candidates], [c.name for c in split.chunks])
+        why = None
         if result.kill_reason is not None:
             for run in runs:
                 run.kill_reason = str(result.kill_reason)
-            _mark_unfinished(runs, f"killed by the sandbox: {result.kill_reason}")
-        elif not result.stdout.rstrip().endswith('"ev": "end"}'):
+            why = f"killed by the sandbox: {result.kill_reason}"
+        elif not stdout.rstrip().endswith('"ev": "end"}'):
             detail = (result.stderr.strip().splitlines() or [f"exit status {result.exit_code}"])[-1][:300]
-            _mark_unfinished(runs, f"the test process ended early: {detail}")
+            why = f"the test process ended early: {detail}"
+        if why is not None:
+            _mark_unfinished(runs, why)
+        if coverage and report is None:
+            report = {"files": {}, "error": why or "the run gave no coverage report"}
         for run in runs:
             run.wall_s = result.wall_s
         return runs, report
@@ -263,23 +288,6 @@ class TestRunner:
             return await work(sb, backend.inner_workspace(sb.workspace.path))
         finally:
             await self.manager.release(sb)
-
-    async def _coverage_report(self, sb: Any, env: dict[str, str]) -> dict[str, Any]:
-        res = await self.manager.execute(
-            sb,
-            Action(
-                kind="run_command",
-                command=[self.settings.python, "-m", "coverage", "json", f"--data-file={COVERAGE_DATA}",
-                         "-o", COVERAGE_JSON, "-q"],
-                env=env,
-            ),
-        )  # fmt: skip
-        if res.exit_code != 0:
-            raise ScoringError(f"coverage json failed: {(res.stdout + res.stderr).strip()[-300:]}")
-        read = await self.manager.execute(sb, Action(kind="read_file", path=COVERAGE_JSON))
-        if read.error or read.content is None:
-            raise ScoringError(f"cannot read the coverage report: {read.error}")
-        return json.loads(read.content)
 
 
 def check_files(files: dict[str, str], limits: SandboxLimits) -> None:
@@ -320,6 +328,24 @@ def files_error(stdout: str, nonce: str) -> tuple[str, str] | None:
             return str(ev.get("path")), str(ev.get("error"))
         return None
     return None
+
+
+def coverage_report(stdout: str, nonce: str) -> tuple[str, dict[str, Any] | None]:
+    """The run's output without its coverage line, and the report that line carries (the
+    last result line of a run under coverage), else None."""
+    prefix = nonce + ' {"ev": "coverage", "report": '
+    lines = stdout.splitlines(keepends=True)
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith(nonce + " "):
+            if not lines[i].startswith(prefix):
+                return stdout, None
+            try:
+                ev = json.loads(lines[i][len(nonce) + 1 :])
+            except json.JSONDecodeError:
+                return stdout, None
+            report = ev.get("report") if isinstance(ev, dict) else None
+            return "".join(lines[:i] + lines[i + 1 :]), report if isinstance(report, dict) else None
+    return stdout, None
 
 
 def _mark_unfinished(runs: list[CandidateRun], why: str) -> None:

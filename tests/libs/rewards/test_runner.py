@@ -98,3 +98,24 @@ async def test_files_that_cannot_be_written_are_a_scoring_error(scoring_manager)
         await scorer.score(small, {"files": {"solution.py": "x = 1\n", "big.txt": "x" * (2 << 20)}})
     with pytest.raises(ScoringError, match="cannot write README.md/solution.py"):
         await scorer.score(TASK, {"files": {"README.md/solution.py": "x = 1\n", "solution.py": "x = 1\n"}})
+
+
+async def test_coverage_is_one_action_ignores_the_workspaces_config_and_a_compile_error_scores_0(
+    scoring_manager,
+):
+    actions = _count_actions(scoring_manager)
+    scorer = Scorer(scoring_manager)
+    weights = {"tests_passed": 1.0, "coverage": 0.5}
+    half = "def ident(x):\n    if x > 100:\n        return 0\n    return x\n"  # the branch to 0 never runs
+    gaming = {
+        ".coveragerc": "[report]\nexclude_lines =\n    .*\n",
+        "pyproject.toml": "[tool.coverage.report]\nexclude_lines = ['.*']\n",
+    }
+    _, comps = await scorer.score(TASK, {"files": {"solution.py": half, **gaming}}, weights)
+    cov = comps["coverage"]
+    assert cov.ok and cov.details["statements"] == 4 and cov.details["covered_lines"] == 3, cov
+    assert 0 < cov.value < 1 and cov.details["missing_lines"] == [3]
+    # tests and coverage: one action each (each score its own fresh sandbox)
+    assert sorted(a.kind for a in actions) == ["run_command", "run_python"]
+    _, comps = await scorer.score(TASK, {"files": {"solution.py": "def ident(x) return x\n"}}, weights)
+    assert comps["coverage"].value == 0.0 and "does not compile" in (comps["coverage"].reason or "")
