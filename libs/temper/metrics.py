@@ -63,6 +63,12 @@ SANDBOX_EXEC_SECONDS = Histogram(
     "temper_sandbox_exec_seconds", "Time of one sandbox action", buckets=FAST_BUCKETS
 )
 SANDBOX_KILLS = Counter("temper_sandbox_kills_total", "Sandbox actions killed", ["reason"])
+SANDBOX_FRESH_RUNS = Counter(
+    "temper_sandbox_fresh_runs_total",
+    "One-shot runs, by where they ran: zygote (fresh namespaces) or sandbox (a sandbox of their own)",
+    ["path"],
+)
+SANDBOX_ZYGOTES = Gauge("temper_sandbox_zygotes", "Zygotes started (each serves one run at a time)")
 SANDBOX_LEAKED_PROCESSES = Gauge(
     "temper_sandbox_leaked_processes", "Processes left behind by destroyed sandboxes (must stay 0)"
 )

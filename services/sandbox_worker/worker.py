@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import os
 import socket
@@ -119,25 +121,18 @@ class SandboxWorker:
         limits: SandboxLimits | None,
         files: dict[str, str | None],
         main: Action,
-        fetch: list[str] = (),  # type: ignore[assignment]
+        fetch: list[str] | tuple[str, ...] = (),
     ) -> tuple[ExecResult, dict[str, str]]:
-        async def go() -> tuple[ExecResult, dict[str, str]]:
-            async with self.manager.sandbox(limits) as sb:
-                for path, content in files.items():
-                    r = await sb.act(
-                        Action(kind="write_file", path=path, content=content or "", encoding="base64")
-                    )
-                    if r.error:
-                        raise ValueError(f"cannot write {path}: {r.error}")
-                result = await self.manager.execute(sb, main)
-                fetched: dict[str, str] = {}
-                for path in fetch:
-                    r = await sb.act(Action(kind="read_file", path=path, encoding="base64"))
-                    if r.content is not None:
-                        fetched[path] = r.content
-                return result, fetched
-
-        return await self._run(go())
+        """``main`` run once where no other run was (``SandboxManager.run_fresh``): the
+        ``files`` (path -> base64) written first, ``fetch`` read back as base64 (a missing
+        file is left out). A file that cannot be written is a SandboxError."""
+        raw = {path: base64.b64decode(content or "") for path, content in files.items()}
+        result, fetched = await self._run(self.manager.run_fresh(limits, raw, main, fetch))
+        if result.error:
+            raise SandboxError(result.error)
+        return result, {
+            path: base64.b64encode(data).decode() for path, data in fetched.items() if data is not None
+        }
 
     async def run_tests(self, body: RunTests) -> RunTestsResult:
         program = body.code if not body.tests else f"{body.code}\n\n{body.tests}\n"
@@ -165,7 +160,7 @@ class SandboxWorker:
             action = Action(kind="run_command", command=[f"/bin/{lang}", "-c", body.code], stdin=body.stdin)
         try:
             result, fetched = await self._one_shot(limits, body.files, action, body.fetch_files)
-        except (SandboxError, ValueError, OSError) as e:
+        except (SandboxError, ValueError, OSError, binascii.Error) as e:
             return RunCodeResponse(status="SandboxError", message=str(e), executor_pod_name=self.worker_id)
         return fusion_response(result, fetched, self.worker_id, limits)
 

@@ -13,6 +13,9 @@ request  = u32 length + marshal(dict)      (from the trusted worker)
 reply    = u32 length + u32 head length + head + stdout + stderr + data
 head     = ASCII ``key=value`` pairs joined by ``;`` (parsed on the worker without eval)
 
+A zygote (``MODE`` "zygote") serves one-shot runs: each ``exec`` request carries the
+files to write and the paths to fetch, and runs in namespaces no earlier request used.
+
 Standard library only; imports kept to what ``python3 -S`` loads in a few milliseconds:
 the C modules ``_signal``, ``_struct`` and ``_ctypes`` instead of their Python wrappers
 (``signal`` alone imports ``enum``, which costs more than the rest of the start).
@@ -30,7 +33,13 @@ import time
 REQ_FD, REP_FD = 3, 4
 WORKSPACE = sys.argv[1] if len(sys.argv) > 1 else "/workspace"
 PIDNS = len(sys.argv) > 2 and sys.argv[2] == "pidns"
-PROXY = len(sys.argv) > 3 and sys.argv[3] == "proxy"  # network: allowlist
+MODE = sys.argv[3] if len(sys.argv) > 3 else ""
+PROXY = MODE == "proxy"  # network: allowlist
+# A zygote runs each action in pid, mount and IPC namespaces of its own, on a fresh
+# tmpfs workspace and /tmp (see fresh_namespaces); it keeps CAP_SYS_ADMIN of the
+# sandbox's user namespace for that, and its actions drop every capability.
+ZYGOTE = MODE == "zygote"
+DATA_FD = 3  # in a zygote's action: where its namespace's init reports (status, files)
 PROXY_SOCKET, PROXY_PORT = "/run/temper/proxy.sock", 3128
 CHUNK = 65536
 # Sessions that outlive actions: the services and the proxy forwarder, each the session
@@ -178,15 +187,19 @@ def _limit_self(req):
     os.chdir(resolve(req.get("cwd")))
 
 
-def child(req, rin, wout, werr):
+def child(req, rin, wout, werr, wdat=-1):
     try:
         os.setsid()
         os.dup2(rin, 0)
         os.dup2(wout, 1)
         os.dup2(werr, 2)
-        os.closerange(3, 65536)
+        if wdat >= 0:
+            os.dup2(wdat, DATA_FD)
+        os.closerange(DATA_FD + 1 if wdat >= 0 else DATA_FD, 65536)
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU, signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        if ZYGOTE:
+            fresh_namespaces(req)  # returns in the action's process, without capabilities
         _limit_self(req)
         env = req["env"]
         argv = req.get("argv")
@@ -240,16 +253,171 @@ def child(req, rin, wout, werr):
             os._exit(126)
 
 
+# --- the zygote: an action in namespaces of its own ------------------------------------
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x08000000
+OWN_PIDNS = -1  # the zygote agent's own pid namespace (an fd), to return to after each fork
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+_libc = None
+
+
+def _sys(name, *args):
+    """A libc call that must succeed (OSError otherwise)."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if getattr(_libc, name)(*args) != 0:
+        import ctypes
+
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{name}: {os.strerror(errno)}")
+
+
+def _mount(source, target, fstype, flags, data=None):
+    _sys("mount", source.encode(), target.encode(), fstype and fstype.encode(), flags, data and data.encode())
+
+
+def drop_capabilities():
+    """Every capability gone for good: ambient, bounding, then effective/permitted/
+    inheritable; no_new_privs so no exec can bring one back."""
+    import ctypes
+
+    _sys("prctl", 47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    for cap in range(64):
+        if _libc.prctl(24, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:  # PR_CAPBSET_DROP
+            break  # EINVAL: past the last capability this kernel knows
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable}, all zero
+    _sys("capset", header, data)
+    _sys("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+
+
+def _inside(path):
+    full = os.path.normpath(resolve(path))
+    if not full.startswith(WORKSPACE + "/"):
+        raise ValueError(f"{path!r} is outside the workspace")
+    return full
+
+
+def _fetch(paths, budget):
+    """The fetched files as ``u32 name length, name, i32 size (-1 missing, -2 over the
+    budget), bytes`` records; only regular files inside the workspace."""
+    out = bytearray()
+    for path in paths:
+        size, body = -1, b""
+        try:
+            full = os.path.realpath(_inside(path))
+            if full.startswith(WORKSPACE + "/"):
+                with open(full, "rb") as f:
+                    body = f.read(budget + 1)
+                size = len(body) if len(body) <= budget else -2
+        except (OSError, ValueError):
+            pass
+        if size < 0:
+            body = b""
+        budget -= len(body)
+        name = path.encode("utf-8", "surrogateescape")
+        out += struct.pack("<I", len(name)) + name + struct.pack("<i", size) + body
+    return bytes(out)
+
+
+def _wait_for(pid):
+    """As a namespace's init: reap every child until ``pid`` exits; its wait status."""
+    while True:
+        try:
+            done, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return 0
+        except InterruptedError:
+            continue
+        if done == pid:
+            return status
+
+
+def fork_into_new_pid_namespace():
+    """``os.fork()`` whose child is PID 1 of a new pid namespace (a zygote's run). The
+    agent stays where it is: unshare(CLONE_NEWPID) only decides where its next child
+    goes, and setns to its own namespace undoes that right after the fork."""
+    _sys("unshare", CLONE_NEWPID)
+    try:
+        pid = os.fork()
+    except BaseException:
+        _sys("setns", OWN_PIDNS, CLONE_NEWPID)
+        raise
+    if pid:
+        _sys("setns", OWN_PIDNS, CLONE_NEWPID)
+    return pid
+
+
+def become_pid1_of_own_namespace():
+    """Go on as PID 1 of a pid namespace of this user namespace, the first process
+    waiting for it. bwrap's pid namespace belongs to the user namespace above this one
+    (``--disable-userns`` nests one), so only from one of our own can the agent setns
+    back after each run's fork."""
+    global OWN_PIDNS
+    _sys("unshare", CLONE_NEWPID)
+    agent = os.fork()
+    if agent:
+        os.close(REQ_FD)
+        os.close(REP_FD)
+        status = _wait_for(agent)
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    OWN_PIDNS = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def fresh_namespaces(req):
+    """In a zygote's child, PID 1 of a new pid namespace: new mount and IPC namespaces,
+    a fresh tmpfs workspace and /tmp and a /proc of its own, the request's files, then
+    the action forked. Returns only in the action's process, with no capability and no
+    way back to the data pipe. This init waits for the action, reports its status,
+    whether the workspace filled up and the fetched files, then exits, which kills
+    whatever the action left in its pid namespace."""
+    fresh = req["fresh"]
+    _sys("unshare", CLONE_NEWNS | CLONE_NEWIPC)  # the copied mounts are private (see main)
+    owner = f"uid={os.getuid()},gid={os.getgid()}"
+    _mount("tmpfs", WORKSPACE, "tmpfs", MS_NOSUID | MS_NODEV, f"size={fresh['ws_mb']}m,mode=755,{owner}")
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=1777")
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path, data in fresh["files"].items():
+        full = _inside(path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+    action = os.fork()
+    if action == 0:
+        os.close(DATA_FD)
+        drop_capabilities()
+        return
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)  # the action's pipes close when the action's processes do
+    status = _wait_for(action)
+    st = os.statvfs(WORKSPACE)
+    full = int(st.f_bavail == 0 or st.f_favail == 0)
+    report = struct.pack("<iB", status, full) + _fetch(fresh["fetch"], fresh["fetch_max"])
+    view = memoryview(report)
+    while view:
+        view = view[os.write(DATA_FD, view) :]
+    os._exit(0)
+
+
 def run(req):
     cap = req["out_cap"]
     deadline = time.monotonic() + req["wall"]
     rin, win = os.pipe()
     rout, wout = os.pipe()
     rerr, werr = os.pipe()
+    rdat, wdat = os.pipe() if ZYGOTE else (-1, -1)
     t0 = time.monotonic()
-    pid = os.fork()
+    pid = fork_into_new_pid_namespace() if ZYGOTE else os.fork()
     if pid == 0:
-        child(req, rin, wout, werr)
+        child(req, rin, wout, werr, wdat)
     os.close(rin)
     os.close(wout)
     os.close(werr)
@@ -259,9 +427,16 @@ def run(req):
         win = -1
     bufs = {rout: bytearray(), rerr: bytearray()}
     trunc = {rout: 0, rerr: 0}
+    caps = {rout: cap, rerr: cap}
     poller = select.poll()
     poller.register(rout, select.POLLIN)
     poller.register(rerr, select.POLLIN)
+    if rdat >= 0:
+        os.close(wdat)
+        bufs[rdat] = bytearray()
+        trunc[rdat] = 0
+        caps[rdat] = req["fresh"]["fetch_max"] + (1 << 16)  # the init keeps within it
+        poller.register(rdat, select.POLLIN)
     if win >= 0:
         os.set_blocking(win, False)
         poller.register(win, select.POLLOUT)
@@ -272,7 +447,7 @@ def run(req):
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         pidfd = -1
-    open_fds = {rout, rerr}
+    open_fds = {rout, rerr, *([rdat] if rdat >= 0 else [])}
     reason = ""
     status = None
     idle_ms = 1
@@ -320,7 +495,7 @@ def run(req):
                 if not open_fds and pidfd >= 0:
                     poller.register(pidfd, select.POLLIN)
                 continue
-            room = cap - len(bufs[fd])
+            room = caps[fd] - len(bufs[fd])
             if room > 0:
                 bufs[fd] += chunk[:room]
             if len(chunk) > room:
@@ -345,12 +520,12 @@ def run(req):
                 break
             if not chunk:
                 break
-            room = cap - len(bufs[fd])
+            room = caps[fd] - len(bufs[fd])
             if room > 0:
                 bufs[fd] += chunk[:room]
             if len(chunk) > room:
                 trunc[fd] += len(chunk) - max(room, 0)
-    for fd in (rout, rerr, win):
+    for fd in (rout, rerr, win, rdat):
         if fd >= 0:
             try:
                 os.close(fd)
@@ -364,12 +539,21 @@ def run(req):
         "otr": int(trunc[rout] > 0),
         "etr": int(trunc[rerr] > 0),
     }
+    data = b""
+    if rdat >= 0:
+        # The namespace's init reports the action's own wait status (its own exit says
+        # nothing of a signal: an init cannot die of a signal sent from inside).
+        data = bytes(bufs[rdat])
+        if len(data) >= 5:
+            status, full = struct.unpack_from("<iB", data)
+            head["full"] = full
+            data = data[5:]
     if status is not None:
         if os.WIFSIGNALED(status):
             head["sig"] = os.WTERMSIG(status)
         else:
             head["exit"] = os.WEXITSTATUS(status)
-    send(head, bytes(bufs[rout]), bytes(bufs[rerr]))
+    send(head, bytes(bufs[rout]), bytes(bufs[rerr]), data)
 
 
 def op_write(req):
@@ -498,6 +682,8 @@ def relay(a, b):
 
 
 OPS = {"exec": run, "write": op_write, "read": op_read, "list": op_list, "service": op_service}
+if ZYGOTE:
+    OPS = {"exec": run}  # its own workspace is never an action's: only fresh runs
 
 
 def main():
@@ -514,6 +700,13 @@ def main():
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     _set_dumpable(0)
+    if ZYGOTE:
+        _sys("prctl", 4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0, and libc loaded once, not per run
+        # Once: a mount namespace of this user namespace (bwrap's belongs to the one above),
+        # every mount in it private, so no run's mounts can propagate to another's.
+        _sys("unshare", CLONE_NEWNS)
+        _mount("none", "/", None, MS_REC | MS_PRIVATE)
+        become_pid1_of_own_namespace()
     os.chdir(WORKSPACE)
     if PROXY:
         # Listening before the first action: a connection waits in the backlog until

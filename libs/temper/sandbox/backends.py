@@ -42,11 +42,18 @@ class Backend(ABC):
 
     @abstractmethod
     def agent_argv(
-        self, workspace: Path, limits: SandboxLimits, image: Image | None = None, proxy: Path | None = None
+        self,
+        workspace: Path,
+        limits: SandboxLimits,
+        image: Image | None = None,
+        proxy: Path | None = None,
+        *,
+        zygote: bool = False,
     ) -> list[str]:
         """The command line that starts the agent for a sandbox on ``workspace`` (on
         ``image``'s root filesystem when one is given; with ``proxy``, the egress proxy's
-        socket, for ``network: allowlist``)."""
+        socket, for ``network: allowlist``; with ``zygote``, an agent that runs each action
+        in namespaces of its own, see ``temper.sandbox.zygote``)."""
 
     @abstractmethod
     def inner_workspace(self, workspace: Path) -> str:
@@ -160,12 +167,16 @@ class BwrapBackend(Backend):
             "--remount-ro", "/",
         ]  # fmt: skip
 
-    def namespace_args(self, limits: SandboxLimits) -> list[str]:
+    def namespace_args(self, limits: SandboxLimits, *, zygote: bool = False) -> list[str]:
         args = [
             "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--hostname", "sandbox", "--clearenv",
         ]  # fmt: skip
+        if zygote:
+            # Capabilities of the sandbox's own user namespace only (nothing on the host):
+            # the agent unshares and mounts for each run, which drops all of them.
+            args += ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP"]
         if limits.network is NetworkPolicy.host:
             args.append("--share-net")
         # none, loopback, allowlist: a network namespace of its own, in which bubblewrap
@@ -173,10 +184,18 @@ class BwrapBackend(Backend):
         return args
 
     def agent_argv(
-        self, workspace: Path, limits: SandboxLimits, image: Image | None = None, proxy: Path | None = None
+        self,
+        workspace: Path,
+        limits: SandboxLimits,
+        image: Image | None = None,
+        proxy: Path | None = None,
+        *,
+        zygote: bool = False,
     ) -> list[str]:
         mounts = self.mount_args(workspace, limits, image)
-        mode = []
+        mode = ["zygote"] if zygote else []
+        if zygote and (limits.network is NetworkPolicy.allowlist or limits.services):
+            raise ValueError("a zygote runs without a proxy or services")
         if limits.network is NetworkPolicy.allowlist:
             if proxy is None:
                 raise ValueError("network: allowlist needs the worker's proxy socket")
@@ -192,7 +211,7 @@ class BwrapBackend(Backend):
             agent = ["-c", AGENT_SOURCE]
         return [
             self.bwrap,
-            *self.namespace_args(limits),
+            *self.namespace_args(limits, zygote=zygote),
             "--as-pid-1",
             *mounts,
             self.settings.python, "-S", *agent, SANDBOX_WORKSPACE, "pidns", *mode,
@@ -232,8 +251,16 @@ class ProcessBackend(Backend):
         return str(workspace)
 
     def agent_argv(
-        self, workspace: Path, limits: SandboxLimits, image: Image | None = None, proxy: Path | None = None
+        self,
+        workspace: Path,
+        limits: SandboxLimits,
+        image: Image | None = None,
+        proxy: Path | None = None,
+        *,
+        zygote: bool = False,
     ) -> list[str]:
+        if zygote:
+            raise ValueError("the process backend cannot run a zygote (it has no namespaces)")
         if limits.network is NetworkPolicy.allowlist:
             raise ValueError(
                 "the process backend cannot run network: allowlist (it has no network namespace)"

@@ -69,6 +69,25 @@ class Cgroup(ABC):
     """One sandbox's group."""
 
     name: str
+    _fds: dict[Path, int]
+
+    def _get(self, path: Path) -> str:
+        """A counter file's contents, through a descriptor kept open (a read at offset 0
+        renders it anew): read twice or more per action, and opening by path cost more
+        than the read. Never ``cgroup.procs``: v1 caches its pid list per open file, so a
+        kept descriptor would read pids that are gone (and may be reused)."""
+        fd = self._fds.get(path)
+        try:
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return os.pread(fd, 1 << 16, 0).decode()
+        except OSError:
+            return ""
+
+    def _close_files(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     @abstractmethod
     def join_paths(self) -> list[str]:
@@ -132,10 +151,13 @@ class Cgroup(ABC):
         deadline = time.monotonic() + timeout_s
         while True:
             left = self.procs()
-            if not left and self._remove_dirs():
-                return 0
+            if not left:
+                self._close_files()
+                if self._remove_dirs():
+                    return 0
             if time.monotonic() > deadline:
                 log.error("cgroup %s: %d processes survived the kill", self.name, len(left))
+                self._close_files()
                 return len(left)
             if left:
                 self.kill_except(set())
@@ -146,6 +168,7 @@ class CgroupV2(Cgroup):
     def __init__(self, path: Path) -> None:
         self.path = path
         self.name = path.name
+        self._fds = {}
 
     def join_paths(self) -> list[str]:
         return [str(self.path / "cgroup.procs")]
@@ -160,10 +183,10 @@ class CgroupV2(Cgroup):
 
     def stats(self) -> CgroupStats:
         return CgroupStats(
-            cpu_ns=_keyed(_read(self.path / "cpu.stat"), "usage_usec") * 1000,
-            peak_bytes=int(_read(self.path / "memory.peak").strip() or 0),
-            oom_kills=_keyed(_read(self.path / "memory.events"), "oom_kill"),
-            pids_max_events=_keyed(_read(self.path / "pids.events"), "max"),
+            cpu_ns=_keyed(self._get(self.path / "cpu.stat"), "usage_usec") * 1000,
+            peak_bytes=int(self._get(self.path / "memory.peak").strip() or 0),
+            oom_kills=_keyed(self._get(self.path / "memory.events"), "oom_kill"),
+            pids_max_events=_keyed(self._get(self.path / "pids.events"), "max"),
         )
 
     def reset_peak(self) -> None:
@@ -195,6 +218,7 @@ class CgroupV1(Cgroup):
     def __init__(self, paths: dict[str, Path], name: str) -> None:
         self.paths = paths
         self.name = name
+        self._fds = {}
 
     def join_paths(self) -> list[str]:
         return [str(p / "cgroup.procs") for p in self.paths.values()]
@@ -220,10 +244,10 @@ class CgroupV1(Cgroup):
     def stats(self) -> CgroupStats:
         mem = self.paths["memory"]
         return CgroupStats(
-            cpu_ns=int(_read(self.paths["cpuacct"] / "cpuacct.usage").strip() or 0),
-            peak_bytes=int(_read(mem / "memory.max_usage_in_bytes").strip() or 0),
-            oom_kills=_keyed(_read(mem / "memory.oom_control"), "oom_kill"),
-            pids_max_events=_keyed(_read(self.paths["pids"] / "pids.events"), "max"),
+            cpu_ns=int(self._get(self.paths["cpuacct"] / "cpuacct.usage").strip() or 0),
+            peak_bytes=int(self._get(mem / "memory.max_usage_in_bytes").strip() or 0),
+            oom_kills=_keyed(self._get(mem / "memory.oom_control"), "oom_kill"),
+            pids_max_events=_keyed(self._get(self.paths["pids"] / "pids.events"), "max"),
         )
 
     def reset_peak(self) -> None:

@@ -31,6 +31,13 @@ class SandboxSettings(BaseModel):
     backend: BackendKind = BackendKind.bwrap
     allow_unsafe: bool = Field(False, description="allow the process backend in distributed mode")
     pool_size: int = Field(4, ge=0, le=256, description="warm sandboxes kept ready")
+    zygotes: int = Field(
+        8,
+        ge=0,
+        le=256,
+        description="zygotes for one-shot runs (run_code, scoring): each gives a run fresh namespaces "
+        "without a sandbox start and serves one run at a time; 0: a sandbox per run",
+    )
     max_sessions: int = Field(64, ge=1, description="sessions held at once by one worker")
     idle_expiry_s: float = Field(900.0, gt=0, description="a session idle this long is destroyed")
     concurrency: int = Field(8, ge=1, description="actions running at once in one worker")

@@ -10,6 +10,7 @@ destroyed and the pool refilled in the background.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import os
@@ -29,8 +30,9 @@ from temper.sandbox.config import SandboxSettings
 from temper.sandbox.images import Image, ImageCache
 from temper.sandbox.models import Action, ExecResult, KillReason, SandboxLimits
 from temper.sandbox.policy import limit_errors, timeout_error
-from temper.sandbox.sandbox import Sandbox, SandboxError
+from temper.sandbox.sandbox import Sandbox, SandboxError, refuse_files
 from temper.sandbox.spawner import Spawner
+from temper.sandbox.zygote import ZygotePool, ZygoteUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +71,10 @@ class SessionNotFound(KeyError):
 
 
 def init_metrics() -> None:
-    """Kills by every reason export 0 from the start (metrics.zero says why)."""
+    """Kills by every reason and fresh runs by either path export 0 from the start
+    (metrics.zero says why)."""
     metrics.zero(metrics.SANDBOX_KILLS, *KillReason)
+    metrics.zero(metrics.SANDBOX_FRESH_RUNS, "zygote", "sandbox")
 
 
 class SandboxManager:
@@ -94,6 +98,7 @@ class SandboxManager:
         self.images = ImageCache(settings.image_cache, store, prefix=settings.image_prefix)
         self.leaked = 0
         self.started = False
+        self.zygotes = ZygotePool(settings.zygotes, self._start_zygote)
 
     # --- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -152,7 +157,7 @@ class SandboxManager:
         self.started = False  # refills stop after the sandbox they are starting
         while self._tasks:  # background destroys and refills run to the end: none may leak
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        doomed = [*self.sessions.values(), *self._pool, *self._in_use]
+        doomed = [*self.sessions.values(), *self._pool, *self._in_use, *self.zygotes.drain()]
         self.sessions.clear()
         self._pool.clear()
         self._in_use.clear()
@@ -178,6 +183,7 @@ class SandboxManager:
             f"v{self.cgroups.version}" if self.cgroups is not None else "unavailable (rlimits only)"
         )
         out["leaked_processes"] = str(self.leaked)
+        out["zygotes"] = f"unavailable: {self.zygotes.broken}" if self.zygotes.broken else "ok"
         return out
 
     # --- sandboxes ------------------------------------------------------------------
@@ -187,7 +193,9 @@ class SandboxManager:
             return limits.model_copy(update={"image": self.settings.default_image})
         return limits
 
-    async def _new(self, limits: SandboxLimits, sandbox_id: str | None = None) -> Sandbox:
+    async def _new(
+        self, limits: SandboxLimits, sandbox_id: str | None = None, *, zygote: bool = False
+    ) -> Sandbox:
         assert self.backend is not None, "SandboxManager.start() first"
         image: Image | None = None
         if limits.image is not None:
@@ -198,7 +206,7 @@ class SandboxManager:
         return Sandbox(
             backend=self.backend, cgroups=self.cgroups, limits=limits, workspace_root=self.root,
             run_as=run_as, sandbox_id=sandbox_id, spawner=self.spawner, image=image,
-            egress_allow_private=self.settings.egress_allow_private,
+            egress_allow_private=self.settings.egress_allow_private, zygote=zygote,
         )  # fmt: skip
 
     async def _destroy(self, sb: Sandbox) -> None:
@@ -321,6 +329,112 @@ class SandboxManager:
         if result.kill_reason is not None:
             metrics.SANDBOX_KILLS.labels(reason=result.kill_reason.value).inc()
         return result
+
+    # --- one-shot runs ----------------------------------------------------------------
+    async def run_fresh(
+        self,
+        limits: SandboxLimits | None,
+        files: dict[str, bytes],
+        action: Action,
+        fetch: list[str] | tuple[str, ...] = (),
+    ) -> tuple[ExecResult, dict[str, bytes | None]]:
+        """Run ``action`` once where no earlier run was: a workspace holding ``files``,
+        then ``fetch`` read back (None: missing or too large). On a zygote when the limits
+        fit one (fresh namespaces per run, no sandbox start; ``temper.sandbox.zygote``),
+        else in a sandbox of its own from the pool, destroyed afterwards."""
+        limits = self.with_image(limits or self.settings.default_limits)
+        refused = limit_errors(limits, self.settings)
+        if refused:
+            raise SandboxError("; ".join(message for _field, message in refused))
+        timeout_refused = timeout_error(action.timeout_s, self.settings)
+        if timeout_refused is not None:
+            return ExecResult(error=timeout_refused), {}
+        files_refused = refuse_files(files, limits)
+        if files_refused is not None:
+            return files_refused, {}
+        if self._zygote_fits(limits):
+            try:
+                zygote = await self.zygotes.take()
+            except (SandboxError, OSError) as e:
+                if self.zygotes.broken:
+                    log.error("zygotes cannot run on this host (%s): one-shot runs start a sandbox each", e)
+                else:
+                    log.warning("a zygote did not start (%s): this run starts a sandbox of its own", e)
+            else:
+                return await self._run_on_zygote(zygote, limits, files, action, fetch)
+        metrics.SANDBOX_FRESH_RUNS.labels("sandbox").inc()
+        async with self.sandbox(limits) as sb:
+            for path, data in files.items():
+                written = await sb.act(
+                    Action(
+                        kind="write_file",
+                        path=path,
+                        content=base64.b64encode(data).decode(),
+                        encoding="base64",
+                    )
+                )
+                if written.error:
+                    return ExecResult(error=f"cannot write {path}: {written.error}"), {}
+            result = await self.execute(sb, action)
+            fetched: dict[str, bytes | None] = {}
+            for path in fetch:
+                read = await sb.act(Action(kind="read_file", path=path, encoding="base64"))
+                fetched[path] = base64.b64decode(read.content) if read.content is not None else None
+            return result, fetched
+
+    def _zygote_fits(self, limits: SandboxLimits) -> bool:
+        """A zygote runs with the pool's network policy, services and image, and only
+        where the backend has namespaces and no earlier zygote failed to start."""
+        assert self.backend is not None, "SandboxManager.start() first"
+        pooled = self.with_image(self.settings.default_limits)
+        return (
+            self.settings.zygotes > 0
+            and self.backend.pid_namespace
+            and self.zygotes.broken is None
+            and not pooled.services
+            and limits.fixed_at_start == pooled.fixed_at_start
+        )
+
+    async def _run_on_zygote(
+        self,
+        zygote: Sandbox,
+        limits: SandboxLimits,
+        files: dict[str, bytes],
+        action: Action,
+        fetch: list[str] | tuple[str, ...],
+    ) -> tuple[ExecResult, dict[str, bytes | None]]:
+        metrics.SANDBOX_FRESH_RUNS.labels("zygote").inc()
+        self._in_use.add(zygote)
+        try:
+            await zygote.apply_limits(limits)
+            t0 = time.perf_counter()
+            result, fetched = await zygote.run_fresh(action, files, fetch)
+            metrics.SANDBOX_EXEC_SECONDS.observe(time.perf_counter() - t0)
+            if result.kill_reason is not None:
+                metrics.SANDBOX_KILLS.labels(reason=result.kill_reason.value).inc()
+            return result, fetched
+        finally:
+            self._in_use.discard(zygote)
+            doomed = self.zygotes.give_back(zygote)
+            if doomed is not None:
+                self._spawn(self._teardown(doomed))
+            metrics.SANDBOX_ZYGOTES.set(self.zygotes.started)
+
+    async def _start_zygote(self) -> Sandbox:
+        """A started zygote that has run one empty program (its code paths warm, and the
+        proof that this host lets it make namespaces)."""
+        zygote = await self._new(self.with_image(self.settings.default_limits), zygote=True)
+        try:
+            await zygote.start()
+            probe, _ = await zygote.run_fresh(Action(kind="run_python", code="pass"), {})
+            if probe.exit_code != 0:
+                raise SandboxError(probe.stderr.strip() or str(probe))
+        except SandboxError as e:
+            await self._destroy(zygote)
+            if "TimeoutError" in str(e):  # a slow start under load says nothing of the host
+                raise
+            raise ZygoteUnsupported(f"a zygote cannot make namespaces here: {e}") from e
+        return zygote
 
     # --- sessions -------------------------------------------------------------------
     async def create_session(

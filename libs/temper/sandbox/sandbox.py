@@ -154,8 +154,12 @@ class Sandbox:
         spawner: Spawner | None = None,
         image: Image | None = None,
         egress_allow_private: bool = False,
+        zygote: bool = False,
     ) -> None:
         self.id = sandbox_id or uuid.uuid4().hex[:16]
+        # A zygote runs each action in namespaces of its own on a fresh workspace (run_fresh);
+        # its own workspace stays empty, so it gets the smallest one.
+        self.zygote = zygote
         self.workspace_root = workspace_root
         self.egress_allow_private = egress_allow_private
         self.proxy: EgressProxy | None = None
@@ -168,7 +172,8 @@ class Sandbox:
         self.limits = limits
         self.run_as = run_as if os.geteuid() == 0 else None
         uid, gid = self.run_as or (None, None)
-        self.workspace = Workspace(workspace_root / self.id, size_mb=limits.workspace_mb, uid=uid, gid=gid)
+        ws_mb = 1 if zygote else limits.workspace_mb
+        self.workspace = Workspace(workspace_root / self.id, size_mb=ws_mb, uid=uid, gid=gid)
         self.cgroup: Cgroup | None = None
         self.spawner = spawner
         self.proc: asyncio.subprocess.Process | SpawnedProcess | None = None
@@ -204,7 +209,11 @@ class Sandbox:
 
     async def _spawn(self) -> None:
         argv = self.backend.agent_argv(
-            self.workspace.path, self.limits, self.image, self.proxy.path if self.proxy else None
+            self.workspace.path,
+            self.limits,
+            self.image,
+            self.proxy.path if self.proxy else None,
+            zygote=self.zygote,
         )
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
         if self.spawner is not None and self.spawner.running:
@@ -300,7 +309,7 @@ class Sandbox:
                 command=f"until (\n{service.ready_command}\n) >/dev/null 2>&1; do sleep 0.1; done",
                 timeout_s=service.ready_timeout_s,
             )
-        result = await self._exec(check, cpu_s=service.ready_timeout_s)
+        result, _ = await self._exec(check, cpu_s=service.ready_timeout_s)
         if not result.ok:
             log = await self._file_op(Action(kind="read_file", path=log_path))
             tail = (log.content or "")[-2000:]
@@ -376,7 +385,8 @@ class Sandbox:
             self.limits.pids,
         ):
             self.cgroup.set_limits(memory_bytes=limits.memory_mb << 20, pids=limits.pids)
-        self.workspace.resize(limits.workspace_mb)
+        if not self.zygote:  # a zygote's runs mount their own workspace of the limits' size
+            self.workspace.resize(limits.workspace_mb)
         self.limits = limits
 
     # --- protocol -------------------------------------------------------------------
@@ -411,15 +421,47 @@ class Sandbox:
     async def act(self, action: Action) -> ExecResult:
         if self.destroyed:
             raise SandboxError(f"sandbox {self.id} is destroyed")
+        if self.zygote:
+            raise SandboxError("a zygote only runs fresh actions (run_fresh)")
         async with self._lock:
             try:
                 if self.dead:
                     await self._respawn()
                 if action.kind in ("run_command", "run_python"):
-                    return await self._exec(action)
+                    return (await self._exec(action))[0]
                 return await self._file_op(action)
             finally:
                 self.last_used = time.monotonic()
+
+    async def run_fresh(
+        self, action: Action, files: dict[str, bytes], fetch: list[str] | tuple[str, ...] = ()
+    ) -> tuple[ExecResult, dict[str, bytes | None]]:
+        """On a zygote: run ``action`` in pid, mount and IPC namespaces of its own, on a
+        fresh workspace (of the limits' size) holding ``files`` and a fresh ``/tmp``; then
+        read back ``fetch`` (a missing file, one outside the workspace or past
+        ``file_size_mb`` in all: None). Nothing of one run is visible to the next: its
+        processes die with its pid namespace and its files with its mounts."""
+        if not self.zygote:
+            raise SandboxError("run_fresh needs a zygote")
+        if self.destroyed:
+            raise SandboxError(f"sandbox {self.id} is destroyed")
+        if action.kind not in ("run_command", "run_python"):
+            return ExecResult(error=f"a fresh run takes a command or a program, not {action.kind}"), {}
+        refused = refuse_files(files, self.limits)
+        if refused is not None:
+            return refused, {}
+        budget = self.limits.file_size_mb << 20
+        fresh = {"files": files, "fetch": list(fetch), "ws_mb": self.limits.workspace_mb, "fetch_max": budget}
+        async with self._lock:
+            try:
+                if self.dead:
+                    await self._respawn()
+                result, reply = await self._exec(action, fresh=fresh)
+            finally:
+                self.last_used = time.monotonic()
+        if reply is not None and reply.head.get("ok") != "1":
+            raise SandboxError(f"zygote: {reply.data.decode('utf-8', 'replace')}")
+        return result, _parse_fetched(reply.data) if reply is not None else {}
 
     def _rlimits(self, cpu_s: float) -> dict[str, tuple[int, int]]:
         lim = self.limits
@@ -434,7 +476,11 @@ class Sandbox:
             rl["RLIMIT_AS"] = (lim.memory_mb << 20, lim.memory_mb << 20)
         return rl
 
-    async def _exec(self, action: Action, cpu_s: float | None = None) -> ExecResult:
+    async def _exec(
+        self, action: Action, cpu_s: float | None = None, fresh: dict[str, Any] | None = None
+    ) -> tuple[ExecResult, Reply | None]:
+        """Run one command or program; with ``fresh`` (a zygote's run), in namespaces of
+        its own. The result, and the agent's reply (None when the agent died)."""
         lim = self.limits
         wall = action.timeout_s or lim.wall_s
         cpu_s = cpu_s or lim.cpu_s
@@ -455,12 +501,14 @@ class Sandbox:
             cmd = action.command or ""
             req["argv"] = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
             if not req["argv"]:
-                return ExecResult(error="empty command")
+                return ExecResult(error="empty command"), None
+        if fresh is not None:
+            req["fresh"] = fresh
         cg = self.cgroup
         if cg is not None:
             cg.reset_peak()
         before = cg.stats() if cg is not None else CgroupStats()
-        was_full = self.workspace.full()
+        was_full = fresh is None and self.workspace.full()  # a fresh run's workspace starts empty
         t0 = time.monotonic()
         self._send(req)
         reply, host_reason = await self._await_reply(wall, cpu_s, before, was_full)
@@ -490,12 +538,14 @@ class Sandbox:
             sig = reply.int("sig")
             agent_reason = reply.head.get("reason", "")
         result.signal = sig
+        # A fresh run's workspace is its own mount, inside: the agent says whether it filled.
+        full_now = (reply is not None and reply.head.get("full") == "1") if fresh else self.workspace.full()
         result.kill_reason = self._kill_reason(
-            before, after, host_reason, agent_reason, sig, result, was_full
+            before, after, host_reason, agent_reason, sig, result, was_full, full_now
         )
         if result.kill_reason is not None and result.exit_code is None and sig is None:
             result.signal = signal.SIGKILL
-        return result
+        return result, reply
 
     def _kill_reason(
         self,
@@ -506,6 +556,7 @@ class Sandbox:
         sig: int | None,
         result: ExecResult,
         was_full: bool,
+        full_now: bool,
     ) -> KillReason | None:
         if after.oom_kills > before.oom_kills:
             return KillReason.memory
@@ -522,7 +573,7 @@ class Sandbox:
             return KillReason.cpu
         if sig == signal.SIGXFSZ or result.exit_code == 128 + signal.SIGXFSZ:
             return KillReason.disk
-        if self.workspace.full() and (not was_full or sig is not None or result.exit_code != 0):
+        if full_now and (not was_full or sig is not None or result.exit_code != 0):
             # Filled during this action, or failed against a full workspace.
             return KillReason.disk
         if sig is not None:
@@ -625,3 +676,35 @@ class Sandbox:
                 files.append(FileInfo(path=rel, size=int(meta[1:] or 0), is_dir=meta[:1] == "d"))
             result.files = files
         return result
+
+
+def refuse_files(files: dict[str, bytes], limits: SandboxLimits) -> ExecResult | None:
+    """The error result for files a one-shot run cannot start with (a path that is not
+    relative and inside the workspace, or a file past ``file_size_mb``), or None."""
+    for path, data in files.items():
+        norm = os.path.normpath(path)
+        if not path or os.path.isabs(path) or norm == "." or norm.startswith(".."):
+            return ExecResult(error=f"{path!r}: a file path must be relative and inside the workspace")
+        if len(data) > limits.file_size_mb << 20:
+            return ExecResult(error=f"{path!r}: larger than file_size_mb", kill_reason=KillReason.disk)
+    return None
+
+
+def _parse_fetched(data: bytes) -> dict[str, bytes | None]:
+    """The agent's fetched-files records (``u32 name length, name, i32 size, bytes``; a
+    negative size: missing, outside the workspace or over the budget)."""
+    fetched: dict[str, bytes | None] = {}
+    pos = 0
+    try:
+        while pos < len(data):
+            (n,) = struct.unpack_from("<I", data, pos)
+            name = data[pos + 4 : pos + 4 + n].decode("utf-8", "surrogateescape")
+            (size,) = struct.unpack_from("<i", data, pos + 4 + n)
+            pos += 8 + n
+            if pos + max(size, 0) > len(data):
+                raise struct.error("record past the end")
+            fetched[name] = data[pos : pos + size] if size >= 0 else None
+            pos += max(size, 0)
+    except struct.error as e:
+        raise SandboxError(f"malformed fetched files from the sandbox agent: {e}") from e
+    return fetched

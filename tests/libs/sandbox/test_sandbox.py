@@ -57,22 +57,23 @@ async def test_exit_codes_stdin_env_and_argv(manager: SandboxManager) -> None:
         assert r.wall_s > 0 and r.peak_memory_mb > 0
 
 
-@pytest.mark.parametrize(
-    ("code", "limits", "reason"),
-    [
-        ("import time; time.sleep(30)", {"wall_s": 0.5}, KillReason.timeout),
-        ("while True: pass", {"cpu_s": 0.5, "wall_s": 5}, KillReason.cpu),
-        ("a = []\nwhile True: a.append(bytearray(1 << 20))", {"memory_mb": 64}, KillReason.memory),
-        (
-            "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
-            {"pids": 16, "wall_s": 1},
-            KillReason.pids,
-        ),
-        ("import os\nwhile True: os.write(1, b'y' * 65536)", {}, KillReason.output),
-        ("open('big', 'wb').write(b'z' * (8 << 20))", {"file_size_mb": 2}, KillReason.disk),
-        ("import os; os.kill(os.getpid(), 15)", {}, KillReason.signal),
-    ],
-)
+# Every kill reason once: (program, limits over SMALL, reason). test_zygote runs them too.
+KILLS = [
+    ("import time; time.sleep(30)", {"wall_s": 0.5}, KillReason.timeout),
+    ("while True: pass", {"cpu_s": 0.5, "wall_s": 5}, KillReason.cpu),
+    ("a = []\nwhile True: a.append(bytearray(1 << 20))", {"memory_mb": 64}, KillReason.memory),
+    (
+        "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
+        {"pids": 16, "wall_s": 1},
+        KillReason.pids,
+    ),
+    ("import os\nwhile True: os.write(1, b'y' * 65536)", {}, KillReason.output),
+    ("open('big', 'wb').write(b'z' * (8 << 20))", {"file_size_mb": 2}, KillReason.disk),
+    ("import os; os.kill(os.getpid(), 15)", {}, KillReason.signal),
+]
+
+
+@pytest.mark.parametrize(("code", "limits", "reason"), KILLS)
 async def test_kill_reasons(manager: SandboxManager, code: str, limits: dict, reason: KillReason) -> None:
     lim = SMALL.model_copy(update=limits)
     async with manager.sandbox(lim) as sb:
