@@ -24,7 +24,7 @@ or already loaded by the sandbox's agent (``_signal``, not ``signal``, which imp
 ``tokenize``): result lines are written by the small JSON writer below, and failure
 messages are formatted here as ``traceback.format_exception_only`` formats them.
 
-spec = {"nonce", "workspace", "files": [[path, text]], "module", "file",
+spec = {"nonce", "workspace" ("": the working directory), "files": [[path, text]], "module", "file",
         "candidates": [{"label", "source"|None}], "prelude", "tests": [{"name", "code"}],
         "program"|None, "entry_point", "param", "per_test_s", "max_timeouts", "repeat", "load"}
 """
@@ -212,14 +212,15 @@ def main():
     sys.stderr = open(2, "w", closefd=False)
     _signal.signal(_signal.SIGALRM, _alarm)
 
-    failed = write_files(spec["workspace"], spec.get("files") or [])
+    workspace = spec["workspace"] or os.getcwd()  # "": the action's working directory
+    failed = write_files(workspace, spec.get("files") or [])
     if failed is not None:
         emit(ev="files", path=failed[0], error=failed[1])
         emit(ev="end")
         return
-    os.chdir(spec["workspace"])
-    sys.path[0:0] = [spec["workspace"]]
-    path = os.path.join(spec["workspace"], spec["file"])
+    os.chdir(workspace)
+    sys.path[0:0] = [workspace]
+    path = os.path.join(workspace, spec["file"])
     program_source = spec.get("program")
     tests = []
     for i, t in enumerate(spec["tests"]):

@@ -18,7 +18,6 @@ import marshal
 import os
 import secrets
 import subprocess
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import os, sys
 import coverage
 from coverage.exceptions import NoDataError
 include, source, out = sys.argv[1:4]
+include = os.path.join(os.getcwd(), include)  # the solution file, relative to the workspace
 cov = coverage.Coverage(data_file=None, branch=True, include=[include], config_file=False)
 harness = {"__name__": "__main__", "__builtins__": __builtins__}
 code = compile(source, "harness.py", "exec")
@@ -230,24 +230,19 @@ class TestRunner:
         nonce = ""
         report: dict[str, Any] | None = None
 
-        async def work(sb: Any, workspace: str) -> ExecResult:
-            nonlocal nonce
-            nonce, spec = self._spec(task, split, workspace, candidates, repeat, all_files)
-            stdin = encode_spec(spec)
-            if not coverage:
-                code = await self.harness_code()
-                return await self.manager.execute(sb, Action(kind="run_python", code=code, stdin=stdin))
-            include = f"{workspace.rstrip('/')}/{task.solution_file}"
-            return await self.manager.execute(
-                sb,
-                Action(
-                    kind="run_command",
-                    command=[self.settings.python, "-c", COVERAGE_DRIVER, include, HARNESS_SOURCE, COVERAGE_JSON],
-                    stdin=stdin, env={"PYTHONPATH": SANDBOX_SITE},
-                ),
+        # The workspace is the action's working directory, wherever the run lands.
+        nonce, spec = self._spec(task, split, "", candidates, repeat, all_files)
+        stdin = encode_spec(spec)
+        if not coverage:
+            action = Action(kind="run_python", code=await self.harness_code(), stdin=stdin)
+        else:
+            action = Action(
+                kind="run_command",
+                command=[self.settings.python, "-c", COVERAGE_DRIVER, task.solution_file, HARNESS_SOURCE,
+                         COVERAGE_JSON],
+                stdin=stdin, env={"PYTHONPATH": SANDBOX_SITE},
             )  # fmt: skip
-
-        result = await self._in_fresh_sandbox(limits, work)
+        result = await self._run_once(limits, action)
         failed = files_error(result.stdout, nonce)
         if failed is not None:
             raise ScoringError(f"cannot write {failed[0]} into the scoring sandbox: {failed[1]}")
@@ -271,23 +266,17 @@ class TestRunner:
             run.wall_s = result.wall_s
         return runs, report
 
-    async def _in_fresh_sandbox(
-        self, limits: SandboxLimits, work: Callable[[Any, str], Awaitable[ExecResult]]
-    ) -> ExecResult:
-        """``work(sandbox, inner workspace)`` in a sandbox that no earlier run touched, which
-        is destroyed afterwards. This is where a run meets the sandbox manager: all a score
-        (without coverage) needs of it is one ``run_python`` action (the harness, its spec
-        on stdin) in fresh namespaces, however the manager provides them."""
+    async def _run_once(self, limits: SandboxLimits, action: Action) -> ExecResult:
+        """``action`` where no earlier run was (``SandboxManager.run_fresh``: fresh pid,
+        mount and IPC namespaces and an empty workspace and /tmp on a zygote, or a sandbox
+        of its own). The harness writes the files itself, so a run needs nothing else."""
         try:
-            sb = await self.manager.acquire(limits)
-        except Exception as exc:  # noqa: BLE001 - any failure to start is the machinery's
-            raise ScoringError(f"cannot start a scoring sandbox: {exc}") from exc
-        try:
-            backend = self.manager.backend
-            assert backend is not None
-            return await work(sb, backend.inner_workspace(sb.workspace.path))
-        finally:
-            await self.manager.release(sb)
+            result, _ = await self.manager.run_fresh(limits, {}, action)
+        except Exception as exc:  # noqa: BLE001 - any failure to run is the machinery's
+            raise ScoringError(f"cannot run in a scoring sandbox: {exc}") from exc
+        if result.error:
+            raise ScoringError(f"cannot run in a scoring sandbox: {result.error}")
+        return result
 
 
 def check_files(files: dict[str, str], limits: SandboxLimits) -> None:

@@ -1,5 +1,5 @@
 """The test runner on real sandboxes: one action per score (the files travel with the
-harness's spec), a fresh sandbox for every score, and a test that kills the one test
+harness's spec), a place no earlier score touched for every score, and a test that kills the one test
 process still reported as that test's failure."""
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ TASK = TaskSpec(
 )
 
 
-def _count_actions(manager) -> list[Action]:
+def _count_runs(manager) -> list[Action]:
     actions: list[Action] = []
-    execute = manager.execute
+    run_fresh = manager.run_fresh
 
-    async def counted(sb, action):
+    async def counted(limits, files, action, fetch=()):
         actions.append(action)
-        return await execute(sb, action)
+        return await run_fresh(limits, files, action, fetch)
 
-    manager.execute = counted
+    manager.run_fresh = counted
     return actions
 
 
 async def test_a_score_is_one_action_and_the_solution_sees_every_file(scoring_manager):
-    actions = _count_actions(scoring_manager)
+    runs = _count_runs(scoring_manager)
     solution = (
         "import os\nTABLE = open('data/table.txt').read().split()\n"
         "assert open('README.md').read() == 'starting file' and os.path.exists('helper.py')\n"
@@ -50,30 +50,41 @@ async def test_a_score_is_one_action_and_the_solution_sees_every_file(scoring_ma
     _, comps = await Scorer(scoring_manager).score(TASK, {"files": files})
     assert comps["tests_passed"].value == 1.0, comps["tests_passed"].details
     assert comps["compiles"].value == 1.0
-    assert [a.kind for a in actions] == ["run_python"]  # no write_file round trips
+    assert [a.kind for a in runs] == ["run_python"]  # one run, no write_file round trips
 
 
-async def test_every_score_runs_in_a_sandbox_no_earlier_score_touched(scoring_manager):
-    acquired = []
-    acquire = scoring_manager.acquire
+async def test_every_score_runs_where_no_earlier_score_was():
+    """One zygote serves all four scores: each finds neither the workspace file nor the
+    /tmp file the score before it wrote (either would make ident return -1)."""
+    import shutil
+    import uuid
+    from pathlib import Path
 
-    async def remember(*args, **kwargs):
-        sb = await acquire(*args, **kwargs)
-        acquired.append(sb)
-        return sb
+    from temper import metrics
+    from temper.rewards.runner import scoring_sandbox_settings
+    from temper.sandbox import SandboxManager, SandboxSettings
 
-    scoring_manager.acquire = remember
-    solution = (
-        "import os\nLEFT = sorted(p for p in ('mark', '/tmp/mark') if os.path.exists(p))\n"
-        "for p in ('mark', '/tmp/mark'):\n    open(p, 'w').write('x')\n"
-        "def ident(x):\n    return x if not LEFT else -1\n"
+    root = Path("/tmp") / f"temper-score-{uuid.uuid4().hex[:8]}"  # the sandbox uid must reach it
+    manager = SandboxManager(
+        scoring_sandbox_settings(SandboxSettings(pool_size=0, zygotes=1, workspace_root=root))
     )
-    scorer = Scorer(scoring_manager)
-    for _ in range(4):
-        _, comps = await scorer.score(TASK, {"files": {"solution.py": solution}})
-        assert comps["tests_passed"].value == 1.0, comps["tests_passed"].details
-    assert len({id(sb) for sb in acquired}) == 4
-    assert len({sb.workspace.path for sb in acquired}) == 4
+    await manager.start()
+    try:
+        on_zygotes = metrics.SANDBOX_FRESH_RUNS.labels("zygote")._value.get()
+        solution = (
+            "import os\nLEFT = sorted(p for p in ('mark', '/tmp/mark') if os.path.exists(p))\n"
+            "for p in ('mark', '/tmp/mark'):\n    open(p, 'w').write('x')\n"
+            "def ident(x):\n    return x if not LEFT else -1\n"
+        )
+        scorer = Scorer(manager)
+        for _ in range(4):
+            _, comps = await scorer.score(TASK, {"files": {"solution.py": solution}})
+            assert comps["tests_passed"].value == 1.0, comps["tests_passed"].details
+        assert metrics.SANDBOX_FRESH_RUNS.labels("zygote")._value.get() - on_zygotes == 4
+        assert manager.zygotes.started == 1
+    finally:
+        await manager.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def test_a_test_that_kills_the_process_is_that_tests_failure(scoring_manager):
@@ -103,7 +114,7 @@ async def test_files_that_cannot_be_written_are_a_scoring_error(scoring_manager)
 async def test_coverage_is_one_action_ignores_the_workspaces_config_and_a_compile_error_scores_0(
     scoring_manager,
 ):
-    actions = _count_actions(scoring_manager)
+    actions = _count_runs(scoring_manager)
     scorer = Scorer(scoring_manager)
     weights = {"tests_passed": 1.0, "coverage": 0.5}
     half = "def ident(x):\n    if x > 100:\n        return 0\n    return x\n"  # the branch to 0 never runs
