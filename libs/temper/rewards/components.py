@@ -195,6 +195,8 @@ class Coverage(Component):
         run, report = await ctx.coverage_run()
         if run.compile_error:
             return RewardComponent(value=0.0, reason=f"does not compile: {run.compile_error}")
+        if report.get("error"):  # the run was killed or ended before coverage.py could report
+            return RewardComponent(value=0.0, reason=f"no coverage measured: {report['error']}")
         files = report.get("files", {})
         if not files:
             return RewardComponent(value=0.0, reason="none of the agent's code ran under the tests")

@@ -78,13 +78,19 @@ class Scorer:
         only: list[str] | None = None,
     ) -> tuple[float, dict[str, RewardComponent]]:
         """Returns (reward, components). Raises :class:`ScoringError` only when the sandbox
-        machinery itself failed for a weighted component."""
+        machinery itself failed for a weighted component.
+
+        An expensive component (coverage, efficiency: runs of their own) weighted 0 is not
+        computed unless ``only`` names it: it could not change the reward."""
         sub = submission if isinstance(submission, Submission) else Submission.model_validate(submission)
         weights = dict(weights or DEFAULT_WEIGHTS[task.kind])
+        asked = set(only or ())
+        skipped = {n for n, w in weights.items() if w == 0 and n not in asked and self._expensive(n)}
+        weights = {n: w for n, w in weights.items() if n not in skipped}
         names = list(dict.fromkeys([*(only or ALWAYS[task.kind]), *weights]))
         ctx = ScoreContext(
             task=task, submission=sub, runner=self.runner, turns_used=turns_used, max_turns=max_turns,
-            format_ok=format_ok, want_timing="efficiency" in weights, reference_times=self.reference_times,
+            format_ok=format_ok, want_timing="efficiency" in names, reference_times=self.reference_times,
         )  # fmt: skip
         results = await asyncio.gather(*(self._one(name, ctx, weighted=name in weights) for name in names))
         components = dict(zip(names, results, strict=True))
@@ -92,6 +98,12 @@ class Scorer:
         for name in missing:
             components[name].details.setdefault("weight", weights[name])
         return reward, components
+
+    def _expensive(self, name: str) -> bool:
+        try:
+            return self.component(name).expensive
+        except (plugins.PluginError, NotAComponent):
+            return False  # reported by _one when it is computed
 
     async def _one(self, name: str, ctx: ScoreContext, *, weighted: bool) -> RewardComponent:
         try:

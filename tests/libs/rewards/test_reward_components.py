@@ -51,8 +51,12 @@ async def test_a_correct_solution_scores_full_marks_on_every_component(scoring_m
 async def test_partial_solutions_get_the_fraction_of_tests_and_partial_branch_coverage(scoring_manager):
     scorer = Scorer(scoring_manager)
     code = "def absdiff(a, b):\n    if a > b:\n        return a - b\n    return 0\n"
+    named = ["tests_passed", "coverage", "efficiency"]  # weighted 0 but asked for: measured
     reward, comps = await scorer.score(
-        TASK, {"files": {"solution.py": code}}, {"tests_passed": 1.0, "coverage": 0.0, "efficiency": 0.0}
+        TASK,
+        {"files": {"solution.py": code}},
+        {"tests_passed": 1.0, "coverage": 0.0, "efficiency": 0.0},
+        only=named,
     )
     tp = comps["tests_passed"]
     assert tp.value == 0.5 and tp.details["passed"] == 2
@@ -62,6 +66,23 @@ async def test_partial_solutions_get_the_fraction_of_tests_and_partial_branch_co
     assert comps["coverage"].details["line"] == 1.0
     assert not comps["efficiency"].ok and "tests failed" in comps["efficiency"].reason
     assert reward == 0.5
+
+
+async def test_expensive_components_weighted_zero_cost_no_run_unless_asked_for(scoring_manager):
+    scorer = Scorer(scoring_manager)
+    runs: list[dict[str, object]] = []
+    run = scorer.runner.run
+
+    async def counted(*args, **kwargs):
+        runs.append(kwargs)
+        return await run(*args, **kwargs)
+
+    scorer.runner.run = counted  # type: ignore[method-assign]
+    weights = {"tests_passed": 1.0, "coverage": 0.0, "efficiency": 0.0}
+    reward, comps = await scorer.score(TASK, {"files": {"solution.py": TASK.solution}}, weights)
+    assert reward == 1.0 and "coverage" not in comps and "efficiency" not in comps
+    # one run of the tests, not timed: no coverage run, no reference run, no repeats
+    assert len(runs) == 1 and runs[0].get("repeat", 1) == 1 and not runs[0].get("coverage")
 
 
 async def test_code_that_does_not_compile_loops_or_raises(scoring_manager):

@@ -156,13 +156,17 @@ async def test_concurrent_runs_each_get_a_zygote_of_their_own(sandbox_root) -> N
         await assert_clean_close(m)
 
 
-async def test_a_host_that_refuses_zygotes_runs_each_in_a_sandbox_and_says_so(sandbox_root, monkeypatch) -> None:
+async def test_a_host_that_refuses_zygotes_runs_each_in_a_sandbox_and_says_so(
+    sandbox_root, monkeypatch
+) -> None:
     from temper.sandbox.backends import BwrapBackend
 
     plain = BwrapBackend.namespace_args
     # Without the capabilities a zygote keeps, its agent cannot make namespaces: as on a
     # host whose bwrap or kernel refuses them.
-    monkeypatch.setattr(BwrapBackend, "namespace_args", lambda self, limits, zygote=False: plain(self, limits))
+    monkeypatch.setattr(
+        BwrapBackend, "namespace_args", lambda self, limits, zygote=False: plain(self, limits)
+    )
     m = SandboxManager(make_settings(sandbox_root, pool_size=0, zygotes=2))
     await m.start()
     try:
