@@ -69,25 +69,28 @@ class Cgroup(ABC):
     """One sandbox's group."""
 
     name: str
-    _fds: dict[Path, int]
+    _fds: dict[Path, int] | None
 
     def _get(self, path: Path) -> str:
         """A counter file's contents, through a descriptor kept open (a read at offset 0
         renders it anew): read twice or more per action, and opening by path cost more
         than the read. Never ``cgroup.procs``: v1 caches its pid list per open file, so a
         kept descriptor would read pids that are gone (and may be reused)."""
-        fd = self._fds.get(path)
+        fds = self._fds
+        if fds is None:  # closed: the group is being removed
+            return _read(path)
+        fd = fds.get(path)
         try:
             if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             return os.pread(fd, 1 << 16, 0).decode()
         except OSError:
             return ""
 
     def _close_files(self) -> None:
-        for fd in self._fds.values():
+        fds, self._fds = self._fds, None  # one swap: a reader on another thread opens no more
+        for fd in (fds or {}).values():
             os.close(fd)
-        self._fds.clear()
 
     @abstractmethod
     def join_paths(self) -> list[str]:

@@ -331,10 +331,11 @@ class Sandbox:
             self.cgroup.kill_except(set())
         await self._spawn()
 
-    def _hard_kill(self) -> None:
-        """Kill the whole sandbox, agent included."""
+    def _hard_kill(self, *, cgroup: bool = True) -> None:
+        """Kill the whole sandbox, agent included (``cgroup=False``: the caller has
+        already killed the cgroup's processes)."""
         self.dead = True
-        if self.cgroup is not None:
+        if cgroup and self.cgroup is not None:
             self.cgroup.kill_except(set())
         if self.proc is not None and self.proc.returncode is None:
             try:
@@ -355,7 +356,11 @@ class Sandbox:
         if self.destroyed:
             return 0
         self.destroyed = True
-        self._hard_kill()
+        if self.cgroup is not None:
+            # In a thread: freezing, killing and waiting for the group to thaw sleeps, and
+            # would hold up every other sandbox's actions on this event loop.
+            await asyncio.to_thread(self.cgroup.kill_except, set())
+        self._hard_kill(cgroup=False)
         if self.proc is not None:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
