@@ -160,7 +160,9 @@ async def mark_job_stuck(session: AsyncSession, job_id: str, why: str | None) ->
 
 async def _cancel_unfinished(session: AsyncSession, job_id: str, *, reason: str) -> None:
     unfinished = (Episode.job_id == job_id, Episode.state.not_in([s.value for s in EPISODE_FINISHED]))
-    episodes = list((await session.execute(select(Episode).where(*unfinished).with_for_update())).scalars())
+    # in id order, as the dispatcher's batches take them, so the two cannot deadlock
+    query = select(Episode).where(*unfinished).order_by(Episode.id).with_for_update()
+    episodes = list((await session.execute(query)).scalars())
     if not episodes:
         return
     steps = await session.execute(
@@ -378,12 +380,16 @@ def _update_of(table: Table, columns: Iterable[str]) -> Update:
 
 async def write_rows(conn: AsyncConnection, *rows: EpisodeRow | StepRow | None) -> None:
     """Write what changed on each row, and insert the steps each episode issued, in the
-    caller's transaction (``conn`` is its connection: ``await session.connection()``)."""
+    caller's transaction (``conn`` is its connection: ``await session.connection()``).
+    Rows that changed the same columns are updated by one statement (executemany), so a
+    batch of results costs about as many statements as one."""
+    new_steps: list[dict[str, Any]] = []
+    updates: dict[tuple[Table, frozenset[str]], list[dict[str, Any]]] = {}
     for row in rows:
         if row is None:
             continue
         if isinstance(row, EpisodeRow) and row.new_steps:
-            await conn.execute(_INSERT_STEPS, row.new_steps)
+            new_steps += row.new_steps
             row.new_steps.clear()
         changed = row.changed()
         changed.pop("new_steps", None)
@@ -391,5 +397,9 @@ async def write_rows(conn: AsyncConnection, *rows: EpisodeRow | StepRow | None) 
         if changed:
             params = {f"set_{c}": v for c, v in changed.items()}
             params["row_id"] = row.id
-            await conn.execute(_update_of(row.TABLE, changed), params)
+            updates.setdefault((row.TABLE, frozenset(changed)), []).append(params)
         row._written()
+    if new_steps:
+        await conn.execute(_INSERT_STEPS, new_steps)
+    for (table, columns), params_list in updates.items():
+        await conn.execute(_update_of(table, columns), params_list)

@@ -16,7 +16,7 @@ import logging
 import tempfile
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -125,6 +125,41 @@ def _lock_statement(*, for_update: bool, with_inference: bool) -> Select[Any]:
     return query.with_for_update(of=ep) if for_update else query
 
 
+def _lock_many_statement(*, for_update: bool, with_inference: bool) -> Select[Any]:
+    """As :func:`_lock_statement` for the episodes ``:ids`` (locked in id order), each
+    with its step of kind ``:kind`` of the episode's current turn (a result of another
+    turn is not awaited, whatever its step)."""
+    ep = Episode.__table__
+    step = Step.__table__.alias("step")
+    joined = ep.outerjoin(
+        step, and_(step.c.episode_id == ep.c.id, step.c.turn == ep.c.turn, step.c.kind == bindparam("kind"))
+    )
+    columns = [*(ep.c[c] for c in _EP_COLS), *(step.c[c] for c in _STEP_COLS)]
+    if with_inference:
+        inference = Step.__table__.alias("inference")
+        joined = joined.outerjoin(
+            inference,
+            and_(
+                inference.c.episode_id == ep.c.id,
+                inference.c.turn == ep.c.turn,
+                inference.c.kind == "inference",
+            ),
+        )
+        columns += [inference.c[c] for c in _STEP_COLS]
+    query = (
+        select(*columns)
+        .select_from(joined)
+        .where(ep.c.id.in_(bindparam("ids", expanding=True)))
+        .order_by(ep.c.id)
+    )
+    return query.with_for_update(of=ep) if for_update else query
+
+
+_LOCK_MANY_STATEMENTS = {
+    (for_update, with_inference): _lock_many_statement(for_update=for_update, with_inference=with_inference)
+    for for_update in (True, False)
+    for with_inference in (True, False)
+}
 _LOCK_STATEMENTS = {
     (for_update, with_inference): _lock_statement(for_update=for_update, with_inference=with_inference)
     for for_update in (True, False)
@@ -144,6 +179,16 @@ def init_metrics() -> None:
     metrics.zero(metrics.EPISODE_FAILURES, "lease_expired", *(f"{k}_error" for k in kinds))
     metrics.zero(metrics.TURN_SECONDS, *kinds)
     metrics.zero(metrics.STEP_LEASES_EXPIRED, *kinds, "trajectory")  # trajectory: the scheduler's
+
+
+def _inference_error(msg: InferenceResult) -> str | None:
+    """Why an inference result cannot be taken (its own error, or logprobs that do not match
+    its tokens), or None."""
+    if msg.error:
+        return msg.error
+    if len(msg.logprobs) != len(msg.token_ids):
+        return f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens"
+    return None
 
 
 class EpisodeEngine:
@@ -322,6 +367,21 @@ class EpisodeEngine:
         inference = _step_row(values[_N_EP + _N_STEP :]) if with_inference else None
         return ep, step, inference
 
+    async def _lock_many(
+        self, conn: AsyncConnection, episode_ids: list[str], kind: str, *, with_inference: bool
+    ) -> dict[str, tuple[EpisodeRow, StepRow | None, StepRow | None]]:
+        """:meth:`_lock_rows` for several episodes in one query (locked in id order), each
+        with its step of ``kind`` of its current turn."""
+        query = _LOCK_MANY_STATEMENTS[(not self.db.is_sqlite, with_inference)]
+        found: dict[str, tuple[EpisodeRow, StepRow | None, StepRow | None]] = {}
+        for row in await conn.execute(query, {"ids": episode_ids, "kind": kind}):
+            values = tuple(row)
+            ep = EpisodeRow(dict(zip(_EP_COLS, values[:_N_EP], strict=True)))
+            step = _step_row(values[_N_EP : _N_EP + _N_STEP])
+            inference = _step_row(values[_N_EP + _N_STEP :]) if with_inference else None
+            found[ep.id] = (ep, step, inference)
+        return found
+
     async def _awaited_rows(
         self,
         session: AsyncSession,
@@ -455,10 +515,7 @@ class EpisodeEngine:
     async def on_inference(self, msg: InferenceResult) -> None:
         async with self.tx() as session:
             conn = await session.connection()
-            mismatch = len(msg.logprobs) != len(msg.token_ids)
-            error = msg.error or (
-                f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens" if mismatch else None
-            )
+            error = _inference_error(msg)
             awaited = await self._awaited_rows(session, conn, msg, "inference", E.awaiting_action, error)
             if awaited is None:
                 return
@@ -467,6 +524,51 @@ class EpisodeEngine:
             env = self.environment(spec, await self.task_of(session, ep.task_id))
             self._take_inference(session, ep, step, msg, spec, env)
             await write_rows(conn, ep, step)
+
+    async def on_results(self, messages: Sequence[InferenceResult | SandboxResult]) -> None:
+        """Inference results, or sandbox results, of distinct episodes, in one transaction:
+        one query locks their episodes (in id order) with the steps they answer, each result
+        is checked, taken or ignored exactly as :meth:`on_inference` / :meth:`on_sandbox`
+        take it alone, and the writes go out in bulk (one statement per kind of change),
+        the outbox rows with them. Any error rolls all of them back and is raised: the
+        caller then hands the results over one at a time (``temper.bus`` does)."""
+        if not messages:
+            return
+        kind = "inference" if isinstance(messages[0], InferenceResult) else "sandbox"
+        wanted = InferenceResult if kind == "inference" else SandboxResult
+        ids = [m.episode_id for m in messages]
+        if not all(isinstance(m, wanted) for m in messages) or None in ids or len(set(ids)) < len(ids):
+            raise ValueError("a batch is results of one kind, of distinct episodes")
+        sandbox = kind == "sandbox"
+        state = E.acting if sandbox else E.awaiting_action
+        async with self.tx() as session:
+            conn = await session.connection()
+            locked = await self._lock_many(conn, [i for i in ids if i], kind, with_inference=sandbox)
+            touched: list[EpisodeRow | StepRow | None] = []
+            for msg in messages:
+                ep, step, inference = locked.get(msg.episode_id or "", (None, None, None))
+                with log_context(
+                    job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt
+                ):
+                    why = self._is_current(ep, step, msg, state)
+                    if why:
+                        self._ignore(why, msg)
+                        continue
+                    assert ep is not None and step is not None
+                    touched += [ep, step]
+                    error = _inference_error(msg) if isinstance(msg, InferenceResult) else msg.error
+                    if error:
+                        self.retry_or_fail(session, ep, step, f"{kind}_error: {error}")
+                        continue
+                    spec = await self.spec_of(session, ep.job_id)
+                    env = self.environment(spec, await self.task_of(session, ep.task_id))
+                    if isinstance(msg, SandboxResult):
+                        assert inference is not None
+                        self._take_sandbox(session, ep, step, inference, msg, spec, env)
+                        touched.append(inference)
+                    else:
+                        self._take_inference(session, ep, step, msg, spec, env)
+            await write_rows(conn, *touched)
 
     def _take_inference(
         self,
