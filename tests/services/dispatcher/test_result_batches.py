@@ -72,18 +72,20 @@ async def test_a_batch_takes_each_awaited_result_once_and_ignores_stale_and_dupl
     database: Database, tmp_path
 ):
     engine, (a, b, c) = await started(database, tmp_path, 3)
-    # a: awaited; b: an old attempt (stale); "nope": no such episode
-    await engine.on_results([answer(a), answer(b, attempt=1), answer("nope")])
+    # a: awaited; b: an old attempt (stale); c: an error (retried); "nope": no such episode
+    failed = answer(c).model_copy(update={"error": "backend down", "token_ids": [], "logprobs": []})
+    await engine.on_results([answer(a), answer(b, attempt=1), failed, answer("nope")])
     assert await steps(database, a) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
     assert await steps(database, b) == [(0, "inference", "leased", 0)]
+    assert await steps(database, c) == [(0, "inference", "leased", 1)], "sent again, attempt 1"
     assert engine.ignored == 2
 
     # a again (a duplicate, redelivered), b's and c's awaited results, and a's sandbox result
     # cannot share a batch with its inference result: the next batch takes it.
-    await engine.on_results([answer(a), answer(b), answer(c)])
+    await engine.on_results([answer(a), answer(b), answer(c, attempt=1)])
     assert await steps(database, a) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
-    for e in (b, c):
-        assert await steps(database, e) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
+    assert await steps(database, b) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
+    assert await steps(database, c) == [(0, "inference", "done", 1), (0, "sandbox", "leased", 0)]
     assert engine.ignored == 3
     requests = await sandbox_requests(database)
     assert sorted(m.episode_id or "" for m in requests) == [a, b, c], "one command per result taken"
