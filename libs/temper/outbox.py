@@ -27,10 +27,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -53,6 +53,35 @@ def enqueue(session: AsyncSession, topic: str, message: Message) -> None:
     row = OutboxRow(topic=topic, key=message.key(), payload=message.to_bytes())
     session.add(row)
     session.info.setdefault(_ROWS, []).append(row)
+
+
+async def _insert_claimed(session: AsyncSession, rows: list[OutboxRow], until: datetime) -> None:
+    """Write ``rows`` claimed by this relay until ``until``, giving each its id. Rows the
+    session has not flushed yet (all of them, unless a query autoflushed some) go in as one
+    Core INSERT in the order they were enqueued, instead of through the unit of work; the
+    ids come back in that order, so the sweep's id order is still the enqueue order (rows a
+    query autoflushed were written before, with lower ids)."""
+    fresh = [r for r in rows if r in session.new]
+    for row in rows:
+        row.claimed_until = until  # other relays leave them to this one (flushed rows: at commit)
+    if not fresh:
+        return
+    for row in fresh:
+        session.expunge(row)
+    created = utcnow()
+    values = [
+        {"topic": r.topic, "key": r.key, "payload": r.payload, "created_at": created, "claimed_until": until}
+        for r in fresh
+    ]
+    conn = await session.connection()
+    result = await conn.execute(_INSERT_RETURNING_ID, values)
+    for row, (row_id,) in zip(fresh, result, strict=True):
+        row.id = row_id
+        row.created_at = created
+
+
+# Built once: a statement object keeps its cache key, so executing it again costs no compilation.
+_INSERT_RETURNING_ID = insert(OutboxRow).returning(OutboxRow.id, sort_by_parameter_order=True)
 
 
 class OutboxRelay:
@@ -98,10 +127,7 @@ class OutboxRelay:
                 yield session
                 rows: list[OutboxRow] = session.info.pop(_ROWS, [])
                 if rows:
-                    until = utcnow() + timedelta(seconds=self.claim_s)
-                    for row in rows:
-                        row.claimed_until = until  # other relays leave them to this one
-                    await session.flush()  # assigns the ids
+                    await _insert_claimed(session, rows, utcnow() + timedelta(seconds=self.claim_s))
                     # Claimed before the commit makes them visible, so the sweep never sees them unclaimed.
                     ids = {r.id for r in rows}
                     self._claimed |= ids

@@ -28,7 +28,7 @@ from temper import metrics
 from temper.bus import Bus, BusUnavailable, Consumer, Record, make_bus
 from temper.db import Database, DatabaseUnavailable
 from temper.db.migrate import NotMigrated, check_migrated
-from temper.events import Message, Topics, decode
+from temper.events import BadMessage, Message, Topics, decode
 from temper.logs import configure_logging, log_context, log_event
 from temper.settings import Settings
 from temper.storage import ObjectStore, S3Store, make_store
@@ -131,13 +131,35 @@ class Runtime:
         *,
         group: str | None = None,
         concurrency: int = 1,
+        batch_handlers: Mapping[str, Callable[[list[Any]], Awaitable[None]]] | None = None,
     ) -> Consumer:
         """Subscribe one typed handler per topic (``{topic: handler}``), all in one group.
 
         Each handler's first parameter is annotated with the message class it takes
         (``async def on_result(message: InferenceResult)``); a message of another class on
-        that topic is logged and skipped, so handlers need no ``isinstance`` chains."""
+        that topic is logged and skipped, so handlers need no ``isinstance`` chains.
+
+        ``batch_handlers`` (``{topic: handler}``) take several messages of that topic and of
+        distinct keys at once, all or nothing (see ``Bus.subscribe``'s ``batch_handler``):
+        when a bus offers a batch, it goes to them; a batch with a message that does not
+        parse or is of another class is declined, and its messages go one by one."""
         routes = {topic: (handler, handled_type(handler)) for topic, handler in handlers.items()}
+        batch_routes = dict(batch_handlers or {})
+
+        async def on_batch(records: list[Record]) -> bool:
+            topic = records[0].topic
+            batch_handler = batch_routes.get(topic)
+            if batch_handler is None or any(r.topic != topic for r in records):
+                return False
+            expected = routes[topic][1]
+            try:
+                messages = [decode(r.value) for r in records]
+            except BadMessage:
+                return False
+            if not all(isinstance(m, expected) for m in messages):
+                return False
+            await batch_handler(messages)
+            return True
 
         async def on_record(record: Record) -> None:
             message = decode(record.value)
@@ -162,7 +184,11 @@ class Runtime:
 
         assert self.bus is not None, "consume_handlers() needs the bus"
         return await self.bus.subscribe(
-            list(routes), group or self.service, on_record, concurrency=concurrency
+            list(routes),
+            group or self.service,
+            on_record,
+            concurrency=concurrency,
+            batch_handler=on_batch if batch_routes else None,
         )
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:

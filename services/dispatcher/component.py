@@ -90,7 +90,10 @@ class Dispatcher:
         self._tasks.append(rt.spawn(self.relay.run(), "dispatcher-outbox-relay"))
         self._consumers.append(
             await rt.consume_handlers(
-                handlers.result_topics(self.engine), group=s.results_group, concurrency=s.result_concurrency
+                handlers.result_topics(self.engine),
+                group=s.results_group,
+                concurrency=s.result_concurrency,
+                batch_handlers=handlers.result_batches(self.engine),
             )
         )
         self._consumers.append(

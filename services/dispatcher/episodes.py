@@ -16,14 +16,14 @@ import logging
 import tempfile
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import Select, and_, bindparam, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s, sandbox_memory_gb_s
 from services.dispatcher.trajectories import build_trajectory
@@ -48,12 +48,15 @@ from temper.events import (
 from temper.jobspec import PACKAGE_KIND, JobSpec
 from temper.lifecycle import (
     STEP_WAITING,
+    EpisodeRow,
     EpisodeState,
+    StepRow,
     complete_step,
     fail_step,
-    new_step,
+    new_step_values,
     retry_step,
     transition_episode,
+    write_rows,
 )
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
@@ -90,6 +93,84 @@ def new_id() -> str:
     return uuid.uuid4().hex
 
 
+_EP_COLS, _STEP_COLS = EpisodeRow.COLUMNS, StepRow.COLUMNS
+_N_EP, _N_STEP = len(_EP_COLS), len(_STEP_COLS)
+
+
+def _lock_statement(*, for_update: bool, with_inference: bool) -> Select[Any]:
+    """The episode (locked), its step of turn ``:turn`` and kind ``:kind`` and, with
+    ``with_inference``, that turn's inference step: one query, every column of each, with
+    Core (built once; executing it again compiles nothing)."""
+    ep = Episode.__table__
+    step = Step.__table__.alias("step")
+    joined = ep.outerjoin(
+        step,
+        and_(
+            step.c.episode_id == ep.c.id, step.c.turn == bindparam("turn"), step.c.kind == bindparam("kind")
+        ),
+    )
+    columns = [*(ep.c[c] for c in _EP_COLS), *(step.c[c] for c in _STEP_COLS)]
+    if with_inference:
+        inference = Step.__table__.alias("inference")
+        joined = joined.outerjoin(
+            inference,
+            and_(
+                inference.c.episode_id == ep.c.id,
+                inference.c.turn == bindparam("turn"),
+                inference.c.kind == "inference",
+            ),
+        )
+        columns += [inference.c[c] for c in _STEP_COLS]
+    query = select(*columns).select_from(joined).where(ep.c.id == bindparam("episode_id"))
+    return query.with_for_update(of=ep) if for_update else query
+
+
+def _lock_many_statement(*, for_update: bool, with_inference: bool) -> Select[Any]:
+    """As :func:`_lock_statement` for the episodes ``:ids`` (locked in id order), each
+    with its step of kind ``:kind`` of the episode's current turn (a result of another
+    turn is not awaited, whatever its step)."""
+    ep = Episode.__table__
+    step = Step.__table__.alias("step")
+    joined = ep.outerjoin(
+        step, and_(step.c.episode_id == ep.c.id, step.c.turn == ep.c.turn, step.c.kind == bindparam("kind"))
+    )
+    columns = [*(ep.c[c] for c in _EP_COLS), *(step.c[c] for c in _STEP_COLS)]
+    if with_inference:
+        inference = Step.__table__.alias("inference")
+        joined = joined.outerjoin(
+            inference,
+            and_(
+                inference.c.episode_id == ep.c.id,
+                inference.c.turn == ep.c.turn,
+                inference.c.kind == "inference",
+            ),
+        )
+        columns += [inference.c[c] for c in _STEP_COLS]
+    query = (
+        select(*columns)
+        .select_from(joined)
+        .where(ep.c.id.in_(bindparam("ids", expanding=True)))
+        .order_by(ep.c.id)
+    )
+    return query.with_for_update(of=ep) if for_update else query
+
+
+_LOCK_MANY_STATEMENTS = {
+    (for_update, with_inference): _lock_many_statement(for_update=for_update, with_inference=with_inference)
+    for for_update in (True, False)
+    for with_inference in (True, False)
+}
+_LOCK_STATEMENTS = {
+    (for_update, with_inference): _lock_statement(for_update=for_update, with_inference=with_inference)
+    for for_update in (True, False)
+    for with_inference in (True, False)
+}
+
+
+def _step_row(values: tuple[Any, ...]) -> StepRow | None:
+    return StepRow(dict(zip(_STEP_COLS, values, strict=True))) if values[0] is not None else None
+
+
 def init_metrics() -> None:
     """Every episode state, failure reason (the prefix before ":" that transition_episode
     counts), step kind and expired-lease kind exports 0 from the start (metrics.zero says why)."""
@@ -98,6 +179,16 @@ def init_metrics() -> None:
     metrics.zero(metrics.EPISODE_FAILURES, "lease_expired", *(f"{k}_error" for k in kinds))
     metrics.zero(metrics.TURN_SECONDS, *kinds)
     metrics.zero(metrics.STEP_LEASES_EXPIRED, *kinds, "trajectory")  # trajectory: the scheduler's
+
+
+def _inference_error(msg: InferenceResult) -> str | None:
+    """Why an inference result cannot be taken (its own error, or logprobs that do not match
+    its tokens), or None."""
+    if msg.error:
+        return msg.error
+    if len(msg.logprobs) != len(msg.token_ids):
+        return f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens"
+    return None
 
 
 class EpisodeEngine:
@@ -211,23 +302,33 @@ class EpisodeEngine:
         return utcnow() + timedelta(seconds=lease + extra_s)
 
     def _issue(
-        self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0
-    ) -> Step:
-        """Write a new step (attempt 0) and its command; the episode waits on it."""
+        self,
+        session: AsyncSession,
+        ep: Episode | EpisodeRow,
+        kind: str,
+        message: Message,
+        *,
+        extra_s: float = 0.0,
+    ) -> None:
+        """Write a new step (attempt 0) and its command; the episode waits on it. An ORM
+        episode's step goes into the session; a Core row's into its ``new_steps``, which
+        ``write_rows`` inserts."""
         lease = self._lease(kind, extra_s)
-        step = new_step(
+        values = new_step_values(
             episode_id=ep.id,
             turn=message.turn or 0,
             kind=kind,
             request=message.model_dump(mode="json"),
             lease_expires_at=lease,
         )
-        session.add(step)
+        if isinstance(ep, EpisodeRow):
+            ep.new_steps.append(values)
+        else:
+            session.add(Step(**values))
         ep.turn = message.turn or 0
         ep.attempt = 0
         ep.lease_expires_at = lease
         enqueue(session, TOPIC_FOR_KIND[kind], message)
-        return step
 
     def _ignore(self, why: str, message: Message) -> None:
         self.ignored += 1
@@ -249,9 +350,69 @@ class EpisodeEngine:
             return None
         return ep, step
 
+    async def _lock_rows(
+        self, conn: AsyncConnection, episode_id: str | None, turn: int, kind: str, *, with_inference: bool
+    ) -> tuple[EpisodeRow | None, StepRow | None, StepRow | None]:
+        """The episode, locked, its step of ``turn`` and ``kind`` and (``with_inference``)
+        that turn's inference step, as Core rows, in one query."""
+        if not episode_id:
+            return None, None, None
+        query = _LOCK_STATEMENTS[(not self.db.is_sqlite, with_inference)]
+        row = (await conn.execute(query, {"episode_id": episode_id, "turn": turn, "kind": kind})).first()
+        if row is None:
+            return None, None, None
+        values = tuple(row)
+        ep = EpisodeRow(dict(zip(_EP_COLS, values[:_N_EP], strict=True)))
+        step = _step_row(values[_N_EP : _N_EP + _N_STEP])
+        inference = _step_row(values[_N_EP + _N_STEP :]) if with_inference else None
+        return ep, step, inference
+
+    async def _lock_many(
+        self, conn: AsyncConnection, episode_ids: list[str], kind: str, *, with_inference: bool
+    ) -> dict[str, tuple[EpisodeRow, StepRow | None, StepRow | None]]:
+        """:meth:`_lock_rows` for several episodes in one query (locked in id order), each
+        with its step of ``kind`` of its current turn."""
+        query = _LOCK_MANY_STATEMENTS[(not self.db.is_sqlite, with_inference)]
+        found: dict[str, tuple[EpisodeRow, StepRow | None, StepRow | None]] = {}
+        for row in await conn.execute(query, {"ids": episode_ids, "kind": kind}):
+            values = tuple(row)
+            ep = EpisodeRow(dict(zip(_EP_COLS, values[:_N_EP], strict=True)))
+            step = _step_row(values[_N_EP : _N_EP + _N_STEP])
+            inference = _step_row(values[_N_EP + _N_STEP :]) if with_inference else None
+            found[ep.id] = (ep, step, inference)
+        return found
+
+    async def _awaited_rows(
+        self,
+        session: AsyncSession,
+        conn: AsyncConnection,
+        msg: Message,
+        kind: str,
+        state: EpisodeState,
+        error: str | None,
+        *,
+        with_inference: bool = False,
+    ) -> tuple[EpisodeRow, StepRow, StepRow | None] | None:
+        """As :meth:`_awaited`, on Core rows: the locked episode, the step this result
+        answers and (``with_inference``) that turn's inference step, or None when the result
+        is stale, a duplicate, or an error (then the retry or failure is written here)."""
+        ep, step, inference = await self._lock_rows(
+            conn, msg.episode_id, msg.turn or 0, kind, with_inference=with_inference
+        )
+        why = self._is_current(ep, step, msg, state)
+        if why:
+            self._ignore(why, msg)
+            return None
+        assert ep is not None and step is not None
+        if error:
+            self.retry_or_fail(session, ep, step, f"{kind}_error: {error}")
+            await write_rows(conn, ep, step)
+            return None
+        return ep, step, inference
+
     @staticmethod
     def _is_current(
-        ep: Episode | None, step: Step | None, message: Message, state: EpisodeState
+        ep: Episode | EpisodeRow | None, step: Step | StepRow | None, message: Message, state: EpisodeState
     ) -> str | None:
         """None if ``message`` is the result the episode waits for, else why not."""
         if ep is None:
@@ -266,7 +427,9 @@ class EpisodeEngine:
             return f"stale attempt {message.attempt} (current {step.attempt})"
         return None
 
-    def retry_or_fail(self, session: AsyncSession, ep: Episode, step: Step, reason: str) -> bool:
+    def retry_or_fail(
+        self, session: AsyncSession, ep: Episode | EpisodeRow, step: Step | StepRow, reason: str
+    ) -> bool:
         """Re-send ``step`` with the next attempt, or fail the episode once attempts run out.
         Returns True when it retried."""
         if step.attempt + 1 < self.settings.max_step_attempts:
@@ -330,7 +493,7 @@ class EpisodeEngine:
         return ep
 
     def _inference_request(
-        self, ep: Episode, spec: JobSpec, prompt_ids: list[int], *, turn: int
+        self, ep: Episode | EpisodeRow, spec: JobSpec, prompt_ids: list[int], *, turn: int
     ) -> InferenceRequest:
         s = spec.policy.sampling
         return InferenceRequest(
@@ -351,109 +514,180 @@ class EpisodeEngine:
     # --- results -------------------------------------------------------------------------------
     async def on_inference(self, msg: InferenceResult) -> None:
         async with self.tx() as session:
-            mismatch = len(msg.logprobs) != len(msg.token_ids)
-            error = msg.error or (
-                f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens" if mismatch else None
-            )
-            awaited = await self._awaited(session, msg, "inference", E.awaiting_action, error)
+            conn = await session.connection()
+            error = _inference_error(msg)
+            awaited = await self._awaited_rows(session, conn, msg, "inference", E.awaiting_action, error)
             if awaited is None:
                 return
-            ep, step = awaited
-            ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(step.request, msg)
+            ep, step, _ = awaited
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
-            text = msg.text or self.tok_of(spec).decode(msg.token_ids)
-            action = env.parse(text, turn=step.turn)
-            complete_step(
-                step,
-                {
-                    "token_ids": msg.token_ids,
-                    "logprobs": msg.logprobs,
-                    "text": text,
-                    "finish_reason": msg.finish_reason,
-                    "policy_version": msg.policy_version,
-                    "backend": msg.backend,
-                    "answered_at": msg.occurred_at.isoformat(),
-                    "action": action.to_dict(),
-                },
+            self._take_inference(session, ep, step, msg, spec, env)
+            await write_rows(conn, ep, step)
+
+    async def on_results(self, messages: Sequence[InferenceResult | SandboxResult]) -> None:
+        """Inference results, or sandbox results, of distinct episodes, in one transaction:
+        one query locks their episodes (in id order) with the steps they answer, each result
+        is checked, taken or ignored exactly as :meth:`on_inference` / :meth:`on_sandbox`
+        take it alone, and the writes go out in bulk (one statement per kind of change),
+        the outbox rows with them. Any error rolls all of them back and is raised: the
+        caller then hands the results over one at a time (``temper.bus`` does)."""
+        if not messages:
+            return
+        kind = "inference" if isinstance(messages[0], InferenceResult) else "sandbox"
+        wanted = InferenceResult if kind == "inference" else SandboxResult
+        ids = [m.episode_id for m in messages]
+        if not all(isinstance(m, wanted) for m in messages) or None in ids or len(set(ids)) < len(ids):
+            raise ValueError("a batch is results of one kind, of distinct episodes")
+        sandbox = kind == "sandbox"
+        state = E.acting if sandbox else E.awaiting_action
+        async with self.tx() as session:
+            conn = await session.connection()
+            locked = await self._lock_many(conn, [i for i in ids if i], kind, with_inference=sandbox)
+            touched: list[EpisodeRow | StepRow | None] = []
+            for msg in messages:
+                ep, step, inference = locked.get(msg.episode_id or "", (None, None, None))
+                with log_context(
+                    job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt
+                ):
+                    why = self._is_current(ep, step, msg, state)
+                    if why:
+                        self._ignore(why, msg)
+                        continue
+                    assert ep is not None and step is not None
+                    touched += [ep, step]
+                    error = _inference_error(msg) if isinstance(msg, InferenceResult) else msg.error
+                    if error:
+                        self.retry_or_fail(session, ep, step, f"{kind}_error: {error}")
+                        continue
+                    spec = await self.spec_of(session, ep.job_id)
+                    env = self.environment(spec, await self.task_of(session, ep.task_id))
+                    if isinstance(msg, SandboxResult):
+                        assert inference is not None
+                        self._take_sandbox(session, ep, step, inference, msg, spec, env)
+                        touched.append(inference)
+                    else:
+                        self._take_inference(session, ep, step, msg, spec, env)
+            await write_rows(conn, *touched)
+
+    def _take_inference(
+        self,
+        session: AsyncSession,
+        ep: EpisodeRow,
+        step: StepRow,
+        msg: InferenceResult,
+        spec: JobSpec,
+        env: Environment,
+    ) -> None:
+        """Record the awaited inference result on ``step`` and issue what comes next."""
+        ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(step.request, msg)
+        text = msg.text or self.tok_of(spec).decode(msg.token_ids)
+        action = env.parse(text, turn=step.turn)
+        complete_step(
+            step,
+            {
+                "token_ids": msg.token_ids,
+                "logprobs": msg.logprobs,
+                "text": text,
+                "finish_reason": msg.finish_reason,
+                "policy_version": msg.policy_version,
+                "backend": msg.backend,
+                "answered_at": msg.occurred_at.isoformat(),
+                "action": action.to_dict(),
+            },
+        )
+        self._observe_step(step)
+        if ep.behaviour_version is None or msg.policy_version < ep.behaviour_version:
+            ep.behaviour_version = msg.policy_version
+        turn = step.turn
+        if action.kind == "sandbox":
+            assert action.command is not None
+            limits = env.limits or None
+            request = SandboxRequest(
+                job_id=ep.job_id,
+                episode_id=ep.id,
+                turn=turn,
+                session_id=ep.session_id or ep.id,
+                action=action.command,
+                more_actions=action.more or [],
+                limits=limits,
+                snapshot_key=ep.snapshot_key,
+                files=env.setup_files() if ep.snapshot_key is None else {},
+                setup=env.setup_actions() if ep.snapshot_key is None else [],
             )
-            self._observe_step(step)
-            if ep.behaviour_version is None or msg.policy_version < ep.behaviour_version:
-                ep.behaviour_version = msg.policy_version
-            turn = step.turn
-            if action.kind == "sandbox":
-                assert action.command is not None
-                limits = env.limits or None
-                request = SandboxRequest(
-                    job_id=ep.job_id,
-                    episode_id=ep.id,
-                    turn=turn,
-                    session_id=ep.session_id or ep.id,
-                    action=action.command,
-                    more_actions=action.more or [],
-                    limits=limits,
-                    snapshot_key=ep.snapshot_key,
-                    files=env.setup_files() if ep.snapshot_key is None else {},
-                    setup=env.setup_actions() if ep.snapshot_key is None else [],
-                )
-                # The lease covers the actions' own wall-clock limits on top of the hop.
-                actions = 1 + len(action.more or [])
-                wall_s = actions * float((limits or {}).get("wall_s", 0.0))
-                self._issue(session, ep, "sandbox", request, extra_s=wall_s)
-                transition_episode(session, ep, E.acting)
-                return
-            if not action.format_ok:
-                ep.format_errors = (ep.format_errors or 0) + 1
-            if action.kind == "submit" or env.is_last_turn(turn):
-                self._issue_reward(session, ep, spec, env, action, final_text=text)
-                return
-            # A malformed action: its error is the observation, and the model tries again.
-            observations = env.observe(action, None)
-            step.result = {**(step.result or {}), "observation": observations[0]}
-            self._next_turn(session, ep, spec, env, step, observations)
+            # The lease covers the actions' own wall-clock limits on top of the hop.
+            actions = 1 + len(action.more or [])
+            wall_s = actions * float((limits or {}).get("wall_s", 0.0))
+            self._issue(session, ep, "sandbox", request, extra_s=wall_s)
+            transition_episode(session, ep, E.acting)
+            return
+        if not action.format_ok:
+            ep.format_errors = (ep.format_errors or 0) + 1
+        if action.kind == "submit" or env.is_last_turn(turn):
+            self._issue_reward(session, ep, spec, env, action, final_text=text)
+            return
+        # A malformed action: its error is the observation, and the model tries again.
+        observations = env.observe(action, None)
+        step.result = {**(step.result or {}), "observation": observations[0]}
+        self._next_turn(session, ep, spec, env, step, observations)
 
     async def on_sandbox(self, msg: SandboxResult) -> None:
         async with self.tx() as session:
-            awaited = await self._awaited(session, msg, "sandbox", E.acting, msg.error)
+            conn = await session.connection()
+            awaited = await self._awaited_rows(
+                session, conn, msg, "sandbox", E.acting, msg.error, with_inference=True
+            )
             if awaited is None:
                 return
-            ep, step = awaited
-            ep.sandbox_cpu_s = (ep.sandbox_cpu_s or 0.0) + sandbox_cpu_s(msg)
-            ep.sandbox_memory_gb_s = (ep.sandbox_memory_gb_s or 0.0) + sandbox_memory_gb_s(msg)
+            ep, step, inference = awaited
+            assert inference is not None and inference.result is not None
             spec = await self.spec_of(session, ep.job_id)
             env = self.environment(spec, await self.task_of(session, ep.task_id))
-            inference = await self._step(session, ep.id, step.turn, "inference")
-            assert inference is not None and inference.result is not None
-            action = ParsedAction.from_dict(inference.result["action"])
-            observations = env.observe(action, msg.result, msg.more_results)
-            complete_step(
-                step,
-                {
-                    "exec": msg.result,
-                    **({"more_exec": msg.more_results} if msg.more_results else {}),
-                    "worker": msg.worker,
-                    "snapshot_key": msg.snapshot_key,
-                    "observation": "\n\n".join(observations),
-                    **({"observations": observations} if len(observations) > 1 else {}),
-                },
-            )
-            self._observe_step(step)
-            if msg.snapshot_key:
-                ep.snapshot_key = msg.snapshot_key
-            if action.submit_after or env.is_last_turn(step.turn):
-                self._issue_reward(
-                    session, ep, spec, env, action, final_text=inference.result.get("text", "")
-                )
-                return
-            self._next_turn(session, ep, spec, env, inference, observations)
+            self._take_sandbox(session, ep, step, inference, msg, spec, env)
+            await write_rows(conn, ep, step, inference)
+
+    def _take_sandbox(
+        self,
+        session: AsyncSession,
+        ep: EpisodeRow,
+        step: StepRow,
+        inference: StepRow,
+        msg: SandboxResult,
+        spec: JobSpec,
+        env: Environment,
+    ) -> None:
+        """Record the awaited sandbox result on ``step`` and issue what comes next."""
+        assert inference.result is not None
+        ep.sandbox_cpu_s = (ep.sandbox_cpu_s or 0.0) + sandbox_cpu_s(msg)
+        ep.sandbox_memory_gb_s = (ep.sandbox_memory_gb_s or 0.0) + sandbox_memory_gb_s(msg)
+        action = ParsedAction.from_dict(inference.result["action"])
+        observations = env.observe(action, msg.result, msg.more_results)
+        complete_step(
+            step,
+            {
+                "exec": msg.result,
+                **({"more_exec": msg.more_results} if msg.more_results else {}),
+                "worker": msg.worker,
+                "snapshot_key": msg.snapshot_key,
+                "observation": "\n\n".join(observations),
+                **({"observations": observations} if len(observations) > 1 else {}),
+            },
+        )
+        self._observe_step(step)
+        if msg.snapshot_key:
+            ep.snapshot_key = msg.snapshot_key
+        if action.submit_after or env.is_last_turn(step.turn):
+            self._issue_reward(session, ep, spec, env, action, final_text=inference.result.get("text", ""))
+            return
+        self._next_turn(session, ep, spec, env, inference, observations)
 
     def _next_turn(
         self,
         session: AsyncSession,
-        ep: Episode,
+        ep: EpisodeRow,
         spec: JobSpec,
         env: Environment,
-        inference: Step,
+        inference: StepRow,
         observations: list[str],
     ) -> None:
         """Extend the conversation token-wise with ``observations`` (one message per tool
@@ -480,7 +714,7 @@ class EpisodeEngine:
     def _issue_reward(
         self,
         session: AsyncSession,
-        ep: Episode,
+        ep: EpisodeRow,
         spec: JobSpec,
         env: Environment,
         action: ParsedAction,
@@ -596,7 +830,7 @@ class EpisodeEngine:
             log_event(log, "episode scored", reward=msg.reward, passed=ok, turns=ep.turn + 1)
 
     @staticmethod
-    def _observe_step(step: Step) -> None:
+    def _observe_step(step: Step | StepRow) -> None:
         if step.created_at is not None and step.completed_at is not None:
             seconds = (step.completed_at - step.created_at).total_seconds()
             metrics.TURN_SECONDS.labels(step.kind).observe(max(0.0, seconds))

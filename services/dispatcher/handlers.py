@@ -33,6 +33,20 @@ def result_topics(engine: EpisodeEngine) -> Handlers:
     }
 
 
+def result_batches(engine: EpisodeEngine) -> Handlers:
+    """Batches of ``inference.results`` or ``sandbox.results`` (distinct episodes, one
+    partition's fetch) in one transaction each; reward results go one at a time (each
+    writes its trajectory to object storage between two transactions)."""
+
+    async def on_inference_results(messages: list[InferenceResult]) -> None:
+        await engine.on_results(messages)
+
+    async def on_sandbox_results(messages: list[SandboxResult]) -> None:
+        await engine.on_results(messages)
+
+    return {Topics.INFERENCE_RESULTS: on_inference_results, Topics.SANDBOX_RESULTS: on_sandbox_results}
+
+
 def policy_topics(scheduler: Scheduler) -> Handlers:
     """``policy.updates``, in its own group."""
 

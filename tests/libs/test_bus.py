@@ -229,6 +229,45 @@ async def test_kafka_handles_other_keys_of_a_batch_while_one_key_waits_and_keeps
 
 
 @pytest.mark.kafka
+@pytest.mark.parametrize("batch_fails", [False, True])
+async def test_kafka_offers_a_batch_the_first_record_of_each_key_and_the_rest_go_one_by_one_in_order(
+    kafka_bootstrap, unique: str, batch_fails: bool
+):
+    bus = KafkaBus(bootstrap=kafka_bootstrap, partitions=1)
+    await bus.start()
+    topic = f"t-batch-{unique}"
+    await bus.create_topics([topic], partitions=1)
+    one: list[tuple[str, int]] = []
+    batches: list[list[tuple[str, int]]] = []
+
+    async def handle(record: Record) -> None:
+        one.append((record.key or "", int(record.value)))
+
+    async def handle_batch(records: list[Record]) -> bool:
+        batch = [(r.key or "", int(r.value)) for r in records]
+        if batch_fails:
+            raise RuntimeError("the batch's transaction failed")
+        batches.append(batch)
+        return True
+
+    try:
+        # Sent before the group joins, so the first fetch brings them as one batch.
+        for key, value in [("a", 0), ("b", 0), ("a", 1), ("c", 0), ("b", 1)]:
+            await bus.send(topic, str(value).encode(), key=key)
+        await bus.subscribe([topic], f"g-{unique}", handle, concurrency=4, batch_handler=handle_batch)
+        if batch_fails:  # nothing was taken: every record alone, each key in order
+            await wait_for(lambda: len(one) == 5)
+            assert sorted(one) == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0)]
+            assert [v for k, v in one if k == "a"] == [0, 1] and [v for k, v in one if k == "b"] == [0, 1]
+        else:
+            await wait_for(lambda: len(one) == 2)
+            assert batches == [[("a", 0), ("b", 0), ("c", 0)]]
+            assert sorted(one) == [("a", 1), ("b", 1)], "each record once: the batch's, then the rest"
+    finally:
+        await bus.stop()
+
+
+@pytest.mark.kafka
 async def test_kafka_namespaces_keep_deployments_on_one_cluster_apart(kafka_bootstrap, unique: str):
     staging = KafkaBus(
         bootstrap=kafka_bootstrap,

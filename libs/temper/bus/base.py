@@ -34,6 +34,11 @@ class Record:
 
 
 Handler = Callable[[Record], Awaitable[None]]
+# Handles several records of one partition at once, all or nothing: True once every
+# record's effect is committed; False (declined) or an exception having committed none,
+# and then each record goes through the handler alone, with the usual retries. See
+# Bus.subscribe.
+BatchHandler = Callable[[list[Record]], Awaitable[bool]]
 
 
 class Consumer(ABC):
@@ -85,11 +90,22 @@ class Bus(ABC):
 
     @abstractmethod
     async def subscribe(
-        self, topics: Iterable[str], group: str, handler: Handler, *, concurrency: int = 1
+        self,
+        topics: Iterable[str],
+        group: str,
+        handler: Handler,
+        *,
+        concurrency: int = 1,
+        batch_handler: BatchHandler | None = None,
     ) -> Consumer:
         """Join ``group`` and run ``handler`` for each record. Records of one key are
         handled in order (with ``concurrency`` 1, all records of a partition are); up to
-        ``concurrency`` records are handled at once."""
+        ``concurrency`` records are handled at once.
+
+        ``batch_handler``, if given, may be offered several records of one partition, of
+        distinct keys, at once (a bus that fetches in batches does: Kafka); if it declines
+        (returns False) or raises, each of them goes to ``handler`` alone instead. A bus
+        may ignore it."""
 
     @abstractmethod
     async def check(self) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from aiokafka.partitioner import DefaultPartitioner
 
 from temper import metrics
-from temper.bus.base import Bus, Consumer, Delivery, DependencyWait, Handler, Record
+from temper.bus.base import BatchHandler, Bus, Consumer, Delivery, DependencyWait, Handler, Record
 from temper.events import Message, Topics
 
 TopicPartition = tuple[str, int]
@@ -71,7 +71,13 @@ class InProcessBus(Bus):
             self._changed.notify_all()
 
     async def subscribe(
-        self, topics: Iterable[str], group: str, handler: Handler, *, concurrency: int = 1
+        self,
+        topics: Iterable[str],
+        group: str,
+        handler: Handler,
+        *,
+        concurrency: int = 1,
+        batch_handler: BatchHandler | None = None,  # records are handled one at a time here
     ) -> Consumer:
         topics = tuple(topics)
         missing = [t for t in topics if t not in self.topics]

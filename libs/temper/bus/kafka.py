@@ -16,7 +16,7 @@ from aiokafka.errors import CommitFailedError, KafkaError, TopicAlreadyExistsErr
 from aiokafka.structs import OffsetAndMetadata
 
 from temper import metrics
-from temper.bus.base import Bus, BusUnavailable, Consumer, Delivery, Handler, Record
+from temper.bus.base import BatchHandler, Bus, BusUnavailable, Consumer, Delivery, Handler, Record
 from temper.bus.errors import KAFKA
 from temper.events import Message, Topics
 from temper.logs import dependency_down, dependency_failed, dependency_recovered, log_event
@@ -141,9 +141,15 @@ class KafkaBus(Bus):
         metrics.BUS_PRODUCED.labels(topic).inc()
 
     async def subscribe(
-        self, topics: Iterable[str], group: str, handler: Handler, *, concurrency: int = 1
+        self,
+        topics: Iterable[str],
+        group: str,
+        handler: Handler,
+        *,
+        concurrency: int = 1,
+        batch_handler: BatchHandler | None = None,
     ) -> Consumer:
-        consumer = KafkaConsumer(self, tuple(topics), group, handler, concurrency)
+        consumer = KafkaConsumer(self, tuple(topics), group, handler, concurrency, batch_handler)
         await consumer.start()
         self._consumers.append(consumer)
         return consumer
@@ -162,17 +168,29 @@ class KafkaConsumer(Consumer):
     ``concurrency`` at once over all partitions (with ``concurrency`` 1, strictly in
     partition order). A worker commits after each batch it handled. A partition whose
     worker falls ``MAX_QUEUED_BATCHES`` behind is paused at the broker until it catches up.
+
+    With a ``batch_handler``, a fetched batch's first record of each key (when there are
+    several keys) goes to it in one call first; the records it took are done, the others
+    (later records of a key) follow one by one, in order. If it raises, it took none, and
+    every record goes to the handler alone, as without it (so too if it declines them).
     """
 
     MAX_QUEUED_BATCHES = 2
 
     def __init__(
-        self, bus: KafkaBus, topics: tuple[str, ...], group: str, handler: Handler, concurrency: int
+        self,
+        bus: KafkaBus,
+        topics: tuple[str, ...],
+        group: str,
+        handler: Handler,
+        concurrency: int,
+        batch_handler: BatchHandler | None = None,
     ):
         self.bus = bus
         self.topics = topics
         self.group = group
         self.delivery = Delivery(bus, group, handler, self.topics)
+        self.batch_handler = batch_handler
         self.concurrency = max(1, concurrency)
         self._slots = asyncio.Semaphore(self.concurrency)
         self._paused = False
@@ -249,10 +267,13 @@ class KafkaConsumer(Consumer):
         Records of one key are handled in order; with ``concurrency`` above 1, records of
         different keys in the batch are handled at the same time."""
         tp = worker.tp
-        chains: dict[bytes | None, list[ConsumerRecord]] = {}
-        for rec in records:
-            chains.setdefault(rec.key if self.concurrency > 1 else None, []).append(rec)
         handled: set[int] = set()
+        rest = records
+        if self.batch_handler is not None and not worker.finishing and not self._paused:
+            rest = await self._handle_batch(tp, records, handled)
+        chains: dict[bytes | None, list[ConsumerRecord]] = {}
+        for rec in rest:
+            chains.setdefault(rec.key if self.concurrency > 1 else None, []).append(rec)
         failed = False
 
         async def run_chain(chain: list[ConsumerRecord]) -> None:
@@ -296,6 +317,45 @@ class KafkaConsumer(Consumer):
         # Undo a backlog pause (never the pause() of the subscriber).
         if not self._paused and not self._backlogged(tp) and tp in self._consumer.assignment():
             self._consumer.resume(tp)
+
+    async def _handle_batch(
+        self, tp: TopicPartition, records: list[ConsumerRecord], handled: set[int]
+    ) -> list[ConsumerRecord]:
+        """Offer the first record of each key to the batch handler in one call (when there
+        are two keys or more); adds what it took to ``handled`` and returns the records
+        left for the handler, in order: all of them if it raised."""
+        assert self.batch_handler is not None
+        first: list[ConsumerRecord] = []
+        rest: list[ConsumerRecord] = []
+        keys: set[bytes | None] = set()
+        for rec in records:
+            if rec.key is None or rec.key in keys:
+                rest.append(rec)
+            else:
+                keys.add(rec.key)
+                first.append(rec)
+        if len(first) < 2:
+            return records
+        topic = self.bus.plain_name(tp.topic)
+        try:
+            async with self._slots:
+                if not await self.batch_handler([_record(rec, topic) for rec in first]):
+                    return records
+        except Exception as exc:  # noqa: BLE001 - nothing was taken: one by one, with the usual retries
+            log_event(
+                log,
+                "batch not handled; handling its records one by one",
+                logging.INFO,
+                topic=topic,
+                partition=tp.partition,
+                records=len(first),
+                group=self.group,
+                error=repr(exc),
+            )
+            return records
+        metrics.BUS_CONSUMED.labels(topic, self.group).inc(len(first))
+        handled.update(rec.offset for rec in first)
+        return rest
 
     async def _commit(self, tp: TopicPartition, offset: int) -> None:
         try:

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from sqlalchemy import event, text
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from temper.settings import DatabaseSettings
 
@@ -29,10 +32,14 @@ class Database:
             self._ensure_sqlite_dir(settings.url)
             kwargs["connect_args"] = {"timeout": 30}
         else:
-            kwargs.update(pool_size=settings.pool_size, pool_pre_ping=True)
+            kwargs.update(pool_size=settings.pool_size)
         self.engine: AsyncEngine = create_async_engine(settings.url, **kwargs)
         if settings.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
+        else:
+            pool = self.engine.sync_engine.pool
+            event.listen(pool, "checkin", _idle_from_now)
+            event.listen(pool, "checkout", _ping_if_idle)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
 
     @property
@@ -64,6 +71,31 @@ class Database:
 
     async def dispose(self) -> None:
         await self.engine.dispose()
+
+
+# A connection that sat in the pool longer than this is pinged before it is handed out.
+# SQLAlchemy's pool_pre_ping pings on every checkout, which on asyncpg is three round
+# trips (BEGIN, the ping, ROLLBACK) before each transaction: as many as the dispatcher's
+# whole result handling. A connection used a moment ago is almost surely alive; if the
+# server went away in that moment, the first statement fails with a disconnect error,
+# SQLAlchemy invalidates the pool, and callers see the outage they would see anyway (the
+# bus retries the record, temper.bus.errors.unavailable_dependency).
+PING_IDLE_S = 1.0
+_IDLE_SINCE = "temper.idle_since"
+
+
+def _idle_from_now(_dbapi_conn: object, record: ConnectionPoolEntry) -> None:
+    record.info[_IDLE_SINCE] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_conn: object, record: ConnectionPoolEntry, _proxy: object) -> None:
+    since = record.info.pop(_IDLE_SINCE, None)
+    if since is None or time.monotonic() - since < PING_IDLE_S:
+        return  # just connected, or in use a moment ago
+    try:
+        dbapi_conn.ping()  # type: ignore[attr-defined]  # the asyncpg adapter's, as pool_pre_ping uses
+    except Exception as exc:  # noqa: BLE001 - any failure: the pool replaces the connection and retries
+        raise DisconnectionError(f"pooled connection failed its ping: {exc!r}") from exc
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
