@@ -208,8 +208,11 @@ async def test_two_ranks_train_a_job(
         for group in (g1, g2):
             assert one.step([[m.trajectory for m in group]]).updated
         initial = create_model("tiny", seed=0).state_dict()
+        # Float sums in another order (the order the trajectories arrive in, which Kafka does
+        # not fix) differ after AdamW by 6.6e-6 or 1.3e-5 here, run to run (1e-5 failed about
+        # one run in four); the later comparison after four steps uses 5e-5 too.
         for name, value in served.items():
-            assert torch.allclose(value, one.model.state_dict()[name], atol=1e-5, rtol=0), name
+            assert torch.allclose(value, one.model.state_dict()[name], atol=5e-5, rtol=0), name
             assert not torch.equal(value, initial[name]), f"{name} was trained"
 
         # the job goes on in one process (no torchrun): version 1's DCP state, saved by two
@@ -232,8 +235,11 @@ async def test_two_ranks_train_a_job(
         for group in (g3, g4):
             assert one.step([[m.trajectory for m in group]]).updated
         served = load(await store.get(key.replace("v1/manifest.json", "v2/model.safetensors")))
+        # Float sums in another order (the order the trajectories arrive in, which Kafka does
+        # not fix) differ after AdamW by 6.6e-6 or 1.3e-5 here, run to run (1e-5 failed about
+        # one run in four); the later comparison after four steps uses 5e-5 too.
         for name, value in served.items():
-            assert torch.allclose(value, one.model.state_dict()[name], atol=1e-5, rtol=0), name
+            assert torch.allclose(value, one.model.state_dict()[name], atol=5e-5, rtol=0), name
     finally:
         trainer.terminate()
         single.terminate()
