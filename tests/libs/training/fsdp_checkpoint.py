@@ -27,7 +27,7 @@ from temper.policy import create_model
 from temper.storage import LocalStore
 from temper.training import Learner, LearnerConfig
 from temper.training.distributed import full_weights, shard
-from tests.libs.training.batches import fixed_batch
+from tests.libs.training.batches import fixed_batch, leave_process_group
 
 PREFIX = "tenants/t/jobs/j/versions/v1"
 CONFIG = LearnerConfig(learning_rate=1e-3, micro_batch_tokens=108)
@@ -68,7 +68,7 @@ async def save(out: Path) -> None:
                  "plan_optimizer": plan.optimizer, "moments_all_ranks": int(moments)}
             )
         )  # fmt: skip
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 async def load(out: Path) -> None:

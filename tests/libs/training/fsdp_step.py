@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from temper.policy import create_model
 from temper.training import Learner, LearnerConfig, samples_from_groups
 from temper.training.distributed import full_norm, shard, share
-from tests.libs.training.batches import fixed_batch
+from tests.libs.training.batches import fixed_batch, leave_process_group
 
 
 def main(out: Path, budget: int) -> None:
@@ -59,7 +59,7 @@ def main(out: Path, budget: int) -> None:
             json.dumps({"loss": float(loss), "grad_norm": grad_norm, "world": world})
         )
     if world > 1:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":
