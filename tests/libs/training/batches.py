@@ -1,9 +1,12 @@
-"""A fixed batch for the objective and memory tests, and a plain (numpy) logprob reference."""
+"""A fixed batch for the objective and memory tests, a plain (numpy) logprob reference, and
+the way a torchrun test script's rank ends."""
 
 from __future__ import annotations
 
 import math
+import os
 import random
+import sys
 
 import numpy as np
 import torch
@@ -60,13 +63,10 @@ def fixed_batch(policy, seed: int = 5) -> list[list[Trajectory]]:
 
 def leave_process_group() -> None:
     """End a gloo rank of a test script: wait for every rank, then exit without tearing
-    the group down. ``destroy_process_group`` and the interpreter's finalization with
-    gloo's threads alive each aborted a rank now and then ("terminate called without an
-    active exception", about 1 run in 50 here, once in CI); the results are written by
-    then, and os._exit skips both."""
-    import os
-    import sys
-
+    the group down. A rank sometimes aborted after its results were written ("terminate
+    called without an active exception": 1 run in 100 here, once in CI), in
+    ``destroy_process_group`` or in the interpreter's finalization with gloo's threads
+    alive; os._exit skips both."""
     import torch.distributed as dist
 
     dist.barrier()
