@@ -117,11 +117,19 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings, 
             assert all(0 < t < 30 for t in train_s)
         async with runtime.db.session() as s:
             assert (await s.get(Job, "job-a")).policy_version == 2
-            outbox = (
-                await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))
-            ).scalars()
-            assert all(r.published_at is not None for r in outbox)
 
+        async def updates_marked_sent() -> bool:
+            # the relay sends a row, then marks it in the same transaction: a consumer can
+            # hold the message a moment before the mark is committed
+            async with runtime.db.session() as s:
+                rows = list(
+                    (
+                        await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))
+                    ).scalars()
+                )
+            return len(rows) == 2 and all(r.published_at is not None for r in rows)
+
+        await wait_for(updates_marked_sent, what="both policy updates marked sent")
 
         assert [u.version for u in updates] == [1, 2] and [u.step for u in updates] == [1, 2]
         assert all(u.job_id == "job-a" for u in updates)
