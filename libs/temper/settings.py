@@ -104,6 +104,7 @@ class ApiSettings(BaseModel):
 
 class RewardScorerSettings(BaseModel):
     group: str = Field("reward-scorer", description="consumer group of reward.requests, shared by replicas")
+    concurrency: int = Field(8, ge=1, description="submissions scored at once by one scorer")
 
 
 class DispatcherSettings(BaseModel):

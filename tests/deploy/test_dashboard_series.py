@@ -58,11 +58,11 @@ SandboxManager(SandboxSettings())       # at start
 asyncio.run(subscribe([Topics.SANDBOX_REQUESTS], "sandbox-worker"))
 """,
     "reward-scorer": """
-from services.reward_scorer.component import init_metrics
+from services.reward_scorer.scoring import init_metrics
 from temper.events import Topics
 from temper.sandbox import SandboxManager
 from temper.settings import SandboxSettings
-init_metrics()                          # RewardScorer() at start
+init_metrics()                          # SubmissionScorer() at start
 SandboxManager(SandboxSettings())
 asyncio.run(subscribe([Topics.REWARD_REQUESTS], "reward-scorer"))
 """,
