@@ -20,15 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.dispatcher.api import episodes, export, jobs, schemas, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
+from services.dispatcher.api.environments import make_router as make_environment_router
+from services.dispatcher.api.tasksets import Enqueue, celery_enqueue
+from services.dispatcher.api.tasksets import make_router as make_taskset_router
 from services.dispatcher.component import BootstrapKey, Dispatcher
 from services.dispatcher.console import routes as console
-from temper.envpkg.routes import make_router as make_environment_router
 from temper.jobspec import JobSpec
 from temper.runtime import Component, Runtime, service_app
 from temper.settings import Mode, Settings
 from temper.tasks.inprocess import InProcessValidation
-from temper.tasks.routes import Enqueue, celery_enqueue
-from temper.tasks.routes import make_router as make_taskset_router
 
 API_DESCRIPTION = """\
 Submit RL post-training jobs, follow their episodes and read their transcripts and metrics.
@@ -72,7 +72,9 @@ def create_app(
     app.include_router(export.router)
     # Embedded mode validates task sets in this process: no Celery worker, no Redis.
     enqueue: Enqueue = (
-        InProcessValidation(runtime).enqueue if settings.mode is Mode.embedded else celery_enqueue
+        InProcessValidation(runtime).enqueue
+        if settings.mode is Mode.embedded
+        else celery_enqueue(settings.redis.url)
     )
     app.include_router(  # /v1/tasksets, from the task-set library
         make_taskset_router(current_tenant, enqueue=enqueue),
