@@ -43,9 +43,7 @@ class SandboxWorkerService:
     ) -> None:
         self.runtime = runtime
         s = runtime.settings
-        sandbox = sandbox or s.sandbox.model_copy(
-            update={"allow_unsafe": s.sandbox.allow_unsafe or s.allow_unsafe}
-        )
+        sandbox = sandbox or s.sandbox
         self.worker = SandboxWorker(sandbox, distributed=s.mode is Mode.distributed, worker_id=worker_id)
         self.group = group or sandbox.group
         self.consumer: Any = None

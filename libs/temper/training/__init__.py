@@ -13,7 +13,14 @@ does not pull in torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the same names, typed for mypy (at run time they load on first use)
+    from temper.training.batch import Batch, Sample, collate, micro_batches, samples_from_groups
+    from temper.training.config import TrainerSettings
+    from temper.training.grpo import group_advantages, grpo_token_loss, is_zero_variance
+    from temper.training.learner import Learner, LearnerConfig, StepStats, pick_device
+    from temper.training.sft import WarmStartStats, warm_start
 
 _NAMES = {
     "group_advantages": "grpo",
