@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# ruff: noqa: F401 - the imports below only give mypy the types of the lazy names
 if TYPE_CHECKING:  # the same names, typed for mypy (at run time they load on first use)
     from temper.policy.model import (
         PRESETS,
