@@ -40,9 +40,9 @@ from temper.policy import (
     load_model,
     save_checkpoint,
 )
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime, started
 from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Settings, StorageSettings
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 from temper.tasks.models import parse_tasks
 from temper.tasks.service import create_taskset
 from temper.training.sft import turn_text, warm_start

@@ -13,8 +13,8 @@ from services.sandbox_worker import handlers
 from services.sandbox_worker.worker import SandboxWorker
 from temper.logs import log_event
 from temper.runtime import Runtime
-from temper.sandbox.config import SandboxSettings
 from temper.settings import Mode
+from temper.settings.sandbox import SandboxSettings
 
 log = logging.getLogger(__name__)
 

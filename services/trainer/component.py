@@ -18,7 +18,8 @@ from temper.bus import Consumer
 from temper.logs import log_event
 from temper.outbox import OutboxRelay
 from temper.runtime import Runtime
-from temper.training import StepStats, TrainerSettings
+from temper.settings.trainer import TrainerSettings
+from temper.training import StepStats
 
 log = logging.getLogger("temper.trainer")
 

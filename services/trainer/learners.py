@@ -25,8 +25,9 @@ from temper.policy import (
     load_causal_lm,
     load_weights,
 )
+from temper.settings.trainer import TrainerSettings
 from temper.storage import ObjectStore
-from temper.training import Learner, LearnerConfig, TrainerSettings
+from temper.training import Learner, LearnerConfig
 from temper.training.distributed import DCP_DIR, agree, shard
 from temper.training.lora import SharedBase
 

@@ -70,8 +70,9 @@ from temper.events import TrajectoryReady
 from temper.jobspec import JobSpec
 from temper.lifecycle import JobState, mark_job_stuck
 from temper.logs import dependency_failed, dependency_recovered, log_context, log_event
+from temper.settings.trainer import TrainerSettings
 from temper.storage import NotFound, ObjectStore
-from temper.training import Learner, StepStats, TrainerSettings, is_zero_variance, pick_device
+from temper.training import Learner, StepStats, is_zero_variance, pick_device
 from temper.training.lora import SharedBase
 from temper.trajectory import Trajectory
 

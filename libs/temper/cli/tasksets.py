@@ -109,7 +109,7 @@ def _limits(task: Any) -> dict[str, Any]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from temper.sandbox.models import SandboxLimits
+    from temper.limits import SandboxLimits
     from temper.tasks.models import dump_jsonl
 
     if args.columns and args.format in ("temper", "harbor", "repo"):

@@ -6,7 +6,7 @@
   (CPU presets), :func:`save_checkpoint`, :func:`load_weights`
 - logprobs: :func:`token_logprobs` (the same function for generation checks and training)
 
-Names are imported lazily, so ``temper.policy.config`` (read by ``temper.settings``) does
+Names are imported lazily, so ``temper.settings.inference`` (read by ``temper.settings``) does
 not pull in torch and transformers.
 """
 

@@ -19,9 +19,9 @@ from typing import Any
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from temper.policy.config import InferenceSettings
-from temper.sandbox.config import SandboxSettings
-from temper.training.config import TrainerSettings
+from temper.settings.inference import InferenceSettings
+from temper.settings.sandbox import SandboxSettings
+from temper.settings.trainer import TrainerSettings
 
 # Settings that were removed or moved: still present in the environment, each stops startup
 # with what replaces it (a leftover would otherwise be ignored, an operator's dead knob).
