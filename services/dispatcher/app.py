@@ -1,5 +1,5 @@
 """The dispatcher's process: the REST API (``/v1``), the web console (``/console``),
-``/health`` and ``/metrics``, and the episode engine, on one :class:`Runtime`.
+``/health`` and ``/metrics``, and the episode state machine, on one :class:`Runtime`.
 
 Start order: database, bus, object store (the runtime), then the bootstrap key, then the
 episode component; stop in reverse (:func:`temper.runtime.service_app`).
@@ -46,7 +46,7 @@ def create_app(
 ) -> FastAPI:
     """The dispatcher app. ``run_episodes=False`` serves the API and console without the
     episode component (API tests, read-only replicas). ``executors`` builds components
-    started on the same runtime before the episode engine (``temper serve``: the other
+    started on the same runtime before the episode state machine (``temper serve``: the other
     services in this process)."""
     runtime = Runtime(settings, service="dispatcher")
     dispatcher = Dispatcher(runtime) if run_episodes else None

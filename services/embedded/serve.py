@@ -1,6 +1,6 @@
 """``temper serve``: the whole platform in one process on one machine.
 
-The dispatcher's app (REST API, console, episode engine) with the other four services
+The dispatcher's app (REST API, console, episode state machine) with the other four services
 started on its runtime (sandbox worker, gateway with the in-process CPU engine, reward
 scorer, trainer), task-set validation run in-process instead of on Celery, SQLite and a
 local object store under the data directory, the in-process bus. Redis is never used.

@@ -40,7 +40,7 @@ SERVICES = {
     "dispatcher": """
 from services.dispatcher import episodes, scheduler
 from temper.events import Topics
-episodes.init_metrics()                 # EpisodeEngine() at start
+episodes.init_metrics()                 # EpisodeMachine() at start
 scheduler.init_job_metrics(JOB)         # a job started
 asyncio.run(subscribe([Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS], "dispatcher"))
 """,

@@ -83,12 +83,12 @@ def import_tasks(fmt: str, path: str, columns: str = "", limit: int | None = Non
 
     if fmt == "harbor":
         tasks = harbor.import_task_dirs(path)
-    elif fmt == "repo":  # a directory of repository tasks (temper.tasks.repo)
-        from temper.tasks.repo import repo_tasks
+    elif fmt == "repo":  # a directory of repository tasks (temper.tasks.repositories)
+        from temper.tasks.repositories import repository_tasks
 
         if not Path(path).is_dir():
             raise ValueError(f"{path}: not a directory of repository tasks")
-        tasks = repo_tasks(Path(path))
+        tasks = repository_tasks(Path(path))
         if not tasks:
             raise ValueError(f"{path}: no repository task (a directory with task.json) in it")
     elif fmt == "temper":

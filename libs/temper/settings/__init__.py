@@ -120,7 +120,7 @@ class RewardScorerSettings(BaseModel):
 
 
 class DispatcherSettings(BaseModel):
-    """The dispatcher's episode engine (``TEMPER_DISPATCHER__*``)."""
+    """The dispatcher's episode state machine (``TEMPER_DISPATCHER__*``)."""
 
     lease_s: float = Field(300.0, gt=0, description="how long a step may take before it is retried")
     reward_lease_s: float | None = Field(None, gt=0, description="lease of reward steps (default: lease_s)")
