@@ -10,8 +10,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.trainer.ledger import SKIP_INCOMPLETE, SKIP_STALE, SKIP_ZERO_VARIANCE
 from temper.jobspec import JobSpec
-from temper.training import Learner
+from temper.training import Learner, is_zero_variance
 from temper.trajectory import Trajectory
 
 
@@ -68,3 +69,48 @@ class TrainingJob:
     def episodes(self) -> list[str]:
         """Every episode this job buffers, complete groups or not."""
         return [b.episode_id for g in (*self.groups.values(), *self.ready) for b in g]
+
+    def sweep(self, now: float, group_timeout_s: float) -> list[tuple[list[Buffered], str]]:
+        """Take out what cannot be trained on and return it with the reason: ready groups
+        with zero reward variance (when the job skips them) or older than ``max_staleness``
+        versions, and groups still incomplete ``group_timeout_s`` after their first
+        trajectory arrived with fewer than 2 samples (those with 2 or more become ready as
+        they are). Call it with ``lock`` held."""
+        dropped: list[tuple[list[Buffered], str]] = []
+        for gid, items in list(self.groups.items()):
+            if now - min(b.arrived for b in items) >= group_timeout_s:
+                del self.groups[gid]
+                if len(items) >= 2:
+                    self.ready.append(items)
+                else:
+                    dropped.append((items, SKIP_INCOMPLETE))
+        keep = []
+        for items in self.ready:
+            if self.spec.algorithm.skip_zero_variance and is_zero_variance(
+                [b.trajectory.reward for b in items]
+            ):
+                dropped.append((items, SKIP_ZERO_VARIANCE))
+            elif max(self.learner.version - b.trajectory.behaviour_version for b in items) > (
+                self.spec.schedule.max_staleness
+            ):
+                dropped.append((items, SKIP_STALE))
+            else:
+                keep.append(items)
+        self.ready = keep
+        return dropped
+
+    def status(self) -> dict[str, Any]:
+        """This job's part of the trainer's ``GET /v1/status``."""
+        shared = self.learner.shared
+        return {
+            "policy_version": self.learner.version,
+            "shared_base": shared.key if shared is not None else None,
+            "step": self.learner.step_count,
+            "buffered_trajectories": self.buffered,
+            "ready_groups": len(self.ready),
+            "uncheckpointed_steps": self.steps_since_checkpoint,
+            "publish_error": self.publish_error,
+            "publish_failures": self.publish_failures,
+            "skipped_groups": dict(self.skipped),
+            "last_step": self.history[-1] if self.history else None,
+        }

@@ -52,27 +52,23 @@ from services.trainer import ledger, publishing
 from services.trainer.buffer import Buffered, TrainingJob
 from services.trainer.learners import ModelFactory, build_learner, release
 from services.trainer.ledger import (
-    SKIP_INCOMPLETE,
     SKIP_JOB_ENDED,
     SKIP_MISSING,
     SKIP_NO_UPDATE,
-    SKIP_STALE,
     SKIP_TRAIN_ERROR,
-    SKIP_ZERO_VARIANCE,
 )
 from services.trainer.observe import init_job_metrics, observe_step
 from services.trainer.ranks import Ranks
 from temper import metrics
 from temper.bus import Poison
-from temper.bus.errors import DATABASE, NETWORK, OBJECT_STORE, unavailable_dependency
 from temper.db import Database, Job, PolicyVersion, TrainedTrajectory
 from temper.events import TrajectoryReady
 from temper.jobspec import JobSpec
-from temper.lifecycle import JobState, mark_job_stuck
-from temper.logs import dependency_failed, dependency_recovered, log_context, log_event
+from temper.lifecycle import JobState
+from temper.logs import log_context, log_event
 from temper.settings.trainer import TrainerSettings
 from temper.storage import NotFound, ObjectStore
-from temper.training import Learner, StepStats, is_zero_variance, pick_device
+from temper.training import Learner, StepStats, pick_device
 from temper.training.lora import SharedBase
 from temper.trajectory import Trajectory
 
@@ -368,8 +364,6 @@ class JobTrainer:
 
     # --- publishing, retried ------------------------------------------------------------
 
-    PUBLISH_BACKOFF_MAX_S = 30.0
-
     async def _publish(self, job: TrainingJob, stats: StepStats | None) -> int | None:
         """:meth:`checkpoint`, called with ``train_lock`` held. A failure (the object store or
         the database unreachable) keeps the trained steps in memory and is retried by the
@@ -380,10 +374,10 @@ class JobTrainer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - retried with backoff; /health reports it
-            await self._publish_failed(job, exc)
+            await publishing.publish_failed(self.db, job, exc)
             return None
         if job.publish_error is not None:
-            await self._publish_recovered(job, version)
+            await publishing.publish_recovered(self.db, job, version)
         return version
 
     async def retry_publishes(self) -> None:
@@ -397,77 +391,17 @@ class JobTrainer:
                 if job.publish_error is None:
                     continue
                 if not job.steps_since_checkpoint:  # published meanwhile (e.g. flush)
-                    await self._publish_recovered(job, job.learner.version)
+                    await publishing.publish_recovered(self.db, job, job.learner.version)
                     continue
                 last = job.history[-1] if job.history else None
                 with log_context(job_id=job.job_id):
                     await self._publish(job, StepStats(**last) if last else None)
 
-    async def _publish_failed(self, job: TrainingJob, exc: BaseException) -> None:
-        now = time.monotonic()
-        if job.publish_error is None:
-            job.publish_failing_since = now
-        job.publish_failures += 1
-        job.publish_error = repr(exc)[:300]
-        job.next_publish_at = now + min(self.PUBLISH_BACKOFF_MAX_S, 2.0 ** min(job.publish_failures - 1, 10))
-        metrics.TRAINER_PUBLISH_FAILING.labels(job.job_id).set(1)
-        metrics.TRAINER_PUBLISH_FAILURES.labels(job.job_id).inc()
-        dependency = unavailable_dependency(exc)
-        if dependency is not None:
-            dependency_failed(log, dependency, exc, job_id=job.job_id, waiting="publishing a policy version")
-        else:
-            log_event(log, "policy version not published; retrying", logging.ERROR, job_id=job.job_id,
-                      attempt=job.publish_failures, error=job.publish_error)  # fmt: skip
-        why = f"trainer cannot publish policy version v{job.learner.version + 1}: {job.publish_error}"
-        await self._set_stuck_reason(job.job_id, why)
-
-    async def _publish_recovered(self, job: TrainingJob, version: int) -> None:
-        stuck_s = time.monotonic() - job.publish_failing_since
-        log_event(log, "policy version published after failures", job_id=job.job_id, version=version,
-                  failures=job.publish_failures, stuck_s=round(stuck_s, 1))  # fmt: skip
-        job.publish_error, job.publish_failures, job.next_publish_at = None, 0, 0.0
-        metrics.TRAINER_PUBLISH_FAILING.labels(job.job_id).set(0)
-        for dependency in (OBJECT_STORE, DATABASE, NETWORK):
-            dependency_recovered(log, dependency)
-        await self._set_stuck_reason(job.job_id, None)
-
-    async def _set_stuck_reason(self, job_id: str, why: str | None) -> None:
-        """Show (or clear) why the job does not move (:func:`temper.lifecycle.mark_job_stuck`)."""
-        try:
-            async with self.db.session() as s:
-                await mark_job_stuck(s, job_id, why)
-        except Exception as exc:  # noqa: BLE001 - the database may be what is down; /health says so
-            log_event(log, "cannot record the job's stuck reason", logging.WARNING, job_id=job_id,
-                      error=repr(exc)[:200])  # fmt: skip
-
     async def _sweep(self, job: TrainingJob) -> None:
-        """Drop what cannot be trained on (called with the job's lock held): ready groups
-        with zero reward variance or older than ``max_staleness`` versions, and groups
-        still incomplete after ``group_timeout_s`` (trained as they are from 2 samples)."""
-        now = time.time()
-        for gid, items in list(job.groups.items()):
-            if now - min(b.arrived for b in items) >= self.settings.group_timeout_s:
-                del job.groups[gid]
-                if len(items) >= 2:
-                    job.ready.append(items)
-                else:
-                    await self._mark_skipped(job, [b.episode_id for b in items], SKIP_INCOMPLETE, groups=1)
-        keep = []
-        for items in job.ready:
-            reason = None
-            if job.spec.algorithm.skip_zero_variance and is_zero_variance(
-                [b.trajectory.reward for b in items]
-            ):
-                reason = SKIP_ZERO_VARIANCE
-            elif max(job.learner.version - b.trajectory.behaviour_version for b in items) > (
-                job.spec.schedule.max_staleness
-            ):
-                reason = SKIP_STALE
-            if reason is None:
-                keep.append(items)
-            else:
-                await self._mark_skipped(job, [b.episode_id for b in items], reason, groups=1)
-        job.ready = keep
+        """Drop what cannot be trained on (called with the job's lock held; see
+        :meth:`TrainingJob.sweep`) and record why in the ledger."""
+        for items, reason in job.sweep(time.time(), self.settings.group_timeout_s):
+            await self._mark_skipped(job, [b.episode_id for b in items], reason, groups=1)
 
     async def _mark_skipped(
         self, job: TrainingJob, episodes: list[str], reason: str, *, groups: int = 0
@@ -550,7 +484,7 @@ class JobTrainer:
             last = job.history[-1] if job.history else None
             version = await self.checkpoint(job, StepStats(**last) if last else None)
             if job.publish_error is not None:
-                await self._publish_recovered(job, version)
+                await publishing.publish_recovered(self.db, job, version)
             return version
 
     def base_models(self, *, also: Learner | None = None) -> int:
@@ -573,19 +507,5 @@ class JobTrainer:
                 key: sorted(jid for jid, j in self.jobs.items() if j.learner.shared is base)
                 for key, base in self.bases.items()
             },
-            "jobs": {
-                jid: {
-                    "policy_version": j.learner.version,
-                    "shared_base": j.learner.shared.key if j.learner.shared is not None else None,
-                    "step": j.learner.step_count,
-                    "buffered_trajectories": j.buffered,
-                    "ready_groups": len(j.ready),
-                    "uncheckpointed_steps": j.steps_since_checkpoint,
-                    "publish_error": j.publish_error,
-                    "publish_failures": j.publish_failures,
-                    "skipped_groups": dict(j.skipped),
-                    "last_step": j.history[-1] if j.history else None,
-                }
-                for jid, j in self.jobs.items()
-            },
+            "jobs": {jid: j.status() for jid, j in self.jobs.items()},
         }

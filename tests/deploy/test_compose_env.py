@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from services.launcher.processes import free_port, fresh_database, run_groups, stack_env
+from services.launcher.resources import free_port, fresh_database, run_groups, stack_env
 
 pytestmark = [
     pytest.mark.postgres,
@@ -169,6 +169,6 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
                 proc.kill()
         import asyncio
 
-        from services.launcher.processes import _admin_sql
+        from services.launcher.resources import admin_sql
 
-        asyncio.run(_admin_sql(db_url, f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)'))
+        asyncio.run(admin_sql(db_url, f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)'))
