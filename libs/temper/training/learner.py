@@ -10,10 +10,13 @@ norm before AdamW.
 The same code runs on CPU and GPU: on CUDA the forward runs under bf16 autocast
 while weights, gradients and optimizer state stay float32.
 
-Checkpoints are two safetensors files: the weights (``<key>``, the format
+Checkpoints of one process are two safetensors files: the weights (``<key>``, the format
 ``temper.policy.load_weights`` and the inference gateway read) and the optimizer
 state (``<key minus .safetensors>.optimizer.safetensors``) with step and version in
-its metadata. No pickle is involved.
+its metadata; no pickle is involved. A sharded learner (FSDP2 under torchrun) also saves
+its state with ``torch.distributed.checkpoint`` (``temper.training.distributed``), whose
+``.metadata`` file is a pickle: written and read only by the trainer's own ranks, from
+the object store's version prefix, never from a tenant.
 """
 
 from __future__ import annotations
