@@ -33,7 +33,6 @@ from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.settings import Settings
 from temper.settings.inference import BackendKind, BackendSpec
 
-MAX_SPEC_BYTES = 1 << 20
 MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few more
 MAX_NODES = 100_000
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -106,8 +105,6 @@ def check_shape(data: Any) -> None:
 
 def load_document(raw: bytes, *, json_body: bool) -> Any:
     """The parsed spec document (JSON, or YAML, which includes JSON), checked for shape."""
-    if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError([("(document)", f"the spec is larger than {MAX_SPEC_BYTES} bytes")])
     if json_body:
         try:
             data = json.loads(raw or b"null")
