@@ -469,9 +469,7 @@ def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(
-            [(field_path(e["loc"]), message(e)) for e in exc.errors()]
-        ) from None
+        raise SpecError([(field_path(e["loc"]), message(e)) for e in exc.errors()]) from None
     errors = plugin_errors(spec)
     if errors:
         raise SpecError(errors)
