@@ -62,7 +62,7 @@ async def _enqueue(enqueue: Enqueue, taskset_id: str) -> dict[str, Any]:
             job = await asyncio.wait_for(enqueue(taskset_id), 10)
         else:
             job = await asyncio.wait_for(asyncio.to_thread(enqueue, taskset_id), 10)
-        return {"queued": True, "celery_task_id": job}
+        return {"queued": True, "validation_id": job}
     except Exception as exc:  # noqa: BLE001 - report, the upload itself succeeded
         return {"queued": False, "error": f"{exc.__class__.__name__}: {exc}"[:300]}
 
