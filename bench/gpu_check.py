@@ -36,12 +36,13 @@ weight is frozen), ``N_lora`` the adapters' weights. Not counted: the recomputat
 gradient checkpointing (model FLOPs, not hardware FLOPs), padding, norms, softmax and the
 optimizer.
 
-Run it with the GPU machine's own packages (no project venv, nothing fetched):
+Run it with the GPU machine's own Python and packages (no project venv, nothing fetched
+there) and the carried wheels below; ``--plan`` needs the standard library alone:
 
     PYTHONPATH=libs:. python3 bench/gpu_check.py --plan          # the parts and their minutes
-    PYTHONPATH=libs:. python3 bench/gpu_check.py                 # every part, in order
-    PYTHONPATH=libs:. python3 bench/gpu_check.py --part engine   # one part on its own
-    PYTHONPATH=libs:. python3 bench/gpu_check.py --size tiny --device cpu   # every part's code on a CPU
+    make gpu-check                                               # the plan, then every part
+    make gpu-check ARGS="--part engine"                          # one part on its own
+    PYTHONPATH=libs:. .venv/bin/python bench/gpu_check.py --size tiny --device cpu   # every part's code on a CPU
 
 Each part merges its figures into the JSON file as it finishes (a run cut short keeps
 what it measured), prints one line, and a failed check makes the exit status 1.
@@ -74,9 +75,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gpu.json"
@@ -229,6 +231,18 @@ def mfu(flops: float, seconds: float, tflops: float) -> float:
 # --- synthetic trajectories, models, memory --------------------------------------------
 
 
+def sample_lengths(work: Workload, seed: int = 1) -> list[tuple[int, int]]:
+    """(prompt, completion) lengths of the synthetic samples: 3/4 of the longest to all of it."""
+    rng = random.Random(seed)
+    return [
+        (
+            rng.randint(work.prompt_len * 3 // 4, work.prompt_len),
+            rng.randint(work.completion_len * 3 // 4, work.completion_len),
+        )
+        for _ in range(4 * max(1, work.samples // 4))
+    ]
+
+
 def synthetic_samples(work: Workload, seed: int = 1) -> list[Any]:
     """GRPO samples of random tokens in groups of four with rewards 1, 0, 0, 1 (group-
     normalised advantages), behaviour logprobs near a uniform policy's, so the ratios
@@ -236,39 +250,43 @@ def synthetic_samples(work: Workload, seed: int = 1) -> list[Any]:
     from temper.training.batch import Sample
     from temper.training.grpo import advantages
 
-    rng = random.Random(seed)
+    rng = random.Random(seed + 1)
     vocab = work.arch.vocab
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    advs = advantages(rewards)
     out = []
-    for g in range(max(1, work.samples // 4)):
-        rewards = [1.0, 0.0, 0.0, 1.0]
-        for i, adv in enumerate(advantages(rewards)):
-            p = rng.randint(work.prompt_len * 3 // 4, work.prompt_len)
-            c = rng.randint(work.completion_len * 3 // 4, work.completion_len)
-            ids = [rng.randrange(vocab - 1) for _ in range(p + c)]
-            behaviour = [0.0] * p + [-math.log(vocab) + rng.uniform(-0.5, 0.5) for _ in range(c)]
-            out.append(
-                Sample(ids, [False] * p + [True] * c, behaviour, adv, rewards[i], 0, f"e{g}.{i}", f"g{g}")
-            )
+    for n, (p, c) in enumerate(sample_lengths(work, seed)):
+        g, i = divmod(n, 4)
+        ids = [rng.randrange(vocab - 1) for _ in range(p + c)]
+        behaviour = [0.0] * p + [-math.log(vocab) + rng.uniform(-0.5, 0.5) for _ in range(c)]
+        mask = [False] * p + [True] * c
+        out.append(Sample(ids, mask, behaviour, advs[i], rewards[i], 0, f"e{g}.{i}", f"g{g}"))
     return out
 
 
-def build_model(a: Arch, *, device: torch.device, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
-    """A Qwen2 model of shape ``a`` with seeded random weights, built on ``device``."""
+def build_model(a: Arch, *, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0) -> Any:
+    """A Qwen2 model of shape ``a`` with seeded random weights, built on ``device`` (fp32
+    unless ``dtype``)."""
+    import torch
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)  # seeds every device's generator: ranks build the same weights
     with torch.device(device):
         model = Qwen2ForCausalLM(a.config())
-    return model.to(dtype).eval()
+    return model.to(dtype or torch.float32).eval()
 
 
 def free(device: torch.device) -> None:
+    import torch
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def allocated(device: torch.device) -> int:
+    import torch
+
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
@@ -297,6 +315,8 @@ class LiveTensors:
         self.now = self.peak = 0
 
     def hold(self, t: Any) -> None:
+        import torch
+
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             return
         storage = t.untyped_storage()
@@ -320,6 +340,8 @@ def peak_memory(
     """The peak bytes of the block: CUDA's allocator peak above what was allocated before
     ``held`` existed (the caller passes that as the baseline below), or on a CPU the live
     storage of ``held()`` plus everything the block allocates."""
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -333,6 +355,8 @@ def peak_memory(
 
 
 def learner_tensors(learner: Any) -> Iterator[torch.Tensor]:
+    import torch
+
     models = [learner.model] + ([learner.reference] if learner.reference is not None else [])
     for m in models:
         yield from m.parameters()
@@ -479,6 +503,8 @@ def learner_part(work: Workload, device: torch.device, args: argparse.Namespace)
 
 def engine_part(work: Workload, device: torch.device, args: argparse.Namespace) -> Result:
     """One batch of the CPU engine's generate on the base and two adapters at once."""
+    import torch
+
     from services.inference_gateway.cpu_server.core import Engine, GenRequest, SamplingParams
     from temper.jobspec import LoraSpec
     from temper.policy import default_tokenizer, pad_batch, token_logprobs
@@ -598,6 +624,8 @@ def engine_part(work: Workload, device: torch.device, args: argparse.Namespace) 
 def fsdp_steps(work: Workload, device: torch.device, world: int) -> dict[str, Any]:
     """The learner's steps on the synthetic batch: in this process (``world`` 1, with the
     sharded learner's forward), or as one rank of ``world`` under torchrun with FSDP2."""
+    import torch
+
     from temper.training import Learner, LearnerConfig
 
     if world > 1:
@@ -630,6 +658,7 @@ def fsdp_steps(work: Workload, device: torch.device, world: int) -> dict[str, An
 
 def fsdp_rank(args: argparse.Namespace) -> int:
     """One torchrun rank of the fsdp part: rank 0 writes the figures to ``--out``."""
+    import torch
     import torch.distributed as dist
 
     got = fsdp_steps(SIZES[args.size], torch.device(args.device), int(os.environ["WORLD_SIZE"]))
@@ -644,6 +673,8 @@ def fsdp_rank(args: argparse.Namespace) -> int:
 
 
 def fsdp_part(work: Workload, device: torch.device, args: argparse.Namespace) -> Result:
+    import torch
+
     if device.type == "cuda":
         world = torch.cuda.device_count()
         if world < 2:
@@ -717,8 +748,7 @@ RECOMPUTE_S = 10.0  # the engine's rows scored again by the model's forward
 def expected_seconds(work: Workload, part: str) -> float:
     """Expected seconds of a part on one H200 (two for fsdp), from the workload and the
     assumptions above."""
-    samples = synthetic_samples(work)
-    lengths = [(len(s.ids), s.scored_tokens) for s in samples]
+    lengths = [(p + c, c) for p, c in sample_lengths(work)]
     speed = ASSUMED_MFU * (peak_tflops("NVIDIA H200") or 0.0) * 1e12
     if part == "learner":
         full = step_flops(work.arch, lengths)
@@ -734,7 +764,7 @@ def expected_seconds(work: Workload, part: str) -> float:
 def plan(work: Workload, size: str) -> tuple[str, bool]:
     """The parts with their expected minutes, and whether the check fits the device budget."""
     n = decoder_weights(work.arch) + work.arch.hidden * work.arch.vocab
-    tokens = sum(len(s.ids) for s in synthetic_samples(work))
+    tokens = sum(p + c for p, c in sample_lengths(work))
     what = {
         "learner": f"full weights, then LoRA r16 with KL: 1 warm-up + {work.steps} GRPO steps of "
         f"{work.samples} samples ({tokens:,} tokens, micro-batches of {work.micro_batch_tokens:,})",
@@ -803,19 +833,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsdp-rank", action="store_true", help=argparse.SUPPRESS)  # torchrun's ranks
     args = p.parse_args(argv)
     work = SIZES[args.size]
+    if args.plan:  # the standard library alone: it runs wherever python3 does
+        text, fits = plan(work, args.size)
+        print(text)
+        return 0 if fits else 1
     missing = missing_packages()
     if missing:
         print(
-            f"gpu_check: {', '.join(missing)} not installed (temper's training library imports them): "
+            f"gpu_check: not installed here: {', '.join(missing)}, which temper's training library imports; "
             "run `bash scripts/gpu_wheels.sh` where pip can reach PyPI, carry .gpu-wheels/, then "
             "`make gpu-check` (which installs them into /tmp/temper-gpu-site)",
             file=sys.stderr,
         )
         return 2
-    if args.plan:
-        text, fits = plan(work, args.size)
-        print(text)
-        return 0 if fits else 1
+    import torch
+
     if args.fsdp_rank:
         return fsdp_rank(args)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -161,9 +161,18 @@ def test_the_peak_is_read_from_the_device_name(name, tflops):
     assert gpu_check.peak_tflops(name) == tflops
 
 
-def test_the_plan_fits_the_device_budget(capsys):
-    assert gpu_check.main(["--plan"]) == 0
-    text = capsys.readouterr().out
+def test_the_plan_fits_the_device_budget():
+    # python -S: no site-packages, so the plan needs the standard library alone (no torch, no pydantic)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'libs'}{os.pathsep}{ROOT}"}
+    proc = subprocess.run(
+        [sys.executable, "-S", "bench/gpu_check.py", "--plan"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
     minutes = {}
     for line in text.splitlines():
         words = line.split()
@@ -176,7 +185,7 @@ def test_the_plan_fits_the_device_budget(capsys):
 
 
 def test_fsdp_is_skipped_with_the_reason_on_one_gpu(monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_check.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     got = gpu_check.fsdp_part(gpu_check.SIZES["tiny"], torch.device("cuda"), None)  # type: ignore[arg-type]
     assert got.failed == [] and got.figures == {
         "fsdp_skipped": "1 GPU visible: FSDP2 on NCCL needs 2 or more"
