@@ -632,6 +632,8 @@ def fsdp_steps(work: Workload, device: torch.device, world: int) -> dict[str, An
         from temper.training import distributed
 
         device = distributed.init(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the parts before ran in this process
     model = build_model(work.arch, device=device)
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     config = LearnerConfig(

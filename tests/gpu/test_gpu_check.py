@@ -62,14 +62,14 @@ def tiny_run(tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=200,  # about 20 CPU-seconds; the shared machine runs it 2-5 times slower
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     return lines[:-1], json.loads(out.read_text()), {normal(d) for d in json.loads(lines[-1])} - {"temper"}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_every_part_runs_on_a_tiny_model_on_the_cpu(tiny_run):
     lines, f, _ = tiny_run
     assert [line.split(":")[0] for line in lines] == ["learner", "engine", "fsdp"], "in order of value"
@@ -207,7 +207,7 @@ def test_a_failed_check_exits_non_zero_and_keeps_the_figures(monkeypatch, tmp_pa
     assert "learner: " in capsys.readouterr().out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_the_check_imports_only_what_a_gpu_machine_has_or_is_carried(tiny_run):
     imported = tiny_run[2]
     script = (ROOT / "scripts" / "gpu_wheels.sh").read_text()
