@@ -40,8 +40,8 @@ from temper.sandbox import (
     SandboxManager,
     SnapshotError,
 )
-from temper.sandbox.config import SandboxSettings
 from temper.sandbox.images import ImageError
+from temper.settings.sandbox import SandboxSettings
 
 log = logging.getLogger(__name__)
 

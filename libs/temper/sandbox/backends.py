@@ -14,10 +14,10 @@ import subprocess
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from temper.sandbox.config import BackendKind, SandboxSettings
+from temper.limits import NetworkPolicy, SandboxLimits
 from temper.sandbox.images import Image
-from temper.sandbox.models import NetworkPolicy, SandboxLimits
 from temper.sandbox.proxy import SANDBOX_SOCKET
+from temper.settings.sandbox import BackendKind, SandboxSettings
 
 log = logging.getLogger(__name__)
 

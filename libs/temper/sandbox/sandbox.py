@@ -24,18 +24,11 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from temper.limits import KillReason, NetworkPolicy, SandboxLimits, ServiceSpec
 from temper.sandbox.backends import Backend
 from temper.sandbox.cgroups import Cgroup, CgroupManager, CgroupStats
 from temper.sandbox.fork_server import enter_sandbox
-from temper.sandbox.models import (
-    Action,
-    ExecResult,
-    FileInfo,
-    KillReason,
-    NetworkPolicy,
-    SandboxLimits,
-    ServiceSpec,
-)
+from temper.sandbox.models import Action, ExecResult, FileInfo
 from temper.sandbox.proxy import FORWARD_PORT, EgressProxy
 
 if TYPE_CHECKING:
