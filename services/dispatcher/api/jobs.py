@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, RuntimeDep, SessionDep
-from services.dispatcher.api.validation import MAX_SPEC_BYTES, check_names, clip, load_document, strict_spec
+from services.dispatcher.api.validation import MAX_SPEC_BYTES, check_names, load_document, strict_spec
+from temper import problems
 from temper.db import Job
 from temper.envpkg import service as envpkg
 from temper.jobspec import JobSpec, SpecError
@@ -51,7 +52,7 @@ SPEC_BODY: dict[str, Any] = {
 
 def spec_problem(exc: SpecError) -> JSONResponse:
     body = schemas.Problem(
-        detail=f"invalid job spec: {clip(exc.errors[0][0], 200)}: {exc.errors[0][1][:300]}",
+        detail=f"invalid job spec: {problems.one_line(exc.errors[0][0], limit=200)}: {problems.one_line(exc.errors[0][1])}",
         errors=[schemas.FieldError(field=path, message=msg) for path, msg in exc.errors[:100]],
     )
     return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from temper import problems
 from temper.db import Job, Task, TaskSet
 from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.settings import Settings
@@ -76,7 +77,7 @@ def _yaml_events_ok(raw: bytes) -> None:
             elif isinstance(event, yaml.MappingEndEvent | yaml.SequenceEndEvent):
                 depth -= 1
     except yaml.YAMLError as exc:
-        raise SpecError([("(document)", f"not valid YAML: {str(exc)[:300]}")]) from None
+        raise SpecError([("(document)", f"not valid YAML: {problems.yaml_problem(exc)}")]) from None
 
 
 def check_shape(data: Any) -> None:
@@ -119,7 +120,7 @@ def load_document(raw: bytes, *, json_body: bool) -> Any:
         try:
             data = yaml.load(raw, Loader=SpecLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as exc:
-            raise SpecError([("(document)", f"not valid YAML: {str(exc)[:300]}")]) from None
+            raise SpecError([("(document)", f"not valid YAML: {problems.yaml_problem(exc)}")]) from None
     check_shape(data)
     return data
 
@@ -140,7 +141,7 @@ def strict_spec(data: Any) -> JobSpec:
         return JobSpec.model_validate_json(text, strict=True)
     except ValidationError as exc:
         raise SpecError(
-            [(".".join(str(p) for p in e["loc"]) or "(root)", e["msg"][:300]) for e in exc.errors()]
+            [(problems.field_path(e["loc"]), problems.message(e)) for e in exc.errors()]
         ) from None
 
 
@@ -234,7 +235,7 @@ async def limit_errors(session: AsyncSession, *, spec: JobSpec, settings: Settin
             for e in exc.errors():
                 name = str(e["loc"][0]) if e["loc"] else ""
                 errors[
-                    (field(name) if name else "environment.limits", f"sandbox limits: {e['msg'][:300]}")
+                    (field(name) if name else "environment.limits", f"sandbox limits: {problems.message(e)}")
                 ] = None
             continue
         for name, message in policy_errors(limits, settings.sandbox):

@@ -95,9 +95,7 @@ async def publish(env, base_dir: Path, job_id: str, lora: bool) -> Learner:
     return learner
 
 
-def test_a_full_version_downloads_as_a_model_directory_transformers_loads(
-    server, env, base_dir, tmp_path, capsys
-):  # noqa: F811
+def test_a_full_version_loads_in_transformers(server, env, base_dir, tmp_path, capsys):  # noqa: F811
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     url, seeded = server
@@ -119,9 +117,7 @@ def test_a_full_version_downloads_as_a_model_directory_transformers_loads(
     assert code == 1 and "with_base applies to LoRA versions" in err
 
 
-def test_a_lora_version_downloads_as_an_adapter_peft_loads_and_merges(
-    server, env, base_dir, tmp_path, capsys
-):  # noqa: F811
+def test_a_lora_version_loads_in_peft_and_merges(server, env, base_dir, tmp_path, capsys):  # noqa: F811
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
