@@ -20,6 +20,7 @@ help:
 	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
 	@echo "make chaos        kill/restart every service and server mid-job: bench/results/chaos.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
+	@echo "make gpu-check    on a GPU node, its own python3: learner MFU and memory, engine, FSDP (bench/results/gpu.json)"
 
 system:
 	bash scripts/setup_system.sh all
@@ -109,11 +110,15 @@ chaos: setup stack-up
 chaos-reduced: setup stack-up
 	$(PY) -m pytest -q -p no:cacheprovider -s tests/faults/test_reduced_chaos.py $(ARGS)
 
-# On a GPU node, with the machine's own python3/torch/transformers/peft (not the project venv):
-# every part once into bench/results/gpu.json, then each part as a gpu test (each <= 6 minutes).
+# On a GPU node, with the machine's own python3/torch/transformers/peft (not the project venv)
+# and the wheels of scripts/gpu_wheels.sh (.gpu-wheels/, carried: pydantic, minio and what they
+# need): the plan against the device budget, then every part in order of value (learner,
+# engine, fsdp) into bench/results/gpu.json; docs/training.md, "The GPU check". ARGS="--part engine".
+GPU_SITE := /tmp/temper-gpu-site
 gpu-check:
-	PYTHONPATH=libs:. python3 bench/gpu_check.py
-	PYTHONPATH=libs:. python3 -m pytest -m gpu --noconftest -p no:cacheprovider -o addopts="" tests/gpu -q
+	if [ -d .gpu-wheels ]; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .gpu-wheels/*.whl; fi
+	PYTHONPATH=libs:.:$(GPU_SITE) python3 bench/gpu_check.py --plan
+	PYTHONPATH=libs:.:$(GPU_SITE) python3 bench/gpu_check.py $(ARGS)
 
 # The whole platform in Docker (not part of `make test`: minutes, and it needs a Docker engine):
 # installs/starts the engine (Debian's docker.io, docker-compose v1), makes the local Debian
