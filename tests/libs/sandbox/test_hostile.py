@@ -198,9 +198,10 @@ async def test_writing_outside_the_workspace(manager: SandboxManager) -> None:
         "os.system('mount -t tmpfs none /usr 2>&1; mount -o remount,rw /usr 2>&1; unshare -U true 2>&1 || echo nouserns')\n"
     )
     r = await attack(manager, py(code))
-    for denied in ("/usr/evil", "/etc/evil", "/evil", "/workspace/../evil", "/proc/evil"):
+    for denied in ("/usr/evil", "/etc/evil", "/evil", "/workspace/../evil", "/proc/evil", "/dev/evil"):
         assert f"denied {denied}" in r.stdout, r.stdout
-    # /tmp and /dev are the sandbox's own small tmpfs mounts: writable, private, gone with it.
+    # /tmp and /dev/shm are the sandbox's own small tmpfs mounts: writable, private, gone
+    # with it; /dev itself is read-only.
     assert "nouserns" in r.stdout
     assert not os.path.exists("/usr/evil") and not os.path.exists("/etc/evil") and not os.path.exists(marker)
 

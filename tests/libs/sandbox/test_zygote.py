@@ -179,3 +179,120 @@ async def test_a_host_that_refuses_zygotes_runs_each_in_a_sandbox_and_says_so(
         assert m.health()["zygotes"].startswith("unavailable: a zygote cannot make namespaces here")
     finally:
         await assert_clean_close(m)
+
+
+# --- the findings of issue 27, each a test that failed before its fix ---------------------
+
+
+async def test_a_run_cannot_redirect_the_next_runs_stdin_or_stdout(zygote: SandboxManager) -> None:
+    """Finding 1: /dev was one writable tmpfs per zygote, so a run could point /dev/stdout
+    and /dev/stdin at files of its own and read or write the next run's answers."""
+    attack = (
+        "echo planted > /dev/planted; mkdir -p /dev/shm && echo planted > /dev/shm/planted; "
+        "echo attacker-input > /dev/shm/in; ln -sf /dev/shm/out /dev/stdout; ln -sf /dev/shm/in /dev/stdin; "
+        "ls -A /dev"
+    )
+    await zygote.run_fresh(None, {}, sh(attack))
+    victim = "cat /dev/stdin; echo my-answer > /dev/stdout; python3 -c \"print(open('/dev/stdin').read())\" < in; ls -A /dev /dev/shm"
+    r, _ = await zygote.run_fresh(None, {"in": b"file-input"}, sh(victim, stdin="my-input\n"))
+    lines = r.stdout.splitlines()
+    assert lines[:3] == ["my-input", "my-answer", "file-input"], r
+    assert "planted" not in r.stdout and "in" not in r.stdout.split("/dev/shm:")[1].split(), r.stdout
+
+
+async def test_shared_memory_left_by_a_run_does_not_lift_the_next_runs_memory_limit(
+    zygote: SandboxManager,
+) -> None:
+    """Finding 2: 64 MB left in /dev/shm outlived its run and was charged to the zygote; a
+    later run's lower memory limit then failed to apply (EBUSY, ignored) and it ran with the
+    earlier, larger one."""
+    big = SMALL.model_copy(update={"memory_mb": 256, "file_size_mb": 128})
+    r, _ = await zygote.run_fresh(
+        big, {}, sh("head -c 67108864 /dev/zero > /dev/shm/pinned && ls -l /dev/shm/pinned")
+    )
+    assert r.ok and "67108864" in r.stdout, r
+    small = SMALL.model_copy(update={"memory_mb": 48})
+    r, _ = await zygote.run_fresh(small, {}, py("x = b'y' * (160 << 20); print('allocated')"))
+    assert r.kill_reason is KillReason.memory and "allocated" not in r.stdout, r
+    r, _ = await zygote.run_fresh(None, {}, sh("ls -A /dev/shm"))
+    assert r.ok and r.stdout == "", r
+
+
+SYSCALLS = """
+import ctypes, errno, mmap, os
+libc = ctypes.CDLL(None, use_errno=True)
+def sys(nr, *args):
+    rc = libc.syscall(nr, *args)
+    return 'ok' if rc >= 0 else errno.errorcode[ctypes.get_errno()]
+def machine(code):
+    m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    m.write(code)
+    return ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(m)))()
+print('add_key', sys(248, b'user', b'leak', b'secret', 6, -4))  # into the user keyring
+print('keyctl', sys(250, 0, -4, 1))  # KEYCTL_GET_KEYRING_ID of the user keyring, create it
+print('request_key', sys(249, b'user', b'leak', None, 0))
+print('io_uring_setup', sys(425, 1, ctypes.create_string_buffer(120)))
+print('userfaultfd', sys(323, 1))  # UFFD_USER_MODE_ONLY: allowed to anyone without the filter
+print('bpf', sys(321, 0, ctypes.create_string_buffer(128), 128))
+print('perf_event_open', sys(298, ctypes.create_string_buffer(128), 0, -1, -1, 0))
+print('ptrace', sys(101, 0, 0, 0, 0))  # PTRACE_TRACEME
+print('i386', machine(bytes.fromhex('b814000000cd80c3')))  # getpid through int 0x80
+print('x32', machine(bytes.fromhex('b8270000400f05c3')))  # getpid with the x32 bit
+print('x86_64', machine(bytes.fromhex('b8270000000f05c3')) == os.getpid())
+print([line for line in open('/proc/self/status') if line.startswith('Seccomp:')][0].split()[1])
+"""
+
+
+async def test_keyrings_and_risky_system_calls_are_refused_with_eperm(zygote: SandboxManager) -> None:
+    """Finding 3: keyrings are per host uid, shared by every sandbox, and nothing filtered
+    system calls; each refused call returns EPERM (the program goes on), and the i386 and
+    x32 ABIs are refused too."""
+    for _ in range(2):  # and nothing of the first run's attempt is there for the second
+        r, _ = await zygote.run_fresh(None, {}, py(SYSCALLS))
+        assert r.ok, r
+        got = dict(line.split(" ", 1) for line in r.stdout.splitlines()[:-1])
+        assert got == {
+            **dict.fromkeys(
+                ["add_key", "keyctl", "request_key", "io_uring_setup", "userfaultfd", "bpf",
+                 "perf_event_open", "ptrace"], "EPERM"
+            ),
+            "i386": "-1", "x32": "-1", "x86_64": "True",
+        }, r.stdout  # fmt: skip
+        assert r.stdout.splitlines()[-1] == "2", "seccomp mode 2 (a filter)"
+
+
+async def test_fetch_collects_after_the_runs_processes_are_gone_and_follows_no_link(
+    zygote: SandboxManager,
+) -> None:
+    """Finding 4: files were fetched while the action's orphans still ran, checked with
+    realpath and then opened by path (an orphan could swap a directory for a link between
+    the two). An orphan feeding a fifo shows whether it was alive at the fetch; a link in
+    any component of a fetched path is not followed."""
+    code = (
+        "import os\n"
+        "os.mkfifo('pipe'); os.mkdir('real'); open('real/f', 'w').write('inside'); os.symlink('real', 'link')\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    while True:\n"
+        "        with open('pipe', 'w') as f: f.write('orphan was alive')\n"
+    )
+    r, fetched = await zygote.run_fresh(None, {}, py(code), ["pipe", "link/f", "real/f"])
+    assert r.ok, r
+    assert fetched == {"pipe": None, "link/f": None, "real/f": b"inside"}, fetched
+
+
+async def test_the_mount_table_shows_neither_the_workers_path_nor_its_pid(zygote: SandboxManager) -> None:
+    """Also seen in issue 27: the compiled agent's bind mount showed the worker's workspace
+    root (its host path, with the worker's pid in it) in every sandbox's mount table."""
+    import os
+
+    root = zygote.root
+    secrets = [str(root.parent), root.name, f"w{os.getpid()}"]
+    r, _ = await zygote.run_fresh(None, {}, sh("cat /proc/self/mountinfo"))
+    assert r.ok and "/workspace" in r.stdout, r
+    assert not [s for s in secrets if s in r.stdout], r.stdout
+    sid = await zygote.create_session()
+    r = await zygote.act(sid, sh("cat /proc/self/mountinfo /proc/mounts"))
+    await zygote.destroy_session(sid)
+    assert r.ok and "/workspace" in r.stdout, r
+    assert not [s for s in secrets if s in r.stdout], r.stdout
