@@ -5,10 +5,12 @@ be found."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from temper import metrics
-from temper.sandbox import Action, KillReason, NetworkPolicy, SandboxManager
+from temper.sandbox import Action, KillReason, NetworkPolicy, Sandbox, SandboxManager
 from tests.libs.sandbox.conftest import SMALL, assert_clean_close, make_settings
 from tests.libs.sandbox.test_sandbox import KILLS
 
@@ -137,8 +139,11 @@ async def test_limits_a_zygote_cannot_give_run_in_a_sandbox_of_their_own(zygote:
     before = fresh_runs("sandbox")
     lim = SMALL.model_copy(update={"network": NetworkPolicy.loopback, "services": []})
     assert lim.fixed_at_start != SMALL.fixed_at_start
-    r, fetched = await zygote.run_fresh(lim, {"in": b"x"}, sh("cat in > out"), ["out"])
-    assert r.ok and fetched == {"out": b"x"}
+    r, fetched = await zygote.run_fresh(
+        lim, {"in": b"x"}, sh("cat in > out; ln -s out link; grep Seccomp: /proc/self/status"), ["out", "link"]
+    )
+    # Under the same filter, and fetched the same way (no link followed), as on a zygote.
+    assert r.ok and r.stdout.split() == ["Seccomp:", "2"] and fetched == {"out": b"x", "link": None}, r
     assert fresh_runs("sandbox") - before == 1
 
 
@@ -296,3 +301,98 @@ async def test_the_mount_table_shows_neither_the_workers_path_nor_its_pid(zygote
     await zygote.destroy_session(sid)
     assert r.ok and "/workspace" in r.stdout, r
     assert not [s for s in secrets if s in r.stdout], r.stdout
+
+
+# --- zygotes replaced: limits they cannot give, max runs, memory that does not come back ---
+
+
+def recycles(reason: str) -> float:
+    return metrics.SANDBOX_ZYGOTE_RECYCLES.labels(reason)._value.get()
+
+
+def idle_zygote(manager: SandboxManager) -> Sandbox:
+    (zy,) = manager.zygotes._idle
+    return zy
+
+
+def pin_memory_in(zy: Sandbox, mb: int) -> Path:
+    """Charge ``mb`` of shared memory to ``zy``'s cgroup that no process of it holds: a
+    file on the host's /dev/shm written by a process that joined the group and exited
+    (what a leak the namespaces missed would look like). Returns the file, to remove."""
+    import subprocess
+    import sys
+    import uuid
+
+    from temper.sandbox.fork_server import enter_sandbox
+
+    assert zy.cgroup is not None
+    join = zy.cgroup.join_paths()
+    path = Path("/dev/shm") / f"temper-test-pin-{uuid.uuid4().hex[:8]}"
+    code = f"f = open({str(path)!r}, 'wb')\nfor _ in range({mb}): f.write(b'p' * (1 << 20))"
+    subprocess.run(
+        [sys.executable, "-S", "-c", code], check=True, preexec_fn=lambda: enter_sandbox(join, None, None)
+    )
+    return path
+
+
+async def test_a_zygote_that_cannot_take_a_runs_limits_is_replaced(zygote: SandboxManager) -> None:
+    r, _ = await zygote.run_fresh(None, {}, py("pass"))
+    first = idle_zygote(zygote)
+    before = recycles("limits")
+    pinned = pin_memory_in(first, 64)
+    try:
+        small = SMALL.model_copy(update={"memory_mb": 48})
+        r, _ = await zygote.run_fresh(small, {}, py("x = b'y' * (160 << 20); print('allocated')"))
+        assert r.kill_reason is KillReason.memory and "allocated" not in r.stdout, r
+        assert recycles("limits") - before == 1
+        second = idle_zygote(zygote)
+        assert second is not first and first.destroyed
+        r, _ = await zygote.run_fresh(small, {}, py("x = b'y' * (24 << 20); print('fits')"))
+        assert r.ok and r.stdout == "fits\n", r
+    finally:
+        pinned.unlink()
+
+
+async def test_a_zygote_whose_memory_does_not_come_back_is_replaced(zygote: SandboxManager) -> None:
+    import asyncio
+
+    r, _ = await zygote.run_fresh(None, {}, py("pass"))
+    first = idle_zygote(zygote)
+    assert first.baseline_bytes is not None and first.cgroup is not None
+    assert first.cgroup.resident_bytes() < first.baseline_bytes + (1 << 20), "it came back after a run"
+    before = recycles("memory")
+    running = asyncio.create_task(zygote.run_fresh(None, {}, py("import time; time.sleep(1.5)")))
+    await asyncio.sleep(0.3)  # the run holds the zygote while its group gains a leftover
+    pinned = await asyncio.to_thread(pin_memory_in, first, 32)
+    try:
+        r, _ = await running
+        assert r.ok, r
+        assert recycles("memory") - before == 1 and first.destroyed
+        r, _ = await zygote.run_fresh(None, {}, py("print('on a fresh one')"))
+        assert r.ok and idle_zygote(zygote) is not first
+    finally:
+        pinned.unlink()
+
+
+async def test_a_zygote_is_replaced_after_its_maximum_of_runs(sandbox_root) -> None:
+    import asyncio
+
+    m = SandboxManager(make_settings(sandbox_root, pool_size=0, zygotes=1, zygote_max_runs=3))
+    await m.start()
+    try:
+        before = recycles("runs")
+        served = []
+        for i in range(7):
+            r, _ = await m.run_fresh(None, {}, py(f"print({i})"))
+            assert r.ok and r.stdout == f"{i}\n", r
+            while m._tasks:  # the teardown and the replacement started in the background
+                await asyncio.gather(*m._tasks)
+            served.append(idle_zygote(m))
+        assert recycles("runs") - before == 2
+        # Runs 1-3 on one zygote, 4-6 on the next, the 7th on a third; each is replaced
+        # in the background as soon as it is retired, so no run waits for a start.
+        assert served[0] is served[1] and served[2] is served[3] is served[4] and served[5] is served[6]
+        assert len({id(z) for z in served}) == 3 and served[0].destroyed and served[3].destroyed
+        assert m.zygotes.started == 1
+    finally:
+        await assert_clean_close(m)
