@@ -384,10 +384,15 @@ for line in open('/proc/self/mountinfo'):
 print(json.dumps(sorted(p for p, rw in mounts.items() if any(rw))))
 """
 
-LISTING = r"""
+# Programs that take values from the test start with the lines that assign them.
+TOPS = f"TOPS = {FILE_MOUNTS!r}\n"
+
+LISTING = (
+    TOPS
+    + r"""
 import json, os, stat
 out = {}
-for top in %r:
+for top in TOPS:
     st = os.lstat(top)
     entries = [(".", stat.S_IFMT(st.st_mode), oct(st.st_mode & 0o7777), st.st_uid)]
     for root, dirs, files in os.walk(top):
@@ -396,11 +401,14 @@ for top in %r:
             entries.append((os.path.relpath(os.path.join(root, name), top), stat.S_IFMT(st.st_mode), st.st_size))
     out[top] = entries
 print(json.dumps(out))
-""" % (FILE_MOUNTS,)
+"""
+)
 
-LEAVE_FILES = r"""
+LEAVE_FILES = (
+    TOPS
+    + r"""
 import os, socket
-for top in %r:
+for top in TOPS:
     open(f'{top}/left.txt', 'w').write('from the first run')
     open(f'{top}/.hidden', 'w').write('x')
     os.makedirs(f'{top}/d/e', exist_ok=True)
@@ -410,7 +418,8 @@ for top in %r:
     socket.socket(socket.AF_UNIX).bind(f'{top}/sock')
     os.chmod(top, 0o700)
 print('left')
-""" % (FILE_MOUNTS,)
+"""
+)
 
 DEVICES = r"""
 import json, os, stat
@@ -493,7 +502,7 @@ def call(nr, *args):
 added = call(248, b'user', b'temper-leak', b'from the first run', 18, -4)  # add_key to @u
 found = call(250, 10, -4, b'user', b'temper-leak', 0)  # KEYCTL_SEARCH @u
 session = call(250, 0, -3, 1)  # KEYCTL_GET_KEYRING_ID of the session keyring, create it
-print(added, found, session, open('/proc/key-users').read() == %r, open('/proc/keys').read())
+print(added, found, session, open('/proc/key-users').read() == KEY_USERS, open('/proc/keys').read())
 """
 
 LEAVE_SOCKETS = r"""
@@ -621,7 +630,9 @@ class TestCrossRun:
         again = await self.run(one_zygote, py(DEVICES))
         assert again.ok and json.loads(again.stdout) == json.loads(fresh.stdout), again.stdout
         # Its standard streams are its own: nothing of the first run's stands in for them.
-        streams = "cat /dev/stdin; echo out > /dev/stdout; echo err > /dev/stderr; head -c 4 /dev/zero | wc -c"
+        streams = (
+            "cat /dev/stdin; echo out > /dev/stdout; echo err > /dev/stderr; head -c 4 /dev/zero | wc -c"
+        )
         mine = await self.run(one_zygote, sh(streams, stdin="in\n"))
         assert mine.ok and (mine.stdout, mine.stderr) == ("in\nout\n4\n", "err\n"), mine
 
@@ -636,7 +647,7 @@ class TestCrossRun:
         fresh = await self.run(one_zygote, sh("cat /proc/key-users"))
         assert fresh.ok, fresh
         for _ in range(2):  # the first run's attempt leaves nothing the second can find
-            r = await self.run(one_zygote, py(KEYRINGS % fresh.stdout))
+            r = await self.run(one_zygote, py(f"KEY_USERS = {fresh.stdout!r}\n" + KEYRINGS))
             assert r.ok and r.stdout == "EPERM EPERM EPERM True \n", r
 
     async def test_sockets(self, one_zygote: SandboxManager) -> None:

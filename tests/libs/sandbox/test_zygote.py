@@ -140,7 +140,10 @@ async def test_limits_a_zygote_cannot_give_run_in_a_sandbox_of_their_own(zygote:
     lim = SMALL.model_copy(update={"network": NetworkPolicy.loopback, "services": []})
     assert lim.fixed_at_start != SMALL.fixed_at_start
     r, fetched = await zygote.run_fresh(
-        lim, {"in": b"x"}, sh("cat in > out; ln -s out link; grep Seccomp: /proc/self/status"), ["out", "link"]
+        lim,
+        {"in": b"x"},
+        sh("cat in > out; ln -s out link; grep Seccomp: /proc/self/status"),
+        ["out", "link"],
     )
     # Under the same filter, and fetched the same way (no link followed), as on a zygote.
     assert r.ok and r.stdout.split() == ["Seccomp:", "2"] and fetched == {"out": b"x", "link": None}, r
