@@ -214,3 +214,25 @@ async def test_bad_input_is_a_4xx_on_every_route_never_a_5xx(client, worker) -> 
     r = await client.post("/run_code", json={"code": "print(6 * 7)"})
     assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n"
     assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 204
+
+
+async def test_bad_requests_on_the_bus_are_error_results_not_retries(worker) -> None:
+    """The same refusals on sandbox.requests: a result with the error, at once (an
+    exception would be retried and dead-lettered)."""
+
+    def req(episode: str, **fields: object) -> SandboxRequest:
+        return SandboxRequest(episode_id=episode, turn=1, attempt=0, session_id=episode, **fields)
+
+    cases = [
+        (req("ep-key", snapshot_key="../../../../etc/passwd", action={"kind": "list_files"}), "invalid"),
+        (req("ep-max", limits={**LIMITS.model_dump(), "memory_mb": 60000}, action={"kind": "list_files"}),
+         "memory_mb=60000 is above the operator's maximum"),
+        (req("ep-nan", limits={**LIMITS.model_dump(), "cpu_s": float("nan")}, action={"kind": "list_files"}),
+         "invalid request"),
+        (req("ep-img", limits={**LIMITS.model_dump(), "image": "sha256:" + "ab" * 32}, action={"kind": "list_files"}),
+         "not in object storage"),
+    ]  # fmt: skip
+    for request, error in cases:
+        r = await worker.handle(request)
+        assert r.error is not None and error in r.error, (request, r)
+        assert request.session_id not in worker.manager.sessions
