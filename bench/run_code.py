@@ -51,7 +51,7 @@ def serve(port: int, root: Path, pieces_off: list[str]) -> None:
     from services.sandbox_worker.app import create_app
     from services.sandbox_worker.worker import SandboxWorker
     from temper.sandbox import SandboxSettings
-    from temper.sandbox.config import IsolationPiece
+    from temper.settings.sandbox import IsolationPiece
     from temper.storage import LocalStore
 
     async def main() -> None:
@@ -157,7 +157,7 @@ def _start_worker(root: Path, pieces_off: tuple[str, ...] = ()) -> tuple[subproc
 async def measure(requests: int = 400) -> dict[str, float | int]:
     """Every figure: ``run_code_rps_c{N}``, their p50 latencies, the same build without the
     isolation pieces at 16 clients, the floor and failures."""
-    from temper.sandbox.config import IsolationPiece
+    from temper.settings.sandbox import IsolationPiece
 
     root = Path("/tmp") / f"temper-bench-runcode-{uuid.uuid4().hex[:8]}"
     root.mkdir(parents=True)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 
 from temper.sandbox import Action, SandboxManager, SandboxSettings  # noqa: E402
-from temper.sandbox.config import IsolationPiece  # noqa: E402
+from temper.settings.sandbox import IsolationPiece  # noqa: E402
 
 HELLO = Action(kind="run_python", code="print('hello')")
 FETCH = Action(kind="run_python", code="open('out.txt', 'w').write('x' * 4096)")

@@ -1,5 +1,5 @@
 """The dispatcher's process: the REST API (``/v1``), the web console (``/console``),
-``/health`` and ``/metrics``, and the episode engine, on one :class:`Runtime`.
+``/health`` and ``/metrics``, and the episode state machine, on one :class:`Runtime`.
 
 Start order: database, bus, object store (the runtime), then the bootstrap key, then the
 episode component; stop in reverse (:func:`temper.runtime.service_app`).
@@ -20,15 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.dispatcher.api import episodes, export, jobs, schemas, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
+from services.dispatcher.api.environments import make_router as make_environment_router
+from services.dispatcher.api.tasksets import Enqueue, celery_enqueue
+from services.dispatcher.api.tasksets import make_router as make_taskset_router
 from services.dispatcher.component import BootstrapKey, Dispatcher
 from services.dispatcher.console import routes as console
-from temper.envpkg.routes import make_router as make_environment_router
 from temper.jobspec import JobSpec
 from temper.runtime import Component, Runtime, service_app
 from temper.settings import Mode, Settings
 from temper.tasks.inprocess import InProcessValidation
-from temper.tasks.routes import Enqueue, celery_enqueue
-from temper.tasks.routes import make_router as make_taskset_router
 
 API_DESCRIPTION = """\
 Submit RL post-training jobs, follow their episodes and read their transcripts and metrics.
@@ -46,7 +46,7 @@ def create_app(
 ) -> FastAPI:
     """The dispatcher app. ``run_episodes=False`` serves the API and console without the
     episode component (API tests, read-only replicas). ``executors`` builds components
-    started on the same runtime before the episode engine (``temper serve``: the other
+    started on the same runtime before the episode state machine (``temper serve``: the other
     services in this process)."""
     runtime = Runtime(settings, service="dispatcher")
     dispatcher = Dispatcher(runtime) if run_episodes else None
@@ -72,7 +72,9 @@ def create_app(
     app.include_router(export.router)
     # Embedded mode validates task sets in this process: no Celery worker, no Redis.
     enqueue: Enqueue = (
-        InProcessValidation(runtime).enqueue if settings.mode is Mode.embedded else celery_enqueue
+        InProcessValidation(runtime).enqueue
+        if settings.mode is Mode.embedded
+        else celery_enqueue(settings.redis.url)
     )
     app.include_router(  # /v1/tasksets, from the task-set library
         make_taskset_router(current_tenant, enqueue=enqueue),

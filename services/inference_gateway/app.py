@@ -33,9 +33,9 @@ from services.inference_gateway.traces import TraceEntry
 from temper import metrics
 from temper.events import SamplingParams
 from temper.policy import assistant_stop_ids
-from temper.policy.config import ToolParser
 from temper.runtime import Runtime, service_app
 from temper.settings import Settings
+from temper.settings.inference import ToolParser
 
 EPISODE_HEADER = "X-Temper-Episode"
 

@@ -29,8 +29,8 @@ import pydantic_core
 
 from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
 from temper.events import SamplingParams
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
 from temper.registry import MANIFEST_FILE, CorruptVersion, Manifest, verify_directory
+from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
 
 
 class ErrorKind(StrEnum):

@@ -42,9 +42,9 @@ from temper.db import Database, Job, PolicyVersion
 from temper.events import InferenceRequest, PolicyUpdate, Topics
 from temper.lifecycle import JobState
 from temper.logs import log_event
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime
 from temper.settings import Mode
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 
 log = logging.getLogger("services.inference_gateway")
 

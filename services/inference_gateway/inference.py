@@ -23,8 +23,8 @@ from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
 from temper import metrics
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
 from temper.policy import ChatTokenizer, encode_chat, extend_chat
-from temper.policy.config import InferenceSettings
 from temper.policy.tokenizer import policy_tokenizer
+from temper.settings.inference import InferenceSettings
 from temper.storage import ObjectStore
 
 log = logging.getLogger(__name__)

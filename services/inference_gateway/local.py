@@ -23,7 +23,7 @@ from services.inference_gateway.backends import (
     GenerateRequest,
 )
 from services.inference_gateway.cpu_server.core import BatchScheduler, Engine, GenRequest, SamplingParams
-from temper.policy.config import BackendSpec
+from temper.settings.inference import BackendSpec
 
 
 def build_engine(spec: BackendSpec) -> Engine:

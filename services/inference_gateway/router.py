@@ -36,7 +36,7 @@ from services.inference_gateway.backends import (
     GenerateRequest,
 )
 from temper import metrics
-from temper.policy.config import InferenceSettings
+from temper.settings.inference import InferenceSettings
 
 
 class RequestFailed(Exception):

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import os
-import secrets
 import shlex
 import shutil
 import signal
@@ -384,7 +383,6 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
     env.update(
         TEMPER_MODE="distributed",
         TEMPER_DB__URL=database_url,
-        TEMPER_API__SECRET=secrets.token_urlsafe(24),
         TEMPER_API__BOOTSTRAP_KEY=key,
         TEMPER_INFERENCE__BACKENDS=json.dumps(backends),
         TEMPER_INFERENCE__MODEL_NAME=spec.policy.model,
@@ -454,7 +452,8 @@ def _submit_taskset(api: TemperClient, spec: JobSpec, local: localrun.LocalRun) 
 
 
 def _follow(api: TemperClient, stack: Stack, job_id: str, progress: Any, *, timeout_s: float) -> str:
-    from temper.cli import TERMINAL_STATES, progress_lines
+    from temper.cli.jobs import progress_lines
+    from temper.lifecycle import JOB_TERMINAL
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -463,7 +462,7 @@ def _follow(api: TemperClient, stack: Stack, job_id: str, progress: Any, *, time
         metrics = api.metrics(job_id)
         width = shutil.get_terminal_size((80, 20)).columns
         progress.show(progress_lines(job, metrics, color=progress.tty, width=width))
-        if job["state"] in TERMINAL_STATES:
+        if job["state"] in JOB_TERMINAL:
             progress.done()
             return str(job["state"])
         if time.monotonic() > deadline:

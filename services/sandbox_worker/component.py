@@ -13,8 +13,8 @@ from services.sandbox_worker import handlers
 from services.sandbox_worker.worker import SandboxWorker
 from temper.logs import log_event
 from temper.runtime import Runtime
-from temper.sandbox.config import SandboxSettings
 from temper.settings import Mode
+from temper.settings.sandbox import SandboxSettings
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,7 @@ class SandboxWorkerService:
     ) -> None:
         self.runtime = runtime
         s = runtime.settings
-        sandbox = sandbox or s.sandbox.model_copy(
-            update={"allow_unsafe": s.sandbox.allow_unsafe or s.allow_unsafe}
-        )
+        sandbox = sandbox or s.sandbox
         self.worker = SandboxWorker(sandbox, distributed=s.mode is Mode.distributed, worker_id=worker_id)
         self.group = group or sandbox.group
         self.consumer: Any = None

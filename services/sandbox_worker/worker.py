@@ -41,9 +41,9 @@ from temper.sandbox import (
     SandboxManager,
     SnapshotError,
 )
-from temper.sandbox.config import SandboxSettings
 from temper.sandbox.images import ImageError
 from temper.sandbox.sandbox import refuse_files
+from temper.settings.sandbox import SandboxSettings
 
 log = logging.getLogger(__name__)
 

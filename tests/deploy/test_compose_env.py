@@ -89,7 +89,6 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
         "POSTGRES_PASSWORD": user_pw.group(2),
         "MINIO_ROOT_USER": stack.get("TEMPER_STORAGE__ACCESS_KEY", "temper"),
         "MINIO_ROOT_PASSWORD": stack.get("TEMPER_STORAGE__SECRET_KEY", "temper-secret-key"),
-        "TEMPER_API_SECRET": secrets.token_urlsafe(24),
         "TEMPER_BOOTSTRAP_KEY": "tmp_" + secrets.token_urlsafe(30),
     }
     services = compose_services()

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -478,7 +477,6 @@ class FaultStack:
         env.update(
             TEMPER_MODE="distributed",
             TEMPER_DB__URL=self.database_url,
-            TEMPER_API__SECRET=secrets.token_urlsafe(24),
             TEMPER_API__BOOTSTRAP_KEY=self.key,
             TEMPER_INFERENCE__BACKENDS=json.dumps(backends),
             TEMPER_INFERENCE__MODEL_NAME=self.spec["policy"]["model"],

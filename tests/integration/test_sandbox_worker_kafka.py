@@ -191,7 +191,6 @@ async def test_session_survives_a_sigkilled_worker_through_its_snapshot(
     env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
     env.update(
         TEMPER_MODE="distributed",
-        TEMPER_API__SECRET="a-test-secret-for-processes",
         TEMPER_DB__URL=postgres_url,  # required by distributed settings; the worker has no database
         TEMPER_LOG__LEVEL="WARNING",
         TEMPER_PORT=str(port),

@@ -14,11 +14,11 @@ import subprocess
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from temper.limits import NetworkPolicy, SandboxLimits
 from temper.sandbox import seccomp
-from temper.sandbox.config import BackendKind, IsolationPiece, SandboxSettings
 from temper.sandbox.images import Image
-from temper.sandbox.models import NetworkPolicy, SandboxLimits
 from temper.sandbox.proxy import SANDBOX_SOCKET
+from temper.settings.sandbox import BackendKind, IsolationPiece, SandboxSettings
 
 log = logging.getLogger(__name__)
 

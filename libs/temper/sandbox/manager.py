@@ -23,16 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from temper import metrics
+from temper.limits import KillReason, SandboxLimits
 from temper.sandbox import snapshot
 from temper.sandbox.backends import Backend, make_backend
 from temper.sandbox.cgroups import CgroupManager, detect
-from temper.sandbox.config import IsolationPiece, SandboxSettings
 from temper.sandbox.images import Image, ImageCache
-from temper.sandbox.models import Action, ExecResult, KillReason, SandboxLimits
+from temper.sandbox.models import Action, ExecResult
 from temper.sandbox.policy import limit_errors, timeout_error
 from temper.sandbox.sandbox import LimitsNotSet, Sandbox, SandboxError, refuse_files
 from temper.sandbox.spawner import Spawner
 from temper.sandbox.zygote import ZygotePool, ZygoteUnsupported
+from temper.settings.sandbox import IsolationPiece, SandboxSettings
 
 log = logging.getLogger(__name__)
 

@@ -24,20 +24,13 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from temper.limits import KillReason, NetworkPolicy, SandboxLimits, ServiceSpec
 from temper.sandbox.backends import Backend, shm_mb
 from temper.sandbox.cgroups import Cgroup, CgroupError, CgroupManager, CgroupStats
-from temper.sandbox.config import IsolationPiece
 from temper.sandbox.fork_server import enter_sandbox
-from temper.sandbox.models import (
-    Action,
-    ExecResult,
-    FileInfo,
-    KillReason,
-    NetworkPolicy,
-    SandboxLimits,
-    ServiceSpec,
-)
+from temper.sandbox.models import Action, ExecResult, FileInfo
 from temper.sandbox.proxy import FORWARD_PORT, EgressProxy
+from temper.settings.sandbox import IsolationPiece
 
 if TYPE_CHECKING:
     from temper.sandbox.images import Image

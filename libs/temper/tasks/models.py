@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from temper.sandbox.models import SandboxLimits
+from temper.limits import SandboxLimits
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:=-]{0,150}$")
 

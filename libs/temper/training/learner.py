@@ -38,9 +38,9 @@ from safetensors.torch import save as st_save
 from temper.jobspec import Advantage, Aggregation, AlgorithmSpec, KLEstimator, LoraSpec, Overlong, Precision
 from temper.logs import log_event
 from temper.policy import load_weights, position_ids_from_mask, save_weights, token_logprobs
+from temper.settings.trainer import Device, TrainerSettings
 from temper.storage import ObjectStore
 from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
-from temper.training.config import Device, TrainerSettings
 from temper.training.grpo import Objective, grpo_token_loss, sample_weights
 from temper.training.lora import (
     SharedBase,

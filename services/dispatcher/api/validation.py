@@ -29,8 +29,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper.db import Job, Task, TaskSet
 from temper.jobspec import JobSpec, SpecError, plugin_errors
-from temper.policy.config import BackendKind, BackendSpec
 from temper.settings import Settings
+from temper.settings.inference import BackendKind, BackendSpec
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few more
@@ -213,7 +213,7 @@ async def limit_errors(session: AsyncSession, *, spec: JobSpec, settings: Settin
     """The sandbox limits every episode would run with (each task's, overridden by the
     environment's) within this deployment's maxima and network rules: a request above a
     maximum is refused now, not clamped by the worker later. (Images: ``image_errors``.)"""
-    from temper.sandbox.models import SandboxLimits
+    from temper.limits import SandboxLimits
     from temper.sandbox.policy import limit_errors as policy_errors
 
     env = {k: v for k, v in spec.environment.limits.items() if k != "image"}

@@ -8,7 +8,7 @@ import pytest
 
 from temper.sandbox import Action, KillReason, SandboxError, SandboxLimits, SandboxManager, SandboxSettings
 from temper.sandbox.backends import make_backend
-from temper.sandbox.config import BackendKind
+from temper.settings.sandbox import BackendKind
 from temper.storage import LocalStore, NotFound
 from tests.libs.sandbox.conftest import SMALL, assert_clean_close, make_settings
 
@@ -259,7 +259,7 @@ async def test_a_bind_source_the_sandbox_uid_cannot_reach_is_refused_by_name(san
 
 
 async def test_limits_above_the_operator_maxima_are_refused(sandbox_root) -> None:
-    from temper.sandbox.config import LimitMaxima
+    from temper.settings.sandbox import LimitMaxima
 
     maxima = LimitMaxima(memory_mb=128, pids=64, wall_s=5, cpu_s=5, workspace_mb=16, file_size_mb=8)
     m = SandboxManager(make_settings(sandbox_root, pool_size=0, max_limits=maxima))

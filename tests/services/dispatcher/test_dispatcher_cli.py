@@ -110,7 +110,7 @@ def test_watch_redraws_in_place_on_a_terminal(server):
 
     stream = Tty()
     with TemperClient(url, seeded.key) as api:
-        assert cli.watch(api, seeded.running_job_id, interval=0.01, stream=stream, max_polls=2) == 0
+        assert cli.jobs.watch(api, seeded.running_job_id, interval=0.01, stream=stream, max_polls=2) == 0
     text = stream.getvalue()
     assert text.count("\x1b[4A") == 1  # the second frame moved up over the first
     assert "acting 1" in text and "pending 1" in text

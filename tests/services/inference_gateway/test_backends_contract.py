@@ -11,7 +11,7 @@ import pytest
 from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, VLLMBackend
 from temper import registry
 from temper.events import SamplingParams
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
 from temper.storage import LocalStore
 
 pytestmark = pytest.mark.timeout(20)

@@ -14,7 +14,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from services.inference_gateway.app import GatewayApp, proxy_app
 from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest
 from services.inference_gateway.inference import InferenceService
-from temper.policy.config import BackendSpec, InferenceSettings
+from temper.settings.inference import BackendSpec, InferenceSettings
 
 pytestmark = pytest.mark.timeout(30)
 

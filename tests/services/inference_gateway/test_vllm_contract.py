@@ -13,7 +13,7 @@ import pytest
 
 from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, VLLMBackend
 from temper.events import SamplingParams
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
 from tests.services.inference_gateway.test_backends_contract import version_dir
 
 pytestmark = pytest.mark.timeout(30)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from temper.sandbox.models import SandboxLimits
+from temper.limits import SandboxLimits
 
 
 class BackendKind(StrEnum):
