@@ -96,7 +96,8 @@ class Backend(ABC):
 
 class BwrapBackend(Backend):
     """bubblewrap: user, pid, mount, net, ipc, uts and cgroup namespaces; read-only
-    system mounts; the workspace is the only writable place besides a small /tmp."""
+    system mounts and /dev; the workspace is the only writable place besides a small /tmp
+    and /dev/shm; the system-call filter of :mod:`temper.sandbox.seccomp`."""
 
     kind = BackendKind.bwrap
     isolated = True
