@@ -454,7 +454,9 @@ class SandboxManager:
                 self._give_back(zygote, "limits")
                 zygote = await self.zygotes.take(fresh=True)
                 self._in_use.add(zygote)
+                recycle = "limits"  # should the fresh one refuse them too
                 await zygote.apply_limits(limits)
+                recycle = "broken"
             t0 = time.perf_counter()
             result, fetched = await zygote.run_fresh(action, files, fetch)
             metrics.SANDBOX_EXEC_SECONDS.observe(time.perf_counter() - t0)
