@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import json
-import os
 import logging
+import os
 
 from temper.logs import JsonFormatter, log_context, log_event, redact
 
