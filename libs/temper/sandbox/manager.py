@@ -25,11 +25,11 @@ from typing import Any
 from temper import metrics
 from temper.limits import KillReason, SandboxLimits
 from temper.sandbox import snapshot
+from temper.sandbox.admission import limit_errors, timeout_error
 from temper.sandbox.backends import Backend, make_backend
 from temper.sandbox.cgroups import CgroupManager, detect
 from temper.sandbox.images import Image, ImageCache
 from temper.sandbox.models import Action, ExecResult
-from temper.sandbox.policy import limit_errors, timeout_error
 from temper.sandbox.sandbox import LimitsNotSet, Sandbox, SandboxError, refuse_files
 from temper.sandbox.spawner import Spawner
 from temper.sandbox.zygote import ZygotePool, ZygoteUnsupported

@@ -212,7 +212,7 @@ async def limit_errors(session: AsyncSession, *, spec: JobSpec, settings: Settin
     environment's) within this deployment's maxima and network rules: a request above a
     maximum is refused now, not clamped by the worker later. (Images: ``image_errors``.)"""
     from temper.limits import SandboxLimits
-    from temper.sandbox.policy import limit_errors as policy_errors
+    from temper.sandbox.admission import limit_errors as policy_errors
 
     env = {k: v for k, v in spec.environment.limits.items() if k != "image"}
     rows = await session.execute(select(Task.spec["limits"]).where(Task.task_set_id == spec.tasks.taskset))

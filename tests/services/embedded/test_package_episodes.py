@@ -26,7 +26,7 @@ from sqlalchemy import select
 
 from services.dispatcher.app import create_app
 from services.reward_scorer.component import RewardScorer
-from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerComponent
 from temper.db import Episode
 from temper.db.migrate import upgrade
 from temper.envpkg.archive import pack
@@ -94,7 +94,7 @@ async def platform(
     app = create_app(
         settings,
         executors=lambda rt: [
-            SandboxWorkerService(rt),
+            SandboxWorkerComponent(rt),
             RewardScorer(rt, concurrency=2),
             ScriptedModel(rt, script),
         ],
