@@ -53,7 +53,7 @@ test-long: setup stack-up
 	bash scripts/run_tests.sh -m long
 
 test-unit: setup
-	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis" $(ARGS)
+	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis and not vllm" $(ARGS)
 
 run: setup-run
 	$(PY) -m services.cli run examples/code-job.yaml

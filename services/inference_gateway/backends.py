@@ -441,8 +441,7 @@ class VLLMBackend(Backend):
                 raise BackendError(
                     ErrorKind.client, f"{self.name}: reload_mode=full cannot load a LoRA version"
                 )
-            await self._reload_full(Path(path))
-            self.version = version
+            await self._reload_full(Path(path), version)
         return time.perf_counter() - t0
 
     async def _load_adapter(self, job_id: str, version: int, path: Path) -> None:
@@ -467,8 +466,9 @@ class VLLMBackend(Backend):
             except BackendError:
                 pass  # a leftover adapter costs memory, not correctness
 
-    async def _reload_full(self, path: Path) -> None:
-        """Load the model directory ``path`` into the running server; no sequence spans two versions."""
+    async def _reload_full(self, path: Path, version: int) -> None:
+        """Load the model directory ``path`` into the running server as ``version``; no sequence
+        spans two versions, and the requests that waited are sent (and tagged) after it."""
         tied = await asyncio.to_thread(_full_version_ties, path)
         self._switching = True
         self._switched.clear()
@@ -486,6 +486,7 @@ class VLLMBackend(Backend):
                     )
             finally:
                 await self.post("/resume", {}, raw=True, wait_s=60.0)
+            self.version = version
         finally:
             self._switching = False
             self._switched.set()

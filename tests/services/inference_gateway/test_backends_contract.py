@@ -181,7 +181,9 @@ async def test_full_reload_pauses_loads_the_versions_directory_resets_the_cache_
 
     def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else {}
-        calls.append((request.url.path + (f"?{request.url.query.decode()}" if request.url.query else ""), body))
+        calls.append(
+            (request.url.path + (f"?{request.url.query.decode()}" if request.url.query else ""), body)
+        )
         if request.url.path == "/collective_rpc":
             return httpx.Response(200, json={"results": [{"weights_path": str(version), "tied": False}]})
         if request.url.path == "/reset_prefix_cache":
