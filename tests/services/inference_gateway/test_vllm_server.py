@@ -145,7 +145,10 @@ async def test_stop_ids_stop_strings_and_bad_requests(vllm_models, lora_backend)
     for bad, why in (
         (req([tok.vocab_size + 5]), "out of vocabulary"),
         (req([5] * 600), "maximum context length"),
-        (req(prompt, stop=["a", "b", "c", "d", "e"]), "too_long"),  # "at most 4" is past the 200 characters kept
+        (
+            req(prompt, stop=["a", "b", "c", "d", "e"]),
+            "too_long",
+        ),  # "at most 4" is past the 200 characters kept
     ):
         with pytest.raises(BackendError, match=why) as err:
             await lora_backend.complete(bad)
@@ -376,3 +379,50 @@ async def test_vllms_own_reload_leaves_a_tied_output_layer_stale_and_the_prefix_
             )
             await c.post(f"{vllm_server.url}/reset_prefix_cache")
     await b.aclose()
+
+
+# --- through the gateway ---------------------------------------------------------------------------
+async def test_the_gateway_service_tags_each_jobs_results_with_the_adapter_that_sampled_them(
+    tmp_path, vllm_server, vllm_models, unique
+) -> None:
+    from services.inference_gateway.inference import InferenceService
+    from temper.events import InferenceRequest
+    from temper.policy.config import InferenceSettings
+
+    settings = InferenceSettings(
+        model_name=SERVED_NAME,
+        backends=[BackendSpec(name="vllm-0", url=vllm_server.url, kind=BackendKind.vllm, model=SERVED_NAME)],
+    )
+    service = InferenceService(settings, tokenizer=ChatTokenizer.load(vllm_models.base))
+    await service.start()
+    learner = adapter(vllm_models.base, 7)
+    job, other = f"g{unique}", f"h{unique}"
+    try:
+        await service.reload(
+            version=1, path=await publish(tmp_path, learner, job, 1, vllm_models.base), job_id=job
+        )
+        sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+        results = await asyncio.gather(
+            *(
+                service.handle(
+                    InferenceRequest(
+                        job_id=j, episode_id=f"e{i}", model=SERVED_NAME, prompt_ids=p, sampling=sampling
+                    )
+                )
+                for i, (j, p) in enumerate([(job, PROMPTS[0]), (other, PROMPTS[0]), (job, PROMPTS[1])])
+            )
+        )
+        base_model = hf_model(vllm_models.base)
+        for res, (model, prompt, v) in zip(
+            results,
+            [(learner.model, PROMPTS[0], 1), (base_model, PROMPTS[0], 0), (learner.model, PROMPTS[1], 1)],
+            strict=True,
+        ):
+            assert res.error is None and res.backend == "vllm-0" and res.policy_version == v
+            assert (
+                len(res.token_ids) == 12 and gap(res.logprobs, reference(model, prompt, res.token_ids)) <= TOL
+            )
+    finally:
+        await service.stop()
+        async with httpx.AsyncClient() as c:
+            await c.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": f"{job}-v1"})
