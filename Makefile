@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer chaos chaos-reduced
+        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -88,8 +88,12 @@ bench-sandbox: setup
 bench-rewards: setup
 	$(PY) bench/rewards.py
 
-bench-gateway: setup
-	$(PY) bench/gateway.py
+bench-gateway: setup stack-up
+	$(PY) bench/gateway.py $(ARGS)
+
+# Behaviour logprobs (CPU engine; vLLM on CPU in fp32 and bf16) against the trainer's recomputation.
+bench-mismatch: setup stack-up
+	$(PY) bench/logprob_mismatch.py $(ARGS)
 
 bench-dispatch: setup stack-up
 	$(PY) bench/dispatch.py
