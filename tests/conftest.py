@@ -184,7 +184,12 @@ def _missing_integration() -> list[str]:
 
 # scripts/run_tests.sh runs the tests on the shared Kafka, S3, Redis or vLLM in a lane of their
 # own, picked by these markers: a test that uses one of those servers must say so.
-SERVER_FIXTURES = {"kafka_bootstrap": "kafka", "s3_settings": "s3", "redis_url": "redis", "vllm_server": "vllm"}
+SERVER_FIXTURES = {
+    "kafka_bootstrap": "kafka",
+    "s3_settings": "s3",
+    "redis_url": "redis",
+    "vllm_server": "vllm",
+}
 
 
 def pytest_collection_modifyitems(config, items):

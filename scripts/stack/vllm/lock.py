@@ -35,7 +35,17 @@ def pip(venv: Path, *args: str) -> None:
 
 
 def report(venv: Path, out: Path, *args: str) -> list[dict]:
-    pip(venv, "install", "--dry-run", "--ignore-installed", "--only-binary", ":all:", "--report", str(out), *args)
+    pip(
+        venv,
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--only-binary",
+        ":all:",
+        "--report",
+        str(out),
+        *args,
+    )
     return json.loads(out.read_text())["install"]
 
 
