@@ -3,8 +3,8 @@ LoRA ops; see tests/services/inference_gateway/vllm_server.py), checked by conte
 ids and logprobs vLLM returns equal a Hugging Face / PEFT forward pass of the same weights.
 
 Tolerance: fp32 on both sides, the same weights: |Δ logprob| ≤ 1e-4 (measured here: at most
-7.6e-6, bench/logprob_mismatch.py). Different weights differ by far more (checked in each test, so a comparison
-that cannot fail is not counted as one).
+7.6e-6, bench/logprob_mismatch.py). Different weights differ by far more (checked in each
+test, so a comparison that cannot fail is not counted as one).
 
 One server for the session (the ``vllm_server`` fixture); a test that changes its base
 weights puts them back before it ends.
