@@ -476,7 +476,16 @@ class VLLMBackend(Backend):
             while self._inflight:
                 self._drained.clear()
                 await self._drained.wait()
-            await self.post("/pause?mode=wait", {}, raw=True, wait_s=600.0)
+            try:
+                await self.post("/pause?mode=wait", {}, raw=True, wait_s=600.0)
+            except BackendError as exc:
+                if exc.status == 404:
+                    raise BackendError(
+                        ErrorKind.client,
+                        f"{self.name}: vLLM has no /pause; a full reload needs VLLM_SERVER_DEV_MODE=1",
+                        status=404,
+                    ) from exc
+                raise
             try:
                 await self._rpc_reload(path, tied=tied)
                 r = await self.post("/reset_prefix_cache", {}, raw=True, wait_s=60.0)
