@@ -380,8 +380,21 @@ def main() -> None:
     ap.add_argument(
         "--versions", type=int, default=5, help="LoRA versions published for adapter_publish_to_served_s"
     )
+    ap.add_argument(
+        "--only-vllm",
+        action="store_true",
+        help="run only the vLLM part and update its keys in --out (the CPU-engine figures are kept)",
+    )
     args = ap.parse_args()
     run = uuid.uuid4().hex[:8]
+    if args.only_vllm:
+        out = Path(args.out)
+        res = {**(json.loads(out.read_text()) if out.exists() else {}), **vllm_section(args, run)}
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        for k, v in res.items():
+            if k.startswith(("vllm", "adapter")):
+                print(f"  {k:<32}  {v}")
+        return
     group, results_group = f"bench-gateway-{run}", f"bench-gateway-{run}-results"
 
     tmp = Path(tempfile.mkdtemp(prefix="temper-bench-gw-"))
