@@ -91,6 +91,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         for line in table(["iteration", "scored", "mean", "std", "min", "max"], rows):
             out("  " + line)
+    for line in training_lines(m.get("training")):
+        out(line)
     if m["pass_rates"]:
         out("\npass rate per task")
         rows = [
@@ -106,6 +108,33 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         for line in table(["task", "episodes", "passed", "pass rate", "mean reward"], rows):
             out("  " + line)
     return 0
+
+
+def training_lines(training: dict[str, Any] | None) -> list[str]:
+    """The trainer's numbers per version, what it skipped, and why nothing trained yet."""
+    if not training:
+        return []
+    lines: list[str] = []
+
+    def f(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    if training["versions"]:
+        lines.append("\ntraining per version")
+        rows = [
+            [f"v{v['version']}", str(v["step"]), f(v["loss"], ".4f"), f(v["kl"], ".4f"), f(v["entropy"], ".3f"),
+             f(v["grad_norm"], ".3f"), f(v["clip_fraction"], ".3f"), f(v["learning_rate"], ".2e"),
+             f(v["tokens"], "d"), f"{v['train_s']:.1f}"]
+            for v in training["versions"]
+        ]  # fmt: skip
+        header = ["version", "step", "loss", "kl", "entropy", "grad norm", "clip", "lr", "tokens", "train s"]
+        lines += ["  " + line for line in table(header, rows)]
+    if training["skipped_groups"]:
+        skipped = ", ".join(f"{r} {n}" for r, n in sorted(training["skipped_groups"].items()))
+        lines.append(f"\ngroups not trained on: {skipped}")
+    if training.get("not_trained_reason"):
+        lines.append(f"\nnot trained yet: {training['not_trained_reason']}")
+    return lines
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

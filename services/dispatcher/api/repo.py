@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.dispatcher.api import schemas
 from services.dispatcher.sampling import replacement_groups, zero_variance_groups
 from temper.clock import utcnow
-from temper.db import Episode, Job, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
+from temper.db import Episode, Job, PolicyVersion, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_job
@@ -371,5 +371,66 @@ async def job_metrics(
         pass_rates=pass_rates,
         throughput=throughput,
         staleness=staleness,
+        training=await _training(session, job, scored=sum(p.episodes for p in curve)),
         pass_threshold=pass_threshold,
     )
+
+
+async def _training(session: AsyncSession, job: Job, *, scored: int) -> schemas.Training:
+    """The trainer's numbers per version (from each version row), what it skipped and,
+    while nothing is trained, why."""
+    rows = (
+        await session.execute(
+            select(PolicyVersion).where(PolicyVersion.job_id == job.id).order_by(PolicyVersion.version)
+        )
+    ).scalars()
+
+    def num(m: dict[str, Any], key: str) -> Any:
+        value = m.get(key)
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    versions = [
+        schemas.VersionTraining(
+            version=v.version, step=v.step, train_s=v.train_s, created_at=v.created_at,
+            **{k: num(v.metrics or {}, k) for k in TRAINING_FIELDS},
+        )
+        for v in rows
+    ]  # fmt: skip
+    of_job = TrainedTrajectory.job_id == job.id
+    skipped = {
+        str(reason): int(n)
+        for reason, n in await session.execute(
+            select(TrainedTrajectory.skipped, func.count(func.distinct(TrainedTrajectory.group_id)))
+            .where(of_job, TrainedTrajectory.skipped.is_not(None))
+            .group_by(TrainedTrajectory.skipped)
+        )
+    }
+    trained = int(
+        await session.scalar(select(func.count()).where(of_job, TrainedTrajectory.step.is_not(None))) or 0
+    )
+    reason = None
+    if trained == 0:
+        if not scored:
+            reason = "no episode has been scored yet"
+        elif skipped:
+            listed = ", ".join(f"{n} {r}" for r, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+            reason = f"every group so far was skipped ({listed})"
+        else:
+            per_step = JobSpec.model_validate(job.spec).algorithm.groups_per_step
+            reason = f"waiting for {per_step} complete group{'s' if per_step != 1 else ''} for the first step"
+    return schemas.Training(
+        versions=versions, trained_episodes=trained, skipped_groups=skipped, not_trained_reason=reason
+    )
+
+
+# the StepStats fields a version row carries that the metrics show
+TRAINING_FIELDS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "clip_fraction",
+    "learning_rate",
+    "tokens",
+)
