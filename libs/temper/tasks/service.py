@@ -27,6 +27,16 @@ class TaskSetNotFound(LookupError):
     pass
 
 
+class TaskSetAmbiguous(LookupError):
+    """A name that several of the tenant's task sets carry: give the id."""
+
+    def __init__(self, name: str, ids: list[str]) -> None:
+        super().__init__(
+            f"task set name {name!r} names {len(ids)} task sets of yours ({', '.join(ids)}); give the id"
+        )
+        self.ids = ids
+
+
 def task_row_id(taskset_id: str, key: str) -> str:
     return f"{taskset_id}:{key}"
 
@@ -86,10 +96,27 @@ async def list_tasksets(session: AsyncSession, tenant: str) -> list[TaskSet]:
 
 
 async def get_taskset(session: AsyncSession, taskset_id: str, *, tenant: str | None = None) -> TaskSet:
+    """The task set with this id, or (within a tenant) the one task set of the tenant with
+    this name; :class:`TaskSetNotFound`, or :class:`TaskSetAmbiguous` when several have it."""
     row = await session.get(TaskSet, taskset_id)
-    if row is None or (tenant is not None and row.tenant_id != tenant):
+    if row is not None and (tenant is None or row.tenant_id == tenant):
+        return row
+    if tenant is None:
         raise TaskSetNotFound(taskset_id)
-    return row
+    named = list(
+        (
+            await session.scalars(
+                select(TaskSet)
+                .where(TaskSet.tenant_id == tenant, TaskSet.name == taskset_id)
+                .order_by(TaskSet.id)
+            )
+        ).all()
+    )
+    if len(named) > 1:
+        raise TaskSetAmbiguous(taskset_id, [r.id for r in named])
+    if not named:
+        raise TaskSetNotFound(taskset_id)
+    return named[0]
 
 
 async def task_rows(session: AsyncSession, taskset_id: str) -> list[Task]:

@@ -36,7 +36,9 @@ async def list_episodes(
     session: SessionDep,
     job: JobDep,
     state: Annotated[EpisodeState | None, Query(description="only episodes in this state")] = None,
-    task: Annotated[str | None, Query(description="only episodes of this task id")] = None,
+    task: Annotated[
+        str | None, Query(description="only episodes of this task: its id, or its key without the task set")
+    ] = None,
     iteration: Annotated[int | None, Query(ge=0, le=MAX_OFFSET)] = None,
     min_reward: Annotated[
         float | None, Query(allow_inf_nan=False, description="reward at least this")

@@ -23,6 +23,7 @@ from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_job
 from temper.outbox import enqueue
+from temper.tasks.service import task_row_id
 
 SCORED = (EpisodeState.scored.value, EpisodeState.trained.value)
 FINISHED = tuple(s.value for s in EPISODE_FINISHED)
@@ -196,7 +197,9 @@ async def list_episodes(
     if state:
         query = query.where(Episode.state == state)
     if task:
-        query = query.where(Episode.task_id == task)
+        # a task's key alone ("add-2") or its full id ("ts-...:add-2")
+        taskset = str(((job.spec or {}).get("tasks") or {}).get("taskset", ""))
+        query = query.where(Episode.task_id.in_([task, task_row_id(taskset, task)]))
     if iteration is not None:
         query = query.where(Episode.iteration == iteration)
     if min_reward is not None:

@@ -32,6 +32,7 @@ from temper.db import Job, Task, TaskSet
 from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.settings import Settings
 from temper.settings.inference import BackendKind, BackendSpec
+from temper.tasks.service import TaskSetAmbiguous, TaskSetNotFound, get_taskset
 
 MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few more
 MAX_NODES = 100_000
@@ -253,10 +254,17 @@ async def check_names(
     pools = backend_pools(settings)
     if spec.policy.backend_pool not in pools:
         errors.append(("policy.backend_pool", unknown("backend pool", spec.policy.backend_pool, pools)))
-    taskset = await session.get(TaskSet, spec.tasks.taskset)
-    if taskset is None or taskset.tenant_id != tenant_id:
-        ids = (await session.execute(select(TaskSet.id).where(TaskSet.tenant_id == tenant_id))).scalars()
-        errors.append(("tasks.taskset", unknown("task set", spec.tasks.taskset, ids)))
+    try:
+        # a name stands for the one task set of the tenant with it: the job keeps the id
+        spec.tasks.taskset = (await get_taskset(session, spec.tasks.taskset, tenant=tenant_id)).id
+    except TaskSetAmbiguous as exc:
+        errors.append(("tasks.taskset", str(exc)))
+    except TaskSetNotFound:
+        rows = await session.execute(select(TaskSet.id, TaskSet.name).where(TaskSet.tenant_id == tenant_id))
+        known = {ref for row in rows for ref in row}
+        errors.append(
+            ("tasks.taskset", unknown("task set", spec.tasks.taskset, known) + " (an id or a name)")
+        )
     prior = spec.tasks.prior_from_job
     if prior is not None:
         job = await session.get(Job, prior)
