@@ -102,10 +102,21 @@ async def read_upload(request: Request) -> bytes:
 
 
 async def job_or_404(session: SessionDep, tenant: CurrentTenant, job_id: str) -> Job:
+    """The tenant's job by id, or by name when exactly one of its jobs has that name (a
+    name several jobs share answers 409 listing them, newest first)."""
     job = await repo.get_job(session, tenant_id=tenant.id, job_id=job_id)
-    if job is None:
+    if job is not None:
+        return job
+    named = await repo.jobs_named(session, tenant_id=tenant.id, name=job_id)
+    if len(named) > 1:
+        listed = ", ".join(j.id for j in named[:20]) + (", ..." if len(named) > 20 else "")
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"job name {job_id!r} names {len(named)} jobs of yours ({listed}); give the id",
+        )
+    if not named:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} not found")
-    return job
+    return named[0]
 
 
 JobDep = Annotated[Job, Depends(job_or_404)]

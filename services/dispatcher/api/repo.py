@@ -148,6 +148,17 @@ async def get_job(session: AsyncSession, *, tenant_id: str, job_id: str) -> Job 
     return job if job is not None and job.tenant_id == tenant_id else None
 
 
+async def jobs_named(session: AsyncSession, *, tenant_id: str, name: str) -> list[Job]:
+    """The tenant's jobs with exactly this name, newest first."""
+    query = (
+        select(Job)
+        .where(Job.tenant_id == tenant_id, Job.name == name)
+        .order_by(Job.created_at.desc(), Job.id.desc())
+        .limit(1000)
+    )
+    return list((await session.execute(query)).scalars())
+
+
 JOB_COMMANDS = {"pause": JobState.paused, "resume": JobState.running, "cancel": JobState.cancelled}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from temper.db import Database, Episode, Job, TaskSet
+from tests.services.dispatcher.test_dispatcher_cli import run_cli, server  # noqa: F401
 from tests.services.dispatcher.test_door import spec
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,3 +64,28 @@ async def test_episodes_of_a_task_by_its_key_or_its_full_id(client, env, seeded)
             "ep-full-id"
         ]
     assert (await client.get(base, params={"task": "add-"})).json()["total"] == 0  # whole keys only
+
+
+async def test_a_job_by_its_name_and_a_shared_name_refused(client, seeded):
+    by_name = (await client.get("/v1/jobs/add-numbers")).json()
+    assert by_name["id"] == seeded.job_id
+    r = await client.get("/v1/jobs/add-numbers/metrics")
+    assert r.status_code == 200 and r.json()["job_id"] == seeded.job_id
+    r = await client.post("/v1/jobs", json=spec(name="add-numbers"))  # the spec's name stays free
+    assert r.status_code == 201, r.text
+    again = r.json()["id"]
+    r = await client.get("/v1/jobs/add-numbers")
+    assert r.status_code == 409, r.text
+    assert (
+        r.json()["detail"]
+        == f"job name 'add-numbers' names 2 jobs of yours ({again}, {seeded.job_id}); give the id"
+    )
+    assert (await client.get(f"/v1/jobs/{again}")).status_code == 200
+    assert (await client.get("/v1/jobs/add-number")).status_code == 404
+
+
+def test_the_cli_takes_a_job_name(server, capsys):  # noqa: F811
+    url, seeded = server
+    code, out, err = run_cli(["--url", url, "--key", seeded.key, "metrics", "add-numbers"], capsys)
+    assert code == 0, err
+    assert "reward per iteration" in out
