@@ -423,7 +423,7 @@ async def _training(session: AsyncSession, job: Job, *, scored: int) -> schemas.
         await session.scalar(select(func.count()).where(of_job, TrainedTrajectory.step.is_not(None))) or 0
     )
     reason = None
-    if trained == 0:
+    if trained == 0 and not versions:
         if not scored:
             reason = "no episode has been scored yet"
         elif skipped:
