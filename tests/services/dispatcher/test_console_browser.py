@@ -270,7 +270,7 @@ def test_the_trainer_charts_the_compare_colours_and_the_reward_table(trained, ch
     assert fills == {"rgb(47, 111, 222)"}, fills  # the first job's colour, drawn as given
     legend = [t.text for t in chrome.find_elements(By.CSS_SELECTOR, "#compare-curves .legend-label")]
     assert legend == ["add-numbers"]
-    chrome.save_screenshot(str(ARTIFACTS / "console-compare.png"))
+    chrome.save_screenshot(str(ARTIFACTS / "console-compare-legend.png"))
 
     chrome.get(f"{url}/console/episodes/{KILLED_EPISODE}")
     wait.until(ec.presence_of_element_located((By.ID, "reward-vector")))
