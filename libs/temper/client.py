@@ -112,12 +112,21 @@ class TemperClient:
         )
 
     def jobs(
-        self, *, state: str | None = None, name: str | None = None, limit: int = 50, cursor: str | None = None
+        self,
+        *,
+        state: str | None = None,
+        name: str | None = None,
+        tag: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
     ) -> dict[str, Any]:
-        params = {
-            k: v for k, v in {"state": state, "name": name, "limit": limit, "cursor": cursor}.items() if v
-        }
+        given = {"state": state, "name": name, "tag": tag, "limit": limit, "cursor": cursor}
+        params = {k: v for k, v in given.items() if v}
         return self._call("GET", "/v1/jobs", params=params)  # type: ignore[no-any-return]
+
+    def update_job(self, job: str, **change: Any) -> dict[str, Any]:
+        """Replace a job's ``tags`` and/or ``note`` (``note=None`` clears it)."""
+        return self._call("PATCH", f"/v1/jobs/{job}", json=change)  # type: ignore[no-any-return]
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")  # type: ignore[no-any-return]

@@ -157,9 +157,14 @@ class Job(Base):
     reason). ``policy_version`` is written only by the trainer."""
 
     __tablename__ = "jobs"
+    # a handle names one job of its tenant (several NULLs are fine in both databases)
+    __table_args__ = (Index("ux_jobs_tenant_handle", "tenant_id", "handle", unique=True),)
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200))
+    handle: Mapped[str | None] = mapped_column(String(100), default=None, doc="unique per tenant, optional")
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    note: Mapped[str | None] = mapped_column(Text, default=None)
     spec: Mapped[dict[str, Any]] = mapped_column()
     state: Mapped[str] = mapped_column(String(32), default="pending", index=True)
     state_reason: Mapped[str | None] = mapped_column(Text, default=None, doc="why it entered its state")

@@ -18,7 +18,7 @@ from services.dispatcher.api.validation import check_names, load_document, stric
 from temper import problems
 from temper.db import Job
 from temper.envpkg import service as envpkg
-from temper.jobspec import JobSpec, SpecError
+from temper.jobspec import TAG_PATTERN, JobSpec, SpecError
 from temper.lifecycle import IllegalTransition, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(bearer_scheme)])
@@ -102,12 +102,9 @@ async def read_upload(request: Request) -> bytes:
 
 
 async def job_or_404(session: SessionDep, tenant: CurrentTenant, job_id: str) -> Job:
-    """The tenant's job by id, or by name when exactly one of its jobs has that name (a
-    name several jobs share answers 409 listing them, newest first)."""
-    job = await repo.get_job(session, tenant_id=tenant.id, job_id=job_id)
-    if job is not None:
-        return job
-    named = await repo.jobs_named(session, tenant_id=tenant.id, name=job_id)
+    """The tenant's job by id, by handle, or by name when exactly one of its jobs has that
+    name (a name several jobs share answers 409 listing them, newest first)."""
+    named = await repo.find_job(session, tenant_id=tenant.id, ref=job_id)
     if len(named) > 1:
         listed = ", ".join(j.id for j in named[:20]) + (", ..." if len(named) > 20 else "")
         raise HTTPException(
@@ -166,6 +163,7 @@ async def list_jobs(
     name: Annotated[
         str | None, Query(description="only jobs whose name contains this (case-insensitive)")
     ] = None,
+    tag: Annotated[str | None, Query(pattern=TAG_PATTERN, description="only jobs with this tag")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[
         str | None, Query(min_length=1, max_length=500, description="next_cursor of the previous page")
@@ -180,6 +178,7 @@ async def list_jobs(
             tenant_id=tenant.id,
             state=state.value if state else None,
             name=name,
+            tag=tag,
             limit=limit,
             cursor=cursor,
             offset=offset,
@@ -195,6 +194,24 @@ async def list_jobs(
 
 @router.get("/{job_id}", summary="Get a job", response_model=schemas.Job, responses={**NOT_FOUND, **AUTH})
 async def get_job(job: JobDep) -> schemas.Job:
+    return job_detail(job)
+
+
+@router.patch(
+    "/{job_id}",
+    summary="Change a job's tags or note",
+    description="Replaces `tags` and/or `note` (null clears the note); the spec and the handle never change.",
+    response_model=schemas.Job,
+    responses={**NOT_FOUND, **AUTH},
+)
+async def update_job(session: SessionDep, job: JobDep, change: schemas.JobChange) -> schemas.Job:
+    given = change.model_fields_set
+    await repo.update_job(
+        session, job=job, tags=change.tags if "tags" in given else None, note=change.note,
+        clear_note="note" in given and change.note is None,
+    )  # fmt: skip
+    await session.commit()
+    await session.refresh(job)
     return job_detail(job)
 
 

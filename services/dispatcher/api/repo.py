@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, and_, case, func, or_, select
+from sqlalchemy import Select, String, and_, case, cast, func, or_, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
@@ -108,10 +109,17 @@ async def create_job(session: AsyncSession, *, tenant: Tenant, spec: JobSpec) ->
         raise SpecError([("tasks.taskset", f"task set {spec.tasks.taskset!r} does not exist")])
     if taskset.status in UNUSABLE_TASKSET_STATES:
         raise SpecError([("tasks.taskset", f"task set {taskset.id!r} is {taskset.status}")])
+    if spec.handle is not None and (
+        taken := await job_by_handle(session, tenant_id=tenant.id, handle=spec.handle)
+    ):
+        raise SpecError([("handle", f"handle {spec.handle!r} is taken by job {taken.id}")])
     job = Job(
         id=new_job_id(),
         tenant_id=tenant.id,
         name=spec.name,
+        handle=spec.handle,
+        tags=list(dict.fromkeys(spec.tags)),
+        note=spec.note,
         spec=spec.model_dump(mode="json"),
         state=JobState.pending.value,
     )
@@ -121,8 +129,22 @@ async def create_job(session: AsyncSession, *, tenant: Tenant, spec: JobSpec) ->
         Topics.EVENTS,
         LifecycleEvent(event="job.state", job_id=job.id, tenant=tenant.id, state=JobState.pending.value),
     )
-    await session.flush()
+    try:
+        await session.flush()
+    except IntegrityError:  # a submission with the same handle won the race
+        await session.rollback()
+        raise SpecError([("handle", f"handle {spec.handle!r} is taken")]) from None
     return job
+
+
+async def update_job(
+    session: AsyncSession, *, job: Job, tags: list[str] | None, note: str | None, clear_note: bool
+) -> None:
+    """Replace a job's tags and/or note (its handle and spec never change)."""
+    if tags is not None:
+        job.tags = list(dict.fromkeys(tags))
+    if note is not None or clear_note:
+        job.note = note
 
 
 async def list_jobs(
@@ -131,6 +153,7 @@ async def list_jobs(
     tenant_id: str,
     state: str | None = None,
     name: str | None = None,
+    tag: str | None = None,
     limit: int = 50,
     cursor: str | None = None,
     offset: int = 0,
@@ -140,12 +163,29 @@ async def list_jobs(
         query = query.where(Job.state == state)
     if name:
         query = query.where(func.lower(Job.name).contains(name.lower(), autoescape=True))
+    if tag:
+        # tags hold no quotes (jobspec.TAG_PATTERN): '"tag"' in the JSON text is that element, whole
+        query = query.where(cast(Job.tags, String).contains(json.dumps(tag), autoescape=True))
     return await _page(session, query, Job, limit=limit, cursor=cursor, offset=offset, newest_first=True)
 
 
 async def get_job(session: AsyncSession, *, tenant_id: str, job_id: str) -> Job | None:
     job = await session.get(Job, job_id)
     return job if job is not None and job.tenant_id == tenant_id else None
+
+
+async def job_by_handle(session: AsyncSession, *, tenant_id: str, handle: str) -> Job | None:
+    query = select(Job).where(Job.tenant_id == tenant_id, Job.handle == handle)
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def find_job(session: AsyncSession, *, tenant_id: str, ref: str) -> list[Job]:
+    """The tenant's jobs ``ref`` names: its id, else its handle, else every job with that
+    name (newest first; the caller refuses several)."""
+    job = await get_job(session, tenant_id=tenant_id, job_id=ref)
+    if job is None:
+        job = await job_by_handle(session, tenant_id=tenant_id, handle=ref)
+    return [job] if job is not None else await jobs_named(session, tenant_id=tenant_id, name=ref)
 
 
 async def jobs_named(session: AsyncSession, *, tenant_id: str, name: str) -> list[Job]:
@@ -176,6 +216,9 @@ def job_summary(job: Job) -> dict[str, Any]:
     return {
         "id": job.id,
         "name": job.name,
+        "handle": job.handle,
+        "tags": list(job.tags or []),
+        "note": job.note,
         "state": job.state,
         "state_reason": job.state_reason,
         "iteration": job.iteration,

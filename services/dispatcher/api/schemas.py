@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from temper.jobspec import TAG_PATTERN
 
 PASS_THRESHOLD = (
     "without it, an episode passed as recorded when it was scored (temper.rewards.passed: its "
@@ -41,6 +43,9 @@ Responses = dict[int | str, dict[str, Any]]
 class JobSummary(_Out):
     id: str
     name: str
+    handle: str | None = Field(None, description="unique in the tenant; usable wherever the id is")
+    tags: list[str] = []
+    note: str | None = None
     state: str
     state_reason: str | None = None
     iteration: int = Field(description="iterations started so far")
@@ -54,6 +59,12 @@ class JobSummary(_Out):
 
 class Job(JobSummary):
     spec: dict[str, Any] = Field(description="the validated spec, defaults filled in")
+
+
+class JobChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tags: list[Annotated[str, Field(pattern=TAG_PATTERN)]] | None = Field(None, max_length=20)
+    note: str | None = Field(None, max_length=4000)
 
 
 class JobPage(BaseModel):
