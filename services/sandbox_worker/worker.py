@@ -43,7 +43,7 @@ from temper.sandbox import (
 )
 from temper.sandbox.images import ImageError
 from temper.sandbox.languages import LanguageName
-from temper.sandbox.programs import ProgramResult, run_program
+from temper.sandbox.programs import LanguageUnavailable, ProgramResult, run_program
 from temper.sandbox.sandbox import refuse_files
 from temper.settings.sandbox import SandboxSettings
 
@@ -184,6 +184,8 @@ class SandboxWorker:
                 body.language, body.code, files=body.files, stdin=body.stdin, limits=limits,
                 compile_timeout_s=body.compile_timeout, fetch=body.fetch_files,
             )  # fmt: skip
+        except LanguageUnavailable:
+            raise  # a 422 naming ``language``, as SandboxFusion answers a language it lacks
         except (SandboxError, ValueError, OSError, binascii.Error) as e:
             return RunCodeResponse(status="SandboxError", message=str(e), executor_pod_name=self.worker_id)
         fetched = {

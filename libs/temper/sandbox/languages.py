@@ -76,6 +76,18 @@ class Language:
     in_process: bool = False  # Python: the sandbox's agent runs the code itself, no interpreter start
     cache: str | None = None  # the compile cache it uses (temper.sandbox.compile_cache), if any
 
+    @property
+    def tools(self) -> tuple[str, ...]:
+        """The files its commands need (on the host's /usr, or a task image's)."""
+        return (self.version[0],)
+
+    def missing(self, root: str = "/") -> list[str]:
+        """Which of :attr:`tools` are not under ``root`` (a task image's root filesystem,
+        whose absolute links point into the image, not at the host: only their presence
+        is checked there)."""
+        present = os.path.exists if root == "/" else os.path.lexists
+        return [tool for tool in self.tools if not present(os.path.join(root, tool.lstrip("/")))]
+
     def compile_argv(self, step: Step) -> list[str] | None:
         """The compile command, or None for a language without a compile step."""
         return None
@@ -210,6 +222,10 @@ class Java(Language):
     version = ("/usr/bin/javac", "-version")
     cache = "java"  # a class-data-sharing archive of javac
 
+    @property
+    def tools(self) -> tuple[str, ...]:
+        return ("/usr/bin/javac", "/usr/bin/java", *JAVA_CLASSPATH)
+
     def compile_argv(self, step: Step) -> list[str]:
         # javac is a Java program: its own JVM sized from the compile's limit, one GC
         # thread, the first JIT tier only (a compile is short), and javac's classes mapped
@@ -255,6 +271,10 @@ class TypeScript(Language):
 
     def __init__(self, runner: str) -> None:
         self.runner = runner  # where the runner script is inside the sandbox
+
+    @property
+    def tools(self) -> tuple[str, ...]:
+        return ("/usr/bin/node", TYPESCRIPT_JS)
 
     def run_argv(self, step: Step) -> list[str]:
         heap = heap_mb(step.memory_mb)

@@ -288,6 +288,14 @@ class SandboxManager:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def missing_tools(self, language: Language, limits: SandboxLimits) -> list[str]:
+        """The files ``language`` needs that a sandbox under ``limits`` would not find: on
+        the host's /usr, or on the task image it names."""
+        if limits.image is None:
+            return language.missing()
+        image = await self.images.ensure(limits.image)
+        return language.missing(str(image.rootfs))
+
     def spawn_background(self, work: asyncio.Future[Any]) -> None:
         """Background work (a compile cache being made) that ``close()`` waits for."""
         self._spawn(work)

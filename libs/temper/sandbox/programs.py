@@ -15,14 +15,11 @@ import io
 import posixpath
 import tarfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from temper.limits import SandboxLimits
 from temper.sandbox.languages import BUILD_ARCHIVE, Language, Step
+from temper.sandbox.manager import RequestRefused, SandboxManager
 from temper.sandbox.models import Action, ExecResult
-
-if TYPE_CHECKING:
-    from temper.sandbox.manager import SandboxManager
 
 COMPILE_CPU_FACTOR = 2  # compilers run threads (go, javac, rustc): CPU may outpace the wall clock
 
@@ -39,6 +36,15 @@ class ProgramResult:
     @property
     def compiled(self) -> bool:
         return self.compile is None or (self.compile.ok and self.compile.error is None)
+
+
+class LanguageUnavailable(RequestRefused):
+    """The request's language cannot run here: its toolchain is not on the host (or in
+    the task image the run names). The caller's choice, like an unknown language: a 422
+    naming ``language``, checked before anything runs."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("language", message)
 
 
 class BuildError(ValueError):
@@ -104,14 +110,23 @@ async def run_program(
     ``fetch`` back after the run. ``limits`` are the run's (default: the worker's);
     the compile runs under ``TEMPER_SANDBOX__COMPILE_LIMITS`` and ``compile_timeout_s``."""
     settings = manager.settings
-    limits = limits or settings.default_limits
+    limits = manager.with_image(limits or settings.default_limits)
+    missing = await manager.missing_tools(language, limits)
+    if missing:
+        where = (
+            f"task image {limits.image}" if limits.image else "this worker (scripts/setup_system.sh langs)"
+        )
+        raise LanguageUnavailable(
+            f"language {language.name} is not installed: {', '.join(missing)} missing; "
+            f"Debian package {language.package} is needed in {where}"
+        )
     base = dict(files or {})
     base[language.source] = code.encode("utf-8", "surrogateescape")
     spawn = manager.spawn_background
     compiled: ExecResult | None = None
     built: dict[str, bytes] = {}
     executable: frozenset[str] = frozenset()
-    image = limits.image is not None or settings.default_image is not None  # its own toolchains: no caches
+    image = limits.image is not None  # its own toolchains: no caches
     compile_memory = settings.compile_limits.memory_mb
     if language.compile_argv(Step(compile_memory)) is not None:
         cache = (

@@ -41,8 +41,12 @@ class CompileLimits(BaseModel):
     """What a program's compile step may use (``TEMPER_SANDBOX__COMPILE_LIMITS__*``): its own
     memory and processes, not the run's; its clock is the request's ``compile_timeout``."""
 
-    memory_mb: int = Field(1024, ge=64, description="memory of a compile (cgroup); javac's heap is sized from it")
-    pids: int = Field(256, ge=16, description="processes and threads of a compile (go build and rustc run several)")
+    memory_mb: int = Field(
+        1024, ge=64, description="memory of a compile (cgroup); javac's heap is sized from it"
+    )
+    pids: int = Field(
+        256, ge=16, description="processes and threads of a compile (go build and rustc run several)"
+    )
 
 
 class SandboxSettings(BaseModel):
