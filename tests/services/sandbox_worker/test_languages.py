@@ -169,6 +169,29 @@ async def test_stdin_files_and_fetch_in_a_compiled_language(client) -> None:
     assert base64.b64decode(r["files"]["main"])[:4] == b"\x7fELF"  # the compiled program was in the workspace
 
 
+async def test_run_tests_compiles_code_and_tests_as_one_program(client) -> None:
+    """Temper's own route: the solution and its tests as one program of the language;
+    passed only when it compiled and exited 0; a compile error is the result (nothing ran)."""
+    solution = "fn add(a: i32, b: i32) -> i32 { a + b }\n"
+    for tests, passed in (
+        ("fn main() { assert_eq!(add(2, 3), 5); }", True),
+        ("fn main() { assert_eq!(add(2, 3), 6); }", False),
+    ):
+        r = await client.post("/v1/run_tests", json={"code": solution, "tests": tests, "language": "rust"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["passed"] is passed and body["compile"]["exit_code"] == 0, body
+        assert body["result"]["exit_code"] == (0 if passed else 101), body["result"]
+    r = await client.post(
+        "/v1/run_tests", json={"code": solution, "tests": "fn main() { add(1) }", "language": "rust"}
+    )
+    body = r.json()
+    assert (
+        body["passed"] is False and body["result"] == body["compile"] and body["result"]["exit_code"] != 0
+    ), body
+    assert "main.rs" in body["result"]["stderr"]
+
+
 async def test_the_jvm_and_node_get_their_heap_from_the_runs_limit(client) -> None:
     """A heap sized from the host's memory would let these grow until the cgroup kills
     them; sized from the limit, each program meets its own language's error."""
