@@ -6,7 +6,9 @@ out-of-memory errors); compiles under their own limits; tracebacks of the user's
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import posixpath
 import shutil
 import uuid
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest_asyncio
 from services.sandbox_worker.app import create_app
 from services.sandbox_worker.worker import SandboxWorker
 from temper.sandbox import SandboxLimits, SandboxSettings
+from temper.sandbox.compile_cache import SANDBOX_CACHE
 from temper.sandbox.languages import LanguageName
 from temper.settings.sandbox import CompileLimits
 
@@ -102,7 +105,11 @@ COMPILED = {"c", "cpp", "java", "go", "rust"}
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client():
     root = Path("/tmp") / f"temper-langs-{uuid.uuid4().hex[:8]}"
-    settings = SandboxSettings(pool_size=0, zygotes=4, default_limits=LIMITS, workspace_root=root)
+    # Compile caches of its own, made from nothing as on a new host: the first runs of each
+    # language go without them, later ones with them.
+    settings = SandboxSettings(
+        pool_size=0, zygotes=4, default_limits=LIMITS, workspace_root=root, compile_cache=root / "langs"
+    )
     worker = SandboxWorker(settings, worker_id="langs")
     await worker.start()
     app = create_app(worker=worker)
@@ -304,3 +311,34 @@ async def test_a_language_whose_toolchain_is_missing_is_refused_naming_it(client
     monkeypatch.undo()
     r = await run(client, "go", PROGRAMS["go"][0])
     assert r["status"] == "Success" and r["run_result"]["stdout"] == "hello\n", r
+
+
+async def test_compile_caches_are_made_once_and_read_only_to_every_run(client) -> None:
+    """Each cache is made in the background on first need (the tests above needed them)
+    and bound read-only: a run can read it, cannot change what the next run's compiler
+    uses, and a program compiled or run with it gives the same answers."""
+    manager = client.worker.manager  # type: ignore[attr-defined]
+    caches = manager.compile_caches
+    wanted = {"cpp": 1024, "java": 1024, "go": 1024, "typescript": LIMITS.memory_mb}
+    deadline = asyncio.get_running_loop().time() + 150
+    made: dict[str, str] = {}
+    while len(made) < len(wanted):
+        for cache, memory_mb in wanted.items():
+            where = caches.ready(cache, manager.spawn_background, memory_mb=memory_mb)
+            if where is not None:
+                made[cache] = where
+        assert caches.failed == {}, caches.failed
+        assert asyncio.get_running_loop().time() < deadline, f"caches not made: {set(wanted) - set(made)}"
+        await asyncio.sleep(0.5)
+    assert all(where.startswith(SANDBOX_CACHE + "/") for where in made.values()), made
+    listing = f"awk '$5 == \"{SANDBOX_CACHE}\" {{print $6}}' /proc/self/mountinfo; ls {SANDBOX_CACHE}"
+    r = await run(client, "bash", f"{listing}; touch {made['cpp']}/x 2>&1 || echo refused")
+    lines = r["run_result"]["stdout"].splitlines()
+    assert lines[0].split(",")[0] == "ro", lines  # the bind's own mount options
+    assert {posixpath.basename(where) for where in made.values()} <= set(lines[1:]), lines
+    assert lines[-1] == "refused" and "Read-only file system" in lines[-2], lines
+    for language in ("cpp", "java", "go", "typescript"):
+        r = await run(client, language, PROGRAMS[language][1])  # the passing test, with its cache ready now
+        assert r["status"] == "Success", (language, r)
+        r = await run(client, language, PROGRAMS[language][2])
+        assert r["status"] == "Failed" and PROGRAMS[language][3] in r["run_result"]["stderr"], (language, r)
