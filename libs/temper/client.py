@@ -160,6 +160,11 @@ class TemperClient:
     def trajectory(self, episode_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/episodes/{episode_id}/trajectory")  # type: ignore[no-any-return]
 
+    def job_log(self, job: str, *, tail: int = 100, after: str | None = None) -> bytes:
+        """The last ``tail`` log lines of the job (JSON lines), later than ``after`` (a ``ts``)."""
+        params: dict[str, Any] = {"tail": tail, **({"after": after} if after else {})}
+        return self._raw("GET", f"/v1/jobs/{job}/log", params=params)
+
     def episode_log(self, episode_id: str) -> bytes:
         """The episode's stored log (JSON lines)."""
         return self._raw("GET", f"/v1/episodes/{episode_id}/log")

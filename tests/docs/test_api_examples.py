@@ -5,6 +5,7 @@ carry over). Each ``curl`` must answer 2xx, except where the page shows an error
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -76,6 +77,10 @@ def test_the_api_pages_curl_examples_run_as_written(tmp_path):
             assert all(c < 300 for c in codes if c < 400), f"statuses {codes}; {where}"
             for detail in errors:
                 assert f'"detail":"{detail}"' in run.stdout, where
+            if "/log?" in block:  # the job's log lines: this job's, and the scheduler's among them
+                logged = [json.loads(x) for x in run.stdout.splitlines() if x.startswith('{"ts"')]
+                job = re.search(r"^export JOB=(\S+)$", state.read_text(), re.M)
+                assert logged and job and {e["job_id"] for e in logged} == {job.group(1)}, where
 
 
 def wait_for_episode(url: str, key: str, job: str) -> None:

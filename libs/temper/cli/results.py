@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from temper.cli.common import client, out
 from temper.cli.jobs import progress_lines
-from temper.lifecycle import EpisodeState
+from temper.client import ApiError
+from temper.lifecycle import JOB_TERMINAL, EpisodeState
 
 
 def _reward(value: float | None) -> str:
@@ -137,11 +139,39 @@ def training_lines(training: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def _last_ts(lines: bytes) -> str | None:
+    last = lines.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    return str(json.loads(last)["ts"]) if last else None
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
+    """An episode's stored log; else (REF names no episode) the job's log lines, followed
+    with ``--follow`` until the job ends."""
     with client(args) as api:
-        data = api.episode_log(args.episode)
-    sys.stdout.buffer.write(data)
-    sys.stdout.flush()
+        if not args.job:
+            try:
+                data = api.episode_log(args.ref)
+            except ApiError as exc:
+                if exc.status != 404 or "has no log" in exc.detail:
+                    raise
+            else:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
+                return 0
+        data = api.job_log(args.ref, tail=args.tail)
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        after = _last_ts(data)
+        while args.follow:
+            ended = api.job(args.ref)["state"] in JOB_TERMINAL  # then one last read
+            if not ended:
+                time.sleep(args.interval)
+            data = api.job_log(args.ref, tail=5000, after=after)
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+            after = _last_ts(data) or after
+            if ended:
+                break
     return 0
 
 
@@ -271,8 +301,14 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_metrics)
 
-    p = sub.add_parser("logs", help="an episode's stored log (JSON lines)")
-    p.add_argument("episode")
+    p = sub.add_parser("logs", help="an episode's stored log, or a job's log lines (JSON lines)")
+    p.add_argument("ref", help="an episode id, or a job's id, handle or name")
+    p.add_argument("--job", action="store_true", help="REF is a job (do not look for an episode)")
+    p.add_argument("-n", "--tail", type=int, default=100, help="a job's last N lines")
+    p.add_argument(
+        "-f", "--follow", action="store_true", help="a job's new lines as they come, until it ends"
+    )
+    p.add_argument("--interval", type=float, default=2.0)
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("export", help="a job's trajectories (tokens, logprobs, rewards, versions) to a file")
