@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, SessionDep, StoreDep
-from services.dispatcher.api.jobs import AUTH, BAD_CURSOR, MAX_OFFSET, JobDep
+from services.dispatcher.api.jobs import AUTH, BAD_CURSOR, MAX_OFFSET, NOT_FOUND, JobDep
 from services.dispatcher.api.transcripts import stored_log, transcript
 from temper.db import Episode
 from temper.lifecycle import EpisodeState
@@ -26,11 +26,7 @@ EPISODE_NOT_FOUND: schemas.Responses = {
     "/v1/jobs/{job_id}/episodes",
     summary="List a job's episodes",
     response_model=schemas.EpisodePage,
-    responses={
-        404: {"model": schemas.Problem, "description": "no such job for this tenant"},
-        **BAD_CURSOR,
-        **AUTH,
-    },
+    responses={**NOT_FOUND, **BAD_CURSOR, **AUTH},
 )
 async def list_episodes(
     session: SessionDep,

@@ -24,7 +24,11 @@ from temper.lifecycle import IllegalTransition, JobState
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(bearer_scheme)])
 
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
-NOT_FOUND: schemas.Responses = {404: {"model": schemas.Problem, "description": "no such job for this tenant"}}
+# every route that takes a job reference (an id, a handle or a name)
+NOT_FOUND: schemas.Responses = {
+    404: {"model": schemas.Problem, "description": "no such job for this tenant"},
+    409: {"model": schemas.Problem, "description": "the name given is several jobs' (give the id or handle)"},
+}
 BAD_CURSOR: schemas.Responses = {
     400: {"model": schemas.Problem, "description": "the cursor is not one we gave"}
 }
@@ -225,7 +229,10 @@ async def _command(session: SessionDep, job: Job, command: str) -> schemas.Job:
 
 
 CONFLICT: schemas.Responses = {
-    409: {"model": schemas.Problem, "description": "the job's state does not allow this"}
+    409: {
+        "model": schemas.Problem,
+        "description": "the job's state does not allow this, or the name given is several jobs'",
+    }
 }
 
 
