@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from services.dispatcher import rewards
 from services.dispatcher.episodes import EpisodeMachine
 from services.dispatcher.scheduler import Scheduler
 from temper.events import InferenceResult, PolicyUpdate, RewardResult, SandboxResult, Topics
@@ -24,7 +25,7 @@ def result_topics(machine: EpisodeMachine) -> Handlers:
         await machine.on_sandbox(message)
 
     async def on_reward_result(message: RewardResult) -> None:
-        await machine.on_reward(message)
+        await rewards.on_reward(machine, message)
 
     return {
         Topics.INFERENCE_RESULTS: on_inference_result,
