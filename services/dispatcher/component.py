@@ -99,9 +99,14 @@ class Dispatcher:
         self._consumers.append(
             await rt.consume_handlers(handlers.policy_topics(self.scheduler), group=s.policy_group)
         )
+        # The scheduler runs when an episode of this replica finished (its slot is free) and
+        # otherwise every scheduler_interval_s (new jobs, other replicas' episodes).
+        wake = asyncio.Event()
+        self.machine.on_finished = wake.set
         self._tasks.append(
             rt.spawn(
-                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"), "dispatcher-scheduler"
+                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler", wake=wake),
+                "dispatcher-scheduler",
             )
         )
         self._tasks.append(
@@ -119,15 +124,31 @@ class Dispatcher:
             trainer_attached=s.trainer_attached,
         )
 
-    async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], name: str) -> None:
+    async def _every(
+        self,
+        interval_s: float,
+        fn: Callable[[], Awaitable[Any]],
+        name: str,
+        *,
+        wake: asyncio.Event | None = None,
+    ) -> None:
+        """Run ``fn`` every ``interval_s``, or as soon as ``wake`` is set."""
         while True:
+            if wake is not None:
+                wake.clear()
             try:
                 await fn()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a db blip must not stop the loop
                 log_event(log, f"{name} pass failed", logging.WARNING, error=repr(exc))
-            await asyncio.sleep(interval_s)
+            if wake is None:
+                await asyncio.sleep(interval_s)
+                continue
+            try:
+                await asyncio.wait_for(wake.wait(), interval_s)
+            except TimeoutError:
+                pass
 
     async def _check(self) -> None:
         for task in self._tasks:
