@@ -25,6 +25,7 @@ from services.dispatcher.episodes import EpisodeMachine
 from services.dispatcher.leader import Leadership
 from services.dispatcher.scheduler import Scheduler
 from temper.bus import Consumer
+from temper.episode_steps import archive_finished
 from temper.logs import log_event
 from temper.outbox import OutboxRelay
 from temper.runtime import Runtime
@@ -115,6 +116,18 @@ class Dispatcher:
                 "dispatcher-reaper",
             )
         )
+        if s.archive_after_s is not None:
+            db, store, after_s = rt.db, rt.store, s.archive_after_s
+            self._tasks.append(
+                rt.spawn(
+                    self._every(
+                        s.archive_interval_s,
+                        lambda: archive_finished(db, store, after_s=after_s),
+                        "steps archive",
+                    ),
+                    "dispatcher-steps-archive",
+                )
+            )
         rt.checks["dispatcher"] = self._check
         log_event(
             log,

@@ -20,6 +20,7 @@ from services.dispatcher.turns import observe_step
 from temper.clock import utcnow
 from temper.db import rows
 from temper.episode_log import build_episode_log, log_key
+from temper.episode_steps import read_steps
 from temper.events import LifecycleEvent, RewardResult, Topics, TrajectoryReady
 from temper.lifecycle import EpisodeState, complete_step, transition_episode
 from temper.logs import log_context, log_event
@@ -52,7 +53,7 @@ async def _on_reward(machine: EpisodeMachine, msg: RewardResult) -> None:
         if msg.error:
             await machine.retry_or_fail(session, ep, step, f"reward_error: {msg.error}")
             return None
-        steps = await repo.live_steps(conn, ep.id)
+        steps = await read_steps(conn, machine.store, ep)
         tok = machine.tok_of(await machine.spec_of(session, ep.job_id))
         trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
         key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
