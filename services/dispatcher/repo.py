@@ -1,5 +1,6 @@
-"""The episode state machine's queries: episodes locked with the steps their results
-answer, the expired leases, an episode's steps.
+"""The dispatcher's queries of episodes and steps: episodes locked with the steps their
+results answer, the expired leases; the scheduler's counts and the
+scored episodes it marks trained or sends again.
 
 Each is one SQLAlchemy Core statement built once (running it again compiles nothing),
 and its rows come back as detached ``Episode`` and ``Step`` instances
@@ -11,14 +12,16 @@ on every result.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Select, and_, bindparam, case, select
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import Select, and_, bindparam, case, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from temper.db import Episode, Step, rows
-from temper.lifecycle import EpisodeState
+from temper.db import Episode, Step, TrainedTrajectory, rows
+from temper.lifecycle import EPISODE_FINISHED, EpisodeState
 
 E = EpisodeState
 EPISODE_COLUMNS = rows.columns(Episode)
@@ -112,17 +115,67 @@ async def expired_episodes(conn: AsyncConnection, now: Any, limit: int) -> list[
     return [r[0] for r in await conn.execute(query, {"now": now, "limit": limit})]
 
 
-_STEPS_OF = (
-    select(*(Step.__table__.c[c] for c in STEP_COLUMNS))
-    .where(Step.__table__.c.episode_id == bindparam("episode_id"))
-    .order_by(Step.__table__.c.turn, Step.__table__.c.id)
+# --- the scheduler's -------------------------------------------------------------------------
+_ep, _ledger = Episode.__table__.c, TrainedTrajectory.__table__.c
+# scored episodes of :job_id the trainer stepped on
+TRAINED = (
+    select(*(_ep[c] for c in EPISODE_COLUMNS))
+    .join_from(Episode.__table__, TrainedTrajectory.__table__, _ledger.episode_id == _ep.id)
+    .where(_ep.job_id == bindparam("job_id"), _ep.state == E.scored, _ledger.step.is_not(None))
+    .limit(bindparam("limit"))
+)
+# scored episodes of :job_id last sent before :before that the trainer's ledger lacks
+UNREAD_TRAJECTORIES = (
+    select(*(_ep[c] for c in EPISODE_COLUMNS))
+    .outerjoin_from(Episode.__table__, TrainedTrajectory.__table__, _ledger.episode_id == _ep.id)
+    .where(
+        _ep.job_id == bindparam("job_id"),
+        _ep.state == E.scored,
+        _ep.trajectory_key.is_not(None),
+        _ledger.episode_id.is_(None),
+        _ep.updated_at < bindparam("before"),
+    )
+    .order_by(_ep.updated_at)
+    .limit(bindparam("limit"))
 )
 
 
-async def live_steps(conn: AsyncConnection, episode_id: str) -> list[Step]:
-    """Every step of an episode still in Postgres, in turn order (a finished episode's
-    steps may have moved to object storage: ``temper.episode_steps`` reads both)."""
-    return [
-        rows.loaded(Step, dict(zip(STEP_COLUMNS, r, strict=True)))
-        for r in await conn.execute(_STEPS_OF, {"episode_id": episode_id})
-    ]
+@dataclass
+class EpisodeCounts:
+    """A job's episodes: started and finished per iteration, and how many are active."""
+
+    started: Counter[int] = field(default_factory=Counter)
+    finished: Counter[int] = field(default_factory=Counter)
+    active: int = 0
+
+
+async def episode_counts(s: AsyncSession, job_id: str) -> EpisodeCounts:
+    counts = EpisodeCounts()
+    found = await s.execute(
+        select(Episode.iteration, Episode.state, func.count())
+        .where(Episode.job_id == job_id)
+        .group_by(Episode.iteration, Episode.state)
+    )
+    for iteration, state, count in found:
+        counts.started[iteration] += count
+        if state in EPISODE_FINISHED:
+            counts.finished[iteration] += count
+        else:
+            counts.active += count
+    return counts
+
+
+async def tenant_active_episodes(s: AsyncSession, tenant_id: str, active: Sequence[str]) -> int:
+    """The tenant's episodes in the ``active`` states."""
+    query = (
+        select(func.count())
+        .select_from(Episode)
+        .where(Episode.tenant_id == tenant_id, Episode.state.in_([str(x) for x in active]))
+    )
+    return int(await s.scalar(query) or 0)
+
+
+async def tasks_of_iteration(s: AsyncSession, job_id: str, iteration: int) -> set[str]:
+    """Tasks the iteration's episodes were given (a task is not repeated while others remain)."""
+    query = select(Episode.task_id).where(Episode.job_id == job_id, Episode.iteration == iteration)
+    return set((await s.execute(query)).scalars())

@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 from pydantic import ValidationError
-from sqlalchemy import and_, bindparam, func, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher import repo
 from services.dispatcher.episodes import ACTIVE, EpisodeMachine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
@@ -29,7 +29,14 @@ from temper.clock import utcnow
 from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory, rows
 from temper.events import PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import Curriculum, JobSpec
-from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
+from temper.lifecycle import (
+    STUCK_PREFIX,
+    EpisodeState,
+    JobState,
+    mark_job_stuck,
+    transition_episode,
+    transition_job,
+)
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
 from temper.tasks.service import outcome_totals, sampleable
@@ -38,6 +45,7 @@ log = logging.getLogger("temper.dispatcher.scheduler")
 
 E, J = EpisodeState, JobState
 DEFAULT_TENANT_QUOTA = 64
+WAITING_FOR_ROOM = "waiting for room: "
 # Curriculum weights: tasks with an unknown or strictly-between pass rate are preferred.
 LEARNABLE_WEIGHT, SETTLED_WEIGHT = 1.0, 0.05
 
@@ -60,72 +68,6 @@ def init_job_metrics(job_id: str) -> None:
     the job from its start."""
     metrics.EPISODES_ACTIVE.labels(job_id).set(0)
     metrics.JOB_ITERATION.labels(job_id).set(0)
-
-
-EPISODE_COLUMNS = rows.columns(Episode)
-_ep, _ledger = Episode.__table__.c, TrainedTrajectory.__table__.c
-# scored episodes of :job_id the trainer stepped on
-_TRAINED = (
-    select(*(_ep[c] for c in EPISODE_COLUMNS))
-    .join_from(Episode.__table__, TrainedTrajectory.__table__, _ledger.episode_id == _ep.id)
-    .where(_ep.job_id == bindparam("job_id"), _ep.state == E.scored, _ledger.step.is_not(None))
-    .limit(bindparam("limit"))
-)
-# scored episodes of :job_id last sent before :before that the trainer's ledger lacks
-_UNREAD_TRAJECTORIES = (
-    select(*(_ep[c] for c in EPISODE_COLUMNS))
-    .outerjoin_from(Episode.__table__, TrainedTrajectory.__table__, _ledger.episode_id == _ep.id)
-    .where(
-        _ep.job_id == bindparam("job_id"),
-        _ep.state == E.scored,
-        _ep.trajectory_key.is_not(None),
-        _ledger.episode_id.is_(None),
-        _ep.updated_at < bindparam("before"),
-    )
-    .order_by(_ep.updated_at)
-    .limit(bindparam("limit"))
-)
-
-
-@dataclass
-class EpisodeCounts:
-    """A job's episodes: started and finished per iteration, and how many are active."""
-
-    started: Counter[int] = field(default_factory=Counter)
-    finished: Counter[int] = field(default_factory=Counter)
-    active: int = 0
-
-
-async def episode_counts(s: AsyncSession, job_id: str) -> EpisodeCounts:
-    counts = EpisodeCounts()
-    rows = await s.execute(
-        select(Episode.iteration, Episode.state, func.count())
-        .where(Episode.job_id == job_id)
-        .group_by(Episode.iteration, Episode.state)
-    )
-    for iteration, state, count in rows:
-        counts.started[iteration] += count
-        if state in EPISODE_FINISHED:
-            counts.finished[iteration] += count
-        else:
-            counts.active += count
-    metrics.EPISODES_ACTIVE.labels(job_id).set(counts.active)
-    return counts
-
-
-async def tenant_active_episodes(s: AsyncSession, tenant_id: str) -> int:
-    query = (
-        select(func.count())
-        .select_from(Episode)
-        .where(Episode.tenant_id == tenant_id, Episode.state.in_([x.value for x in ACTIVE]))
-    )
-    return int(await s.scalar(query) or 0)
-
-
-async def tasks_of_iteration(s: AsyncSession, job_id: str, iteration: int) -> set[str]:
-    """Tasks the iteration's episodes were given (a task is not repeated while others remain)."""
-    query = select(Episode.task_id).where(Episode.job_id == job_id, Episode.iteration == iteration)
-    return set((await s.execute(query)).scalars())
 
 
 @dataclass(frozen=True)
@@ -216,7 +158,8 @@ class Scheduler:
             if self.trainer_attached:
                 await self.mark_trained(s, job.id)
                 await self.resend_trajectories(s, job.id)
-            counts = await episode_counts(s, job.id)
+            counts = await repo.episode_counts(s, job.id)
+            metrics.EPISODES_ACTIVE.labels(job.id).set(counts.active)
             await self._advance_iteration(s, job, spec, counts)
             replace = await self._replacements_due(s, job, spec, counts)
             if await self._complete_if_done(s, job, spec, counts, replace):
@@ -235,7 +178,7 @@ class Scheduler:
         return job.policy_version
 
     async def _advance_iteration(
-        self, s: AsyncSession, job: Job, spec: JobSpec, counts: EpisodeCounts
+        self, s: AsyncSession, job: Job, spec: JobSpec, counts: repo.EpisodeCounts
     ) -> None:
         """Move on once the current iteration's episodes have all started and the next
         one is fresh enough."""
@@ -249,7 +192,7 @@ class Scheduler:
         metrics.JOB_ITERATION.labels(job.id).set(job.iteration)
 
     @staticmethod
-    async def _replacements_due(s: AsyncSession, job: Job, spec: JobSpec, counts: EpisodeCounts) -> int:
+    async def _replacements_due(s: AsyncSession, job: Job, spec: JobSpec, counts: repo.EpisodeCounts) -> int:
         """Groups to start in place of the ones the trainer skipped (dynamic sampling)."""
         if not spec.algorithm.dynamic_sampling:
             return 0
@@ -263,7 +206,7 @@ class Scheduler:
         )
 
     async def _complete_if_done(
-        self, s: AsyncSession, job: Job, spec: JobSpec, counts: EpisodeCounts, replace: int
+        self, s: AsyncSession, job: Job, spec: JobSpec, counts: repo.EpisodeCounts, replace: int
     ) -> bool:
         """Complete the job once every iteration started its own episodes and all of them
         finished (and, with ``wait_for_training``, the trainer has read them). True when the
@@ -287,7 +230,7 @@ class Scheduler:
         job: Job,
         spec: JobSpec,
         tenant: Tenant | None,
-        counts: EpisodeCounts,
+        counts: repo.EpisodeCounts,
         replace: int,
     ) -> None:
         """Start groups of ``group_size`` episodes on one task each while the job, its
@@ -307,9 +250,15 @@ class Scheduler:
         cap = min(spec.schedule.max_concurrent_episodes, quota)
         room = min(
             spec.schedule.max_concurrent_episodes - counts.active,
-            quota - await tenant_active_episodes(s, job.tenant_id),
+            quota - await repo.tenant_active_episodes(s, job.tenant_id, ACTIVE),
         )
         if room < min(group_size, cap):
+            if (
+                room < spec.schedule.max_concurrent_episodes - counts.active
+            ):  # the tenant's limit, not the job's
+                await self._waiting(
+                    s, job, f"tenant {job.tenant_id} runs its max_concurrent_episodes ({quota})"
+                )
             return
         candidates = await self._candidates(s, job, spec)
         if not candidates:
@@ -317,12 +266,15 @@ class Scheduler:
                 s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
             )
             return
-        used = await tasks_of_iteration(s, job.id, job.iteration)
+        used = await repo.tasks_of_iteration(s, job.id, job.iteration)
         version = await self.current_version(s, job)
         while need > 0 and room >= min(group_size, cap):
             size = min(group_size, need)
             if not self.fleet.admit(job.tenant_id, size):
-                break  # the fleet is full, or its room is planned for needier tenants
+                # the fleet is full, or its room is planned for needier tenants
+                await self._waiting(s, job, self.fleet.why_not(job.tenant_id))
+                break
+            await self._waiting(s, job, None)
             rng = random.Random(f"{spec.tasks.seed}:{job.id}:{job.iteration}:{started[job.iteration]}")
             pool = [c for c in candidates if c.task_id not in used] or candidates
             task = await self.machine.task_of(s, rng.choices(pool, [c.weight for c in pool])[0].task_id)
@@ -350,6 +302,18 @@ class Scheduler:
             metrics.DISPATCHER_REPLACEMENT_GROUPS.labels(job.id).inc(replaced)
             log_event(log, "replacement groups started", groups=replaced, iteration=job.iteration)
         metrics.EPISODES_ACTIVE.labels(job.id).set(counts.active)
+
+    @staticmethod
+    async def _waiting(s: AsyncSession, job: Job, why: str | None) -> None:
+        """A job whose next episodes wait for room says so in its reason (``stuck: waiting
+        for room: ...``) until they start; any other reason is left alone."""
+        ours = f"{STUCK_PREFIX}{WAITING_FOR_ROOM}"
+        current = job.state_reason or ""
+        if why is not None and current != f"{ours}{why}":
+            await mark_job_stuck(s, job.id, f"{WAITING_FOR_ROOM}{why}")
+            log_event(log, "job waits for room", reason=why)
+        elif why is None and current.startswith(ours):
+            await mark_job_stuck(s, job.id, None)
 
     async def _candidates(self, s: AsyncSession, job: Job, spec: JobSpec) -> list[Candidate]:
         """The tasks an episode may be given (``temper.tasks.service.sampleable``), in id
@@ -458,8 +422,8 @@ class Scheduler:
         """Scored episodes the trainer stepped on become ``trained``."""
         conn = await s.connection()
         found = [
-            rows.loaded(Episode, dict(zip(EPISODE_COLUMNS, r, strict=True)))
-            for r in await conn.execute(_TRAINED, {"job_id": job_id, "limit": limit})
+            rows.loaded(Episode, dict(zip(repo.EPISODE_COLUMNS, r, strict=True)))
+            for r in await conn.execute(repo.TRAINED, {"job_id": job_id, "limit": limit})
         ]
         for ep in found:
             transition_episode(s, ep, E.trained)
@@ -476,9 +440,9 @@ class Scheduler:
         current = utcnow()
         conn = await s.connection()
         found = [
-            rows.loaded(Episode, dict(zip(EPISODE_COLUMNS, r, strict=True)))
+            rows.loaded(Episode, dict(zip(repo.EPISODE_COLUMNS, r, strict=True)))
             for r in await conn.execute(
-                _UNREAD_TRAJECTORIES, {"job_id": job_id, "before": current - lease, "limit": limit}
+                repo.UNREAD_TRAJECTORIES, {"job_id": job_id, "before": current - lease, "limit": limit}
             )
         ]
         for ep in found:
