@@ -89,6 +89,29 @@ async def read_steps(conn: AsyncConnection, store: ObjectStore, episode: Episode
     ]
 
 
+_STEPS_OF_MANY = (
+    select(*(Step.__table__.c[c] for c in STEP_COLUMNS))
+    .where(Step.__table__.c.episode_id.in_(bindparam("ids", expanding=True)))
+    .order_by(Step.__table__.c.episode_id, Step.__table__.c.turn, Step.__table__.c.id)
+)
+
+
+async def read_steps_of(
+    conn: AsyncConnection, store: ObjectStore, episodes: Sequence[Episode]
+) -> dict[str, list[Step]]:
+    """:func:`read_steps` of several episodes: one query for those still in Postgres."""
+    out: dict[str, list[Step]] = {ep.id: [] for ep in episodes}
+    live = [ep.id for ep in episodes if not ep.steps_key]
+    if live:
+        for r in await conn.execute(_STEPS_OF_MANY, {"ids": live}):
+            step = rows.loaded(Step, dict(zip(STEP_COLUMNS, r, strict=True)))
+            out[step.episode_id].append(step)
+    for ep in episodes:
+        if ep.steps_key:
+            out[ep.id] = await read_steps(conn, store, ep)
+    return out
+
+
 _ep = Episode.__table__.c
 _DUE = (
     select(_ep.id, _ep.tenant_id, _ep.job_id)
@@ -99,11 +122,6 @@ _DUE = (
     )
     .order_by(_ep.updated_at)
     .limit(bindparam("limit"))
-)
-_STEPS_OF_MANY = (
-    select(*(Step.__table__.c[c] for c in STEP_COLUMNS))
-    .where(Step.__table__.c.episode_id.in_(bindparam("ids", expanding=True)))
-    .order_by(Step.__table__.c.episode_id, Step.__table__.c.turn, Step.__table__.c.id)
 )
 _MARK = (
     update(Episode)

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.dispatcher import handlers
+from services.dispatcher.batches import ResultBatches
 from services.dispatcher.episodes import EpisodeMachine
 from services.dispatcher.leader import Leadership
 from services.dispatcher.scheduler import Scheduler
@@ -33,6 +34,7 @@ from temper.settings import DispatcherSettings
 from temper.tenants import ensure_bootstrap_key
 
 log = logging.getLogger("temper.dispatcher")
+WAKE_GATHER_S = 0.02
 
 
 class BootstrapKey:
@@ -63,6 +65,7 @@ class Dispatcher:
         self.runtime = runtime
         self.settings = settings or runtime.settings.dispatcher
         self.machine: EpisodeMachine | None = None
+        self.batches: ResultBatches | None = None
         self.scheduler: Scheduler | None = None
         self.relay: OutboxRelay | None = None
         self.leadership: Leadership | None = None
@@ -78,6 +81,7 @@ class Dispatcher:
         s = self.settings
         self.relay = OutboxRelay(rt.db, rt.bus, keep_published_s=rt.settings.db.outbox_keep_published_s)
         self.machine = EpisodeMachine(rt.db, rt.store, s, transaction=self.relay.transaction)
+        self.batches = ResultBatches(self.machine)
         self.leadership = Leadership(rt.db)
         self.scheduler = Scheduler(
             self.machine,
@@ -91,10 +95,10 @@ class Dispatcher:
         self._tasks.append(rt.spawn(self.relay.run(), "dispatcher-outbox-relay"))
         self._consumers.append(
             await rt.consume_handlers(
-                handlers.result_topics(self.machine),
+                handlers.result_topics(self.batches),
                 group=s.results_group,
                 concurrency=s.result_concurrency,
-                batch_handlers=handlers.result_batches(self.machine),
+                batch_handlers=handlers.result_batches(self.batches),
             )
         )
         self._consumers.append(
@@ -161,7 +165,9 @@ class Dispatcher:
             try:
                 await asyncio.wait_for(wake.wait(), interval_s)
             except TimeoutError:
-                pass
+                continue
+            # the episodes finishing in the next moment go in the same pass
+            await asyncio.sleep(min(WAKE_GATHER_S, interval_s))
 
     async def _check(self) -> None:
         for task in self._tasks:
@@ -172,6 +178,8 @@ class Dispatcher:
         for consumer in self._consumers:
             await consumer.stop()
         self._consumers.clear()
+        if self.batches is not None:
+            await self.batches.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

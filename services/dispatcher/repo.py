@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Select, and_, bindparam, case, func, select
+from sqlalchemy import Select, String, and_, any_, bindparam, case, func, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from temper.db import Episode, Step, TrainedTrajectory, rows
@@ -38,10 +39,12 @@ def _answered_columns(kind: str | None) -> tuple[str, ...]:
     return (*ANSWERED_COLUMNS, "request") if kind == "inference" else ANSWERED_COLUMNS
 
 
-def _locking(*, for_update: bool, kind: str | None, with_inference: bool) -> Select[Any]:
-    """The episodes ``:ids`` in id order (locked), each with its step of the current turn
-    of kind ``kind`` (None: the kind its state waits on) and, with ``with_inference``, that
-    turn's inference step."""
+def _locking(*, postgres: bool, kind: str | None, with_inference: bool) -> Select[Any]:
+    """The episodes ``:ids`` in id order (locked on Postgres), each with its step of the
+    current turn of kind ``kind`` (None: the kind its state waits on) and, with
+    ``with_inference``, that turn's inference step. On Postgres ``:ids`` is one array
+    parameter (``= ANY``): one prepared statement whatever the batch's size, where an
+    expanded ``IN`` is a new statement for every size."""
     ep = Episode.__table__
     step = Step.__table__.alias("step")
     kind_of = bindparam("kind") if kind is not None else case(KIND_OF_STATE, value=ep.c.state)
@@ -61,28 +64,30 @@ def _locking(*, for_update: bool, kind: str | None, with_inference: bool) -> Sel
             ),
         )
         columns += [inference.c[c] for c in STEP_COLUMNS]
-    query = select(*columns).select_from(joined).where(ep.c.id.in_(bindparam("ids", expanding=True)))
-    query = query.order_by(ep.c.id)
-    return query.with_for_update(of=ep) if for_update else query
+    if postgres:
+        wanted = ep.c.id == any_(bindparam("ids", type_=ARRAY(String)))
+    else:
+        wanted = ep.c.id.in_(bindparam("ids", expanding=True))
+    query = select(*columns).select_from(joined).where(wanted).order_by(ep.c.id)
+    return query.with_for_update(of=ep) if postgres else query
 
 
 _LOCKING = {
-    (for_update, kind): _locking(for_update=for_update, kind=kind, with_inference=kind == "sandbox")
-    for for_update in (True, False)
+    (postgres, kind): _locking(postgres=postgres, kind=kind, with_inference=kind == "sandbox")
+    for postgres in (True, False)
     for kind in ("inference", "sandbox", "reward", None)
 }
 
 
 async def lock_episodes(
-    conn: AsyncConnection, episode_ids: Sequence[str], kind: str | None, *, for_update: bool = True
+    conn: AsyncConnection, episode_ids: Sequence[str], kind: str | None
 ) -> dict[str, Locked]:
-    """The episodes ``episode_ids``, locked in id order (``for_update`` and not SQLite),
+    """The episodes ``episode_ids``, locked in id order (Postgres; SQLite has one writer),
     each with its step of ``kind`` (None: the kind its state waits on) of its current turn
     and, for a sandbox step, that turn's inference step: one query for all of them."""
     if not episode_ids:
         return {}
-    lock = for_update and conn.dialect.name != "sqlite"
-    query = _LOCKING[(lock, kind)]
+    query = _LOCKING[(conn.dialect.name != "sqlite", kind)]
     answered = _answered_columns(kind)
     n_ep, n_step = len(EPISODE_COLUMNS), len(answered)
     found: dict[str, Locked] = {}
