@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSITIONS = {"services.embedded", "services.launcher", "services.cli"}
 SANDBOX_FORBIDDEN = ("temper.rewards", "temper.envs")
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("core", frozenset({"clock", "events", "settings", "limits", "metrics", "logs"})),
+    ("core", frozenset({"clock", "events", "settings", "limits", "metrics", "logs", "problems"})),
     ("infrastructure", frozenset({"db", "bus", "storage", "outbox", "registry", "plugins", "runtime", "celery_queue"})),
     (
         "domains",
@@ -105,6 +105,22 @@ def _modules() -> list[tuple[str, Path, bool]]:
     return out
 
 
+def private_imports(source: str, module: str) -> list[str]:
+    """``from x import _name`` of a module of the library or the services: a private name
+    used by another module (``__future__`` and dunder names aside)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in ("temper", "services")
+        ):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{module}:{node.lineno} imports the private {node.module}.{alias.name}")
+    return found
+
+
 def all_imports() -> list[Import]:
     found: list[Import] = []
     for module, path, is_package in _modules():
@@ -146,6 +162,14 @@ def test_the_code_keeps_its_import_contracts() -> None:
     imports = all_imports()
     assert len({i.module for i in imports}) > 100, "the walk found too few modules"
     assert violations(imports) == []
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    found = [line for module, path, _ in _modules() for line in private_imports(path.read_text(), module)]
+    assert found == []
+    planted = private_imports("from temper.cli import _client\n", "temper.envpkg.cli")
+    assert planted == ["temper.envpkg.cli:1 imports the private temper.cli._client"]
+    assert private_imports("from temper.cli import client\nfrom x import _y\n", "m") == []
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 
 # Models whose fields the code reads by name (getattr over a list of names), so mypy sees no
 # read: the module that does it, and the list it reads, which must name every field.
-READ_BY_NAME = {"temper.settings.sandbox.LimitMaxima": ("temper.sandbox.policy", "CAPPED")}
+READ_BY_NAME = {"temper.settings.sandbox.LimitMaxima": ("temper.sandbox.admission", "CAPPED")}
 
 
 def _models_in(annotation: typing.Any) -> list[type[BaseModel]]:

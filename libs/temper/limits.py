@@ -8,7 +8,7 @@ import re
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class KillReason(StrEnum):
@@ -64,6 +64,8 @@ class ServiceSpec(BaseModel):
 class SandboxLimits(BaseModel):
     """Per-sandbox limits. Memory, pids and workspace size hold for the sandbox as a whole;
     wall, CPU, output, file size and open files hold for each action."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN and infinity are refused by name
 
     wall_s: float = Field(10.0, gt=0, le=3600, description="wall-clock limit of one action")
     cpu_s: float = Field(10.0, gt=0, le=3600, description="CPU-time limit of one action (all its processes)")

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from temper import metrics
+from temper import metrics, problems
 from temper.bus import Bus, BusUnavailable, Consumer, Record, make_bus
 from temper.db import Database, DatabaseUnavailable
 from temper.db.migrate import NotMigrated, check_migrated
@@ -51,7 +51,7 @@ def load_settings(**overrides: object) -> Settings:
         for err in exc.errors():
             loc = "__".join(str(p) for p in err["loc"]).upper()
             name = f"TEMPER_{loc}" if loc else "settings"
-            lines.append(f"{name}: {err['msg']}")
+            lines.append(f"{name}: {problems.message(err)}")
         raise StartupError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
 

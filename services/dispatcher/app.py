@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.dispatcher.api import episodes, export, jobs, schemas, tenants
+from services.dispatcher.api import checkpoints, episodes, export, jobs, schemas, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.api.environments import make_router as make_environment_router
@@ -25,6 +25,7 @@ from services.dispatcher.api.tasksets import Enqueue, celery_enqueue
 from services.dispatcher.api.tasksets import make_router as make_taskset_router
 from services.dispatcher.component import BootstrapKey, Dispatcher
 from services.dispatcher.console import routes as console
+from temper import problems
 from temper.jobspec import JobSpec
 from temper.runtime import Component, Runtime, service_app
 from temper.settings import Mode, Settings
@@ -70,6 +71,7 @@ def create_app(
     app.include_router(episodes.router)
     app.include_router(tenants.router)
     app.include_router(export.router)
+    app.include_router(checkpoints.router)
     # Embedded mode validates task sets in this process: no Celery worker, no Redis.
     enqueue: Enqueue = (
         InProcessValidation(runtime).enqueue
@@ -143,7 +145,7 @@ MAX_MESSAGE = 300  # characters of one error message: never echo a huge input ba
 
 
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
-    return ".".join(str(p)[:80] for p in loc) or "(request)"
+    return problems.field_path(loc, root="(request)")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -153,7 +155,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
-            schemas.FieldError(field=_field(e.get("loc", ())), message=str(e.get("msg", ""))[:MAX_MESSAGE])
+            schemas.FieldError(field=_field(e.get("loc", ())), message=problems.message(e))
             for e in list(exc.errors())[:100]
         ]
         first = errors[0] if errors else schemas.FieldError(field="(request)", message="invalid")

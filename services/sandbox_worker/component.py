@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK = "sandbox_worker"  # the component's entry in runtime.checks (and /health)
 
 
-class SandboxWorkerService:
+class SandboxWorkerComponent:
     """The sandbox worker component: ``sandbox.requests`` in, ``sandbox.results`` out.
 
     Built on a shared :class:`Runtime` (bus and object store; no database). ``start()``

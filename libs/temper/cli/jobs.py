@@ -58,7 +58,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                 j["id"],
                 j["name"],
                 j["state"],
-                f"{j['iteration']}/{j['iterations']}",
+                f"{shown_iteration(j)}/{j['iterations']}",
                 f"v{j['policy_version']}",
                 j["created_at"][:19].replace("T", " "),
             )

@@ -130,13 +130,26 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _downloaded(dest: Path, got: dict[str, Any]) -> str:
+    if got["kind"] == "lora":
+        return f"wrote {dest}: a PEFT adapter directory for base model {got['base_model']}"
+    if got["kind"] == "full":
+        return f"wrote {dest}: a Hugging Face model directory ({len(got['files'])} files)"
+    return f"wrote {dest} (the weights of a version published before the registry)"
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     with client(args) as api:
         if args.download is not None:
-            path = Path(args.output or f"{args.job}-v{args.download}.safetensors")
-            path.write_bytes(api.checkpoint(args.job, args.download))
-            sys.stderr.write(f"wrote {path} ({path.stat().st_size} bytes)\n")
+            dest = Path(args.output or f"{args.job}-v{args.download}")
+            got = api.download_version(args.job, args.download, dest, with_base=args.with_base)
+            sys.stderr.write(
+                _downloaded(dest, got) + ("; its base in base/" if args.with_base else "") + "\n"
+            )
             return 0
+        if args.with_base:
+            sys.stderr.write("error: --with-base goes with --download VERSION\n")
+            return 2
         versions = api.checkpoints(args.job)
     if not versions:
         out("no policy version published yet")
@@ -144,6 +157,39 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     rows = [[f"v{v['version']}", str(v["step"]), v["created_at"]] for v in versions]
     for line in table(["version", "step", "published"], rows):
         out(line)
+    return 0
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    """A full version as it is; a LoRA version with its base beside it in ``base/``, or
+    (``--merge``) merged into its base as one Hugging Face model directory."""
+    import shutil
+    import tempfile
+
+    dest = Path(args.dir)
+    if dest.exists() and any(dest.iterdir()):
+        sys.stderr.write(f"error: {dest} exists and is not empty\n")
+        return 2
+    with client(args) as api, tempfile.TemporaryDirectory() as tmp:
+        got = api.download_version(args.job, args.version, Path(tmp) / "version")
+        if got["kind"] != "lora":
+            if args.merge:
+                sys.stderr.write(
+                    f"error: version {args.version} holds full weights: there is no adapter to merge\n"
+                )
+                return 2
+            shutil.copytree(Path(tmp) / "version", dest, dirs_exist_ok=True)
+            sys.stderr.write(_downloaded(dest, got) + "\n")
+            return 0
+        if not args.merge:
+            api.download_version(args.job, args.version, dest, with_base=True)
+            sys.stderr.write(_downloaded(dest, got) + "; its base in base/\n")
+            return 0
+        api.download_version(args.job, args.version, Path(tmp) / "with-base", with_base=True)
+        from temper.training.lora import merge_adapter
+
+        merge_adapter(Path(tmp) / "with-base" / "base", Path(tmp) / "with-base", dest)
+    sys.stderr.write(f"wrote {dest}: the adapter merged into its base {got['base_model']}\n")
     return 0
 
 
@@ -208,11 +254,24 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--limit", type=int, help="at most this many trajectories")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("checkpoints", help="a job's policy versions; --download V writes one's weights")
+    p = sub.add_parser(
+        "checkpoints", help="a job's policy versions; --download V writes one as a loadable directory"
+    )
     p.add_argument("job")
     p.add_argument("--download", type=int, metavar="VERSION")
-    p.add_argument("-o", "--output", help="file to write (default JOB-vVERSION.safetensors)")
+    p.add_argument("-o", "--output", help="directory to write (new or empty; default JOB-vVERSION)")
+    p.add_argument("--with-base", action="store_true", help="a LoRA version: its base model too, in base/")
     p.set_defaults(func=cmd_checkpoints)
+
+    p = sub.add_parser(
+        "export-model",
+        help="a policy version as a model directory; --merge folds a LoRA adapter into its base",
+    )
+    p.add_argument("job")
+    p.add_argument("version", type=int)
+    p.add_argument("dir", help="directory to write (new or empty)")
+    p.add_argument("--merge", action="store_true", help="a LoRA version: one merged model directory")
+    p.set_defaults(func=cmd_export_model)
 
     p = sub.add_parser("compare", help="jobs side by side: summary and mean reward per iteration")
     p.add_argument("jobs", nargs="+", metavar="JOB")

@@ -63,12 +63,20 @@ def cmd_upload(args: argparse.Namespace) -> int:
             params={"name": args.name or path.stem, "validate": str(not args.no_validate).lower()},
         )  # fmt: skip
         sys.stdout.write(view["id"] + "\n")
-        sys.stderr.write(
-            f"uploaded {view['task_count']} tasks as {view['id']}; validation: {view.get('validation')}\n"
-        )
+        sys.stderr.write(f"uploaded {view['task_count']} tasks as {view['id']}; {validation_line(view)}\n")
         if args.wait and view.get("validation", {}).get("queued"):
             wait_for_validation(api, view["id"])
     return 0
+
+
+def validation_line(view: dict[str, Any]) -> str:
+    """What happened to the upload's validation, in words."""
+    validation = view.get("validation") or {}
+    if validation.get("queued"):
+        return "validation started (temper tasksets show ID shows its progress)"
+    if "error" in validation:
+        return f"validation could not start: {validation['error']}"
+    return "not validated (--no-validate); temper tasksets validate ID starts it"
 
 
 IMPORT_FORMATS = ("humaneval", "mbpp", "gsm8k", "temper", "harbor", "repo")
@@ -141,7 +149,9 @@ def cmd_import(args: argparse.Namespace) -> int:
             params={"name": name, "validate": str(not args.no_validate).lower(), "source": f"import:{args.format}"},
         )  # fmt: skip
         sys.stdout.write(view["id"] + "\n")
-        sys.stderr.write(f"imported {view['task_count']} {args.format} tasks as {view['id']}\n")
+        sys.stderr.write(
+            f"imported {view['task_count']} {args.format} tasks as {view['id']}; {validation_line(view)}\n"
+        )
         if args.wait and view.get("validation", {}).get("queued"):
             view = wait_for_validation(api, view["id"])
             write_validation_table(api, view["id"], sys.stdout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from temper.limits import KillReason
 
@@ -17,6 +17,8 @@ class Action(BaseModel):
     run_command: ``command`` (a shell string, or an argv list run without a shell), ``stdin``;
     run_python: ``code``, ``stdin``; write_file: ``path``, ``content``, ``encoding``;
     read_file: ``path``, ``encoding``; list_files: ``path`` (default the workspace root)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN and infinity are refused by name
 
     kind: ActionKind
     command: str | list[str] | None = None

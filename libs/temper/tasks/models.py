@@ -23,6 +23,9 @@ from temper.limits import SandboxLimits
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:=-]{0,150}$")
 
 
+MAX_PROMPT_CHARS = 1 << 20  # one task's prompt; a task set upload is limited as a whole too
+
+
 class TaskKind(StrEnum):
     code = "code"  # write code; hidden Python tests run against it
     math = "math"  # give an answer; it is compared with the known one
@@ -49,7 +52,7 @@ class TaskSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(description="unique within the task set: letters, digits and . _ / : = -")
     kind: TaskKind = TaskKind.code
-    prompt: str = Field(min_length=1)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     files: dict[str, str] = Field(default_factory=dict, description="starting files: path -> content")
     tests: str | None = Field(
         None, description="hidden Python tests (check(candidate), test_* functions or asserts)"

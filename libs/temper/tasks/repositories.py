@@ -175,4 +175,6 @@ def repository_task(
 
 def repository_tasks(root: Path, *, limits: dict[str, Any] | None = None) -> list[TaskSpec]:
     """Every repository task directory under ``root`` (those holding ``task.json``), by name."""
-    return [repository_task(d, limits=limits) for d in sorted(Path(root).iterdir()) if (d / "task.json").exists()]
+    return [
+        repository_task(d, limits=limits) for d in sorted(Path(root).iterdir()) if (d / "task.json").exists()
+    ]

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
 from fastapi.responses import JSONResponse
 
+from services.dispatcher.api.bodies import read_limited
 from services.dispatcher.api.tasksets import runtime_from_app, tenant_id_of
 from temper.envpkg import service
 from temper.envpkg.archive import MAX_ARCHIVE_BYTES, PackageError
@@ -65,17 +66,10 @@ def make_router(
             raise HTTPException(
                 status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, "send the package as application/gzip (a tar.gz)"
             )
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_ARCHIVE_BYTES:
-                raise HTTPException(413, f"packages are limited to {MAX_ARCHIVE_BYTES} bytes")
-            chunks.append(chunk)
+        data = await read_limited(request, MAX_ARCHIVE_BYTES, "the package")
         assert runtime.store is not None
         try:
-            meta, created = await service.upload(
-                runtime.store, tenant_id=tenant_id_of(tenant), data=b"".join(chunks)
-            )
+            meta, created = await service.upload(runtime.store, tenant_id=tenant_id_of(tenant), data=data)
         except ManifestError as exc:
             return manifest_problem(exc)
         except PackageError as exc:

@@ -19,11 +19,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import JSONResponse
 
+from services.dispatcher.api.bodies import MAX_TASKSET_BYTES, read_limited
 from temper.runtime import Runtime
 from temper.tasks import service
 from temper.tasks.models import TaskFormatError, TaskSpec, parse_tasks
-
-MAX_UPLOAD_BYTES = 64 << 20
 
 # Queues validation and returns a job id: a blocking call (run in a thread: Celery) or a
 # coroutine function (run on the loop: the in-process validation of embedded mode).
@@ -63,7 +62,7 @@ async def _enqueue(enqueue: Enqueue, taskset_id: str) -> dict[str, Any]:
             job = await asyncio.wait_for(enqueue(taskset_id), 10)
         else:
             job = await asyncio.wait_for(asyncio.to_thread(enqueue, taskset_id), 10)
-        return {"queued": True, "celery_task_id": job}
+        return {"queued": True, "validation_id": job}
     except Exception as exc:  # noqa: BLE001 - report, the upload itself succeeded
         return {"queued": False, "error": f"{exc.__class__.__name__}: {exc}"[:300]}
 
@@ -88,9 +87,7 @@ def make_router(
         source: str = Query("upload", max_length=200, description="where the tasks came from"),
     ) -> Any:
         tenant_id = tenant_id_of(tenant)
-        body = await request.body()
-        if len(body) > MAX_UPLOAD_BYTES:
-            raise HTTPException(413, f"task sets are limited to {MAX_UPLOAD_BYTES} bytes")
+        body = await read_limited(request, MAX_TASKSET_BYTES, "the task set")
         try:
             tasks = _parse_body(body, request.headers.get("content-type", ""))
         except TaskSetRejected as exc:

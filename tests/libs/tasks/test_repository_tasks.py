@@ -45,7 +45,9 @@ async def validate(database, scorer: Scorer, limits: dict | None) -> dict[str, d
     async with database.session() as s:
         s.add(Tenant(id="acme", name="acme"))
     async with database.session() as s:
-        row = await service.create_taskset(s, None, "acme", "repo-bugs", repository_tasks(REPO_BUGS, limits=limits))
+        row = await service.create_taskset(
+            s, None, "acme", "repo-bugs", repository_tasks(REPO_BUGS, limits=limits)
+        )
     counts = await validate_taskset(database, scorer, row.id, concurrency=2)
     async with database.session() as s:
         rows = {r.key: r for r in await service.task_rows(s, row.id)}

