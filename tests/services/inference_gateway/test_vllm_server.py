@@ -25,7 +25,7 @@ from temper import registry
 from temper.events import SamplingParams
 from temper.jobspec import LoraSpec
 from temper.policy import ChatTokenizer, token_logprobs
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
 from temper.storage import LocalStore
 from temper.training import Learner, LearnerConfig
 from tests.services.inference_gateway.vllm_server import SERVED_NAME, vllm_python
@@ -405,7 +405,7 @@ async def test_the_gateway_service_tags_each_jobs_results_with_the_adapter_that_
 ) -> None:
     from services.inference_gateway.inference import InferenceService
     from temper.events import InferenceRequest
-    from temper.policy.config import InferenceSettings
+    from temper.settings.inference import InferenceSettings
 
     settings = InferenceSettings(
         model_name=SERVED_NAME,
