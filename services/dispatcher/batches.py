@@ -121,9 +121,13 @@ class ResultBatches:
             self._slots.release()
 
     async def _alone(self, call: _Call) -> None:
+        # a caller cancelled while it waited (a consumer stopping) has a done future: its
+        # results still run (taking a result is idempotent), the future is left alone
         try:
             await self._handle(call.messages)
         except Exception as exc:  # noqa: BLE001 - the caller's own error, raised in its call
-            call.done.set_exception(exc)
+            if not call.done.done():
+                call.done.set_exception(exc)
         else:
-            call.done.set_result(None)
+            if not call.done.done():
+                call.done.set_result(None)

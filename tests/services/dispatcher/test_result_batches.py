@@ -190,3 +190,33 @@ async def test_results_handed_over_together_share_a_transaction_and_a_bad_one_fa
     finally:
         repo.lock_episodes = real_lock  # type: ignore[assignment]
         await batches.close()
+
+
+async def test_a_caller_cancelled_while_it_waits_leaves_the_others_their_own_outcome(
+    database: Database, tmp_path
+):
+    """A consumer stopping cancels its wait; when the merged transaction then fails, its
+    results still run alone (taking is idempotent) and the next caller gets its own error."""
+    machine, (c, d) = await started(database, tmp_path, 2)
+    batches = ResultBatches(machine)
+    real_take = machine._take
+
+    async def c_fails(session, msg, *rest):  # type: ignore[no-untyped-def]
+        if msg.episode_id == c:
+            raise RuntimeError("c's result cannot be taken")
+        return await real_take(session, msg, *rest)
+
+    machine._take = c_fails  # type: ignore[method-assign]
+    try:
+        waits_d = asyncio.create_task(batches.take([answer(d)]))
+        waits_c = asyncio.create_task(batches.take([answer(c)]))
+        await asyncio.sleep(0)  # both queued; the batch has not run yet
+        waits_d.cancel()
+        with pytest.raises(RuntimeError, match="c's result cannot be taken"):
+            await waits_c
+        with pytest.raises(asyncio.CancelledError):
+            await waits_d
+        assert await steps(database, d) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
+        assert await steps(database, c) == [(0, "inference", "leased", 0)]
+    finally:
+        await batches.close()
