@@ -201,6 +201,9 @@ class Episode(Base):
     session_id: Mapped[str | None] = mapped_column(String(64), default=None)
     snapshot_key: Mapped[str | None] = mapped_column(String(512), default=None)
     trajectory_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    steps_key: Mapped[str | None] = mapped_column(
+        String(512), default=None, doc="where its steps went once archived (temper.episode_steps)"
+    )
     lease_expires_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
     timings: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # what it consumed, counted by the transaction that accepts each result (once per result)
