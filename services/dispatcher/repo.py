@@ -147,11 +147,13 @@ UNREAD_TRAJECTORIES = (
 
 @dataclass
 class EpisodeCounts:
-    """A job's episodes: started and finished per iteration, and how many are active."""
+    """A job's episodes: started and finished per iteration, how many are active, and how
+    many failed (in all)."""
 
     started: Counter[int] = field(default_factory=Counter)
     finished: Counter[int] = field(default_factory=Counter)
     active: int = 0
+    failed: int = 0
 
 
 async def episode_counts(s: AsyncSession, job_id: str) -> EpisodeCounts:
@@ -167,7 +169,22 @@ async def episode_counts(s: AsyncSession, job_id: str) -> EpisodeCounts:
             counts.finished[iteration] += count
         else:
             counts.active += count
+        if state == EpisodeState.failed:
+            counts.failed += count
     return counts
+
+
+async def failure_reasons(s: AsyncSession, job_id: str, limit: int = 3) -> list[tuple[str, int]]:
+    """The job's most frequent episode failure reasons, with their counts."""
+    n = func.count().label("n")
+    query = (
+        select(Episode.state_reason, n)
+        .where(Episode.job_id == job_id, Episode.state == EpisodeState.failed)
+        .group_by(Episode.state_reason)
+        .order_by(n.desc(), Episode.state_reason)
+        .limit(limit)
+    )
+    return [(str(reason or "no reason"), int(count)) for reason, count in await s.execute(query)]
 
 
 async def tenant_active_episodes(s: AsyncSession, tenant_id: str, active: Sequence[str]) -> int:

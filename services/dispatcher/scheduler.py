@@ -221,6 +221,11 @@ class Scheduler:
         own = sum(min(n, per_iteration) for n in counts.started.values())
         if own < per_iteration * spec.schedule.iterations or done != total or replace:
             return False
+        if counts.failed == total:  # nothing to learn from: a failure, said with its causes
+            reasons = "; ".join(f"{n} x {r}" for r, n in await repo.failure_reasons(s, job.id))
+            await transition_job(s, job, J.failed, reason=f"every episode failed ({total}): {reasons}"[:1000])
+            log_event(log, "job failed", reason="every episode failed", episodes=total)
+            return True
         if self.wait_for_training and not await self._training_done(s, job, spec):
             return True
         await transition_job(s, job, J.completed)
