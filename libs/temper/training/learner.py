@@ -94,6 +94,17 @@ def pick_device(device: Device | str = Device.auto) -> torch.device:
     return torch.device(name)
 
 
+def policy_entropy(logp: torch.Tensor, grad: bool) -> torch.Tensor:
+    """``-sum(p log p)`` over the last axis. Measured only (no ``grad``), it is made in place
+    in one extra copy of ``logp``, so measuring it on every step costs no more memory than
+    the forward's end already holds (``temper.training.memory`` plans two copies)."""
+    if grad and torch.is_grad_enabled():
+        return -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():
+        p = logp.exp()
+        return -p.mul_(logp).sum(-1)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -125,15 +136,15 @@ def completion_logprobs(
     am = attention_mask.bool()
     # position t is scored from the hidden state at t-1, if both tokens are real and t is the model's
     scored = completion_mask[:, 1:].bool() & am[:, 1:] & am[:, :-1]
-    logits = head(hidden[:, :-1][scored]).float()
-    logp = torch.log_softmax(logits, dim=-1)
+    # unnamed logits: freed once the log-softmax (which its backward needs) is made
+    logp = torch.log_softmax(head(hidden[:, :-1][scored]).float(), dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:][scored].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
     index = scored.nonzero(as_tuple=True)
     if entropy is not None:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            h = -(logp.exp() * logp).sum(-1)
-            entropy.append(torch.zeros_like(out).index_put((index[0], index[1] + 1), h))
+        entropy.append(
+            torch.zeros_like(out).index_put((index[0], index[1] + 1), policy_entropy(logp, entropy_grad))
+        )
     return out.index_put((index[0], index[1] + 1), picked)
 
 
