@@ -193,10 +193,16 @@ async def test_a_step_that_never_answers_fails_the_episode_with_the_reason(tmp_p
     try:
         await seed(h.db, tasks={"t1": {}})
         job = await submit_job(h.db, job_spec(tasks__group_size=1, schedule__episodes_per_iteration=1))
-        await wait_for(lambda: _is(h.db, job, "completed"), what="job completed (its episode failed)")
+        # its one episode failed: nothing to learn from, so the job fails too, saying why
+        await wait_for(lambda: _is(h.db, job, "failed"), what="job failed (its episode failed)")
         (ep,) = await episodes_of(h.db, job)
         assert ep.state == "failed"
         assert ep.state_reason == "lease_expired: sandbox step of turn 0 (after 2 attempts)"
+        async with h.db.session() as s:
+            reason = (await s.get(Job, job)).state_reason
+        assert (
+            reason == "every episode failed (1): 1 x lease_expired: sandbox step of turn 0 (after 2 attempts)"
+        )
         assert [m.attempt for m in h.peers.requests["sandbox"]] == [0, 1]
         await wait_for(lambda: _has_event(h.peers.events, "episode.state", "failed"), what="failed event")
     finally:
