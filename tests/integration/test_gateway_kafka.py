@@ -155,7 +155,7 @@ async def test_backpressure_pauses_the_kafka_consumer_and_answers_everything(
         results = await h.wait_results(n)
         assert sorted(r.episode_id for r in results) == sorted(f"{h.job}-bp{i}" for i in range(n))
         assert all(r.error is None and r.token_ids for r in results)
-        assert h.gateway.pauses > 0  # the consumer was paused while the backend was full
+        assert h.gateway.flow.pauses > 0  # the consumer was paused while the backend was full
         await asyncio.sleep(0.1)
         assert not h.gateway.requests.paused  # and resumed once it was free
     finally:
@@ -192,7 +192,7 @@ async def test_results_carry_the_version_a_kafka_policy_update_switched_to(
         after = next(r for r in results if r.episode_id.endswith("after"))
         assert after.policy_version == 1 and after.error is None
         assert after.logprobs != before.logprobs  # new weights
-        assert h.gateway.update_errors == 0
+        assert h.gateway.updates.update_errors == 0
     finally:
         await h.stop()
 
@@ -278,7 +278,7 @@ async def test_two_jobs_share_one_gateway_each_sampling_its_own_adapter(
             with torch.no_grad():
                 theirs = token_logprobs(learners[other].model, ids)[0, len(prompt) :].tolist()
             assert max(abs(x - y) for x, y in zip(res.logprobs, theirs, strict=True)) > 1e-2
-        assert h.gateway.update_errors == 0
+        assert h.gateway.updates.update_errors == 0
     finally:
         await h.stop()
         for job in jobs:

@@ -201,7 +201,7 @@ async def test_full_reload_writes_the_weights_where_vllm_reads_them_then_reloads
 
 
 def test_models_fixture_is_what_the_gateway_serves_too() -> None:
-    from services.inference_gateway.cpu_server.app import CompletionBody
+    from services.inference_gateway.cpu_server.schemas import CompletionBody
 
     fx = load("vllm_models.json")["response"]
     assert {"id", "object", "owned_by", "root", "parent", "permission"} <= set(fx["data"][0])

@@ -121,12 +121,12 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
                 ),
             )
         await wait_until(lambda: gw.service.policy_version == 2)
-        assert gw.update_errors == 0 and gw.updates_applied in (1, 2)
+        assert gw.updates.update_errors == 0 and gw.updates.updates_applied in (1, 2)
         await rt.bus.send_message(Topics.INFERENCE_REQUESTS, request("ep-v"))
         await wait_until(lambda: len(results) == 1)
         assert results[0].policy_version == 2 and results[0].error is None
         # a missing checkpoint is logged and counted, the gateway keeps serving version 2
-        gw.policy_retries = 1
+        gw.updates.retries = 1
         await rt.bus.send_message(
             Topics.POLICY_UPDATES,
             PolicyUpdate(
@@ -136,7 +136,7 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
                 step=3,
             ),
         )
-        await wait_until(lambda: gw.update_errors == 1)
+        await wait_until(lambda: gw.updates.update_errors == 1)
         assert gw.service.policy_version == 2
     finally:
         await gw.stop()

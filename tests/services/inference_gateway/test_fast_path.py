@@ -11,9 +11,10 @@ import httpx
 import pytest
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from services.inference_gateway.app import GatewayApp, proxy_app
+from services.inference_gateway.app import proxy_app
 from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest
 from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.routes import GatewayApp
 from temper.policy.config import BackendSpec, InferenceSettings
 
 pytestmark = pytest.mark.timeout(30)
