@@ -113,14 +113,14 @@ def train_part(kind: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def generate_part(args: argparse.Namespace) -> dict[str, float]:
-    from services.inference_gateway.cpu_server.core import Engine, GenRequest, SamplingParams
+    from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams
     from temper.jobspec import LoraSpec
     from temper.policy import default_tokenizer
     from temper.training.lora import apply_lora
 
     tok = default_tokenizer()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    engine = Engine(build_model(args.size).to(args.device, dtype), tok)
+    engine = ModelRunner(build_model(args.size).to(args.device, dtype), tok)
     spec = LoraSpec(rank=16, alpha=32, target_modules=["q_proj", "v_proj"])
     with tempfile.TemporaryDirectory() as d:
         for n, job in enumerate(("job-a", "job-b")):

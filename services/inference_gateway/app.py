@@ -11,38 +11,38 @@ from typing import Any
 from fastapi import FastAPI
 
 from services.inference_gateway.component import Gateway
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from services.inference_gateway.routes import GatewayApp, add_health_routes, add_proxy_routes
 from temper.runtime import Runtime, service_app
 from temper.settings import Settings
 
 
-def create_app(settings: Settings, *, service: InferenceService | None = None, **gateway_kw: Any) -> FastAPI:
+def create_app(settings: Settings, *, inference: Inference | None = None, **gateway_kw: Any) -> FastAPI:
     """The gateway process: the shared runtime (bus, object store; no database), the
     :class:`Gateway` component on it, ``/health`` and ``/metrics``, and the proxy routes."""
     runtime = Runtime(settings, service="inference-gateway", needs_db=False)
-    gateway = Gateway(runtime, service=service, **gateway_kw)
+    gateway = Gateway(runtime, inference=inference, **gateway_kw)
     app = service_app(runtime, gateway, app_class=GatewayApp, title="Temper inference gateway")
     app.state.gateway = gateway
-    app.state.service = gateway.service
+    app.state.inference = gateway.inference
     add_proxy_routes(app)
     return app
 
 
-def proxy_app(service: InferenceService) -> FastAPI:
-    """The proxy alone around a service, without bus or runtime (tests, tools). Its
+def proxy_app(inference: Inference) -> FastAPI:
+    """The proxy alone around an :class:`Inference`, without bus or runtime (tests, tools). Its
     ``/health`` is 503 when every backend is down and lists those that are."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await service.start()
+        await inference.start()
         try:
             yield
         finally:
-            await service.stop()
+            await inference.stop()
 
     app = GatewayApp(title="Temper inference gateway (proxy only)", lifespan=lifespan)
-    app.state.service = service
+    app.state.inference = inference
     add_health_routes(app)
     add_proxy_routes(app)
     return app

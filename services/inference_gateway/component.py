@@ -1,5 +1,5 @@
 """The gateway as a component on the shared :class:`temper.runtime.Runtime`: it starts and
-stops the :class:`InferenceService` (its backends), the consumers of ``inference.requests``
+stops the :class:`Inference` (its backends), the consumers of ``inference.requests``
 and ``policy.updates`` (``handlers.py``), the loop that loads policy updates
 (``updates.py``), the backpressure loop (``flow.py``) and the version watch."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from services.inference_gateway import handlers
 from services.inference_gateway.flow import RequestFlow
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from services.inference_gateway.updates import PolicyUpdates
 from temper.bus import Consumer
 from temper.events import InferenceResult, Topics
@@ -42,7 +42,7 @@ class Gateway:
     """Construct with a :class:`Runtime` (bus and object store; no database), then
     ``await start()`` after ``runtime.start()`` and ``await stop()`` before ``runtime.stop()``.
 
-    ``service`` replaces the :class:`InferenceService` built from the settings (tests, or an
+    ``inference`` replaces the :class:`Inference` built from the settings (tests, or an
     embedded runner that brings its own backends). ``group`` (default
     ``TEMPER_INFERENCE__REQUESTS_GROUP``, ``inference-gateway``) and ``policy_group`` (default
     ``TEMPER_INFERENCE__POLICY_GROUP``, else ``inference-gateway-<uuid>``) name the consumer
@@ -53,7 +53,7 @@ class Gateway:
         self,
         runtime: Runtime,
         *,
-        service: InferenceService | None = None,
+        inference: Inference | None = None,
         group: str | None = None,
         policy_group: str | None = None,
         concurrency: int | None = None,
@@ -62,15 +62,15 @@ class Gateway:
     ) -> None:
         self.runtime = runtime
         settings = effective_settings(runtime.settings.inference, runtime.settings.mode)
-        self.service = service or InferenceService(settings)
+        self.inference = inference or Inference(settings)
         self.group = group or settings.requests_group
         self.policy_group = (
             policy_group or settings.policy_group or f"{REQUESTS_GROUP}-{uuid.uuid4().hex[:12]}"
         )
-        capacity = sum(s.max_inflight for s in self.service.router.slots.values())
+        capacity = sum(s.max_inflight for s in self.inference.router.slots.values())
         self.concurrency = concurrency or max(1, capacity)
-        self.flow = RequestFlow(self.service.has_capacity, interval_s=flow_interval_s)
-        self.updates = PolicyUpdates(runtime, self.service, retries=policy_retries)
+        self.flow = RequestFlow(self.inference.has_capacity, interval_s=flow_interval_s)
+        self.updates = PolicyUpdates(runtime, self.inference, retries=policy_retries)
         self.requests: Consumer | None = None
         self.policy: Consumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -79,16 +79,16 @@ class Gateway:
         rt = self.runtime
         if rt.bus is None:
             raise RuntimeError("Gateway needs a started Runtime with a bus")
-        if self.service.store is None:
-            self.service.store = rt.store
-        await self.service.start()
+        if self.inference.store is None:
+            self.inference.store = rt.store
+        await self.inference.start()
         rt.checks["backends"] = self.check_backends
         self._tasks.append(asyncio.create_task(self.updates.run(), name="gateway-policy-updates"))
         self.policy = await rt.consume_handlers(handlers.policy_topics(self.updates), group=self.policy_group)
         # The job's current version before any request: never what a group replays.
         await self.updates.load_current()
         self.requests = await rt.consume_handlers(
-            handlers.request_topics(self.service, self.flow, self._send),
+            handlers.request_topics(self.inference, self.flow, self._send),
             group=self.group,
             concurrency=self.concurrency,
         )
@@ -99,11 +99,11 @@ class Gateway:
         log_event(
             log,
             "gateway started",
-            backends=list(self.service.router.slots),
+            backends=list(self.inference.router.slots),
             group=self.group,
             policy_group=self.policy_group,
             concurrency=self.concurrency,
-            policy_version=self.service.policy_version,
+            policy_version=self.inference.policy_version,
         )
 
     async def _send(self, result: InferenceResult) -> None:
@@ -123,10 +123,10 @@ class Gateway:
                 await task
         self._tasks.clear()
         self.runtime.checks.pop("backends", None)
-        await self.service.stop()
+        await self.inference.stop()
 
     async def check_backends(self) -> None:
-        slots = self.service.router.slots
+        slots = self.inference.router.slots
         if not slots:
             raise BackendsDown("none configured (set TEMPER_INFERENCE__BACKENDS)")
         down = [s.name for s in slots.values() if not s.healthy or not s.breaker.can_try()]
@@ -135,12 +135,12 @@ class Gateway:
 
     def status(self) -> dict[str, Any]:
         return {
-            **self.service.status(),
+            **self.inference.status(),
             "requests_group": self.group,
             "policy_group": self.policy_group,
             "paused": self.flow.paused,
-            "answered": self.service.answered,
-            "failed": self.service.failed,
+            "answered": self.inference.answered,
+            "failed": self.inference.failed,
             "pauses": self.flow.pauses,
             "updates_applied": self.updates.updates_applied,
             "update_errors": self.updates.update_errors,

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.inference_gateway.flow import RequestFlow
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from services.inference_gateway.updates import PolicyUpdates
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, Topics
 from temper.logs import log_event
@@ -21,7 +21,7 @@ Handlers = dict[str, Callable[[Any], Awaitable[None]]]
 
 
 def request_topics(
-    service: InferenceService, flow: RequestFlow, send: Callable[[InferenceResult], Awaitable[None]]
+    inference: Inference, flow: RequestFlow, send: Callable[[InferenceResult], Awaitable[None]]
 ) -> Handlers:
     """``inference.requests`` (group ``inference-gateway``, shared by all replicas): each
     request is generated and answered with one result on ``inference.results``, keyed by
@@ -33,7 +33,7 @@ def request_topics(
     the first."""
 
     async def on_request(message: InferenceRequest) -> None:
-        work = asyncio.ensure_future(service.handle(message))
+        work = asyncio.ensure_future(inference.handle(message))
         try:
             await asyncio.sleep(0)  # let it take its backend slot, then see if that was the last one
             flow.sync()
@@ -44,9 +44,9 @@ def request_topics(
             flow.changed.set()
         await send(result)
         if result.error is None:
-            service.answered += 1
+            inference.answered += 1
         else:
-            service.failed += 1
+            inference.failed += 1
             log_event(log, "inference failed", logging.WARNING, error=result.error)
 
     return {Topics.INFERENCE_REQUESTS: on_request}

@@ -1,7 +1,7 @@
 """The gateway's logic, independent of HTTP and Kafka.
 
-The bus handlers call :meth:`InferenceService.handle` for each ``inference.requests``
-message and :meth:`InferenceService.apply_update` for each ``policy.updates`` message;
+The bus handlers call :meth:`Inference.handle` for each ``inference.requests``
+message and :meth:`Inference.apply_update` for each ``policy.updates`` message;
 they pause the ``inference.requests`` partitions while :meth:`has_capacity` is false
 and resume when it turns true again. The HTTP proxy (``app.py``) calls :meth:`generate`.
 """
@@ -29,7 +29,7 @@ from temper.storage import ObjectStore
 log = logging.getLogger(__name__)
 
 
-class InferenceService:
+class Inference:
     def __init__(
         self,
         settings: InferenceSettings,

@@ -5,7 +5,7 @@ with token ids (``choices[].token_ids``, ``prompt_token_ids``) and the ``policy_
 A call with an ``X-Temper-Episode`` header is attributed to that episode: its token-level
 trace is recorded, its routing is sticky, and (chat) its conversation is extended
 token-wise across turns. ``GET /v1/traces/{episode}`` reads the trace back. The routes read
-the :class:`InferenceService` from ``app.state.service``.
+the :class:`Inference` from ``app.state.inference``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from services.inference_gateway.backends import GenerateRequest
-from services.inference_gateway.cpu_server.core import GenOutput
+from services.inference_gateway.cpu_server.runner import GenOutput
 from services.inference_gateway.cpu_server.schemas import VERSION_HEADER, CompletionBody, completion_response
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from services.inference_gateway.router import RequestFailed
 from services.inference_gateway.schemas import ChatBody, ReloadBody
 from services.inference_gateway.tool_calls import parse_tool_calls
@@ -81,11 +81,11 @@ def _error(status: int, detail: str) -> Response:
     return _json({"detail": detail}, status)
 
 
-async def get_service(request: Request) -> InferenceService:
-    return request.app.state.service  # type: ignore[no-any-return]
+async def get_inference(request: Request) -> Inference:
+    return request.app.state.inference  # type: ignore[no-any-return]
 
 
-ServiceDep = Annotated[InferenceService, Depends(get_service)]
+InferenceDep = Annotated[Inference, Depends(get_inference)]
 EpisodeHeader = Annotated[str | None, Header(alias=EPISODE_HEADER)]
 
 
@@ -98,7 +98,7 @@ def add_health_routes(app: FastAPI) -> None:
     503 when every backend is down and lists those that are."""
 
     @app.get("/health")
-    async def health(svc: ServiceDep) -> JSONResponse:
+    async def health(svc: InferenceDep) -> JSONResponse:
         snap = svc.router.snapshot()
         down = [b["name"] for b in snap if not b["healthy"]]
         ok = len(down) < len(snap)
@@ -112,15 +112,15 @@ def add_health_routes(app: FastAPI) -> None:
 
 
 def add_proxy_routes(app: FastAPI) -> None:
-    """The OpenAI-compatible routes; they use ``app.state.service``."""
+    """The OpenAI-compatible routes; they use ``app.state.inference``."""
 
     @app.get("/v1/status")
-    async def status(request: Request, svc: ServiceDep) -> dict[str, Any]:
+    async def status(request: Request, svc: InferenceDep) -> dict[str, Any]:
         gateway = getattr(request.app.state, "gateway", None)
         return gateway.status() if gateway is not None else svc.status()
 
     @app.get("/v1/models")
-    async def models(svc: ServiceDep) -> dict[str, Any]:
+    async def models(svc: InferenceDep) -> dict[str, Any]:
         name = svc.settings.model_name
         return {
             "object": "list",
@@ -138,7 +138,7 @@ def add_proxy_routes(app: FastAPI) -> None:
             ],
         }
 
-    async def _run(svc: InferenceService, req: GenerateRequest) -> Any:
+    async def _run(svc: Inference, req: GenerateRequest) -> Any:
         try:
             return await svc.generate(req)
         except RequestFailed as exc:
@@ -147,7 +147,7 @@ def add_proxy_routes(app: FastAPI) -> None:
     async def completions(request: Request) -> Response:
         """The hot proxy path, kept lean: no dependency injection or thread hop, one
         pydantic-core validation of the raw body, the response serialised once."""
-        svc: InferenceService = request.app.state.service
+        svc: Inference = request.app.state.inference
         try:
             body = CompletionBody.model_validate_json(await request.body())
         except ValidationError as exc:
@@ -216,7 +216,7 @@ def add_proxy_routes(app: FastAPI) -> None:
         app.fast_routes = {"/v1/completions": completions}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, svc: ServiceDep, episode: EpisodeHeader = None) -> JSONResponse:
+    async def chat(body: ChatBody, svc: InferenceDep, episode: EpisodeHeader = None) -> JSONResponse:
         if body.stream:
             raise HTTPException(400, "stream=true is not supported by the gateway")
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -308,11 +308,11 @@ def add_proxy_routes(app: FastAPI) -> None:
         return JSONResponse(data, headers={VERSION_HEADER: str(res.policy_version)})
 
     @app.get("/v1/traces/{episode_id}")
-    async def traces(episode_id: str, svc: ServiceDep) -> dict[str, Any]:
+    async def traces(episode_id: str, svc: InferenceDep) -> dict[str, Any]:
         return {"episode_id": episode_id, "calls": [e.to_dict() for e in await svc.traces.get(episode_id)]}
 
     @app.post("/v1/policy/reload")
-    async def reload(body: ReloadBody, svc: ServiceDep) -> dict[str, Any]:
+    async def reload(body: ReloadBody, svc: InferenceDep) -> dict[str, Any]:
         """Operator/test hook; in production ``policy.updates`` drives the same code."""
         if not (body.checkpoint_key or body.path):
             raise HTTPException(400, "give checkpoint_key or path")

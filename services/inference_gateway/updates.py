@@ -21,7 +21,7 @@ import logging
 
 from sqlalchemy import select
 
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from temper.db import Database, Job, PolicyVersion
 from temper.events import PolicyUpdate
 from temper.lifecycle import JobState
@@ -36,9 +36,9 @@ class PolicyUpdates:
     """The updates waiting to be loaded (one per job, the newest) and the loop that loads
     them; the current versions at start; the watch that reloads a restarted backend."""
 
-    def __init__(self, runtime: Runtime, service: InferenceService, *, retries: int = 3) -> None:
+    def __init__(self, runtime: Runtime, inference: Inference, *, retries: int = 3) -> None:
         self.runtime = runtime
-        self.service = service
+        self.inference = inference
         self.retries = retries
         self._pending: dict[str, PolicyUpdate] = {}  # job -> newest update not applied yet
         self._current: PolicyUpdate | None = None  # the version served, for the version watch
@@ -48,7 +48,7 @@ class PolicyUpdates:
 
     def offer(self, message: PolicyUpdate) -> None:
         """Queue ``message`` unless its job already serves it; only the newest waits."""
-        if message.version <= self.service.job_version(message.job_id):
+        if message.version <= self.inference.job_version(message.job_id):
             return  # already served (or older): idempotent
         pending = self._pending.get(message.job_id or "")
         if pending is None or message.version > pending.version:
@@ -89,8 +89,8 @@ class PolicyUpdates:
         for attempt in range(1, attempts + 1):
             try:
                 for current in await self.current_policies():
-                    if current.version > self.service.job_version(current.job_id):
-                        await self.service.apply_update(current)
+                    if current.version > self.inference.job_version(current.job_id):
+                        await self.inference.apply_update(current)
                         self._current = current
                         self.updates_applied += 1
                         log_event(
@@ -116,14 +116,14 @@ class PolicyUpdates:
 
     async def watch(self) -> None:
         """Reload a backend that serves less than the gateway's version (it restarted)."""
-        interval = max(0.5, self.service.settings.health_interval_s)
+        interval = max(0.5, self.inference.settings.health_interval_s)
         while True:
             await asyncio.sleep(interval)
             current = self._current
-            if current is None or current.version != self.service.policy_version:
+            if current is None or current.version != self.inference.policy_version:
                 continue
             behind = False
-            for slot in self.service.router.slots.values():
+            for slot in self.inference.router.slots.values():
                 probe = getattr(slot.backend, "served_version", None)
                 served = await probe() if probe is not None else None
                 if served is not None and served < current.version:
@@ -132,7 +132,7 @@ class PolicyUpdates:
             if behind:
                 log_event(log, "a backend restarted behind; reloading it", version=current.version)
                 with contextlib.suppress(Exception):
-                    await self.service.apply_update(current)
+                    await self.inference.apply_update(current)
 
     async def run(self) -> None:
         while True:
@@ -140,14 +140,14 @@ class PolicyUpdates:
             self._ready.clear()
             while self._pending:
                 _, update = self._pending.popitem()
-                if update.version > self.service.job_version(update.job_id):
+                if update.version > self.inference.job_version(update.job_id):
                     await self._apply_one(update)
 
     async def _apply_one(self, update: PolicyUpdate) -> None:
         """Apply one job's newest update, retried; a newer one queued meanwhile wins."""
         for attempt in range(1, self.retries + 1):
             try:
-                times = await self.service.apply_update(update)
+                times = await self.inference.apply_update(update)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not stop the gateway

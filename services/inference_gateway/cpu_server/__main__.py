@@ -10,21 +10,21 @@ import torch
 import uvicorn
 
 from services.inference_gateway.cpu_server.app import create_app
-from services.inference_gateway.cpu_server.core import BatchScheduler, Engine
+from services.inference_gateway.cpu_server.runner import BatchScheduler, ModelRunner
 from temper.policy import create_model, default_tokenizer, load_model, read_metadata
 from temper.settings import get_settings
 from temper.storage import make_store
 
 
-def build_engine(
+def build_runner(
     *, model_dir: str | None = None, preset: str = "tiny", seed: int = 0, version: int | None = None
-) -> Engine:
+) -> ModelRunner:
     if model_dir:
         model, tok = load_model(model_dir)
         v = version if version is not None else int(read_metadata(model_dir).get("version", 0))
     else:
         model, tok, v = create_model(preset, seed=seed), default_tokenizer(), version or 0
-    return Engine(model, tok, version=v)
+    return ModelRunner(model, tok, version=v)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,14 +47,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
-    engine = build_engine(model_dir=args.model_dir, preset=args.preset, seed=args.seed, version=args.version)
+    runner = build_runner(model_dir=args.model_dir, preset=args.preset, seed=args.seed, version=args.version)
     settings = get_settings()
-    sched = BatchScheduler(engine, max_batch=args.max_batch, window_ms=args.batch_window_ms)
+    sched = BatchScheduler(runner, max_batch=args.max_batch, window_ms=args.batch_window_ms)
     app = create_app(
         sched,
         model_name=args.model_name,
         store=make_store(settings),
-        cache_dir=settings.data_dir / "engine-checkpoints",
+        cache_dir=settings.data_dir / "cpu-server-checkpoints",
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -22,7 +22,7 @@ from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 
 from services.inference_gateway.checkpoints import fetch_checkpoint
-from services.inference_gateway.cpu_server.core import BatchScheduler, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.runner import BatchScheduler, GenRequest, SamplingParams
 from services.inference_gateway.cpu_server.schemas import (
     VERSION_HEADER,
     CompletionBody,
@@ -54,13 +54,13 @@ def add_routes(
     store: ObjectStore | None,
     cache_dir: str | Path,
 ) -> None:
-    engine = scheduler.engine
-    tok = engine.tok
-    backend = "engine"
+    runner = scheduler.runner
+    tok = runner.tok
+    backend = "cpu_server"  # the metrics label of this server's requests
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "policy_version": engine.version, "adapters": engine.served_versions()}
+        return {"status": "ok", "policy_version": runner.version, "adapters": runner.served_versions()}
 
     @app.get("/metrics")
     async def prom() -> Response:
@@ -79,9 +79,9 @@ def add_routes(
                     "owned_by": "temper",
                     "root": model_name,
                     "parent": None,
-                    "max_model_len": engine.max_len,
+                    "max_model_len": runner.max_len,
                     "permission": [],
-                    "policy_version": engine.version,
+                    "policy_version": runner.version,
                 }
             ],
         }
@@ -89,15 +89,15 @@ def add_routes(
     @app.post("/v1/completions")
     async def completions(body: CompletionBody) -> JSONResponse:
         if body.stream:
-            raise HTTPException(400, "stream=true is not supported by the CPU engine")
+            raise HTTPException(400, "stream=true is not supported by the CPU model server")
         prompts = _prompts(body, tok.encode)
         for p in prompts:
             if not p:
                 raise HTTPException(400, "prompt is empty")
             if min(p) < 0 or max(p) >= tok.vocab_size:
                 raise HTTPException(400, f"prompt token ids must be in [0, {tok.vocab_size})")
-            if len(p) >= engine.max_len:
-                raise HTTPException(400, f"prompt of {len(p)} tokens exceeds max_model_len {engine.max_len}")
+            if len(p) >= runner.max_len:
+                raise HTTPException(400, f"prompt of {len(p)} tokens exceeds max_model_len {runner.max_len}")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         params = SamplingParams(
             max_tokens=body.max_tokens,
@@ -135,7 +135,7 @@ def add_routes(
                     404 if path else 400, f"no checkpoint at {path}" if path else "give path or key"
                 )
             if store is None:
-                raise HTTPException(400, "this engine has no object store to resolve keys")
+                raise HTTPException(400, "this server has no object store to resolve keys")
             try:
                 path = await fetch_checkpoint(store, body.key, cache_dir, body.version)
             except NotFound as exc:
@@ -149,7 +149,7 @@ def add_routes(
         metrics.WEIGHT_SWITCH_SECONDS.observe(seconds)
         app.state.last_switch_s = seconds
         return {
-            "policy_version": engine.version,
-            "adapters": engine.served_versions(),
+            "policy_version": runner.version,
+            "adapters": runner.served_versions(),
             "switch_ms": seconds * 1000,
         }

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.inference_gateway.cpu_server.core import GenOutput
+from services.inference_gateway.cpu_server.runner import GenOutput
 
 VERSION_HEADER = "X-Temper-Policy-Version"
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from services.inference_gateway.cpu_server.core import Engine, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams
 from temper import registry
 from temper.jobspec import LoraSpec
 from temper.policy import create_model, default_tokenizer, encode_chat, token_logprobs
@@ -51,7 +51,7 @@ def own_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -
 async def test_two_adapters_in_one_batch_each_sample_their_own_weights(tmp_path):
     store = LocalStore(tmp_path / "objects")
     a, b = adapter_learner(1), adapter_learner(2)
-    engine = Engine(create_model(seed=0), TOK, version=0)
+    engine = ModelRunner(create_model(seed=0), TOK, version=0)
     engine.load_weights(await publish(store, a, "job-a", 3, tmp_path / "a3"), 3)
     engine.load_weights(await publish(store, b, "job-b", 5, tmp_path / "b5"), 5)
     assert engine.served_versions() == {"job-a": 3, "job-b": 5}
@@ -76,7 +76,7 @@ async def test_two_adapters_in_one_batch_each_sample_their_own_weights(tmp_path)
 
 async def test_a_new_version_replaces_the_jobs_adapter_and_a_corrupt_one_is_refused(tmp_path):
     store = LocalStore(tmp_path / "objects")
-    engine = Engine(create_model(seed=0), TOK, version=0)
+    engine = ModelRunner(create_model(seed=0), TOK, version=0)
     engine.load_weights(await publish(store, adapter_learner(1), "job-a", 1, tmp_path / "a1"), 1)
     v2 = adapter_learner(9)
     engine.load_weights(await publish(store, v2, "job-a", 2, tmp_path / "a2"), 2)
@@ -114,7 +114,7 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
 ):
     """The gateway's own path: policy.updates with manifest keys (fetched and verified from
     the object store), per-job routing, version tags."""
-    from services.inference_gateway.inference import InferenceService
+    from services.inference_gateway.inference import Inference
     from services.inference_gateway.local import LocalBackend
     from temper.events import InferenceRequest, PolicyUpdate
     from temper.events import SamplingParams as Sampling
@@ -123,8 +123,8 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
     store, tenant = registry_store
     cfg = InferenceSettings(backends=[], checkpoint_cache_dir=str(tmp_path / "cache"))
     spec = BackendSpec(name="local-0", kind=BackendKind.local)
-    backend = LocalBackend(spec, model_name="temper-policy", engine=Engine(create_model(seed=0), TOK))
-    svc = InferenceService(cfg, store=store, backends=[backend], tokenizer=TOK)
+    backend = LocalBackend(spec, model_name="temper-policy", runner=ModelRunner(create_model(seed=0), TOK))
+    svc = Inference(cfg, store=store, backends=[backend], tokenizer=TOK)
     await svc.start()
     try:
         learners = {"job-a": adapter_learner(1), "job-b": adapter_learner(2)}

@@ -13,7 +13,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 
 from services.inference_gateway.app import proxy_app
 from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from services.inference_gateway.routes import GatewayApp
 from temper.policy.config import BackendSpec, InferenceSettings
 
@@ -40,7 +40,7 @@ class FakeBackend(Backend):
 def make_app(tmp_path: Path, *, backends: bool = True) -> GatewayApp:
     cfg = InferenceSettings(backends=[], checkpoint_cache_dir=str(tmp_path / "cache"))
     fakes = [FakeBackend(BackendSpec(name="f0", url="http://fake"), model_name="m")] if backends else []
-    app = proxy_app(InferenceService(cfg, backends=fakes))
+    app = proxy_app(Inference(cfg, backends=fakes))
     assert isinstance(app, GatewayApp)
     return app
 
@@ -104,7 +104,7 @@ async def test_fast_path_error_bodies(tmp_path: Path) -> None:
     assert (r.status_code, r.json()) == (400, {"detail": "stream=true is not supported by the gateway"})
     r = await post(
         make_app(tmp_path, backends=False), {"prompt": [1]}, fast=True
-    )  # request.app.state.service
+    )  # request.app.state.inference
     assert r.status_code == 502 and r.json()["detail"].startswith("generation failed: no backend configured")
 
 

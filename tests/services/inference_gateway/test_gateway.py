@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from services.inference_gateway.app import proxy_app
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from temper.events import InferenceRequest, PolicyUpdate, SamplingParams
 from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint
 from temper.policy.config import BackendSpec, InferenceSettings
@@ -19,18 +19,18 @@ TOK = default_tokenizer()
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def make_service(engines, tmp_path: Path) -> InferenceService:  # noqa: ANN001
+def make_service(cpu_servers, tmp_path: Path) -> Inference:  # noqa: ANN001
     cfg = InferenceSettings(
-        backends=[BackendSpec(name=f"e{i}", url=s.url) for i, s in enumerate(engines)],
+        backends=[BackendSpec(name=f"e{i}", url=s.url) for i, s in enumerate(cpu_servers)],
         checkpoint_cache_dir=str(tmp_path / "cache"),
         retry_backoff_s=0.001,
         health_interval_s=0.5,
     )
-    return InferenceService(cfg, store=LocalStore(tmp_path / "objects"))
+    return Inference(cfg, store=LocalStore(tmp_path / "objects"))
 
 
-async def test_handle_turns_a_request_message_into_a_result_message(engines, tmp_path) -> None:  # noqa: ANN001
-    svc = make_service(engines, tmp_path)
+async def test_handle_turns_a_request_message_into_a_result_message(cpu_servers, tmp_path) -> None:  # noqa: ANN001
+    svc = make_service(cpu_servers, tmp_path)
     await svc.start()
     try:
         prompt = encode_chat(TOK, [{"role": "user", "content": "hi"}])
@@ -48,7 +48,7 @@ async def test_handle_turns_a_request_message_into_a_result_message(engines, tmp
         assert res.error is None and res.backend in ("e0", "e1")
         assert (res.job_id, res.episode_id, res.turn, res.attempt) == ("j", "ep", 2, 1)
         assert 1 <= len(res.token_ids) == len(res.logprobs) <= 5 and res.policy_version == 0
-        for s in engines:
+        for s in cpu_servers:
             s.stop()
         failed = await svc.handle(msg)
         assert failed.error and failed.token_ids == []
@@ -56,8 +56,8 @@ async def test_handle_turns_a_request_message_into_a_result_message(engines, tmp
         await svc.stop()
 
 
-async def test_policy_update_from_object_store_switches_every_engine(engines, tmp_path) -> None:  # noqa: ANN001
-    svc = make_service(engines, tmp_path)
+async def test_policy_update_from_object_store_switches_every_engine(cpu_servers, tmp_path) -> None:  # noqa: ANN001
+    svc = make_service(cpu_servers, tmp_path)
     ckpt = save_checkpoint(create_model(seed=5), tmp_path / "ckpt")
     await svc.store.put(
         "tenants/t/jobs/j/checkpoints/v1/model.safetensors", (ckpt / "model.safetensors").read_bytes()
@@ -84,14 +84,14 @@ async def test_policy_update_from_object_store_switches_every_engine(engines, tm
         assert (
             await svc.apply_update(PolicyUpdate(version=1, checkpoint_key="x", step=10)) == {}
         )  # idempotent
-        assert all(s.engine.version == 1 for s in engines)
+        assert all(s.runner.version == 1 for s in cpu_servers)
     finally:
         await svc.stop()
 
 
 @pytest.fixture
-async def gateway(engines, tmp_path):  # noqa: ANN001, ANN201
-    svc = make_service(engines, tmp_path)
+async def gateway(cpu_servers, tmp_path):  # noqa: ANN001, ANN201
+    svc = make_service(cpu_servers, tmp_path)
     app = proxy_app(svc)
     await svc.start()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
@@ -142,9 +142,9 @@ async def test_chat_proxy_extends_the_conversation_token_wise(gateway) -> None: 
     assert len({x["backend"] for x in calls}) == 1  # sticky
 
 
-async def test_gateway_health_names_down_backends(gateway, engines) -> None:  # noqa: ANN001
+async def test_gateway_health_names_down_backends(gateway, cpu_servers) -> None:  # noqa: ANN001
     c, svc = gateway
-    for s in engines:
+    for s in cpu_servers:
         s.stop()
     await svc.router.check_health()
     r = await c.get("/health")

@@ -134,8 +134,8 @@ def test_breaker_half_open_lets_one_trial_through() -> None:
     assert br.state is BreakerState.open
 
 
-async def test_failover_when_a_real_engine_is_killed(two_engine_processes) -> None:  # noqa: ANN001
-    a, b = two_engine_processes
+async def test_failover_when_a_real_engine_is_killed(two_cpu_server_processes) -> None:  # noqa: ANN001
+    a, b = two_cpu_server_processes
     backends = [
         CpuServerBackend(
             BackendSpec(name=n, url=s.url), model_name="temper-policy", timeout_s=10, connect_timeout_s=1

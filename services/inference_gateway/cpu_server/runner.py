@@ -1,4 +1,4 @@
-"""The CPU engine: batched token-in/token-out generation with a KV cache.
+"""The CPU model runner: batched token-in/token-out generation with a KV cache.
 
 One batch at a time: prompts are left-padded, positions come from the attention mask,
 and each step feeds one token per row through the cached model. Every request owns a
@@ -138,7 +138,7 @@ class _Row:
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 
 
-class Engine:
+class ModelRunner:
     """A base model, its tokenizer, the base weights' policy version and the jobs' LoRA
     adapters (``adapters``: job -> (adapter name, version)); ``generate`` runs one batch
     synchronously. Loading and generating must not overlap (the scheduler's lock)."""
@@ -271,8 +271,8 @@ class BatchScheduler:
     and its output names the version that produced it.
     """
 
-    def __init__(self, engine: Engine, *, max_batch: int = 16, window_ms: float = 3.0) -> None:
-        self.engine = engine
+    def __init__(self, runner: ModelRunner, *, max_batch: int = 16, window_ms: float = 3.0) -> None:
+        self.runner = runner
         self.max_batch = max_batch
         self.window_s = window_ms / 1000
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
@@ -283,7 +283,7 @@ class BatchScheduler:
 
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="engine-scheduler")
+            self._task = asyncio.create_task(self._run(), name="runner-scheduler")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -303,7 +303,7 @@ class BatchScheduler:
 
     async def reload(self, path: str | Path, version: int) -> float:
         async with self._lock:
-            return await asyncio.to_thread(self.engine.load_weights, path, version)
+            return await asyncio.to_thread(self.runner.load_weights, path, version)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -326,8 +326,8 @@ class BatchScheduler:
                 continue
             async with self._lock:
                 try:
-                    outs = await asyncio.to_thread(self.engine.generate, [p.req for p in live])
-                except Exception as exc:  # one bad batch fails its requests, not the engine
+                    outs = await asyncio.to_thread(self.runner.generate, [p.req for p in live])
+                except Exception as exc:  # one bad batch fails its requests, not the server
                     log.exception("batch failed")
                     for p in live:
                         if not p.fut.done():
