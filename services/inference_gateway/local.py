@@ -22,8 +22,8 @@ from services.inference_gateway.backends import (
     ErrorKind,
     GenerateRequest,
 )
+from services.inference_gateway.cpu_server.batching import BatchScheduler
 from services.inference_gateway.cpu_server.runner import (
-    BatchScheduler,
     GenRequest,
     ModelRunner,
     SamplingParams,

@@ -1,7 +1,7 @@
 """Temper's CPU model server: a torch causal LM behind vLLM's OpenAI-compatible API subset."""
 
+from services.inference_gateway.cpu_server.batching import BatchScheduler
 from services.inference_gateway.cpu_server.runner import (
-    BatchScheduler,
     GenOutput,
     GenRequest,
     ModelRunner,

@@ -10,7 +10,8 @@ import torch
 import uvicorn
 
 from services.inference_gateway.cpu_server.app import create_app
-from services.inference_gateway.cpu_server.runner import BatchScheduler, ModelRunner
+from services.inference_gateway.cpu_server.batching import BatchScheduler
+from services.inference_gateway.cpu_server.runner import ModelRunner
 from temper.policy import create_model, default_tokenizer, load_model, read_metadata
 from temper.settings import get_settings
 from temper.storage import make_store

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from services.inference_gateway.cpu_server.batching import BatchScheduler
 from services.inference_gateway.cpu_server.routes import add_routes
-from services.inference_gateway.cpu_server.runner import BatchScheduler
 from temper.storage import ObjectStore
 
 

@@ -22,7 +22,8 @@ from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 
 from services.inference_gateway.checkpoints import fetch_checkpoint
-from services.inference_gateway.cpu_server.runner import BatchScheduler, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.batching import BatchScheduler
+from services.inference_gateway.cpu_server.runner import GenRequest, SamplingParams
 from services.inference_gateway.cpu_server.schemas import (
     VERSION_HEADER,
     CompletionBody,

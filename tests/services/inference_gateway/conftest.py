@@ -18,7 +18,8 @@ import pytest
 import uvicorn
 
 from services.inference_gateway.cpu_server.app import create_app
-from services.inference_gateway.cpu_server.runner import BatchScheduler, ModelRunner
+from services.inference_gateway.cpu_server.batching import BatchScheduler
+from services.inference_gateway.cpu_server.runner import ModelRunner
 from temper.policy import create_model, default_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from services.inference_gateway.cpu_server.app import create_app
+from services.inference_gateway.cpu_server.batching import BatchScheduler
 from services.inference_gateway.cpu_server.runner import (
-    BatchScheduler,
     GenRequest,
     ModelRunner,
     SamplingParams,
