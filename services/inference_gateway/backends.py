@@ -14,7 +14,10 @@ third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import re
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -39,6 +42,7 @@ class ErrorKind(StrEnum):
     server = "server_error"  # 5xx, 429
     client = "client_error"  # other 4xx: the request is wrong, retrying will not help
     protocol = "protocol_error"  # a 2xx we cannot read
+    not_served = "not_served"  # 409: the job's weights are not on this backend (now): try another
 
 
 class BackendError(Exception):
@@ -50,7 +54,7 @@ class BackendError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.kind in (ErrorKind.timeout, ErrorKind.connect, ErrorKind.server)
+        return self.kind in (ErrorKind.timeout, ErrorKind.connect, ErrorKind.server, ErrorKind.not_served)
 
 
 @dataclass
@@ -62,7 +66,37 @@ class GenerateRequest:
     episode_id: str | None = None
     request_id: str | None = None
     ignore_eos: bool = False
-    job_id: str | None = None  # routes to the job's adapter where a backend serves one
+    job_id: str | None = None  # whose weights run it: its adapter, its full weights, or the base
+    # What the gateway's table says the chosen backend serves for the job (set per attempt):
+    # vLLM is sent the adapter and the result tagged with the version; the CPU backends
+    # answer with the version their runner really used.
+    version: int = 0
+    adapter: str | None = None
+
+
+@dataclass
+class Served:
+    """What a backend serves now, as it reports it (``Backend.served``); the gateway's
+    table of served versions records it. ``base``: the model its base weights are (a model
+    directory, an object key, a preset or a served name); ``at_origin``: the weights it
+    started with; ``owner``: the job whose full weights replaced the base, at ``version``;
+    ``adapters``: job -> the version of its LoRA adapter on the base."""
+
+    base: str = ""
+    at_origin: bool = True
+    owner: str | None = None
+    version: int = 0
+    adapters: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Served:
+        return cls(
+            base=str(data.get("base") or ""),
+            at_origin=bool(data.get("at_origin", True)),
+            owner=data.get("owner"),
+            version=int(data.get("version") or 0),
+            adapters={str(k): int(v) for k, v in (data.get("adapters") or {}).items()},
+        )
 
 
 @dataclass
@@ -117,7 +151,12 @@ def parse_completion(data: dict[str, Any], prompt_ids: list[int]) -> dict[str, A
 
 
 class Backend(ABC):
-    """One model server. ``version`` is the policy version it currently serves."""
+    """One model server. What it serves is what it reports (:meth:`served`); the gateway
+    keeps no version of its own in a backend. ``loads_models``: it can change its base
+    model and load full weights of another architecture (the CPU model server), which a
+    vLLM server cannot (its base is the model it was started with)."""
+
+    loads_models = False
 
     def __init__(
         self, spec: BackendSpec, *, model_name: str, timeout_s: float = 60.0, connect_timeout_s: float = 2.0
@@ -126,8 +165,6 @@ class Backend(ABC):
         self.name = spec.name
         self.url = spec.url.rstrip("/")
         self.model_name = spec.model or model_name
-        self.version = 0
-        self.versions: dict[str, int] = {}  # job -> version confirmed loaded (set by the service)
         self.client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
@@ -161,8 +198,23 @@ class Backend(ABC):
     async def complete(self, req: GenerateRequest) -> BackendResult: ...
 
     @abstractmethod
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
-        """Switch to ``version``'s weights; returns the switch time in seconds."""
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
+        """Load ``version`` of a job (a registry version names its job; a bare file or
+        directory is ``job_id``'s full weights); returns the switch time in seconds."""
+
+    @abstractmethod
+    async def served(self) -> Served | None:
+        """What this backend serves now, as it says itself; None when it cannot be asked."""
+
+    @abstractmethod
+    async def release(self, job_id: str) -> float:
+        """A job ended: unload its adapters, and put the base back where its full weights were."""
+
+    async def load_base(self, name: str, path: Path) -> float:
+        """Serve the model directory ``path`` as the base, named ``name`` (``loads_models`` only)."""
+        raise BackendError(ErrorKind.client, f"{self.name}: this backend cannot change its base model")
 
     async def health(self) -> bool:
         try:
@@ -192,6 +244,8 @@ class Backend(ABC):
                 f"{self.name}{path}: HTTP {r.status_code} {r.text[:200]}",
                 status=r.status_code,
             )
+        if r.status_code == 409:
+            raise BackendError(ErrorKind.not_served, f"{self.name}{path}: {r.text[:200]}", status=409)
         if r.status_code >= 400:
             raise BackendError(
                 ErrorKind.client,
@@ -218,6 +272,12 @@ class Backend(ABC):
                 ErrorKind.server,
                 f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}",
                 status=status,
+            )
+        if status == 409:
+            raise BackendError(
+                ErrorKind.not_served,
+                f"{self.name}{path}: {content[:200].decode(errors='replace')}",
+                status=409,
             )
         if status >= 400:
             raise BackendError(
@@ -286,36 +346,47 @@ class Backend(ABC):
 
 
 class CpuServerBackend(Backend):
-    """Temper's CPU engine (``python -m services.inference_gateway.cpu_server``)."""
+    """Temper's CPU model server (``python -m services.inference_gateway.cpu_server``): it
+    answers every completion with the version its runner used, reports what it holds on
+    ``GET /health`` and answers 409 for a job whose weights it does not hold now."""
+
+    loads_models = True
 
     async def complete(self, req: GenerateRequest) -> BackendResult:
         body = self.completion_body(req, model=self.model_name)
         if req.job_id:
-            body["job_id"] = req.job_id  # the engine picks the job's adapter
+            body["job_id"] = req.job_id  # the server runs the job's own weights
         data = await self.post("/v1/completions", body)
         fields = parse_completion(data, req.prompt_ids)
         version = data.get("policy_version")
-        if version is not None:
-            self.version = max(self.version, int(version))
-        return BackendResult(
-            **fields, policy_version=int(version if version is not None else self.version), backend=self.name
-        )
+        if version is None:
+            raise BackendError(ErrorKind.protocol, f"{self.name}: the answer names no policy_version")
+        return BackendResult(**fields, policy_version=int(version), backend=self.name)
 
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
-        body: dict[str, Any] = {"version": version}
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
+        body: dict[str, Any] = {"version": version, "job_id": job_id}
         if path is not None:
             body["path"] = str(path)
         if key is not None:
             body["key"] = key
         data = await self.post("/v1/load_weights", body, wait_s=300.0)
-        self.version = int(data["policy_version"])
         return float(data["switch_ms"]) / 1000
 
-    async def served_version(self) -> int | None:
+    async def load_base(self, name: str, path: Path) -> float:
+        data = await self.post("/v1/load_base", {"name": name, "path": str(path)}, wait_s=300.0)
+        return float(data["switch_ms"]) / 1000
+
+    async def release(self, job_id: str) -> float:
+        data = await self.post("/v1/release", {"job_id": job_id}, wait_s=300.0)
+        return float(data["switch_ms"]) / 1000
+
+    async def served(self) -> Served | None:
         try:
             r = await self.client.get("/health", timeout=2.0)
-            return int(r.json().get("policy_version"))
-        except (httpx.HTTPError, ValueError, TypeError):
+            return Served.from_dict(r.json()) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             return None
 
 
@@ -324,15 +395,17 @@ class VLLMBackend(Backend):
 
     With ``reload_mode=lora`` each policy version is a LoRA adapter named
     ``<job>-v<version>``, loaded through vLLM's runtime LoRA API from a path the vLLM
-    server reads (the gateway's checkpoint cache on a volume both mount). A request names
-    its job's adapter, and its result carries that adapter's version: a version is used
-    only after ``/v1/load_lora_adapter`` answered 200 for it. The job's adapter two
-    versions back is unloaded. Requests of a job with no adapter yet run on the base model
-    (version 0).
+    server reads (the gateway's checkpoint cache on a volume both mount). What it serves
+    is what ``GET /v1/models`` lists: the gateway sends a request with the adapter its
+    table names and tags the result with that adapter's version, so a version is used
+    only after the server listed it. Older adapters of the job than the one before are
+    unloaded. Requests of a job with no adapter yet run on the base model (version 0).
 
     With ``reload_mode=full`` the new weights are first written into the directory vLLM
     serves (``model_dir`` of the backend spec, on the shared volume), then the server
-    reloads them in place through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``).
+    reloads them in place through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``). The
+    base weights are kept beside them (``.temper-base/``) to be put back when the job
+    ends, and ``temper-served.json`` in the directory says whose weights it holds.
     """
 
     def __init__(
@@ -346,22 +419,16 @@ class VLLMBackend(Backend):
         super().__init__(spec, model_name=model_name, **kwargs)
         self.reload_mode = reload_mode
         self.served_model = self.model_name
-        self.adapters: dict[str, list[tuple[str, int]]] = {}  # job -> loaded adapters, oldest first
-
-    def route(self, job_id: str | None) -> tuple[str, int]:
-        """The model name a request of ``job_id`` is sent with, and the version that is."""
-        loaded = self.adapters.get(job_id or "")
-        if self.reload_mode is VLLMReloadMode.lora and loaded:
-            return loaded[-1]
-        return self.served_model, self.version
 
     async def complete(self, req: GenerateRequest) -> BackendResult:
-        model, version = self.route(req.job_id)
+        model = req.adapter or self.served_model
         data = await self.post("/v1/completions", self.completion_body(req, model=model))
         fields = parse_completion(data, req.prompt_ids)
-        return BackendResult(**fields, policy_version=version, backend=self.name)
+        return BackendResult(**fields, policy_version=req.version, backend=self.name)
 
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
         if path is None:
             raise BackendError(ErrorKind.client, "vLLM reload needs a path the vLLM server can read")
         t0 = time.perf_counter()
@@ -377,30 +444,118 @@ class VLLMBackend(Backend):
             await self.post(
                 "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True, wait_s=300.0
             )
-            loaded = self.adapters.setdefault(manifest.job_id, [])
-            loaded.append((name, version))
-            while len(loaded) > 2:
-                old, _ = loaded.pop(0)
-                try:
-                    await self.post("/v1/unload_lora_adapter", {"lora_name": old}, raw=True)
-                except BackendError:
-                    pass  # a leftover adapter costs memory, not correctness
-            # self.version stays the base model's: requests without an adapter still run on it
+            for old, v in (await self._adapters()).get(manifest.job_id, []):
+                if v < version - 1:  # the one before may still run requests sent with it
+                    with contextlib.suppress(BackendError):  # a leftover costs memory, not correctness
+                        await self.post("/v1/unload_lora_adapter", {"lora_name": old}, raw=True)
         else:
             if manifest is not None and manifest.kind != "full":
                 raise BackendError(
                     ErrorKind.client, f"{self.name}: reload_mode=full cannot load a LoRA version"
                 )
-            if not self.spec.model_dir:
+            served = self._model_dir()
+            owner = await asyncio.to_thread(_read_owner, served)
+            job = manifest.job_id if manifest is not None else (job_id or "")
+            if owner is not None and owner[0] != job:
                 raise BackendError(
-                    ErrorKind.client,
-                    f"{self.name}: reload_mode=full needs model_dir: the directory vLLM serves, on a volume "
-                    "the gateway writes",
+                    ErrorKind.not_served, f"{self.name}: holds job {owner[0]!r}'s full weights"
                 )
-            await asyncio.to_thread(write_full_weights, path, Path(self.spec.model_dir))
+            if owner is None:
+                await asyncio.to_thread(_keep_base, served)
+            await asyncio.to_thread(write_full_weights, path, served)
             await self.post("/collective_rpc", {"method": "reload_weights"}, raw=True, wait_s=600.0)
-            self.version = version
+            await asyncio.to_thread(_write_owner, served, job, version)
         return time.perf_counter() - t0
+
+    async def release(self, job_id: str) -> float:
+        t0 = time.perf_counter()
+        if self.reload_mode is VLLMReloadMode.lora:
+            for name, _ in (await self._adapters()).get(job_id, []):
+                await self.post("/v1/unload_lora_adapter", {"lora_name": name}, raw=True)
+        elif self.spec.model_dir:
+            served = Path(self.spec.model_dir)
+            owner = await asyncio.to_thread(_read_owner, served)
+            if owner is not None and owner[0] == job_id:
+                await asyncio.to_thread(write_full_weights, served / BASE_COPY, served)
+                await self.post("/collective_rpc", {"method": "reload_weights"}, raw=True, wait_s=600.0)
+                await asyncio.to_thread((served / OWNER_FILE).unlink)
+        return time.perf_counter() - t0
+
+    async def served(self) -> Served | None:
+        try:
+            adapters = await self._adapters()
+        except BackendError:
+            return None
+        owner = (
+            await asyncio.to_thread(_read_owner, Path(self.spec.model_dir))
+            if self.reload_mode is VLLMReloadMode.full and self.spec.model_dir
+            else None
+        )
+        return Served(
+            base=self.spec.model_dir or self.served_model,
+            at_origin=owner is None,
+            owner=owner[0] if owner else None,
+            version=owner[1] if owner else 0,
+            adapters={job: max(v for _, v in loaded) for job, loaded in adapters.items()},
+        )
+
+    async def _adapters(self) -> dict[str, list[tuple[str, int]]]:
+        """The LoRA adapters the server lists (``GET /v1/models``): job -> (name, version)."""
+        try:
+            r = await self.client.get("/v1/models", timeout=5.0)
+            r.raise_for_status()
+            models = r.json().get("data") or []
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise BackendError(ErrorKind.connect, f"{self.name}/v1/models: {exc}") from exc
+        out: dict[str, list[tuple[str, int]]] = {}
+        for m in models:
+            parsed = ADAPTER_NAME.match(str(m.get("id", ""))) if m.get("parent") else None
+            if parsed:
+                out.setdefault(parsed["job"], []).append((parsed[0], int(parsed["version"])))
+        return out
+
+    def _model_dir(self) -> Path:
+        if not self.spec.model_dir:
+            raise BackendError(
+                ErrorKind.client,
+                f"{self.name}: reload_mode=full needs model_dir: the directory vLLM serves, on a volume "
+                "the gateway writes",
+            )
+        return Path(self.spec.model_dir)
+
+
+OWNER_FILE = "temper-served.json"  # in a vLLM model_dir: whose full weights it holds
+BASE_COPY = ".temper-base"  # in a vLLM model_dir: its own weights, put back when the job ends
+ADAPTER_NAME = re.compile(r"^(?P<job>.+)-v(?P<version>\d+)$")
+
+
+def _read_owner(directory: Path) -> tuple[str, int] | None:
+    try:
+        data = json.loads((directory / OWNER_FILE).read_text())
+        return str(data["job_id"]), int(data["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_owner(directory: Path, job_id: str, version: int) -> None:
+    tmp = directory / f".{OWNER_FILE}.tmp"
+    tmp.write_text(json.dumps({"job_id": job_id, "version": version}))
+    os.replace(tmp, directory / OWNER_FILE)
+
+
+def _keep_base(directory: Path) -> None:
+    """Copy the directory's own weights aside before a job's full weights overwrite them."""
+    keep = directory / BASE_COPY
+    if not directory.is_dir() or (keep / "config.json").is_file():
+        return
+    keep.mkdir(exist_ok=True)
+    for name in [p.name for p in directory.iterdir() if p.suffix == ".safetensors"] + [
+        "model.safetensors.index.json",
+        "config.json",
+        "generation_config.json",
+    ]:
+        if (directory / name).is_file():
+            shutil.copyfile(directory / name, keep / name)
 
 
 def adapter_name(job_id: str, version: int) -> str:

@@ -81,11 +81,12 @@ class Gateway:
             raise RuntimeError("Gateway needs a started Runtime with a bus")
         if self.inference.store is None:
             self.inference.store = rt.store
-        await self.inference.start()
+        await self.inference.start(health_loop=False)
         rt.checks["backends"] = self.check_backends
-        self._tasks.append(asyncio.create_task(self.updates.run(), name="gateway-policy-updates"))
+        self._tasks.append(rt.spawn(self.inference.router.health_loop(), "gateway-health"))
+        self._tasks.append(rt.spawn(self.updates.run(), "gateway-policy-updates"))
         self.policy = await rt.consume_handlers(handlers.policy_topics(self.updates), group=self.policy_group)
-        # The job's current version before any request: never what a group replays.
+        # The jobs' current versions before any request: never what a group replays.
         await self.updates.load_current()
         self.requests = await rt.consume_handlers(
             handlers.request_topics(self.inference, self.flow, self._send),
@@ -94,8 +95,8 @@ class Gateway:
         )
         self.flow.consumer = self.requests
         self.flow.sync()  # no backend up yet: keep the requests on the bus
-        self._tasks.append(asyncio.create_task(self.flow.run(), name="gateway-flow"))
-        self._tasks.append(asyncio.create_task(self.updates.watch(), name="gateway-version-watch"))
+        self._tasks.append(rt.spawn(self.flow.run(), "gateway-flow"))
+        self._tasks.append(rt.spawn(self.updates.watch(), "gateway-version-watch"))
         log_event(
             log,
             "gateway started",
@@ -103,7 +104,7 @@ class Gateway:
             group=self.group,
             policy_group=self.policy_group,
             concurrency=self.concurrency,
-            policy_version=self.inference.policy_version,
+            served=self.inference.table.snapshot(),
         )
 
     async def _send(self, result: InferenceResult) -> None:
@@ -111,6 +112,7 @@ class Gateway:
         await self.runtime.bus.send_message(Topics.INFERENCE_RESULTS, result)
 
     async def stop(self) -> None:
+        """Its consumers first, then its loops (before the backends close under them)."""
         for consumer in (self.requests, self.policy):
             if consumer is not None:
                 await consumer.stop()
@@ -123,6 +125,7 @@ class Gateway:
                 await task
         self._tasks.clear()
         self.runtime.checks.pop("backends", None)
+        await self.updates.close()
         await self.inference.stop()
 
     async def check_backends(self) -> None:
@@ -144,4 +147,5 @@ class Gateway:
             "pauses": self.flow.pauses,
             "updates_applied": self.updates.updates_applied,
             "update_errors": self.updates.update_errors,
+            "waiting": dict(self.updates.waiting),
         }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import pydantic_core
@@ -30,8 +31,9 @@ from services.inference_gateway.router import RequestFailed
 from services.inference_gateway.schemas import ChatBody, ReloadBody
 from services.inference_gateway.tool_calls import parse_tool_calls
 from services.inference_gateway.traces import TraceEntry
+from services.inference_gateway.weights import Waiting
 from temper import metrics
-from temper.events import SamplingParams
+from temper.events import PolicyUpdate, SamplingParams
 from temper.policy import assistant_stop_ids
 
 EPISODE_HEADER = "X-Temper-Episode"
@@ -102,7 +104,7 @@ def add_health_routes(app: FastAPI) -> None:
         snap = svc.router.snapshot()
         down = [b["name"] for b in snap if not b["healthy"]]
         ok = len(down) < len(snap)
-        body = {"status": "ok" if ok else "down", "policy_version": svc.policy_version, "down": down}
+        body = {"status": "ok" if ok else "down", "down": down}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -133,7 +135,6 @@ def add_proxy_routes(app: FastAPI) -> None:
                     "root": name,
                     "parent": None,
                     "permission": [],
-                    "policy_version": svc.policy_version,
                 }
             ],
         }
@@ -176,7 +177,12 @@ def add_proxy_routes(app: FastAPI) -> None:
         try:
             res = await svc.generate(
                 GenerateRequest(
-                    prompt_ids, sampling, episode_id=episode, request_id=rid, ignore_eos=body.ignore_eos
+                    prompt_ids,
+                    sampling,
+                    episode_id=episode,
+                    request_id=rid,
+                    ignore_eos=body.ignore_eos,
+                    job_id=body.job_id,
                 )
             )
         except RequestFailed as exc:
@@ -316,8 +322,20 @@ def add_proxy_routes(app: FastAPI) -> None:
         """Operator/test hook; in production ``policy.updates`` drives the same code."""
         if not (body.checkpoint_key or body.path):
             raise HTTPException(400, "give checkpoint_key or path")
+        update = PolicyUpdate(
+            job_id=body.job_id,
+            version=body.version,
+            checkpoint_key=body.checkpoint_key or body.path or "",
+            step=0,
+        )
         try:
-            times = await svc.reload(version=body.version, key=body.checkpoint_key, path=body.path)
+            times = await svc.apply_update(update, path=Path(body.path) if body.path else None)
+        except Waiting as exc:
+            raise HTTPException(409, str(exc)) from exc
         except RuntimeError as exc:
             raise HTTPException(502, str(exc)) from exc
-        return {"policy_version": svc.policy_version, "switch_ms": {k: v * 1000 for k, v in times.items()}}
+        return {
+            "job_id": body.job_id,
+            "policy_version": svc.confirmed(body.job_id),
+            "switch_ms": {k: v * 1000 for k, v in times.items()},
+        }

@@ -39,6 +39,7 @@ class ChatBody(BaseModel):
 
 
 class ReloadBody(BaseModel):
+    job_id: str | None = None
     version: int
     checkpoint_key: str | None = None
     path: str | None = None

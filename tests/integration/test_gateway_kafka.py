@@ -184,7 +184,7 @@ async def test_results_carry_the_version_a_kafka_policy_update_switched_to(
             Topics.POLICY_UPDATES, PolicyUpdate(job_id=h.job, version=1, checkpoint_key=key, step=4)
         )
         deadline = asyncio.get_running_loop().time() + 30
-        while h.gateway.inference.policy_version < 1:
+        while (h.gateway.inference.confirmed(h.job) or 0) < 1:
             assert asyncio.get_running_loop().time() < deadline, "policy update not applied"
             await asyncio.sleep(0.05)
         await h.send(request(h, "after", **greedy))
@@ -251,9 +251,9 @@ async def test_two_jobs_share_one_gateway_each_sampling_its_own_adapter(
                 PolicyUpdate(job_id=job, version=version, checkpoint_key=key, step=version),
             )
         deadline = asyncio.get_running_loop().time() + 30
-        while h.gateway.inference.versions != {j: v for j, (_, v) in jobs.items()}:
+        while {j: h.gateway.inference.confirmed(j) for j in jobs} != {j: v for j, (_, v) in jobs.items()}:
             assert asyncio.get_running_loop().time() < deadline, (
-                f"updates not applied: {h.gateway.inference.versions}"
+                f"updates not applied: {h.gateway.inference.table.snapshot()}"
             )
             await asyncio.sleep(0.05)
         prompt = encode_chat(TOK, [{"role": "user", "content": "same prompt"}])

@@ -240,6 +240,10 @@ class PolicyVersion(Base):
         Float, default=0.0, doc="trainer seconds of the steps since the version before"
     )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Written by the inference gateway, once every backend that serves the job confirmed it
+    # serves this version; the dispatcher starts iterations on it (not on the trainer's word).
+    served_at: Mapped[datetime | None] = mapped_column(default=None)
+    served_by: Mapped[list[Any] | None] = mapped_column(default=None, doc="the backends that confirmed it")
 
 
 # ``TrainedTrajectory.skipped`` of a group with zero reward variance: the trainer writes it,

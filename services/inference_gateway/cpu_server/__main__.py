@@ -11,21 +11,9 @@ import uvicorn
 
 from services.inference_gateway.cpu_server.app import create_app
 from services.inference_gateway.cpu_server.batching import BatchScheduler
-from services.inference_gateway.cpu_server.runner import ModelRunner
-from temper.policy import create_model, default_tokenizer, load_model, read_metadata
+from services.inference_gateway.cpu_server.runner import build_runner
 from temper.settings import get_settings
 from temper.storage import make_store
-
-
-def build_runner(
-    *, model_dir: str | None = None, preset: str = "tiny", seed: int = 0, version: int | None = None
-) -> ModelRunner:
-    if model_dir:
-        model, tok = load_model(model_dir)
-        v = version if version is not None else int(read_metadata(model_dir).get("version", 0))
-    else:
-        model, tok, v = create_model(preset, seed=seed), default_tokenizer(), version or 0
-    return ModelRunner(model, tok, version=v)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +24,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     src.add_argument("--preset", default="tiny", help="create a model with random weights (default: tiny)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed for --preset")
-    ap.add_argument("--version", type=int, default=None, help="policy version of the initial weights")
     ap.add_argument("--model-name", default="temper-policy")
     # compose and k8s start it without flags: TEMPER_HOST/TEMPER_PORT, as every service reads them
     ap.add_argument("--host", default=os.environ.get("TEMPER_HOST", "127.0.0.1"))
@@ -48,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
-    runner = build_runner(model_dir=args.model_dir, preset=args.preset, seed=args.seed, version=args.version)
+    runner = build_runner(model_dir=args.model_dir, preset=args.preset, seed=args.seed)
     settings = get_settings()
     sched = BatchScheduler(runner, max_batch=args.max_batch, window_ms=args.batch_window_ms)
     app = create_app(

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.inference_gateway.cpu_server.runner import GenOutput, GenRequest, ModelRunner
+from services.inference_gateway.cpu_server.runner import GenOutput, GenRequest, ModelRunner, NotServed
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +23,10 @@ class BatchScheduler:
     """Collects requests that arrive within ``window_ms`` of each other into one batch.
 
     Batches run one at a time in a worker thread (torch releases the GIL), so the event
-    loop keeps accepting requests. A weight reload waits for the running batch, swaps
-    the weights, and the next batch runs on the new version: a request is never lost,
-    and its output names the version that produced it.
+    loop keeps accepting requests. A weight reload (or release, or base change) waits for
+    the running batch, swaps the weights, and the next batch runs on the new version: a
+    request is never lost, and its output names the version that produced it; a request
+    whose job is no longer served here fails with :class:`NotServed`.
     """
 
     def __init__(self, runner: ModelRunner, *, max_batch: int = 16, window_ms: float = 3.0) -> None:
@@ -58,9 +59,17 @@ class BatchScheduler:
         finally:
             self.inflight -= 1
 
-    async def reload(self, path: str | Path, version: int) -> float:
+    async def reload(self, path: str | Path, version: int, job_id: str | None = None) -> float:
         async with self._lock:
-            return await asyncio.to_thread(self.runner.load_weights, path, version)
+            return await asyncio.to_thread(self.runner.load_weights, path, version, job_id)
+
+    async def load_base(self, directory: str | Path, name: str) -> float:
+        async with self._lock:
+            return await asyncio.to_thread(self.runner.load_base, directory, name)
+
+    async def release(self, job_id: str) -> float:
+        async with self._lock:
+            return await asyncio.to_thread(self.runner.release, job_id)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -82,6 +91,14 @@ class BatchScheduler:
             if not live:
                 continue
             async with self._lock:
+                # a job whose weights are not here now (another job's full weights were
+                # loaded since it was routed) is refused, not run on the wrong weights
+                for p in live:
+                    if not self.runner.serves(p.req.job_id):
+                        p.fut.set_exception(NotServed(f"job {p.req.job_id!r} is not served here now"))
+                live = [p for p in live if not p.fut.done()]
+                if not live:
+                    continue
                 try:
                     outs = await asyncio.to_thread(self.runner.generate, [p.req for p in live])
                 except Exception as exc:  # one bad batch fails its requests, not the server

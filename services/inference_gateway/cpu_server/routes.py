@@ -6,8 +6,13 @@
   response has vLLM's shape (``choices[].token_ids``/``prompt_token_ids`` as in vLLM >= 0.10.2)
   plus ``policy_version`` at the top level and in the ``X-Temper-Policy-Version`` header.
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
-- ``POST /v1/load_weights`` ``{"version", "path"?, "key"?}``: switch weights between batches; a
-  local ``path`` wins when it exists here, else ``key`` is fetched from the object store.
+- ``POST /v1/load_weights`` ``{"version", "path"?, "key"?, "job_id"?}``: load a job's version
+  between batches (a LoRA adapter, or full weights in place of the base); a local ``path``
+  wins when it exists here, else ``key`` is fetched from the object store.
+- ``POST /v1/load_base`` ``{"name", "path"?, "key"?}``: serve another base model;
+  ``POST /v1/release`` ``{"job_id"}``: a job ended, its adapter or full weights go.
+  Both, and a completion of a job this server does not hold now, answer 409 while
+  another job's full weights are loaded.
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 
-from services.inference_gateway.checkpoints import fetch_checkpoint
+from services.inference_gateway.checkpoints import fetch_checkpoint, fetch_model
 from services.inference_gateway.cpu_server.batching import BatchScheduler
-from services.inference_gateway.cpu_server.runner import GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.runner import GenRequest, NotServed, SamplingParams
 from services.inference_gateway.cpu_server.schemas import (
     VERSION_HEADER,
     CompletionBody,
+    LoadBaseBody,
     LoadWeightsBody,
+    ReleaseBody,
     completion_response,
 )
 from temper import metrics
@@ -56,12 +63,12 @@ def add_routes(
     cache_dir: str | Path,
 ) -> None:
     runner = scheduler.runner
-    tok = runner.tok
     backend = "cpu_server"  # the metrics label of this server's requests
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "policy_version": runner.version, "adapters": runner.served_versions()}
+        """Up, and what it serves (:class:`Holding`): the gateway's view of this server."""
+        return {"status": "ok", **runner.holding().to_dict()}
 
     @app.get("/metrics")
     async def prom() -> Response:
@@ -82,7 +89,6 @@ def add_routes(
                     "parent": None,
                     "max_model_len": runner.max_len,
                     "permission": [],
-                    "policy_version": runner.version,
                 }
             ],
         }
@@ -91,12 +97,12 @@ def add_routes(
     async def completions(body: CompletionBody) -> JSONResponse:
         if body.stream:
             raise HTTPException(400, "stream=true is not supported by the CPU model server")
-        prompts = _prompts(body, tok.encode)
+        prompts = _prompts(body, runner.tok.encode)
         for p in prompts:
             if not p:
                 raise HTTPException(400, "prompt is empty")
-            if min(p) < 0 or max(p) >= tok.vocab_size:
-                raise HTTPException(400, f"prompt token ids must be in [0, {tok.vocab_size})")
+            if min(p) < 0 or max(p) >= runner.tok.vocab_size:
+                raise HTTPException(400, f"prompt token ids must be in [0, {runner.tok.vocab_size})")
             if len(p) >= runner.max_len:
                 raise HTTPException(400, f"prompt of {len(p)} tokens exceeds max_model_len {runner.max_len}")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -117,6 +123,9 @@ def add_routes(
                     *(scheduler.submit(GenRequest(p, params, job_id=body.job_id)) for p in prompts)
                 )
             )
+        except NotServed as exc:
+            metrics.INFERENCE_REQUESTS.labels(backend, "error").inc()
+            raise HTTPException(409, str(exc)) from exc
         except Exception:
             metrics.INFERENCE_REQUESTS.labels(backend, "error").inc()
             raise
@@ -124,11 +133,12 @@ def add_routes(
             metrics.INFERENCE_INFLIGHT.labels(backend).dec()
         metrics.INFERENCE_SECONDS.labels(backend).observe(time.perf_counter() - t0)
         metrics.INFERENCE_REQUESTS.labels(backend, "ok").inc()
-        data = completion_response(outs, body, model=body.model or model_name, token_str=tok.token_str)
+        data = completion_response(outs, body, model=body.model or model_name, token_str=runner.tok.token_str)
         return JSONResponse(data, headers={VERSION_HEADER: str(data["policy_version"])})
 
     @app.post("/v1/load_weights")
     async def load(body: LoadWeightsBody) -> dict[str, Any]:
+        """Load a job's version between batches: 409 while another job holds this server."""
         path = Path(body.path) if body.path else None
         if path is None or not path.exists():
             if not body.key:
@@ -144,13 +154,32 @@ def add_routes(
             except CorruptVersion as exc:
                 raise HTTPException(422, str(exc)) from exc
         try:
-            seconds = await scheduler.reload(path, body.version)
+            seconds = await scheduler.reload(path, body.version, body.job_id)
+        except NotServed as exc:
+            raise HTTPException(409, str(exc)) from exc
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         metrics.WEIGHT_SWITCH_SECONDS.observe(seconds)
         app.state.last_switch_s = seconds
-        return {
-            "policy_version": runner.version,
-            "adapters": runner.served_versions(),
-            "switch_ms": seconds * 1000,
-        }
+        return {**runner.holding().to_dict(), "switch_ms": seconds * 1000}
+
+    @app.post("/v1/load_base")
+    async def load_base(body: LoadBaseBody) -> dict[str, Any]:
+        """Serve another base model (no job holds this server and no adapter is on it)."""
+        try:
+            directory = await fetch_model(store, body.path or body.key or "", cache_dir)
+        except NotFound as exc:
+            raise HTTPException(404, str(exc)) from exc
+        try:
+            seconds = await scheduler.load_base(directory, body.name)
+        except NotServed as exc:
+            raise HTTPException(409, str(exc)) from exc
+        except (OSError, ValueError) as exc:
+            raise HTTPException(400, f"cannot load {body.name}: {exc}") from exc
+        return {**runner.holding().to_dict(), "switch_ms": seconds * 1000}
+
+    @app.post("/v1/release")
+    async def release(body: ReleaseBody) -> dict[str, Any]:
+        """A job ended: its adapter goes, or its full weights give way to the base again."""
+        seconds = await scheduler.release(body.job_id)
+        return {**runner.holding().to_dict(), "switch_ms": seconds * 1000}

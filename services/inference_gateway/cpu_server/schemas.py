@@ -33,13 +33,29 @@ class CompletionBody(BaseModel):
     stream: bool = False
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
-    job_id: str | None = Field(None, description="Temper's: run on this job's LoRA adapter, if one is loaded")
+    job_id: str | None = Field(
+        None,
+        description="Temper's: the job whose weights run it (its adapter, its full weights, or the base)",
+    )
 
 
 class LoadWeightsBody(BaseModel):
     version: int
     path: str | None = None
     key: str | None = None
+    job_id: str | None = Field(
+        None, description="whose full weights a file or model directory is (a registry version names its job)"
+    )
+
+
+class LoadBaseBody(BaseModel):
+    name: str = Field(description="the model as jobs name it (policy.model or policy.init)")
+    path: str | None = Field(None, description="a model directory here")
+    key: str | None = Field(None, description="else the object-store prefix of one")
+
+
+class ReleaseBody(BaseModel):
+    job_id: str
 
 
 def completion_response(

@@ -51,10 +51,10 @@ def own_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -
 async def test_two_adapters_in_one_batch_each_sample_their_own_weights(tmp_path):
     store = LocalStore(tmp_path / "objects")
     a, b = adapter_learner(1), adapter_learner(2)
-    engine = ModelRunner(create_model(seed=0), TOK, version=0)
+    engine = ModelRunner(create_model(seed=0), TOK)
     engine.load_weights(await publish(store, a, "job-a", 3, tmp_path / "a3"), 3)
     engine.load_weights(await publish(store, b, "job-b", 5, tmp_path / "b5"), 5)
-    assert engine.served_versions() == {"job-a": 3, "job-b": 5}
+    assert engine.holding().adapters == {"job-a": 3, "job-b": 5}
 
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     outs = engine.generate(
@@ -76,7 +76,7 @@ async def test_two_adapters_in_one_batch_each_sample_their_own_weights(tmp_path)
 
 async def test_a_new_version_replaces_the_jobs_adapter_and_a_corrupt_one_is_refused(tmp_path):
     store = LocalStore(tmp_path / "objects")
-    engine = ModelRunner(create_model(seed=0), TOK, version=0)
+    engine = ModelRunner(create_model(seed=0), TOK)
     engine.load_weights(await publish(store, adapter_learner(1), "job-a", 1, tmp_path / "a1"), 1)
     v2 = adapter_learner(9)
     engine.load_weights(await publish(store, v2, "job-a", 2, tmp_path / "a2"), 2)
@@ -148,7 +148,7 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
             await svc.apply_update(
                 PolicyUpdate(job_id=job, version=version, checkpoint_key=key, step=version)
             )
-        assert svc.versions == {"job-a": 2, "job-b": 7}
+        assert (svc.confirmed("job-a"), svc.confirmed("job-b")) == (2, 7)
         a, b = await asyncio.gather(svc.handle(request("job-a")), svc.handle(request("job-b")))
         assert (a.policy_version, b.policy_version) == (2, 7)
         for res, job in ((a, "job-a"), (b, "job-b")):

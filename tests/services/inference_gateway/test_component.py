@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select
 
 from services.inference_gateway.app import create_app
 from services.inference_gateway.component import Gateway
@@ -120,7 +121,7 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
                     step=v,
                 ),
             )
-        await wait_until(lambda: gw.inference.policy_version == 2)
+        await wait_until(lambda: gw.inference.confirmed("job") == 2)
         assert gw.updates.update_errors == 0 and gw.updates.updates_applied in (1, 2)
         await rt.bus.send_message(Topics.INFERENCE_REQUESTS, request("ep-v"))
         await wait_until(lambda: len(results) == 1)
@@ -137,7 +138,7 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
             ),
         )
         await wait_until(lambda: gw.updates.update_errors == 1)
-        assert gw.inference.policy_version == 2
+        assert gw.inference.confirmed("job") == 2
     finally:
         await gw.stop()
         await rt.stop()
@@ -202,7 +203,12 @@ async def test_a_gateway_that_starts_serves_the_running_jobs_current_version(tmp
             async with rt.db.session() as s:
                 s.add(PolicyVersion(job_id=job, version=v, checkpoint_key=key, step=v))
         await gw.start()
-        assert gw.inference.policy_version == 2, "the running job's newest version, not a finished job's"
+        assert gw.inference.confirmed("job") == 2, "the running job's newest version, not a finished job's"
+        assert gw.inference.table.holders_of("done") == []
+        async with rt.db.session() as s:  # confirmed by every backend serving the job, on its row
+            rows = {v.version: v for v in (await s.execute(select(PolicyVersion))).scalars()}
+        assert rows[2].served_by == ["local-0"] and rows[2].served_at is not None
+        assert rows[1].served_at is None and rows[9].served_at is None
         results: list[InferenceResult] = []
 
         async def collect(record: Record) -> None:

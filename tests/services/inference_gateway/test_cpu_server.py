@@ -182,7 +182,7 @@ async def test_weight_reload_bumps_version_and_loses_nothing(tmp_path) -> None:
             await asyncio.sleep(0.01)
             r = await c.post("/v1/load_weights", json={"path": str(tmp_path / "v1"), "version": 1})
             assert r.status_code == 200, r.text
-            assert r.json()["policy_version"] == 1 and r.json()["switch_ms"] > 0
+            assert (r.json()["owner"], r.json()["version"], r.json()["switch_ms"] > 0) == ("", 1, True)
             done = [x.json() for x in await asyncio.gather(*inflight)]
             after = (await c.post("/v1/completions", json=body)).json()
             missing = await c.post("/v1/load_weights", json={"path": str(tmp_path / "nope"), "version": 2})

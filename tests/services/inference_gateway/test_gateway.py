@@ -56,7 +56,9 @@ async def test_handle_turns_a_request_message_into_a_result_message(cpu_servers,
         await svc.stop()
 
 
-async def test_policy_update_from_object_store_switches_every_engine(cpu_servers, tmp_path) -> None:  # noqa: ANN001
+async def test_a_full_weights_update_takes_one_server_for_its_job(cpu_servers, tmp_path) -> None:  # noqa: ANN001
+    """A job's full weights go on one server, which then serves that job only; the other
+    server keeps serving every other job's version 0."""
     svc = make_service(cpu_servers, tmp_path)
     ckpt = save_checkpoint(create_model(seed=5), tmp_path / "ckpt")
     await svc.store.put(
@@ -66,25 +68,35 @@ async def test_policy_update_from_object_store_switches_every_engine(cpu_servers
     try:
         prompt = encode_chat(TOK, [{"role": "user", "content": "v"}])
         msg = InferenceRequest(
-            model="m",
+            job_id="j",
+            model="temper-policy",
             prompt_ids=prompt,
             episode_id="e",
             sampling=SamplingParams(max_tokens=6, seed=1, temperature=0),
         )
+        other = msg.model_copy(update={"job_id": "k", "episode_id": "e-k"})
         before = await svc.handle(msg)
         inflight = [asyncio.create_task(svc.handle(msg)) for _ in range(6)]
         times = await svc.apply_update(
-            PolicyUpdate(version=1, checkpoint_key="tenants/t/jobs/j/checkpoints/v1", step=10)
+            PolicyUpdate(job_id="j", version=1, checkpoint_key="tenants/t/jobs/j/checkpoints/v1", step=10)
         )
         done = await asyncio.gather(*inflight)
         after = await svc.handle(msg)
-        assert set(times) == {"e0", "e1"} and all(t > 0 for t in times.values())
+        (held,) = times
+        assert times[held] > 0
         assert all(r.error is None and r.policy_version in (0, 1) for r in done)
         assert (before.policy_version, after.policy_version) == (0, 1) and after.logprobs != before.logprobs
+        assert after.backend == held
         assert (
-            await svc.apply_update(PolicyUpdate(version=1, checkpoint_key="x", step=10)) == {}
+            await svc.apply_update(PolicyUpdate(job_id="j", version=1, checkpoint_key="x", step=10)) == {}
         )  # idempotent
-        assert all(s.runner.version == 1 for s in cpu_servers)
+        assert [s.runner.holding().owner for s in cpu_servers] == [
+            "j" if f"e{i}" == held else None for i in range(2)
+        ]
+        for _ in range(4):  # another job never lands on job j's weights
+            k = await svc.handle(other)
+            assert (k.error, k.policy_version) == (None, 0) and k.backend != held
+            assert k.logprobs == before.logprobs
     finally:
         await svc.stop()
 

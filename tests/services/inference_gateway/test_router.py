@@ -12,6 +12,7 @@ from services.inference_gateway.backends import (
     CpuServerBackend,
     ErrorKind,
     GenerateRequest,
+    Served,
 )
 from services.inference_gateway.router import BreakerState, CircuitBreaker, RequestFailed, Router
 from temper.events import SamplingParams
@@ -31,10 +32,17 @@ class FakeBackend(Backend):
         await asyncio.sleep(self.delay)
         if self.fail is not None:
             raise BackendError(self.fail, "injected")
-        return BackendResult(req.prompt_ids, [1], [-0.5], "x", "length", None, self.version, self.name)
+        return BackendResult(req.prompt_ids, [1], [-0.5], "x", "length", None, req.version, self.name)
 
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
-        self.version = version
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
+        return 0.0
+
+    async def served(self) -> Served:
+        return Served(base="m")
+
+    async def release(self, job_id: str) -> float:
         return 0.0
 
     async def health(self) -> bool:
