@@ -19,18 +19,28 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher.backends import gateway_backends
 from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
 from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
 from temper import metrics
 from temper.clock import utcnow
-from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory
+from temper.db import Episode, Job, PolicyVersion, Task, Tenant, TrainedTrajectory
 from temper.events import PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import Curriculum, JobSpec
-from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
+from temper.lifecycle import (
+    EPISODE_FINISHED,
+    STUCK_PREFIX,
+    EpisodeState,
+    JobState,
+    mark_job_stuck,
+    transition_episode,
+    transition_job,
+)
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
+from temper.policy.placement import Need, need_of, wait_reason
 from temper.tasks.service import outcome_totals
 
 log = logging.getLogger("temper.dispatcher.scheduler")
@@ -52,6 +62,36 @@ def versions_per_iteration(spec: JobSpec) -> float:
     """Policy versions a trainer produces per iteration: groups / (groups per step x steps per checkpoint)."""
     groups = spec.schedule.episodes_per_iteration / spec.tasks.group_size
     return groups / (spec.algorithm.groups_per_step * spec.algorithm.checkpoint_every)
+
+
+async def served_version(s: AsyncSession, job_id: str) -> int:
+    """The newest version of the job every backend serving it confirmed (the gateway writes
+    ``served_at`` on the row), 0 before any."""
+    query = select(func.max(PolicyVersion.version)).where(
+        PolicyVersion.job_id == job_id, PolicyVersion.served_at.is_not(None)
+    )
+    return int(await s.scalar(query) or 0)
+
+
+async def backend_wait(s: AsyncSession, job: Job, spec: JobSpec) -> str | None:
+    """Why ``job`` cannot start now: the gateway's backends of its pool are held by the
+    running jobs (``temper.policy.placement.wait_reason``); None when it can (or when no
+    gateway wrote its backends: nothing to take)."""
+    backends = await gateway_backends(s)
+    if not backends:
+        return None
+    rows = await s.execute(
+        select(Job.id, Job.spec).where(Job.state.in_([J.running, J.paused]), Job.id != job.id)
+    )
+    running = [need_for(job_id, JobSpec.model_validate(raw)) for job_id, raw in rows]
+    return wait_reason(need_for(job.id, spec), running, backends)
+
+
+def need_for(job_id: str, spec: JobSpec) -> Need:
+    p = spec.policy
+    return need_of(
+        job_id, model=p.model, init=p.init, pool=p.backend_pool, lora=spec.algorithm.lora is not None
+    )
 
 
 def init_job_metrics(job_id: str) -> None:
@@ -316,6 +356,12 @@ class Scheduler:
                 s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
             )
             return False
+        waiting = await backend_wait(s, job, spec)
+        if waiting is not None:
+            if job.state_reason != STUCK_PREFIX + waiting:
+                await mark_job_stuck(s, job.id, waiting)
+                log_event(log, "job waits for a backend", reason=waiting)
+            return False
         await transition_job(s, job, J.running)
         init_job_metrics(job.id)
         log_event(log, "job started", tasks=sampleable)
@@ -341,15 +387,17 @@ class Scheduler:
         return int(await s.scalar(query) or 0)
 
     async def _fresh_enough(self, s: AsyncSession, job: Job, spec: JobSpec, iteration: int) -> bool:
-        """May episodes of ``iteration`` start? Their behaviour version is the current one; the
-        trainer will learn from them at about ``iteration x versions_per_iteration``; the gap
-        must stay within ``max_staleness``. If the trainer holds too few groups to make a
+        """May episodes of ``iteration`` start? Their behaviour version is the one the
+        gateway serves the job (confirmed by its backends, :func:`served_version`; not the
+        trainer's newest, which the gateway may not have loaded yet); the trainer will learn
+        from them at about ``iteration x versions_per_iteration``; the gap must stay within
+        ``max_staleness``. If the trainer holds too few groups to make a
         step (it skipped zero-variance groups, or waits for a full batch), waiting would
         deadlock, so the gate opens."""
         if not self.trainer_attached:
             return True
         expected = math.floor(iteration * versions_per_iteration(spec) + 1e-9)
-        if expected - job.policy_version <= spec.schedule.max_staleness:
+        if expected - await served_version(s, job.id) <= spec.schedule.max_staleness:
             return True
         return await self._untrained_groups(s, job.id, iteration) < spec.algorithm.groups_per_step
 

@@ -18,7 +18,8 @@ from services.inference_gateway.updates import PolicyUpdates
 from temper.bus import Consumer
 from temper.events import InferenceResult, Topics
 from temper.logs import log_event
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+from temper.policy.config import InferenceSettings
+from temper.policy.placement import deployment_backends
 from temper.runtime import Runtime
 from temper.settings import Mode
 
@@ -32,10 +33,9 @@ class BackendsDown(RuntimeError):
 
 
 def effective_settings(settings: InferenceSettings, mode: Mode) -> InferenceSettings:
-    """Embedded mode with no backend configured serves from an in-process CPU engine."""
-    if settings.backends or mode is not Mode.embedded:
-        return settings
-    return settings.model_copy(update={"backends": [BackendSpec(name="local-0", kind=BackendKind.local)]})
+    """Embedded mode with no backend configured serves from an in-process CPU runner."""
+    backends = deployment_backends(settings, embedded=mode is Mode.embedded)
+    return settings if backends == settings.backends else settings.model_copy(update={"backends": backends})
 
 
 class Gateway:

@@ -24,23 +24,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy import update as sql_update
 
 from services.inference_gateway.inference import Inference
 from services.inference_gateway.versions import JobModel
 from services.inference_gateway.weights import Waiting
 from temper.clock import utcnow
-from temper.db import Database, Job, PolicyVersion
+from temper.db import Database, InferenceBackend, Job, PolicyVersion
 from temper.events import PolicyUpdate
 from temper.lifecycle import JOB_TERMINAL
 from temper.logs import log_event
+from temper.policy.placement import backend_info
 from temper.runtime import Runtime
 from temper.settings import Mode
 
 log = logging.getLogger("services.inference_gateway")
 
+ENDED_KEPT = 10_000  # ended jobs remembered, so that their late updates are not loaded
 BLOCKED_CHECK_S = 0.25  # a request that finds no backend asks the database at most this often
 
 
@@ -54,6 +57,7 @@ class PolicyUpdates:
         self.retries = retries
         self.wanted: dict[str, PolicyUpdate] = {}  # job -> its newest version
         self.waiting: dict[str, str] = {}  # job -> why its version cannot be loaded now
+        self.ended: OrderedDict[str, None] = OrderedDict()  # jobs released: a late update is ignored
         self._failures: dict[tuple[str, int], int] = {}
         self._ready = asyncio.Event()
         self._db: Database | None = None
@@ -80,6 +84,26 @@ class PolicyUpdates:
         if self._own_db and self._db is not None:
             await self._db.dispose()
         self._db = None
+
+    async def record_backends(self) -> None:
+        """Write what each backend can serve (``inference_backends``), for the dispatcher's
+        checks; rows of backends this gateway does not have are removed (the replicas of a
+        gateway share one list)."""
+        db = self.database()
+        if db is None:
+            return
+        settings = self.inference.settings
+        infos = [backend_info(slot.backend.spec, settings) for slot in self.inference.router.slots.values()]
+        async with db.session() as s:
+            await s.execute(
+                delete(InferenceBackend).where(InferenceBackend.name.not_in([i.name for i in infos]))
+            )
+            for info in infos:
+                row = await s.get(InferenceBackend, info.name) or InferenceBackend(name=info.name)
+                row.pool, row.kind, row.loads_models = info.pool, info.kind, info.loads_models
+                row.models, row.weights = sorted(info.models), sorted(info.weights)
+                row.updated_at = utcnow()
+                s.add(row)
 
     async def record_served(self, job: str, version: int, backends: list[str]) -> None:
         db = self.database()
@@ -143,21 +167,16 @@ class PolicyUpdates:
         ]
 
     async def ended_jobs(self) -> set[str]:
-        """Of the jobs something is loaded or wanted for, those the database says ended."""
+        """Of the jobs something is loaded or wanted for, those the database says ended (a
+        job it does not know is not judged: its rows may be elsewhere)."""
         db = self.database()
         inference = self.inference
         jobs = (inference.table.jobs() | set(inference.jobs) | set(self.wanted)) - {""}
         if db is None or not jobs:
             return set()
         async with db.session() as s:
-            live = set(
-                (
-                    await s.execute(
-                        select(Job.id).where(Job.id.in_(list(jobs)), Job.state.not_in(list(JOB_TERMINAL)))
-                    )
-                ).scalars()
-            )
-        return jobs - live
+            query = select(Job.id).where(Job.id.in_(list(jobs)), Job.state.in_(list(JOB_TERMINAL)))
+            return set((await s.execute(query)).scalars())
 
     async def release_ended(self) -> list[str]:
         try:
@@ -168,6 +187,9 @@ class PolicyUpdates:
         for job in sorted(ended):
             self.wanted.pop(job, None)
             self.waiting.pop(job, None)
+            self.ended[job] = None
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
             await self.inference.end_job(job)
         if ended:
             self._ready.set()  # a freed backend may take a waiting version
@@ -190,6 +212,8 @@ class PolicyUpdates:
         """Keep ``message`` as its job's wanted version unless a newer one is, or its backends
         serve it already."""
         job = message.job_id or ""
+        if job in self.ended:
+            return  # a version the trainer published as its job ended: nobody will ask for it
         current = self.wanted.get(job)
         if current is not None and current.version >= message.version:
             return
@@ -201,6 +225,7 @@ class PolicyUpdates:
     async def load_current(self, attempts: int = 3) -> None:
         for attempt in range(1, attempts + 1):
             try:
+                await self.record_backends()
                 for current in await self.current_policies():
                     self.offer(current)
                 await self.release_ended()

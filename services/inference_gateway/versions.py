@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from services.inference_gateway.backends import Backend, Served, adapter_name
 from temper.policy.config import BackendSpec
+from temper.policy.placement import origin_names
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,6 @@ class Holding:
     version: int = 0
     adapters: dict[str, int] = field(default_factory=dict)
     known: bool = False
-
-
-def origin_names(spec: BackendSpec, model_name: str) -> frozenset[str]:
-    """The names a backend's own weights answer to: its served model name, its model
-    directory, and (no directory) its preset."""
-    names = {spec.model or model_name}
-    if spec.model_dir:
-        names.add(spec.model_dir)
-    else:
-        names.add(spec.preset)
-    return frozenset(names)
 
 
 def pool_of(spec: BackendSpec) -> str:

@@ -112,6 +112,7 @@ class Weights:
             )
             await self.refresh(todo)
             times: dict[str, float] = {}
+            last_error: BaseException | None = None
             for name, r in zip(todo, results, strict=True):
                 if isinstance(r, BaseException):
                     log_event(
@@ -123,11 +124,14 @@ class Weights:
                         version=update.version,
                         error=repr(r)[:300],
                     )
+                    last_error = r
                     continue
                 times[name] = r
                 metrics.WEIGHT_SWITCH_SECONDS.observe(r)
             if not times:
-                raise RuntimeError(f"no backend could load version {update.version} of job {job!r}")
+                raise RuntimeError(
+                    f"no backend could load version {update.version} of job {job!r}: {last_error!r}"[:500]
+                )
             self.last_switch_s.update(times)
             await self._confirm(job, model, update.version)
             return times

@@ -20,9 +20,11 @@ base weights) that produced it. A full-weights version replaces the base weights
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,6 +154,7 @@ _SHAPE_FIELDS = (
 )
 
 Origin = Callable[[], tuple[torch.nn.Module, ChatTokenizer]]
+_PEFT_LOCK = threading.Lock()
 
 
 class NotServed(Exception):
@@ -211,10 +214,9 @@ class ModelRunner:
         self.version = 0  # the owner's version; the base weights are every job's version 0
         self.adapters: dict[str, tuple[str, int]] = {}
         self._origin = origin
-        self._origin_copy: tuple[torch.nn.Module, ChatTokenizer, dict[str, torch.Tensor]] | None = None
-        if origin is None:
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            self._origin_copy = (model, tokenizer, state)
+        # without ``origin``: an untouched copy of the model it started with (PEFT changes
+        # the modules of the model it wraps, so a copy of the weights alone would not do)
+        self._origin_copy = (copy.deepcopy(model), tokenizer) if origin is None else None
 
     def _set_model(self, model: torch.nn.Module) -> None:
         self.base = model.eval()
@@ -357,6 +359,9 @@ class ModelRunner:
         current = self.adapters.pop(job_id, None)
         if current is not None:
             if self.adapters:
+                # another adapter active first (PEFT warns when the active one is deleted;
+                # generate names each row's adapter, so which one is active does not matter)
+                self.model.set_adapter(next(iter(self.adapters.values()))[0])  # type: ignore[operator]
                 self.model.delete_adapter(current[0])  # type: ignore[operator]
             else:
                 self._unwrap(force=True)
@@ -374,9 +379,8 @@ class ModelRunner:
             self.tok = tok
         else:
             assert self._origin_copy is not None
-            model, tok, state = self._origin_copy
-            model.load_state_dict(state)
-            self._set_model(model)
+            model, tok = self._origin_copy
+            self._set_model(copy.deepcopy(model).to(self.device))
             self.tok = tok
         self.owner, self.version, self.base_name = None, 0, self.origin_name
 
@@ -391,6 +395,17 @@ class ModelRunner:
             return
         self.base = self.model.unload().eval()  # type: ignore[operator]
         self.model = self.base
+
+    def _undo_adapter(self, name: str) -> None:
+        """What a failed adapter load left behind goes: its layers, or (the first adapter on
+        the base, whose PeftModel was never returned) every LoRA layer in the base."""
+        from peft import PeftModel
+
+        if isinstance(self.model, PeftModel):
+            if name in self.model.peft_config:
+                self.model.delete_adapter(name)  # type: ignore[operator]
+        elif any(".lora_" in n for n, _ in self.base.named_parameters()):
+            self.reset()
 
     def _same_shape(self, directory: Path) -> bool:
         config = json.loads((directory / "config.json").read_text())
@@ -410,13 +425,19 @@ class ModelRunner:
         if current is not None and current[1] >= version:
             return current[0]
         name = f"{job_id}-v{version}"
-        with peft_quiet():
-            if isinstance(self.model, PeftModel):
-                self.model.load_adapter(str(directory), adapter_name=name, is_trainable=False)
-            else:
-                self.model = PeftModel.from_pretrained(
-                    self.base, str(directory), adapter_name=name, is_trainable=False
-                )
+        # one load at a time in the process: peft_quiet's warning filter is process-wide,
+        # and runners load in worker threads
+        with _PEFT_LOCK, peft_quiet():
+            try:
+                if isinstance(self.model, PeftModel):
+                    self.model.load_adapter(str(directory), adapter_name=name, is_trainable=False)
+                else:
+                    self.model = PeftModel.from_pretrained(
+                        self.base, str(directory), adapter_name=name, is_trainable=False
+                    )
+            except BaseException:
+                self._undo_adapter(name)
+                raise
         self.adapters[job_id] = (name, version)
         self.model.to(self.device)  # the adapter's weights beside the base's (CUDA too)
         if current is not None:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams
+from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams, build_runner
 from temper import registry
 from temper.jobspec import LoraSpec
 from temper.policy import create_model, default_tokenizer, encode_chat, token_logprobs
@@ -167,3 +167,25 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
         assert (await svc.handle(request("job-a"))).policy_version == 3
     finally:
         await svc.stop()
+
+
+async def test_an_adapter_that_fails_to_load_leaves_the_runner_as_it_was(tmp_path):
+    """PEFT puts an adapter's layers into the model before it reads the weights: a load that
+    fails there (weights of another rank) must not leave them in the base."""
+    import json
+
+    store = LocalStore(tmp_path / "objects")
+    d = await publish(store, adapter_learner(1), "job-a", 1, tmp_path / "a1")
+    config = json.loads((d / "adapter_config.json").read_text())
+    config["r"] = 8  # the weights are rank 4
+    (d / "adapter_config.json").write_text(json.dumps(config))
+    for runner in (ModelRunner(create_model(seed=0), TOK), build_runner(preset="tiny", seed=0)):
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            runner.load_adapter(d, job_id="job-a", version=1)
+        assert runner.holding().adapters == {}
+        assert not [n for n, _ in runner.base.named_parameters() if "lora_" in n]
+        out = runner.generate([GenRequest(PROMPT, SamplingParams(max_tokens=4, seed=2), job_id="job-a")])[0]
+        assert (out.adapter, out.policy_version) == (None, 0)
+        assert out.logprobs == pytest.approx(
+            own_logprobs(create_model(seed=0), PROMPT, out.token_ids), abs=1e-4
+        )
