@@ -212,8 +212,9 @@ class Backend(ABC):
     async def release(self, job_id: str) -> float:
         """A job ended: unload its adapters, and put the base back where its full weights were."""
 
-    async def load_base(self, name: str, path: Path) -> float:
-        """Serve the model directory ``path`` as the base, named ``name`` (``loads_models`` only)."""
+    async def load_base(self, name: str, path: Path | None) -> float:
+        """Serve the model directory ``path`` as the base, named ``name`` (``loads_models``
+        only); ``path`` None: the weights the backend started with."""
         raise BackendError(ErrorKind.client, f"{self.name}: this backend cannot change its base model")
 
     async def health(self) -> bool:
@@ -374,8 +375,9 @@ class CpuServerBackend(Backend):
         data = await self.post("/v1/load_weights", body, wait_s=300.0)
         return float(data["switch_ms"]) / 1000
 
-    async def load_base(self, name: str, path: Path) -> float:
-        data = await self.post("/v1/load_base", {"name": name, "path": str(path)}, wait_s=300.0)
+    async def load_base(self, name: str, path: Path | None) -> float:
+        body = {"name": name, "path": str(path) if path is not None else None}
+        data = await self.post("/v1/load_base", body, wait_s=300.0)
         return float(data["switch_ms"]) / 1000
 
     async def release(self, job_id: str) -> float:

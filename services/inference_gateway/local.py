@@ -120,7 +120,7 @@ class LocalBackend(Backend):
         except NotServed as exc:
             raise BackendError(ErrorKind.not_served, f"{self.name}: {exc}", status=409) from exc
 
-    async def load_base(self, name: str, path: Path) -> float:
+    async def load_base(self, name: str, path: Path | None) -> float:
         sched, _ = self._started()
         try:
             return await sched.load_base(path, name)

@@ -32,6 +32,7 @@ from temper import metrics, registry
 from temper.events import PolicyUpdate
 from temper.logs import log_event
 from temper.policy.config import InferenceSettings
+from temper.policy.placement import origin_names
 from temper.storage import NotFound, ObjectStore
 
 log = logging.getLogger("services.inference_gateway")
@@ -60,6 +61,7 @@ class Weights:
         self.on_confirmed: Confirmed | None = None  # a version every backend of its job serves
         self.changed = asyncio.Condition()  # notified after every change the table records
         self.last_switch_s: dict[str, float] = {}
+        self._load_failed: dict[tuple[str, str], str] = {}  # (backend, model) -> last error, logged once
         self._lock = asyncio.Lock()
 
     def backend(self, name: str) -> Backend:
@@ -212,20 +214,27 @@ class Weights:
             backend = self.backend(name)
             if not backend.loads_models or self._strands(name, job):
                 continue
+            own = model.base in origin_names(backend.spec, self.settings.model_name)
             t0 = time.perf_counter()
             try:
-                directory = await fetch_model(self.store, model.base, self.settings.checkpoint_cache_dir)
+                directory = (
+                    None  # its own weights again
+                    if own
+                    else await fetch_model(self.store, model.base, self.settings.checkpoint_cache_dir)
+                )
                 await backend.load_base(model.base, directory)
             except (BackendError, NotFound, OSError, ValueError) as exc:
-                log_event(
-                    log,
-                    "cannot load a job's model",
-                    logging.WARNING,
-                    backend=name,
-                    job_id=job,
-                    model=model.base,
-                    error=repr(exc)[:300],
-                )
+                if self._load_failed.get((name, model.base)) != repr(exc):
+                    log_event(
+                        log,
+                        "cannot load a job's model",
+                        logging.WARNING,
+                        backend=name,
+                        job_id=job,
+                        model=model.base,
+                        error=repr(exc)[:300],
+                    )
+                self._load_failed[(name, model.base)] = repr(exc)
                 continue
             finally:
                 await self.refresh([name])

@@ -63,7 +63,7 @@ class BatchScheduler:
         async with self._lock:
             return await asyncio.to_thread(self.runner.load_weights, path, version, job_id)
 
-    async def load_base(self, directory: str | Path, name: str) -> float:
+    async def load_base(self, directory: str | Path | None, name: str) -> float:
         async with self._lock:
             return await asyncio.to_thread(self.runner.load_base, directory, name)
 

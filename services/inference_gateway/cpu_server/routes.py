@@ -165,11 +165,14 @@ def add_routes(
 
     @app.post("/v1/load_base")
     async def load_base(body: LoadBaseBody) -> dict[str, Any]:
-        """Serve another base model (no job holds this server and no adapter is on it)."""
-        try:
-            directory = await fetch_model(store, body.path or body.key or "", cache_dir)
-        except NotFound as exc:
-            raise HTTPException(404, str(exc)) from exc
+        """Serve another base model (no job holds this server and no adapter is on it);
+        neither path nor key: the weights it started with."""
+        directory = None
+        if body.path or body.key:
+            try:
+                directory = await fetch_model(store, body.path or body.key or "", cache_dir)
+            except NotFound as exc:
+                raise HTTPException(404, str(exc)) from exc
         try:
             seconds = await scheduler.load_base(directory, body.name)
         except NotServed as exc:

@@ -335,14 +335,15 @@ class ModelRunner:
         self.base_name = f"{job}-v{version}"
         return time.perf_counter() - t0
 
-    def load_base(self, directory: str | Path, name: str) -> float:
+    def load_base(self, directory: str | Path | None, name: str) -> float:
         """Serve the model in ``directory`` as the base (named ``name``: the model the jobs
-        name) for jobs' version 0 and their adapters. Only a runner no job holds and with
-        no adapter can change its base."""
+        name) for jobs' version 0 and their adapters; ``directory`` None: the weights the
+        runner started with. Only a runner no job holds and with no adapter can change its
+        base."""
         t0 = time.perf_counter()
         if self.owner is not None or self.adapters:
             raise NotServed(f"the base cannot change while {self._holders()} is served on it")
-        if name == self.origin_name:
+        if directory is None or name == self.origin_name:
             self.reset()
             return time.perf_counter() - t0
         model, tok = load_model(directory)

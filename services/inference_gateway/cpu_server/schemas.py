@@ -51,7 +51,9 @@ class LoadWeightsBody(BaseModel):
 class LoadBaseBody(BaseModel):
     name: str = Field(description="the model as jobs name it (policy.model or policy.init)")
     path: str | None = Field(None, description="a model directory here")
-    key: str | None = Field(None, description="else the object-store prefix of one")
+    key: str | None = Field(
+        None, description="else the object-store prefix of one (neither: its own weights)"
+    )
 
 
 class ReleaseBody(BaseModel):

@@ -129,3 +129,28 @@ async def test_two_full_weight_jobs_on_two_backends_each_get_their_own_weights_a
             assert b.logprobs == pytest.approx(own_logprobs(model_b, b.token_ids), abs=1e-4)
     finally:
         await svc.stop()
+
+
+async def test_a_job_naming_a_model_directory_is_served_by_it_and_the_next_job_by_its_own(tmp_path):
+    """The runner takes the model a job names (its version 0), and gives it back for a job
+    that names the runner's own model."""
+    store = LocalStore(tmp_path / "objects")
+    named = create_model(seed=7)
+    directory = save_checkpoint(named, tmp_path / "named-model", tokenizer=TOK)
+    svc = inference(tmp_path, store, backends=1)
+    await svc.start()
+    try:
+        mine = await svc.handle(request("job-x").model_copy(update={"model": str(directory)}))
+        assert (mine.error, mine.policy_version) == (None, 0)
+        assert mine.logprobs == pytest.approx(own_logprobs(named, mine.token_ids), abs=1e-4)
+        assert svc.table.holdings["local-0"].names == {str(directory)}
+        # another job on the gateway's own model while job x still runs on its: it waits, then fails
+        blocked = await svc.handle(request("job-y"))
+        assert blocked.error is not None and str(directory) in blocked.error
+        await svc.end_job("job-x")
+        after = await svc.handle(request("job-y"))
+        assert (after.error, after.policy_version) == (None, 0)
+        assert after.logprobs == pytest.approx(own_logprobs(create_model(seed=0), after.token_ids), abs=1e-4)
+        assert svc.table.holdings["local-0"].at_origin
+    finally:
+        await svc.stop()
