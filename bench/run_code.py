@@ -7,6 +7,13 @@ the load generator's CPU per request at 16 clients are recorded too. The floor, 
 same namespaces and mounts started per request (no pool, no cgroup, no HTTP) by as many
 at once as the worker runs, what one fresh sandbox per request costs at best here.
 
+At 16 clients two workers are measured in alternating rounds of the same run: the default
+one (``run_code_rps_c16``) and the same build with the per-run isolation pieces of issue 27
+switched off by the benchmark-only ``TEMPER_SANDBOX__BENCH_PIECES_OFF``
+(``run_code_rps_c16_off``: no read-only /dev and per-run /dev/shm and /dev/pts, no seccomp
+filter, no kill before the fetch, no zygote memory checks or recycling); the ratio is
+``run_code_c16_on_over_off`` (target >= 0.85).
+
     python bench/run_code.py             # prints the table; bench/sandbox.py merges the figures
     python bench/run_code.py --serve N   # the worker process the benchmark starts
 """
@@ -34,19 +41,24 @@ CONCURRENCY = (1, 4, 16, 64)
 HELLO = {"code": "print('hello')", "language": "python"}
 
 
-def serve(port: int, root: Path) -> None:
+ROUNDS_C16 = 6  # alternating on/off rounds at 16 clients
+
+
+def serve(port: int, root: Path, pieces_off: list[str]) -> None:
     """The worker: ``create_app`` around a started :class:`SandboxWorker`, on uvicorn."""
     import uvicorn
 
     from services.sandbox_worker.app import create_app
     from services.sandbox_worker.worker import SandboxWorker
     from temper.sandbox import SandboxSettings
+    from temper.settings.sandbox import IsolationPiece
     from temper.storage import LocalStore
 
     async def main() -> None:
-        worker = SandboxWorker(
-            SandboxSettings(workspace_root=root / "ws"), store=LocalStore(root / "objects")
+        settings = SandboxSettings(
+            workspace_root=root / "ws", bench_pieces_off=[IsolationPiece(p) for p in pieces_off]
         )
+        worker = SandboxWorker(settings, store=LocalStore(root / "objects"))
         await worker.start()
         try:
             config = uvicorn.Config(
@@ -133,33 +145,69 @@ async def _floor(root: Path, at_once: int, runs: int) -> float:
     return runs / (time.perf_counter() - t0)
 
 
+def _start_worker(root: Path, pieces_off: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], str]:
+    root.mkdir(parents=True)
+    port = _free_port()
+    argv = [sys.executable, __file__, "--serve", str(port), "--root", str(root)]
+    if pieces_off:
+        argv += ["--pieces-off", ",".join(pieces_off)]
+    return subprocess.Popen(argv, cwd=ROOT), f"http://127.0.0.1:{port}"
+
+
 async def measure(requests: int = 400) -> dict[str, float | int]:
-    """Every figure: ``run_code_rps_c{N}``, their p50 latencies, the floor and failures."""
+    """Every figure: ``run_code_rps_c{N}``, their p50 latencies, the same build without the
+    isolation pieces at 16 clients, the floor and failures."""
+    from temper.settings.sandbox import IsolationPiece
+
     root = Path("/tmp") / f"temper-bench-runcode-{uuid.uuid4().hex[:8]}"
     root.mkdir(parents=True)
     root.chmod(0o711)
-    port = _free_port()
-    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before any load
-        [sys.executable, __file__, "--serve", str(port), "--root", str(root)], cwd=ROOT
-    )
-    base = f"http://127.0.0.1:{port}"
+    on, on_base = _start_worker(root / "on")
+    off, off_base = _start_worker(root / "off", tuple(p.value for p in IsolationPiece))
     out: dict[str, float | int] = {}
     try:
-        await _wait_ready(base, proc)
-        await _load(base, 4, 40)  # warm: imports, page cache, the pool
-        for clients in CONCURRENCY:
+        for proc, base in ((on, on_base), (off, off_base)):
+            await _wait_ready(base, proc)
+            await _load(base, 4, 40)  # warm: imports, page cache, the pool
+        failures = 0
+        for clients in (c for c in CONCURRENCY if c != 16):
             n = max(requests // 2, 100) if clients == 1 else requests
-            cpu0, own0 = _cpu_s(proc.pid), time.process_time()
-            rps, latencies, failed = await _load(base, clients, n)
-            if clients == 16:
-                out["run_code_worker_cpu_ms_c16"] = round((_cpu_s(proc.pid) - cpu0) * 1000 / n, 2)
-                out["run_code_client_cpu_ms_c16"] = round((time.process_time() - own0) * 1000 / n, 2)
+            rps, latencies, failed = await _load(on_base, clients, n)
             out[f"run_code_rps_c{clients}"] = round(rps, 1)
             out[f"run_code_ms_c{clients}"] = round(statistics.median(latencies), 2)
-            out["run_code_failed"] = int(out.get("run_code_failed", 0)) + failed
+            failures += failed
+        # 16 clients: the default worker and the one without the pieces, in alternating
+        # rounds (each goes first in half of them), so machine noise hits both alike.
+        rounds: dict[str, dict[str, list[float]]] = {
+            name: {"rps": [], "ms": [], "cpu": [], "client": []} for name in ("on", "off")
+        }
+        for i in range(ROUNDS_C16):
+            pair = [("on", on, on_base), ("off", off, off_base)]
+            for name, proc, base in pair if i % 2 == 0 else pair[::-1]:
+                cpu0, own0 = _cpu_s(proc.pid), time.process_time()
+                rps, latencies, failed = await _load(base, 16, requests)
+                got = rounds[name]
+                got["rps"].append(rps)
+                got["ms"] += latencies
+                got["cpu"].append((_cpu_s(proc.pid) - cpu0) * 1000 / requests)
+                got["client"].append((time.process_time() - own0) * 1000 / requests)
+                failures += failed
+        for name, suffix in (("on", ""), ("off", "_off")):
+            got = rounds[name]
+            out[f"run_code_rps_c16{suffix}"] = round(statistics.median(got["rps"]), 1)
+            out[f"run_code_ms_c16{suffix}"] = round(statistics.median(got["ms"]), 2)
+            out[f"run_code_worker_cpu_ms_c16{suffix}"] = round(statistics.median(got["cpu"]), 2)
+        out["run_code_client_cpu_ms_c16"] = round(statistics.median(rounds["on"]["client"]), 2)
+        out["run_code_c16_on_over_off"] = round(
+            float(out["run_code_rps_c16"]) / float(out["run_code_rps_c16_off"]), 3
+        )
+        out["run_code_c16_rounds"] = ROUNDS_C16
+        out["run_code_failed"] = failures
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc in (on, off):
+            proc.terminate()
+        for proc in (on, off):
+            proc.wait(timeout=30)
     try:
         await _floor(root, 8, 20)
         out["floor_bwrap_rps"] = round(await _floor(root, 8, requests), 1)
@@ -208,9 +256,17 @@ def table(res: dict[str, float | int]) -> list[tuple[str, str, str]]:
     ]  # fmt: skip
     rows.append(
         (
+            "  ... 16 clients, isolation pieces off (req/s)",
+            f"{res['run_code_rps_c16_off']}",
+            f"p50 {res['run_code_ms_c16_off']} ms, benchmark-only build",
+        )
+    )
+    rows.append(("run_code c16 on / off", f"{res['run_code_c16_on_over_off']}", "target >= 0.85"))
+    rows.append(
+        (
             "worker CPU per request at 16 clients (ms)",
             f"{res['run_code_worker_cpu_ms_c16']}",
-            "HTTP + run_fresh",
+            f"HTTP + run_fresh (pieces off: {res['run_code_worker_cpu_ms_c16_off']})",
         )
     )
     rows.append(
@@ -225,10 +281,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--serve", type=int, help="run the worker on this port (the benchmark's child)")
     parser.add_argument("--root", type=Path)
+    parser.add_argument("--pieces-off", default="", help="the worker's bench_pieces_off, comma-separated")
     parser.add_argument("--requests", type=int, default=400)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve, args.root)
+        serve(args.serve, args.root, [p for p in args.pieces_off.split(",") if p])
         return
     res = asyncio.run(measure(args.requests))
     rows = table(res)

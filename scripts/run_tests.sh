@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite against the real stack (`make stack-up` must have run).
 # Fails when pytest collects nothing (exit 5) or when no integration test against a
-# real Kafka, Postgres, S3 or Redis passed.
+# real Kafka, Postgres, S3, Redis or vLLM passed.
 #
 # TEMPER_TEST_LANES=2 (and no arguments) runs two lanes at once (the machines here have
 # 2 cores, and the slow tests mostly wait on their services): the tests on the shared Kafka, S3 or Redis,
@@ -46,7 +46,7 @@ if [ "$#" -gt 0 ] || [ "${TEMPER_TEST_LANES:-1}" != 2 ]; then
   exit $?
 fi
 
-shared="kafka or s3 or redis"
+shared="kafka or s3 or redis or vllm"  # vllm: one server for the session, started by a fixture
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 start=$(date +%s)

@@ -13,7 +13,7 @@ set -euo pipefail
 
 packages_of() {
   case "$1" in
-    run) echo bubblewrap ;;                                   # the sandbox backend (namespaces)
+    run) echo bubblewrap libseccomp2 ;;                       # the sandbox backend (namespaces; its seccomp filter, through ctypes)
     test) packages_of run; echo chromium chromium-driver; packages_of deploy; packages_of images ;;  # browser tests (Selenium gets /usr/bin/chromedriver: nothing downloaded)
     deploy) echo prometheus ;;                                # promtool, for the alert-rule checks
     images) echo mmdebstrap ;;                                # Debian task images (docs/sandbox.md)

@@ -8,7 +8,12 @@ stays allowed as long as it respects the contracts) and every
 - the library never imports ``services`` in any form;
 - no service imports another; the compositions (``services.embedded``, the multi-process
   ``services.launcher`` and the ``temper`` command ``services.cli``) are the exceptions;
-- the sandbox library (``temper.sandbox``) never imports ``temper.rewards`` or ``temper.envs``.
+- the sandbox library (``temper.sandbox``) never imports ``temper.rewards`` or ``temper.envs``;
+- inside the library, every room (``temper.<name>``) sits in one layer and imports only its
+  own layer and those below (:data:`LAYERS`, bottom first): core (the clock, events,
+  settings, the limits vocabulary, metrics and logging) < infrastructure (database, bus,
+  object store, outbox, registry, plugins, the runtime) < domains < surfaces (the client
+  and the CLI). A room in no layer fails the test, so a new one is placed on purpose.
 """
 
 from __future__ import annotations
@@ -22,6 +27,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSITIONS = {"services.embedded", "services.launcher", "services.cli"}
 SANDBOX_FORBIDDEN = ("temper.rewards", "temper.envs")
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("core", frozenset({"clock", "events", "settings", "limits", "metrics", "logs", "problems"})),
+    ("infrastructure", frozenset({"db", "bus", "storage", "outbox", "registry", "plugins", "runtime", "celery_queue"})),
+    (
+        "domains",
+        frozenset({
+            "jobspec", "trajectory", "lifecycle", "tenants", "retention", "episode_log", "policy",
+            "sandbox", "rewards", "training", "tasks", "envs", "envpkg",
+        }),
+    ),
+    ("surfaces", frozenset({"client", "cli"})),
+)  # fmt: skip
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index of a ``temper.<room>...`` module (0 = core), or None outside a room."""
+    parts = name.split(".")
+    if parts[0] != "temper" or len(parts) < 2:
+        return None
+    for index, (_, rooms) in enumerate(LAYERS):
+        if parts[1] in rooms:
+            return index
+    return -1  # a room in no layer
 
 
 @dataclass(frozen=True)
@@ -77,6 +105,22 @@ def _modules() -> list[tuple[str, Path, bool]]:
     return out
 
 
+def private_imports(source: str, module: str) -> list[str]:
+    """``from x import _name`` of a module of the library or the services: a private name
+    used by another module (``__future__`` and dunder names aside)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in ("temper", "services")
+        ):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{module}:{node.lineno} imports the private {node.module}.{alias.name}")
+    return found
+
+
 def all_imports() -> list[Import]:
     found: list[Import] = []
     for module, path, is_package in _modules():
@@ -103,6 +147,11 @@ def violations(imports: list[Import]) -> list[str]:
             bad.append(f"the library imports a service: {imp}")
         if _within(imp.module, "temper.sandbox") and any(_within(imp.target, f) for f in SANDBOX_FORBIDDEN):
             bad.append(f"the sandbox library imports rewards or envs: {imp}")
+        here, there = layer_of(imp.module), layer_of(imp.target)
+        if here == -1:
+            bad.append(f"a room in no layer (add it to LAYERS): {imp}")
+        elif here is not None and there is not None and there > here:
+            bad.append(f"the {LAYERS[here][0]} layer imports the {LAYERS[there][0]} layer: {imp}")
         source, target = _service_of(imp.module), _service_of(imp.target)
         if source and target and source != target and source not in COMPOSITIONS:
             bad.append(f"a service imports another: {imp}")
@@ -113,6 +162,14 @@ def test_the_code_keeps_its_import_contracts() -> None:
     imports = all_imports()
     assert len({i.module for i in imports}) > 100, "the walk found too few modules"
     assert violations(imports) == []
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    found = [line for module, path, _ in _modules() for line in private_imports(path.read_text(), module)]
+    assert found == []
+    planted = private_imports("from temper.cli import _client\n", "temper.envpkg.cli")
+    assert planted == ["temper.envpkg.cli:1 imports the private temper.cli._client"]
+    assert private_imports("from temper.cli import client\nfrom x import _y\n", "m") == []
 
 
 @pytest.mark.parametrize(
@@ -128,6 +185,33 @@ def test_the_code_keeps_its_import_contracts() -> None:
         ("services.trainer.app", "from services.dispatcher.api import repo", "a service imports another"),
         ("services.trainer.app", "from services import dispatcher", "a service imports another"),
         ("services.trainer.app", "from ..dispatcher import app", "a service imports another"),
+        (
+            "temper.settings",
+            "from temper.db import Database",
+            "the core layer imports the infrastructure layer",
+        ),
+        (
+            "temper.limits",
+            "from temper.sandbox.models import Action",
+            "the core layer imports the domains layer",
+        ),
+        (
+            "temper.events",
+            "def f():\n    from temper import cli",
+            "the core layer imports the surfaces layer",
+        ),
+        (
+            "temper.storage.s3",
+            "from temper.tasks import models",
+            "the infrastructure layer imports the domains",
+        ),
+        (
+            "temper.tasks.service",
+            "from temper.client import TemperClient",
+            "the domains layer imports the surfaces",
+        ),
+        ("temper.sandbox.manager", "from ..cli import main", "the domains layer imports the surfaces layer"),
+        ("temper.newroom", "import temper.db", "a room in no layer"),
     ],
 )
 def test_a_broken_contract_is_found(module: str, source: str, broken: str) -> None:
@@ -144,6 +228,10 @@ def test_a_broken_contract_is_found(module: str, source: str, broken: str) -> No
         ("services.trainer.app", "from services.trainer.component import Trainer"),
         ("services.trainer.app", "from . import component"),
         ("temper.rewards.scorer", "from temper.sandbox import SandboxManager"),
+        ("temper.settings", "from temper.limits import SandboxLimits"),
+        ("temper.cli.jobs", "from temper.lifecycle import JOB_TERMINAL"),
+        ("temper.tasks.inprocess", "from temper.runtime import Runtime"),
+        ("temper.db.models", "import temper.runtime"),  # the same layer
     ],
 )
 def test_an_allowed_import_passes(module: str, source: str) -> None:

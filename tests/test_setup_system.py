@@ -24,10 +24,12 @@ def packages(*groups: str) -> list[str]:
 
 
 def test_each_use_gets_its_own_packages():
-    assert packages("run") == ["bubblewrap"]
+    assert packages("run") == ["bubblewrap", "libseccomp2"]
     assert packages("deploy") == ["prometheus"]
     assert packages("images") == ["mmdebstrap"]
-    assert set(packages("test")) == {"bubblewrap", "chromium", "chromium-driver", "prometheus", "mmdebstrap"}
+    assert set(packages("test")) == {
+        "bubblewrap", "libseccomp2", "chromium", "chromium-driver", "prometheus", "mmdebstrap"
+    }  # fmt: skip
     assert packages() == packages("all") == packages("test")
     bad = subprocess.run(
         ["bash", "scripts/setup_system.sh", "--list", "bogus"], cwd=ROOT, capture_output=True, text=True

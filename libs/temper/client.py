@@ -11,6 +11,7 @@ URL and key default to ``TEMPER_URL`` and ``TEMPER_API_KEY``.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -187,9 +188,38 @@ class TemperClient:
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")  # type: ignore[no-any-return]
 
-    def checkpoint(self, job_id: str, version: int) -> bytes:
-        """A policy version's weights (safetensors)."""
-        return self._raw("GET", f"/v1/jobs/{job_id}/checkpoints/{version}")
+    def download_version(
+        self, job_id: str, version: int, dest: Path, *, with_base: bool = False
+    ) -> dict[str, Any]:
+        """Download policy ``version`` into the directory ``dest`` (new or empty): a Hugging
+        Face model directory (full weights) or a PEFT adapter directory (LoRA; with
+        ``with_base``, its base model in ``dest/base``), each file checked against the
+        version's manifest. Returns ``{"kind", "base_model", "files"}``. A version published
+        before the registry (one safetensors file) is written to ``dest`` as that file."""
+        from temper import registry
+
+        params = {"with_base": "true"} if with_base else {}
+        path = f"/v1/jobs/{job_id}/checkpoints/{version}"
+        dest = Path(dest)
+        try:
+            with self.http.stream("GET", path, params=params) as response:
+                if not response.is_success:
+                    response.read()
+                    self._raise(response)
+                if response.headers.get("content-type", "").startswith("application/octet-stream"):
+                    with dest.open("wb") as f:
+                        for chunk in response.iter_bytes():
+                            f.write(chunk)
+                    return {"kind": "safetensors", "base_model": None, "files": [dest.name]}
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".download-", suffix=".tar") as tmp:
+                    for chunk in response.iter_bytes():
+                        tmp.write(chunk)
+                    tmp.flush()
+                    manifest = registry.extract_archive(tmp.name, dest)
+        except httpx.TransportError as exc:
+            raise ApiError(0, f"cannot reach the dispatcher at {self.url}: {exc}") from None
+        return {"kind": manifest.kind, "base_model": manifest.base_model, "files": manifest.served_files()}
 
     # --- tenant -------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from temper import plugins
+from temper.problems import field_path, message, yaml_problem
 
 
 class _Spec(BaseModel):
@@ -462,15 +463,13 @@ def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
         try:
             data = yaml.safe_load(data)
         except yaml.YAMLError as exc:
-            raise SpecError([("(document)", f"not valid YAML/JSON: {exc}")]) from None
+            raise SpecError([("(document)", f"not valid YAML/JSON: {yaml_problem(exc)}")]) from None
     if not isinstance(data, dict):
         raise SpecError([("(document)", "the spec must be a mapping")])
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(
-            [(".".join(str(p) for p in e["loc"]) or "(root)", e["msg"]) for e in exc.errors()]
-        ) from None
+        raise SpecError([(field_path(e["loc"]), message(e)) for e in exc.errors()]) from None
     errors = plugin_errors(spec)
     if errors:
         raise SpecError(errors)

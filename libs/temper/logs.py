@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -94,6 +95,20 @@ def configure_logging(
     root.setLevel(level.upper())
     for noisy in ("aiokafka", "kafka", "httpx", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_progress_bars()
+
+
+def quiet_progress_bars() -> None:
+    """No Hugging Face progress bars (``Loading weights: 100%|…``) on a service's stderr,
+    which is ``temper serve``'s console and every service's log stream: the environment
+    variable for libraries not imported yet, their switches for those already imported."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def get_logger(name: str) -> logging.Logger:

@@ -69,6 +69,13 @@ SANDBOX_FRESH_RUNS = Counter(
     ["path"],
 )
 SANDBOX_ZYGOTES = Gauge("temper_sandbox_zygotes", "Zygotes started (each serves one run at a time)")
+SANDBOX_ZYGOTE_RECYCLES = Counter(
+    "temper_sandbox_zygote_recycles_total",
+    "Zygotes replaced by a fresh one, by why: limits (the cgroup refused a run's limits), runs "
+    "(zygote_max_runs served), memory (resident memory above the idle baseline after a run), "
+    "broken (its agent died)",
+    ["reason"],
+)
 SANDBOX_LEAKED_PROCESSES = Gauge(
     "temper_sandbox_leaked_processes", "Processes left behind by destroyed sandboxes (must stay 0)"
 )

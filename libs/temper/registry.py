@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Literal
 
@@ -220,3 +221,76 @@ def verify_directory(directory: str | Path) -> Manifest:
         if sha256(data) != manifest.files[name].sha256:
             raise CorruptVersion(f"{d}: {name} does not match its checksum")
     return manifest
+
+
+# --- versions as archives (downloads) -------------------------------------------------------
+
+BASE_DIR = "base"  # where a LoRA version's base model goes in an archive that carries it
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """The 512-byte ustar header of a regular file (mode 0644, owner 0, time 0: the same
+    bytes for the same version)."""
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime, info.type = size, 0o644, 0, tarfile.REGTYPE
+    return info.tobuf(format=tarfile.USTAR_FORMAT)
+
+
+def tar_member(name: str, data: bytes) -> list[bytes]:
+    """One file of an uncompressed tar stream: header, data, padding to 512 bytes."""
+    return [tar_header(name, len(data)), data, b"\0" * (-len(data) % 512)]
+
+
+TAR_END = b"\0" * 1024  # two zero blocks end a tar archive
+
+
+async def version_archive(
+    store: ObjectStore, key: str, *, base: dict[str, bytes] | None = None
+) -> AsyncIterator[bytes]:
+    """The version at manifest ``key`` as an uncompressed tar stream: ``manifest.json``
+    first, then every served file, each checked against its checksum as it is read (a
+    mismatch raises :class:`CorruptVersion` and ends the stream short, which the reader's
+    own check of the manifest catches). ``base`` (relative path -> bytes) adds a base model
+    under ``base/``. The trainer's private files are not part of it."""
+    manifest = await read_manifest(store, key)
+    for chunk in tar_member(MANIFEST_FILE, manifest.model_dump_json(indent=2).encode()):
+        yield chunk
+    for name in manifest.served_files():
+        _, files = await fetch_files(store, key, names=[name])
+        for chunk in tar_member(name, files[name]):
+            yield chunk
+    for name, data in sorted((base or {}).items()):
+        for chunk in tar_member(f"{BASE_DIR}/{name}", data):
+            yield chunk
+    yield TAR_END
+
+
+def extract_archive(archive: str | Path, dest: str | Path) -> Manifest:
+    """Unpack a version archive into ``dest`` (which must not exist or be empty) and check
+    it against its manifest. Only regular files inside ``dest`` are written: a member that
+    is a link, a device or a path leaving ``dest`` raises :class:`CorruptVersion`."""
+    import tarfile
+
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise FileExistsError(f"{dest} exists and is not empty")
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive, mode="r:") as tar:
+            for member in tar:
+                parts = Path(member.name).parts
+                if not member.isreg() or member.name.startswith("/") or ".." in parts or not parts:
+                    raise CorruptVersion(
+                        f"{archive}: member {member.name!r} is not a file inside the version"
+                    )
+                target = dest / member.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = tar.extractfile(member)
+                assert source is not None
+                with source, target.open("wb") as out:
+                    shutil.copyfileobj(source, out)
+    except tarfile.TarError as exc:
+        raise CorruptVersion(f"{archive}: not a complete version archive ({exc})") from None
+    return verify_directory(dest)

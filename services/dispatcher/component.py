@@ -1,4 +1,4 @@
-"""The dispatcher's engine as one component: consumers of the result topics and of
+"""The dispatcher's episode state machine as one component: consumers of the result topics and of
 ``policy.updates``, the outbox relay, the scheduler loop and the lease reaper.
 
 ``app.py`` builds it on the service's :class:`temper.runtime.Runtime`::
@@ -9,7 +9,7 @@
     await dispatcher.stop(); await runtime.stop()
 
 Several replicas may run at once: results are partitioned by episode id, each job's
-scheduler has one leader (see ``engine/leader.py``), and the reaper's row locks keep
+scheduler has one leader (``leader.py``), and the reaper's row locks keep
 two replicas from retrying the same step.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.dispatcher import handlers
-from services.dispatcher.episodes import EpisodeEngine
+from services.dispatcher.episodes import EpisodeMachine
 from services.dispatcher.leader import Leadership
 from services.dispatcher.scheduler import Scheduler
 from temper.bus import Consumer
@@ -54,14 +54,14 @@ class BootstrapKey:
 
 
 class Dispatcher:
-    """The episode engine of one dispatcher replica. Its knobs are
+    """The episode state machine of one dispatcher replica. Its knobs are
     ``runtime.settings.dispatcher`` (``TEMPER_DISPATCHER__*``); ``settings`` replaces them
     (tests, the embedded runner)."""
 
     def __init__(self, runtime: Runtime, *, settings: DispatcherSettings | None = None) -> None:
         self.runtime = runtime
         self.settings = settings or runtime.settings.dispatcher
-        self.engine: EpisodeEngine | None = None
+        self.machine: EpisodeMachine | None = None
         self.scheduler: Scheduler | None = None
         self.relay: OutboxRelay | None = None
         self.leadership: Leadership | None = None
@@ -76,10 +76,10 @@ class Dispatcher:
             )
         s = self.settings
         self.relay = OutboxRelay(rt.db, rt.bus, keep_published_s=rt.settings.db.outbox_keep_published_s)
-        self.engine = EpisodeEngine(rt.db, rt.store, s, transaction=self.relay.transaction)
+        self.machine = EpisodeMachine(rt.db, rt.store, s, transaction=self.relay.transaction)
         self.leadership = Leadership(rt.db)
         self.scheduler = Scheduler(
-            self.engine,
+            self.machine,
             self.leadership,
             trainer_attached=s.trainer_attached,
             wait_for_training=s.wait_for_training,
@@ -90,10 +90,10 @@ class Dispatcher:
         self._tasks.append(rt.spawn(self.relay.run(), "dispatcher-outbox-relay"))
         self._consumers.append(
             await rt.consume_handlers(
-                handlers.result_topics(self.engine),
+                handlers.result_topics(self.machine),
                 group=s.results_group,
                 concurrency=s.result_concurrency,
-                batch_handlers=handlers.result_batches(self.engine),
+                batch_handlers=handlers.result_batches(self.machine),
             )
         )
         self._consumers.append(
@@ -106,7 +106,7 @@ class Dispatcher:
         )
         self._tasks.append(
             rt.spawn(
-                self._every(s.reaper_interval_s, self.engine.reap_expired, "lease reaper"),
+                self._every(s.reaper_interval_s, self.machine.reap_expired, "lease reaper"),
                 "dispatcher-reaper",
             )
         )

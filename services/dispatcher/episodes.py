@@ -191,7 +191,7 @@ def _inference_error(msg: InferenceResult) -> str | None:
     return None
 
 
-class EpisodeEngine:
+class EpisodeMachine:
     """Drives episodes from result to result. Stateless between calls except for caches
     of immutable rows (job specs, tasks), so any replica can handle any episode."""
 

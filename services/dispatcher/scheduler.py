@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.backends import gateway_backends
-from services.dispatcher.episodes import ACTIVE, EpisodeEngine, new_id
+from services.dispatcher.episodes import ACTIVE, EpisodeMachine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
 from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
@@ -104,21 +104,21 @@ def init_job_metrics(job_id: str) -> None:
 class Scheduler:
     def __init__(
         self,
-        engine: EpisodeEngine,
+        machine: EpisodeMachine,
         leadership: Leadership,
         *,
         trainer_attached: bool,
         wait_for_training: bool,
         fleet_max_episodes: int | None = None,
     ) -> None:
-        self.engine = engine
+        self.machine = machine
         self.leadership = leadership
         self.trainer_attached = trainer_attached
         self.wait_for_training = trainer_attached and wait_for_training
         self.fleet = FleetShare(fleet_max_episodes)
 
     async def tick(self) -> None:
-        async with self.engine.db.session() as session:
+        async with self.machine.db.session() as session:
             live = or_(
                 Job.state.in_([J.pending, J.running]),
                 and_(Job.state == J.paused, Job.state_reason.startswith(QUOTA_REASON)),
@@ -158,17 +158,17 @@ class Scheduler:
     async def _fail_unschedulable(self, job_id: str, exc: Exception) -> None:
         reason = f"scheduling failed: {type(exc).__name__}: {str(exc)[:300]}"
         log.error("scheduling job %s failed; failing it", job_id, exc_info=exc)
-        async with self.engine.tx() as s:
+        async with self.machine.tx() as s:
             job = await s.get(Job, job_id)
             if job is not None and JobState(job.state) in (J.pending, J.running, J.paused):
                 await transition_job(s, job, J.failed, reason=reason)
                 log_event(log, "job failed", reason=reason)
 
     async def schedule_job(self, job_id: str) -> None:
-        engine = self.engine
-        async with engine.tx() as s:
+        machine = self.machine
+        async with machine.tx() as s:
             query = select(Job).where(Job.id == job_id)
-            if not engine.db.is_sqlite:
+            if not machine.db.is_sqlite:
                 query = query.with_for_update()
             job = (await s.execute(query)).scalar_one_or_none()
             if job is None:
@@ -180,7 +180,7 @@ class Scheduler:
                 return
             if job.state != J.running:
                 return
-            spec = await engine.spec_of(s, job.id)
+            spec = await machine.spec_of(s, job.id)
             if self.trainer_attached:
                 await self.mark_trained(s, job.id)
                 await self.resend_trajectories(s, job.id)
@@ -297,10 +297,10 @@ class Scheduler:
                 weights = [task_weight(a, p, spec.tasks.curriculum) for _, a, p in pool]
                 task_id = rng.choices(pool, weights)[0][0]
                 used.add(task_id)
-                task = await engine.task_of(s, task_id)
+                task = await machine.task_of(s, task_id)
                 group_id = new_id()
                 for _ in range(size):
-                    engine.start_episode(
+                    machine.start_episode(
                         s, job=job, spec=spec, task=task, group_id=group_id, iteration=job.iteration
                     )
                 started[job.iteration] += size
@@ -441,7 +441,7 @@ class Scheduler:
         the trainer's ledger ``trajectory_lease_s`` after it was scored (or last sent) is
         sent again, so a dead-lettered or lost ``TrajectoryReady`` cannot keep the job
         from completing. The trainer ignores a trajectory it already holds."""
-        settings = self.engine.settings
+        settings = self.machine.settings
         lease = timedelta(seconds=settings.trajectory_lease_s or settings.lease_s)
         current = utcnow()
         rows = list(
@@ -488,10 +488,10 @@ class Scheduler:
         trained is marked ``trained`` now rather than at the next tick."""
         if not self.trainer_attached or not msg.job_id:
             return
-        async with self.engine.tx() as s:
+        async with self.machine.tx() as s:
             # the job's lock, as in schedule_job: one marker of its episodes at a time
             query = select(Job.id).where(Job.id == msg.job_id, Job.state == J.running)
-            if not self.engine.db.is_sqlite:
+            if not self.machine.db.is_sqlite:
                 query = query.with_for_update()
             if await s.scalar(query) is not None:
                 await self.mark_trained(s, msg.job_id)

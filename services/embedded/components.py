@@ -1,41 +1,44 @@
-"""The five services as components on one runtime, started in dependency order
-(executors before the dispatcher that feeds them) and stopped in reverse."""
+"""The services as components of one process (``temper run``, ``temper serve``): the one
+list of what runs, in the order it starts (the executors before the dispatcher that feeds
+them), and the settings every service needs when they share a process. Start and stop them
+with :func:`temper.runtime.started` (or the dispatcher app's lifespan), which stops what
+started, in reverse, when anything fails."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from services.dispatcher.component import Dispatcher
 from services.inference_gateway.component import Gateway
 from services.reward_scorer.component import RewardScorer
-from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerComponent
 from services.trainer.component import Trainer
 from temper.runtime import Component, Runtime
+from temper.settings import Settings
 
 
-class Components:
-    def __init__(self, runtime: Runtime, **trainer_options: Any) -> None:
-        # The dispatcher's relay publishes every outbox row; a second relay on the same
-        # SQLite table would publish rows twice.
-        trainer_settings = runtime.settings.trainer.model_copy(update={"run_relay": False})
-        # One job on a laptop: tick quickly rather than save queries.
-        dispatcher_settings = runtime.settings.dispatcher.model_copy(
-            update={"scheduler_interval_s": 0.1, "reaper_interval_s": 0.5}
-        )
-        self.ordered: list[Component] = [
-            SandboxWorkerService(runtime),
-            Gateway(runtime),
-            RewardScorer(runtime),
-            Trainer(runtime, settings=trainer_settings, **trainer_options),
-            Dispatcher(runtime, settings=dispatcher_settings),
-        ]
-        self.started: list[Component] = []
+def executors(runtime: Runtime) -> list[Component]:
+    """The services the dispatcher feeds, in the order they start (before the dispatcher)."""
+    return [SandboxWorkerComponent(runtime), Gateway(runtime), RewardScorer(runtime), Trainer(runtime)]
 
-    async def start(self) -> None:
-        for component in self.ordered:
-            await component.start()
-            self.started.append(component)
 
-    async def stop(self) -> None:
-        while self.started:
-            await self.started.pop().stop()
+def components(runtime: Runtime) -> list[Component]:
+    """Every service, the dispatcher last."""
+    return [*executors(runtime), Dispatcher(runtime)]
+
+
+def in_one_process(
+    settings: Settings, *, scheduler_interval_s: float, reaper_interval_s: float | None = None
+) -> Settings:
+    """``settings`` for all services in one process: one outbox relay, the dispatcher's (a
+    second relay on the same SQLite table would publish rows twice), and the scheduler (and
+    the lease reaper) ticking at least this often (one machine's jobs: tick quickly rather
+    than save queries)."""
+    dispatcher = settings.dispatcher
+    ticks = {"scheduler_interval_s": min(dispatcher.scheduler_interval_s, scheduler_interval_s)}
+    if reaper_interval_s is not None:
+        ticks["reaper_interval_s"] = min(dispatcher.reaper_interval_s, reaper_interval_s)
+    return settings.model_copy(
+        update={
+            "trainer": settings.trainer.model_copy(update={"run_relay": False}),
+            "dispatcher": dispatcher.model_copy(update=ticks),
+        }
+    )

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from services.dispatcher.api.repo import create_job, job_metrics
 from services.embedded import localrun
-from services.embedded.components import Components
+from services.embedded.components import components, in_one_process
 from services.embedded.report import write_report
 from temper.db import Database, Job, Tenant
 from temper.db.migrate import upgrade
@@ -40,9 +40,9 @@ from temper.policy import (
     load_model,
     save_checkpoint,
 )
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
-from temper.runtime import Runtime
+from temper.runtime import Runtime, started
 from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Settings, StorageSettings
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 from temper.tasks.models import parse_tasks
 from temper.tasks.service import create_taskset
 from temper.training.sft import turn_text, warm_start
@@ -68,7 +68,7 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
     backend = BackendSpec(
         name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
     )
-    return Settings(
+    settings = Settings(
         mode=Mode.embedded,
         service="temper-run",
         data_dir=run_dir,
@@ -85,6 +85,7 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
             checkpoint_cache_dir=str(run_dir / "checkpoints"),
         ),
     )
+    return in_one_process(settings, scheduler_interval_s=0.1, reaper_interval_s=0.5)
 
 
 class Progress:
@@ -127,29 +128,27 @@ async def run(
     await asyncio.to_thread(upgrade, settings.db.url)
     runtime = Runtime(settings, service="temper-run")
     await runtime.start()
-    components: Components | None = None
     progress = Progress(out)
-    started = time.perf_counter()
+    begun = time.perf_counter()
     try:
         spec = await _store_taskset(runtime, spec, local)
-        spec = await asyncio.to_thread(_make_policy, spec, local, run_dir, progress)
-        components = Components(runtime)
-        await components.start()
-        db, store = _db(runtime), runtime.store
-        assert store is not None, "the embedded runtime has an object store"
-        async with db.session() as session:
-            tenant = await session.get(Tenant, TENANT)
-            assert tenant is not None, "_store_taskset created the tenant"
-            job = await create_job(session, tenant=tenant, spec=spec)
-            job_id = job.id
-        log_event(log, "job submitted", job_id=job_id)
-        state = await _follow(runtime, job_id, progress)
-        async with db.session() as session:
-            job = await _job(session, job_id)
-            summary = await write_report(session, store, job, run_dir, seconds=time.perf_counter() - started)
+        spec = await asyncio.to_thread(make_policy, spec, local, run_dir, progress)
+        async with started(components(runtime)):
+            db, store = _db(runtime), runtime.store
+            assert store is not None, "the embedded runtime has an object store"
+            async with db.session() as session:
+                tenant = await session.get(Tenant, TENANT)
+                assert tenant is not None, "_store_taskset created the tenant"
+                job = await create_job(session, tenant=tenant, spec=spec)
+                job_id = job.id
+            log_event(log, "job submitted", job_id=job_id)
+            state = await _follow(runtime, job_id, progress)
+            async with db.session() as session:
+                job = await _job(session, job_id)
+                summary = await write_report(
+                    session, store, job, run_dir, seconds=time.perf_counter() - begun
+                )
     finally:
-        if components is not None:
-            await components.stop()
         await runtime.stop()
     rewards = (
         f"mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
@@ -187,7 +186,7 @@ async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalR
     return spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
 
 
-def _make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
+def make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
     """Make the policy, warm it up if the run asks, and save it as version 0; the gateway,
     the trainer and the dispatcher (for its tokenizer) all start from that directory.
 
@@ -289,7 +288,7 @@ def _environment(spec: JobSpec, task: dict[str, Any]) -> Environment:
 
 
 async def _follow(runtime: Runtime, job_id: str, progress: Progress) -> str:
-    from temper.cli import progress_lines
+    from temper.cli.jobs import progress_lines
 
     while True:
         async with _db(runtime).session() as session:

@@ -1,6 +1,6 @@
 """``temper serve``: the whole platform in one process on one machine.
 
-The dispatcher's app (REST API, console, episode engine) with the other four services
+The dispatcher's app (REST API, console, episode state machine) with the other four services
 started on its runtime (sandbox worker, gateway with the in-process CPU engine, reward
 scorer, trainer), task-set validation run in-process instead of on Celery, SQLite and a
 local object store under the data directory, the in-process bus. Redis is never used.
@@ -18,21 +18,16 @@ carry the key.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from services.dispatcher.app import create_app
-from services.inference_gateway.component import Gateway
-from services.reward_scorer.component import RewardScorer
-from services.sandbox_worker.component import SandboxWorkerService
-from services.trainer.component import Trainer
+from services.embedded.components import executors, in_one_process
 from temper.db import Database, Tenant
 from temper.db.migrate import upgrade
-from temper.runtime import Component, Runtime, StartupError, load_settings
+from temper.runtime import GracefulServer, StartupError, load_settings
 from temper.settings import Mode, Settings
 from temper.tenants import issue_key
 
@@ -59,25 +54,15 @@ def serve_settings(data_dir: Path) -> Settings:
     log = settings.log
     if log.file is None:
         log = log.model_copy(update={"file": data_dir / "temper.log"})
+    settings = in_one_process(settings, scheduler_interval_s=0.2)
     return settings.model_copy(
         update={
             "data_dir": data_dir,
             "db": db,
             "storage": storage,
             "log": log,
-            # one relay: the dispatcher's publishes every outbox row (a second relay on
-            # the same SQLite table would publish rows twice)
-            "trainer": settings.trainer.model_copy(update={"run_relay": False}),
-            "dispatcher": settings.dispatcher.model_copy(
-                update={"scheduler_interval_s": min(settings.dispatcher.scheduler_interval_s, 0.2)}
-            ),
         }
     )
-
-
-def executors(runtime: Runtime) -> Sequence[Component]:
-    """The services the dispatcher feeds, in the order they start (before the dispatcher)."""
-    return [SandboxWorkerService(runtime), Gateway(runtime), RewardScorer(runtime), Trainer(runtime)]
 
 
 @dataclass
@@ -130,18 +115,9 @@ async def serve(data_dir: Path, *, host: str, port: int, out: TextIO) -> None:
     key = await admin_key(settings)
     app = create_app(settings, executors=executors)
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # as temper.runtime.run_service: stop serving on SIGTERM/SIGINT, then leave
-            # the lifespan (consumers, sandboxes, the trainer) in order
-            with super().capture_signals():
-                yield
-                self._captured_signals.clear()
-
     async with app.router.lifespan_context(app):
         config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="off")
-        server = Server(config)
+        server = GracefulServer(config)
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():  # noqa: ASYNC110 - uvicorn sets a flag, no event
             await asyncio.sleep(0.05)

@@ -1,6 +1,6 @@
 """``python -m services.inference_gateway``: the gateway on port 8001 (``TEMPER_PORT``).
 
-Backends, timeouts and limits come from ``TEMPER_INFERENCE__*`` (see temper.policy.config);
+Backends, timeouts and limits come from ``TEMPER_INFERENCE__*`` (see temper.settings.inference);
 bus and object store from ``TEMPER_BUS__*``/``TEMPER_STORAGE__*``. Bad settings or an
 unreachable broker print one line naming the setting and exit with status 2.
 """

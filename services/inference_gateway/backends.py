@@ -1,25 +1,15 @@
-"""Model backends behind one interface. Two speak vLLM's OpenAI-compatible HTTP API; the
-third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engine in-process.
+"""The model backend interface (:class:`Backend`), what it answers, and the HTTP client that
+two of its kinds share: both speak the OpenAI-compatible completions API.
 
-- :class:`CpuServerBackend`: Temper's CPU engine. Reports ``policy_version`` in every
-  response; reloads with ``POST /v1/load_weights``.
-- :class:`VLLMBackend`: a vLLM server. Targets vLLM >= 0.10.2 (``return_token_ids``:
-  ``choices[].token_ids``); for 0.6.x-0.10.1 token ids are read from
-  ``logprobs.tokens`` (``"token_id:<id>"``, via ``return_tokens_as_token_ids``). Reload:
-  a LoRA adapter per policy version (``/v1/load_lora_adapter``, needs
-  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), or a full reload through
-  ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``). See docs/inference.md.
+- :class:`CpuServerBackend` (here): Temper's CPU model server. Reports ``policy_version``
+  in every response; reloads with ``POST /v1/load_weights``.
+- :class:`services.inference_gateway.vllm_backend.VLLMBackend`: a vLLM server.
+- :class:`services.inference_gateway.local.LocalBackend`: the CPU model runner in-process.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import os
 import re
-import shutil
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -32,8 +22,8 @@ import pydantic_core
 
 from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
 from temper.events import SamplingParams
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
 from temper.registry import MANIFEST_FILE, CorruptVersion, Manifest, verify_directory
+from temper.settings.inference import BackendSpec
 
 
 class ErrorKind(StrEnum):
@@ -392,172 +382,7 @@ class CpuServerBackend(Backend):
             return None
 
 
-class VLLMBackend(Backend):
-    """A vLLM OpenAI-compatible server (pinned: vLLM 0.33.0, see docs/inference.md).
-
-    With ``reload_mode=lora`` each policy version is a LoRA adapter named
-    ``<job>-v<version>``, loaded through vLLM's runtime LoRA API from a path the vLLM
-    server reads (the gateway's checkpoint cache on a volume both mount). What it serves
-    is what ``GET /v1/models`` lists: the gateway sends a request with the adapter its
-    table names and tags the result with that adapter's version, so a version is used
-    only after the server listed it. Older adapters of the job than the one before are
-    unloaded. Requests of a job with no adapter yet run on the base model (version 0).
-
-    With ``reload_mode=full`` the new weights are first written into the directory vLLM
-    serves (``model_dir`` of the backend spec, on the shared volume), then the server
-    reloads them in place through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``). The
-    base weights are kept beside them (``.temper-base/``) to be put back when the job
-    ends, and ``temper-served.json`` in the directory says whose weights it holds.
-    """
-
-    def __init__(
-        self,
-        spec: BackendSpec,
-        *,
-        model_name: str,
-        reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(spec, model_name=model_name, **kwargs)
-        self.reload_mode = reload_mode
-        self.served_model = self.model_name
-
-    async def complete(self, req: GenerateRequest) -> BackendResult:
-        model = req.adapter or self.served_model
-        data = await self.post("/v1/completions", self.completion_body(req, model=model))
-        fields = parse_completion(data, req.prompt_ids)
-        return BackendResult(**fields, policy_version=req.version, backend=self.name)
-
-    async def load_weights(
-        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
-    ) -> float:
-        if path is None:
-            raise BackendError(ErrorKind.client, "vLLM reload needs a path the vLLM server can read")
-        t0 = time.perf_counter()
-        manifest = _manifest(path)
-        if self.reload_mode is VLLMReloadMode.lora:
-            if manifest is None or manifest.kind != "lora":
-                raise BackendError(
-                    ErrorKind.client,
-                    f"{self.name}: reload_mode=lora needs a LoRA version from the registry; {path} is not one "
-                    "(train with algorithm.lora, or set TEMPER_INFERENCE__VLLM_RELOAD_MODE=full)",
-                )
-            name = adapter_name(manifest.job_id, version)
-            await self.post(
-                "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True, wait_s=300.0
-            )
-            for old, v in (await self._adapters()).get(manifest.job_id, []):
-                if v < version - 1:  # the one before may still run requests sent with it
-                    with contextlib.suppress(BackendError):  # a leftover costs memory, not correctness
-                        await self.post("/v1/unload_lora_adapter", {"lora_name": old}, raw=True)
-        else:
-            if manifest is not None and manifest.kind != "full":
-                raise BackendError(
-                    ErrorKind.client, f"{self.name}: reload_mode=full cannot load a LoRA version"
-                )
-            served = self._model_dir()
-            owner = await asyncio.to_thread(_read_owner, served)
-            job = manifest.job_id if manifest is not None else (job_id or "")
-            if owner is not None and owner[0] != job:
-                raise BackendError(
-                    ErrorKind.not_served, f"{self.name}: holds job {owner[0]!r}'s full weights"
-                )
-            if owner is None:
-                await asyncio.to_thread(_keep_base, served)
-            await asyncio.to_thread(write_full_weights, path, served)
-            await self.post("/collective_rpc", {"method": "reload_weights"}, raw=True, wait_s=600.0)
-            await asyncio.to_thread(_write_owner, served, job, version)
-        return time.perf_counter() - t0
-
-    async def release(self, job_id: str) -> float:
-        t0 = time.perf_counter()
-        if self.reload_mode is VLLMReloadMode.lora:
-            for name, _ in (await self._adapters()).get(job_id, []):
-                await self.post("/v1/unload_lora_adapter", {"lora_name": name}, raw=True)
-        elif self.spec.model_dir:
-            served = Path(self.spec.model_dir)
-            owner = await asyncio.to_thread(_read_owner, served)
-            if owner is not None and owner[0] == job_id:
-                await asyncio.to_thread(write_full_weights, served / BASE_COPY, served)
-                await self.post("/collective_rpc", {"method": "reload_weights"}, raw=True, wait_s=600.0)
-                await asyncio.to_thread((served / OWNER_FILE).unlink)
-        return time.perf_counter() - t0
-
-    async def served(self) -> Served | None:
-        try:
-            adapters = await self._adapters()
-        except BackendError:
-            return None
-        owner = (
-            await asyncio.to_thread(_read_owner, Path(self.spec.model_dir))
-            if self.reload_mode is VLLMReloadMode.full and self.spec.model_dir
-            else None
-        )
-        return Served(
-            base=self.spec.model_dir or self.served_model,
-            at_origin=owner is None,
-            owner=owner[0] if owner else None,
-            version=owner[1] if owner else 0,
-            adapters={job: max(v for _, v in loaded) for job, loaded in adapters.items()},
-        )
-
-    async def _adapters(self) -> dict[str, list[tuple[str, int]]]:
-        """The LoRA adapters the server lists (``GET /v1/models``): job -> (name, version)."""
-        try:
-            r = await self.client.get("/v1/models", timeout=5.0)
-            r.raise_for_status()
-            models = r.json().get("data") or []
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            raise BackendError(ErrorKind.connect, f"{self.name}/v1/models: {exc}") from exc
-        out: dict[str, list[tuple[str, int]]] = {}
-        for m in models:
-            parsed = ADAPTER_NAME.match(str(m.get("id", ""))) if m.get("parent") else None
-            if parsed:
-                out.setdefault(parsed["job"], []).append((parsed[0], int(parsed["version"])))
-        return out
-
-    def _model_dir(self) -> Path:
-        if not self.spec.model_dir:
-            raise BackendError(
-                ErrorKind.client,
-                f"{self.name}: reload_mode=full needs model_dir: the directory vLLM serves, on a volume "
-                "the gateway writes",
-            )
-        return Path(self.spec.model_dir)
-
-
-OWNER_FILE = "temper-served.json"  # in a vLLM model_dir: whose full weights it holds
-BASE_COPY = ".temper-base"  # in a vLLM model_dir: its own weights, put back when the job ends
 ADAPTER_NAME = re.compile(r"^(?P<job>.+)-v(?P<version>\d+)$")
-
-
-def _read_owner(directory: Path) -> tuple[str, int] | None:
-    try:
-        data = json.loads((directory / OWNER_FILE).read_text())
-        return str(data["job_id"]), int(data["version"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write_owner(directory: Path, job_id: str, version: int) -> None:
-    tmp = directory / f".{OWNER_FILE}.tmp"
-    tmp.write_text(json.dumps({"job_id": job_id, "version": version}))
-    os.replace(tmp, directory / OWNER_FILE)
-
-
-def _keep_base(directory: Path) -> None:
-    """Copy the directory's own weights aside before a job's full weights overwrite them."""
-    keep = directory / BASE_COPY
-    if not directory.is_dir() or (keep / "config.json").is_file():
-        return
-    keep.mkdir(exist_ok=True)
-    for name in [p.name for p in directory.iterdir() if p.suffix == ".safetensors"] + [
-        "model.safetensors.index.json",
-        "config.json",
-        "generation_config.json",
-    ]:
-        if (directory / name).is_file():
-            shutil.copyfile(directory / name, keep / name)
 
 
 def adapter_name(job_id: str, version: int) -> str:
@@ -565,7 +390,13 @@ def adapter_name(job_id: str, version: int) -> str:
     return f"{job_id}-v{version}"
 
 
-def _manifest(path: Path) -> Manifest | None:
+def parse_adapter_name(name: str) -> tuple[str, int] | None:
+    """``<job>-v<version>`` (see :func:`adapter_name`) back to its job and version."""
+    m = ADAPTER_NAME.match(name)
+    return (m["job"], int(m["version"])) if m else None
+
+
+def registry_manifest(path: Path) -> Manifest | None:
     """The registry manifest of a fetched version directory (checked), or None for a bare file."""
     if not (Path(path) / MANIFEST_FILE).is_file():
         return None
@@ -573,43 +404,3 @@ def _manifest(path: Path) -> Manifest | None:
         return verify_directory(path)
     except CorruptVersion as exc:
         raise BackendError(ErrorKind.client, str(exc)) from exc
-
-
-def write_full_weights(src: Path, dest: Path) -> None:
-    """Put a full version's weights into the directory vLLM reloads from: every shard
-    first under a temporary name, then renamed, the index last."""
-    src = Path(src)
-    names = [p.name for p in src.iterdir() if p.suffix == ".safetensors"] if src.is_dir() else []
-    if not names:
-        raise BackendError(ErrorKind.client, f"{src}: no safetensors weights to write for vLLM")
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in sorted(names):
-        tmp = dest / f".{name}.tmp"
-        shutil.copyfile(src / name, tmp)
-        os.replace(tmp, dest / name)
-    for extra in ("model.safetensors.index.json", "config.json", "generation_config.json"):
-        if (src / extra).is_file():
-            shutil.copyfile(src / extra, dest / f".{extra}.tmp")
-            os.replace(dest / f".{extra}.tmp", dest / extra)
-
-
-def make_backend(
-    spec: BackendSpec,
-    *,
-    model_name: str,
-    timeout_s: float,
-    connect_timeout_s: float,
-    vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
-) -> Backend:
-    if spec.kind is BackendKind.local:
-        from services.inference_gateway.local import LocalBackend  # torch is imported only when needed
-
-        return LocalBackend(spec, model_name=model_name)
-    kw: dict[str, Any] = {
-        "model_name": model_name,
-        "timeout_s": timeout_s,
-        "connect_timeout_s": connect_timeout_s,
-    }
-    if spec.kind is BackendKind.vllm:
-        return VLLMBackend(spec, reload_mode=vllm_reload_mode, **kw)
-    return CpuServerBackend(spec, **kw)

@@ -18,10 +18,10 @@ from services.inference_gateway.updates import PolicyUpdates
 from temper.bus import Consumer
 from temper.events import InferenceResult, Topics
 from temper.logs import log_event
-from temper.policy.config import InferenceSettings
 from temper.policy.placement import deployment_backends
 from temper.runtime import Runtime
 from temper.settings import Mode
+from temper.settings.inference import InferenceSettings
 
 log = logging.getLogger("services.inference_gateway")
 

@@ -16,17 +16,40 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest, make_backend
+from services.inference_gateway.backends import Backend, BackendResult, CpuServerBackend, GenerateRequest
 from services.inference_gateway.router import RequestFailed, Router
 from services.inference_gateway.sessions import ChatSessions
 from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
 from services.inference_gateway.versions import JobModel, ServedVersions
+from services.inference_gateway.vllm_backend import VLLMBackend
 from services.inference_gateway.weights import Weights
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
 from temper.policy import ChatTokenizer
-from temper.policy.config import InferenceSettings
 from temper.policy.tokenizer import policy_tokenizer
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings, VLLMReloadMode
 from temper.storage import ObjectStore
+
+
+def make_backend(
+    spec: BackendSpec,
+    *,
+    model_name: str,
+    timeout_s: float,
+    connect_timeout_s: float,
+    vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
+) -> Backend:
+    if spec.kind is BackendKind.local:
+        from services.inference_gateway.local import LocalBackend  # torch is imported only when needed
+
+        return LocalBackend(spec, model_name=model_name)
+    kw: dict[str, Any] = {
+        "model_name": model_name,
+        "timeout_s": timeout_s,
+        "connect_timeout_s": connect_timeout_s,
+    }
+    if spec.kind is BackendKind.vllm:
+        return VLLMBackend(spec, reload_mode=vllm_reload_mode, **kw)
+    return CpuServerBackend(spec, **kw)
 
 
 class Inference:

@@ -29,7 +29,7 @@ from services.inference_gateway.cpu_server.runner import (
     SamplingParams,
     build_runner,
 )
-from temper.policy.config import BackendSpec
+from temper.settings.inference import BackendSpec
 
 
 class LocalBackend(Backend):

@@ -37,7 +37,7 @@ from services.inference_gateway.backends import (
 )
 from services.inference_gateway.versions import Serving
 from temper import metrics
-from temper.policy.config import InferenceSettings
+from temper.settings.inference import InferenceSettings
 
 
 class RequestFailed(Exception):

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from temper.policy.config import ToolParser
+from temper.settings.inference import ToolParser
 
 
 class ChatMessage(BaseModel):

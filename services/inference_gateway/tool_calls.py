@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from temper.policy.config import ToolParser
+from temper.settings.inference import ToolParser
 
 
 def parse_tool_calls(text: str, parser: ToolParser) -> tuple[str, list[dict[str, Any]]]:

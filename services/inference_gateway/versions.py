@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.inference_gateway.backends import Backend, Served, adapter_name
-from temper.policy.config import BackendSpec
 from temper.policy.placement import origin_names
+from temper.settings.inference import BackendSpec
 
 
 @dataclass(frozen=True)

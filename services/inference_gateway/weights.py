@@ -31,8 +31,8 @@ from services.inference_gateway.versions import JobModel, ServedVersions
 from temper import metrics, registry
 from temper.events import PolicyUpdate
 from temper.logs import log_event
-from temper.policy.config import InferenceSettings
 from temper.policy.placement import origin_names
+from temper.settings.inference import InferenceSettings
 from temper.storage import NotFound, ObjectStore
 
 log = logging.getLogger("services.inference_gateway")

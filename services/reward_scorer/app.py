@@ -12,7 +12,7 @@ from temper.settings import Settings
 
 def create_app(settings: Settings) -> FastAPI:
     runtime = Runtime(settings, service="reward-scorer")
-    scorer = RewardScorer(runtime, concurrency=settings.sandbox.concurrency)
+    scorer = RewardScorer(runtime)
     app = service_app(runtime, scorer, title="Temper reward scorer")
     app.state.scorer = scorer
     return app

@@ -1,188 +1,73 @@
-"""The reward scorer component: ``reward.requests`` in, ``reward.results`` out.
-
-Idempotent: every scored request leaves a durable record in the object store under
-``rewards/<job>/<episode>/t<turn>-a<attempt>.json`` (the request and its result). A
-redelivered request with the same (episode, turn, attempt) finds its record and the
-stored result is published again, never re-scored. Scoring runs at most
-``concurrency`` submissions at once, each component in fresh sandboxes from the
-scorer's own pool (never the agent's sandbox). It writes nothing to the database: whether
-the episode solved its task is recorded by the dispatcher when it takes the result.
-"""
+"""The reward scorer as a component on the shared :class:`temper.runtime.Runtime`: its own
+sandbox manager (fresh sandboxes for scoring, never an agent's), the
+:class:`services.reward_scorer.scoring.SubmissionScorer` on it, and the ``reward.requests``
+consumer. ``stop()`` stops the consumer before the sandboxes go, so no score is cut off
+half-way by its own shutdown."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import tarfile
-import time
-from collections import OrderedDict
-from typing import Any
-
 from services.reward_scorer import handlers
-from temper import metrics
-from temper.envpkg import grader as envpkg_grader
-from temper.events import RewardRequest, RewardResult, Topics
-from temper.logs import log_event
-from temper.rewards import Scorer, ScoringError
-from temper.rewards.models import load_submission
+from services.reward_scorer.scoring import SubmissionScorer
+from temper.bus import Consumer
 from temper.rewards.runner import scoring_sandbox_settings
 from temper.runtime import Runtime
 from temper.sandbox import SandboxManager
-from temper.storage import NotFound, ObjectStore
-from temper.storage.base import check_key
-from temper.tasks import service as tasks
-from temper.tasks.models import TaskSpec
-
-log = logging.getLogger("temper.reward_scorer")
-
-
-def record_key(
-    job_id: str | None, episode_id: str | None, turn: int | None, attempt: int, fallback: str
-) -> str:
-    def part(value: str | None, default: str) -> str:
-        text = (value or default).replace("/", "_")
-        return text[:120]
-
-    return check_key(
-        f"rewards/{part(job_id, 'no-job')}/{part(episode_id, fallback)}/t{turn or 0}-a{attempt}.json"
-    )
-
-
-def init_metrics() -> None:
-    """This service's outcomes and its own failure reasons export 0 from the start (metrics.zero
-    says why); a component's failures (temper.rewards.scorer) add their series when they occur."""
-    metrics.zero(metrics.REWARDS_SCORED, "ok", "error", "duplicate")
-    metrics.zero(metrics.REWARD_FAILURES, ("*", "unknown_task"), ("*", "bad_submission"))
 
 
 class RewardScorer:
+    """``manager`` replaces the sandbox manager built from the settings (tests share one);
+    ``concurrency`` (default ``TEMPER_REWARD_SCORER__CONCURRENCY``) bounds the scores
+    running at once; ``group`` (default ``TEMPER_REWARD_SCORER__GROUP``) is the consumer
+    group. After ``start()``, ``scoring`` is the scorer."""
+
     def __init__(
         self,
         runtime: Runtime,
         *,
         manager: SandboxManager | None = None,
-        concurrency: int = 8,
-        task_cache: int = 2048,
+        concurrency: int | None = None,
         group: str | None = None,
     ) -> None:
-        init_metrics()
+        settings = runtime.settings.reward_scorer
         self.runtime = runtime
-        self.group = group or runtime.settings.reward_scorer.group  # TEMPER_REWARD_SCORER__GROUP
-        self._own_manager = manager is None
+        self.group = group or settings.group
+        self.concurrency = concurrency or settings.concurrency
         self.manager = manager
-        self.concurrency = concurrency
-        self._gate = asyncio.Semaphore(concurrency)
-        self._inflight: dict[str, asyncio.Lock] = {}
-        self._tasks: OrderedDict[str, TaskSpec] = OrderedDict()
-        self._task_cache = task_cache
-        self.scorer: Scorer | None = None
-        self.scored = 0
-        self.duplicates = 0
+        self._own_manager = manager is None
+        self._scoring: SubmissionScorer | None = None
+        self.consumer: Consumer | None = None
+
+    @property
+    def scoring(self) -> SubmissionScorer:
+        assert self._scoring is not None, "the reward scorer is not started"
+        return self._scoring
 
     async def start(self) -> None:
+        rt = self.runtime
+        if rt.db is None or rt.bus is None or rt.store is None:
+            raise RuntimeError(
+                "RewardScorer needs a started Runtime with a database, a bus and an object store"
+            )
         if self.manager is None:
-            settings = self.runtime.settings
             self.manager = SandboxManager(
-                scoring_sandbox_settings(settings.sandbox),
-                distributed=settings.mode == "distributed",
-                store=self.runtime.store,  # task images are pulled from it
+                scoring_sandbox_settings(rt.settings.sandbox),
+                distributed=rt.settings.mode == "distributed",
+                store=rt.store,  # task images are pulled from it
             )
             await self.manager.start()
-        self.scorer = Scorer(self.manager)
-        self.runtime.checks["sandbox"] = self._check_sandbox
-        await self.runtime.consume_handlers(
-            handlers.topics(self), group=self.group, concurrency=self.concurrency
+        self._scoring = SubmissionScorer(rt.db, rt.store, self.manager, concurrency=self.concurrency)
+        rt.checks["sandbox"] = self._check_sandbox
+        self.consumer = await rt.consume_handlers(
+            handlers.topics(self._scoring, rt.bus), group=self.group, concurrency=self.concurrency
         )
 
     async def stop(self) -> None:
+        if self.consumer is not None:
+            await self.consumer.stop()
+            self.consumer = None
         if self.manager is not None and self._own_manager:
             await self.manager.close()
 
     async def _check_sandbox(self) -> None:
         if self.manager is None or self.manager.backend is None:
             raise RuntimeError("sandbox manager not started")
-
-    @property
-    def store(self) -> ObjectStore:
-        assert self.runtime.store is not None, "the reward scorer needs the object store"
-        return self.runtime.store
-
-    async def task(self, task_id: str) -> TaskSpec:
-        if task_id in self._tasks:
-            self._tasks.move_to_end(task_id)
-            return self._tasks[task_id]
-        assert self.runtime.db is not None
-        async with self.runtime.db.session() as session:
-            spec = await tasks.load_task(session, task_id)
-        self._tasks[task_id] = spec
-        while len(self._tasks) > self._task_cache:
-            self._tasks.popitem(last=False)
-        return spec
-
-    async def handle(self, message: RewardRequest) -> None:
-        key = record_key(message.job_id, message.episode_id, message.turn, message.attempt, str(message.id))
-        lock = self._inflight.setdefault(key, asyncio.Lock())
-        try:
-            async with lock:
-                result = await self._result_for(message, key)
-                assert self.runtime.bus is not None
-                await self.runtime.bus.send_message(Topics.REWARD_RESULTS, result)
-        finally:
-            if not lock.locked():
-                self._inflight.pop(key, None)
-
-    async def _result_for(self, request: RewardRequest, key: str) -> RewardResult:
-        try:
-            stored = json.loads(await self.store.get(key))
-        except NotFound:
-            stored = None
-        if stored is not None:
-            self.duplicates += 1
-            metrics.REWARDS_SCORED.labels(status="duplicate").inc()
-            log_event(log, "reward request redelivered; publishing the stored result", key=key)
-            return RewardResult.model_validate(stored["result"])
-        async with self._gate:
-            result = await self.score(request)
-        record = {"request": request.model_dump(mode="json"), "result": result.model_dump(mode="json")}
-        await self.store.put(key, json.dumps(record).encode(), "application/json")
-        return result
-
-    async def score(self, request: RewardRequest) -> RewardResult:
-        ids: dict[str, Any] = {
-            "job_id": request.job_id, "episode_id": request.episode_id, "turn": request.turn,
-            "attempt": request.attempt, "task_id": request.task_id,
-        }  # fmt: skip
-        t0 = time.perf_counter()
-        try:
-            task = await self.task(request.task_id)
-        except LookupError as exc:
-            metrics.REWARDS_SCORED.labels(status="error").inc()
-            metrics.REWARD_FAILURES.labels(component="*", reason="unknown_task").inc()
-            return RewardResult(**ids, error=str(exc))
-        assert self.scorer is not None
-        try:
-            if request.submission.get("kind") == "package":  # a tenant package: its grade program decides
-                assert self.manager is not None
-                reward, components = await envpkg_grader.grade(
-                    self.manager, self.store, task, request.submission
-                )
-            else:
-                submission = await load_submission(request.submission, self.runtime.store)
-                reward, components = await self.scorer.score(
-                    task, submission, request.weights or None, turns_used=request.turns_used,
-                    max_turns=request.max_turns, format_ok=request.format_ok,
-                )  # fmt: skip
-        except ScoringError as exc:
-            metrics.REWARDS_SCORED.labels(status="error").inc()
-            return RewardResult(**ids, error=f"scoring failed: {exc}")
-        except (ValueError, NotFound, tarfile.TarError, EOFError) as exc:
-            metrics.REWARDS_SCORED.labels(status="error").inc()
-            metrics.REWARD_FAILURES.labels(component="*", reason="bad_submission").inc()
-            return RewardResult(**ids, error=f"bad submission: {exc}")
-        self.scored += 1
-        metrics.REWARDS_SCORED.labels(status="ok").inc()
-        log_event(
-            log, "scored", task_id=request.task_id, reward=reward, seconds=round(time.perf_counter() - t0, 4)
-        )
-        return RewardResult(**ids, reward=reward, components=components)

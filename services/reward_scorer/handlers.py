@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from temper.events import Topics
+from services.reward_scorer.scoring import SubmissionScorer
+from temper.bus import Bus
+from temper.events import RewardRequest, Topics
 
-if TYPE_CHECKING:
-    from services.reward_scorer.component import RewardScorer
 
+def topics(scoring: SubmissionScorer, bus: Bus) -> dict[str, Callable[[Any], Awaitable[None]]]:
+    async def on_reward_request(message: RewardRequest) -> None:
+        # scored once per (episode, turn, attempt); a redelivery gets the recorded result again
+        result = await scoring.result_for(message)
+        await bus.send_message(Topics.REWARD_RESULTS, result)
 
-def topics(scorer: RewardScorer) -> dict[str, Callable[[Any], Awaitable[None]]]:
-    # RewardScorer.handle(message: RewardRequest): score once per request id, answer on
-    # reward.results (a redelivered request gets the recorded result again).
-    return {Topics.REWARD_REQUESTS: scorer.handle}
+    return {Topics.REWARD_REQUESTS: on_reward_request}

@@ -1,4 +1,4 @@
-"""The sandbox worker's process: the :class:`SandboxWorkerService` component on a
+"""The sandbox worker's process: the :class:`SandboxWorkerComponent` component on a
 :class:`Runtime` (bus and object store; no database), ``/health`` and ``/metrics``, and
 the HTTP API of ``routes.py``."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerComponent
 from services.sandbox_worker.routes import APP_INFO, add_routes, local_health
 from services.sandbox_worker.worker import SandboxWorker
 from temper.runtime import Runtime, service_app
@@ -24,7 +24,7 @@ def create_app(settings: Settings | None = None, worker: SandboxWorker | None = 
         return app
 
     runtime = Runtime(settings or get_settings(), service="sandbox-worker", needs_db=False)
-    service = SandboxWorkerService(runtime)
+    service = SandboxWorkerComponent(runtime)
     app = service_app(runtime, service, **APP_INFO)
     app.state.service = service
     app.state.worker = service.worker

@@ -13,15 +13,15 @@ from services.sandbox_worker import handlers
 from services.sandbox_worker.worker import SandboxWorker
 from temper.logs import log_event
 from temper.runtime import Runtime
-from temper.sandbox.config import SandboxSettings
 from temper.settings import Mode
+from temper.settings.sandbox import SandboxSettings
 
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK = "sandbox_worker"  # the component's entry in runtime.checks (and /health)
 
 
-class SandboxWorkerService:
+class SandboxWorkerComponent:
     """The sandbox worker component: ``sandbox.requests`` in, ``sandbox.results`` out.
 
     Built on a shared :class:`Runtime` (bus and object store; no database). ``start()``
@@ -43,9 +43,7 @@ class SandboxWorkerService:
     ) -> None:
         self.runtime = runtime
         s = runtime.settings
-        sandbox = sandbox or s.sandbox.model_copy(
-            update={"allow_unsafe": s.sandbox.allow_unsafe or s.allow_unsafe}
-        )
+        sandbox = sandbox or s.sandbox
         self.worker = SandboxWorker(sandbox, distributed=s.mode is Mode.distributed, worker_id=worker_id)
         self.group = group or sandbox.group
         self.consumer: Any = None

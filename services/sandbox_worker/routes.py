@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from services.sandbox_worker.schemas import (
@@ -21,7 +24,16 @@ from services.sandbox_worker.schemas import (
 )
 from services.sandbox_worker.worker import SandboxWorker
 from temper import metrics
-from temper.sandbox import Action, ExecResult, SandboxError, SessionNotFound, SnapshotError
+from temper.sandbox import (
+    Action,
+    ExecResult,
+    RequestRefused,
+    SandboxError,
+    SessionExists,
+    SessionNotFound,
+    SnapshotError,
+)
+from temper.sandbox.images import ImageError
 
 
 def get_worker(request: Request) -> SandboxWorker:
@@ -65,8 +77,42 @@ APP_INFO: dict[str, Any] = {
 }
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as strings: JSON has no such numbers, and a 422
+    that echoes the bad input must still serialise."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _refused(loc: list[str], message: str, status: int = 422) -> JSONResponse:
+    return JSONResponse({"detail": [{"loc": loc, "msg": message}]}, status_code=status)
+
+
 def add_routes(app: FastAPI) -> None:
-    """Sessions, one-shot runs and ``POST /run_code`` on ``app.state.worker``."""
+    """Sessions, one-shot runs and ``POST /run_code`` on ``app.state.worker``. Bad input is
+    a 4xx naming the field (422), a duplicate session id a 409; 503 is the worker's own
+    failure."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
+
+    @app.exception_handler(RequestRefused)
+    async def _request_refused(request: Request, exc: RequestRefused) -> JSONResponse:
+        return _refused(["body", *exc.field.split(".")], str(exc))
+
+    @app.exception_handler(ImageError)
+    async def _bad_image(request: Request, exc: ImageError) -> JSONResponse:
+        return _refused(["body", "limits", "image"], str(exc))
+
+    @app.exception_handler(SessionExists)
+    async def _exists(request: Request, exc: SessionExists) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(SessionNotFound)
     async def _not_found(request: Request, exc: SessionNotFound) -> JSONResponse:

@@ -3,9 +3,11 @@ SandboxFusion's ``/run_code``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from temper.sandbox import (
     ExecResult,
@@ -41,6 +43,16 @@ class RunTests(BaseModel):
     stdin: str | None = None
     limits: SandboxLimits | None = None
 
+    @field_validator("files")
+    @classmethod
+    def _base64(cls, files: dict[str, str]) -> dict[str, str]:
+        for path, content in files.items():
+            try:
+                base64.b64decode(content, validate=True)
+            except binascii.Error as e:
+                raise ValueError(f"{path!r}: not base64 ({e})") from None
+        return files
+
 
 class RunTestsResult(BaseModel):
     passed: bool
@@ -49,6 +61,8 @@ class RunTestsResult(BaseModel):
 
 # SandboxFusion's /run_code shapes, plus Temper's explicit truncation fields.
 class RunCodeRequest(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)  # a NaN timeout is a 422 naming it
+
     code: str
     language: str = "python"
     compile_timeout: float = 10

@@ -35,13 +35,15 @@ from temper.sandbox import (
     Action,
     ExecResult,
     KillReason,
+    RequestRefused,
     SandboxError,
     SandboxLimits,
     SandboxManager,
     SnapshotError,
 )
-from temper.sandbox.config import SandboxSettings
 from temper.sandbox.images import ImageError
+from temper.sandbox.sandbox import refuse_files
+from temper.settings.sandbox import SandboxSettings
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +127,17 @@ class SandboxWorker:
     ) -> tuple[ExecResult, dict[str, str]]:
         """``main`` run once where no other run was (``SandboxManager.run_fresh``): the
         ``files`` (path -> base64) written first, ``fetch`` read back as base64 (a missing
-        file is left out). A file that cannot be written is a SandboxError."""
-        raw = {path: base64.b64decode(content or "") for path, content in files.items()}
+        file is left out). A file that is not base64, or whose path leaves the workspace,
+        is a RequestRefused naming ``files``; a failure of the run itself a SandboxError."""
+        raw: dict[str, bytes] = {}
+        for path, content in files.items():
+            try:
+                raw[path] = base64.b64decode(content or "", validate=True)
+            except binascii.Error as e:
+                raise RequestRefused("files", f"file {path!r} is not base64: {e}") from None
+        refused = refuse_files(raw, limits or self.settings.default_limits)
+        if refused is not None:
+            raise RequestRefused("files", refused.error or "a file cannot be written")
         result, fetched = await self._run(self.manager.run_fresh(limits, raw, main, fetch))
         if result.error:
             raise SandboxError(result.error)
@@ -259,12 +270,12 @@ class SandboxWorker:
                 return f"snapshot {request.snapshot_key} not found"
             except SnapshotError as e:
                 return f"snapshot {request.snapshot_key} cannot be restored: {e}"
-            except ImageError as e:
+            except (ImageError, RequestRefused) as e:
                 return str(e)
             return None
         try:
             await self.manager.create_session(limits, session_id=sid)
-        except ImageError as e:  # missing or corrupt: the job's submission checks it was published
+        except (ImageError, RequestRefused) as e:  # the job's submission checks both
             return str(e)
         for path, content in request.files.items():
             r = await self.manager.act(sid, Action(kind="write_file", path=path, content=content))

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI
 
 from services.trainer.component import Trainer
+from services.trainer.routes import router
 from temper.runtime import Runtime, service_app
 from temper.settings import Settings
 
@@ -17,9 +16,5 @@ def create_app(settings: Settings) -> FastAPI:
     trainer = Trainer(runtime)
     app = service_app(runtime, trainer, title="Temper trainer", version="1")
     app.state.trainer = trainer
-
-    @app.get("/v1/status", summary="Policy version, step, buffered trajectories and skipped groups per job")
-    async def status() -> dict[str, Any]:
-        return trainer.status()
-
+    app.include_router(router)
     return app

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from services.trainer.component import build_learner
+from services.trainer.learners import build_learner
 from services.trainer.ranks import Ranks
 from temper.jobspec import JobSpec
 from temper.logs import configure_logging, log_event

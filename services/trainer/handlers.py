@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from temper.events import Topics
-
-if TYPE_CHECKING:
-    from services.trainer.component import Trainer
+from services.trainer.training import JobTrainer
+from temper.events import Topics, TrajectoryReady
 
 
-def topics(trainer: Trainer) -> dict[str, Callable[[Any], Awaitable[None]]]:
-    # Trainer.handle(message: TrajectoryReady): buffer it durably (a ledger row), wake the loop.
-    return {Topics.TRAJECTORIES: trainer.handle}
+def topics(training: JobTrainer) -> dict[str, Callable[[Any], Awaitable[None]]]:
+    async def on_trajectory(message: TrajectoryReady) -> None:
+        # buffer it durably (a ledger row) and wake the training loop; a redelivery is a no-op
+        await training.receive(message)
+
+    return {Topics.TRAJECTORIES: on_trajectory}

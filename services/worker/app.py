@@ -1,5 +1,5 @@
-"""The worker's process: a Celery app on the batch queue (:mod:`temper.batch`) running
-the tasks of ``handlers.py``, and their schedule under ``celery beat``:
+"""The worker's process: a Celery app on the Celery queue (:mod:`temper.celery_queue`)
+running the Celery tasks of ``celery_tasks.py``, and their schedule under ``celery beat``:
 
 - ``temper.validate_taskset(taskset_id)`` runs the validation pipeline, reporting
   progress as task state ``PROGRESS`` with ``{"current", "total"}``;
@@ -17,33 +17,33 @@ from typing import Any
 
 from celery import Celery
 
-from services.worker import handlers
-from temper import batch
+from services.worker import celery_tasks
+from temper import celery_queue
 from temper.settings import Settings, get_settings
 
 RETENTION_INTERVAL_S = 24 * 3600.0
 
 
 def create_app(settings: Settings) -> Celery:
-    app = batch.make_celery(
+    app = celery_queue.make_celery(
         settings.redis.url,
         beat_schedule={
-            "delete-expired-objects": {"task": batch.RETENTION, "schedule": RETENTION_INTERVAL_S},
+            "delete-expired-objects": {"task": celery_queue.RETENTION, "schedule": RETENTION_INTERVAL_S},
         },
     )
 
-    @app.task(name=batch.VALIDATE_TASKSET, bind=True)
+    @app.task(name=celery_queue.VALIDATE_TASKSET, bind=True)
     def validate_taskset(self: Any, taskset_id: str) -> dict[str, Any]:
         def progress(current: int, total: int) -> None:
             self.update_state(
                 state="PROGRESS", meta={"current": current, "total": total, "taskset_id": taskset_id}
             )
 
-        return asyncio.run(handlers.validate_taskset(get_settings(), taskset_id, progress))
+        return asyncio.run(celery_tasks.validate_taskset(settings, taskset_id, progress))
 
-    @app.task(name=batch.RETENTION)
+    @app.task(name=celery_queue.RETENTION)
     def retention() -> dict[str, Any]:
-        return asyncio.run(handlers.retention(get_settings()))
+        return asyncio.run(celery_tasks.retention(settings))
 
     return app
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from services.launcher.processes import free_port, fresh_database, run_groups, stack_env
+from services.launcher.resources import free_port, fresh_database, run_groups, stack_env
 
 pytestmark = [
     pytest.mark.postgres,
@@ -89,7 +89,6 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
         "POSTGRES_PASSWORD": user_pw.group(2),
         "MINIO_ROOT_USER": stack.get("TEMPER_STORAGE__ACCESS_KEY", "temper"),
         "MINIO_ROOT_PASSWORD": stack.get("TEMPER_STORAGE__SECRET_KEY", "temper-secret-key"),
-        "TEMPER_API_SECRET": secrets.token_urlsafe(24),
         "TEMPER_BOOTSTRAP_KEY": "tmp_" + secrets.token_urlsafe(30),
     }
     services = compose_services()
@@ -170,6 +169,6 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
                 proc.kill()
         import asyncio
 
-        from services.launcher.processes import _admin_sql
+        from services.launcher.resources import admin_sql
 
-        asyncio.run(_admin_sql(db_url, f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)'))
+        asyncio.run(admin_sql(db_url, f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)'))

@@ -40,7 +40,7 @@ SERVICES = {
     "dispatcher": """
 from services.dispatcher import episodes, scheduler
 from temper.events import Topics
-episodes.init_metrics()                 # EpisodeEngine() at start
+episodes.init_metrics()                 # EpisodeMachine() at start
 scheduler.init_job_metrics(JOB)         # a job started
 asyncio.run(subscribe([Topics.INFERENCE_RESULTS, Topics.SANDBOX_RESULTS, Topics.REWARD_RESULTS], "dispatcher"))
 """,
@@ -58,11 +58,11 @@ SandboxManager(SandboxSettings())       # at start
 asyncio.run(subscribe([Topics.SANDBOX_REQUESTS], "sandbox-worker"))
 """,
     "reward-scorer": """
-from services.reward_scorer.component import init_metrics
+from services.reward_scorer.scoring import init_metrics
 from temper.events import Topics
 from temper.sandbox import SandboxManager
 from temper.settings import SandboxSettings
-init_metrics()                          # RewardScorer() at start
+init_metrics()                          # SubmissionScorer() at start
 SandboxManager(SandboxSettings())
 asyncio.run(subscribe([Topics.REWARD_REQUESTS], "reward-scorer"))
 """,

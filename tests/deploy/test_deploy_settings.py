@@ -57,7 +57,7 @@ def test_a_bad_compose_value_fails_naming_service_and_variable(tmp_path):
 
 def test_a_missing_required_compose_variable_fails(tmp_path):
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    doc["services"]["dispatcher"]["environment"]["TEMPER_API__SECRET"] = "${NOT_IN_THE_EXAMPLE:?set it}"
+    doc["services"]["dispatcher"]["environment"]["TEMPER_LOG__LEVEL"] = "${NOT_IN_THE_EXAMPLE:?set it}"
     bad = tmp_path / "docker-compose.yml"
     bad.write_text(yaml.safe_dump(doc, sort_keys=False))
     result = run_check("compose", bad)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from temper.policy.config import BackendKind
 from temper.runtime import load_settings
+from temper.settings.inference import BackendKind
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -40,6 +39,7 @@ import httpx
 from sqlalchemy import func, select
 
 from services.launcher import processes as launcher
+from services.launcher import resources
 from temper.client import TemperClient
 from temper.db import SKIPPED_JOB_ENDED, SKIPPED_STALE, Episode, Job, PolicyVersion, Step, TrainedTrajectory
 from temper.events import Topics
@@ -108,7 +108,7 @@ def small_spec(name: str, **overrides: Any) -> dict[str, Any]:
 
 
 def free_port() -> int:
-    return launcher.free_port()
+    return resources.free_port()
 
 
 # --- private servers: broken and restored by tests, never the shared ones --------------------------
@@ -426,7 +426,7 @@ class FaultStack:
     SERVICE_NAMES = tuple(name for name, _ in launcher.SERVICES)
 
     def __post_init__(self) -> None:
-        self.stack_env = launcher.stack_env()
+        self.stack_env = resources.stack_env()
         if self.storage:
             self.stack_env.update(self.storage)
         if self.bootstrap:
@@ -450,18 +450,18 @@ class FaultStack:
 
         base = self.db_url or self.stack_env["TEMPER_DB__URL"]
         name = "fault_" + self.run_id.replace("-", "_")
-        self.database_url = launcher.fresh_database(base, name)
+        self.database_url = resources.fresh_database(base, name)
         upgrade(self.database_url)
         policy_dir = self.run_dir / "policy-v0"
         save_checkpoint(create_model("tiny", seed=0), policy_dir, metadata={"version": 0, "preset": "tiny"})
         policy_key = f"runs/{self.run_id}/policy-v0"
         files = {p.name: p.read_bytes() for p in sorted(policy_dir.iterdir()) if p.is_file()}
-        asyncio.run(launcher.upload_files(self.stack_env, files, policy_key))
+        asyncio.run(resources.upload_files(self.stack_env, files, policy_key))
         self.spec["policy"]["init"] = policy_key
         self.policy_dir = policy_dir
         bootstrap = self.stack_env["TEMPER_BUS__BOOTSTRAP"]
-        self.group_env, groups = launcher.run_groups(self.run_id)
-        asyncio.run(launcher.groups_start_at_end(bootstrap, groups, self.ns))  # creates the topics too
+        self.group_env, groups = resources.run_groups(self.run_id)
+        asyncio.run(resources.groups_start_at_end(bootstrap, groups, self.ns))  # creates the topics too
         watched = [*Topics.ALL, *(Topics.dead_letter(t) for t in Topics.ALL)]
         self.offsets = asyncio.run(_end_offsets(bootstrap, watched, self.ns))
         self.groups = groups
@@ -478,7 +478,6 @@ class FaultStack:
         env.update(
             TEMPER_MODE="distributed",
             TEMPER_DB__URL=self.database_url,
-            TEMPER_API__SECRET=secrets.token_urlsafe(24),
             TEMPER_API__BOOTSTRAP_KEY=self.key,
             TEMPER_INFERENCE__BACKENDS=json.dumps(backends),
             TEMPER_INFERENCE__MODEL_NAME=self.spec["policy"]["model"],

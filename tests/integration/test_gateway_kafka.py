@@ -18,9 +18,9 @@ from temper.bus import Record
 from temper.bus.kafka import start_groups_at_end
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, SamplingParams, Topics, decode
 from temper.policy import create_model, default_tokenizer, encode_chat, save_weights, token_logprobs
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime
 from temper.settings import BusKind, BusSettings, Settings
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.s3, pytest.mark.timeout(120)]
 TOK = default_tokenizer()

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerComponent
 from temper.bus.kafka import start_groups_at_end
 from temper.events import Message, SandboxRequest, SandboxResult, Topics
 from temper.runtime import Runtime
@@ -99,7 +99,7 @@ async def test_multi_action_session_over_kafka(kafka_bootstrap, s3_settings, roo
         settings_for(kafka_bootstrap, s3_settings, root, group), service="sandbox-worker", needs_db=False
     )
     await wruntime.start()
-    service = SandboxWorkerService(wruntime, worker_id=f"w-{unique}")
+    service = SandboxWorkerComponent(wruntime, worker_id=f"w-{unique}")
     await service.start()
     bus = client.bus
     assert bus is not None
@@ -191,7 +191,6 @@ async def test_session_survives_a_sigkilled_worker_through_its_snapshot(
     env = {k: v for k, v in os.environ.items() if not k.startswith("TEMPER_")}
     env.update(
         TEMPER_MODE="distributed",
-        TEMPER_API__SECRET="a-test-secret-for-processes",
         TEMPER_DB__URL=postgres_url,  # required by distributed settings; the worker has no database
         TEMPER_LOG__LEVEL="WARNING",
         TEMPER_PORT=str(port),
@@ -208,7 +207,7 @@ async def test_session_survives_a_sigkilled_worker_through_its_snapshot(
     log = tmp_path / "worker-a.log"
     proc = spawn_worker(env, log)
     b_runtime: Runtime | None = None
-    b: SandboxWorkerService | None = None
+    b: SandboxWorkerComponent | None = None
     try:
         async with httpx.AsyncClient() as http:
             for _ in range(120):
@@ -250,7 +249,7 @@ async def test_session_survives_a_sigkilled_worker_through_its_snapshot(
             settings_for(kafka_bootstrap, s3_settings, root, group), service="sandbox-worker", needs_db=False
         )
         await b_runtime.start()
-        b = SandboxWorkerService(b_runtime, worker_id=f"b-{unique}")
+        b = SandboxWorkerComponent(b_runtime, worker_id=f"b-{unique}")
         await b.start()
         assert not [m for m in mounts_under(root) if f"/w{proc.pid}-" in m], (
             "B swept the dead worker's mounts"

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from temper.logs import JsonFormatter, log_context, log_event, redact
 
@@ -110,3 +111,32 @@ def test_a_client_library_repeating_a_line_is_rate_limited_and_temper_lines_are_
     for i in range(10):
         log_event(ours, "message dead-lettered", logging.ERROR, offset=i)
     assert len(our_lines) == 10
+
+
+def test_a_service_writes_no_hugging_face_progress_bars(tmp_path):
+    """``Loading weights: 100%|…`` on stderr is the console of temper serve and every
+    service's log stream: configured logging turns the bars off, also for a library
+    imported before it."""
+    import subprocess
+    import sys
+
+    from temper.policy.build import build_model_dir, train_tokenizer
+
+    model = build_model_dir(tmp_path / "m", "qwen2", train_tokenizer(["hello world"] * 10, vocab_size=300))
+    load = (
+        f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({str(model)!r})"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    runs = {
+        "without": load,
+        "before": f"from temper.logs import configure_logging; configure_logging('x'); {load}",
+        "after": f"import transformers; from temper.logs import configure_logging; configure_logging('x'); {load}",
+    }
+    stderr = {
+        name: subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        ).stderr
+        for name, code in runs.items()
+    }
+    assert "Loading weights" in stderr["without"], "the check can fail: transformers draws the bar"
+    assert "Loading weights" not in stderr["before"] and "Loading weights" not in stderr["after"], stderr

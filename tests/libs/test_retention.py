@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from services.worker.app import create_app
-from temper.batch import make_celery
+from temper.celery_queue import make_celery
 from temper.db import Episode, Job, PolicyVersion, Tenant
 from temper.retention import delete_expired
 from temper.settings import Settings

@@ -21,8 +21,8 @@ from pydantic import (
 
 from temper import plugins
 from temper.jobspec import ActionFormat, ToolSpec
+from temper.limits import NetworkPolicy
 from temper.sandbox import SandboxLimits
-from temper.sandbox.models import NetworkPolicy
 
 NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 VERSION = r"^[0-9A-Za-z][0-9A-Za-z._-]{0,31}$"

@@ -6,14 +6,42 @@
   (CPU presets), :func:`save_checkpoint`, :func:`load_weights`
 - logprobs: :func:`token_logprobs` (the same function for generation checks and training)
 
-Names are imported lazily, so ``temper.policy.config`` (read by ``temper.settings``) does
+Names are imported lazily, so ``temper.settings.inference`` (read by ``temper.settings``) does
 not pull in torch and transformers.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+# ruff: noqa: F401 - the imports below only give mypy the types of the lazy names
+if TYPE_CHECKING:  # the same names, typed for mypy (at run time they load on first use)
+    from temper.policy.model import (
+        PRESETS,
+        create_model,
+        forward,
+        is_model_dir,
+        load_causal_lm,
+        load_model,
+        load_weights,
+        model_config,
+        pad_batch,
+        position_ids_from_mask,
+        read_metadata,
+        save_checkpoint,
+        save_weights,
+        token_logprobs,
+    )
+    from temper.policy.tokenizer import (
+        ChatTokenizer,
+        TemplateError,
+        assistant_stop_ids,
+        byte_tokenizer,
+        default_tokenizer,
+        encode_chat,
+        extend_chat,
+    )
 
 _MODEL = (
     "PRESETS",

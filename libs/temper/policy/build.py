@@ -179,13 +179,29 @@ def model_config(
     heads: int = 4,
     kv_heads: int = 2,
     max_positions: int = 2048,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool | None = None,
 ) -> Any:
+    """``architecture``'s config at this size. ``head_dim`` is each head's width (by default
+    ``hidden_size // heads``, or the architecture's own: qwen3's 16); vLLM's CPU attention
+    needs 32 or more. ``tie_word_embeddings`` overrides the architecture's (qwen2 and qwen3
+    tie the output layer to the embedding, as Qwen2.5-0.5B does)."""
     from transformers import AutoConfig
 
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose one of {sorted(ARCHITECTURES)}")
     arch = dict(ARCHITECTURES[architecture])
     model_type = arch.pop("model_type")
+    if head_dim is not None:
+        if "head_dim" not in arch and head_dim * heads != hidden_size:
+            # these architectures derive the width from hidden_size / heads
+            raise ValueError(
+                f"{architecture}: head_dim {head_dim} needs hidden_size = heads x head_dim "
+                f"({heads} x {head_dim}), not {hidden_size}"
+            )
+        arch["head_dim"] = head_dim
+    if tie_word_embeddings is not None:
+        arch["tie_word_embeddings"] = tie_word_embeddings
     return AutoConfig.for_model(
         model_type,
         vocab_size=tok.vocab_size,

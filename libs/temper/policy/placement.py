@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings, VLLMReloadMode
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings, VLLMReloadMode
 
 LORA, FULL = "lora", "full"
 

@@ -1,20 +1,13 @@
 """Isolated sandboxes for agent actions: bubblewrap namespaces, cgroups and rlimits,
 a warm pool, stateful sessions and workspace snapshots. See docs/sandbox.md."""
 
+from temper.limits import KillReason, NetworkPolicy, SandboxLimits, ServiceSpec
 from temper.sandbox.backends import Backend, BwrapBackend, ProcessBackend, make_backend
-from temper.sandbox.config import BackendKind, SandboxSettings
-from temper.sandbox.manager import SandboxManager, SessionNotFound
-from temper.sandbox.models import (
-    Action,
-    ExecResult,
-    FileInfo,
-    KillReason,
-    NetworkPolicy,
-    SandboxLimits,
-    ServiceSpec,
-)
+from temper.sandbox.manager import RequestRefused, SandboxManager, SessionExists, SessionNotFound
+from temper.sandbox.models import Action, ExecResult, FileInfo
 from temper.sandbox.sandbox import Sandbox, SandboxError
 from temper.sandbox.snapshot import SnapshotError
+from temper.settings.sandbox import BackendKind, SandboxSettings
 
 __all__ = [
     "Action",
@@ -26,12 +19,14 @@ __all__ = [
     "KillReason",
     "NetworkPolicy",
     "ProcessBackend",
+    "RequestRefused",
     "Sandbox",
     "SandboxError",
     "SandboxLimits",
     "SandboxManager",
     "SandboxSettings",
     "ServiceSpec",
+    "SessionExists",
     "SessionNotFound",
     "SnapshotError",
     "make_backend",

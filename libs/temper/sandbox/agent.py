@@ -42,6 +42,7 @@ ZYGOTE = MODE == "zygote"
 DATA_FD = 3  # in a zygote's action: where its namespace's init reports (status, files)
 PROXY_SOCKET, PROXY_PORT = "/run/temper/proxy.sock", 3128
 CHUNK = 65536
+TRIM_BYTES = 1 << 20  # after a request and reply of more, the agent trims its heap
 # Sessions that outlive actions: the services and the proxy forwarder, each the session
 # of a process the agent forked (setsid), so code in the sandbox cannot join one.
 KEPT: set[int] = set()
@@ -260,14 +261,18 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
 _libc = None
 
 
-def _sys(name, *args):
-    """A libc call that must succeed (OSError otherwise)."""
+def _lib():
     global _libc
     if _libc is None:
         import ctypes
 
         _libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(_libc, name)(*args) != 0:
+    return _libc
+
+
+def _sys(name, *args):
+    """A libc call that must succeed (OSError otherwise)."""
+    if getattr(_lib(), name)(*args) != 0:
         import ctypes
 
         errno = ctypes.get_errno()
@@ -300,26 +305,91 @@ def _inside(path):
     return full
 
 
+SYS_OPENAT2, ENOSYS = 437, 38
+# RESOLVE_NO_XDEV | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH
+RESOLVE_INSIDE = 0x01 | 0x02 | 0x04 | 0x08
+OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a fifo must not block
+OPEN_DIR = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_beneath(dirfd, rel):
+    """An fd for ``rel`` under the directory ``dirfd``, resolved without following a link
+    in any component and without leaving the directory or its mount: openat2 with
+    RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, or (before Linux 5.6) a walk that opens each
+    component with O_NOFOLLOW. OSError for anything else."""
+    import ctypes
+
+    how = (ctypes.c_uint64 * 3)(OPEN_FILE, 0, RESOLVE_INSIDE)
+    fd = _lib().syscall(SYS_OPENAT2, dirfd, rel.encode("utf-8", "surrogateescape"), how, 24)
+    if fd >= 0:
+        return fd
+    errno = ctypes.get_errno()
+    if errno != ENOSYS:
+        raise OSError(errno, os.strerror(errno))
+    *dirs, name = rel.split("/")
+    at = os.open(".", OPEN_DIR, dir_fd=dirfd)
+    try:
+        for part in dirs:
+            nxt = os.open(part, OPEN_DIR, dir_fd=at)
+            os.close(at)
+            at = nxt
+        return os.open(name, OPEN_FILE, dir_fd=at)
+    finally:
+        os.close(at)
+
+
 def _fetch(paths, budget):
     """The fetched files as ``u32 name length, name, i32 size (-1 missing, -2 over the
-    budget), bytes`` records; only regular files inside the workspace."""
+    budget), bytes`` records: only regular files inside the workspace, reached without
+    a link (``_open_beneath``), read from the fd that was checked."""
     out = bytearray()
-    for path in paths:
-        size, body = -1, b""
-        try:
-            full = os.path.realpath(_inside(path))
-            if full.startswith(WORKSPACE + "/"):
-                with open(full, "rb") as f:
-                    body = f.read(budget + 1)
-                size = len(body) if len(body) <= budget else -2
-        except (OSError, ValueError):
-            pass
-        if size < 0:
-            body = b""
-        budget -= len(body)
-        name = path.encode("utf-8", "surrogateescape")
-        out += struct.pack("<I", len(name)) + name + struct.pack("<i", size) + body
+    root = os.open(WORKSPACE, OPEN_DIR)
+    try:
+        for path in paths:
+            size, body = -1, b""
+            try:
+                rel = _inside(path)[len(WORKSPACE) + 1 :]
+                fd = _open_beneath(root, rel)
+                try:
+                    if os.fstat(fd).st_mode & 0o170000 == 0o100000:  # S_IFREG
+                        os.set_blocking(fd, True)
+                        with open(fd, "rb", closefd=False) as f:
+                            body = f.read(budget + 1)
+                        size = len(body) if len(body) <= budget else -2
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError):
+                pass
+            if size < 0:
+                body = b""
+            budget -= len(body)
+            name = path.encode("utf-8", "surrogateescape")
+            out += struct.pack("<I", len(name)) + name + struct.pack("<i", size) + body
+    finally:
+        os.close(root)
     return bytes(out)
+
+
+def kill_namespace():
+    """As PID 1 of a run's pid namespace: SIGKILL every other process in it and reap them
+    all, so that nothing of the run still runs while its files are read. Every process of
+    the namespace descends from its init (nothing in a run can setns into it), and orphans
+    are re-parented to it: once it has no child left, none is left at all, and the common
+    case (nothing left behind) costs one waitpid, not a kill(-1) that walks every process
+    of the host."""
+    for _ in range(10000):
+        while True:
+            try:
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                break
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # only zombies: reaped above on the next turn
+        time.sleep(0.0002)
 
 
 def _wait_for(pid):
@@ -379,6 +449,13 @@ def fresh_namespaces(req):
     _mount("tmpfs", WORKSPACE, "tmpfs", MS_NOSUID | MS_NODEV, f"size={fresh['ws_mb']}m,mode=755,{owner}")
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=1777")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if fresh["shm_mb"]:
+        # The zygote's /dev is read-only (nodes bound in, links fixed); what a run can
+        # write there is its own: a /dev/shm sized from its memory (its pages charged to
+        # the zygote's cgroup, under the run's limit) and a devpts instance, both gone with
+        # the run's mount namespace.
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={fresh['shm_mb']}m,mode=1777")
+        _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
     for path, data in fresh["files"].items():
         full = _inside(path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
@@ -398,6 +475,8 @@ def fresh_namespaces(req):
     for fd in (0, 1, 2):
         os.dup2(null, fd)  # the action's pipes close when the action's processes do
     status = _wait_for(action)
+    if fresh["kill"]:
+        kill_namespace()  # the action's orphans cannot change what is fetched below
     st = os.statvfs(WORKSPACE)
     full = int(st.f_bavail == 0 or st.f_favail == 0)
     report = struct.pack("<iB", status, full) + _fetch(fresh["fetch"], fresh["fetch_max"])
@@ -554,6 +633,7 @@ def run(req):
         else:
             head["exit"] = os.WEXITSTATUS(status)
     send(head, bytes(bufs[rout]), bytes(bufs[rerr]), data)
+    return len(bufs[rout]) + len(bufs[rerr]) + len(data)  # bytes sent back
 
 
 def op_write(req):
@@ -681,7 +761,15 @@ def relay(a, b):
                 pass
 
 
-OPS = {"exec": run, "write": op_write, "read": op_read, "list": op_list, "service": op_service}
+def op_fetch(req):
+    """Files read back after a one-shot run on a sandbox of its own, as a zygote's are."""
+    send({"ok": 1}, data=_fetch(req["paths"], req["max"]))
+
+
+OPS = {
+    "exec": run, "write": op_write, "read": op_read, "list": op_list, "service": op_service,
+    "fetch": op_fetch,
+}  # fmt: skip
 if ZYGOTE:
     OPS = {"exec": run}  # its own workspace is never an action's: only fresh runs
 
@@ -728,9 +816,16 @@ def main():
         except EOFError:
             os._exit(0)
         try:
-            OPS[req["op"]](req)
+            moved = n + (OPS[req["op"]](req) or 0)
         except Exception as e:
+            moved = n
             send({"ok": 0}, data=f"{type(e).__name__}: {e}".encode("utf-8", "replace"))
+        del req
+        if moved > TRIM_BYTES:
+            # Large buffers stay in malloc's heap once freed (glibc raises its mmap
+            # threshold after the first): give them back, so that the agent's memory comes
+            # back to its baseline (a zygote above it is replaced).
+            _lib().malloc_trim(0)
 
 
 main()

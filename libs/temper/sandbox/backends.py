@@ -14,10 +14,11 @@ import subprocess
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from temper.sandbox.config import BackendKind, SandboxSettings
+from temper.limits import NetworkPolicy, SandboxLimits
+from temper.sandbox import seccomp
 from temper.sandbox.images import Image
-from temper.sandbox.models import NetworkPolicy, SandboxLimits
 from temper.sandbox.proxy import SANDBOX_SOCKET
+from temper.settings.sandbox import BackendKind, IsolationPiece, SandboxSettings
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,12 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 IMAGE_SKIP = frozenset(
     {"dev", "proc", "sys", "tmp", "workspace", "run", "boot", "lost+found", "mnt", "media"}
 )
+
+
+def shm_mb(limits: SandboxLimits) -> int:
+    """The size of a sandbox's (or a zygote run's) /dev/shm: half its memory, as the kernel
+    gives a tmpfs half the RAM. Its pages are charged to the sandbox's memory cgroup."""
+    return max(1, limits.memory_mb // 2)
 
 
 class Backend(ABC):
@@ -49,11 +56,22 @@ class Backend(ABC):
         proxy: Path | None = None,
         *,
         zygote: bool = False,
+        seccomp_fd: int | None = None,
     ) -> list[str]:
         """The command line that starts the agent for a sandbox on ``workspace`` (on
         ``image``'s root filesystem when one is given; with ``proxy``, the egress proxy's
         socket, for ``network: allowlist``; with ``zygote``, an agent that runs each action
-        in namespaces of its own, see ``temper.sandbox.zygote``)."""
+        in namespaces of its own, see ``temper.sandbox.zygote``; ``seccomp_fd``: the fd
+        the sandbox's system-call filter (``seccomp_program``) will be read from)."""
+
+    @property
+    def seccomp_program(self) -> bytes | None:
+        """The BPF filter a sandbox starts under (None: this backend has none)."""
+        return None
+
+    def piece_on(self, piece: IsolationPiece) -> bool:
+        """False only where a benchmark switched ``piece`` off (``bench_pieces_off``)."""
+        return piece not in self.settings.bench_pieces_off
 
     @abstractmethod
     def inner_workspace(self, workspace: Path) -> str:
@@ -78,7 +96,8 @@ class Backend(ABC):
 
 class BwrapBackend(Backend):
     """bubblewrap: user, pid, mount, net, ipc, uts and cgroup namespaces; read-only
-    system mounts; the workspace is the only writable place besides a small /tmp."""
+    system mounts and /dev; the workspace is the only writable place besides a small /tmp
+    and /dev/shm; the system-call filter of :mod:`temper.sandbox.seccomp`."""
 
     kind = BackendKind.bwrap
     isolated = True
@@ -88,10 +107,18 @@ class BwrapBackend(Backend):
         super().__init__(settings)
         self.bwrap = shutil.which(settings.bwrap) or settings.bwrap
         self.agent_pyc: Path | None = None
+        self._seccomp: bytes | None = None
 
     def check(self) -> None:
         if not os.path.exists(self.bwrap):
             raise RuntimeError(f"bwrap not found ({self.settings.bwrap}); run scripts/setup_system.sh")
+        if self.piece_on(IsolationPiece.seccomp):
+            # Built here, once: a host that cannot build it runs no sandbox at all.
+            self._seccomp = seccomp.build_filter()
+
+    @property
+    def seccomp_program(self) -> bytes | None:
+        return self._seccomp
 
     def prepare(self, directory: Path) -> None:
         """Compile the agent once, with the sandbox's own interpreter, to a ``.pyc`` that
@@ -136,7 +163,7 @@ class BwrapBackend(Backend):
 
     def mount_args(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
         if image is not None:
-            return self.image_args(image, limits) + self._own_mounts(workspace)
+            return self.image_args(image, limits) + self._own_mounts(workspace, limits)
         args: list[str] = []
         for entry in self.settings.ro_binds:
             source, _, target = entry.partition(":")
@@ -154,12 +181,19 @@ class BwrapBackend(Backend):
         if limits.network is NetworkPolicy.host:
             for path in ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf"):
                 args += ["--ro-bind-try", path, path]
-        return args + self._own_mounts(workspace)
+        return args + self._own_mounts(workspace, limits)
 
-    def _own_mounts(self, workspace: Path) -> list[str]:
-        """What every sandbox gets of its own; the read-only remount of / comes last."""
+    def _own_mounts(self, workspace: Path, limits: SandboxLimits) -> list[str]:
+        """What every sandbox gets of its own; the read-only remount of / comes last.
+        /dev is bwrap's (the device nodes bound in, the fd/stdin/stdout/stderr links, a
+        devpts) made read-only once /dev/shm, a tmpfs of its own, is on it: nothing in the
+        sandbox can add an entry or point a link elsewhere (a zygote's runs each mount a
+        /dev/shm and /dev/pts of their own over these)."""
+        dev = ["--dev", "/dev"]
+        if self.piece_on(IsolationPiece.dev):
+            dev += ["--size", str(shm_mb(limits) << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         return [
-            "--dev", "/dev",
+            *dev,
             "--proc", "/proc",
             "--size", str(16 << 20), "--tmpfs", "/tmp",
             "--bind", str(workspace), SANDBOX_WORKSPACE,
@@ -191,6 +225,7 @@ class BwrapBackend(Backend):
         proxy: Path | None = None,
         *,
         zygote: bool = False,
+        seccomp_fd: int | None = None,
     ) -> list[str]:
         mounts = self.mount_args(workspace, limits, image)
         mode = ["zygote"] if zygote else []
@@ -209,11 +244,16 @@ class BwrapBackend(Backend):
             agent = [SANDBOX_AGENT]
         else:
             agent = ["-c", AGENT_SOURCE]
+        if self._seccomp is not None and seccomp_fd is None:
+            raise ValueError("a bwrap sandbox starts under the system-call filter: pass its fd")
+        # bwrap installs the filter last, just before it execs the agent.
+        filtered = ["--seccomp", str(seccomp_fd)] if self._seccomp is not None else []
         return [
             self.bwrap,
             *self.namespace_args(limits, zygote=zygote),
             "--as-pid-1",
             *mounts,
+            *filtered,
             self.settings.python, "-S", *agent, SANDBOX_WORKSPACE, "pidns", *mode,
         ]  # fmt: skip
 
@@ -258,6 +298,7 @@ class ProcessBackend(Backend):
         proxy: Path | None = None,
         *,
         zygote: bool = False,
+        seccomp_fd: int | None = None,
     ) -> list[str]:
         if zygote:
             raise ValueError("the process backend cannot run a zygote (it has no namespaces)")
@@ -283,6 +324,12 @@ def make_backend(settings: SandboxSettings, *, distributed: bool = False) -> Bac
         raise ValueError(
             "the 'process' sandbox backend has no isolation and is refused in distributed mode; "
             "set TEMPER_SANDBOX__ALLOW_UNSAFE=true to run it anyway"
+        )
+    if settings.bench_pieces_off and distributed and not settings.allow_unsafe:
+        off = ", ".join(settings.bench_pieces_off)
+        raise ValueError(
+            f"TEMPER_SANDBOX__BENCH_PIECES_OFF ({off}) switches isolation off for benchmarks and "
+            "is refused in distributed mode"
         )
     backend = BACKENDS[settings.backend](settings)
     backend.check()

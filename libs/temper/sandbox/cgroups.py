@@ -4,10 +4,15 @@ Works with cgroup v2 (unified hierarchy) or v1 (one hierarchy per controller),
 whichever the host mounts, detected at runtime. Every sandbox gets its own group
 under ``<the worker's own group>/temper-<worker pid>/``; groups left by a worker that
 died are swept when the next one starts.
+
+A write the kernel refuses is an error (:class:`CgroupError`), never ignored: a memory
+limit that did not take would leave the sandbox with the one before it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import signal
@@ -21,6 +26,11 @@ log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpuacct", "freezer")
+
+
+class CgroupError(OSError):
+    """The kernel refused a cgroup write (a limit below what the group already uses, a
+    freeze that did not take): the group does not have the state asked for."""
 
 
 @dataclass
@@ -38,13 +48,13 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _write(path: Path, value: str) -> bool:
+def _write(path: Path, value: str) -> None:
     try:
         with open(path, "w") as f:
             f.write(value)
-        return True
-    except OSError:
-        return False
+    except OSError as e:
+        code = e.errno or 0
+        raise CgroupError(code, f"cannot write {value!r} to {path}: {os.strerror(code)}") from e
 
 
 def _keyed(text: str, key: str) -> int:
@@ -109,6 +119,12 @@ class Cgroup(ABC):
     def reset_peak(self) -> None: ...
 
     @abstractmethod
+    def resident_bytes(self) -> int:
+        """Memory the group holds that it cannot give back without swap: anonymous memory
+        and shared memory (tmpfs, SysV and POSIX shm), from ``memory.stat``. Not the usage
+        counter, which counts page cache too (reclaimed under pressure, so no leak)."""
+
+    @abstractmethod
     def _freeze(self, frozen: bool) -> None: ...
 
     @abstractmethod
@@ -150,9 +166,15 @@ class Cgroup(ABC):
     def destroy(self, timeout_s: float = 5.0) -> int:
         """Kill everything in the group and remove it. Returns how many processes were
         still alive when the timeout passed (0 unless something is badly wrong)."""
-        self.kill_except(set())
         deadline = time.monotonic() + timeout_s
         while True:
+            try:
+                self.kill_except(set())
+            except CgroupError as e:  # no freeze: kill anyway, and count what survives
+                log.error("cgroup %s: %s", self.name, e)
+                for pid in self.procs():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             left = self.procs()
             if not left:
                 self._close_files()
@@ -162,8 +184,6 @@ class Cgroup(ABC):
                 log.error("cgroup %s: %d processes survived the kill", self.name, len(left))
                 self._close_files()
                 return len(left)
-            if left:
-                self.kill_except(set())
             time.sleep(0.0005)
 
 
@@ -178,8 +198,20 @@ class CgroupV2(Cgroup):
 
     def set_limits(self, *, memory_bytes: int, pids: int) -> None:
         _write(self.path / "memory.max", str(memory_bytes))
-        _write(self.path / "memory.swap.max", "0")
+        # Below the usage, the write reclaims and OOM-kills what it can and then succeeds
+        # even if what is left (shared memory no process holds) does not fit.
+        current = int(_read(self.path / "memory.current").strip() or 0)
+        if current > memory_bytes:
+            raise CgroupError(
+                errno.EBUSY, f"{self.path}: {current} bytes in use, above the new memory.max {memory_bytes}"
+            )
+        if (self.path / "memory.swap.max").exists():  # only with swap accounting
+            _write(self.path / "memory.swap.max", "0")
         _write(self.path / "pids.max", str(pids))
+
+    def resident_bytes(self) -> int:
+        stat = self._get(self.path / "memory.stat")
+        return _keyed(stat, "anon") + _keyed(stat, "shmem")
 
     def procs(self) -> list[int]:
         return [int(p) for p in _read(self.path / "cgroup.procs").split()]
@@ -204,7 +236,9 @@ class CgroupV2(Cgroup):
                 time.sleep(0.0002)
 
     def destroy(self, timeout_s: float = 5.0) -> int:
-        _write(self.path / "cgroup.kill", "1")
+        if (self.path / "cgroup.kill").exists():  # Linux 5.14 and later
+            with contextlib.suppress(CgroupError):  # the freeze-and-kill below still runs
+                _write(self.path / "cgroup.kill", "1")
         return super().destroy(timeout_s)
 
     def _remove_dirs(self) -> bool:
@@ -227,16 +261,24 @@ class CgroupV1(Cgroup):
         return [str(p / "cgroup.procs") for p in self.paths.values()]
 
     def set_limits(self, *, memory_bytes: int, pids: int) -> None:
+        """Raises CgroupError when the kernel refuses a value: on v1, a memory limit below
+        the group's usage that reclaim cannot reach (``EBUSY``) leaves the old limit."""
         mem = self.paths["memory"]
         # memsw must stay >= the memory limit: order the two writes by direction.
         cur = int(_read(mem / "memory.limit_in_bytes").strip() or 0)
-        files = ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+        files = ["memory.limit_in_bytes"]
+        if (mem / "memory.memsw.limit_in_bytes").exists():  # only with swap accounting
+            files.append("memory.memsw.limit_in_bytes")
         if memory_bytes > cur:
             files.reverse()
         for f in files:
             _write(mem / f, str(memory_bytes))
         _write(mem / "memory.swappiness", "0")
         _write(self.paths["pids"] / "pids.max", str(pids))
+
+    def resident_bytes(self) -> int:
+        stat = self._get(self.paths["memory"] / "memory.stat")
+        return _keyed(stat, "total_rss") + _keyed(stat, "total_shmem")
 
     def procs(self) -> list[int]:
         pids: set[int] = set()

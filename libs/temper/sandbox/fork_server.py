@@ -7,8 +7,9 @@ the path without a fork server (``preexec_fn``), so the cgroup join and the uid 
 written once.
 
 The protocol: the worker sends a ``marshal``-ed request over a SOCK_SEQPACKET socket with
-the child's stdin, stdout and stderr as ``SCM_RIGHTS``; ``{"op": "spawn", argv, env, cwd,
-join, uid, gid}`` answers ``{"pid": N}`` with a pidfd, ``{"op": "ping"}`` answers
+the child's stdin, stdout and stderr, and any further fds the child gets as 3, 4, …, as
+``SCM_RIGHTS``; ``{"op": "spawn", argv, env, cwd, join, uid, gid}`` answers ``{"pid": N}``
+with a pidfd, ``{"op": "ping"}`` answers
 ``{"ok": 1}``. When the socket closes (the worker is gone) every child's process group is
 killed and the server exits.
 """
@@ -55,9 +56,11 @@ def _reap() -> None:
 
 def _child(req: dict, fds: list[int]) -> None:
     try:
-        for i, fd in enumerate(fds[:3]):
+        # The fds received are numbered above every fd this server opened itself (3-5),
+        # so duplicating them down to 0, 1, 2, 3… clobbers none not yet duplicated.
+        for i, fd in enumerate(fds):
             os.dup2(fd, i)
-        os.closerange(3, 65536)
+        os.closerange(len(fds), 65536)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         enter_sandbox(req["join"], req["uid"], req["gid"])

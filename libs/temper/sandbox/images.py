@@ -46,6 +46,10 @@ class ImageError(ValueError):
     """An image that cannot be used: missing, corrupt, unsafe or without python3."""
 
 
+class ImageNotFound(ImageError):
+    """No image with this digest is in object storage."""
+
+
 def check_digest(digest: str) -> str:
     if not DIGEST_RE.match(digest):
         raise ImageError(f"invalid image digest {digest!r}: expected sha256:<64 hex digits>")
@@ -350,7 +354,7 @@ class ImageCache:
             try:
                 blob = await self.store.get(blob_key(digest, self.prefix))
             except NotFound:
-                raise ImageError(f"image {digest} is not in object storage") from None
+                raise ImageNotFound(f"image {digest} is not in object storage") from None
             await asyncio.to_thread(self.install, digest, blob)
             self.pulls[digest] = time.perf_counter() - t0
             return Image(digest, self.path(digest))

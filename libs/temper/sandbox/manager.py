@@ -23,16 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from temper import metrics
+from temper.limits import KillReason, SandboxLimits
 from temper.sandbox import snapshot
+from temper.sandbox.admission import limit_errors, timeout_error
 from temper.sandbox.backends import Backend, make_backend
 from temper.sandbox.cgroups import CgroupManager, detect
-from temper.sandbox.config import SandboxSettings
 from temper.sandbox.images import Image, ImageCache
-from temper.sandbox.models import Action, ExecResult, KillReason, SandboxLimits
-from temper.sandbox.policy import limit_errors, timeout_error
-from temper.sandbox.sandbox import Sandbox, SandboxError, refuse_files
+from temper.sandbox.models import Action, ExecResult
+from temper.sandbox.sandbox import LimitsNotSet, Sandbox, SandboxError, refuse_files
 from temper.sandbox.spawner import Spawner
 from temper.sandbox.zygote import ZygotePool, ZygoteUnsupported
+from temper.settings.sandbox import IsolationPiece, SandboxSettings
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def _sweep_dead_workspaces(parent: Path) -> None:
             pass
         for ws in d.iterdir():
             _umount(ws)
+        _umount(d)  # the root's own tmpfs (a root worker's)
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -66,15 +68,50 @@ def _umount(path: Path) -> None:
     ctypes.CDLL(None, use_errno=True).umount2(str(path).encode(), 2)  # MNT_DETACH; EINVAL if not a mount
 
 
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", 0x2 | 0x4, options.encode()) == 0:  # nosuid, nodev
+        return True
+    log.warning(
+        "cannot mount a tmpfs on %s (errno %d): sandboxes see its host path", path, ctypes.get_errno()
+    )
+    return False
+
+
 class SessionNotFound(KeyError):
     pass
 
 
+class SessionExists(SandboxError):
+    """A session with this id is already held by this worker."""
+
+
+class RequestRefused(SandboxError):
+    """A request this worker will not run, for a reason in one of its fields (``field``,
+    dotted: ``limits.memory_mb``, ``key``, ``files``): the caller's error, not the worker's."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _refuse_limits(limits: SandboxLimits, settings: SandboxSettings) -> None:
+    refused = limit_errors(limits, settings)
+    if refused:
+        raise RequestRefused(f"limits.{refused[0][0]}", "; ".join(message for _field, message in refused))
+
+
+RECYCLE_REASONS = ("limits", "runs", "memory", "broken")
+
+
 def init_metrics() -> None:
-    """Kills by every reason and fresh runs by either path export 0 from the start
-    (metrics.zero says why)."""
+    """Kills by every reason, fresh runs by either path and zygote recycles by every reason
+    export 0 from the start (metrics.zero says why)."""
     metrics.zero(metrics.SANDBOX_KILLS, *KillReason)
     metrics.zero(metrics.SANDBOX_FRESH_RUNS, "zygote", "sandbox")
+    metrics.zero(metrics.SANDBOX_ZYGOTE_RECYCLES, *RECYCLE_REASONS)
 
 
 class SandboxManager:
@@ -98,6 +135,7 @@ class SandboxManager:
         self.images = ImageCache(settings.image_cache, store, prefix=settings.image_prefix)
         self.leaked = 0
         self.started = False
+        self._root_mounted = False
         self.zygotes = ZygotePool(settings.zygotes, self._start_zygote)
 
     # --- lifecycle ------------------------------------------------------------------
@@ -113,6 +151,11 @@ class SandboxManager:
             raise SandboxError("no usable cgroups: memory and pids limits cannot be enforced")
         await asyncio.to_thread(_sweep_dead_workspaces, self.root.parent)
         self.root.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0 and self.backend.isolated:
+            # A tmpfs of its own: what sandboxes bind from here (the compiled agent, proxy
+            # sockets) then shows in their mount table by its path in this tmpfs, not by
+            # the host path with this worker's pid in it.
+            self._root_mounted = _mount_tmpfs(self.root, "size=16m,mode=0711")
         self.root.chmod(0o711)
         await asyncio.to_thread(self.backend.prepare, self.root)
         if self.backend.isolated:
@@ -172,6 +215,9 @@ class SandboxManager:
         for name in ("agent.py", "agent.pyc"):  # what backend.prepare() wrote
             with contextlib.suppress(OSError):
                 (self.root / name).unlink()
+        if self._root_mounted:
+            _umount(self.root)
+            self._root_mounted = False
         with contextlib.suppress(OSError):
             self.root.rmdir()
         self.started = False
@@ -258,9 +304,7 @@ class SandboxManager:
     async def acquire(self, limits: SandboxLimits | None = None, *, sandbox_id: str | None = None) -> Sandbox:
         """A started sandbox with these limits: from the pool when one fits, else a new one."""
         limits = self.with_image(limits or self.settings.default_limits)
-        refused = limit_errors(limits, self.settings)
-        if refused:
-            raise SandboxError("; ".join(message for _field, message in refused))
+        _refuse_limits(limits, self.settings)
         t0 = time.perf_counter()
         sb: Sandbox | None = None
         # Pooled sandboxes all carry the default network policy, services and image; the
@@ -343,9 +387,7 @@ class SandboxManager:
         fit one (fresh namespaces per run, no sandbox start; ``temper.sandbox.zygote``),
         else in a sandbox of its own from the pool, destroyed afterwards."""
         limits = self.with_image(limits or self.settings.default_limits)
-        refused = limit_errors(limits, self.settings)
-        if refused:
-            raise SandboxError("; ".join(message for _field, message in refused))
+        _refuse_limits(limits, self.settings)
         timeout_refused = timeout_error(action.timeout_s, self.settings)
         if timeout_refused is not None:
             return ExecResult(error=timeout_refused), {}
@@ -376,11 +418,7 @@ class SandboxManager:
                 if written.error:
                     return ExecResult(error=f"cannot write {path}: {written.error}"), {}
             result = await self.execute(sb, action)
-            fetched: dict[str, bytes | None] = {}
-            for path in fetch:
-                read = await sb.act(Action(kind="read_file", path=path, encoding="base64"))
-                fetched[path] = base64.b64decode(read.content) if read.content is not None else None
-            return result, fetched
+            return result, await sb.fetch(fetch)
 
     def _zygote_fits(self, limits: SandboxLimits) -> bool:
         """A zygote runs with the pool's network policy, services and image, and only
@@ -405,20 +443,71 @@ class SandboxManager:
     ) -> tuple[ExecResult, dict[str, bytes | None]]:
         metrics.SANDBOX_FRESH_RUNS.labels("zygote").inc()
         self._in_use.add(zygote)
+        recycle: str | None = "broken"  # unless the run comes back
         try:
-            await zygote.apply_limits(limits)
+            try:
+                await zygote.apply_limits(limits)
+            except LimitsNotSet as e:
+                # Whatever holds its memory, this zygote cannot run under these limits; a
+                # fresh one can (and if it cannot either, the run fails: never unlimited).
+                log.warning("zygote %s replaced: %s", zygote.id, e)
+                self._give_back(zygote, "limits")
+                zygote = await self.zygotes.take(fresh=True)
+                self._in_use.add(zygote)
+                recycle = "limits"  # should the fresh one refuse them too
+                await zygote.apply_limits(limits)
+                recycle = "broken"
             t0 = time.perf_counter()
             result, fetched = await zygote.run_fresh(action, files, fetch)
             metrics.SANDBOX_EXEC_SECONDS.observe(time.perf_counter() - t0)
             if result.kill_reason is not None:
                 metrics.SANDBOX_KILLS.labels(reason=result.kill_reason.value).inc()
+            recycle = self._recycle_reason(zygote)
             return result, fetched
         finally:
-            self._in_use.discard(zygote)
-            doomed = self.zygotes.give_back(zygote)
-            if doomed is not None:
-                self._spawn(self._teardown(doomed))
-            metrics.SANDBOX_ZYGOTES.set(self.zygotes.started)
+            self._give_back(zygote, recycle)
+
+    def _recycle_reason(self, zygote: Sandbox) -> str | None:
+        """Why ``zygote`` must not serve another run, or None."""
+        if zygote.dead or zygote.destroyed:
+            return "broken"
+        assert self.backend is not None
+        if not self.backend.piece_on(IsolationPiece.recycle):
+            return None
+        if zygote.runs >= self.settings.zygote_max_runs:
+            return "runs"
+        if zygote.cgroup is not None and zygote.baseline_bytes is not None:
+            resident = zygote.cgroup.resident_bytes()
+            if resident > zygote.baseline_bytes + (self.settings.zygote_memory_margin_mb << 20):
+                log.warning(
+                    "zygote %s replaced: %d MiB resident after a run, idle baseline %d MiB (margin %d MiB)",
+                    zygote.id, resident >> 20, zygote.baseline_bytes >> 20, self.settings.zygote_memory_margin_mb,
+                )  # fmt: skip
+                return "memory"
+        return None
+
+    def _give_back(self, zygote: Sandbox, recycle: str | None) -> None:
+        """Return ``zygote`` to the pool after a run, or destroy it (``recycle`` says why)
+        and start its replacement in the background."""
+        self._in_use.discard(zygote)
+        doomed = self.zygotes.give_back(zygote, recycle=recycle is not None)
+        if doomed is not None:
+            self._spawn(self._teardown(doomed))
+        if recycle is not None:
+            metrics.SANDBOX_ZYGOTE_RECYCLES.labels(recycle).inc()
+            if self.started:
+                self._spawn(self._replenish_zygotes())
+        metrics.SANDBOX_ZYGOTES.set(self.zygotes.started)
+
+    async def _replenish_zygotes(self) -> None:
+        try:
+            doomed = await self.zygotes.replenish()
+        except (SandboxError, OSError) as e:
+            log.warning("a replacement zygote did not start (%s): the next run starts one", e)
+            return
+        if doomed is not None:
+            await self._teardown(doomed)
+        metrics.SANDBOX_ZYGOTES.set(self.zygotes.started)
 
     async def _start_zygote(self) -> Sandbox:
         """A started zygote that has run one empty program (its code paths warm, and the
@@ -429,6 +518,9 @@ class SandboxManager:
             probe, _ = await zygote.run_fresh(Action(kind="run_python", code="pass"), {})
             if probe.exit_code != 0:
                 raise SandboxError(probe.stderr.strip() or str(probe))
+            zygote.runs = 0  # the probe is not a run
+            if zygote.cgroup is not None:
+                zygote.baseline_bytes = zygote.cgroup.resident_bytes()
         except SandboxError as e:
             await self._destroy(zygote)
             if "TimeoutError" in str(e):  # a slow start under load says nothing of the host
@@ -441,7 +533,7 @@ class SandboxManager:
         self, limits: SandboxLimits | None = None, *, session_id: str | None = None
     ) -> str:
         if session_id is not None and session_id in self.sessions:
-            raise SandboxError(f"session {session_id} exists")
+            raise SessionExists(f"session {session_id} exists")
         if len(self.sessions) >= self.settings.max_sessions:
             await self._expire(force_oldest=True)
         sid = session_id or uuid.uuid4().hex
@@ -486,9 +578,21 @@ class SandboxManager:
     async def restore(
         self, key: str, limits: SandboxLimits | None = None, *, session_id: str | None = None
     ) -> str:
-        """A new session whose workspace is the snapshot at ``key``."""
+        """A new session whose workspace is the snapshot at ``key`` (under the worker's
+        ``snapshot_prefix``: a restore cannot unpack any other object of the store)."""
         if self.store is None:
             raise SandboxError("no object store configured for snapshots")
+        from temper.storage.base import check_key  # lazily: storage's clients are heavy
+
+        prefix = self.settings.snapshot_prefix + "/"
+        try:
+            check_key(key)
+        except ValueError as e:
+            raise RequestRefused("key", str(e)) from None
+        if not key.startswith(prefix):
+            raise RequestRefused("key", f"invalid snapshot key {key!r}: snapshots live under {prefix}")
+        if session_id is not None and session_id in self.sessions:
+            raise SessionExists(f"session {session_id} exists")
         data = await self.store.get(key)  # type: ignore[attr-defined]
         sid = await self.create_session(limits, session_id=session_id)
         sb = self.sessions[sid]

@@ -22,7 +22,7 @@ import socket
 from pathlib import Path
 
 from temper import metrics
-from temper.sandbox.models import split_host_port
+from temper.limits import split_host_port
 
 log = logging.getLogger(__name__)
 

@@ -24,19 +24,13 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from temper.sandbox.backends import Backend
-from temper.sandbox.cgroups import Cgroup, CgroupManager, CgroupStats
+from temper.limits import KillReason, NetworkPolicy, SandboxLimits, ServiceSpec
+from temper.sandbox.backends import Backend, shm_mb
+from temper.sandbox.cgroups import Cgroup, CgroupError, CgroupManager, CgroupStats
 from temper.sandbox.fork_server import enter_sandbox
-from temper.sandbox.models import (
-    Action,
-    ExecResult,
-    FileInfo,
-    KillReason,
-    NetworkPolicy,
-    SandboxLimits,
-    ServiceSpec,
-)
+from temper.sandbox.models import Action, ExecResult, FileInfo
 from temper.sandbox.proxy import FORWARD_PORT, EgressProxy
+from temper.settings.sandbox import IsolationPiece
 
 if TYPE_CHECKING:
     from temper.sandbox.images import Image
@@ -53,6 +47,11 @@ FULL_BYTES = 64 << 10  # a workspace with less free space than this counts as fu
 
 class SandboxError(RuntimeError):
     """The sandbox machinery failed (not the code inside it)."""
+
+
+class LimitsNotSet(SandboxError):
+    """The kernel refused a sandbox's limits (a memory limit below what its group already
+    holds): it must not run anything under the limits it had before."""
 
 
 class Workspace:
@@ -182,6 +181,10 @@ class Sandbox:
         self.destroyed = False
         self.created_at = time.monotonic()
         self.last_used = self.created_at
+        self.runs = 0  # fresh runs served (a zygote's)
+        # A zygote's resident memory when idle (CgroupManager.resident_bytes after its probe
+        # run): what it must come back to after each run.
+        self.baseline_bytes: int | None = None
         self._lock = asyncio.Lock()
 
     # --- lifecycle ------------------------------------------------------------------
@@ -190,7 +193,7 @@ class Sandbox:
         try:
             if self.cgroups is not None:
                 self.cgroup = self.cgroups.create(f"sb-{self.id}")
-                self.cgroup.set_limits(memory_bytes=self.limits.memory_mb << 20, pids=self.limits.pids)
+                self._set_limits(self.limits)
             if self.limits.network is NetworkPolicy.allowlist:
                 self.proxy = EgressProxy(
                     self.workspace_root / f"{self.id}.proxy", self.limits.allow,
@@ -207,34 +210,54 @@ class Sandbox:
         uid, gid = self.run_as if self.run_as is not None else (None, None)
         return lambda: enter_sandbox(join, uid, gid)
 
+    def _seccomp_pipe(self) -> int | None:
+        """The read end of a pipe holding the system-call filter, for bwrap to read once."""
+        program = self.backend.seccomp_program
+        if program is None:
+            return None
+        read, write = os.pipe()
+        try:
+            os.write(write, program)  # a few hundred bytes: far below a pipe's buffer
+        finally:
+            os.close(write)
+        return read
+
     async def _spawn(self) -> None:
-        argv = self.backend.agent_argv(
-            self.workspace.path,
-            self.limits,
-            self.image,
-            self.proxy.path if self.proxy else None,
-            zygote=self.zygote,
-        )
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-        if self.spawner is not None and self.spawner.running:
-            # Forked by the small spawner process, not by this (large) one.
-            self.proc = await self.spawner.spawn(
-                argv,
-                env=env,
-                cwd=str(self.workspace.path),
-                join=self.cgroup.join_paths() if self.cgroup else [],
-                run_as=self.run_as,
-            )
-        else:
-            self.proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL,
-                env=env,
-                cwd=str(self.workspace.path),
-                preexec_fn=self._preexec(),
-            )
+        proxy = self.proxy.path if self.proxy else None
+        filter_fd = self._seccomp_pipe()
+        spawner = self.spawner if self.spawner is not None and self.spawner.running else None
+        try:
+            argv = self.backend.agent_argv(
+                self.workspace.path, self.limits, self.image, proxy, zygote=self.zygote,
+                # The spawner's child gets it as its fd 3; a child of this process, as it is.
+                seccomp_fd=None if filter_fd is None else 3 if spawner is not None else filter_fd,
+            )  # fmt: skip
+            extra = [] if filter_fd is None else [filter_fd]
+            if spawner is not None:
+                # Forked by the small spawner process, not by this (large) one.
+                self.proc = await spawner.spawn(
+                    argv,
+                    env=env,
+                    cwd=str(self.workspace.path),
+                    join=self.cgroup.join_paths() if self.cgroup else [],
+                    run_as=self.run_as,
+                    pass_fds=extra,
+                )
+            else:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.DEVNULL,
+                    env=env,
+                    cwd=str(self.workspace.path),
+                    preexec_fn=self._preexec(),
+                    pass_fds=extra,
+                )
+        finally:
+            if filter_fd is not None:
+                os.close(filter_fd)
         try:
             ready = await asyncio.wait_for(self._read_reply(), timeout=10)
         except (TimeoutError, asyncio.IncompleteReadError) as e:
@@ -389,10 +412,19 @@ class Sandbox:
             self.limits.memory_mb,
             self.limits.pids,
         ):
-            self.cgroup.set_limits(memory_bytes=limits.memory_mb << 20, pids=limits.pids)
+            self._set_limits(limits)
         if not self.zygote:  # a zygote's runs mount their own workspace of the limits' size
             self.workspace.resize(limits.workspace_mb)
         self.limits = limits
+
+    def _set_limits(self, limits: SandboxLimits) -> None:
+        assert self.cgroup is not None
+        try:
+            self.cgroup.set_limits(memory_bytes=limits.memory_mb << 20, pids=limits.pids)
+        except CgroupError as e:
+            raise LimitsNotSet(
+                f"sandbox {self.id}: memory_mb={limits.memory_mb}, pids={limits.pids}: {e}"
+            ) from e
 
     # --- protocol -------------------------------------------------------------------
     def _max_frame(self) -> int:
@@ -456,17 +488,41 @@ class Sandbox:
         if refused is not None:
             return refused, {}
         budget = self.limits.file_size_mb << 20
-        fresh = {"files": files, "fetch": list(fetch), "ws_mb": self.limits.workspace_mb, "fetch_max": budget}
+        fresh = {
+            "files": files, "fetch": list(fetch), "ws_mb": self.limits.workspace_mb, "fetch_max": budget,
+            "shm_mb": shm_mb(self.limits) if self.backend.piece_on(IsolationPiece.dev) else 0,
+            "kill": self.backend.piece_on(IsolationPiece.fetch),
+        }  # fmt: skip
         async with self._lock:
             try:
                 if self.dead:
                     await self._respawn()
+                self.runs += 1
                 result, reply = await self._exec(action, fresh=fresh)
             finally:
                 self.last_used = time.monotonic()
         if reply is not None and reply.head.get("ok") != "1":
             raise SandboxError(f"zygote: {reply.data.decode('utf-8', 'replace')}")
         return result, _parse_fetched(reply.data) if reply is not None else {}
+
+    async def fetch(self, paths: list[str] | tuple[str, ...]) -> dict[str, bytes | None]:
+        """Read ``paths`` back from a sandbox's workspace as a zygote run's are: regular
+        files inside the workspace reached without a link, at most ``file_size_mb`` in
+        all (None for the rest)."""
+        if not paths:
+            return {}
+        async with self._lock:
+            if self.dead:
+                await self._respawn()
+            self._send({"op": "fetch", "paths": list(paths), "max": self.limits.file_size_mb << 20})
+            try:
+                reply = await asyncio.wait_for(self._read_reply(), timeout=max(5.0, self.limits.wall_s))
+            except (TimeoutError, asyncio.IncompleteReadError, SandboxError) as e:
+                self._hard_kill()
+                raise SandboxError(f"sandbox agent failed to fetch files: {type(e).__name__}") from e
+        if reply.head.get("ok") != "1":
+            raise SandboxError(f"fetch: {reply.data.decode('utf-8', 'replace')}")
+        return _parse_fetched(reply.data)
 
     def _rlimits(self, cpu_s: float) -> dict[str, tuple[int, int]]:
         lim = self.limits

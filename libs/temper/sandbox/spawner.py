@@ -196,8 +196,12 @@ class Spawner:
         cwd: str,
         join: list[str],
         run_as: tuple[int, int] | None,
+        pass_fds: list[int] | tuple[int, ...] = (),
     ) -> SpawnedProcess:
-        """Start ``argv`` with a pipe on its stdin and stdout (stderr to /dev/null)."""
+        """Start ``argv`` with a pipe on its stdin and stdout (stderr to /dev/null) and
+        ``pass_fds`` as its fds 3, 4, … (the caller still owns and closes them)."""
+        if len(pass_fds) > 5:
+            raise ValueError("the spawner passes at most 8 fds")
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         null = os.open(os.devnull, os.O_RDWR)
@@ -206,7 +210,7 @@ class Spawner:
             "uid": run_as[0] if run_as else None, "gid": run_as[1] if run_as else None,
         }  # fmt: skip
         try:
-            reply, fds = await self._call(request, [in_r, out_w, null])
+            reply, fds = await self._call(request, [in_r, out_w, null, *pass_fds])
         except BaseException:
             os.close(in_w)
             os.close(out_r)

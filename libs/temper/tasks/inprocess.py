@@ -21,7 +21,7 @@ log = get_logger("temper.tasks.inprocess")
 
 
 class InProcessValidation:
-    """``enqueue`` for :func:`temper.tasks.routes.make_router`: validation as a task of the runtime."""
+    """``enqueue`` for the dispatcher's task-set routes (``services.dispatcher.api.tasksets``): validation as a task of the runtime."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime

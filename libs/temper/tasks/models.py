@@ -18,9 +18,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from temper.sandbox.models import SandboxLimits
+from temper.limits import SandboxLimits
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:=-]{0,150}$")
+
+
+MAX_PROMPT_CHARS = 1 << 20  # one task's prompt; a task set upload is limited as a whole too
 
 
 class TaskKind(StrEnum):
@@ -49,7 +52,7 @@ class TaskSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(description="unique within the task set: letters, digits and . _ / : = -")
     kind: TaskKind = TaskKind.code
-    prompt: str = Field(min_length=1)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     files: dict[str, str] = Field(default_factory=dict, description="starting files: path -> content")
     tests: str | None = Field(
         None, description="hidden Python tests (check(candidate), test_* functions or asserts)"

@@ -6,14 +6,21 @@
 - learner: :class:`Learner`, :class:`LearnerConfig`, :func:`pick_device` (``temper.training.learner``)
 - supervised warm start: :func:`warm_start` (``temper.training.sft``)
 
-Names are imported lazily, so ``temper.training.config`` (read by ``temper.settings``)
+Names are imported lazily, so ``temper.settings.trainer`` (read by ``temper.settings``)
 does not pull in torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+# ruff: noqa: F401 - the imports below only give mypy the types of the lazy names
+if TYPE_CHECKING:  # the same names, typed for mypy (at run time they load on first use)
+    from temper.training.batch import Batch, Sample, collate, micro_batches, samples_from_groups
+    from temper.training.grpo import group_advantages, grpo_token_loss, is_zero_variance
+    from temper.training.learner import Learner, LearnerConfig, StepStats, pick_device
+    from temper.training.sft import WarmStartStats, warm_start
 
 _NAMES = {
     "group_advantages": "grpo",
@@ -28,7 +35,6 @@ _NAMES = {
     "LearnerConfig": "learner",
     "StepStats": "learner",
     "pick_device": "learner",
-    "TrainerSettings": "config",
     "warm_start": "sft",
     "WarmStartStats": "sft",
 }

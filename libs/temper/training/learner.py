@@ -10,10 +10,13 @@ norm before AdamW.
 The same code runs on CPU and GPU: on CUDA the forward runs under bf16 autocast
 while weights, gradients and optimizer state stay float32.
 
-Checkpoints are two safetensors files: the weights (``<key>``, the format
+Checkpoints of one process are two safetensors files: the weights (``<key>``, the format
 ``temper.policy.load_weights`` and the inference gateway read) and the optimizer
 state (``<key minus .safetensors>.optimizer.safetensors``) with step and version in
-its metadata. No pickle is involved.
+its metadata; no pickle is involved. A sharded learner (FSDP2 under torchrun) also saves
+its state with ``torch.distributed.checkpoint`` (``temper.training.distributed``), whose
+``.metadata`` file is a pickle: written and read only by the trainer's own ranks, from
+the object store's version prefix, never from a tenant.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ from safetensors.torch import save as st_save
 from temper.jobspec import Advantage, Aggregation, AlgorithmSpec, KLEstimator, LoraSpec, Overlong, Precision
 from temper.logs import log_event
 from temper.policy import load_weights, position_ids_from_mask, save_weights, token_logprobs
+from temper.settings.trainer import Device, TrainerSettings
 from temper.storage import ObjectStore
 from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
-from temper.training.config import Device, TrainerSettings
 from temper.training.grpo import Objective, grpo_token_loss, sample_weights
 from temper.training.lora import (
     SharedBase,

@@ -170,3 +170,17 @@ def save_adapter(model: torch.nn.Module, directory: str | Path, adapter_name: st
         for f in sub.iterdir():
             shutil.move(str(f), Path(directory) / f.name)
         sub.rmdir()
+
+
+def merge_adapter(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> None:
+    """Write ``out_dir``: a Hugging Face model directory with the adapter of ``adapter_dir``
+    folded into the weights of the model in ``base_dir``, in the base's own dtype, with the
+    base's tokenizer and chat template (what ``temper export-model --merge`` writes)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype="auto")
+    with peft_quiet():
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(out_dir))

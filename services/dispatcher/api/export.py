@@ -1,5 +1,5 @@
-"""Getting results out: a job's trajectories in bulk (JSON lines, streamed; or Parquet)
-and its checkpoints.
+"""Getting results out: a job's trajectories in bulk (JSON lines, streamed; or Parquet);
+its policy versions are :mod:`services.dispatcher.api.checkpoints`.
 
 A trajectory record is the stored trajectory (token ids and behaviour logprobs per
 segment, each segment's policy version, turns, reward and reward components) plus the
@@ -14,19 +14,17 @@ import enum
 import io
 import json
 from collections.abc import AsyncIterator
-from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Response, status
+from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 from sqlalchemy import select, true
 
 from services.dispatcher.api import schemas
 from services.dispatcher.api.auth import bearer_scheme
-from services.dispatcher.api.deps import RuntimeDep, SessionDep, StoreDep
+from services.dispatcher.api.deps import RuntimeDep, SessionDep
 from services.dispatcher.api.jobs import AUTH, JobDep
-from temper.db import Episode, Job, PolicyVersion
+from temper.db import Episode, Job
 from temper.runtime import Runtime
 from temper.storage import NotFound
 from temper.trajectory import Trajectory
@@ -43,13 +41,6 @@ JOB_NOT_FOUND: schemas.Responses = {
 class ExportFormat(enum.StrEnum):
     jsonl = "jsonl"
     parquet = "parquet"
-
-
-class Checkpoint(BaseModel):
-    version: int
-    step: int
-    created_at: datetime
-    metrics: dict[str, Any]
 
 
 def record(episode: Episode, trajectory: Trajectory) -> dict[str, Any]:
@@ -213,52 +204,3 @@ async def export_trajectories(
             yield (json.dumps(r, separators=(",", ":")) + "\n").encode()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
-
-
-@router.get(
-    "/v1/jobs/{job_id}/checkpoints",
-    summary="A job's published policy versions",
-    response_model=list[Checkpoint],
-    responses={**JOB_NOT_FOUND, **AUTH},
-)
-async def list_checkpoints(session: SessionDep, job: JobDep) -> list[Checkpoint]:
-    rows = await session.execute(
-        select(PolicyVersion).where(PolicyVersion.job_id == job.id).order_by(PolicyVersion.version)
-    )
-    return [
-        Checkpoint(version=r.version, step=r.step, created_at=r.created_at, metrics=r.metrics or {})
-        for r in rows.scalars()
-    ]
-
-
-@router.get(
-    "/v1/jobs/{job_id}/checkpoints/{version}",
-    summary="Download a policy version's weights (safetensors)",
-    response_class=Response,
-    responses={
-        200: {"description": "the weights", "content": {"application/octet-stream": {}}},
-        404: {"model": schemas.Problem, "description": "no such job, version, or its weights were deleted"},
-        **AUTH,
-    },
-)
-async def download_checkpoint(
-    session: SessionDep,
-    store: StoreDep,
-    job: JobDep,
-    version: Annotated[int, Path(ge=1, le=2**31 - 1)],
-) -> Response:
-    row = await session.get(PolicyVersion, (job.id, version))
-    if row is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job.id} has no policy version {version}")
-    try:
-        data = await store.get(row.checkpoint_key)
-    except NotFound:
-        raise HTTPException(
-            status.HTTP_404_NOT_FOUND, f"the weights of version {version} were deleted"
-        ) from None
-    filename = f"{job.id}-v{version}.safetensors"
-    return Response(
-        data,
-        media_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
-    )

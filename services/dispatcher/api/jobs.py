@@ -12,8 +12,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
+from services.dispatcher.api.bodies import MAX_SPEC_BYTES, read_limited, too_large
 from services.dispatcher.api.deps import CurrentTenant, RuntimeDep, SessionDep
-from services.dispatcher.api.validation import MAX_SPEC_BYTES, check_names, clip, load_document, strict_spec
+from services.dispatcher.api.validation import check_names, load_document, strict_spec
+from temper import problems
 from temper.db import Job
 from temper.envpkg import service as envpkg
 from temper.jobspec import JobSpec, SpecError
@@ -51,12 +53,13 @@ SPEC_BODY: dict[str, Any] = {
 
 def spec_problem(exc: SpecError) -> JSONResponse:
     body = schemas.Problem(
-        detail=f"invalid job spec: {clip(exc.errors[0][0], 200)}: {exc.errors[0][1][:300]}",
+        detail=f"invalid job spec: {problems.one_line(exc.errors[0][0], limit=200)}: {problems.one_line(exc.errors[0][1])}",
         errors=[schemas.FieldError(field=path, message=msg) for path, msg in exc.errors[:100]],
     )
     return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
 
+FORM_OVERHEAD = 64 << 10  # a multipart form's boundaries and headers around the file
 UNSUPPORTED = "send the spec as application/json, application/yaml, or multipart/form-data with a 'spec' file"
 
 
@@ -68,12 +71,16 @@ async def read_spec(request: Request) -> JobSpec:
     if ctype == "multipart/form-data":
         raw = await read_upload(request)
     else:
-        raw = await read_body(request)
+        raw = await read_limited(request, MAX_SPEC_BYTES, "the job spec")
     return strict_spec(load_document(raw, json_body=ctype == "application/json"))
 
 
 async def read_upload(request: Request) -> bytes:
-    """The ``spec`` file (or the first file) of a multipart form."""
+    """The ``spec`` file (or the first file) of a multipart form; a form declared larger than
+    a spec and its form's framing is refused before it is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_SPEC_BYTES + FORM_OVERHEAD:
+        raise too_large("the job spec", MAX_SPEC_BYTES)
     try:
         form = await request.form(max_files=10, max_fields=100)
     except StarletteHTTPException as exc:  # starlette's answer to a malformed form
@@ -85,21 +92,13 @@ async def read_upload(request: Request) -> bytes:
         if upload is None:
             raise SpecError([("(document)", "upload the spec in the form field 'spec'")])
         if isinstance(upload, UploadFile):
-            return await upload.read(MAX_SPEC_BYTES + 1)
+            data = await upload.read(MAX_SPEC_BYTES + 1)
+            if len(data) > MAX_SPEC_BYTES:
+                raise too_large("the job spec", MAX_SPEC_BYTES)
+            return data
         return str(upload).encode()
     finally:
         await form.close()
-
-
-async def read_body(request: Request) -> bytes:
-    """The body, refused once it passes the limit instead of read whole."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_SPEC_BYTES:
-            raise SpecError([("(document)", f"the spec is larger than {MAX_SPEC_BYTES} bytes")])
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def job_or_404(session: SessionDep, tenant: CurrentTenant, job_id: str) -> Job:

@@ -52,7 +52,7 @@ async def load_trajectory(store: ObjectStore, key: str) -> Trajectory | None:
 
 def reward_vector(rewards: dict[str, Any]) -> dict[str, Any]:
     """The components of a stored trajectory's rewards (``{"components": {...}, "format_ok": ...}``
-    as the engine writes them) by name, with ``format_ok`` beside them."""
+    as the episode state machine writes them) by name, with ``format_ok`` beside them."""
     components = rewards.get("components")
     if not isinstance(components, dict):
         return rewards

@@ -30,12 +30,12 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.backends import deployment
+from temper import problems
 from temper.db import Job, Task, TaskSet
 from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.policy.placement import BackendInfo, missing_model_files, need_of, serve_error
 from temper.settings import Settings
 
-MAX_SPEC_BYTES = 1 << 20
 MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few more
 MAX_NODES = 100_000
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -79,7 +79,7 @@ def _yaml_events_ok(raw: bytes) -> None:
             elif isinstance(event, yaml.MappingEndEvent | yaml.SequenceEndEvent):
                 depth -= 1
     except yaml.YAMLError as exc:
-        raise SpecError([("(document)", f"not valid YAML: {str(exc)[:300]}")]) from None
+        raise SpecError([("(document)", f"not valid YAML: {problems.yaml_problem(exc)}")]) from None
 
 
 def check_shape(data: Any) -> None:
@@ -108,8 +108,6 @@ def check_shape(data: Any) -> None:
 
 def load_document(raw: bytes, *, json_body: bool) -> Any:
     """The parsed spec document (JSON, or YAML, which includes JSON), checked for shape."""
-    if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError([("(document)", f"the spec is larger than {MAX_SPEC_BYTES} bytes")])
     if json_body:
         try:
             data = json.loads(raw or b"null")
@@ -122,7 +120,7 @@ def load_document(raw: bytes, *, json_body: bool) -> Any:
         try:
             data = yaml.load(raw, Loader=SpecLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as exc:
-            raise SpecError([("(document)", f"not valid YAML: {str(exc)[:300]}")]) from None
+            raise SpecError([("(document)", f"not valid YAML: {problems.yaml_problem(exc)}")]) from None
     check_shape(data)
     return data
 
@@ -143,7 +141,7 @@ def strict_spec(data: Any) -> JobSpec:
         return JobSpec.model_validate_json(text, strict=True)
     except ValidationError as exc:
         raise SpecError(
-            [(".".join(str(p) for p in e["loc"]) or "(root)", e["msg"][:300]) for e in exc.errors()]
+            [(problems.field_path(e["loc"]), problems.message(e)) for e in exc.errors()]
         ) from None
 
 
@@ -239,8 +237,8 @@ async def limit_errors(session: AsyncSession, *, spec: JobSpec, settings: Settin
     """The sandbox limits every episode would run with (each task's, overridden by the
     environment's) within this deployment's maxima and network rules: a request above a
     maximum is refused now, not clamped by the worker later. (Images: ``image_errors``.)"""
-    from temper.sandbox.models import SandboxLimits
-    from temper.sandbox.policy import limit_errors as policy_errors
+    from temper.limits import SandboxLimits
+    from temper.sandbox.admission import limit_errors as policy_errors
 
     env = {k: v for k, v in spec.environment.limits.items() if k != "image"}
     rows = await session.execute(select(Task.spec["limits"]).where(Task.task_set_id == spec.tasks.taskset))
@@ -260,7 +258,7 @@ async def limit_errors(session: AsyncSession, *, spec: JobSpec, settings: Settin
             for e in exc.errors():
                 name = str(e["loc"][0]) if e["loc"] else ""
                 errors[
-                    (field(name) if name else "environment.limits", f"sandbox limits: {e['msg'][:300]}")
+                    (field(name) if name else "environment.limits", f"sandbox limits: {problems.message(e)}")
                 ] = None
             continue
         for name, message in policy_errors(limits, settings.sandbox):

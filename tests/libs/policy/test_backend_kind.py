@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 
 
 def test_a_backend_with_a_url_is_a_cpu_server_by_default():

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings, VLLMReloadMode
 from temper.policy.placement import (
     Need,
     backend_info,
@@ -16,6 +15,7 @@ from temper.policy.placement import (
     serve_error,
     wait_reason,
 )
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings, VLLMReloadMode
 
 CFG = InferenceSettings()
 

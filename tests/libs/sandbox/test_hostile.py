@@ -6,13 +6,16 @@ with the right kill reason, and the sandbox (and so the worker) must keep servin
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from temper import metrics
 from temper.sandbox import Action, ExecResult, KillReason, SandboxManager
 from tests.libs.sandbox.conftest import SMALL, cgroup_members
 
@@ -198,9 +201,10 @@ async def test_writing_outside_the_workspace(manager: SandboxManager) -> None:
         "os.system('mount -t tmpfs none /usr 2>&1; mount -o remount,rw /usr 2>&1; unshare -U true 2>&1 || echo nouserns')\n"
     )
     r = await attack(manager, py(code))
-    for denied in ("/usr/evil", "/etc/evil", "/evil", "/workspace/../evil", "/proc/evil"):
+    for denied in ("/usr/evil", "/etc/evil", "/evil", "/workspace/../evil", "/proc/evil", "/dev/evil"):
         assert f"denied {denied}" in r.stdout, r.stdout
-    # /tmp and /dev are the sandbox's own small tmpfs mounts: writable, private, gone with it.
+    # /tmp and /dev/shm are the sandbox's own small tmpfs mounts: writable, private, gone
+    # with it; /dev itself is read-only.
     assert "nouserns" in r.stdout
     assert not os.path.exists("/usr/evil") and not os.path.exists("/etc/evil") and not os.path.exists(marker)
 
@@ -351,3 +355,334 @@ async def test_a_tenant_package_grader_reads_neither_the_platform_env_nor_anothe
         assert reward == 1.0
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# --- runs on one zygote: nothing a run leaves reaches the next (issue 27) -----------------
+# Each check is a first run that leaves something where a run can write or register it,
+# and a second run on the same zygote (TEMPER_SANDBOX__ZYGOTES=1) that shows it is gone.
+# test_every_writable_mount_has_a_check lists the run's writable mounts from its own
+# /proc/self/mountinfo and fails on one that no check below covers.
+
+# Writable mount point -> the check that covers it.
+CHECKED_MOUNTS = {
+    "/workspace": "test_files_in_every_writable_mount",
+    "/tmp": "test_files_in_every_writable_mount",
+    "/dev/shm": "test_files_in_every_writable_mount",
+    "/dev/pts": "test_devices",
+    "/proc": "test_processes",
+    **{f"/dev/{node}": "test_devices" for node in ("null", "zero", "full", "random", "urandom", "tty")},
+}
+FILE_MOUNTS = ("/workspace", "/tmp", "/dev/shm")
+
+WRITABLE_MOUNTS = r"""
+import json
+mounts = {}
+for line in open('/proc/self/mountinfo'):
+    fields = line.split()
+    point, options = fields[4], fields[5].split(',')
+    mounts.setdefault(point, []).append('rw' in options)
+print(json.dumps(sorted(p for p, rw in mounts.items() if any(rw))))
+"""
+
+# Programs that take values from the test start with the lines that assign them.
+TOPS = f"TOPS = {FILE_MOUNTS!r}\n"
+
+LISTING = (
+    TOPS
+    + r"""
+import json, os, stat
+out = {}
+for top in TOPS:
+    st = os.lstat(top)
+    entries = [(".", stat.S_IFMT(st.st_mode), oct(st.st_mode & 0o7777), st.st_uid)]
+    for root, dirs, files in os.walk(top):
+        for name in sorted(dirs + files):
+            st = os.lstat(os.path.join(root, name))
+            entries.append((os.path.relpath(os.path.join(root, name), top), stat.S_IFMT(st.st_mode), st.st_size))
+    out[top] = entries
+print(json.dumps(out))
+"""
+)
+
+LEAVE_FILES = (
+    TOPS
+    + r"""
+import os, socket
+for top in TOPS:
+    open(f'{top}/left.txt', 'w').write('from the first run')
+    open(f'{top}/.hidden', 'w').write('x')
+    os.makedirs(f'{top}/d/e', exist_ok=True)
+    open(f'{top}/d/e/deep', 'wb').write(b'z' * 65536)
+    os.mkfifo(f'{top}/fifo')
+    os.symlink('/etc/passwd', f'{top}/link')
+    socket.socket(socket.AF_UNIX).bind(f'{top}/sock')
+    os.chmod(top, 0o700)
+print('left')
+"""
+)
+
+DEVICES = r"""
+import json, os, stat
+dev = {}
+for name in sorted(os.listdir('/dev')):
+    st = os.lstat('/dev/' + name)
+    link = os.readlink('/dev/' + name) if stat.S_ISLNK(st.st_mode) else None
+    dev[name] = (stat.S_IFMT(st.st_mode), oct(st.st_mode & 0o7777), st.st_rdev, link)
+print(json.dumps({"dev": dev, "pts": sorted(os.listdir('/dev/pts'))}))
+"""
+
+LEAVE_DEVICES = r"""
+import os, pty, time
+tried = []
+for attempt in (
+    lambda: os.symlink('/dev/shm/out', '/dev/stdout.new') or os.rename('/dev/stdout.new', '/dev/stdout'),
+    lambda: os.unlink('/dev/stdin'),
+    lambda: open('/dev/planted', 'w').write('x'),
+    lambda: os.mkdir('/dev/planted.d'),
+    lambda: os.chmod('/dev/null', 0o600),
+    lambda: os.chmod('/dev', 0o777),
+    lambda: os.utime('/dev/zero', (0, 0)),
+):
+    try:
+        attempt()
+        tried.append('CHANGED')
+    except OSError as e:
+        tried.append(type(e).__name__)
+open('/dev/null', 'w').write('into the void')
+leader, follower = pty.openpty()  # a pty: /dev/pts/0, held by a daemon below
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(300)
+print(tried, sorted(os.listdir('/dev/pts')))
+"""
+
+LEAVE_IPC = r"""
+import ctypes, os, socket, subprocess, time
+libc = ctypes.CDLL(None, use_errno=True)
+librt = ctypes.CDLL('librt.so.1', use_errno=True)
+subprocess.run(['ipcmk', '-M', '4096'], check=True, capture_output=True)
+subprocess.run(['ipcmk', '-Q'], check=True, capture_output=True)
+subprocess.run(['ipcmk', '-S', '2'], check=True, capture_output=True)
+mq = librt.mq_open(b'/temper-leak', os.O_CREAT | os.O_RDWR, 0o600, None)
+assert mq >= 0, ctypes.get_errno()
+assert librt.mq_send(mq, b'from the first run', 18, 0) == 0
+fd = libc.shm_open(b'/temper-leak', os.O_CREAT | os.O_RDWR, 0o600)
+assert fd >= 0 and os.write(fd, b'from the first run') == 18
+abstract = socket.socket(socket.AF_UNIX)
+abstract.bind('\0temper-leak')
+abstract.listen()
+if os.fork() == 0:  # a daemon holds them all
+    os.setsid()
+    time.sleep(300)
+print('left')
+"""
+
+CHECK_IPC = r"""
+import ctypes, errno, os, socket
+librt = ctypes.CDLL('librt.so.1', use_errno=True)
+libc = ctypes.CDLL(None, use_errno=True)
+sysv = {kind: len(open(f'/proc/sysvipc/{kind}').read().splitlines()) - 1 for kind in ('shm', 'msg', 'sem')}
+mq = librt.mq_open(b'/temper-leak', os.O_RDONLY, 0, None)
+mq_gone = mq < 0 and ctypes.get_errno() == errno.ENOENT
+shm = libc.shm_open(b'/temper-leak', os.O_RDONLY, 0)
+shm_gone = shm < 0 and ctypes.get_errno() == errno.ENOENT
+try:
+    socket.socket(socket.AF_UNIX).connect('\0temper-leak')
+    abstract = 'CONNECTED'
+except ConnectionRefusedError:
+    abstract = 'refused'
+print(sysv, mq_gone, shm_gone, abstract, '@temper-leak' in open('/proc/net/unix').read())
+"""
+
+KEYRINGS = r"""
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    return 'ok' if libc.syscall(nr, *args) >= 0 else errno.errorcode[ctypes.get_errno()]
+added = call(248, b'user', b'temper-leak', b'from the first run', 18, -4)  # add_key to @u
+found = call(250, 10, -4, b'user', b'temper-leak', 0)  # KEYCTL_SEARCH @u
+session = call(250, 0, -3, 1)  # KEYCTL_GET_KEYRING_ID of the session keyring, create it
+print(added, found, session, open('/proc/key-users').read() == KEY_USERS, open('/proc/keys').read())
+"""
+
+LEAVE_SOCKETS = r"""
+import os, socket, time
+tcp = socket.create_server(('127.0.0.1', 4000))
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+udp.bind(('127.0.0.1', 4001))
+tcp6 = socket.socket(socket.AF_INET6)
+tcp6.bind(('::1', 4002))
+tcp6.listen()
+named = socket.socket(socket.AF_UNIX)
+named.bind('\0temper-socket')
+named.listen()
+if os.fork() == 0:  # a daemon keeps them open
+    os.setsid()
+    time.sleep(300)
+print('left')
+"""
+
+CHECK_SOCKETS = r"""
+import socket
+def bound(family, kind, address):
+    s = socket.socket(family, kind)
+    try:
+        s.bind(address)
+        return 'free'
+    except OSError as e:
+        return type(e).__name__
+    finally:
+        s.close()
+try:
+    socket.create_connection(('127.0.0.1', 4000), timeout=1)
+    connect = 'CONNECTED'
+except ConnectionRefusedError:
+    connect = 'refused'
+# Sockets left in /proc/net: 0A is LISTEN, 01 ESTABLISHED (TIME_WAIT and the counters of
+# the shared loopback are not content of a run: see docs/sandbox.md).
+left = [line.split()[3] for name in ('tcp', 'tcp6', 'udp', 'udp6') for line in open('/proc/net/' + name).read().splitlines()[1:]]
+print(connect, bound(socket.AF_INET, socket.SOCK_STREAM, ('127.0.0.1', 4000)),
+      bound(socket.AF_INET, socket.SOCK_DGRAM, ('127.0.0.1', 4001)),
+      bound(socket.AF_INET6, socket.SOCK_STREAM, ('::1', 4002)),
+      bound(socket.AF_UNIX, socket.SOCK_STREAM, '\0temper-socket'),
+      [s for s in left if s != '06'])
+"""
+
+LEAVE_PROCESSES = r"""
+import os, signal, time
+def daemon(body):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            body()
+        os._exit(0)
+def ignore_everything():
+    for sig in range(1, 32):
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError, RuntimeError):
+            pass
+    time.sleep(300)
+daemon(lambda: time.sleep(300))
+daemon(ignore_everything)
+daemon(lambda: os.kill(os.getpid(), signal.SIGSTOP))
+for _ in range(5):  # zombies: never waited for
+    if os.fork() == 0:
+        os._exit(0)
+open('/proc/self/comm', 'w').write('temper-leftover')
+time.sleep(0.2)
+print(len([p for p in os.listdir('/proc') if p.isdigit()]))
+"""
+
+CHECK_PROCESSES = r"""
+import os
+pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+names = [open(f'/proc/{p}/comm').read().strip() for p in pids]
+print(pids == [1, os.getpid()], names)
+"""
+
+
+@pytest.fixture
+async def one_zygote(hostile_settings) -> AsyncIterator[SandboxManager]:
+    """One zygote serves every run (TEMPER_SANDBOX__ZYGOTES=1): whatever a run could leave
+    for the next, the next is there to find it."""
+    from tests.libs.sandbox.conftest import assert_clean_close
+
+    m = SandboxManager(hostile_settings.model_copy(update={"zygotes": 1, "pool_size": 0}))
+    await m.start()
+    yield m
+    await assert_clean_close(m)
+
+
+class TestCrossRun:
+    async def run(self, manager: SandboxManager, action: Action, **limits: object) -> ExecResult:
+        before = manager.zygotes.started, metrics.SANDBOX_FRESH_RUNS.labels("zygote")._value.get()
+        r, _ = await manager.run_fresh(SMALL.model_copy(update=limits), {}, action)
+        after = manager.zygotes.started, metrics.SANDBOX_FRESH_RUNS.labels("zygote")._value.get()
+        assert after == (1, before[1] + 1), "every run of this class is on the one zygote"
+        return r
+
+    async def test_every_writable_mount_has_a_check(self, one_zygote: SandboxManager) -> None:
+        r = await self.run(one_zygote, py(WRITABLE_MOUNTS))
+        assert r.ok, r
+        writable = json.loads(r.stdout)
+        assert set(FILE_MOUNTS) <= set(writable), writable  # the listing itself works
+        unchecked = [m for m in writable if m not in CHECKED_MOUNTS]
+        assert unchecked == [], f"writable mounts with no cross-run check: {unchecked}"
+        for test in set(CHECKED_MOUNTS.values()):
+            assert callable(getattr(self, test)), test
+
+    async def test_files_in_every_writable_mount(self, one_zygote: SandboxManager) -> None:
+        fresh = await self.run(one_zygote, py(LISTING))
+        assert fresh.ok, fresh
+        left = await self.run(one_zygote, py(LEAVE_FILES))
+        assert left.ok and left.stdout == "left\n", left
+        again = await self.run(one_zygote, py(LISTING))
+        assert again.ok and json.loads(again.stdout) == json.loads(fresh.stdout), again.stdout
+
+    async def test_devices(self, one_zygote: SandboxManager) -> None:
+        fresh = await self.run(one_zygote, py(DEVICES))
+        assert fresh.ok and json.loads(fresh.stdout)["pts"] == ["ptmx"], fresh
+        left = await self.run(one_zygote, py(LEAVE_DEVICES))
+        assert left.ok, left
+        tried, pts = left.stdout.rsplit("] [", 1)
+        assert "CHANGED" not in tried and "'0'" in pts, left.stdout
+        again = await self.run(one_zygote, py(DEVICES))
+        assert again.ok and json.loads(again.stdout) == json.loads(fresh.stdout), again.stdout
+        # Its standard streams are its own: nothing of the first run's stands in for them.
+        streams = (
+            "cat /dev/stdin; echo out > /dev/stdout; echo err > /dev/stderr; head -c 4 /dev/zero | wc -c"
+        )
+        mine = await self.run(one_zygote, sh(streams, stdin="in\n"))
+        assert mine.ok and (mine.stdout, mine.stderr) == ("in\nout\n4\n", "err\n"), mine
+
+    async def test_ipc_of_each_kind(self, one_zygote: SandboxManager) -> None:
+        left = await self.run(one_zygote, py(LEAVE_IPC))
+        assert left.ok and left.stdout == "left\n", left
+        again = await self.run(one_zygote, py(CHECK_IPC))
+        assert again.ok, again
+        assert again.stdout == "{'shm': 0, 'msg': 0, 'sem': 0} True True refused False\n", again.stdout
+
+    async def test_keyrings(self, one_zygote: SandboxManager) -> None:
+        fresh = await self.run(one_zygote, sh("cat /proc/key-users"))
+        assert fresh.ok, fresh
+        for _ in range(2):  # the first run's attempt leaves nothing the second can find
+            r = await self.run(one_zygote, py(f"KEY_USERS = {fresh.stdout!r}\n" + KEYRINGS))
+            assert r.ok and r.stdout == "EPERM EPERM EPERM True \n", r
+
+    async def test_sockets(self, one_zygote: SandboxManager) -> None:
+        left = await self.run(one_zygote, py(LEAVE_SOCKETS))
+        assert left.ok and left.stdout == "left\n", left
+        again = await self.run(one_zygote, py(CHECK_SOCKETS))
+        assert again.ok and again.stdout == "refused free free free free []\n", again
+
+    async def test_processes(self, one_zygote: SandboxManager) -> None:
+        left = await self.run(one_zygote, py(LEAVE_PROCESSES))
+        assert left.ok and int(left.stdout) >= 6, left
+        (zygote,) = one_zygote.zygotes._idle
+        assert zygote.cgroup is not None and set(zygote.cgroup.procs()) == zygote.keep
+        again = await self.run(one_zygote, py(CHECK_PROCESSES))
+        assert again.ok and again.stdout.startswith("True ") and "temper-leftover" not in again.stdout, again
+
+    async def test_memory(self, one_zygote: SandboxManager) -> None:
+        await self.run(one_zygote, py("pass"))
+        (zygote,) = one_zygote.zygotes._idle
+        assert zygote.cgroup is not None and zygote.baseline_bytes is not None
+        recycled = metrics.SANDBOX_ZYGOTE_RECYCLES.labels("memory")._value.get()
+        leave = (
+            "import mmap, os, time\n"
+            "open('/dev/shm/pinned', 'wb').write(b'p' * (48 << 20))\n"
+            "memfd = os.memfd_create('pinned'); os.write(memfd, b'm' * (16 << 20))\n"
+            "anon = mmap.mmap(-1, 16 << 20); anon.write(b'a' * (16 << 20))\n"
+            "if os.fork() == 0:\n    os.setsid(); time.sleep(300)\n"
+            "print('left')"
+        )
+        left = await self.run(one_zygote, py(leave), memory_mb=256, file_size_mb=128)
+        assert left.ok and left.stdout == "left\n", left
+        # The isolation gave it all back (no recycle needed): resident memory at the baseline.
+        assert zygote.cgroup.resident_bytes() < zygote.baseline_bytes + (2 << 20)
+        assert metrics.SANDBOX_ZYGOTE_RECYCLES.labels("memory")._value.get() == recycled
+        again = await self.run(one_zygote, py("x = b'y' * (160 << 20); print('allocated')"), memory_mb=48)
+        assert again.kill_reason is KillReason.memory and "allocated" not in again.stdout, again
+        fits = await self.run(one_zygote, py("x = b'y' * (24 << 20); print('fits')"), memory_mb=48)
+        assert fits.ok and fits.stdout == "fits\n", fits

@@ -8,7 +8,7 @@ import pytest
 
 from temper.sandbox import Action, KillReason, SandboxError, SandboxLimits, SandboxManager, SandboxSettings
 from temper.sandbox.backends import make_backend
-from temper.sandbox.config import BackendKind
+from temper.settings.sandbox import BackendKind
 from temper.storage import LocalStore, NotFound
 from tests.libs.sandbox.conftest import SMALL, assert_clean_close, make_settings
 
@@ -259,7 +259,7 @@ async def test_a_bind_source_the_sandbox_uid_cannot_reach_is_refused_by_name(san
 
 
 async def test_limits_above_the_operator_maxima_are_refused(sandbox_root) -> None:
-    from temper.sandbox.config import LimitMaxima
+    from temper.settings.sandbox import LimitMaxima
 
     maxima = LimitMaxima(memory_mb=128, pids=64, wall_s=5, cpu_s=5, workspace_mb=16, file_size_mb=8)
     m = SandboxManager(make_settings(sandbox_root, pool_size=0, max_limits=maxima))
@@ -276,3 +276,39 @@ async def test_limits_above_the_operator_maxima_are_refused(sandbox_root) -> Non
         await m.destroy_session(sid)
     finally:
         await assert_clean_close(m)
+
+
+def test_a_limit_the_cgroup_refuses_is_an_error_not_ignored() -> None:
+    """Finding 2 of issue 27: lowering a memory limit below what the group already uses
+    fails (EBUSY on v1: nothing left to reclaim without swap), and the old code went on with
+    the earlier limit. Now the write's failure is raised, naming the file."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from temper.sandbox.cgroups import CgroupError, detect
+    from temper.sandbox.fork_server import enter_sandbox
+
+    cgroups = detect()
+    assert cgroups is not None, "these tests run where cgroups can be used"
+    group = cgroups.create(f"test-{uuid.uuid4().hex[:8]}")
+    holder = None
+    try:
+        group.set_limits(memory_bytes=256 << 20, pids=16)
+        join = group.join_paths()
+        holder = subprocess.Popen(
+            [sys.executable, "-S", "-c", "import sys; x = b'y' * (64 << 20); print('held', flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=lambda: enter_sandbox(join, None, None),
+        )  # fmt: skip
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        with pytest.raises(CgroupError, match="limit"):
+            group.set_limits(memory_bytes=32 << 20, pids=16)
+        group.set_limits(memory_bytes=128 << 20, pids=16)  # above the usage: fine
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.communicate()
+        assert group.destroy() == 0
+        cgroups.close()
+        assert os.getpid() not in group.procs()

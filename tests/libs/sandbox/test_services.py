@@ -108,3 +108,21 @@ async def test_a_fork_bomb_beside_a_service_is_cleaned_up(manager: SandboxManage
     r = await manager.act(sid, Action(kind="run_python", code=procs))
     assert r.ok and int(r.stdout) <= 3, r.stdout  # the agent, the counter, this action
     await manager.destroy_session(sid)
+
+
+async def test_every_process_of_a_sandbox_runs_under_the_system_call_filter(manager: SandboxManager) -> None:
+    """The agent, the task's services and the actions all inherit bwrap's seccomp filter:
+    keyctl is refused (EPERM) in every one of them."""
+    sid = await manager.create_session(with_services(COUNTER))
+    code = (
+        "import os\n"
+        "for pid in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
+        "    status = dict(l.split(':', 1) for l in open(f'/proc/{pid}/status').read().splitlines())\n"
+        "    print(status['Name'].strip(), status['Seccomp'].strip())\n"
+    )
+    r = await manager.act(sid, Action(kind="run_python", code=code))
+    await manager.destroy_session(sid)
+    assert r.ok, r
+    seen = [line.split() for line in r.stdout.splitlines()]
+    assert {mode for _name, mode in seen} == {"2"}, seen
+    assert [name for name, _ in seen].count("python3") >= 3, seen  # the agent, the counter, this action

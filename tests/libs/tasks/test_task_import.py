@@ -9,7 +9,7 @@ import json
 import pytest
 
 from temper.cli import main
-from temper.tasks.cli import import_tasks
+from temper.cli.tasksets import import_tasks
 from temper.tasks.datasets import DatasetError, import_file, parse_columns
 from temper.tasks.harbor import HarborError, import_task_dir, import_task_dirs
 from temper.tasks.models import TaskKind, parse_tasks

@@ -5,11 +5,11 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy.exc import IntegrityError
 
+from services.dispatcher.api.tasksets import make_router
 from temper.db import Episode, Job, Tenant
 from temper.storage import LocalStore
 from temper.tasks import service
 from temper.tasks.models import TaskStatus, parse_tasks
-from temper.tasks.routes import make_router
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,7 +92,7 @@ async def test_rest_upload_list_and_status(database, tmp_path):
         )
         assert r.status_code == 201, r.text
         ts = r.json()
-        assert ts["task_count"] == 2 and ts["validation"] == {"queued": True, "celery_task_id": "celery-1"}
+        assert ts["task_count"] == 2 and ts["validation"] == {"queued": True, "validation_id": "celery-1"}
         assert queued == [ts["id"]]
         bad = SET + '\n{"id": "c", "kind": "code", "prompt": "x"}'
         r = await client.post("/v1/tasksets", content=bad, headers={"content-type": "application/x-ndjson"})
@@ -117,7 +117,7 @@ async def test_rest_upload_list_and_status(database, tmp_path):
 def test_cli_progress_bar_and_validation_wait():
     import io
 
-    from temper.tasks.cli import parse_weights, progress_bar, wait_for_validation
+    from temper.cli.tasksets import parse_weights, progress_bar, wait_for_validation
 
     assert progress_bar(3, 6, width=6) == "[###...] 3/6"
     assert parse_weights("tests_passed=1, coverage=0.2,format") == {
@@ -200,7 +200,7 @@ async def test_pass_rates_per_job_and_policy_version_over_rest(database, tmp_pat
 
 
 def test_cli_validate_prints_the_per_task_oracle_table(capsys):
-    from temper.tasks.cli import validation_table, write_validation_table
+    from temper.cli.tasksets import validation_table, write_validation_table
 
     tasks = [
         {"key": "HumanEval/23", "status": "valid", "reasons": [], "validation": {

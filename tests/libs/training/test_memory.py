@@ -10,7 +10,7 @@ import torch
 
 from temper.policy import create_model
 from temper.training import Learner, LearnerConfig, samples_from_groups
-from temper.training.memory import GiB, MemoryPlanError, estimate, model_shape, size
+from temper.training.memory import GiB, MemoryPlanError, Shape, estimate, model_shape, size
 from tests.libs.training.batches import fixed_batch
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,6 +43,31 @@ def test_checkpointing_a_smaller_budget_and_lora_shrink_the_plan():
     model.lm_head.weight.requires_grad_(True)  # tied to the embeddings: a small trainable part
     frozen = estimate(model_shape(model), micro_batch_tokens=8192)
     assert frozen.weights == base.weights and frozen.optimizer < base.optimizer
+
+
+def test_the_activation_peak_is_the_largest_moment_of_the_step():
+    # a large vocabulary on a small body, with gradient checkpointing (each layer's fp32 input kept)
+    shape = Shape(params=4_000_000, trainable=4_000_000, layers=2, hidden=64, kv=32, intermediate=128,
+                  vocab=50_000, tied=True, head_trainable=True, embedding_trainable=True)  # fmt: skip
+    kept = 4 * 1024 * 2 * 64
+    # the output layer's backward: log-softmax, its gradient and the scatter's copy, 12 bytes
+    # a vocabulary entry for each scored position only
+    long = estimate(shape, micro_batch_tokens=1024, scored_tokens=512, gradient_checkpointing=True)
+    assert long.activations == kept + 12 * 512 * 50_000
+    assert (
+        estimate(shape, micro_batch_tokens=1024, gradient_checkpointing=True).activations
+        == kept + 12 * 1024 * 50_000
+    )
+    # few tokens: the tied embedding's backward (its gradient, the output layer's, their sum)
+    short = estimate(shape, micro_batch_tokens=16, scored_tokens=8, gradient_checkpointing=True)
+    assert short.activations == 3 * 4 * 50_000 * 64
+    # a frozen output layer and embedding (an adapter): no weight gradients of the vocabulary
+    frozen = Shape(
+        **{**shape.__dict__, "trainable": 10_000, "head_trainable": False, "embedding_trainable": False}
+    )
+    assert estimate(
+        frozen, micro_batch_tokens=16, scored_tokens=8, gradient_checkpointing=True
+    ).activations == (4 * 16 * 2 * 64 + 12 * 8 * 50_000)
 
 
 def test_sharding_over_ranks_divides_weights_gradients_and_optimizer():

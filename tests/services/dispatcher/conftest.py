@@ -1,6 +1,6 @@
 """Fixtures for the dispatcher: a migrated SQLite database, a local object store, two
 tenants with keys, and a finished job whose episodes and trajectories are stored through
-the library, as the episode engine would leave them."""
+the library, as the episode state machine would leave them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Test doubles of the dispatcher's peers (gateway, sandbox worker, reward scorer) and
-a harness that runs a Dispatcher on a Runtime. Used by the engine tests on the
+a harness that runs a Dispatcher on a Runtime. Used by the machine tests on the
 in-process bus and by the integration tests on real Kafka and Postgres."""
 
 from __future__ import annotations
@@ -328,7 +328,7 @@ async def start_harness(
     bootstrap: str | None = None,
     migrate: bool = True,
     peers: dict[str, Any] | None = None,
-    **engine: Any,
+    **machine: Any,
 ) -> Harness:
     if migrate:
         await asyncio.to_thread(upgrade, db_url)
@@ -336,19 +336,19 @@ async def start_harness(
     await runtime.start()
     if bootstrap:  # a shared broker: this test's own consumer groups
         suffix = uuid.uuid4().hex[:8]
-        engine.setdefault("results_group", f"dispatcher-{suffix}")
-        engine.setdefault("policy_group", f"dispatcher-policy-{suffix}")
-    dispatcher = Dispatcher(runtime, settings=engine_settings(**engine))
+        machine.setdefault("results_group", f"dispatcher-{suffix}")
+        machine.setdefault("policy_group", f"dispatcher-policy-{suffix}")
+    dispatcher = Dispatcher(runtime, settings=engine_settings(**machine))
     if bootstrap:
         await start_groups_at_end(
             bootstrap,
             {
-                engine["results_group"]: [
+                machine["results_group"]: [
                     Topics.INFERENCE_RESULTS,
                     Topics.SANDBOX_RESULTS,
                     Topics.REWARD_RESULTS,
                 ],
-                engine["policy_group"]: [Topics.POLICY_UPDATES],
+                machine["policy_group"]: [Topics.POLICY_UPDATES],
             },
         )
     p = Peers(runtime, **(peers or {}))

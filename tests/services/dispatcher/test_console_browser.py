@@ -94,7 +94,7 @@ def log_in(driver, url: str, key: str) -> None:
 @pytest.fixture
 def dispatcher(env, tmp_path):
     settings, seeded = env
-    # The engine runs in this process: keep it off the unfinished job (no tasks are seeded
+    # The episode state machine runs in this process: keep it off the unfinished job (no tasks are seeded
     # for it), so the page of a job that is still live can be checked.
     with sqlite3.connect(settings.db.url.split(":///", 1)[1]) as conn:
         conn.execute("UPDATE jobs SET state = 'paused' WHERE id = ?", (seeded.running_job_id,))

@@ -126,7 +126,7 @@ def test_the_band_stays_inside_the_reward_range():
 
 
 def test_the_progress_line_counts_iterations_from_one_and_never_invents_a_mean():
-    from temper.cli import progress_lines
+    from temper.cli.jobs import progress_lines
 
     def metrics(iteration: int, curve: list[dict], state: str = "running") -> dict:
         return {

@@ -82,7 +82,7 @@ def test_console_shows_a_real_jobs_reward_curve_and_transcript(real_run, chrome,
     assert curve_points == 2 == iterations
     key = asyncio.run(_issue_key(db_url))
 
-    # The job is finished: keep the engine idle anyway.
+    # The job is finished: keep the episode state machine idle anyway.
     idle = {"TEMPER_DISPATCHER__SCHEDULER_INTERVAL_S": "3600", "TEMPER_DISPATCHER__REAPER_INTERVAL_S": "3600"}
     with run_dispatcher(db_url, real_run / "objects", tmp_path, "console-real-dispatcher.log", **idle) as url:
         wait = WebDriverWait(chrome, 20)

@@ -129,6 +129,28 @@ async def test_yaml_body_and_yaml_file_upload(client):
     assert r.status_code == 415
 
 
+async def test_errors_read_one_line_in_the_docs_words(client):
+    # a tab in YAML: one line saying where, not the parser's five lines naming its input
+    tabbed = yaml.safe_dump(spec(name="tabs")).replace("\nschedule:", "\n\tschedule:", 1)
+    r = await client.post("/v1/jobs", content=tabbed, headers={"content-type": "application/yaml"})
+    detail = r.json()["detail"]
+    assert r.status_code == 422 and "\n" not in detail, detail
+    assert "line " in detail and ", column 1: found character '\\t'" in detail, detail
+    assert "<unicode string>" not in detail and "<byte string>" not in detail
+    # a validator's own message, without pydantic's "Value error, " prefix
+    both = spec(
+        name="both",
+        environment={
+            "kind": "math",
+            "tools": [{"function": {"name": "bash"}, "run": "bash", "command": "x"}],
+        },
+    )
+    r = await client.post("/v1/jobs", json=both)
+    assert r.status_code == 422, r.text
+    messages = [e["message"] for e in r.json()["errors"]]
+    assert "give run or command, not both" in messages and not any("Value error" in m for m in messages)
+
+
 async def test_no_key_or_a_bad_key_is_401(app, seeded):
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://d") as c:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -15,6 +19,8 @@ from services.dispatcher.app import create_app
 from temper import cli
 from temper.client import ApiError, TemperClient
 from tests.services.dispatcher.conftest import KILLED_EPISODE, SPEC
+
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +116,7 @@ def test_watch_redraws_in_place_on_a_terminal(server):
 
     stream = Tty()
     with TemperClient(url, seeded.key) as api:
-        assert cli.watch(api, seeded.running_job_id, interval=0.01, stream=stream, max_polls=2) == 0
+        assert cli.jobs.watch(api, seeded.running_job_id, interval=0.01, stream=stream, max_polls=2) == 0
     text = stream.getvalue()
     assert text.count("\x1b[4A") == 1  # the second frame moved up over the first
     assert "acting 1" in text and "pending 1" in text
@@ -209,3 +215,29 @@ def test_the_client_sets_a_tenants_weight_and_quotas(server):
     with pytest.raises(ApiError) as info, TemperClient(url, seeded.key) as api:
         api.update_tenant("green-team", weight=10)  # not an admin key
     assert info.value.status == 403
+
+
+def test_jobs_counts_iterations_from_1_and_flags_go_before_or_after_the_command(server, capsys):
+    url, seeded = server
+    # after the subcommand as before it; the finished job is at its last iteration, 3 of 3
+    code, out, _ = run_cli(["jobs", "--url", url, "--key", seeded.key], capsys)
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert rows[seeded.job_id][3] == "3/3", out  # iteration index 3 of 3: done, shown as 3
+    assert rows[seeded.running_job_id][3] == "2/3", out  # index 1: the second iteration
+    code, before, _ = run_cli(["--url", url, "--key", seeded.key, "jobs"], capsys)
+    assert code == 0 and before == out
+    code, out, _ = run_cli(["admin", "plugins", "--json", "--url", url], capsys)
+    assert code == 0 and "temper.environments" in json.loads(out)
+
+
+def test_a_reader_that_goes_away_ends_the_cli_quietly(server, tmp_path):
+    url, seeded = server
+    err = tmp_path / "err"
+    # `true` exits at once: every write the CLI makes goes to a pipe nobody reads
+    subprocess.run(
+        f"{sys.executable} -m services.cli --url {url} --key {seeded.key} episodes {seeded.job_id} --all "
+        f"2>{err} | true",
+        shell=True, check=False, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert "Traceback" not in err.read_text() and "BrokenPipe" not in err.read_text(), err.read_text()

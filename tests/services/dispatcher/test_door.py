@@ -191,7 +191,7 @@ async def test_a_key_id_past_64_bits_is_a_422(client):
 
 
 async def test_a_huge_input_is_not_echoed_back(client):
-    huge = "x" * 5_000_000
+    huge = "x" * 500_000  # under the 1 MiB spec limit: refused for what it says, not its size
     for body in (spec(environment__kind=huge), spec(schedule__iterations=huge), spec(rewards={huge: 1.0})):
         r = await client.post("/v1/jobs", json=body)
         assert r.status_code == 422
@@ -202,11 +202,46 @@ async def test_a_huge_input_is_not_echoed_back(client):
     assert r.status_code == 422 and len(r.content) < 10_000, len(r.content)
 
 
-async def test_an_oversized_spec_is_a_422(client):
+async def test_an_oversized_spec_is_a_413_in_every_form(client):
     body = spec()
     body["environment"]["system_prompt"] = "y" * (2 << 20)
+    big = json.dumps(body).encode()
     r = await client.post("/v1/jobs", json=body)
-    assert r.status_code == 422 and "larger than" in r.json()["detail"]
+    assert (
+        r.status_code == 413
+        and "the job spec is larger than its limit of 1048576 bytes" in r.json()["detail"]
+    )
+    r = await client.post(
+        "/v1/jobs", content=yaml.safe_dump(body), headers={"content-type": "application/yaml"}
+    )
+    assert r.status_code == 413
+    r = await client.post("/v1/jobs", files={"spec": ("spec.json", big, "application/json")})
+    assert r.status_code == 413
+    sent = []
+
+    async def chunks():  # no Content-Length: refused by the bytes received, before the end
+        for i in range(64):
+            sent.append(i)
+            yield b" " * (64 << 10)
+
+    r = await client.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and len(sent) < 64, len(sent)
+    assert await nothing_stored(client)
+
+
+async def test_task_set_uploads_have_their_limit_and_a_prompt_has_one(client):
+    r = await client.post(
+        "/v1/tasksets", params={"name": "huge", "validate": "false"}, content=b"x" * ((64 << 20) + 1),
+        headers={"content-type": "application/x-ndjson"},
+    )  # fmt: skip
+    assert r.status_code == 413 and "the task set is larger than its limit" in r.json()["detail"]
+    task = {"id": "t1", "kind": "math", "prompt": "y" * ((1 << 20) + 1), "answer": "1"}
+    r = await client.post(
+        "/v1/tasksets", params={"name": "long-prompt", "validate": "false"}, content=json.dumps(task).encode(),
+        headers={"content-type": "application/x-ndjson"},
+    )  # fmt: skip
+    assert r.status_code == 422, r.text
+    assert "prompt" in r.text and "1048576" in r.text, r.text
 
 
 async def test_request_validation_errors_have_the_same_shape(client, seeded):

@@ -1,4 +1,4 @@
-"""EpisodeEngine.on_results: several results in one transaction, each taken or ignored
+"""EpisodeMachine.on_results: several results in one transaction, each taken or ignored
 exactly as alone (SQLite, and Postgres under the ``postgres`` marker)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from episode_peers import TOK, engine_settings, job_spec, seed
 from sqlalchemy import select
 
-from services.dispatcher.episodes import EpisodeEngine
+from services.dispatcher.episodes import EpisodeMachine
 from temper.db import Database, Episode, Job, OutboxRow, Step
 from temper.events import InferenceResult, SandboxRequest, SandboxResult, Topics, decode
 from temper.storage import LocalStore
@@ -31,23 +31,23 @@ def answer(episode_id: str, *, turn: int = 0, attempt: int = 0, text: str = RUN)
     )
 
 
-async def started(database: Database, tmp_path, n: int) -> tuple[EpisodeEngine, list[str]]:
+async def started(database: Database, tmp_path, n: int) -> tuple[EpisodeMachine, list[str]]:
     await seed(database)
-    engine = EpisodeEngine(database, LocalStore(tmp_path / "objects"), engine_settings(), tokenizer=TOK)
+    machine = EpisodeMachine(database, LocalStore(tmp_path / "objects"), engine_settings(), tokenizer=TOK)
     async with database.session() as s:
         s.add(Job(id="job-b", tenant_id="acme", name="b", spec=job_spec(), state="running"))
-    async with engine.tx() as s:
+    async with machine.tx() as s:
         job = await s.get(Job, "job-b")
         assert job is not None
-        spec = await engine.spec_of(s, job.id)
-        task = await engine.task_of(s, "t1")
+        spec = await machine.spec_of(s, job.id)
+        task = await machine.task_of(s, "t1")
         ids = [
-            engine.start_episode(
+            machine.start_episode(
                 s, job=job, spec=spec, task=task, group_id="g", iteration=0, episode_id=f"e{i}"
             ).id
             for i in range(n)
         ]
-    return engine, ids
+    return machine, ids
 
 
 async def steps(database: Database, episode_id: str) -> list[tuple[int, str, str, int]]:
@@ -71,27 +71,27 @@ async def sandbox_requests(database: Database) -> list[SandboxRequest]:
 async def test_a_batch_takes_each_awaited_result_once_and_ignores_stale_and_duplicate_ones(
     database: Database, tmp_path
 ):
-    engine, (a, b, c) = await started(database, tmp_path, 3)
+    machine, (a, b, c) = await started(database, tmp_path, 3)
     # a: awaited; b: an old attempt (stale); c: an error (retried); "nope": no such episode
     failed = answer(c).model_copy(update={"error": "backend down", "token_ids": [], "logprobs": []})
-    await engine.on_results([answer(a), answer(b, attempt=1), failed, answer("nope")])
+    await machine.on_results([answer(a), answer(b, attempt=1), failed, answer("nope")])
     assert await steps(database, a) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
     assert await steps(database, b) == [(0, "inference", "leased", 0)]
     assert await steps(database, c) == [(0, "inference", "leased", 1)], "sent again, attempt 1"
-    assert engine.ignored == 2
+    assert machine.ignored == 2
 
     # a again (a duplicate, redelivered), b's and c's awaited results, and a's sandbox result
     # cannot share a batch with its inference result: the next batch takes it.
-    await engine.on_results([answer(a), answer(b), answer(c, attempt=1)])
+    await machine.on_results([answer(a), answer(b), answer(c, attempt=1)])
     assert await steps(database, a) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
     assert await steps(database, b) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
     assert await steps(database, c) == [(0, "inference", "done", 1), (0, "sandbox", "leased", 0)]
-    assert engine.ignored == 3
+    assert machine.ignored == 3
     requests = await sandbox_requests(database)
     assert sorted(m.episode_id or "" for m in requests) == [a, b, c], "one command per result taken"
 
     ran = {"exit_code": 0, "stdout": "ok", "stderr": "", "wall_s": 0.1}
-    await engine.on_results(
+    await machine.on_results(
         [
             SandboxResult(job_id="job-b", episode_id=e, turn=0, session_id=e, result=ran, worker="w")
             for e in (a, b)
@@ -108,8 +108,8 @@ async def test_a_batch_takes_each_awaited_result_once_and_ignores_stale_and_dupl
 async def test_a_batch_that_fails_writes_nothing_and_its_results_can_go_one_by_one(
     database: Database, tmp_path
 ):
-    engine, (a, b) = await started(database, tmp_path, 2)
-    real = engine.environment
+    machine, (a, b) = await started(database, tmp_path, 2)
+    real = machine.environment
     calls = 0
 
     def flaky(spec, task):  # type: ignore[no-untyped-def]
@@ -119,26 +119,26 @@ async def test_a_batch_that_fails_writes_nothing_and_its_results_can_go_one_by_o
             raise RuntimeError("the second result of the batch fails")
         return real(spec, task)
 
-    engine.environment = flaky  # type: ignore[method-assign]
+    machine.environment = flaky  # type: ignore[method-assign]
     with pytest.raises(RuntimeError):
-        await engine.on_results([answer(a), answer(b)])
+        await machine.on_results([answer(a), answer(b)])
     for e in (a, b):
         assert await steps(database, e) == [(0, "inference", "leased", 0)], "rolled back, a's too"
     assert await sandbox_requests(database) == []
 
-    engine.environment = real  # type: ignore[method-assign]
+    machine.environment = real  # type: ignore[method-assign]
     for e in (a, b):
-        await engine.on_inference(answer(e))
+        await machine.on_inference(answer(e))
         assert await steps(database, e) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
     assert len(await sandbox_requests(database)) == 2
 
 
 async def test_a_batch_is_results_of_one_kind_and_distinct_episodes(database: Database, tmp_path):
-    engine, (a,) = await started(database, tmp_path, 1)
+    machine, (a,) = await started(database, tmp_path, 1)
     with pytest.raises(ValueError):
-        await engine.on_results([answer(a), answer(a)])
+        await machine.on_results([answer(a), answer(a)])
     ran = {"exit_code": 0, "wall_s": 0.0}
     with pytest.raises(ValueError):
-        await engine.on_results(
+        await machine.on_results(
             [answer(a), SandboxResult(job_id="job-b", episode_id="x", turn=0, session_id="x", result=ran)]
         )

@@ -68,3 +68,18 @@ def test_import_validate_and_show_the_oracle_table(server, tmp_path, capsys):
     assert cli.main([*server, "tasksets", "list"]) == 0
     listed = capsys.readouterr().out
     assert "mbpp-2" in listed and "bad " in listed
+
+
+def test_upload_says_in_words_what_happened_to_validation(server, tmp_path, capsys):
+    src = tmp_path / "two.jsonl"
+    src.write_text(
+        '{"id": "a", "kind": "math", "prompt": "1 + 1?", "answer": "2"}\n'
+        '{"id": "b", "kind": "math", "prompt": "2 + 2?", "answer": "4"}\n'
+    )
+    assert cli.main([*server, "tasksets", "upload", str(src), "--no-validate"]) == 0
+    err = capsys.readouterr().err
+    assert "uploaded 2 tasks as ts-" in err and "not validated (--no-validate)" in err, err
+    assert cli.main([*server, "tasksets", "upload", str(src), "--name", "again"]) == 0
+    err = capsys.readouterr().err
+    assert "validation started" in err, err
+    assert "{" not in err and "celery" not in err.lower(), "no Python dict, no Celery in temper serve"

@@ -26,7 +26,7 @@ from sqlalchemy import select
 
 from services.dispatcher.app import create_app
 from services.reward_scorer.component import RewardScorer
-from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerComponent
 from temper.db import Episode
 from temper.db.migrate import upgrade
 from temper.envpkg.archive import pack
@@ -94,7 +94,7 @@ async def platform(
     app = create_app(
         settings,
         executors=lambda rt: [
-            SandboxWorkerService(rt),
+            SandboxWorkerComponent(rt),
             RewardScorer(rt, concurrency=2),
             ScriptedModel(rt, script),
         ],
@@ -199,7 +199,9 @@ async def test_an_uploaded_package_runs_a_job_and_only_its_tenant_sees_it(
 
         spec["environment"]["max_turns"] = 9  # the package decides its turns
         r = await p.api.post("/v1/jobs", json=spec, headers=p.as_("b"))
-        assert r.status_code == 422 and "'environment.max_turns': set by the package" in r.text, r.text
+        assert (
+            r.status_code == 422 and "invalid job spec: environment.max_turns: set by the package" in r.text
+        ), r.text
 
         episodes = await run_job(p, "a", "wordcount-pkg")
         assert len(episodes) == 2

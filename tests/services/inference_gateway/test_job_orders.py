@@ -21,7 +21,7 @@ from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
 from temper.events import SamplingParams as Sampling
 from temper.jobspec import LoraSpec
 from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint, token_logprobs
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 from temper.storage import LocalStore
 from temper.training import Learner, LearnerConfig
 

@@ -9,7 +9,7 @@ import pytest
 
 from services.inference_gateway.tool_calls import parse_tool_calls
 from temper.policy import default_tokenizer
-from temper.policy.config import ToolParser
+from temper.settings.inference import ToolParser
 from tests.services.inference_gateway.test_gateway import gateway  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)

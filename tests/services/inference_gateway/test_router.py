@@ -17,7 +17,7 @@ from services.inference_gateway.backends import (
 from services.inference_gateway.router import BreakerState, CircuitBreaker, RequestFailed, Router
 from temper.events import SamplingParams
 from temper.policy import default_tokenizer, encode_chat
-from temper.policy.config import BackendSpec, InferenceSettings
+from temper.settings.inference import BackendSpec, InferenceSettings
 
 pytestmark = pytest.mark.timeout(60)
 

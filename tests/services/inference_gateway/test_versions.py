@@ -16,7 +16,7 @@ from temper import registry
 from temper.events import InferenceRequest, PolicyUpdate
 from temper.events import SamplingParams as Sampling
 from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint, token_logprobs
-from temper.policy.config import BackendKind, BackendSpec, InferenceSettings
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 from temper.storage import LocalStore
 
 pytestmark = pytest.mark.timeout(120)

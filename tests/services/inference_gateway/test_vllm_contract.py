@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, VLLMBackend
+from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest
+from services.inference_gateway.vllm_backend import VLLMBackend
 from temper.events import SamplingParams
-from temper.policy.config import BackendKind, BackendSpec, VLLMReloadMode
+from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
 from tests.services.inference_gateway.test_backends_contract import model_list, version_dir
 
 pytestmark = pytest.mark.timeout(30)

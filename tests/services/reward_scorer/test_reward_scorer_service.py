@@ -96,7 +96,7 @@ async def test_scores_code_and_math_and_never_scores_a_redelivery_twice(runtime,
     assert all(r.reward == pytest.approx(2 / 3 + 0.5) for r in by_ep[ep1])
     assert a.components["tests_passed"].details["passed"] == 2 and a.turn == 2 and a.attempt == 0
     assert by_ep[ep2][0].reward == 1.0 and by_ep[ep2][0].components["answer_match"].value == 1.0
-    assert scorer.scored == 2 and scorer.duplicates >= 1
+    assert scorer.scoring.scored == 2 and scorer.scoring.duplicates >= 1
     async with runtime.db.session() as s:
         # the scorer records no outcome: that is the dispatcher's, once per scored episode
         assert await tasks.task_totals(s, ts) == {}
@@ -106,7 +106,7 @@ async def test_scores_code_and_math_and_never_scores_a_redelivery_twice(runtime,
 async def test_an_unknown_task_gives_a_result_with_an_error(runtime, scoring_manager):
     scorer = RewardScorer(runtime, manager=scoring_manager)
     await scorer.start()
-    result = await scorer.score(RewardRequest(episode_id="e", task_id="nope", submission={}))
+    result = await scorer.scoring.score(RewardRequest(episode_id="e", task_id="nope", submission={}))
     await scorer.stop()
     assert result.error and "nope" in result.error
 
@@ -120,7 +120,7 @@ async def test_rescoring_a_finished_job_with_new_weights_and_a_new_verifier(runt
     good = "def square(x):\n    return x * x\n"
     req = RewardRequest(job_id="j9", episode_id="e-rec", turn=1, task_id=f"{ts}:sq",
                         submission={"files": {"solution.py": good}})  # fmt: skip
-    await scorer.handle(req)
+    await scorer.scoring.result_for(req)
     await scorer.stop()
     # one trajectory with a scorer record, one without (its submission is rebuilt from the turns)
     for ep, action in (
@@ -180,9 +180,9 @@ async def test_code_submissions_are_read_from_the_workspace_snapshot(runtime, sc
     req = RewardRequest(episode_id="e-snap", task_id=f"{runtime.taskset_id}:sq",
                         submission={"kind": "code", "session_id": "s1", "snapshot_key": "sandbox-snapshots/s1/1.tar.gz",
                                     "final_text": "done"})  # fmt: skip
-    result = await scorer.score(req)
+    result = await scorer.scoring.score(req)
     await scorer.stop()
     assert result.error is None and result.reward == 1.0
     math_req = RewardRequest(episode_id="e-m", task_id=f"{runtime.taskset_id}:m",
                              submission={"kind": "math", "answer": None, "final_text": "so \\boxed{42}"})  # fmt: skip
-    assert (await scorer.score(math_req)).reward == 1.0
+    assert (await scorer.scoring.score(math_req)).reward == 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import shutil
 import uuid
 from pathlib import Path
@@ -78,7 +79,8 @@ async def test_session_lifecycle_over_http(client) -> None:
     other = r.json()["session_id"]
     r = await client.post(f"/v1/sessions/{other}/actions", json={"kind": "read_file", "path": "a.txt"})
     assert r.json()["content"] == "hello"
-    assert (await client.post("/v1/sessions/restore", json={"key": "nope/x.tar.gz"})).status_code == 404
+    missing = {"key": "sandbox-snapshots/nope/x.tar.gz"}
+    assert (await client.post("/v1/sessions/restore", json=missing)).status_code == 404
     for s in (sid, other):
         assert (await client.delete(f"/v1/sessions/{s}")).status_code == 204
     assert (await client.post(act, json={"kind": "list_files"})).status_code == 404
@@ -161,3 +163,76 @@ async def test_handle_is_idempotent_and_restores_on_another_worker(root, tmp_pat
         assert done.error is None and "ep-1" not in b.manager.sessions
     finally:
         await b.close()
+
+
+async def test_bad_input_is_a_4xx_on_every_route_never_a_5xx(client, worker) -> None:
+    """Finding 5: non-finite numbers, invalid storage keys and unknown image digests were
+    answered with 500, a duplicate session id with 503."""
+    nan, inf = float("nan"), float("inf")
+    unknown = "sha256:" + "0" * 64
+    sid = (await client.post("/v1/sessions", json={"session_id": "dup"})).json()["session_id"]
+    act = f"/v1/sessions/{sid}/actions"
+    bad: list[tuple[str, dict, int, str]] = [
+        ("/run_code", {"code": "print(1)", "memory_limit_MB": nan}, 422, "memory_limit_MB"),
+        ("/run_code", {"code": "print(1)", "memory_limit_MB": inf}, 422, "memory_limit_MB"),
+        ("/run_code", {"code": "print(1)", "run_timeout": nan}, 422, "run_timeout"),
+        ("/run_code", {"code": "print(1)", "run_timeout": -inf}, 422, "run_timeout"),
+        ("/v1/run_tests", {"code": "pass", "limits": {"memory_mb": nan}}, 422, "memory_mb"),
+        ("/v1/run_tests", {"code": "pass", "limits": {"wall_s": inf}}, 422, "wall_s"),
+        ("/v1/run_tests", {"code": "pass", "limits": {"image": unknown}}, 422, "image"),
+        ("/v1/run_tests", {"code": "pass", "limits": {"memory_mb": 1 << 16}}, 422, "memory_mb"),
+        ("/v1/run_tests", {"code": "pass", "files": {"/etc/x": "eA=="}}, 422, "files"),
+        ("/v1/run_tests", {"code": "pass", "files": {"x": "%%%"}}, 422, "files"),
+        ("/v1/sessions", {"limits": {"memory_mb": nan}}, 422, "memory_mb"),
+        ("/v1/sessions", {"limits": {"cpu_s": nan}}, 422, "cpu_s"),
+        ("/v1/sessions", {"limits": {"image": unknown}}, 422, "image"),
+        ("/v1/sessions", {"session_id": "dup"}, 409, "dup"),
+        ("/v1/sessions/restore", {"key": "../../../../etc/passwd"}, 422, "key"),
+        ("/v1/sessions/restore", {"key": "/etc/passwd"}, 422, "key"),
+        ("/v1/sessions/restore", {"key": "sandbox-snapshots/x/../../y"}, 422, "key"),
+        (
+            "/v1/sessions/restore",
+            {"key": "sandbox-snapshots/none.tar.gz", "limits": {"pids": nan}},
+            422,
+            "pids",
+        ),
+        ("/v1/sessions/restore", {"key": "sandbox-snapshots/none.tar.gz", "session_id": "dup"}, 409, "dup"),
+        (act, {"kind": "run_python", "code": "pass", "timeout_s": nan}, 422, "timeout_s"),
+        (act, {"kind": "run_python", "code": "pass", "timeout_s": inf}, 422, "timeout_s"),
+    ]
+    for path, body, status, field in bad:
+        # Python's json writes NaN and Infinity (as clients in many languages do); httpx's
+        # json= would refuse to.
+        r = await client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code == status and field in r.text, (path, body, r.status_code, r.text)
+    # /run_code answers as SandboxFusion does for what it cannot run: 200, status SandboxError.
+    for files in ({"../x": "eA=="}, {"x": "not base64!"}):
+        r = await client.post("/run_code", json={"code": "print(1)", "files": files})
+        assert r.status_code == 200 and r.json()["status"] == "SandboxError", r.text
+        assert "file" in r.json()["message"] and "x" in r.json()["message"], r.text
+    # The worker is still up and serves.
+    r = await client.post("/run_code", json={"code": "print(6 * 7)"})
+    assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n"
+    assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 204
+
+
+async def test_bad_requests_on_the_bus_are_error_results_not_retries(worker) -> None:
+    """The same refusals on sandbox.requests: a result with the error, at once (an
+    exception would be retried and dead-lettered)."""
+
+    def req(episode: str, **fields: object) -> SandboxRequest:
+        return SandboxRequest(episode_id=episode, turn=1, attempt=0, session_id=episode, **fields)
+
+    cases = [
+        (req("ep-key", snapshot_key="../../../../etc/passwd", action={"kind": "list_files"}), "invalid"),
+        (req("ep-max", limits={**LIMITS.model_dump(), "memory_mb": 60000}, action={"kind": "list_files"}),
+         "memory_mb=60000 is above the operator's maximum"),
+        (req("ep-nan", limits={**LIMITS.model_dump(), "cpu_s": float("nan")}, action={"kind": "list_files"}),
+         "invalid request"),
+        (req("ep-img", limits={**LIMITS.model_dump(), "image": "sha256:" + "ab" * 32}, action={"kind": "list_files"}),
+         "not in object storage"),
+    ]  # fmt: skip
+    for request, error in cases:
+        r = await worker.handle(request)
+        assert r.error is not None and error in r.error, (request, r)
+        assert request.session_id not in worker.manager.sessions

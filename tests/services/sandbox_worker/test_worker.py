@@ -1,4 +1,4 @@
-"""The SandboxWorkerService component on a Runtime with the in-process bus and a local
+"""The SandboxWorkerComponent component on a Runtime with the in-process bus and a local
 store, on the real bwrap backend: requests in, results out, starting files only in
 fresh sessions, and the consumer paused while the worker is full."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.sandbox_worker.component import SandboxWorkerService
+from services.sandbox_worker.component import SandboxWorkerComponent
 from temper.events import Message, SandboxRequest, SandboxResult, Topics
 from temper.runtime import Runtime
 from temper.sandbox import Action, SandboxLimits, SandboxSettings
@@ -65,7 +65,7 @@ def request(episode: str, turn: int, action: dict, **fields: object) -> SandboxR
 async def test_requests_in_results_out_with_starting_files_only_in_fresh_sessions(tmp_path, root) -> None:
     runtime = Runtime(settings(tmp_path, root), service="sandbox-worker", needs_db=False)
     await runtime.start()
-    service = SandboxWorkerService(runtime, worker_id="a")
+    service = SandboxWorkerComponent(runtime, worker_id="a")
     await service.start()
     results = Results()
     await runtime.consume([Topics.SANDBOX_RESULTS], results, group="test-results")
@@ -119,7 +119,7 @@ async def test_requests_in_results_out_with_starting_files_only_in_fresh_session
     # request must not overwrite what the agent wrote.
     runtime = Runtime(settings(tmp_path, root), service="sandbox-worker", needs_db=False)
     await runtime.start()
-    b = SandboxWorkerService(runtime, worker_id="b")
+    b = SandboxWorkerComponent(runtime, worker_id="b")
     await b.start()
     try:
         r = await b.worker.handle(
@@ -141,7 +141,7 @@ async def test_requests_in_results_out_with_starting_files_only_in_fresh_session
 async def test_consumer_pauses_while_the_worker_is_full(tmp_path, root) -> None:
     runtime = Runtime(settings(tmp_path, root, concurrency=1), service="sandbox-worker", needs_db=False)
     await runtime.start()
-    service = SandboxWorkerService(runtime)
+    service = SandboxWorkerComponent(runtime)
     await service.start()
     results = Results()
     await runtime.consume([Topics.SANDBOX_RESULTS], results, group="test-results")
@@ -178,7 +178,7 @@ async def test_a_session_on_a_task_image_and_a_missing_image(tmp_path, root) -> 
     runtime = Runtime(settings(tmp_path, root, image_cache=cache), service="sandbox-worker", needs_db=False)
     await runtime.start()
     digest = await publish(runtime.store, debian_blob(), source={"test": "worker"})
-    service = SandboxWorkerService(runtime, worker_id="a")
+    service = SandboxWorkerComponent(runtime, worker_id="a")
     await service.start()
     results = Results()
     await runtime.consume([Topics.SANDBOX_RESULTS], results, group="test-results")
@@ -214,7 +214,7 @@ async def test_setup_runs_once_in_a_fresh_session_before_the_action_and_a_failin
     not again in the held session; a setup that fails fails the step with its output."""
     runtime = Runtime(settings(tmp_path, root), service="sandbox-worker", needs_db=False)
     await runtime.start()
-    service = SandboxWorkerService(runtime, worker_id="a")
+    service = SandboxWorkerComponent(runtime, worker_id="a")
     await service.start()
     results = Results()
     await runtime.consume([Topics.SANDBOX_RESULTS], results, group="test-results")

@@ -134,7 +134,6 @@ def trainer_env(
     return {
         **os.environ,
         "TEMPER_MODE": "distributed",
-        "TEMPER_API__SECRET": f"test-secret-{unique}",
         "TEMPER_DB__URL": database_url,
         "TEMPER_BUS__BOOTSTRAP": kafka_bootstrap,
         "TEMPER_STORAGE__ENDPOINT": s3_settings.endpoint,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from services.trainer.component import SKIP_ZERO_VARIANCE
+from services.trainer.ledger import SKIP_ZERO_VARIANCE
 from temper.bus import KafkaBus
 from temper.db import Database, Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.events import PolicyUpdate, Topics

@@ -12,13 +12,8 @@ from prometheus_client import REGISTRY
 from sqlalchemy import select
 
 from services.trainer.app import create_app
-from services.trainer.component import (
-    SKIP_INCOMPLETE,
-    SKIP_JOB_ENDED,
-    SKIP_STALE,
-    SKIP_ZERO_VARIANCE,
-    Trainer,
-)
+from services.trainer.component import Trainer
+from services.trainer.ledger import SKIP_INCOMPLETE, SKIP_JOB_ENDED, SKIP_STALE, SKIP_ZERO_VARIANCE
 from temper.db import Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.db.migrate import upgrade
 from temper.events import PolicyUpdate, Topics
@@ -77,7 +72,8 @@ async def versions(runtime: Runtime, job_id: str) -> list[tuple[int, int]]:
 
 
 async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings, tmp_path):
-    runtime, trainer = await start(settings)
+    runtime, component = await start(settings)
+    trainer = component.training
     try:
         assert runtime.db and runtime.bus and runtime.store
         await add_job(runtime.db, "job-a", job_spec(group_size=4, groups_per_step=2, checkpoint_every=1))
@@ -121,10 +117,19 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings, 
             assert all(0 < t < 30 for t in train_s)
         async with runtime.db.session() as s:
             assert (await s.get(Job, "job-a")).policy_version == 2
-            outbox = (
-                await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))
-            ).scalars()
-            assert all(r.published_at is not None for r in outbox)
+
+        async def updates_marked_sent() -> bool:
+            # the relay sends a row, then marks it in the same transaction: a consumer can
+            # hold the message a moment before the mark is committed
+            async with runtime.db.session() as s:
+                rows = list(
+                    (
+                        await s.execute(select(OutboxRow).where(OutboxRow.topic == Topics.POLICY_UPDATES))
+                    ).scalars()
+                )
+            return len(rows) == 2 and all(r.published_at is not None for r in rows)
+
+        await wait_for(updates_marked_sent, what="both policy updates marked sent")
 
         assert [u.version for u in updates] == [1, 2] and [u.step for u in updates] == [1, 2]
         assert all(u.job_id == "job-a" for u in updates)
@@ -155,14 +160,15 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings, 
         assert status["policy_version"] == 2 and status["buffered_trajectories"] == 0
         assert status["skipped_groups"] == {SKIP_ZERO_VARIANCE: 1}
     finally:
-        await stop(runtime, trainer)
+        await stop(runtime, component)
 
 
 async def test_a_restarted_trainer_resumes_from_its_checkpoint_and_trains_nothing_twice(settings):
     """Step 3 was trained but never checkpointed, and a group was half received, when the
     trainer went away: after the restart both come back from the ledger, step 3 is redone
     from the v1 checkpoint, and redelivered messages are ignored."""
-    runtime, trainer = await start(settings)
+    runtime, component = await start(settings)
+    trainer = component.training
     f = TrajectoryFactory("job-r")
     g1, g2, g3 = f.group("g1", [1, 0, 0, 0]), f.group("g2", [0, 1, 0, 1]), f.group("g3", [1, 0.5, 0, 0])
     partial = f.group("p", [0, 1, 1, 0])
@@ -183,9 +189,10 @@ async def test_a_restarted_trainer_resumes_from_its_checkpoint_and_trains_nothin
         )
         assert await versions(runtime, "job-r") == [(1, 2)]
     finally:
-        await stop(runtime, trainer)  # everything in memory is gone
+        await stop(runtime, component)  # everything in memory is gone
 
-    runtime, trainer = await start(settings)
+    runtime, component = await start(settings)
+    trainer = component.training
     try:
         assert runtime.bus and runtime.store
         job = trainer.jobs["job-r"]  # recovered at start, because the ledger has buffered rows
@@ -208,11 +215,12 @@ async def test_a_restarted_trainer_resumes_from_its_checkpoint_and_trains_nothin
         assert await versions(runtime, "job-r") == [(1, 2), (2, 4)]
         assert job.learner.step_count == 4 and job.learner.version == 2
     finally:
-        await stop(runtime, trainer)
+        await stop(runtime, component)
 
 
 async def test_late_groups_and_stale_groups(settings):
-    runtime, trainer = await start(settings, group_timeout_s=0.3)
+    runtime, component = await start(settings, group_timeout_s=0.3)
+    trainer = component.training
     try:
         assert runtime.db and runtime.bus and runtime.store
         await add_job(runtime.db, "job-s", job_spec(group_size=4, groups_per_step=1, max_staleness=0))
@@ -243,14 +251,15 @@ async def test_late_groups_and_stale_groups(settings):
         assert {rows[m.message.episode_id].skipped for m in stale} == {SKIP_STALE}
         assert trainer.jobs["job-s"].learner.step_count == 1
     finally:
-        await stop(runtime, trainer)
+        await stop(runtime, component)
 
 
 async def test_a_completed_jobs_leftover_groups_are_recorded_and_its_learner_let_go(settings):
     """Two groups a step: after one step, one group is left that can never make a step
     (the dispatcher completed the job). The trainer marks it ``job_ended``, drops the job's
     learner, and a trajectory of the job that comes later is recorded without loading it."""
-    runtime, trainer = await start(settings)
+    runtime, component = await start(settings)
+    trainer = component.training
     trainer.CLOSE_CHECK_S = 3600.0  # type: ignore[misc]  # closed by the calls below, not the loop
     try:
         assert runtime.db and runtime.bus and runtime.store
@@ -288,7 +297,7 @@ async def test_a_completed_jobs_leftover_groups_are_recorded_and_its_learner_let
         assert {rows[m.message.episode_id].step for m in g1} == {1}
         assert "job-e" not in trainer.jobs, "a completed job is not loaded again"
     finally:
-        await stop(runtime, trainer)
+        await stop(runtime, component)
 
 
 def test_the_app_serves_health_and_status(settings):
@@ -303,7 +312,8 @@ def test_the_app_serves_health_and_status(settings):
 
 
 async def test_flush_publishes_the_last_steps_and_a_failing_batch_is_skipped(settings):
-    runtime, trainer = await start(settings)
+    runtime, component = await start(settings)
+    trainer = component.training
     try:
         assert runtime.db and runtime.bus and runtime.store
         await add_job(runtime.db, "job-f", job_spec(group_size=2, groups_per_step=1, checkpoint_every=3))
@@ -335,14 +345,15 @@ async def test_flush_publishes_the_last_steps_and_a_failing_batch_is_skipped(set
         assert {rows[m.message.episode_id].step for m in good} == {1}
         assert await versions(runtime, "job-f") == [(1, 1)]
     finally:
-        await stop(runtime, trainer)
+        await stop(runtime, component)
 
 
 async def test_a_failed_publish_is_retried_on_its_own_and_shows_while_it_fails(settings):
     """The object store refuses the checkpoint of the job's last step: no new step will come
     to retry it, so the trainer retries by itself; meanwhile its health check fails and the
     job's state_reason says it is stuck, and both clear once the version is published."""
-    runtime, trainer = await start(settings)
+    runtime, component = await start(settings)
+    trainer = component.training
     try:
         assert runtime.db and runtime.bus and runtime.store
         await add_job(runtime.db, "job-p", job_spec(group_size=4, groups_per_step=1, checkpoint_every=1))
@@ -365,7 +376,7 @@ async def test_a_failed_publish_is_retried_on_its_own_and_shows_while_it_fails(s
 
         await wait_for(failing, what="two failed publishes")
         with pytest.raises(RuntimeError, match="cannot publish policy version v1 of job job-p"):
-            await trainer._check()
+            await trainer.check()
         async with runtime.db.session() as s:
             reason = (await s.get(Job, "job-p")).state_reason
         assert reason.startswith("stuck: trainer cannot publish policy version v1")
@@ -382,11 +393,11 @@ async def test_a_failed_publish_is_retried_on_its_own_and_shows_while_it_fails(s
             return cleared and await versions(runtime, "job-p") == [(1, 1)]
 
         await wait_for(published, what="the version published and the stuck reason cleared")
-        await trainer._check()
+        await trainer.check()
         assert REGISTRY.get_sample_value("temper_trainer_publish_failing", {"job_id": "job-p"}) == 0
         assert {r.step for r in (await ledger(runtime, "job-p")).values()} == {1}
     finally:
-        await stop(runtime, trainer)
+        await stop(runtime, component)
 
 
 async def test_a_lora_job_publishes_adapter_versions_and_resumes_from_them(settings, tmp_path):
@@ -396,7 +407,8 @@ async def test_a_lora_job_publishes_adapter_versions_and_resumes_from_them(setti
     spec["algorithm"]["lora"] = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     f = TrajectoryFactory("job-l")
     g1, g2 = f.group("g1", [1, 0, 0, 1]), f.group("g2", [0, 1, 1, 0])
-    runtime, trainer = await start(settings)
+    runtime, component = await start(settings)
+    trainer = component.training
     try:
         assert runtime.db and runtime.bus and runtime.store
         await add_job(runtime.db, "job-l", spec)
@@ -417,9 +429,10 @@ async def test_a_lora_job_publishes_adapter_versions_and_resumes_from_them(setti
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(manifest.served_files())
         adapter_v1 = trainer.jobs["job-l"].learner.adapter_weights()
     finally:
-        await stop(runtime, trainer)
+        await stop(runtime, component)
 
-    runtime, trainer = await start(settings)
+    runtime, component = await start(settings)
+    trainer = component.training
     try:
         assert runtime.bus
         await send_all(runtime.bus, g2)
@@ -436,4 +449,4 @@ async def test_a_lora_job_publishes_adapter_versions_and_resumes_from_them(setti
         now = restored.adapter_weights()
         assert now.keys() == adapter_v1.keys() and all(torch.equal(now[n], p) for n, p in adapter_v1.items())
     finally:
-        await stop(runtime, trainer)
+        await stop(runtime, component)

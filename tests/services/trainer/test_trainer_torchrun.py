@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load
 from sqlalchemy import select
 
-from services.trainer.component import SKIP_ZERO_VARIANCE
+from services.trainer.ledger import SKIP_ZERO_VARIANCE
 from temper.bus import KafkaBus
 from temper.db import Database, Job, PolicyVersion, TrainedTrajectory
 from temper.events import Topics

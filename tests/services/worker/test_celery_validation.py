@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from temper.batch import make_celery
+from temper.celery_queue import make_celery
 from temper.db import Tenant
 from temper.tasks import service
 from temper.tasks.harbor import import_task_dir

@@ -1,4 +1,4 @@
-"""The ``temper`` command.
+"""``temper`` commands for jobs:
 
     temper submit spec.yaml [--watch]      submit a job
     temper jobs [--state S] [--name N]     list jobs
@@ -6,14 +6,8 @@
     temper transcript EPISODE [--json]     an episode's transcript
     temper pause|resume|cancel JOB
     temper admin create-tenant NAME        a tenant and its first API key (talks to the database)
-    temper tasksets upload|list|show|validate ...   task sets (see temper.tasks.cli)
-    temper environments push DIR|list|show ...      tenant environment packages (temper.envpkg.cli)
-    temper rescore TENANT JOB --weights ...         re-score a finished job
-    temper episodes|metrics|logs|export|checkpoints|compare ...   results (see temper.cli_results)
 
 The server and key come from ``--url``/``--key`` or ``TEMPER_URL``/``TEMPER_API_KEY``.
-These are the library's client commands; the installed ``temper`` command is
-``services/cli.py``, which adds those that need the services (``temper run``).
 """
 
 from __future__ import annotations
@@ -28,28 +22,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from temper.client import ApiError, TemperClient
+from temper.cli.common import client, number, out
+from temper.client import TemperClient
+from temper.lifecycle import JOB_TERMINAL, EpisodeState
 
-TERMINAL_STATES = ("completed", "failed", "cancelled")
-STATE_ORDER = ("trained", "scored", "scoring", "acting", "awaiting_action", "pending", "failed", "cancelled")
+E = EpisodeState
+# the progress line's order: done first, then what is in flight, then the ends that are not done
+STATE_ORDER = (E.trained, E.scored, E.scoring, E.acting, E.awaiting_action, E.pending, E.failed, E.cancelled)
 GREEN, RED, YELLOW, DIM, BOLD, RESET = "\x1b[32m", "\x1b[31m", "\x1b[33m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
-
-
-def _out(text: str = "", stream: TextIO | None = None) -> None:
-    (stream or sys.stdout).write(text + "\n")
-
-
-def _client(args: argparse.Namespace) -> TemperClient:
-    return TemperClient(args.url, args.key)
 
 
 # --- submit / jobs / control ------------------------------------------------------------
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         job = api.submit(Path(args.spec) if args.spec != "-" else sys.stdin.read())
-        _out(job["id"])
+        out(job["id"])
         sys.stderr.write(f"submitted {job['name']!r} as {job['id']} ({job['state']})\n")
         if args.watch:
             return watch(api, job["id"], interval=args.interval)
@@ -57,10 +46,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         page = api.jobs(state=args.state, name=args.name, limit=args.limit)
     if args.json:
-        _out(json.dumps(page, indent=2))
+        out(json.dumps(page, indent=2))
         return 0
     rows = [("JOB", "NAME", "STATE", "ITERATION", "POLICY", "CREATED")]
     for j in page["items"]:
@@ -69,24 +58,24 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                 j["id"],
                 j["name"],
                 j["state"],
-                f"{j['iteration']}/{j['iterations']}",
+                f"{shown_iteration(j)}/{j['iterations']}",
                 f"v{j['policy_version']}",
                 j["created_at"][:19].replace("T", " "),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        _out("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        out("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     if page["total"] > len(page["items"]):
-        _out(f"({len(page['items'])} of {page['total']} shown; use --limit)")
+        out(f"({len(page['items'])} of {page['total']} shown; use --limit)")
     return 0
 
 
 def _control(action: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        with _client(args) as api:
+        with client(args) as api:
             job = getattr(api, action)(args.job)
-        _out(f"{job['id']} {job['state']}")
+        out(f"{job['id']} {job['state']}")
         return 0
 
     return run
@@ -149,8 +138,8 @@ def watch(
     max_polls: int | None = None,
 ) -> int:
     """Redraw the progress block in place until the job ends; 0 if it completed."""
-    out = stream or sys.stdout
-    tty = out.isatty() and os.environ.get("TERM") != "dumb"
+    dest = stream or sys.stdout
+    tty = dest.isatty() and os.environ.get("TERM") != "dumb"
     drawn = 0
     polls = 0
     last_plain = None
@@ -160,15 +149,15 @@ def watch(
         lines = progress_lines(job, m, color=tty, width=shutil.get_terminal_size((80, 20)).columns)
         if tty:
             if drawn:
-                out.write(f"\x1b[{drawn}A")
-            out.write("".join(f"\r\x1b[2K{line}\n" for line in lines))
+                dest.write(f"\x1b[{drawn}A")
+            dest.write("".join(f"\r\x1b[2K{line}\n" for line in lines))
             drawn = len(lines)
         elif lines != last_plain:
-            out.write("\n".join(lines) + "\n")
+            dest.write("\n".join(lines) + "\n")
             last_plain = lines
-        out.flush()
+        dest.flush()
         polls += 1
-        if job["state"] in TERMINAL_STATES:
+        if job["state"] in JOB_TERMINAL:
             return 0 if job["state"] == "completed" else 1
         if max_polls is not None and polls >= max_polls:
             return 0
@@ -176,7 +165,7 @@ def watch(
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         try:
             return watch(api, args.job, interval=args.interval)
         except KeyboardInterrupt:
@@ -236,12 +225,12 @@ def render_transcript(t: dict[str, Any], *, color: bool = False) -> str:
 
 
 def cmd_transcript(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         t = api.transcript(args.episode)
     if args.json:
-        _out(json.dumps(t, indent=2))
+        out(json.dumps(t, indent=2))
     else:
-        _out(render_transcript(t, color=sys.stdout.isatty()))
+        out(render_transcript(t, color=sys.stdout.isatty()))
     return 0
 
 
@@ -266,22 +255,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for name, p in found.items():
             sys.stdout.write(f"  {name:<16} {p['dist']:<20} {p['target']}\n")
     return 0
-
-
-def _number(kind: type[float] | type[int], above: float | None = None) -> Callable[[str], float]:
-    """An argparse type: a number of ``kind`` that is at least 0 (or more than ``above``)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if (above is not None and value <= above) or value < 0:
-            bound = f"more than {above:g}" if above is not None else "at least 0"
-            raise argparse.ArgumentTypeError(f"{text} must be {bound}")
-        return value
-
-    return parse
 
 
 def cmd_create_tenant(args: argparse.Namespace) -> int:
@@ -325,25 +298,11 @@ def cmd_create_tenant(args: argparse.Namespace) -> int:
         sys.stderr.write(f"error: {exc}\n")
         return 1
     sys.stderr.write(f"created tenant {tenant_id!r}; its API key follows (shown once, store it now):\n")
-    _out(key)
+    out(key)
     return 0
 
 
-# --- parser -----------------------------------------------------------------------------
-
-
-AddCommands = Callable[[Any], None]
-
-
-def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
-    """The client commands; each of ``extensions`` adds more to the subcommand parsers
-    (the services' CLI adds ``temper run``)."""
-    parser = argparse.ArgumentParser(prog="temper", description="Temper: RL post-training for LLM agents")
-    parser.add_argument(
-        "--url", default=None, help="dispatcher URL (env TEMPER_URL; default http://127.0.0.1:8000)"
-    )
-    parser.add_argument("--key", default=None, help="API key (env TEMPER_API_KEY)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def add_commands(sub: Any) -> None:
 
     p = sub.add_parser("submit", help="submit a job spec (YAML or JSON file, '-' for stdin)")
     p.add_argument("spec")
@@ -379,23 +338,23 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     p.add_argument("name")
     p.add_argument("--id", help="tenant id (default: a slug of NAME)")
     p.add_argument("--max-concurrent-episodes", type=int, default=64)
-    p.add_argument("--weight", type=_number(float, above=0.0), default=1.0, help="share of a contended fleet")
+    p.add_argument("--weight", type=number(float, above=0.0), default=1.0, help="share of a contended fleet")
     p.add_argument(
         "--quota-sandbox-cpu-s",
-        type=_number(float),
+        type=number(float),
         help="sandbox CPU-seconds it may use (default: no limit)",
     )
     p.add_argument(
-        "--quota-inference-tokens", type=_number(int), help="inference tokens it may use (default: no limit)"
+        "--quota-inference-tokens", type=number(int), help="inference tokens it may use (default: no limit)"
     )
     p.add_argument(
         "--quota-sandbox-memory-gb-s",
-        type=_number(float),
+        type=number(float),
         help="sandbox memory it may hold, in GB-seconds (default: no limit)",
     )
     p.add_argument(
         "--quota-trainer-s",
-        type=_number(float),
+        type=number(float),
         help="trainer seconds its steps may take (default: no limit)",
     )
     p.add_argument("--admin", action="store_true", help="make the key an admin key")
@@ -403,36 +362,3 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     p = admin_sub.add_parser("plugins", help="list the environment, reward and parser plugins installed here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
-
-    from temper.cli_results import add_commands as add_result_commands
-    from temper.envpkg.cli import add_commands as add_environment_commands
-    from temper.sandbox.cli import add_commands as add_image_commands
-    from temper.tasks.cli import add_commands as add_taskset_commands
-
-    add_result_commands(sub)
-    add_taskset_commands(sub)
-    add_image_commands(sub)
-    add_environment_commands(sub)
-    for add_commands in extensions:
-        add_commands(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None, *, parser: argparse.ArgumentParser | None = None) -> int:
-    args = (parser or build_parser()).parse_args(argv)
-    try:
-        return int(args.func(args))
-    except ApiError as exc:
-        sys.stderr.write(
-            f"error: {exc.detail}\n" if exc.status == 0 else f"error ({exc.status}): {exc.detail}\n"
-        )
-        for field, message in exc.errors:
-            sys.stderr.write(f"  {field}: {message}\n")
-        return 1
-    except FileNotFoundError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

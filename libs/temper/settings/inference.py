@@ -69,8 +69,6 @@ class BackendSpec(BaseModel):
 
 
 class InferenceSettings(BaseModel):
-    host: str = "127.0.0.1"
-    port: int = 8001
     model_name: str = "temper-policy"
     requests_group: str = Field(
         "inference-gateway", description="consumer group of inference.requests, shared by replicas"

@@ -7,18 +7,33 @@ runs embedded or distributed by these settings alone.
 
 from __future__ import annotations
 
+import os
+import types
+import typing
+from collections.abc import Mapping
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from temper.policy.config import InferenceSettings
-from temper.sandbox.config import SandboxSettings
-from temper.training.config import TrainerSettings
+from temper.settings.inference import InferenceSettings
+from temper.settings.sandbox import SandboxSettings
+from temper.settings.trainer import TrainerSettings
 
-DEFAULT_API_SECRET = "temper-dev-secret-change-me"
+# Settings that were removed or moved: still present in the environment, each stops startup
+# with what replaces it (a leftover would otherwise be ignored, an operator's dead knob).
+RETIRED = {
+    "TEMPER_API__SECRET": "removed: nothing read it; callers authenticate with per-tenant API keys "
+    "(temper admin create-tenant, POST /v1/tenants/{id}/keys)",
+    "TEMPER_API__HOST": "moved: use TEMPER_HOST (every service listens where it says)",
+    "TEMPER_API__PORT": "moved: use TEMPER_PORT (every service listens where it says)",
+    "TEMPER_INFERENCE__HOST": "moved: use TEMPER_HOST (every service listens where it says)",
+    "TEMPER_INFERENCE__PORT": "moved: use TEMPER_PORT (every service listens where it says)",
+    "TEMPER_ALLOW_UNSAFE": "moved: use TEMPER_SANDBOX__ALLOW_UNSAFE",
+}
 
 
 class Mode(StrEnum):
@@ -94,9 +109,6 @@ class RedisSettings(BaseModel):
 
 
 class ApiSettings(BaseModel):
-    secret: SecretStr = SecretStr(DEFAULT_API_SECRET)
-    host: str = "127.0.0.1"
-    port: int = 8000
     bootstrap_key: SecretStr | None = Field(
         None, description="if set, an admin API key with this value is created for tenant 'default' at start"
     )
@@ -104,10 +116,11 @@ class ApiSettings(BaseModel):
 
 class RewardScorerSettings(BaseModel):
     group: str = Field("reward-scorer", description="consumer group of reward.requests, shared by replicas")
+    concurrency: int = Field(8, ge=1, description="submissions scored at once by one scorer")
 
 
 class DispatcherSettings(BaseModel):
-    """The dispatcher's episode engine (``TEMPER_DISPATCHER__*``)."""
+    """The dispatcher's episode state machine (``TEMPER_DISPATCHER__*``)."""
 
     lease_s: float = Field(300.0, gt=0, description="how long a step may take before it is retried")
     reward_lease_s: float | None = Field(None, gt=0, description="lease of reward steps (default: lease_s)")
@@ -167,6 +180,10 @@ class Settings(BaseSettings):
 
     mode: Mode = Mode.embedded
     service: str = "temper"
+    host: str = Field("127.0.0.1", description="address this service process listens on")
+    port: int | None = Field(
+        None, ge=1, le=65535, description="port this service process listens on; unset: the service's default"
+    )
     data_dir: Path = Path(".temper")
     db: DatabaseSettings = DatabaseSettings()
     bus: BusSettings = BusSettings()
@@ -180,9 +197,14 @@ class Settings(BaseSettings):
     reward_scorer: RewardScorerSettings = RewardScorerSettings()
     dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
-    allow_unsafe: bool = Field(
-        False, description="allow the no-isolation sandbox backend in distributed mode"
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_environment(cls, data: Any) -> Any:
+        problems = unknown_settings(os.environ)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return data
 
     @model_validator(mode="after")
     def _resolve_and_refuse_unsafe(self) -> Settings:
@@ -194,11 +216,53 @@ class Settings(BaseSettings):
         if distributed:
             if self.bus.kind is BusKind.inprocess:
                 raise ValueError("TEMPER_BUS__KIND=inprocess cannot be used with TEMPER_MODE=distributed")
-            if self.api.secret.get_secret_value() == DEFAULT_API_SECRET:
-                raise ValueError("TEMPER_API__SECRET must be set to a non-default value in distributed mode")
             if self.db.is_sqlite:
                 raise ValueError("TEMPER_DB__URL must point at Postgres in distributed mode")
         return self
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The settings model a field holds (``X`` or ``X | None``), or None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [m for a in typing.get_args(annotation) if (m := _model_of(a)) is not None]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def unknown_settings(environ: Mapping[str, str]) -> list[str]:
+    """One line per ``TEMPER_*`` variable that names no setting: a retired one (with what
+    replaces it), or a nested one (``TEMPER_<SECTION>__...``) whose path through the
+    models does not exist. Top-level names that are no field (``TEMPER_URL``,
+    ``TEMPER_API_KEY`` of the client, ``TEMPER_CACHE_DIR`` of the scripts) are not settings
+    and pass."""
+    problems = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith("TEMPER_"):
+            continue
+        if upper in RETIRED:
+            problems.append(f"{upper} is no longer a setting ({RETIRED[upper]})")
+            continue
+        parts = upper.removeprefix("TEMPER_").lower().split("__")
+        if len(parts) < 2:
+            continue
+        model: type[BaseModel] = Settings
+        for depth, part in enumerate(parts):
+            fields = model.model_fields
+            if part not in fields:
+                known = ", ".join(sorted(fields))
+                problems.append(f"{upper} names no setting ({part!r} is not one of: {known})")
+                break
+            annotation = fields[part].annotation
+            sub = _model_of(annotation)
+            if sub is None:
+                if depth < len(parts) - 1 and typing.get_origin(annotation) is not dict:
+                    problems.append(f"{upper} names no setting ({part!r} is a value, not a section)")
+                break
+            model = sub
+    return problems
 
 
 @lru_cache(maxsize=1)

@@ -1,4 +1,4 @@
-"""The batch tasks the worker runs, one function per task name (see :mod:`temper.batch`).
+"""The Celery tasks the worker runs, one function per task name (see :mod:`temper.celery_queue`).
 Each opens what it needs from the settings (database, sandboxes, object store), calls
 the library function that does the work, and closes it again."""
 

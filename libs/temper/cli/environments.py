@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from temper.cli.common import client, out
 from temper.envpkg.archive import pack
 
 SKIP = {"__pycache__", ".git", ".DS_Store"}
@@ -29,11 +30,9 @@ def pack_dir(root: Path) -> bytes:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from temper.cli import _client, _out
-
-    with _client(args) as api:
+    with client(args) as api:
         meta = api.push_environment(pack_dir(Path(args.dir)))
-    _out(f"{meta['name']} {meta['version']}")
+    out(f"{meta['name']} {meta['version']}")
     sys.stderr.write(
         f"uploaded: tools {', '.join(meta['tools'])}; rubric {meta['rubric']}; "
         f"{len(meta['public_files'])} public and {meta['hidden_files']} hidden files\n"
@@ -42,20 +41,16 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from temper.cli import _client, _out
-
-    with _client(args) as api:
+    with client(args) as api:
         items: list[dict[str, Any]] = api.environments()
     for m in items:
-        _out(f"{m['name']}\t{m['version']}\t{m['uploaded_at'][:19].replace('T', ' ')}\t{m['description']}")
+        out(f"{m['name']}\t{m['version']}\t{m['uploaded_at'][:19].replace('T', ' ')}\t{m['description']}")
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from temper.cli import _client, _out
-
-    with _client(args) as api:
-        _out(json.dumps(api.environment(args.name, args.version), indent=2))
+    with client(args) as api:
+        out(json.dumps(api.environment(args.name, args.version), indent=2))
     return 0
 
 

@@ -21,11 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-
-def _client(args: argparse.Namespace) -> Any:
-    from temper.client import TemperClient
-
-    return TemperClient(args.url, args.key)
+from temper.cli.common import client
 
 
 def progress_bar(current: int, total: int, *, width: int = 30, label: str = "") -> str:
@@ -61,18 +57,26 @@ def wait_for_validation(
 def cmd_upload(args: argparse.Namespace) -> int:
     path = Path(args.file)
     ctype = "application/yaml" if path.suffix in (".yaml", ".yml") else "application/x-ndjson"
-    with _client(args) as api:
+    with client(args) as api:
         view = api._call(
             "POST", "/v1/tasksets", content=path.read_bytes(), headers={"content-type": ctype},
             params={"name": args.name or path.stem, "validate": str(not args.no_validate).lower()},
         )  # fmt: skip
         sys.stdout.write(view["id"] + "\n")
-        sys.stderr.write(
-            f"uploaded {view['task_count']} tasks as {view['id']}; validation: {view.get('validation')}\n"
-        )
+        sys.stderr.write(f"uploaded {view['task_count']} tasks as {view['id']}; {validation_line(view)}\n")
         if args.wait and view.get("validation", {}).get("queued"):
             wait_for_validation(api, view["id"])
     return 0
+
+
+def validation_line(view: dict[str, Any]) -> str:
+    """What happened to the upload's validation, in words."""
+    validation = view.get("validation") or {}
+    if validation.get("queued"):
+        return "validation started (temper tasksets show ID shows its progress)"
+    if "error" in validation:
+        return f"validation could not start: {validation['error']}"
+    return "not validated (--no-validate); temper tasksets validate ID starts it"
 
 
 IMPORT_FORMATS = ("humaneval", "mbpp", "gsm8k", "temper", "harbor", "repo")
@@ -87,12 +91,12 @@ def import_tasks(fmt: str, path: str, columns: str = "", limit: int | None = Non
 
     if fmt == "harbor":
         tasks = harbor.import_task_dirs(path)
-    elif fmt == "repo":  # a directory of repository tasks (temper.tasks.repo)
-        from temper.tasks.repo import repo_tasks
+    elif fmt == "repo":  # a directory of repository tasks (temper.tasks.repositories)
+        from temper.tasks.repositories import repository_tasks
 
         if not Path(path).is_dir():
             raise ValueError(f"{path}: not a directory of repository tasks")
-        tasks = repo_tasks(Path(path))
+        tasks = repository_tasks(Path(path))
         if not tasks:
             raise ValueError(f"{path}: no repository task (a directory with task.json) in it")
     elif fmt == "temper":
@@ -113,7 +117,7 @@ def _limits(task: Any) -> dict[str, Any]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from temper.sandbox.models import SandboxLimits
+    from temper.limits import SandboxLimits
     from temper.tasks.models import dump_jsonl
 
     if args.columns and args.format in ("temper", "harbor", "repo"):
@@ -138,14 +142,16 @@ def cmd_import(args: argparse.Namespace) -> int:
         sys.stderr.write(f"wrote {len(tasks)} {args.format} tasks to {args.output}\n")
         return 0
     name = args.name or Path(args.path.rstrip("/")).stem
-    with _client(args) as api:
+    with client(args) as api:
         view = api._call(
             "POST", "/v1/tasksets", content=dump_jsonl(tasks).encode(),
             headers={"content-type": "application/x-ndjson"},
             params={"name": name, "validate": str(not args.no_validate).lower(), "source": f"import:{args.format}"},
         )  # fmt: skip
         sys.stdout.write(view["id"] + "\n")
-        sys.stderr.write(f"imported {view['task_count']} {args.format} tasks as {view['id']}\n")
+        sys.stderr.write(
+            f"imported {view['task_count']} {args.format} tasks as {view['id']}; {validation_line(view)}\n"
+        )
         if args.wait and view.get("validation", {}).get("queued"):
             view = wait_for_validation(api, view["id"])
             write_validation_table(api, view["id"], sys.stdout)
@@ -153,7 +159,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         for ts in api._call("GET", "/v1/tasksets"):
             counts = " ".join(f"{k}={v}" for k, v in sorted(ts.get("counts", {}).items()))
             sys.stdout.write(
@@ -163,7 +169,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         view = api._call("GET", f"/v1/tasksets/{args.id}")
     if args.json:
         sys.stdout.write(json.dumps(view, indent=2) + "\n")
@@ -205,7 +211,7 @@ def write_validation_table(api: Any, taskset_id: str, out: TextIO) -> dict[str, 
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         api._call("POST", f"/v1/tasksets/{args.id}/validate")
         wait_for_validation(api, args.id, interval=args.interval)
         view = write_validation_table(api, args.id, sys.stdout)

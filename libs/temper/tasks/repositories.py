@@ -10,7 +10,7 @@ A repository task is a directory:
 - ``gold.patch``: the fix, a unified diff against ``repo/``,
 - ``task.json``: ``fail_to_pass`` and ``pass_to_pass``, lists of unittest ids.
 
-:func:`repo_task` turns it into a ``shell`` :class:`TaskSpec`: its hidden tests are one
+:func:`repository_task` turns it into a ``shell`` :class:`TaskSpec`: its hidden tests are one
 grading program that writes the hidden test files and the repository's own test files
 as they were at the commit (so an agent's edits to tests do not count) over the agent's
 final workspace, runs every listed test id with unittest in a subprocess, and passes
@@ -65,7 +65,7 @@ sys.stdout.write(marker + json.dumps(out) + "\\n")
 """
 
 
-class RepoTaskError(ValueError):
+class RepositoryTaskError(ValueError):
     """A repository task directory that is incomplete or malformed."""
 
 
@@ -82,7 +82,7 @@ def bundle_tree(bundle: Path, commit: str) -> dict[str, str]:
     """The files of ``commit`` in a git bundle: cloned into a temporary directory (git
     checks the bundle's pack) and the commit checked out, detached."""
     if not COMMIT.match(commit or ""):
-        raise RepoTaskError(f"{bundle}: commit {commit!r} is not a full 40-hex git commit id")
+        raise RepositoryTaskError(f"{bundle}: commit {commit!r} is not a full 40-hex git commit id")
     with tempfile.TemporaryDirectory(prefix="temper-bundle-") as tmp:
         work = Path(tmp) / "repo"
 
@@ -92,13 +92,13 @@ def bundle_tree(bundle: Path, commit: str) -> dict[str, str]:
                 ["git", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=60
             )
             if proc.returncode != 0:
-                raise RepoTaskError(f"{bundle}: git {args[0]} failed: {proc.stderr.strip()[-300:]}")
+                raise RepositoryTaskError(f"{bundle}: git {args[0]} failed: {proc.stderr.strip()[-300:]}")
 
         git("clone", "--quiet", "--no-checkout", str(Path(bundle).absolute()), str(work))
         try:
             git("checkout", "--quiet", "--detach", commit, cwd=work)
-        except RepoTaskError as e:
-            raise RepoTaskError(f"{bundle}: commit {commit} is not in the bundle ({e})") from None
+        except RepositoryTaskError as e:
+            raise RepositoryTaskError(f"{bundle}: commit {commit} is not in the bundle ({e})") from None
         shutil.rmtree(work / ".git")  # the agent gets the tree at the commit, not the history
         return read_tree(work)
 
@@ -130,24 +130,24 @@ def grading_program(restore: dict[str, str], fail_to_pass: list[str], pass_to_pa
     )
 
 
-def repo_task(
+def repository_task(
     directory: Path, *, task_id: str | None = None, limits: dict[str, Any] | None = None
 ) -> TaskSpec:
     """The task of one repository task directory (see the module's docstring)."""
     directory = Path(directory)
     for need in ("hidden", "issue.md", "gold.patch", "task.json"):
         if not (directory / need).exists():
-            raise RepoTaskError(f"{directory}: {need} is missing")
+            raise RepositoryTaskError(f"{directory}: {need} is missing")
     has_tree, has_bundle = (directory / "repo").exists(), (directory / "repo.bundle").exists()
     if has_tree == has_bundle:
-        raise RepoTaskError(f"{directory}: needs exactly one of repo/ and repo.bundle")
+        raise RepositoryTaskError(f"{directory}: needs exactly one of repo/ and repo.bundle")
     meta = json.loads((directory / "task.json").read_text())
     f2p, p2p = list(meta.get("fail_to_pass") or []), list(meta.get("pass_to_pass") or [])
     if not f2p:
-        raise RepoTaskError(f"{directory}: task.json lists no fail_to_pass tests")
+        raise RepositoryTaskError(f"{directory}: task.json lists no fail_to_pass tests")
     for tid in f2p + p2p:
         if not TEST_ID.match(tid):
-            raise RepoTaskError(f"{directory}: {tid!r} is not a dotted unittest id")
+            raise RepositoryTaskError(f"{directory}: {tid!r} is not a dotted unittest id")
     if has_bundle:
         files = bundle_tree(directory / "repo.bundle", str(meta.get("commit") or ""))
     else:
@@ -156,7 +156,7 @@ def repo_task(
     tests = {p: t for p, t in files.items() if p.split("/")[0] == "tests" or "/tests/" in f"/{p}"}
     patch = (directory / "gold.patch").read_text()
     if not patch.strip():
-        raise RepoTaskError(f"{directory}: gold.patch is empty")
+        raise RepositoryTaskError(f"{directory}: gold.patch is empty")
     oracle = f"set -e\ngit apply --verbose <<'TEMPER_GOLD_PATCH'\n{patch}TEMPER_GOLD_PATCH\n"
     return TaskSpec.model_validate(
         {
@@ -173,6 +173,8 @@ def repo_task(
     )  # fmt: skip
 
 
-def repo_tasks(root: Path, *, limits: dict[str, Any] | None = None) -> list[TaskSpec]:
+def repository_tasks(root: Path, *, limits: dict[str, Any] | None = None) -> list[TaskSpec]:
     """Every repository task directory under ``root`` (those holding ``task.json``), by name."""
-    return [repo_task(d, limits=limits) for d in sorted(Path(root).iterdir()) if (d / "task.json").exists()]
+    return [
+        repository_task(d, limits=limits) for d in sorted(Path(root).iterdir()) if (d / "task.json").exists()
+    ]

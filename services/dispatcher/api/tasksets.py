@@ -1,7 +1,8 @@
 """``/v1/tasksets``: upload (JSONL or YAML), list, show with per-task validation status,
-and (re)start validation. The dispatcher's app mounts the router:
+and (re)start validation, on the task-set library (:mod:`temper.tasks.service`). The
+dispatcher's app mounts the router:
 
-    app.include_router(make_router(CurrentTenant))
+    app.include_router(make_router(current_tenant, enqueue=...))
 
 ``tenant_dependency`` is the app's auth dependency; it returns the tenant id, or an
 object with an ``id``. The app keeps its started :class:`temper.runtime.Runtime` (with
@@ -18,32 +19,35 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import JSONResponse
 
+from services.dispatcher.api.bodies import MAX_TASKSET_BYTES, read_limited
 from temper.runtime import Runtime
 from temper.tasks import service
 from temper.tasks.models import TaskFormatError, TaskSpec, parse_tasks
-
-MAX_UPLOAD_BYTES = 64 << 20
 
 # Queues validation and returns a job id: a blocking call (run in a thread: Celery) or a
 # coroutine function (run on the loop: the in-process validation of embedded mode).
 Enqueue = Callable[[str], str] | Callable[[str], Awaitable[str]]
 
 
-def celery_enqueue(taskset_id: str) -> str:
-    """Queue ``temper.validate_taskset`` for the worker service; returns the Celery task id."""
-    from temper import batch
+def celery_enqueue(redis_url: str) -> Callable[[str], str]:
+    """``enqueue`` on the Celery queue at ``redis_url``: queues ``temper.validate_taskset``
+    for the worker service and returns the Celery task id."""
+    from temper import celery_queue
 
-    return batch.enqueue(batch.VALIDATE_TASKSET, taskset_id)
+    def enqueue(taskset_id: str) -> str:
+        return celery_queue.enqueue(celery_queue.VALIDATE_TASKSET, taskset_id, redis_url=redis_url)
+
+    return enqueue
 
 
-def _runtime_from_app(request: Request) -> Runtime:
+def runtime_from_app(request: Request) -> Runtime:
     runtime = getattr(request.app.state, "runtime", None)
     if runtime is None:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the API has no runtime")
     return runtime  # type: ignore[no-any-return]
 
 
-def _tenant_id(value: Any) -> str:
+def tenant_id_of(value: Any) -> str:
     if isinstance(value, str):
         return value
     for attr in ("id", "tenant_id"):
@@ -58,7 +62,7 @@ async def _enqueue(enqueue: Enqueue, taskset_id: str) -> dict[str, Any]:
             job = await asyncio.wait_for(enqueue(taskset_id), 10)
         else:
             job = await asyncio.wait_for(asyncio.to_thread(enqueue, taskset_id), 10)
-        return {"queued": True, "celery_task_id": job}
+        return {"queued": True, "validation_id": job}
     except Exception as exc:  # noqa: BLE001 - report, the upload itself succeeded
         return {"queued": False, "error": f"{exc.__class__.__name__}: {exc}"[:300]}
 
@@ -66,8 +70,8 @@ async def _enqueue(enqueue: Enqueue, taskset_id: str) -> dict[str, Any]:
 def make_router(
     tenant_dependency: Callable[..., Any],
     *,
-    runtime_dependency: Callable[..., Runtime] = _runtime_from_app,
-    enqueue: Enqueue = celery_enqueue,
+    runtime_dependency: Callable[..., Runtime] = runtime_from_app,
+    enqueue: Enqueue,
 ) -> APIRouter:
     router = APIRouter(prefix="/v1/tasksets", tags=["tasksets"])
     TenantDep = Annotated[Any, Depends(tenant_dependency)]  # noqa: N806 - a type alias
@@ -82,10 +86,8 @@ def make_router(
         validate: bool = Query(True, description="queue the validation pipeline"),
         source: str = Query("upload", max_length=200, description="where the tasks came from"),
     ) -> Any:
-        tenant_id = _tenant_id(tenant)
-        body = await request.body()
-        if len(body) > MAX_UPLOAD_BYTES:
-            raise HTTPException(413, f"task sets are limited to {MAX_UPLOAD_BYTES} bytes")
+        tenant_id = tenant_id_of(tenant)
+        body = await read_limited(request, MAX_TASKSET_BYTES, "the task set")
         try:
             tasks = _parse_body(body, request.headers.get("content-type", ""))
         except TaskSetRejected as exc:
@@ -101,7 +103,7 @@ def make_router(
     async def list_all(tenant: TenantDep, runtime: RuntimeDep) -> list[dict[str, Any]]:
         assert runtime.db is not None
         async with runtime.db.session() as session:
-            rows = await service.list_tasksets(session, _tenant_id(tenant))
+            rows = await service.list_tasksets(session, tenant_id_of(tenant))
             return [service.taskset_view(r, await service.status_counts(session, r.id)) for r in rows]
 
     @router.get("/{taskset_id}", summary="A task set with each task's validation status")
@@ -114,7 +116,7 @@ def make_router(
         assert runtime.db is not None
         async with runtime.db.session() as session:
             try:
-                row = await service.get_taskset(session, taskset_id, tenant=_tenant_id(tenant))
+                row = await service.get_taskset(session, taskset_id, tenant=tenant_id_of(tenant))
             except service.TaskSetNotFound:
                 raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
             counts = await service.status_counts(session, taskset_id)
@@ -141,7 +143,7 @@ def make_router(
         assert runtime.db is not None
         async with runtime.db.session() as session:
             try:
-                await service.get_taskset(session, taskset_id, tenant=_tenant_id(tenant))
+                await service.get_taskset(session, taskset_id, tenant=tenant_id_of(tenant))
             except service.TaskSetNotFound:
                 raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
             lineage = await service.outcome_breakdown(session, taskset_id, job_id=job)
@@ -157,7 +159,7 @@ def make_router(
         assert runtime.db is not None
         async with runtime.db.session() as session:
             try:
-                await service.get_taskset(session, taskset_id, tenant=_tenant_id(tenant))
+                await service.get_taskset(session, taskset_id, tenant=tenant_id_of(tenant))
             except service.TaskSetNotFound:
                 raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
         result = await _enqueue(enqueue, taskset_id)

@@ -1,6 +1,7 @@
 """``/v1/environments``: upload a tenant environment package (a tar.gz with
 ``environment.yaml`` at its top), list the tenant's packages, read one. Another tenant's
-package is a 404 everywhere. The dispatcher's app mounts the router:
+package is a 404 everywhere; the work is the package library's (:mod:`temper.envpkg.service`).
+The dispatcher's app mounts the router:
 
     app.include_router(make_router(CurrentTenant))
 """
@@ -12,11 +13,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
 from fastapi.responses import JSONResponse
 
+from services.dispatcher.api.bodies import read_limited
+from services.dispatcher.api.tasksets import runtime_from_app, tenant_id_of
 from temper.envpkg import service
 from temper.envpkg.archive import MAX_ARCHIVE_BYTES, PackageError
 from temper.envpkg.models import ManifestError
 from temper.runtime import Runtime
-from temper.tasks.routes import _runtime_from_app, _tenant_id
 
 ARCHIVE_TYPES = ("application/gzip", "application/x-gzip", "application/octet-stream", "application/x-tar")
 
@@ -37,7 +39,7 @@ def manifest_problem(exc: ManifestError) -> JSONResponse:
 def make_router(
     tenant_dependency: Callable[..., Any],
     *,
-    runtime_dependency: Callable[..., Runtime] = _runtime_from_app,
+    runtime_dependency: Callable[..., Runtime] = runtime_from_app,
 ) -> APIRouter:
     router = APIRouter(prefix="/v1/environments", tags=["environments"])
     TenantDep = Annotated[Any, Depends(tenant_dependency)]  # noqa: N806 - a type alias
@@ -64,17 +66,10 @@ def make_router(
             raise HTTPException(
                 status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, "send the package as application/gzip (a tar.gz)"
             )
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_ARCHIVE_BYTES:
-                raise HTTPException(413, f"packages are limited to {MAX_ARCHIVE_BYTES} bytes")
-            chunks.append(chunk)
+        data = await read_limited(request, MAX_ARCHIVE_BYTES, "the package")
         assert runtime.store is not None
         try:
-            meta, created = await service.upload(
-                runtime.store, tenant_id=_tenant_id(tenant), data=b"".join(chunks)
-            )
+            meta, created = await service.upload(runtime.store, tenant_id=tenant_id_of(tenant), data=data)
         except ManifestError as exc:
             return manifest_problem(exc)
         except PackageError as exc:
@@ -88,12 +83,12 @@ def make_router(
     @router.get("", summary="The tenant's environment packages")
     async def list_all(tenant: TenantDep, runtime: RuntimeDep) -> list[dict[str, Any]]:
         assert runtime.store is not None
-        return await service.list_packages(runtime.store, tenant_id=_tenant_id(tenant))
+        return await service.list_packages(runtime.store, tenant_id=tenant_id_of(tenant))
 
     @router.get("/{name}/{version}", summary="One environment package (its manifest and file list)")
     async def show(name: str, version: str, tenant: TenantDep, runtime: RuntimeDep) -> dict[str, Any]:
         assert runtime.store is not None
-        meta = await service.get(runtime.store, tenant_id=_tenant_id(tenant), name=name, version=version)
+        meta = await service.get(runtime.store, tenant_id=tenant_id_of(tenant), name=name, version=version)
         if meta is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"environment {name} {version} not found")
         return meta

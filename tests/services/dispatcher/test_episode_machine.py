@@ -1,4 +1,4 @@
-"""The episode engine end to end on the in-process bus (SQLite, and Postgres under the
+"""The episode state machine end to end on the in-process bus (SQLite, and Postgres under the
 ``postgres`` marker), with test doubles of the gateway, sandbox worker and scorer."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ async def test_duplicate_results_are_acknowledged_and_ignored(tmp_path, database
         await wait_for(lambda: _count(h.peers.trajectories, 4), what="trajectories")
         await asyncio.sleep(0.3)
         assert len(h.peers.trajectories) == 4, "each episode scored once though every result came twice"
-        assert h.dispatcher.engine.ignored >= 5 * 4  # type: ignore[union-attr]
+        assert h.dispatcher.machine.ignored >= 5 * 4  # type: ignore[union-attr]
         # A request answered twice must not have produced a second command either.
         assert len(h.peers.requests["reward"]) == 4
         # nor a second outcome: one scored episode is one attempt on its task

@@ -7,12 +7,22 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from temper.sandbox.models import SandboxLimits
+from temper.limits import SandboxLimits
 
 
 class BackendKind(StrEnum):
     bwrap = "bwrap"  # namespaces + cgroups + rlimits (the default)
     process = "process"  # no isolation at all: for hosts without user namespaces
+
+
+class IsolationPiece(StrEnum):
+    """Parts of a sandbox's isolation that a benchmark may switch off to measure what each
+    costs (``bench_pieces_off``); every one is on in a real deployment."""
+
+    dev = "dev"  # /dev read-only; each zygote run mounts its own /dev/shm and /dev/pts
+    seccomp = "seccomp"  # the system-call filter (temper.sandbox.seccomp)
+    fetch = "fetch"  # a zygote run's processes killed before its files are read, read without links
+    recycle = "recycle"  # a zygote's memory checked after each run, recycled past a margin or max_runs
 
 
 class LimitMaxima(BaseModel):
@@ -37,6 +47,20 @@ class SandboxSettings(BaseModel):
         le=256,
         description="zygotes for one-shot runs (run_code, scoring): each gives a run fresh namespaces "
         "without a sandbox start and serves one run at a time; 0: a sandbox per run",
+    )
+    zygote_max_runs: int = Field(
+        1000, ge=1, description="runs one zygote serves before it is replaced by a fresh one"
+    )
+    zygote_memory_margin_mb: int = Field(
+        16,
+        ge=1,
+        description="a zygote whose resident memory (anonymous + shared, memory.stat) after a run "
+        "is this much above its idle baseline is replaced",
+    )
+    bench_pieces_off: list[IsolationPiece] = Field(
+        default_factory=list,
+        description="benchmarks only: isolation pieces switched off to measure their cost "
+        "(refused in distributed mode unless allow_unsafe)",
     )
     max_sessions: int = Field(64, ge=1, description="sessions held at once by one worker")
     idle_expiry_s: float = Field(900.0, gt=0, description="a session idle this long is destroyed")

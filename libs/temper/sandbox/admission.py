@@ -5,8 +5,8 @@ clamped."""
 
 from __future__ import annotations
 
-from temper.sandbox.config import SandboxSettings
-from temper.sandbox.models import NetworkPolicy, SandboxLimits
+from temper.limits import NetworkPolicy, SandboxLimits
+from temper.settings.sandbox import SandboxSettings
 
 CAPPED = ("wall_s", "cpu_s", "memory_mb", "pids", "workspace_mb", "file_size_mb")
 

@@ -15,7 +15,7 @@ import tests.services.embedded.test_plugin_episodes as stack
 from temper.sandbox import SandboxSettings
 from temper.sandbox.images import publish
 from temper.storage.local import LocalStore
-from temper.tasks.repo import repo_task
+from temper.tasks.repositories import repository_task
 from tests.libs.sandbox.conftest import IMAGE_CACHE, debian_blob, debian_image, image_store  # noqa: F401
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.timeout(180)]
@@ -49,7 +49,7 @@ async def test_a_multi_turn_agent_fixes_a_repository_on_the_image(
     monkeypatch.setattr(stack, "SandboxSettings", functools.partial(SandboxSettings, image_cache=IMAGE_CACHE))
     # The job's object store holds the image (the worker would pull it from there).
     await publish(LocalStore(tmp_path / "objects"), debian_blob(), source={"test": "repo-episodes"})
-    task = repo_task(PAGER, limits={"image": debian_image, "wall_s": 20, "cpu_s": 20})
+    task = repository_task(PAGER, limits={"image": debian_image, "wall_s": 20, "cpu_s": 20})
     seen: list[tuple[int, str]] = []
 
     def model(prompt: str, turn: int) -> str:

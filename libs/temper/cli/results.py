@@ -18,17 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from temper.client import TemperClient
-
-STATES = ("pending", "awaiting_action", "acting", "scoring", "scored", "trained", "failed", "cancelled")
-
-
-def _client(args: argparse.Namespace) -> TemperClient:
-    return TemperClient(args.url, args.key)
-
-
-def _out(text: str = "") -> None:
-    sys.stdout.write(text + "\n")
+from temper.cli.common import client, out
+from temper.cli.jobs import progress_lines
+from temper.lifecycle import EpisodeState
 
 
 def _reward(value: float | None) -> str:
@@ -49,7 +41,7 @@ def turns_taken(episode: dict[str, Any]) -> int:
 
 def cmd_episodes(args: argparse.Namespace) -> int:
     items: list[dict[str, Any]] = []
-    with _client(args) as api:
+    with client(args) as api:
         cursor = None
         while True:
             page = api.episodes(
@@ -66,7 +58,7 @@ def cmd_episodes(args: argparse.Namespace) -> int:
                 break
         total = page["total"]
     if args.json:
-        _out(json.dumps(items, indent=2))
+        out(json.dumps(items, indent=2))
         return 0
     rows = [
         [e["id"], str(e["iteration"] + 1), e["task_id"], e["state"], str(turns_taken(e)), _reward(e["reward"]),
@@ -74,34 +66,33 @@ def cmd_episodes(args: argparse.Namespace) -> int:
         for e in items
     ]  # fmt: skip
     for line in table(["episode", "iteration", "task", "state", "turns", "reward", "policy"], rows):
-        _out(line)
+        out(line)
     if len(items) < total:
-        _out(f"({len(items)} of {total}; --all for every one)")
+        out(f"({len(items)} of {total}; --all for every one)")
     return 0
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from temper.cli import progress_lines
 
-    with _client(args) as api:
+    with client(args) as api:
         job = api.job(args.job)
         m = api.metrics(args.job)
     if args.json:
-        _out(json.dumps(m, indent=2))
+        out(json.dumps(m, indent=2))
         return 0
     for line in progress_lines(job, m, color=False):
-        _out(line)
+        out(line)
     if m["reward_curve"]:
-        _out("\nreward per iteration")
+        out("\nreward per iteration")
         rows = [
             [str(p["iteration"] + 1), str(p["episodes"]), f"{p['mean']:.3f}", f"{p['std']:.3f}",
              f"{p['min']:.3f}", f"{p['max']:.3f}"]
             for p in m["reward_curve"]
         ]  # fmt: skip
         for line in table(["iteration", "scored", "mean", "std", "min", "max"], rows):
-            _out("  " + line)
+            out("  " + line)
     if m["pass_rates"]:
-        _out("\npass rate per task")
+        out("\npass rate per task")
         rows = [
             [
                 p["task_id"],
@@ -113,12 +104,12 @@ def cmd_metrics(args: argparse.Namespace) -> int:
             for p in m["pass_rates"]
         ]
         for line in table(["task", "episodes", "passed", "pass rate", "mean reward"], rows):
-            _out("  " + line)
+            out("  " + line)
     return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         data = api.episode_log(args.episode)
     sys.stdout.buffer.write(data)
     sys.stdout.flush()
@@ -126,33 +117,79 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    out = Path(args.output or f"{args.job}-trajectories.{args.format}")
-    with _client(args) as api:
-        nxt = api.export(args.job, out, format=args.format, after=args.after, limit=args.limit)
+    path = Path(args.output or f"{args.job}-trajectories.{args.format}")
+    with client(args) as api:
+        nxt = api.export(args.job, path, format=args.format, after=args.after, limit=args.limit)
     count = ""
     if args.format == "jsonl":
-        with out.open("rb") as f:
+        with path.open("rb") as f:
             count = f"{sum(1 for _ in f)} trajectories, "
-    sys.stderr.write(f"wrote {out} ({count}{out.stat().st_size} bytes)\n")
+    sys.stderr.write(f"wrote {path} ({count}{path.stat().st_size} bytes)\n")
     if nxt:
         sys.stderr.write(f"more after this page: --after {nxt}\n")
     return 0
 
 
+def _downloaded(dest: Path, got: dict[str, Any]) -> str:
+    if got["kind"] == "lora":
+        return f"wrote {dest}: a PEFT adapter directory for base model {got['base_model']}"
+    if got["kind"] == "full":
+        return f"wrote {dest}: a Hugging Face model directory ({len(got['files'])} files)"
+    return f"wrote {dest} (the weights of a version published before the registry)"
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         if args.download is not None:
-            out = Path(args.output or f"{args.job}-v{args.download}.safetensors")
-            out.write_bytes(api.checkpoint(args.job, args.download))
-            sys.stderr.write(f"wrote {out} ({out.stat().st_size} bytes)\n")
+            dest = Path(args.output or f"{args.job}-v{args.download}")
+            got = api.download_version(args.job, args.download, dest, with_base=args.with_base)
+            sys.stderr.write(
+                _downloaded(dest, got) + ("; its base in base/" if args.with_base else "") + "\n"
+            )
             return 0
+        if args.with_base:
+            sys.stderr.write("error: --with-base goes with --download VERSION\n")
+            return 2
         versions = api.checkpoints(args.job)
     if not versions:
-        _out("no policy version published yet")
+        out("no policy version published yet")
         return 0
     rows = [[f"v{v['version']}", str(v["step"]), v["created_at"]] for v in versions]
     for line in table(["version", "step", "published"], rows):
-        _out(line)
+        out(line)
+    return 0
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    """A full version as it is; a LoRA version with its base beside it in ``base/``, or
+    (``--merge``) merged into its base as one Hugging Face model directory."""
+    import shutil
+    import tempfile
+
+    dest = Path(args.dir)
+    if dest.exists() and any(dest.iterdir()):
+        sys.stderr.write(f"error: {dest} exists and is not empty\n")
+        return 2
+    with client(args) as api, tempfile.TemporaryDirectory() as tmp:
+        got = api.download_version(args.job, args.version, Path(tmp) / "version")
+        if got["kind"] != "lora":
+            if args.merge:
+                sys.stderr.write(
+                    f"error: version {args.version} holds full weights: there is no adapter to merge\n"
+                )
+                return 2
+            shutil.copytree(Path(tmp) / "version", dest, dirs_exist_ok=True)
+            sys.stderr.write(_downloaded(dest, got) + "\n")
+            return 0
+        if not args.merge:
+            api.download_version(args.job, args.version, dest, with_base=True)
+            sys.stderr.write(_downloaded(dest, got) + "; its base in base/\n")
+            return 0
+        api.download_version(args.job, args.version, Path(tmp) / "with-base", with_base=True)
+        from temper.training.lora import merge_adapter
+
+        merge_adapter(Path(tmp) / "with-base" / "base", Path(tmp) / "with-base", dest)
+    sys.stderr.write(f"wrote {dest}: the adapter merged into its base {got['base_model']}\n")
     return 0
 
 
@@ -178,21 +215,21 @@ def compare_lines(jobs: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> 
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    with _client(args) as api:
+    with client(args) as api:
         jobs = [api.job(j) for j in args.jobs]
         metrics = [api.metrics(j) for j in args.jobs]
     if args.json:
-        _out(json.dumps([{"job": j, "metrics": m} for j, m in zip(jobs, metrics, strict=True)], indent=2))
+        out(json.dumps([{"job": j, "metrics": m} for j, m in zip(jobs, metrics, strict=True)], indent=2))
         return 0
     for line in compare_lines(jobs, metrics):
-        _out(line)
+        out(line)
     return 0
 
 
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("episodes", help="a job's episodes")
     p.add_argument("job")
-    p.add_argument("--state", choices=STATES)
+    p.add_argument("--state", choices=[s.value for s in EpisodeState])
     p.add_argument("--task", help="only this task id")
     p.add_argument("--iteration", type=int, help="only this iteration (counted from 1)")
     p.add_argument("--limit", type=int, default=50)
@@ -217,11 +254,24 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--limit", type=int, help="at most this many trajectories")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("checkpoints", help="a job's policy versions; --download V writes one's weights")
+    p = sub.add_parser(
+        "checkpoints", help="a job's policy versions; --download V writes one as a loadable directory"
+    )
     p.add_argument("job")
     p.add_argument("--download", type=int, metavar="VERSION")
-    p.add_argument("-o", "--output", help="file to write (default JOB-vVERSION.safetensors)")
+    p.add_argument("-o", "--output", help="directory to write (new or empty; default JOB-vVERSION)")
+    p.add_argument("--with-base", action="store_true", help="a LoRA version: its base model too, in base/")
     p.set_defaults(func=cmd_checkpoints)
+
+    p = sub.add_parser(
+        "export-model",
+        help="a policy version as a model directory; --merge folds a LoRA adapter into its base",
+    )
+    p.add_argument("job")
+    p.add_argument("version", type=int)
+    p.add_argument("dir", help="directory to write (new or empty)")
+    p.add_argument("--merge", action="store_true", help="a LoRA version: one merged model directory")
+    p.set_defaults(func=cmd_export_model)
 
     p = sub.add_parser("compare", help="jobs side by side: summary and mean reward per iteration")
     p.add_argument("jobs", nargs="+", metavar="JOB")

@@ -16,7 +16,7 @@ from temper.rewards import Scorer
 from temper.rewards.models import Submission
 from temper.rewards.scorer import DEFAULT_WEIGHTS
 from temper.tasks import service
-from temper.tasks.repo import RepoTaskError, repo_task, repo_tasks
+from temper.tasks.repositories import RepositoryTaskError, repository_task, repository_tasks
 from temper.tasks.validation import validate_taskset
 from tests.libs.sandbox.conftest import IMAGE_CACHE, debian_image, image_store  # noqa: F401 - fixtures
 
@@ -25,7 +25,7 @@ REPO_BUGS = Path(__file__).resolve().parents[3] / "examples" / "tasksets" / "rep
 
 
 def test_every_repo_bug_loads_as_a_graded_shell_task(tmp_path: Path) -> None:
-    tasks = repo_tasks(REPO_BUGS)
+    tasks = repository_tasks(REPO_BUGS)
     assert len(tasks) >= 10
     for task in tasks:
         assert task.kind == "shell" and task.oracle and "git apply" in task.oracle
@@ -34,18 +34,20 @@ def test_every_repo_bug_loads_as_a_graded_shell_task(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(REPO_BUGS / "pager", broken)
     (broken / "task.json").write_text(json.dumps({"fail_to_pass": ["not an id"]}))
-    with pytest.raises(RepoTaskError, match="not a dotted unittest id"):
-        repo_task(broken)
+    with pytest.raises(RepositoryTaskError, match="not a dotted unittest id"):
+        repository_task(broken)
     (broken / "gold.patch").unlink()
-    with pytest.raises(RepoTaskError, match="gold.patch is missing"):
-        repo_task(broken)
+    with pytest.raises(RepositoryTaskError, match="gold.patch is missing"):
+        repository_task(broken)
 
 
 async def validate(database, scorer: Scorer, limits: dict | None) -> dict[str, dict]:
     async with database.session() as s:
         s.add(Tenant(id="acme", name="acme"))
     async with database.session() as s:
-        row = await service.create_taskset(s, None, "acme", "repo-bugs", repo_tasks(REPO_BUGS, limits=limits))
+        row = await service.create_taskset(
+            s, None, "acme", "repo-bugs", repository_tasks(REPO_BUGS, limits=limits)
+        )
     counts = await validate_taskset(database, scorer, row.id, concurrency=2)
     async with database.session() as s:
         rows = {r.key: r for r in await service.task_rows(s, row.id)}
@@ -85,7 +87,7 @@ async def test_repo_bugs_validate_on_the_debian_image(database, image_scoring_ma
     await validate(database, scorer, {"image": digest})
     # An agent that edits the tests instead of the code does not resolve the issue:
     # the grading sandbox restores the repository's tests and adds the hidden ones.
-    task = repo_task(REPO_BUGS / "pager", limits={"image": digest})
+    task = repository_task(REPO_BUGS / "pager", limits={"image": digest})
     cheat = {**task.files, "tests/test_pages.py": "", "pager/pages.py": task.files["pager/pages.py"]}
     reward, comps = await scorer.score(task, Submission(files=cheat), DEFAULT_WEIGHTS[task.kind])
     assert reward == 0.0 and "not resolved" in (comps["tests_passed"].reason or ""), comps
@@ -137,23 +139,23 @@ def bundled(src: Path, dest: Path) -> str:
 
 def test_a_repo_task_carried_as_a_git_bundle_loads_at_its_commit(tmp_path: Path) -> None:
     commit = bundled(REPO_BUGS / "pager", tmp_path / "pager")
-    task, plain = repo_task(tmp_path / "pager"), repo_task(REPO_BUGS / "pager")
+    task, plain = repository_task(tmp_path / "pager"), repository_task(REPO_BUGS / "pager")
     assert task.files == plain.files and task.tests == plain.tests  # the commit, not the later one
     assert task.metadata.model_extra["commit"] == commit
     meta = json.loads((tmp_path / "pager" / "task.json").read_text())
     (tmp_path / "pager" / "task.json").write_text(json.dumps({**meta, "commit": "f" * 40}))
-    with pytest.raises(RepoTaskError, match="is not in the bundle"):
-        repo_task(tmp_path / "pager")
+    with pytest.raises(RepositoryTaskError, match="is not in the bundle"):
+        repository_task(tmp_path / "pager")
     (tmp_path / "pager" / "task.json").write_text(json.dumps({**meta, "commit": "HEAD"}))
-    with pytest.raises(RepoTaskError, match="not a full 40-hex"):
-        repo_task(tmp_path / "pager")
+    with pytest.raises(RepositoryTaskError, match="not a full 40-hex"):
+        repository_task(tmp_path / "pager")
     (tmp_path / "pager" / "repo.bundle").write_bytes(b"# v2 git bundle\nnot really\n")
     (tmp_path / "pager" / "task.json").write_text(json.dumps(meta))
-    with pytest.raises(RepoTaskError, match="git clone failed"):
-        repo_task(tmp_path / "pager")
+    with pytest.raises(RepositoryTaskError, match="git clone failed"):
+        repository_task(tmp_path / "pager")
     (tmp_path / "pager" / "repo").mkdir()
-    with pytest.raises(RepoTaskError, match="exactly one of repo/ and repo.bundle"):
-        repo_task(tmp_path / "pager")
+    with pytest.raises(RepositoryTaskError, match="exactly one of repo/ and repo.bundle"):
+        repository_task(tmp_path / "pager")
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -164,7 +166,7 @@ async def test_a_bundled_repo_task_validates_oracle_1_nothing_0(
     async with database.session() as s:
         s.add(Tenant(id="acme", name="acme"))
     async with database.session() as s:
-        row = await service.create_taskset(s, None, "acme", "bundled", [repo_task(tmp_path / "ledger")])
+        row = await service.create_taskset(s, None, "acme", "bundled", [repository_task(tmp_path / "ledger")])
     assert await validate_taskset(database, Scorer(scoring_manager), row.id) == {"valid": 1}
     async with database.session() as s:
         [r] = await service.task_rows(s, row.id)

@@ -1,5 +1,6 @@
-"""The batch queue (Celery on Redis, ``TEMPER_REDIS__URL``): the names of the batch tasks
-and a Celery client to queue them. The worker that runs them is a service,
+"""The Celery queue (on Redis, ``TEMPER_REDIS__URL``): the names of the Celery tasks (the
+background work that is not a stream: task-set validation, retention) and a client to
+queue them. The worker that runs them is a service,
 ``services/worker`` (``python -m services.worker``); the library only sends by name.
 """
 
@@ -9,17 +10,14 @@ from typing import Any
 
 from celery import Celery
 
-from temper.settings import get_settings
-
 VALIDATE_TASKSET = "temper.validate_taskset"  # validate a task set, reporting PROGRESS
 RETENTION = "temper.retention"  # delete the objects of long-finished jobs (periodic)
 
 
-def make_celery(redis_url: str | None = None, **conf: Any) -> Celery:
-    """A Celery app on the batch queue, configured as both ends expect (JSON only, acks
-    after the task, one task prefetched); ``conf`` adds to that configuration."""
-    url = redis_url or get_settings().redis.url
-    app = Celery("temper", broker=url, backend=url)
+def make_celery(redis_url: str, **conf: Any) -> Celery:
+    """A Celery app on the queue, configured as both ends expect (JSON only, acks after the
+    task, one task prefetched); ``conf`` adds to that configuration."""
+    app = Celery("temper", broker=redis_url, backend=redis_url)
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -34,8 +32,8 @@ def make_celery(redis_url: str | None = None, **conf: Any) -> Celery:
     return app
 
 
-def enqueue(name: str, *args: Any, redis_url: str | None = None) -> str:
-    """Queue the batch task ``name``; returns its Celery task id."""
+def enqueue(name: str, *args: Any, redis_url: str) -> str:
+    """Queue the Celery task ``name``; returns its Celery task id."""
     app = make_celery(redis_url)
     try:
         return str(app.send_task(name, args=list(args)).id)

@@ -1,0 +1,86 @@
+"""The trainer's ledger (``trained_trajectories``, one row per episode): the durable side of
+its buffer, and the reasons a trajectory was not trained on.
+
+- a received trajectory gets a row with ``step = NULL`` before its offset is committed, so
+  the buffer survives a crash and is reloaded on start (:func:`buffered_rows`);
+- a row gets its ``step`` only in the transaction that publishes the version holding that
+  step's update (:func:`services.trainer.publishing.publish`);
+- a row gets ``skipped`` = one of the reasons below when its group is not trained on.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from temper.db import SKIPPED_JOB_ENDED, SKIPPED_STALE, SKIPPED_ZERO_VARIANCE, Database, TrainedTrajectory
+
+SKIP_ZERO_VARIANCE = SKIPPED_ZERO_VARIANCE  # read by the dispatcher (dynamic sampling)
+SKIP_STALE = SKIPPED_STALE
+SKIP_JOB_ENDED = SKIPPED_JOB_ENDED
+SKIP_INCOMPLETE = "incomplete_group"
+SKIP_MISSING = "trajectory_missing"
+SKIP_NO_UPDATE = "no_update"  # the step produced a non-finite gradient and was dropped
+SKIP_TRAIN_ERROR = "train_error"  # the step raised (e.g. a token id outside the vocabulary)
+
+
+async def add_row(db: Database, row: TrainedTrajectory) -> bool:
+    """Write one ledger row in its own transaction; False if the episode has one already."""
+    try:
+        async with db.session() as s:
+            s.add(row)
+    except IntegrityError:
+        return False
+    return True
+
+
+async def has_row(db: Database, episode_id: str) -> bool:
+    """Whether the episode is already buffered, trained on or skipped."""
+    async with db.session() as s:
+        return await s.get(TrainedTrajectory, episode_id) is not None
+
+
+async def mark_skipped(db: Database, episodes: list[str], reason: str) -> None:
+    async with db.session() as s:
+        await s.execute(
+            update(TrainedTrajectory).where(TrainedTrajectory.episode_id.in_(episodes)).values(skipped=reason)
+        )
+
+
+async def jobs_with_buffered(db: Database, job_id: str | None = None) -> list[str]:
+    """The jobs that have received, untrained trajectories (all, or only ``job_id``)."""
+    query = (
+        select(TrainedTrajectory.job_id)
+        .where(TrainedTrajectory.step.is_(None), TrainedTrajectory.skipped.is_(None))
+        .distinct()
+    )
+    if job_id:
+        query = query.where(TrainedTrajectory.job_id == job_id)
+    async with db.session() as s:
+        return list((await s.execute(query)).scalars())
+
+
+async def buffered_rows(session: AsyncSession, job_id: str) -> list[TrainedTrajectory]:
+    """A job's buffered rows in the order they arrived."""
+    query = (
+        select(TrainedTrajectory)
+        .where(
+            TrainedTrajectory.job_id == job_id,
+            TrainedTrajectory.step.is_(None),
+            TrainedTrajectory.skipped.is_(None),
+        )
+        .order_by(TrainedTrajectory.created_at, TrainedTrajectory.episode_id)
+    )
+    return list((await session.execute(query)).scalars())
+
+
+async def record_steps(session: AsyncSession, steps: dict[str, int]) -> None:
+    """Give each episode (``{episode id: step}``) the step that trained on it."""
+    by_step: dict[int, list[str]] = {}
+    for episode, step in steps.items():
+        by_step.setdefault(step, []).append(episode)
+    for step, episodes in by_step.items():
+        await session.execute(
+            update(TrainedTrajectory).where(TrainedTrajectory.episode_id.in_(episodes)).values(step=step)
+        )
