@@ -51,6 +51,7 @@ class TrainingJob:
     publish_failures: int = 0
     publish_failing_since: float = 0.0
     next_publish_at: float = 0.0
+    mismatch_reason: str | None = None  # the canary's reason on the job, while it holds
 
     def holds(self, episode_id: str) -> bool:
         return any(b.episode_id == episode_id for g in (*self.groups.values(), *self.ready) for b in g)

@@ -1,0 +1,46 @@
+"""What the trainer does with the logprob canary's verdict on a batch
+(``temper.training.canary``; the job's ``algorithm.mismatch``): the metrics, a log line,
+and the job's reason while its engine's logprobs are not its version's."""
+
+from __future__ import annotations
+
+import logging
+
+from services.trainer.buffer import TrainingJob
+from services.trainer.observe import observe_canary
+from services.trainer.publishing import set_stuck_reason
+from temper.db import Database
+from temper.logs import log_event
+from temper.training import StepStats
+
+log = logging.getLogger("temper.trainer")
+
+
+async def record_canary(db: Database, job: TrainingJob, stats: StepStats) -> None:
+    """Record a step's canary figures. A failed batch logs an error with the figures and sets
+    the job's reason (``stuck: logprob mismatch ...``); the next batch that passes clears the
+    reason it set (a publish failure's reason is left alone)."""
+    observe_canary(job.job_id, stats)
+    if not stats.canary:
+        return
+    m = job.spec.algorithm.mismatch
+    if stats.mismatch_tokens == 0:
+        log_event(log, "policy version not checked by the canary: none of its tokens in the batch",
+                  logging.WARNING, job_id=job.job_id, version=stats.version)  # fmt: skip
+        return
+    if not stats.mismatch_failed:
+        if job.mismatch_reason and job.publish_error is None:
+            job.mismatch_reason = None
+            await set_stuck_reason(db, job.job_id, None)
+        return
+    what = "refused" if stats.refused else "trained on"
+    why = (
+        f"logprob mismatch at v{stats.version}: {stats.mismatch_share:.1%} of {stats.mismatch_tokens} "
+        f"tokens past {m.tolerance:g} (mean {stats.mismatch_mean:.3g}, max {stats.mismatch_max:.3g}); "
+        f"the batch was {what} (algorithm.mismatch.on_mismatch: {m.on_mismatch})"
+    )
+    log_event(log, "behaviour logprobs are not the version's", logging.ERROR, job_id=job.job_id,
+              version=stats.version, tokens=stats.mismatch_tokens, share=round(stats.mismatch_share, 4),
+              mean=stats.mismatch_mean, max=stats.mismatch_max, refused=bool(stats.refused))  # fmt: skip
+    job.mismatch_reason = why
+    await set_stuck_reason(db, job.job_id, why)
