@@ -16,12 +16,19 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, Served, adapter_name
+from services.inference_gateway.backends import (
+    BackendError,
+    ErrorKind,
+    GenerateRequest,
+    Served,
+    adapter_name,
+)
 from services.inference_gateway.vllm_backend import VLLMBackend
 from temper import registry
 from temper.events import SamplingParams
@@ -29,7 +36,8 @@ from temper.jobspec import LoraSpec
 from temper.policy import ChatTokenizer, token_logprobs
 from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
 from temper.storage import LocalStore
-from temper.training import Learner, LearnerConfig
+from temper.training import Learner, LearnerConfig, StepStats
+from temper.trajectory import Segment, Trajectory
 from tests.services.inference_gateway.vllm_server import SERVED_NAME, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # the first test waits for the server
@@ -94,6 +102,30 @@ def routed(served: Served | None, r: GenerateRequest) -> GenerateRequest:
     assert served is not None
     v = served.adapters.get(r.job_id or "")
     return replace(r, version=v or 0, adapter=adapter_name(r.job_id or "", v) if v is not None else None)
+
+
+def canary(learner: Learner, rows: list[tuple[list[int], Any]], version: int) -> StepStats:
+    """The trainer's logprob canary on ``rows`` (prompt, a result with ``token_ids`` and
+    ``logprobs``) sampled by ``version`` of ``learner``'s weights: one optimizer step of the
+    learner on them (it is not used after)."""
+    group = [
+        Trajectory(
+            job_id="j",
+            episode_id=f"e{i}",
+            task_id="t",
+            group_id="g",
+            reward=float(i % 2),
+            segments=[
+                Segment(role="prompt", token_ids=prompt),
+                Segment(role="model", token_ids=r.token_ids, logprobs=r.logprobs, policy_version=version),
+            ],
+        )
+        for i, (prompt, r) in enumerate(rows)
+    ]
+    learner.version = version  # as published: the learner's weights are that version's
+    stats = learner.step([group])
+    assert stats.canary and stats.mismatch_tokens == sum(len(r.token_ids) for _, r in rows)
+    return stats
 
 
 # --- completions -----------------------------------------------------------------------------
@@ -328,13 +360,17 @@ async def test_full_reload_serves_the_new_weights_tied_output_layer_included(
         with pytest.raises(BackendError) as other:  # the job owns the server: no other job runs on it
             await full.complete(req(PROMPTS[0], "job-other"))
         assert other.value.kind is ErrorKind.not_served
+        sampled = []
         for prompt in PROMPTS:
             res = await full.complete(req(prompt, "job-full", max_tokens=12))
+            sampled.append((prompt, res))
             assert res.policy_version == 1
             assert res.token_ids == greedy(v1_model, prompt, 12)
             assert gap(res.logprobs, reference(v1_model, prompt, res.token_ids)) <= TOL
             assert gap(res.logprobs, reference(base_model, prompt, res.token_ids)) > DIFFERENT
         assert switch_s < 30
+        stats = canary(learner, sampled, 1)  # the trainer that published v1 checks what vLLM served
+        assert not stats.mismatch_failed and stats.mismatch_max < 1e-4
     finally:
         await full.release("job-full")  # the job ended: the base weights again
     assert await full.served() == Served(base=str(vllm_server.model_dir))
@@ -465,6 +501,12 @@ async def test_the_gateway_service_tags_each_jobs_results_with_the_adapter_that_
             assert (
                 len(res.token_ids) == 12 and gap(res.logprobs, reference(model, prompt, res.token_ids)) <= TOL
             )
+        # the job's trainer checks its tokens by the canary: they pass; the other job's (the
+        # base model's) labelled as the job's version fail it
+        ok = canary(learner, [(PROMPTS[0], results[0]), (PROMPTS[1], results[2])], 1)
+        assert not ok.mismatch_failed and ok.mismatch_max < 1e-4
+        wrong = canary(adapter(vllm_models.base, 7), [(PROMPTS[0], results[1]), (PROMPTS[1], results[2])], 1)
+        assert wrong.mismatch_failed
     finally:
         await service.stop()
         async with httpx.AsyncClient() as c:
