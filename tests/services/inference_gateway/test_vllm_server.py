@@ -511,3 +511,89 @@ async def test_the_gateway_service_tags_each_jobs_results_with_the_adapter_that_
         await service.stop()
         async with httpx.AsyncClient() as c:
             await c.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": f"{job}-v1"})
+
+
+async def test_two_full_weight_jobs_through_the_gateway_on_one_vllm_never_share_its_weights(
+    tmp_path, vllm_server, vllm_models, unique
+) -> None:
+    """Two full-weight jobs, one vLLM server (reload_mode=full), one gateway: the first job's
+    version owns the server and its samples are its weights, tagged with its version; the
+    second job's request waits and fails naming the holder (never the first job's weights
+    under its name), its version waits too; when the first job ends the base comes back,
+    the second job samples it as v0, then its own v1. Every row checked by logprobs."""
+    from services.inference_gateway.inference import Inference
+    from services.inference_gateway.weights import Waiting
+    from temper.events import InferenceRequest, PolicyUpdate
+    from temper.settings.inference import InferenceSettings
+    from tests.services.inference_gateway.vllm_server import build_model
+
+    tok = ChatTokenizer.load(vllm_models.base)
+    b_dir = build_model(tmp_path / "job-b-weights", seed=2, tokenizer=tok)
+    spec = BackendSpec(
+        name="vllm-0",
+        url=vllm_server.url,
+        kind=BackendKind.vllm,
+        model=SERVED_NAME,
+        model_dir=str(vllm_server.model_dir),
+    )
+    settings = InferenceSettings(
+        model_name=SERVED_NAME, backends=[spec], vllm_reload_mode=VLLMReloadMode.full, request_timeout_s=5.0
+    )
+    service = Inference(settings, tokenizer=tok)
+    await service.start()
+    job_a, job_b = f"fa{unique}", f"fb{unique}"
+    models = {"base": hf_model(vllm_models.base), "a": hf_model(vllm_models.v1), "b": hf_model(b_dir)}
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=4)
+
+    async def ask(job: str, prompt: list[int]):  # noqa: ANN202
+        return await service.handle(
+            InferenceRequest(
+                job_id=job, episode_id=f"e-{job}", model=SERVED_NAME, prompt_ids=prompt, sampling=sampling
+            )
+        )
+
+    def sampled_by(res, name: str, prompt: list[int]) -> None:  # noqa: ANN001
+        assert res.error is None and len(res.token_ids) == 12
+        assert gap(res.logprobs, reference(models[name], prompt, res.token_ids)) <= TOL, f"{name}'s weights"
+        for other in set(models) - {name}:
+            assert gap(res.logprobs, reference(models[other], prompt, res.token_ids)) > DIFFERENT
+
+    try:
+        a1 = await publish(
+            tmp_path, Learner(models["a"], LearnerConfig(), device="cpu"), job_a, 1, vllm_models.base
+        )
+        b1 = await publish(
+            tmp_path, Learner(hf_model(b_dir), LearnerConfig(), device="cpu"), job_b, 1, vllm_models.base
+        )
+        assert set(
+            await service.apply_update(
+                PolicyUpdate(job_id=job_a, version=1, checkpoint_key="a1", step=1), path=a1
+            )
+        ) == {"vllm-0"}
+        for prompt in PROMPTS[:2]:
+            res = await ask(job_a, prompt)
+            assert res.policy_version == 1
+            sampled_by(res, "a", prompt)
+        held = await ask(job_b, PROMPTS[0])  # job a's weights hold the only backend
+        assert held.error is not None and job_a in held.error and held.token_ids == []
+        assert held.policy_version == 0
+        with pytest.raises(Waiting, match=job_a):
+            await service.apply_update(
+                PolicyUpdate(job_id=job_b, version=1, checkpoint_key="b1", step=1), path=b1
+            )
+        assert await service.end_job(job_a) == ["vllm-0"]
+        res = await ask(job_b, PROMPTS[0])
+        assert res.policy_version == 0
+        sampled_by(res, "base", PROMPTS[0])
+        await service.apply_update(
+            PolicyUpdate(job_id=job_b, version=1, checkpoint_key="b1", step=1), path=b1
+        )
+        assert service.confirmed(job_b) == 1
+        for prompt in PROMPTS[:2]:
+            res = await ask(job_b, prompt)
+            assert res.policy_version == 1
+            sampled_by(res, "b", prompt)
+    finally:
+        await service.end_job(job_b)
+        await service.end_job(job_a)
+        await service.stop()
