@@ -560,7 +560,11 @@ async def test_two_full_weight_jobs_through_the_gateway_on_one_vllm_never_share_
 
     try:
         a1 = await publish(
-            tmp_path, Learner(models["a"], LearnerConfig(), device="cpu"), job_a, 1, vllm_models.base
+            tmp_path,
+            Learner(hf_model(vllm_models.v1), LearnerConfig(), device="cpu"),
+            job_a,
+            1,
+            vllm_models.base,
         )
         b1 = await publish(
             tmp_path, Learner(hf_model(b_dir), LearnerConfig(), device="cpu"), job_b, 1, vllm_models.base
