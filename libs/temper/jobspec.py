@@ -299,6 +299,7 @@ class LoraSpec(_Spec):
 class OnMismatch(StrEnum):
     flag = "flag"  # train on, record the mismatch and give the job a reason
     skip = "skip"  # refuse the batch: no optimizer step, its groups are skipped with the reason
+    halt = "halt"  # refuse the batch and pause the job (resumed over the API)
 
 
 class MismatchSpec(_Spec):

@@ -1,6 +1,7 @@
 """What the trainer does with the logprob canary's verdict on a batch
 (``temper.training.canary``; the job's ``algorithm.mismatch``): the metrics, a log line,
-and the job's reason while its engine's logprobs are not its version's."""
+and the job's reason while its engine's logprobs are not its version's, or (``halt``) the
+job paused with that reason."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import logging
 from services.trainer.buffer import TrainingJob
 from services.trainer.observe import observe_canary
 from services.trainer.publishing import set_stuck_reason
-from temper.db import Database
+from temper.db import Database, Job
+from temper.jobspec import OnMismatch
+from temper.lifecycle import JobState, transition_job
 from temper.logs import log_event
 from temper.training import StepStats
 
@@ -42,5 +45,19 @@ async def record_canary(db: Database, job: TrainingJob, stats: StepStats) -> Non
     log_event(log, "behaviour logprobs are not the version's", logging.ERROR, job_id=job.job_id,
               version=stats.version, tokens=stats.mismatch_tokens, share=round(stats.mismatch_share, 4),
               mean=stats.mismatch_mean, max=stats.mismatch_max, refused=bool(stats.refused))  # fmt: skip
+    if m.on_mismatch is OnMismatch.halt:
+        await pause(db, job.job_id, why)
+        return
     job.mismatch_reason = why
     await set_stuck_reason(db, job.job_id, why)
+
+
+async def pause(db: Database, job_id: str, why: str) -> None:
+    """Pause a running job with ``why`` as its reason (a person resumes it over the API)."""
+    try:
+        async with db.session() as s:
+            row = await s.get(Job, job_id)
+            if row is not None and row.state == JobState.running:
+                await transition_job(s, row, JobState.paused, reason=why[:500])
+    except Exception as exc:  # noqa: BLE001 - the database may be what is down; /health says so
+        log_event(log, "cannot pause the job", logging.ERROR, job_id=job_id, error=repr(exc)[:200])

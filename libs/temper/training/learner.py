@@ -524,7 +524,7 @@ class Learner:
         stats.mismatch_tokens, stats.mismatch_mean, stats.mismatch_max = mm.checked, mm.mean, mm.max_abs
         stats.mismatch_share = mm.share_over
         stats.mismatch_failed = mm.failed(self.config.mismatch_max_share)
-        if stats.mismatch_failed and self.config.on_mismatch is OnMismatch.skip:
+        if stats.mismatch_failed and self.config.on_mismatch is not OnMismatch.flag:
             # the engine's logprobs are not this version's: no step learns from them
             self.optimizer.zero_grad(set_to_none=True)
             stats.refused = REFUSED_MISMATCH

@@ -67,7 +67,7 @@ def test_a_clean_batch_passes_and_only_the_first_step_on_a_versions_weights_is_c
     assert learner.step([group(learner)]).mismatch_tokens == tokens
 
 
-@pytest.mark.parametrize("on_mismatch", [OnMismatch.flag, OnMismatch.skip])
+@pytest.mark.parametrize("on_mismatch", list(OnMismatch))
 def test_planted_mismatched_logprobs_are_measured_and_flagged_or_refused(on_mismatch: OnMismatch) -> None:
     cfg = LearnerConfig(
         learning_rate=3e-3, mismatch_tolerance=1e-4, mismatch_max_share=0.1, on_mismatch=on_mismatch
@@ -92,7 +92,7 @@ def test_planted_mismatched_logprobs_are_measured_and_flagged_or_refused(on_mism
     assert over == planted and stats.mismatch_share == pytest.approx(over / len(gaps))
     assert stats.mismatch_failed
     moved = any(not torch.equal(a, b) for a, b in zip(before, weights(learner), strict=True))
-    if on_mismatch is OnMismatch.skip:
+    if on_mismatch is not OnMismatch.flag:  # skip and halt refuse the batch
         assert not stats.updated and stats.refused == REFUSED_MISMATCH and not moved
         assert learner.step([group(learner)]).updated, "the next clean batch trains"
     else:

@@ -458,36 +458,45 @@ async def test_a_lora_job_publishes_adapter_versions_and_resumes_from_them(setti
         await stop(runtime, component)
 
 
-async def test_a_batch_whose_logprobs_are_not_its_versions_is_refused_and_the_job_says_why(settings):
-    """The logprob canary (algorithm.mismatch.on_mismatch: skip): a batch whose behaviour
-    logprobs were planted 0.5 off the version that sampled them is not trained on, its groups
-    are skipped with the reason, the job shows it and the metric counts it; the next clean
-    batch of the same version passes the canary, trains and clears the reason."""
+@pytest.mark.parametrize("on_mismatch", ["skip", "halt"])
+async def test_a_batch_whose_logprobs_are_not_its_versions_is_refused_and_the_job_says_why(
+    settings, on_mismatch
+):
+    """The logprob canary (algorithm.mismatch.on_mismatch: skip or halt): a batch whose
+    behaviour logprobs were planted 0.5 off the version that sampled them is not trained on,
+    its groups are skipped with the reason, the job shows it (halt: the job is paused with
+    it) and the metric counts it; then (skip) the next clean batch of the same version passes
+    the canary, trains and clears the reason."""
     runtime, component = await start(settings)
     trainer = component.training
     try:
         assert runtime.db and runtime.bus and runtime.store
         spec = job_spec(group_size=2, groups_per_step=1, checkpoint_every=1)
-        spec["algorithm"]["mismatch"] = {"on_mismatch": "skip"}
-        await add_job(runtime.db, "job-m", spec)
-        labels = {"job_id": "job-m"}
-        f = TrajectoryFactory("job-m")
+        spec["algorithm"]["mismatch"] = {"on_mismatch": on_mismatch}
+        job_id = f"job-m-{on_mismatch}"
+        await add_job(runtime.db, job_id, spec)
+        labels = {"job_id": job_id}
+        f = TrajectoryFactory(job_id)
         planted = f.group("planted", [0.0, 1.0], shift=0.5)
         await store_all(runtime.store, planted)
         await send_all(runtime.bus, planted)
 
         async def refused() -> bool:
-            rows = await ledger(runtime, "job-m")
+            rows = await ledger(runtime, job_id)
             return len(rows) == 2 and all(r.skipped for r in rows.values())
 
         await wait_for(refused, what="the planted batch refused")
-        rows = await ledger(runtime, "job-m")
+        rows = await ledger(runtime, job_id)
         assert {r.skipped for r in rows.values()} == {SKIP_MISMATCH}
-        job = trainer.jobs["job-m"]
-        assert job.learner.step_count == 0 and await versions(runtime, "job-m") == []
+        job = trainer.jobs[job_id]
+        assert job.learner.step_count == 0 and await versions(runtime, job_id) == []
         async with runtime.db.session() as s:
-            reason = (await s.get(Job, "job-m")).state_reason  # type: ignore[union-attr]
-        assert reason is not None and reason.startswith("stuck: logprob mismatch at v0: 100.0% of")
+            row = await s.get(Job, job_id)
+            assert row is not None
+            state, reason = row.state, row.state_reason
+        prefix = "stuck: " if on_mismatch == "skip" else ""
+        assert state == ("running" if on_mismatch == "skip" else "paused")
+        assert reason is not None and reason.startswith(f"{prefix}logprob mismatch at v0: 100.0% of")
         assert "past 0.0001" in reason and "refused" in reason
         assert REGISTRY.get_sample_value("temper_trainer_mismatched_batches_total", labels) == 1
         assert REGISTRY.get_sample_value("temper_trainer_logprob_mismatch", {**labels, "stat": "mean"}) == (
@@ -498,19 +507,21 @@ async def test_a_batch_whose_logprobs_are_not_its_versions_is_refused_and_the_jo
             sum(s.role == "model" and len(s.token_ids) or 0 for s in m.trajectory.segments) for m in planted
         )
 
+        if on_mismatch == "halt":
+            return
         clean = f.group("clean", [1.0, 0.0])
         await store_all(runtime.store, clean)
         await send_all(runtime.bus, clean)
 
         async def published() -> bool:
-            return await versions(runtime, "job-m") == [(1, 1)]
+            return await versions(runtime, job_id) == [(1, 1)]
 
         await wait_for(published, what="the clean batch trained and published")
         last = job.history[-1]
         assert last["canary"] and last["mismatch_tokens"] > 0 and last["mismatch_max"] < 1e-4
         assert not last["mismatch_failed"]
         async with runtime.db.session() as s:
-            assert (await s.get(Job, "job-m")).state_reason is None  # type: ignore[union-attr]
+            assert (await s.get(Job, job_id)).state_reason is None  # type: ignore[union-attr]
         assert REGISTRY.get_sample_value("temper_trainer_mismatched_batches_total", labels) == 1
     finally:
         await stop(runtime, component)
