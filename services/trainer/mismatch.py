@@ -10,7 +10,7 @@ import logging
 from services.trainer.buffer import TrainingJob
 from services.trainer.observe import observe_canary
 from services.trainer.publishing import set_stuck_reason
-from temper.db import Database, Job
+from temper.db import Database, Job, PolicyVersion
 from temper.jobspec import OnMismatch
 from temper.lifecycle import JobState, transition_job
 from temper.logs import log_event
@@ -26,6 +26,7 @@ async def record_canary(db: Database, job: TrainingJob, stats: StepStats) -> Non
     observe_canary(job.job_id, stats)
     if not stats.canary:
         return
+    await on_version_row(db, job.job_id, stats)
     m = job.spec.algorithm.mismatch
     if stats.mismatch_tokens == 0:
         log_event(log, "policy version not checked by the canary: none of its tokens in the batch",
@@ -50,6 +51,36 @@ async def record_canary(db: Database, job: TrainingJob, stats: StepStats) -> Non
         return
     job.mismatch_reason = why
     await set_stuck_reason(db, job.job_id, why)
+
+
+async def on_version_row(db: Database, job_id: str, stats: StepStats) -> None:
+    """Add a canary step's figures to the row of the version it checked (``metrics.logprob_canary``:
+    tokens checked, mean and max |Δ|, tokens past the tolerance, failed batches; ``tokens``
+    0: not checked). Version 0, the base, has no row."""
+    if stats.version < 1:
+        return
+    try:
+        async with db.session() as s:
+            row = await s.get(PolicyVersion, (job_id, stats.version))
+            if row is None:
+                return
+            was = dict((row.metrics or {}).get("logprob_canary") or {})
+            tokens = int(was.get("tokens", 0)) + stats.mismatch_tokens
+            total = (
+                float(was.get("mean", 0.0)) * int(was.get("tokens", 0))
+                + stats.mismatch_mean * stats.mismatch_tokens
+            )
+            canary = {
+                "tokens": tokens,
+                "mean": total / tokens if tokens else 0.0,
+                "max": max(float(was.get("max", 0.0)), stats.mismatch_max),
+                "over": int(was.get("over", 0)) + round(stats.mismatch_share * stats.mismatch_tokens),
+                "failed_batches": int(was.get("failed_batches", 0)) + int(stats.mismatch_failed),
+            }
+            row.metrics = {**(row.metrics or {}), "logprob_canary": canary}
+    except Exception as exc:  # noqa: BLE001 - figures, not state: the step goes on
+        log_event(log, "cannot record the canary on the version row", logging.WARNING, job_id=job_id,
+                  version=stats.version, error=repr(exc)[:200])  # fmt: skip
 
 
 async def pause(db: Database, job_id: str, why: str) -> None:

@@ -523,5 +523,28 @@ async def test_a_batch_whose_logprobs_are_not_its_versions_is_refused_and_the_jo
         async with runtime.db.session() as s:
             assert (await s.get(Job, job_id)).state_reason is None  # type: ignore[union-attr]
         assert REGISTRY.get_sample_value("temper_trainer_mismatched_batches_total", labels) == 1
+        # an engine that answers with v0's weights under v1's label: the factory's logprobs are
+        # the initial policy's, the learner's weights v1's; the v1 row records the failure
+        stale_label = f.group("relabelled", [1.0, 0.0], version=1)
+        await store_all(runtime.store, stale_label)
+        await send_all(runtime.bus, stale_label)
+
+        async def v1_checked_and_refused() -> bool:
+            rows = await ledger(runtime, job_id)
+            if not all(
+                m.message.episode_id in rows and rows[m.message.episode_id].skipped for m in stale_label
+            ):
+                return False
+            async with runtime.db.session() as s:
+                row = await s.get(PolicyVersion, (job_id, 1))
+                return row is not None and "logprob_canary" in (row.metrics or {})
+
+        await wait_for(v1_checked_and_refused, what="the canary on the v1 row, the batch refused")
+        async with runtime.db.session() as s:
+            canary = (await s.get(PolicyVersion, (job_id, 1))).metrics["logprob_canary"]  # type: ignore[union-attr]
+        assert canary["failed_batches"] == 1 and canary["tokens"] > 0 and canary["over"] > 0
+        assert canary["mean"] > 1e-3, "v0's logprobs are not v1's"
+        rows = await ledger(runtime, job_id)
+        assert {rows[m.message.episode_id].skipped for m in stale_label} == {SKIP_MISMATCH}
     finally:
         await stop(runtime, component)
