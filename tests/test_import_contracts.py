@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "domains",
         frozenset({
-            "jobspec", "trajectory", "lifecycle", "tenants", "retention", "episode_log", "policy",
+            "jobspec", "trajectory", "lifecycle", "tenants", "retention", "episode_log", "episode_steps", "policy",
             "sandbox", "rewards", "training", "tasks", "envs", "envpkg",
         }),
     ),

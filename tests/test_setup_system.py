@@ -27,8 +27,11 @@ def test_each_use_gets_its_own_packages():
     assert packages("run") == ["bubblewrap", "libseccomp2"]
     assert packages("deploy") == ["prometheus"]
     assert packages("images") == ["mmdebstrap"]
+    langs = ["gcc", "g++", "libssl-dev", "openjdk-17-jdk-headless", "libjavatuples-java", "golang-go", "rustc",
+             "nodejs", "node-typescript"]  # fmt: skip
+    assert packages("langs") == langs
     assert set(packages("test")) == {
-        "bubblewrap", "libseccomp2", "chromium", "chromium-driver", "prometheus", "mmdebstrap"
+        "bubblewrap", "libseccomp2", "chromium", "chromium-driver", "prometheus", "mmdebstrap", *langs
     }  # fmt: skip
     assert packages() == packages("all") == packages("test")
     bad = subprocess.run(

@@ -112,12 +112,21 @@ class TemperClient:
         )
 
     def jobs(
-        self, *, state: str | None = None, name: str | None = None, limit: int = 50, cursor: str | None = None
+        self,
+        *,
+        state: str | None = None,
+        name: str | None = None,
+        tag: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
     ) -> dict[str, Any]:
-        params = {
-            k: v for k, v in {"state": state, "name": name, "limit": limit, "cursor": cursor}.items() if v
-        }
+        given = {"state": state, "name": name, "tag": tag, "limit": limit, "cursor": cursor}
+        params = {k: v for k, v in given.items() if v}
         return self._call("GET", "/v1/jobs", params=params)  # type: ignore[no-any-return]
+
+    def update_job(self, job: str, **change: Any) -> dict[str, Any]:
+        """Replace a job's ``tags`` and/or ``note`` (``note=None`` clears it)."""
+        return self._call("PATCH", f"/v1/jobs/{job}", json=change)  # type: ignore[no-any-return]
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")  # type: ignore[no-any-return]
@@ -150,6 +159,11 @@ class TemperClient:
 
     def trajectory(self, episode_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/episodes/{episode_id}/trajectory")  # type: ignore[no-any-return]
+
+    def job_log(self, job: str, *, tail: int = 100, after: str | None = None) -> bytes:
+        """The last ``tail`` log lines of the job (JSON lines), later than ``after`` (a ``ts``)."""
+        params: dict[str, Any] = {"tail": tail, **({"after": after} if after else {})}
+        return self._raw("GET", f"/v1/jobs/{job}/log", params=params)
 
     def episode_log(self, episode_id: str) -> bytes:
         """The episode's stored log (JSON lines)."""

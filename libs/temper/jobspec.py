@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -414,8 +414,22 @@ class Schedule(_Spec):
     max_staleness: int = Field(1, ge=0, description="how many policy versions behind a trajectory may be")
 
 
+HANDLE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
+TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/=-]{0,63}$"
+
+
 class JobSpec(_Spec):
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=200, description="free text: several jobs may share it")
+    handle: str | None = Field(
+        None,
+        pattern=HANDLE_PATTERN,
+        description="a name for this job unique in its tenant, usable wherever its id is (lowercase letters, "
+        "digits, '.', '_', '-'; not starting with 'job-')",
+    )
+    tags: list[Annotated[str, Field(pattern=TAG_PATTERN)]] = Field(
+        default_factory=list, max_length=20, description="labels to find jobs by (GET /v1/jobs?tag=)"
+    )
+    note: str | None = Field(None, max_length=4000, description="a note for people; changed with PATCH")
     policy: PolicySpec
     tasks: TaskSampling
     environment: EnvironmentSpec = EnvironmentSpec()
@@ -425,6 +439,13 @@ class JobSpec(_Spec):
     )
     algorithm: AlgorithmSpec = AlgorithmSpec()
     schedule: Schedule = Schedule()
+
+    @field_validator("handle")
+    @classmethod
+    def _not_an_id(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("job-"):
+            raise ValueError("a handle must not start with 'job-' (job ids do)")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

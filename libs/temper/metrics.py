@@ -25,6 +25,10 @@ BUS_PAUSED = Gauge("temper_bus_paused", "1 while a consumer has paused its parti
 OUTBOX_PENDING = Gauge("temper_outbox_pending", "Outbox rows committed but not yet published")
 OUTBOX_PUBLISHED = Counter("temper_outbox_published_total", "Outbox rows published", ["topic"])
 OUTBOX_PRUNED = Counter("temper_outbox_pruned_total", "Published outbox rows deleted after keep_published_s")
+STEPS_ARCHIVED = Counter(
+    "temper_steps_archived_total",
+    "Step rows of finished episodes moved to object storage (temper.episode_steps)",
+)
 BUS_DEPENDENCY_WAITS = Counter(
     "temper_bus_dependency_waits_total",
     "Handler attempts that failed because a dependency was down (retried, never dead-lettered)",

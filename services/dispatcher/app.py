@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.dispatcher.api import checkpoints, episodes, export, jobs, schemas, tenants
+from services.dispatcher.api import checkpoints, episodes, export, job_log, jobs, schemas, tenants
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.api.environments import make_router as make_environment_router
@@ -68,6 +68,7 @@ def create_app(
     app.state.settings = settings
     app.state.dispatcher = dispatcher
     app.include_router(jobs.router)
+    app.include_router(job_log.router)
     app.include_router(episodes.router)
     app.include_router(tenants.router)
     app.include_router(export.router)

@@ -14,6 +14,7 @@ from temper.sandbox import (
     KillReason,
     SandboxLimits,
 )
+from temper.sandbox.languages import LanguageName
 
 
 class CreateSession(BaseModel):
@@ -34,11 +35,16 @@ class SnapshotTaken(BaseModel):
 
 
 class RunTests(BaseModel):
-    """Run ``code`` followed by ``tests`` (e.g. a solution and its check function) as one
-    Python program in a fresh sandbox. Passed means: exit 0, nothing killed or cut."""
+    """Run ``code`` followed by ``tests`` (e.g. a solution and its asserts) as one program
+    of ``language`` in a fresh sandbox, compiled first where the language is. Passed means:
+    it compiled, exited 0, and nothing was killed or cut."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     code: str
     tests: str = ""
+    language: LanguageName = LanguageName.python
+    compile_timeout: float = Field(10, gt=0, description="seconds for the compile step, where there is one")
     files: dict[str, str] = Field(default_factory=dict, description="path -> base64 content, written first")
     stdin: str | None = None
     limits: SandboxLimits | None = None
@@ -56,7 +62,8 @@ class RunTests(BaseModel):
 
 class RunTestsResult(BaseModel):
     passed: bool
-    result: ExecResult
+    result: ExecResult = Field(description="the run, or the compile when it failed (nothing ran)")
+    compile: ExecResult | None = Field(None, description="the compile step, where the language has one")
 
 
 # SandboxFusion's /run_code shapes, plus Temper's explicit truncation fields.
@@ -64,9 +71,12 @@ class RunCodeRequest(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)  # a NaN timeout is a 422 naming it
 
     code: str
-    language: str = "python"
-    compile_timeout: float = 10
-    run_timeout: float = 10
+    language: LanguageName = Field(
+        description="SandboxFusion's name of a language this worker runs (c is Temper's addition); "
+        "any other is a 422, as SandboxFusion answers"
+    )
+    compile_timeout: float = Field(10, gt=0)
+    run_timeout: float = Field(10, gt=0)
     memory_limit_MB: int = -1
     stdin: str | None = None
     files: dict[str, str | None] = Field(default_factory=dict)
@@ -74,8 +84,13 @@ class RunCodeRequest(BaseModel):
 
 
 class CommandRunResult(BaseModel):
+    """SandboxFusion's meanings: ``Finished`` the process ended (any exit status; one
+    killed by a signal, the memory limit's included, has ``return_code`` -signal, as
+    Python's subprocess reports it), ``TimeLimitExceeded`` it ran past its time (no
+    return code), ``Error`` the sandbox failed to run it."""
+
     status: Literal["Finished", "Error", "TimeLimitExceeded"]
-    execution_time: float | None = None
+    execution_time: float | None = Field(None, description="seconds from the process's start to its exit")
     return_code: int | None = None
     stdout: str | None = None
     stderr: str | None = None

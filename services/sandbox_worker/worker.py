@@ -42,13 +42,14 @@ from temper.sandbox import (
     SnapshotError,
 )
 from temper.sandbox.images import ImageError
+from temper.sandbox.languages import LanguageName
+from temper.sandbox.programs import LanguageUnavailable, ProgramResult, run_program
 from temper.sandbox.sandbox import refuse_files
 from temper.settings.sandbox import SandboxSettings
 
 log = logging.getLogger(__name__)
 
 IDEMPOTENCY_CACHE = 4096
-LANGUAGES = {"python": "python", "python3": "python", "bash": "bash", "sh": "sh"}
 
 
 class SandboxWorker:
@@ -118,45 +119,58 @@ class SandboxWorker:
         await self.manager.destroy_session(session_id)
 
     # --- one-shot runs ----------------------------------------------------------------
-    async def _one_shot(
-        self,
-        limits: SandboxLimits | None,
-        files: dict[str, str | None],
-        main: Action,
-        fetch: list[str] | tuple[str, ...] = (),
-    ) -> tuple[ExecResult, dict[str, str]]:
-        """``main`` run once where no other run was (``SandboxManager.run_fresh``): the
-        ``files`` (path -> base64) written first, ``fetch`` read back as base64 (a missing
-        file is left out). A file that is not base64, or whose path leaves the workspace,
-        is a RequestRefused naming ``files``; a failure of the run itself a SandboxError."""
+    def _files(self, files: dict[str, str | None], limits: SandboxLimits) -> dict[str, bytes]:
+        """``files`` (path -> base64) as bytes; one that is not base64, or whose path
+        leaves the workspace, is a RequestRefused naming ``files``."""
         raw: dict[str, bytes] = {}
         for path, content in files.items():
             try:
                 raw[path] = base64.b64decode(content or "", validate=True)
             except binascii.Error as e:
                 raise RequestRefused("files", f"file {path!r} is not base64: {e}") from None
-        refused = refuse_files(raw, limits or self.settings.default_limits)
+        refused = refuse_files(raw, limits)
         if refused is not None:
             raise RequestRefused("files", refused.error or "a file cannot be written")
-        result, fetched = await self._run(self.manager.run_fresh(limits, raw, main, fetch))
-        if result.error:
-            raise SandboxError(result.error)
-        return result, {
-            path: base64.b64encode(data).decode() for path, data in fetched.items() if data is not None
-        }
+        return raw
+
+    async def _program(
+        self,
+        language: LanguageName,
+        code: str,
+        *,
+        files: dict[str, str | None],
+        stdin: str | None,
+        limits: SandboxLimits | None,
+        compile_timeout_s: float,
+        fetch: list[str] | tuple[str, ...] = (),
+    ) -> ProgramResult:
+        """``code`` compiled (where its language is) and run once where no other run was
+        (``temper.sandbox.programs``), holding one action slot throughout; a failure of the
+        sandbox itself is a SandboxError."""
+        raw = self._files(files, limits or self.settings.default_limits)
+        program = run_program(
+            self.manager, self.manager.languages[language], code, files=raw, stdin=stdin, limits=limits,
+            compile_timeout_s=compile_timeout_s, fetch=fetch,
+        )  # fmt: skip
+        result: ProgramResult = await self._run(program)
+        for step in (result.compile, result.run):
+            if step is not None and step.error:
+                raise SandboxError(step.error)
+        return result
 
     async def run_tests(self, body: RunTests) -> RunTestsResult:
         program = body.code if not body.tests else f"{body.code}\n\n{body.tests}\n"
-        action = Action(kind="run_python", code=program, stdin=body.stdin)
-        result, _ = await self._one_shot(body.limits, dict(body.files), action)
-        return RunTestsResult(passed=result.ok, result=result)
+        result = await self._program(
+            body.language, program, files=dict(body.files), stdin=body.stdin, limits=body.limits,
+            compile_timeout_s=body.compile_timeout,
+        )  # fmt: skip
+        ended = result.run or result.compile
+        assert ended is not None
+        return RunTestsResult(
+            passed=result.run is not None and result.run.ok, result=ended, compile=result.compile
+        )
 
     async def run_code(self, body: RunCodeRequest) -> RunCodeResponse:
-        lang = LANGUAGES.get(body.language.lower())
-        if lang is None:
-            return RunCodeResponse(
-                status="SandboxError", message=f"unsupported language {body.language!r}; use python or bash"
-            )
         base = self.settings.default_limits
         update: dict[str, Any] = {"wall_s": body.run_timeout, "cpu_s": body.run_timeout}
         if body.memory_limit_MB > 0:
@@ -165,14 +179,18 @@ class SandboxWorker:
             limits = SandboxLimits.model_validate({**base.model_dump(), **update})
         except ValidationError as e:
             return RunCodeResponse(status="SandboxError", message=f"bad limits: {e.errors()[0]['msg']}")
-        if lang == "python":
-            action = Action(kind="run_python", code=body.code, stdin=body.stdin)
-        else:
-            action = Action(kind="run_command", command=[f"/bin/{lang}", "-c", body.code], stdin=body.stdin)
         try:
-            result, fetched = await self._one_shot(limits, body.files, action, body.fetch_files)
+            result = await self._program(
+                body.language, body.code, files=body.files, stdin=body.stdin, limits=limits,
+                compile_timeout_s=body.compile_timeout, fetch=body.fetch_files,
+            )  # fmt: skip
+        except LanguageUnavailable:
+            raise  # a 422 naming ``language``, as SandboxFusion answers a language it lacks
         except (SandboxError, ValueError, OSError, binascii.Error) as e:
             return RunCodeResponse(status="SandboxError", message=str(e), executor_pod_name=self.worker_id)
+        fetched = {
+            path: base64.b64encode(data).decode() for path, data in result.files.items() if data is not None
+        }
         return fusion_response(result, fetched, self.worker_id, limits)
 
     # --- the bus handler --------------------------------------------------------------
@@ -293,43 +311,62 @@ class SandboxWorker:
         return None
 
 
-def fusion_response(
-    result: ExecResult, fetched: dict[str, str], worker_id: str, limits: SandboxLimits
-) -> RunCodeResponse:
-    """Map an ExecResult onto SandboxFusion's response. Unlike SandboxFusion, output cut at
-    the limit is never a success: status is Failed, the message says which stream was cut,
-    and ``stdout_truncated``/``stderr_truncated``/``kill_reason`` say it in fields."""
-    if result.kill_reason is KillReason.timeout or result.kill_reason is KillReason.cpu:
-        status = "TimeLimitExceeded"
-    elif result.kill_reason is not None or result.exit_code is None:
-        status = "Error"
+def command_result(result: ExecResult) -> CommandRunResult:
+    """One step as SandboxFusion reports it: ``TimeLimitExceeded`` when its time (wall or
+    CPU) ran out, else ``Finished`` with the exit status, or -signal for a process a
+    signal ended (the memory limit's kill too: the run finished, its program failed; a
+    run-level ``Error`` is a sandbox fault only). Temper's kill reason and truncation
+    flags come as extra fields."""
+    if result.kill_reason in (KillReason.timeout, KillReason.cpu):
+        status, code = "TimeLimitExceeded", None
     else:
-        status = "Finished"
-    run = CommandRunResult(
+        status, code = "Finished", result.exit_code
+        if code is None and result.signal is not None:
+            code = -result.signal
+    return CommandRunResult(
         status=status,
-        execution_time=result.wall_s,
-        return_code=result.exit_code,
+        execution_time=result.exec_s if result.exec_s is not None else result.wall_s,
+        return_code=code,
         stdout=result.stdout,
         stderr=result.stderr,
         stdout_truncated=result.stdout_truncated,
         stderr_truncated=result.stderr_truncated,
         kill_reason=result.kill_reason,
     )
-    cut = [
-        name
-        for name, flag in (("stdout", result.stdout_truncated), ("stderr", result.stderr_truncated))
-        if flag
+
+
+def fusion_response(
+    result: ProgramResult, fetched: dict[str, str], worker_id: str, limits: SandboxLimits
+) -> RunCodeResponse:
+    """Map a program's compile and run onto SandboxFusion's response: ``Success`` when
+    every step finished with status 0, else ``Failed`` (a compile that failed leaves no
+    ``run_result``). Unlike SandboxFusion, output cut at the limit is never a success:
+    the message says which stream was cut, and ``stdout_truncated``/``stderr_truncated``/
+    ``kill_reason`` say it in fields."""
+    steps = [
+        (name, step) for name, step in (("compile", result.compile), ("run", result.run)) if step is not None
     ]
     messages = []
-    if cut:
-        messages.append(f"output truncated: {' and '.join(cut)} cut at {limits.output_bytes} bytes")
-    if result.kill_reason is not None:
-        messages.append(f"killed: {result.kill_reason.value}")
-    ok = status == "Finished" and result.exit_code == 0 and not cut
+    ok = result.run is not None
+    for name, step in steps:
+        cut = [
+            stream
+            for stream, flag in (("stdout", step.stdout_truncated), ("stderr", step.stderr_truncated))
+            if flag
+        ]
+        prefix = "compile " if name == "compile" else ""
+        if cut:
+            messages.append(
+                f"{prefix}output truncated: {' and '.join(cut)} cut at {limits.output_bytes} bytes"
+            )
+        if step.kill_reason is not None:
+            messages.append(f"{prefix}killed: {step.kill_reason.value}")
+        ok = ok and step.ok
     return RunCodeResponse(
         status="Success" if ok else "Failed",
         message="; ".join(messages),
-        run_result=run,
+        compile_result=command_result(result.compile) if result.compile is not None else None,
+        run_result=command_result(result.run) if result.run is not None else None,
         executor_pod_name=worker_id,
         files=fetched,
     )

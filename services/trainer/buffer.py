@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ class TrainingJob:
     publish_failing_since: float = 0.0
     next_publish_at: float = 0.0
     mismatch_reason: str | None = None  # the canary's reason on the job, while it holds
+    closed_checked_at: float = 0.0  # monotonic time the incomplete groups were last looked up
 
     def holds(self, episode_id: str) -> bool:
         return any(b.episode_id == episode_id for g in (*self.groups.values(), *self.ready) for b in g)
@@ -71,15 +73,18 @@ class TrainingJob:
         """Every episode this job buffers, complete groups or not."""
         return [b.episode_id for g in (*self.groups.values(), *self.ready) for b in g]
 
-    def sweep(self, now: float, group_timeout_s: float) -> list[tuple[list[Buffered], str]]:
+    def sweep(
+        self, now: float, group_timeout_s: float, closed: AbstractSet[str] = frozenset()
+    ) -> list[tuple[list[Buffered], str]]:
         """Take out what cannot be trained on and return it with the reason: ready groups
         with zero reward variance (when the job skips them) or older than ``max_staleness``
-        versions, and groups still incomplete ``group_timeout_s`` after their first
-        trajectory arrived with fewer than 2 samples (those with 2 or more become ready as
-        they are). Call it with ``lock`` held."""
+        versions, and incomplete groups that are ``closed`` (nothing more will come) or
+        still incomplete ``group_timeout_s`` after their first trajectory arrived, with fewer
+        than 2 samples (those with 2 or more become ready as they are). Call it with
+        ``lock`` held."""
         dropped: list[tuple[list[Buffered], str]] = []
         for gid, items in list(self.groups.items()):
-            if now - min(b.arrived for b in items) >= group_timeout_s:
+            if gid in closed or now - min(b.arrived for b in items) >= group_timeout_s:
                 del self.groups[gid]
                 if len(items) >= 2:
                     self.ready.append(items)

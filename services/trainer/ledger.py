@@ -14,7 +14,15 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from temper.db import SKIPPED_JOB_ENDED, SKIPPED_STALE, SKIPPED_ZERO_VARIANCE, Database, TrainedTrajectory
+from temper.db import (
+    SKIPPED_JOB_ENDED,
+    SKIPPED_STALE,
+    SKIPPED_ZERO_VARIANCE,
+    Database,
+    Episode,
+    TrainedTrajectory,
+)
+from temper.lifecycle import EPISODE_FINISHED, EpisodeState
 
 SKIP_ZERO_VARIANCE = SKIPPED_ZERO_VARIANCE  # read by the dispatcher (dynamic sampling)
 SKIP_STALE = SKIPPED_STALE
@@ -47,6 +55,36 @@ async def mark_skipped(db: Database, episodes: list[str], reason: str) -> None:
         await s.execute(
             update(TrainedTrajectory).where(TrainedTrajectory.episode_id.in_(episodes)).values(skipped=reason)
         )
+
+
+async def closed_groups(db: Database, job_id: str, group_ids: list[str]) -> set[str]:
+    """Of ``group_ids``, the groups nothing more will come for: every episode of theirs has
+    finished and every scored one's trajectory has its row here. A group whose other members
+    failed or were cancelled (a cancelled job, say) is closed at once instead of waiting out
+    ``group_timeout_s``. A group with no episode rows (a trajectory sent from elsewhere) is
+    never closed here; the timeout still applies to it."""
+    if not group_ids:
+        return set()
+    query = (
+        select(
+            Episode.group_id,
+            Episode.state,
+            Episode.trajectory_key.is_not(None),
+            TrainedTrajectory.episode_id.is_not(None),
+        )
+        .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
+        .where(Episode.job_id == job_id, Episode.group_id.in_(group_ids))
+    )
+    known: set[str] = set()
+    still_open: set[str] = set()
+    async with db.session() as s:
+        for group_id, state, has_trajectory, recorded in await s.execute(query):
+            known.add(group_id)
+            if state not in EPISODE_FINISHED or (
+                state == EpisodeState.scored and has_trajectory and not recorded
+            ):
+                still_open.add(group_id)
+    return known - still_open
 
 
 async def jobs_with_buffered(db: Database, job_id: str | None = None) -> list[str]:

@@ -403,10 +403,19 @@ class JobTrainer:
                 with log_context(job_id=job.job_id):
                     await self._publish(job, StepStats(**last) if last else None)
 
+    CLOSED_CHECK_S = 1.0  # how often a job's incomplete groups are looked up in the database
+
     async def _sweep(self, job: TrainingJob) -> None:
         """Drop what cannot be trained on (called with the job's lock held; see
-        :meth:`TrainingJob.sweep`) and record why in the ledger."""
-        for items, reason in job.sweep(time.time(), self.settings.group_timeout_s):
+        :meth:`TrainingJob.sweep`) and record why in the ledger. Incomplete groups whose
+        other episodes ended without a trajectory (failed, or cancelled with their job) are
+        closed now rather than after ``group_timeout_s``: a resumed job trains what it holds
+        at once."""
+        closed: set[str] = set()
+        if job.groups and time.monotonic() - job.closed_checked_at >= self.CLOSED_CHECK_S:
+            job.closed_checked_at = time.monotonic()
+            closed = await ledger.closed_groups(self.db, job.job_id, list(job.groups))
+        for items, reason in job.sweep(time.time(), self.settings.group_timeout_s, closed):
             await self._mark_skipped(job, [b.episode_id for b in items], reason, groups=1)
 
     async def _mark_skipped(

@@ -47,20 +47,22 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     with client(args) as api:
-        page = api.jobs(state=args.state, name=args.name, limit=args.limit)
+        page = api.jobs(state=args.state, name=args.name, tag=args.tag, limit=args.limit)
     if args.json:
         out(json.dumps(page, indent=2))
         return 0
-    rows = [("JOB", "NAME", "STATE", "ITERATION", "POLICY", "CREATED")]
+    rows = [("JOB", "HANDLE", "NAME", "STATE", "ITERATION", "POLICY", "CREATED", "TAGS")]
     for j in page["items"]:
         rows.append(
             (
                 j["id"],
+                j.get("handle") or "-",
                 j["name"],
                 j["state"],
                 f"{shown_iteration(j)}/{j['iterations']}",
                 f"v{j['policy_version']}",
                 j["created_at"][:19].replace("T", " "),
+                ",".join(j.get("tags") or []),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -68,6 +70,21 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         out("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     if page["total"] > len(page["items"]):
         out(f"({len(page['items'])} of {page['total']} shown; use --limit)")
+    return 0
+
+
+def cmd_tag(args: argparse.Namespace) -> int:
+    change: dict[str, Any] = {}
+    if args.set is not None:
+        change["tags"] = args.set
+    if args.note is not None:
+        change["note"] = args.note or None
+    if not change:
+        sys.stderr.write("temper tag: give --set TAG... and/or --note TEXT\n")
+        return 2
+    with client(args) as api:
+        job = api.update_job(args.job, **change)
+    out(f"{job['id']} tags: {','.join(job['tags']) or '-'}; note: {job['note'] or '-'}")
     return 0
 
 
@@ -313,6 +330,7 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("jobs", help="list jobs")
     p.add_argument("--state")
     p.add_argument("--name", help="name contains")
+    p.add_argument("--tag", help="only jobs with this tag")
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_jobs)
@@ -326,6 +344,12 @@ def add_commands(sub: Any) -> None:
     p.add_argument("episode")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_transcript)
+
+    p = sub.add_parser("tag", help="change a job's tags or note (JOB: its id, handle or name)")
+    p.add_argument("job")
+    p.add_argument("--set", nargs="*", metavar="TAG", help="the job's tags from now on (none: clear them)")
+    p.add_argument("--note", help="the job's note ('' clears it)")
+    p.set_defaults(func=cmd_tag)
 
     for action in ("pause", "resume", "cancel"):
         p = sub.add_parser(action, help=f"{action} a job")

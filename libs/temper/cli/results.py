@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from temper.cli.common import client, out
 from temper.cli.jobs import progress_lines
-from temper.lifecycle import EpisodeState
+from temper.client import ApiError
+from temper.lifecycle import JOB_TERMINAL, EpisodeState
 
 
 def _reward(value: float | None) -> str:
@@ -91,6 +93,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         for line in table(["iteration", "scored", "mean", "std", "min", "max"], rows):
             out("  " + line)
+    for line in training_lines(m.get("training")):
+        out(line)
     if m["pass_rates"]:
         out("\npass rate per task")
         rows = [
@@ -108,11 +112,66 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def training_lines(training: dict[str, Any] | None) -> list[str]:
+    """The trainer's numbers per version, what it skipped, and why nothing trained yet."""
+    if not training:
+        return []
+    lines: list[str] = []
+
+    def f(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    if training["versions"]:
+        lines.append("\ntraining per version")
+        rows = [
+            [f"v{v['version']}", str(v["step"]), f(v["loss"], ".4f"), f(v["kl"], ".4f"), f(v["entropy"], ".3f"),
+             f(v["grad_norm"], ".3f"), f(v["clip_fraction"], ".3f"), f(v["learning_rate"], ".2e"),
+             f(v["tokens"], "d"), f"{v['train_s']:.1f}"]
+            for v in training["versions"]
+        ]  # fmt: skip
+        header = ["version", "step", "loss", "kl", "entropy", "grad norm", "clip", "lr", "tokens", "train s"]
+        lines += ["  " + line for line in table(header, rows)]
+    if training["skipped_groups"]:
+        skipped = ", ".join(f"{r} {n}" for r, n in sorted(training["skipped_groups"].items()))
+        lines.append(f"\ngroups not trained on: {skipped}")
+    if training.get("not_trained_reason"):
+        lines.append(f"\nnot trained yet: {training['not_trained_reason']}")
+    return lines
+
+
+def _last_ts(lines: bytes) -> str | None:
+    last = lines.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    return str(json.loads(last)["ts"]) if last else None
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
+    """An episode's stored log; else (REF names no episode) the job's log lines, followed
+    with ``--follow`` until the job ends."""
     with client(args) as api:
-        data = api.episode_log(args.episode)
-    sys.stdout.buffer.write(data)
-    sys.stdout.flush()
+        if not args.job:
+            try:
+                data = api.episode_log(args.ref)
+            except ApiError as exc:
+                if exc.status != 404 or "has no log" in exc.detail:
+                    raise
+            else:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
+                return 0
+        data = api.job_log(args.ref, tail=args.tail)
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        after = _last_ts(data)
+        while args.follow:
+            ended = api.job(args.ref)["state"] in JOB_TERMINAL  # then one last read
+            if not ended:
+                time.sleep(args.interval)
+            data = api.job_log(args.ref, tail=5000, after=after)
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+            after = _last_ts(data) or after
+            if ended:
+                break
     return 0
 
 
@@ -242,8 +301,14 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_metrics)
 
-    p = sub.add_parser("logs", help="an episode's stored log (JSON lines)")
-    p.add_argument("episode")
+    p = sub.add_parser("logs", help="an episode's stored log, or a job's log lines (JSON lines)")
+    p.add_argument("ref", help="an episode id, or a job's id, handle or name")
+    p.add_argument("--job", action="store_true", help="REF is a job (do not look for an episode)")
+    p.add_argument("-n", "--tail", type=int, default=100, help="a job's last N lines")
+    p.add_argument(
+        "-f", "--follow", action="store_true", help="a job's new lines as they come, until it ends"
+    )
+    p.add_argument("--interval", type=float, default=2.0)
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("export", help="a job's trajectories (tokens, logprobs, rewards, versions) to a file")

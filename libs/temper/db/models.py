@@ -157,9 +157,14 @@ class Job(Base):
     reason). ``policy_version`` is written only by the trainer."""
 
     __tablename__ = "jobs"
+    # a handle names one job of its tenant (several NULLs are fine in both databases)
+    __table_args__ = (Index("ux_jobs_tenant_handle", "tenant_id", "handle", unique=True),)
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(200))
+    handle: Mapped[str | None] = mapped_column(String(100), default=None, doc="unique per tenant, optional")
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    note: Mapped[str | None] = mapped_column(Text, default=None)
     spec: Mapped[dict[str, Any]] = mapped_column()
     state: Mapped[str] = mapped_column(String(32), default="pending", index=True)
     state_reason: Mapped[str | None] = mapped_column(Text, default=None, doc="why it entered its state")
@@ -196,6 +201,9 @@ class Episode(Base):
     session_id: Mapped[str | None] = mapped_column(String(64), default=None)
     snapshot_key: Mapped[str | None] = mapped_column(String(512), default=None)
     trajectory_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    steps_key: Mapped[str | None] = mapped_column(
+        String(512), default=None, doc="where its steps went once archived (temper.episode_steps)"
+    )
     lease_expires_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
     timings: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # what it consumed, counted by the transaction that accepts each result (once per result)

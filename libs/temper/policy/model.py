@@ -244,6 +244,8 @@ def token_logprobs(
     completion_mask: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
+    entropy: list[torch.Tensor] | None = None,
+    entropy_grad: bool = True,
 ) -> torch.Tensor:
     """Per-token logprobs ``[B, T]``: ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``.
 
@@ -251,7 +253,9 @@ def token_logprobs(
     and, when ``completion_mask`` is given, every position where it is 0 (prompt and
     observation tokens). Works with left or right padding. Gradients flow when called
     outside ``torch.no_grad()``. ``temperature`` divides the logits first (1.0 = the raw
-    model distribution, which is what the CPU engine reports).
+    model distribution, which is what the CPU engine reports). With ``entropy`` (a list), the
+    policy's entropy at each position is appended to it, ``[B, T]`` and masked like the
+    result (differentiable only with ``entropy_grad``).
     """
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -266,6 +270,13 @@ def token_logprobs(
     mask = torch.cat([torch.zeros_like(am[:, :1]), am[:, 1:] * am[:, :-1]], dim=1)
     if completion_mask is not None:
         mask = mask * completion_mask.to(out.dtype)
+    if entropy is not None:
+        if entropy_grad and torch.is_grad_enabled():
+            h = -(logp.exp() * logp).sum(-1)
+        else:  # measured only: in place, one extra copy of logp
+            with torch.no_grad():
+                h = -logp.exp().mul_(logp).sum(-1)
+        entropy.append(torch.cat([torch.zeros_like(h[:, :1]), h], dim=1) * mask)
     return out * mask
 
 

@@ -188,6 +188,25 @@ def _limit_self(req):
     os.chdir(resolve(req.get("cwd")))
 
 
+def print_uncaught(exc, name, code):
+    """What the interpreter prints for an exception a program did not catch, through
+    ``sys.excepthook`` as ``python3 FILE`` does: the traceback starts at the program's
+    first frame (the agent's own exec frame left out), and a SyntaxError of the program
+    shows its file and line alone."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != name:
+        tb = tb.tb_next
+    if name == "<code>":
+        # No file to read the lines from: the traceback module, with the code in its cache.
+        import linecache
+        import traceback
+
+        linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+        traceback.print_exception(type(exc), exc, tb)
+        return
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)  # it prints the exception's own
+
+
 def child(req, rin, wout, werr, wdat=-1):
     try:
         os.setsid()
@@ -209,13 +228,16 @@ def child(req, rin, wout, werr, wdat=-1):
         os.environ.clear()
         os.environ.update(env)
         sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
-        sys.argv = ["<code>"]
-        sys.path[0:0] = [os.getcwd()]
         code = req["code"]
-        glb = {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "<code>"}
+        # The program runs as its file when it has one (``python3 FILE``: argv[0],
+        # __file__, sys.path[0] and its tracebacks name it), else as "<code>".
+        name = resolve(req["file"]) if req.get("file") else "<code>"
+        sys.argv = [name]
+        sys.path[0:0] = [os.path.dirname(name) if req.get("file") else os.getcwd()]
+        glb = {"__name__": "__main__", "__builtins__": __builtins__, "__file__": name}
         status = 0
         try:
-            exec(compile(code, "<code>", "exec"), glb)
+            exec(compile(code, name, "exec"), glb)
         except SystemExit as e:
             if e.code is None:
                 status = 0
@@ -224,12 +246,8 @@ def child(req, rin, wout, werr, wdat=-1):
             else:
                 sys.stderr.write(str(e.code) + "\n")
                 status = 1
-        except BaseException:
-            import linecache
-            import traceback
-
-            linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
-            traceback.print_exc()
+        except BaseException as e:
+            print_uncaught(e, name, code)
             status = 1
         try:
             # What a normal interpreter exit does: join non-daemon threads, run atexit.
@@ -456,16 +474,19 @@ def fresh_namespaces(req):
         # the run's mount namespace.
         _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={fresh['shm_mb']}m,mode=1777")
         _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
+    modes = fresh.get("modes") or {}  # path -> 0o755 for the executables of a build
     for path, data in fresh["files"].items():
         full = _inside(path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        mode = 0o755 if modes.get(path, 0o644) & 0o111 else 0o644
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
+    started = time.monotonic()
     action = os.fork()
     if action == 0:
         os.close(DATA_FD)
@@ -475,11 +496,12 @@ def fresh_namespaces(req):
     for fd in (0, 1, 2):
         os.dup2(null, fd)  # the action's pipes close when the action's processes do
     status = _wait_for(action)
+    took = time.monotonic() - started  # the action's own run time: from its fork to its exit
     if fresh["kill"]:
         kill_namespace()  # the action's orphans cannot change what is fetched below
     st = os.statvfs(WORKSPACE)
     full = int(st.f_bavail == 0 or st.f_favail == 0)
-    report = struct.pack("<iB", status, full) + _fetch(fresh["fetch"], fresh["fetch_max"])
+    report = struct.pack("<iBd", status, full, took) + _fetch(fresh["fetch"], fresh["fetch_max"])
     view = memoryview(report)
     while view:
         view = view[os.write(DATA_FD, view) :]
@@ -623,10 +645,11 @@ def run(req):
         # The namespace's init reports the action's own wait status (its own exit says
         # nothing of a signal: an init cannot die of a signal sent from inside).
         data = bytes(bufs[rdat])
-        if len(data) >= 5:
-            status, full = struct.unpack_from("<iB", data)
+        if len(data) >= 13:
+            status, full, took = struct.unpack_from("<iBd", data)
             head["full"] = full
-            data = data[5:]
+            head["took"] = f"{took:.6f}"
+            data = data[13:]
     if status is not None:
         if os.WIFSIGNALED(status):
             head["sig"] = os.WTERMSIG(status)

@@ -46,6 +46,8 @@ class Backend(ABC):
 
     def __init__(self, settings: SandboxSettings) -> None:
         self.settings = settings
+        # HOST:SANDBOX binds the manager adds to the operator's ro_binds (the compile caches)
+        self.extra_binds: list[str] = []
 
     @abstractmethod
     def agent_argv(
@@ -162,12 +164,17 @@ class BwrapBackend(Backend):
         return args
 
     def mount_args(self, workspace: Path, limits: SandboxLimits, image: Image | None = None) -> list[str]:
+        extra: list[str] = []
+        for entry in self.extra_binds:
+            source, _, target = entry.partition(":")
+            extra += ["--ro-bind-try", source, target or source]
         if image is not None:
-            return self.image_args(image, limits) + self._own_mounts(workspace, limits)
+            return self.image_args(image, limits) + extra + self._own_mounts(workspace, limits)
         args: list[str] = []
         for entry in self.settings.ro_binds:
             source, _, target = entry.partition(":")
             args += ["--ro-bind-try", source, target or source]
+        args += extra
         for link, target in (
             ("/bin", "usr/bin"),
             ("/lib", "usr/lib"),

@@ -28,7 +28,9 @@ from temper.sandbox import snapshot
 from temper.sandbox.admission import limit_errors, timeout_error
 from temper.sandbox.backends import Backend, make_backend
 from temper.sandbox.cgroups import CgroupManager, detect
+from temper.sandbox.compile_cache import SANDBOX_CACHE, CompileCaches
 from temper.sandbox.images import Image, ImageCache
+from temper.sandbox.languages import Language, LanguageName, registry
 from temper.sandbox.models import Action, ExecResult
 from temper.sandbox.sandbox import LimitsNotSet, Sandbox, SandboxError, refuse_files
 from temper.sandbox.spawner import Spawner
@@ -133,6 +135,8 @@ class SandboxManager:
         self._reaper: asyncio.Task[None] | None = None
         self.spawner: Spawner | None = None
         self.images = ImageCache(settings.image_cache, store, prefix=settings.image_prefix)
+        self.compile_caches = CompileCaches(Path(settings.compile_cache).absolute(), inner=SANDBOX_CACHE)
+        self.languages: dict[LanguageName, Language] = {}
         self.leaked = 0
         self.started = False
         self._root_mounted = False
@@ -158,6 +162,13 @@ class SandboxManager:
             self._root_mounted = _mount_tmpfs(self.root, "size=16m,mode=0711")
         self.root.chmod(0o711)
         await asyncio.to_thread(self.backend.prepare, self.root)
+        caches = self.compile_caches
+        if self.backend.isolated:
+            self.backend.extra_binds = [f"{caches.root}:{SANDBOX_CACHE}"]
+        else:
+            caches.inner = str(caches.root)
+        await asyncio.to_thread(caches.prepare)
+        self.languages = registry(caches.runner_inside)
         if self.backend.isolated:
             self.images.root.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0 and self.backend.isolated:
@@ -169,7 +180,7 @@ class SandboxManager:
                     f"{blocked} is not searchable by other users; the sandbox uid cannot reach "
                     f"{self.root} (set TEMPER_SANDBOX__WORKSPACE_ROOT to a path under a mode o+x tree)"
                 )
-            for entry in [*self.settings.ro_binds, str(self.images.root)]:
+            for entry in [*self.settings.ro_binds, str(self.images.root), str(caches.root)]:
                 source = Path(entry.partition(":")[0])
                 blocked = _unsearchable_parent(source)
                 if blocked is not None:
@@ -271,11 +282,23 @@ class SandboxManager:
             self.leaked += leaked
             metrics.SANDBOX_LEAKED_PROCESSES.set(self.leaked)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+    def _spawn(self, coro: Coroutine[Any, Any, Any] | asyncio.Future[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def missing_tools(self, language: Language, limits: SandboxLimits) -> list[str]:
+        """The files ``language`` needs that a sandbox under ``limits`` would not find: on
+        the host's /usr, or on the task image it names."""
+        if limits.image is None:
+            return language.missing()
+        image = await self.images.ensure(limits.image)
+        return language.missing(str(image.rootfs))
+
+    def spawn_background(self, work: asyncio.Future[Any]) -> None:
+        """Background work (a compile cache being made) that ``close()`` waits for."""
+        self._spawn(work)
 
     async def refill(self) -> None:
         """Bring the pool up to ``pool_size``, one sandbox at a time."""
@@ -381,11 +404,13 @@ class SandboxManager:
         files: dict[str, bytes],
         action: Action,
         fetch: list[str] | tuple[str, ...] = (),
+        executable: frozenset[str] = frozenset(),
     ) -> tuple[ExecResult, dict[str, bytes | None]]:
-        """Run ``action`` once where no earlier run was: a workspace holding ``files``,
-        then ``fetch`` read back (None: missing or too large). On a zygote when the limits
-        fit one (fresh namespaces per run, no sandbox start; ``temper.sandbox.zygote``),
-        else in a sandbox of its own from the pool, destroyed afterwards."""
+        """Run ``action`` once where no earlier run was: a workspace holding ``files``
+        (those named in ``executable`` with mode 0755), then ``fetch`` read back (None:
+        missing or too large). On a zygote when the limits fit one (fresh namespaces per
+        run, no sandbox start; ``temper.sandbox.zygote``), else in a sandbox of its own
+        from the pool, destroyed afterwards."""
         limits = self.with_image(limits or self.settings.default_limits)
         _refuse_limits(limits, self.settings)
         timeout_refused = timeout_error(action.timeout_s, self.settings)
@@ -403,7 +428,7 @@ class SandboxManager:
                 else:
                     log.warning("a zygote did not start (%s): this run starts a sandbox of its own", e)
             else:
-                return await self._run_on_zygote(zygote, limits, files, action, fetch)
+                return await self._run_on_zygote(zygote, limits, files, action, fetch, executable)
         metrics.SANDBOX_FRESH_RUNS.labels("sandbox").inc()
         async with self.sandbox(limits) as sb:
             for path, data in files.items():
@@ -413,6 +438,7 @@ class SandboxManager:
                         path=path,
                         content=base64.b64encode(data).decode(),
                         encoding="base64",
+                        executable=path in executable,
                     )
                 )
                 if written.error:
@@ -440,6 +466,7 @@ class SandboxManager:
         files: dict[str, bytes],
         action: Action,
         fetch: list[str] | tuple[str, ...],
+        executable: frozenset[str],
     ) -> tuple[ExecResult, dict[str, bytes | None]]:
         metrics.SANDBOX_FRESH_RUNS.labels("zygote").inc()
         self._in_use.add(zygote)
@@ -458,7 +485,7 @@ class SandboxManager:
                 await zygote.apply_limits(limits)
                 recycle = "broken"
             t0 = time.perf_counter()
-            result, fetched = await zygote.run_fresh(action, files, fetch)
+            result, fetched = await zygote.run_fresh(action, files, fetch, executable)
             metrics.SANDBOX_EXEC_SECONDS.observe(time.perf_counter() - t0)
             if result.kill_reason is not None:
                 metrics.SANDBOX_KILLS.labels(reason=result.kill_reason.value).inc()

@@ -15,8 +15,10 @@ ActionKind = Literal["run_command", "run_python", "write_file", "read_file", "li
 class Action(BaseModel):
     """One step in a session. Which fields matter depends on ``kind``:
     run_command: ``command`` (a shell string, or an argv list run without a shell), ``stdin``;
-    run_python: ``code``, ``stdin``; write_file: ``path``, ``content``, ``encoding``;
-    read_file: ``path``, ``encoding``; list_files: ``path`` (default the workspace root)."""
+    run_python: ``code``, ``stdin``, ``path`` (optional: the file the program runs as, for
+    ``__file__``, ``sys.argv[0]`` and its tracebacks; write it first to show its lines);
+    write_file: ``path``, ``content``, ``encoding``, ``executable``; read_file: ``path``,
+    ``encoding``; list_files: ``path`` (default the workspace root)."""
 
     model_config = ConfigDict(allow_inf_nan=False)  # NaN and infinity are refused by name
 
@@ -26,6 +28,7 @@ class Action(BaseModel):
     path: str | None = None
     content: str | None = None
     encoding: Literal["utf-8", "base64"] = "utf-8"
+    executable: bool = Field(False, description="write_file: mode 0755 instead of 0644")
     stdin: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = Field(None, description="relative to the workspace")
@@ -51,6 +54,11 @@ class ExecResult(BaseModel):
     stderr_truncated: bool = False
     kill_reason: KillReason | None = None
     wall_s: float = 0.0
+    exec_s: float | None = Field(
+        None,
+        description="the program's own run time, from its start to its exit (what SandboxFusion "
+        "reports as execution_time); wall_s also counts the sandbox's work around it",
+    )
     cpu_s: float = 0.0
     peak_memory_mb: float = 0.0
     error: str | None = None  # a file action that failed (missing file, bad path)

@@ -471,13 +471,18 @@ class Sandbox:
                 self.last_used = time.monotonic()
 
     async def run_fresh(
-        self, action: Action, files: dict[str, bytes], fetch: list[str] | tuple[str, ...] = ()
+        self,
+        action: Action,
+        files: dict[str, bytes],
+        fetch: list[str] | tuple[str, ...] = (),
+        executable: frozenset[str] = frozenset(),
     ) -> tuple[ExecResult, dict[str, bytes | None]]:
         """On a zygote: run ``action`` in pid, mount and IPC namespaces of its own, on a
-        fresh workspace (of the limits' size) holding ``files`` and a fresh ``/tmp``; then
-        read back ``fetch`` (a missing file, one outside the workspace or past
-        ``file_size_mb`` in all: None). Nothing of one run is visible to the next: its
-        processes die with its pid namespace and its files with its mounts."""
+        fresh workspace (of the limits' size) holding ``files`` (those in ``executable``
+        with mode 0755, the rest 0644) and a fresh ``/tmp``; then read back ``fetch`` (a
+        missing file, one outside the workspace or past ``file_size_mb`` in all: None).
+        Nothing of one run is visible to the next: its processes die with its pid
+        namespace and its files with its mounts."""
         if not self.zygote:
             raise SandboxError("run_fresh needs a zygote")
         if self.destroyed:
@@ -492,6 +497,7 @@ class Sandbox:
             "files": files, "fetch": list(fetch), "ws_mb": self.limits.workspace_mb, "fetch_max": budget,
             "shm_mb": shm_mb(self.limits) if self.backend.piece_on(IsolationPiece.dev) else 0,
             "kill": self.backend.piece_on(IsolationPiece.fetch),
+            "modes": {path: 0o755 for path in executable if path in files},
         }  # fmt: skip
         async with self._lock:
             try:
@@ -558,6 +564,8 @@ class Sandbox:
         }
         if action.kind == "run_python":
             req["code"] = action.code or ""
+            if action.path:
+                req["file"] = action.path
         else:
             cmd = action.command or ""
             req["argv"] = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
@@ -596,6 +604,8 @@ class Sandbox:
             result.stdout_truncated = reply.head.get("otr") == "1"
             result.stderr_truncated = reply.head.get("etr") == "1"
             result.exit_code = reply.int("exit")
+            took = reply.head.get("took") or reply.head.get("wall")  # a zygote's init times the action itself
+            result.exec_s = round(float(took), 6) if took else None
             sig = reply.int("sig")
             agent_reason = reply.head.get("reason", "")
         result.signal = sig
@@ -705,7 +715,9 @@ class Sandbox:
             data = base64.b64decode(raw) if action.encoding == "base64" else raw.encode()
             if len(data) > self.limits.file_size_mb << 20:
                 return ExecResult(error="file larger than file_size_mb", kill_reason=KillReason.disk)
-            self._send({"op": "write", "path": path, "data": data})
+            self._send(
+                {"op": "write", "path": path, "data": data, "mode": 0o755 if action.executable else 0o644}
+            )
         elif action.kind == "read_file":
             if not path:
                 return ExecResult(error="read_file needs a path")

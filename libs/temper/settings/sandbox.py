@@ -37,6 +37,18 @@ class LimitMaxima(BaseModel):
     file_size_mb: int = Field(16384, ge=1)
 
 
+class CompileLimits(BaseModel):
+    """What a program's compile step may use (``TEMPER_SANDBOX__COMPILE_LIMITS__*``): its own
+    memory and processes, not the run's; its clock is the request's ``compile_timeout``."""
+
+    memory_mb: int = Field(
+        1024, ge=64, description="memory of a compile (cgroup); javac's heap is sized from it"
+    )
+    pids: int = Field(
+        256, ge=16, description="processes and threads of a compile (go build and rustc run several)"
+    )
+
+
 class SandboxSettings(BaseModel):
     backend: BackendKind = BackendKind.bwrap
     allow_unsafe: bool = Field(False, description="allow the process backend in distributed mode")
@@ -82,6 +94,7 @@ class SandboxSettings(BaseModel):
             "/etc/ld.so.cache",
             "/etc/localtime",
             "/etc/ssl",
+            "/etc/java-17-openjdk",  # the JDK's conf/ (java.security, ...) is a link into it on Debian
         ],
         description="host paths bound read-only at the same place, or HOST:SANDBOX to bind elsewhere "
         "(missing ones are skipped)",
@@ -102,6 +115,13 @@ class SandboxSettings(BaseModel):
         "so the sandbox uid must be able to reach it",
     )
     image_prefix: str = Field("sandbox-images", description="where images live in object storage")
+    compile_limits: CompileLimits = CompileLimits()
+    compile_cache: Path = Field(
+        Path(".temper/langs"),
+        description="where this worker makes its compile caches (precompiled C++ headers, javac's CDS "
+        "archive, a Go build cache, TypeScript code caches), bound read-only into sandboxes; the sandbox "
+        "uid must be able to reach it",
+    )
     preload_images: list[str] = Field(
         default_factory=list,
         description="images this worker pulls at start, so no episode's first turn waits for a pull",

@@ -12,9 +12,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Select, case, func, select, update
+from sqlalchemy import ColumnElement, Select, and_, case, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from temper.clock import utcnow
+from temper.db import rows
 from temper.db.models import Task, TaskOutcome, TaskSet
 from temper.storage import ObjectStore
 from temper.storage.base import check_key
@@ -25,6 +27,16 @@ MIN_ATTEMPTS_FOR_DIFFICULTY = 1
 
 class TaskSetNotFound(LookupError):
     pass
+
+
+class TaskSetAmbiguous(LookupError):
+    """A name that several of the tenant's task sets carry: give the id."""
+
+    def __init__(self, name: str, ids: list[str]) -> None:
+        super().__init__(
+            f"task set name {name!r} names {len(ids)} task sets of yours ({', '.join(ids)}); give the id"
+        )
+        self.ids = ids
 
 
 def task_row_id(taskset_id: str, key: str) -> str:
@@ -86,10 +98,27 @@ async def list_tasksets(session: AsyncSession, tenant: str) -> list[TaskSet]:
 
 
 async def get_taskset(session: AsyncSession, taskset_id: str, *, tenant: str | None = None) -> TaskSet:
+    """The task set with this id, or (within a tenant) the one task set of the tenant with
+    this name; :class:`TaskSetNotFound`, or :class:`TaskSetAmbiguous` when several have it."""
     row = await session.get(TaskSet, taskset_id)
-    if row is None or (tenant is not None and row.tenant_id != tenant):
+    if row is not None and (tenant is None or row.tenant_id == tenant):
+        return row
+    if tenant is None:
         raise TaskSetNotFound(taskset_id)
-    return row
+    named = list(
+        (
+            await session.scalars(
+                select(TaskSet)
+                .where(TaskSet.tenant_id == tenant, TaskSet.name == taskset_id)
+                .order_by(TaskSet.id)
+            )
+        ).all()
+    )
+    if len(named) > 1:
+        raise TaskSetAmbiguous(taskset_id, [r.id for r in named])
+    if not named:
+        raise TaskSetNotFound(taskset_id)
+    return named[0]
 
 
 async def task_rows(session: AsyncSession, taskset_id: str) -> list[Task]:
@@ -116,14 +145,16 @@ async def status_counts(session: AsyncSession, taskset_id: str) -> dict[str, int
     return {status: n for status, n in rows.all()}
 
 
+def sampleable(taskset_id: str) -> ColumnElement[bool]:
+    """Which tasks of a set an episode may be given: every task not marked invalid
+    (pending ones too, so a set can be used before its validation finishes). The one
+    definition: :func:`sampleable_tasks` and the dispatcher's scheduler use it."""
+    return and_(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid))
+
+
 async def sampleable_tasks(session: AsyncSession, taskset_id: str) -> list[Task]:
-    """Tasks an episode may be given: every task not marked invalid (pending ones too, so
-    a set can be used before its validation finishes)."""
-    rows = await session.scalars(
-        select(Task)
-        .where(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid))
-        .order_by(Task.key)
-    )
+    """The tasks of a set an episode may be given (:func:`sampleable`), by key."""
+    rows = await session.scalars(select(Task).where(sampleable(taskset_id)).order_by(Task.key))
     return list(rows)
 
 
@@ -147,6 +178,31 @@ async def set_taskset_status(session: AsyncSession, taskset_id: str, status: str
     await session.execute(update(TaskSet).where(TaskSet.id == taskset_id).values(status=status))
 
 
+def outcome_row(
+    *,
+    episode_id: str,
+    task_id: str,
+    job_id: str,
+    policy_version: int | None,
+    passed: bool,
+    reward: float,
+) -> TaskOutcome:
+    """One scored episode's verdict on its task, as a new row: the dispatcher's scoring
+    transaction (the only writer outside tests) stages it with the episode's rows
+    (``temper.db.rows.stage``). A second row for the same episode fails on the unique
+    episode id."""
+    return rows.new(
+        TaskOutcome,
+        episode_id=episode_id,
+        task_id=task_id,
+        job_id=job_id,
+        policy_version=policy_version,
+        passed=passed,
+        reward=reward,
+        created_at=utcnow(),
+    )
+
+
 def record_outcome(
     session: AsyncSession,
     *,
@@ -157,11 +213,9 @@ def record_outcome(
     passed: bool,
     reward: float,
 ) -> None:
-    """Record one scored episode's verdict on its task, in the caller's transaction (the
-    dispatcher's scoring transaction: the only caller). A second row for the same episode
-    fails on the unique episode id."""
+    """:func:`outcome_row`, added to an ORM session (flushed with it)."""
     session.add(
-        TaskOutcome(
+        outcome_row(
             episode_id=episode_id,
             task_id=task_id,
             job_id=job_id,

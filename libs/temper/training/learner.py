@@ -104,12 +104,24 @@ def pick_device(device: Device | str = Device.auto) -> torch.device:
     return torch.device(name)
 
 
+def policy_entropy(logp: torch.Tensor, grad: bool) -> torch.Tensor:
+    """``-sum(p log p)`` over the last axis. Measured only (no ``grad``), it is made in place
+    in one extra copy of ``logp``, so measuring it on every step costs no more memory than
+    the forward's end already holds (``temper.training.memory`` plans two copies)."""
+    if grad and torch.is_grad_enabled():
+        return -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():
+        p = logp.exp()
+        return -p.mul_(logp).sum(-1)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     entropy: list[torch.Tensor] | None = None,
+    entropy_grad: bool = True,
 ) -> torch.Tensor:
     """``token_logprobs(model, ids, attention, completion)`` computed only where it is
     needed: the decoder runs on every token, but the output projection and the softmax
@@ -117,13 +129,14 @@ def completion_logprobs(
     entries) this is most of the memory and a large share of the compute of a step
     with long prompts and observations. Falls back to ``token_logprobs`` for models
     without a separate decoder and output layer. With ``entropy`` (a list), the entropy
-    of the policy at each scored position is appended to it, shaped like the result."""
+    of the policy at each scored position is appended to it, shaped like the result
+    (differentiable only with ``entropy_grad``: without the bonus it is only measured)."""
     decoder = getattr(model, "get_decoder", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if decoder is None or head is None:
-        if entropy is not None:
-            raise ValueError("the entropy bonus needs a model with a decoder and an output layer")
-        return token_logprobs(model, input_ids, attention_mask, completion_mask)
+        return token_logprobs(
+            model, input_ids, attention_mask, completion_mask, entropy=entropy, entropy_grad=entropy_grad
+        )
     hidden = decoder(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -133,14 +146,15 @@ def completion_logprobs(
     am = attention_mask.bool()
     # position t is scored from the hidden state at t-1, if both tokens are real and t is the model's
     scored = completion_mask[:, 1:].bool() & am[:, 1:] & am[:, :-1]
-    logits = head(hidden[:, :-1][scored]).float()
-    logp = torch.log_softmax(logits, dim=-1)
+    # unnamed logits: freed once the log-softmax (which its backward needs) is made
+    logp = torch.log_softmax(head(hidden[:, :-1][scored]).float(), dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:][scored].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
     index = scored.nonzero(as_tuple=True)
     if entropy is not None:
-        h = -(logp.exp() * logp).sum(-1)
-        entropy.append(torch.zeros_like(out).index_put((index[0], index[1] + 1), h))
+        entropy.append(
+            torch.zeros_like(out).index_put((index[0], index[1] + 1), policy_entropy(logp, entropy_grad))
+        )
     return out.index_put((index[0], index[1] + 1), picked)
 
 
@@ -244,13 +258,14 @@ class StepStats:
     loss: float = 0.0
     pg_loss: float = 0.0
     kl: float = 0.0
-    entropy: float = 0.0  # mean policy entropy over the model tokens (when the bonus is on)
+    entropy: float = 0.0  # mean policy entropy (nats) over the model tokens, measured on every step
     clip_fraction: float = 0.0
     ratio_mean: float = 1.0
     abs_log_ratio: float = 0.0  # mean |log pi_theta - log pi_behaviour| over model tokens
     reward_mean: float = 0.0
     reward_std: float = 0.0
     grad_norm: float = 0.0
+    learning_rate: float = 0.0  # the optimizer's at this step
     groups: int = 0
     skipped_groups: int = 0
     samples: int = 0
@@ -553,6 +568,7 @@ class Learner:
         stats.ratio_mean = ratio / normalizer
         stats.abs_log_ratio = alr / normalizer
         stats.grad_norm = grad_norm
+        stats.learning_rate = float(self.optimizer.param_groups[0]["lr"])
         stats.tokens = tokens
         stats.model_tokens = normalizer
         stats.micro_batches = batches
@@ -588,13 +604,18 @@ class Learner:
             batches = self._same_count_on_every_rank(batches)
         for mb in batches:
             b = collate(mb, self.pad_id, self.device)
-            entropy: list[torch.Tensor] | None = [] if obj.entropy_coef else None
+            # measured on every step; differentiated only for the bonus
+            entropy: list[torch.Tensor] = []
+            bonus = bool(obj.entropy_coef)
             with self._autocast():
                 if self.full_forward:  # a sharded model is called as a whole (its root gathers the head)
-                    logprobs = token_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask)
+                    logprobs = token_logprobs(
+                        self.model, b.input_ids, b.attention_mask, b.completion_mask,
+                        entropy=entropy, entropy_grad=bonus,
+                    )  # fmt: skip
                 else:
                     logprobs = completion_logprobs(
-                        self.model, b.input_ids, b.attention_mask, b.completion_mask, entropy
+                        self.model, b.input_ids, b.attention_mask, b.completion_mask, entropy, bonus
                     )
                 ref = None
                 if self.reference is not None:

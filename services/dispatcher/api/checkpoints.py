@@ -19,7 +19,7 @@ from sqlalchemy import select
 from services.dispatcher.api import schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import RuntimeDep, SessionDep, StoreDep
-from services.dispatcher.api.jobs import AUTH, JobDep
+from services.dispatcher.api.jobs import AUTH, NOT_FOUND, JobDep
 from temper import registry
 from temper.db import Job, PolicyVersion
 from temper.settings import Mode
@@ -27,9 +27,6 @@ from temper.storage import NotFound, ObjectStore
 
 router = APIRouter(tags=["export"], dependencies=[Depends(bearer_scheme)])
 
-JOB_NOT_FOUND: schemas.Responses = {
-    404: {"model": schemas.Problem, "description": "no such job for this tenant"}
-}
 MAX_BASE_FILES = 4096
 
 
@@ -44,7 +41,7 @@ class Checkpoint(BaseModel):
     "/v1/jobs/{job_id}/checkpoints",
     summary="A job's published policy versions",
     response_model=list[Checkpoint],
-    responses={**JOB_NOT_FOUND, **AUTH},
+    responses={**NOT_FOUND, **AUTH},
 )
 async def list_checkpoints(session: SessionDep, job: JobDep) -> list[Checkpoint]:
     rows = await session.execute(

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, SessionDep, StoreDep
-from services.dispatcher.api.jobs import AUTH, BAD_CURSOR, MAX_OFFSET, JobDep
+from services.dispatcher.api.jobs import AUTH, BAD_CURSOR, MAX_OFFSET, NOT_FOUND, JobDep
 from services.dispatcher.api.transcripts import stored_log, transcript
 from temper.db import Episode
 from temper.lifecycle import EpisodeState
@@ -26,17 +26,15 @@ EPISODE_NOT_FOUND: schemas.Responses = {
     "/v1/jobs/{job_id}/episodes",
     summary="List a job's episodes",
     response_model=schemas.EpisodePage,
-    responses={
-        404: {"model": schemas.Problem, "description": "no such job for this tenant"},
-        **BAD_CURSOR,
-        **AUTH,
-    },
+    responses={**NOT_FOUND, **BAD_CURSOR, **AUTH},
 )
 async def list_episodes(
     session: SessionDep,
     job: JobDep,
     state: Annotated[EpisodeState | None, Query(description="only episodes in this state")] = None,
-    task: Annotated[str | None, Query(description="only episodes of this task id")] = None,
+    task: Annotated[
+        str | None, Query(description="only episodes of this task: its id, or its key without the task set")
+    ] = None,
     iteration: Annotated[int | None, Query(ge=0, le=MAX_OFFSET)] = None,
     min_reward: Annotated[
         float | None, Query(allow_inf_nan=False, description="reward at least this")
@@ -130,8 +128,8 @@ async def get_trajectory(store: StoreDep, episode: EpisodeDep) -> Response:
     response_class=Response,
     responses={200: {"content": {"application/x-ndjson": {}}}, **EPISODE_NOT_FOUND, **AUTH},
 )
-async def get_episode_log(store: StoreDep, episode: EpisodeDep) -> Response:
-    data = await stored_log(store, episode)
+async def get_episode_log(session: SessionDep, store: StoreDep, episode: EpisodeDep) -> Response:
+    data = await stored_log(session, store, episode)
     if data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode.id} has no log (not scored yet)")
     return Response(data, media_type="application/x-ndjson")

@@ -20,10 +20,9 @@ from fastapi import APIRouter, Depends, Query, Response
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select, true
 
-from services.dispatcher.api import schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import RuntimeDep, SessionDep
-from services.dispatcher.api.jobs import AUTH, JobDep
+from services.dispatcher.api.jobs import AUTH, NOT_FOUND, JobDep
 from temper.db import Episode, Job
 from temper.runtime import Runtime
 from temper.storage import NotFound
@@ -33,9 +32,6 @@ router = APIRouter(tags=["export"], dependencies=[Depends(bearer_scheme)])
 
 PAGE = 100  # episodes read per query while streaming
 MAX_LIMIT = 1_000_000
-JOB_NOT_FOUND: schemas.Responses = {
-    404: {"model": schemas.Problem, "description": "no such job for this tenant"}
-}
 
 
 class ExportFormat(enum.StrEnum):
@@ -165,7 +161,7 @@ def parquet_records(data: bytes) -> list[dict[str, Any]]:
             "X-Next-After names the next page's `after` when `limit` stopped the page",
             "content": {"application/x-ndjson": {}, "application/vnd.apache.parquet": {}},
         },
-        **JOB_NOT_FOUND,
+        **NOT_FOUND,
         **AUTH,
     },
 )

@@ -18,13 +18,17 @@ from services.dispatcher.api.validation import check_names, load_document, stric
 from temper import problems
 from temper.db import Job
 from temper.envpkg import service as envpkg
-from temper.jobspec import JobSpec, SpecError
+from temper.jobspec import TAG_PATTERN, JobSpec, SpecError
 from temper.lifecycle import IllegalTransition, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(bearer_scheme)])
 
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
-NOT_FOUND: schemas.Responses = {404: {"model": schemas.Problem, "description": "no such job for this tenant"}}
+# every route that takes a job reference (an id, a handle or a name)
+NOT_FOUND: schemas.Responses = {
+    404: {"model": schemas.Problem, "description": "no such job for this tenant"},
+    409: {"model": schemas.Problem, "description": "the name given is several jobs' (give the id or handle)"},
+}
 BAD_CURSOR: schemas.Responses = {
     400: {"model": schemas.Problem, "description": "the cursor is not one we gave"}
 }
@@ -102,10 +106,18 @@ async def read_upload(request: Request) -> bytes:
 
 
 async def job_or_404(session: SessionDep, tenant: CurrentTenant, job_id: str) -> Job:
-    job = await repo.get_job(session, tenant_id=tenant.id, job_id=job_id)
-    if job is None:
+    """The tenant's job by id, by handle, or by name when exactly one of its jobs has that
+    name (a name several jobs share answers 409 listing them, newest first)."""
+    named = await repo.find_job(session, tenant_id=tenant.id, ref=job_id)
+    if len(named) > 1:
+        listed = ", ".join(j.id for j in named[:20]) + (", ..." if len(named) > 20 else "")
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"job name {job_id!r} names {len(named)} jobs of yours ({listed}); give the id",
+        )
+    if not named:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} not found")
-    return job
+    return named[0]
 
 
 JobDep = Annotated[Job, Depends(job_or_404)]
@@ -155,6 +167,7 @@ async def list_jobs(
     name: Annotated[
         str | None, Query(description="only jobs whose name contains this (case-insensitive)")
     ] = None,
+    tag: Annotated[str | None, Query(pattern=TAG_PATTERN, description="only jobs with this tag")] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[
         str | None, Query(min_length=1, max_length=500, description="next_cursor of the previous page")
@@ -169,6 +182,7 @@ async def list_jobs(
             tenant_id=tenant.id,
             state=state.value if state else None,
             name=name,
+            tag=tag,
             limit=limit,
             cursor=cursor,
             offset=offset,
@@ -187,6 +201,24 @@ async def get_job(job: JobDep) -> schemas.Job:
     return job_detail(job)
 
 
+@router.patch(
+    "/{job_id}",
+    summary="Change a job's tags or note",
+    description="Replaces `tags` and/or `note` (null clears the note); the spec and the handle never change.",
+    response_model=schemas.Job,
+    responses={**NOT_FOUND, **AUTH},
+)
+async def update_job(session: SessionDep, job: JobDep, change: schemas.JobChange) -> schemas.Job:
+    given = change.model_fields_set
+    await repo.update_job(
+        session, job=job, tags=change.tags if "tags" in given else None, note=change.note,
+        clear_note="note" in given and change.note is None,
+    )  # fmt: skip
+    await session.commit()
+    await session.refresh(job)
+    return job_detail(job)
+
+
 async def _command(session: SessionDep, job: Job, command: str) -> schemas.Job:
     try:
         await repo.command_job(session, job=job, command=command)
@@ -197,7 +229,10 @@ async def _command(session: SessionDep, job: Job, command: str) -> schemas.Job:
 
 
 CONFLICT: schemas.Responses = {
-    409: {"model": schemas.Problem, "description": "the job's state does not allow this"}
+    409: {
+        "model": schemas.Problem,
+        "description": "the job's state does not allow this, or the name given is several jobs'",
+    }
 }
 
 

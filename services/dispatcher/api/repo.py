@@ -12,17 +12,19 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, and_, case, func, or_, select
+from sqlalchemy import Select, String, and_, case, cast, func, or_, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
 from services.dispatcher.sampling import replacement_groups, zero_variance_groups
 from temper.clock import utcnow
-from temper.db import Episode, Job, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
+from temper.db import Episode, Job, PolicyVersion, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_job
 from temper.outbox import enqueue
+from temper.tasks.service import task_row_id
 
 SCORED = (EpisodeState.scored.value, EpisodeState.trained.value)
 FINISHED = tuple(s.value for s in EPISODE_FINISHED)
@@ -107,10 +109,17 @@ async def create_job(session: AsyncSession, *, tenant: Tenant, spec: JobSpec) ->
         raise SpecError([("tasks.taskset", f"task set {spec.tasks.taskset!r} does not exist")])
     if taskset.status in UNUSABLE_TASKSET_STATES:
         raise SpecError([("tasks.taskset", f"task set {taskset.id!r} is {taskset.status}")])
+    if spec.handle is not None and (
+        taken := await job_by_handle(session, tenant_id=tenant.id, handle=spec.handle)
+    ):
+        raise SpecError([("handle", f"handle {spec.handle!r} is taken by job {taken.id}")])
     job = Job(
         id=new_job_id(),
         tenant_id=tenant.id,
         name=spec.name,
+        handle=spec.handle,
+        tags=list(dict.fromkeys(spec.tags)),
+        note=spec.note,
         spec=spec.model_dump(mode="json"),
         state=JobState.pending.value,
     )
@@ -120,8 +129,22 @@ async def create_job(session: AsyncSession, *, tenant: Tenant, spec: JobSpec) ->
         Topics.EVENTS,
         LifecycleEvent(event="job.state", job_id=job.id, tenant=tenant.id, state=JobState.pending.value),
     )
-    await session.flush()
+    try:
+        await session.flush()
+    except IntegrityError:  # a submission with the same handle won the race
+        await session.rollback()
+        raise SpecError([("handle", f"handle {spec.handle!r} is taken")]) from None
     return job
+
+
+async def update_job(
+    session: AsyncSession, *, job: Job, tags: list[str] | None, note: str | None, clear_note: bool
+) -> None:
+    """Replace a job's tags and/or note (its handle and spec never change)."""
+    if tags is not None:
+        job.tags = list(dict.fromkeys(tags))
+    if note is not None or clear_note:
+        job.note = note
 
 
 async def list_jobs(
@@ -130,6 +153,7 @@ async def list_jobs(
     tenant_id: str,
     state: str | None = None,
     name: str | None = None,
+    tag: str | None = None,
     limit: int = 50,
     cursor: str | None = None,
     offset: int = 0,
@@ -139,12 +163,40 @@ async def list_jobs(
         query = query.where(Job.state == state)
     if name:
         query = query.where(func.lower(Job.name).contains(name.lower(), autoescape=True))
+    if tag:
+        # tags hold no quotes (jobspec.TAG_PATTERN): '"tag"' in the JSON text is that element, whole
+        query = query.where(cast(Job.tags, String).contains(json.dumps(tag), autoescape=True))
     return await _page(session, query, Job, limit=limit, cursor=cursor, offset=offset, newest_first=True)
 
 
 async def get_job(session: AsyncSession, *, tenant_id: str, job_id: str) -> Job | None:
     job = await session.get(Job, job_id)
     return job if job is not None and job.tenant_id == tenant_id else None
+
+
+async def job_by_handle(session: AsyncSession, *, tenant_id: str, handle: str) -> Job | None:
+    query = select(Job).where(Job.tenant_id == tenant_id, Job.handle == handle)
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def find_job(session: AsyncSession, *, tenant_id: str, ref: str) -> list[Job]:
+    """The tenant's jobs ``ref`` names: its id, else its handle, else every job with that
+    name (newest first; the caller refuses several)."""
+    job = await get_job(session, tenant_id=tenant_id, job_id=ref)
+    if job is None:
+        job = await job_by_handle(session, tenant_id=tenant_id, handle=ref)
+    return [job] if job is not None else await jobs_named(session, tenant_id=tenant_id, name=ref)
+
+
+async def jobs_named(session: AsyncSession, *, tenant_id: str, name: str) -> list[Job]:
+    """The tenant's jobs with exactly this name, newest first."""
+    query = (
+        select(Job)
+        .where(Job.tenant_id == tenant_id, Job.name == name)
+        .order_by(Job.created_at.desc(), Job.id.desc())
+        .limit(1000)
+    )
+    return list((await session.execute(query)).scalars())
 
 
 JOB_COMMANDS = {"pause": JobState.paused, "resume": JobState.running, "cancel": JobState.cancelled}
@@ -164,6 +216,9 @@ def job_summary(job: Job) -> dict[str, Any]:
     return {
         "id": job.id,
         "name": job.name,
+        "handle": job.handle,
+        "tags": list(job.tags or []),
+        "note": job.note,
         "state": job.state,
         "state_reason": job.state_reason,
         "iteration": job.iteration,
@@ -196,7 +251,9 @@ async def list_episodes(
     if state:
         query = query.where(Episode.state == state)
     if task:
-        query = query.where(Episode.task_id == task)
+        # a task's key alone ("add-2") or its full id ("ts-...:add-2")
+        taskset = str(((job.spec or {}).get("tasks") or {}).get("taskset", ""))
+        query = query.where(Episode.task_id.in_([task, task_row_id(taskset, task)]))
     if iteration is not None:
         query = query.where(Episode.iteration == iteration)
     if min_reward is not None:
@@ -371,5 +428,66 @@ async def job_metrics(
         pass_rates=pass_rates,
         throughput=throughput,
         staleness=staleness,
+        training=await _training(session, job, scored=sum(p.episodes for p in curve)),
         pass_threshold=pass_threshold,
     )
+
+
+async def _training(session: AsyncSession, job: Job, *, scored: int) -> schemas.Training:
+    """The trainer's numbers per version (from each version row), what it skipped and,
+    while nothing is trained, why."""
+    rows = (
+        await session.execute(
+            select(PolicyVersion).where(PolicyVersion.job_id == job.id).order_by(PolicyVersion.version)
+        )
+    ).scalars()
+
+    def num(m: dict[str, Any], key: str) -> Any:
+        value = m.get(key)
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    versions = [
+        schemas.VersionTraining(
+            version=v.version, step=v.step, train_s=v.train_s, created_at=v.created_at,
+            **{k: num(v.metrics or {}, k) for k in TRAINING_FIELDS},
+        )
+        for v in rows
+    ]  # fmt: skip
+    of_job = TrainedTrajectory.job_id == job.id
+    skipped = {
+        str(reason): int(n)
+        for reason, n in await session.execute(
+            select(TrainedTrajectory.skipped, func.count(func.distinct(TrainedTrajectory.group_id)))
+            .where(of_job, TrainedTrajectory.skipped.is_not(None))
+            .group_by(TrainedTrajectory.skipped)
+        )
+    }
+    trained = int(
+        await session.scalar(select(func.count()).where(of_job, TrainedTrajectory.step.is_not(None))) or 0
+    )
+    reason = None
+    if trained == 0 and not versions:
+        if not scored:
+            reason = "no episode has been scored yet"
+        elif skipped:
+            listed = ", ".join(f"{n} {r}" for r, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+            reason = f"every group so far was skipped ({listed})"
+        else:
+            per_step = JobSpec.model_validate(job.spec).algorithm.groups_per_step
+            reason = f"waiting for {per_step} complete group{'s' if per_step != 1 else ''} for the first step"
+    return schemas.Training(
+        versions=versions, trained_episodes=trained, skipped_groups=skipped, not_trained_reason=reason
+    )
+
+
+# the StepStats fields a version row carries that the metrics show
+TRAINING_FIELDS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "clip_fraction",
+    "learning_rate",
+    "tokens",
+)

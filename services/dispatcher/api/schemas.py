@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from temper.jobspec import TAG_PATTERN
 
 PASS_THRESHOLD = (
     "without it, an episode passed as recorded when it was scored (temper.rewards.passed: its "
@@ -41,6 +43,9 @@ Responses = dict[int | str, dict[str, Any]]
 class JobSummary(_Out):
     id: str
     name: str
+    handle: str | None = Field(None, description="unique in the tenant; usable wherever the id is")
+    tags: list[str] = []
+    note: str | None = None
     state: str
     state_reason: str | None = None
     iteration: int = Field(description="iterations started so far")
@@ -54,6 +59,12 @@ class JobSummary(_Out):
 
 class Job(JobSummary):
     spec: dict[str, Any] = Field(description="the validated spec, defaults filled in")
+
+
+class JobChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tags: list[Annotated[str, Field(pattern=TAG_PATTERN)]] | None = Field(None, max_length=20)
+    note: str | None = Field(None, max_length=4000)
 
 
 class JobPage(BaseModel):
@@ -184,6 +195,33 @@ class Sampling(BaseModel):
     )
 
 
+class VersionTraining(BaseModel):
+    """The trainer's own numbers for one policy version: those of the last step it holds
+    (``None`` where the version row has none, e.g. published before the field existed)."""
+
+    version: int = Field(description="0-based, as the policy version everywhere")
+    step: int = Field(description="optimizer steps trained so far")
+    loss: float | None = None
+    pg_loss: float | None = None
+    kl: float | None = None
+    entropy: float | None = Field(None, description="mean policy entropy over the model tokens, nats")
+    grad_norm: float | None = None
+    clip_fraction: float | None = None
+    learning_rate: float | None = None
+    tokens: int | None = Field(None, description="tokens forwarded in the step")
+    train_s: float = Field(description="trainer seconds of the steps since the version before")
+    created_at: datetime
+
+
+class Training(BaseModel):
+    versions: list[VersionTraining]
+    trained_episodes: int = Field(description="episodes an optimizer step trained on")
+    skipped_groups: dict[str, int] = Field(description="groups the trainer did not train on, by reason")
+    not_trained_reason: str | None = Field(
+        description="while the job has no trained version: why (none once it has one)"
+    )
+
+
 class JobMetrics(BaseModel):
     job_id: str
     progress: Progress
@@ -192,6 +230,7 @@ class JobMetrics(BaseModel):
     pass_rates: list[TaskPassRate]
     throughput: Throughput
     staleness: Staleness
+    training: Training
     pass_threshold: float | None = Field(description=PASS_THRESHOLD)
 
 

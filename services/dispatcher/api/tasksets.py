@@ -18,8 +18,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import JSONResponse
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api.bodies import MAX_TASKSET_BYTES, read_limited
+from temper.db import TaskSet
 from temper.runtime import Runtime
 from temper.tasks import service
 from temper.tasks.models import TaskFormatError, TaskSpec, parse_tasks
@@ -115,10 +117,8 @@ def make_router(
     ) -> dict[str, Any]:
         assert runtime.db is not None
         async with runtime.db.session() as session:
-            try:
-                row = await service.get_taskset(session, taskset_id, tenant=tenant_id_of(tenant))
-            except service.TaskSetNotFound:
-                raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
+            row = await _taskset(session, taskset_id, tenant)
+            taskset_id = row.id  # a name was given
             counts = await service.status_counts(session, taskset_id)
             view = service.taskset_view(row, counts)
             done = counts.get("valid", 0) + counts.get("invalid", 0)
@@ -142,10 +142,7 @@ def make_router(
         difficulty over the jobs counted; ``jobs``: per job and per policy version."""
         assert runtime.db is not None
         async with runtime.db.session() as session:
-            try:
-                await service.get_taskset(session, taskset_id, tenant=tenant_id_of(tenant))
-            except service.TaskSetNotFound:
-                raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
+            taskset_id = (await _taskset(session, taskset_id, tenant)).id
             lineage = await service.outcome_breakdown(session, taskset_id, job_id=job)
             out = []
             for row in await service.task_rows(session, taskset_id):
@@ -158,10 +155,7 @@ def make_router(
     async def validate_again(taskset_id: str, tenant: TenantDep, runtime: RuntimeDep) -> dict[str, Any]:
         assert runtime.db is not None
         async with runtime.db.session() as session:
-            try:
-                await service.get_taskset(session, taskset_id, tenant=tenant_id_of(tenant))
-            except service.TaskSetNotFound:
-                raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {taskset_id} not found") from None
+            taskset_id = (await _taskset(session, taskset_id, tenant)).id
         result = await _enqueue(enqueue, taskset_id)
         if not result["queued"]:
             raise HTTPException(
@@ -170,6 +164,17 @@ def make_router(
         return {"id": taskset_id, "validation": result}
 
     return router
+
+
+async def _taskset(session: AsyncSession, ref: str, tenant: Any) -> TaskSet:
+    """The tenant's task set by id or name: 404 if none, 409 listing the ids if the name is
+    several task sets'."""
+    try:
+        return await service.get_taskset(session, ref, tenant=tenant_id_of(tenant))
+    except service.TaskSetNotFound:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"task set {ref} not found") from None
+    except service.TaskSetAmbiguous as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
 
 
 def _parse_body(body: bytes, content_type: str) -> list[TaskSpec]:

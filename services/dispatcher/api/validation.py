@@ -35,6 +35,7 @@ from temper.db import Job, Task, TaskSet
 from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.policy.placement import BackendInfo, missing_model_files, need_of, serve_error
 from temper.settings import Settings
+from temper.tasks.service import TaskSetAmbiguous, TaskSetNotFound, get_taskset
 
 MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few more
 MAX_NODES = 100_000
@@ -272,10 +273,17 @@ async def check_names(
     """Every name the spec references, checked against this deployment; all problems at once."""
     errors = plugin_errors(spec)
     errors += model_errors(spec, settings, await deployment(session, settings))
-    taskset = await session.get(TaskSet, spec.tasks.taskset)
-    if taskset is None or taskset.tenant_id != tenant_id:
-        ids = (await session.execute(select(TaskSet.id).where(TaskSet.tenant_id == tenant_id))).scalars()
-        errors.append(("tasks.taskset", unknown("task set", spec.tasks.taskset, ids)))
+    try:
+        # a name stands for the one task set of the tenant with it: the job keeps the id
+        spec.tasks.taskset = (await get_taskset(session, spec.tasks.taskset, tenant=tenant_id)).id
+    except TaskSetAmbiguous as exc:
+        errors.append(("tasks.taskset", str(exc)))
+    except TaskSetNotFound:
+        rows = await session.execute(select(TaskSet.id, TaskSet.name).where(TaskSet.tenant_id == tenant_id))
+        known = {ref for row in rows for ref in row}
+        errors.append(
+            ("tasks.taskset", unknown("task set", spec.tasks.taskset, known) + " (an id or a name)")
+        )
     prior = spec.tasks.prior_from_job
     if prior is not None:
         job = await session.get(Job, prior)

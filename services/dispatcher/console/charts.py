@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from html import escape
+from typing import Any
 
 from markupsafe import Markup
 
@@ -41,6 +42,20 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}"
 
 
+def _x_ticks(x0: int, x1: int) -> list[int]:
+    """Whole-number ticks from ``x0`` to ``x1``, the last one always among them (it is the
+    newest point; a neighbour closer than half a step gives way to it)."""
+    if x1 <= x0:
+        return [x0]
+    ticks = [int(t) for t in _ticks(x0, x1, min(8, max(1, x1 - x0))) if float(t).is_integer()]
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else x1 - x0
+    if ticks and ticks[-1] != x1:
+        if x1 - ticks[-1] < step / 2:
+            ticks.pop()
+        ticks.append(x1)
+    return ticks
+
+
 def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, height: int = 260) -> Markup:
     """Mean reward per iteration (counted from 1) with a ±1 std band clipped to the rewards seen (a band
     never claims a reward below the lowest or above the highest); each point has a tooltip."""
@@ -74,12 +89,10 @@ def reward_curve_svg(curve: Sequence[IterationReward], *, width: int = 680, heig
         y = sy(t)
         parts.append(f'<line class="grid" x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}"/>')
         parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
-    for it in _ticks(x0, x1, min(8, max(1, x1 - x0))) if x1 > x0 else [x0]:
-        if float(it).is_integer():
-            x = sx(it)
-            parts.append(
-                f'<text class="tick" x="{x:.1f}" y="{top + h + 18}" text-anchor="middle">{int(it) + 1}</text>'
-            )
+    for it in _x_ticks(x0, x1):
+        parts.append(
+            f'<text class="tick" x="{sx(it):.1f}" y="{top + h + 18}" text-anchor="middle">{it + 1}</text>'
+        )
     parts.append(
         f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>'
     )
@@ -104,12 +117,17 @@ PALETTE = ("#2f6fde", "#d9480f", "#2b8a3e", "#862e9c", "#e67700", "#0b7285", "#c
 
 
 def reward_curves_svg(
-    series: Sequence[tuple[str, Sequence[IterationReward]]], *, width: int = 680, height: int = 280
+    series: Sequence[tuple[str, str, Sequence[IterationReward]]], *, width: int = 680, height: int = 280
 ) -> Markup:
     """Several jobs' mean reward per iteration (counted from 1) on one chart, one colour
     each (:data:`PALETTE` by position in ``series``, so a job without scored episodes
-    keeps its colour unused), with a legend; the y axis spans the rewards seen."""
-    drawn = [(label, curve, PALETTE[i % len(PALETTE)]) for i, (label, curve) in enumerate(series) if curve]
+    keeps its colour unused), with a legend of their labels; ``series``: ``(job id, label,
+    curve)``; the y axis spans the rewards seen."""
+    drawn = [
+        (job, label, curve, PALETTE[i % len(PALETTE)])
+        for i, (job, label, curve) in enumerate(series)
+        if curve
+    ]
     if not drawn:
         return Markup(
             f'<svg id="compare-curves" class="chart empty" viewBox="0 0 {width} 80" role="img" '
@@ -117,7 +135,7 @@ def reward_curves_svg(
         )
     left, right, top, bottom = 52, 16, 14 + 16 * len(drawn), 34
     w, h = width - left - right, height - top - bottom
-    points = [p for _, curve, _ in drawn for p in curve]
+    points = [p for _, _, curve, _ in drawn for p in curve]
     lo, hi = min(p.min for p in points), max(p.max for p in points)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
@@ -139,25 +157,93 @@ def reward_curves_svg(
         y = sy(t)
         parts.append(f'<line class="grid" x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}"/>')
         parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
-    for it in _ticks(x0, x1, min(8, max(1, x1 - x0))) if x1 > x0 else [x0]:
-        if float(it).is_integer():
-            parts.append(
-                f'<text class="tick" x="{sx(it):.1f}" y="{top + h + 18}" text-anchor="middle">{int(it) + 1}</text>'
-            )
+    for it in _x_ticks(x0, x1):
+        parts.append(
+            f'<text class="tick" x="{sx(it):.1f}" y="{top + h + 18}" text-anchor="middle">{it + 1}</text>'
+        )
     parts.append(
         f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">iteration</text>'
     )
-    for i, (label, curve, color) in enumerate(drawn):
+    for i, (job, label, curve, color) in enumerate(drawn):
         pts = " ".join(f"{sx(p.iteration):.1f},{sy(p.mean):.1f}" for p in curve)
-        parts.append(f'<polyline class="series" data-job="{escape(label)}" stroke="{color}" points="{pts}"/>')
+        parts.append(f'<polyline class="series" data-job="{escape(job)}" stroke="{color}" points="{pts}"/>')
         for p in curve:
             tip = escape(f"{label}, iteration {p.iteration + 1}: mean {p.mean:.3f} ({p.episodes} episodes)")
+            # an inline style: the console's ".chart .point" rule would override a fill attribute
             parts.append(
-                f'<circle class="point" fill="{color}" cx="{sx(p.iteration):.1f}" cy="{sy(p.mean):.1f}" r="3">'
-                f"<title>{tip}</title></circle>"
+                f'<circle class="point" style="fill: {color}" cx="{sx(p.iteration):.1f}" cy="{sy(p.mean):.1f}" '
+                f'r="3"><title>{tip}</title></circle>'
             )
         y = 12 + 16 * i
         parts.append(f'<rect x="{left}" y="{y - 9}" width="10" height="10" fill="{color}"/>')
-        parts.append(f'<text class="legend-label" x="{left + 16}" y="{y}">{escape(label)}</text>')
+        parts.append(
+            f'<text class="legend-label" x="{left + 16}" y="{y}">{escape(label)}<title>{escape(job)}</title></text>'
+        )
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+def metric_chart_svg(
+    chart_id: str, label: str, points: Sequence[tuple[int, float]], *, width: int = 330, height: int = 170
+) -> Markup:
+    """One trainer figure per policy version (``points``: ``(version, value)``), drawn as a
+    line with a point and tooltip per version; x ticks are versions (``v3``)."""
+    if not points:
+        return Markup(
+            f'<svg id="{chart_id}" class="chart small empty" viewBox="0 0 {width} 60" role="img" '
+            f'aria-label="{escape(label)}"><text x="12" y="34">No trained version yet.</text></svg>'
+        )
+    left, right, top, bottom = 52, 12, 22, 30
+    w, h = width - left - right, height - top - bottom
+    xs = [x for x, _ in points]
+    lo, hi = min(y for _, y in points), max(y for _, y in points)
+    if hi - lo < 1e-12:
+        lo, hi = lo - (abs(lo) * 0.1 or 0.5), hi + (abs(hi) * 0.1 or 0.5)
+    pad = (hi - lo) * 0.05
+    lo, hi = lo - pad, hi + pad
+    x0, x1 = min(xs), max(xs)
+
+    def sx(x: float) -> float:
+        return left + (w / 2 if x1 == x0 else (x - x0) / (x1 - x0) * w)
+
+    def sy(y: float) -> float:
+        return top + h - (y - lo) / (hi - lo) * h
+
+    parts = [
+        f'<svg id="{chart_id}" class="chart small" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="{escape(label)} per policy version" data-points="{len(points)}">',
+        f'<text class="axis" x="{left}" y="13">{escape(label)}</text>',
+    ]
+    for t in _ticks(lo, hi, 4):
+        y = sy(t)
+        parts.append(f'<line class="grid" x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}"/>')
+        parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+    for v in _x_ticks(x0, x1):
+        parts.append(
+            f'<text class="tick" x="{sx(v):.1f}" y="{top + h + 18}" text-anchor="middle">v{v}</text>'
+        )
+    line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
+    parts.append(f'<polyline class="mean" points="{line}"/>')
+    for x, y in points:
+        tip = escape(f"v{x}: {label} {y:.4g}")
+        parts.append(
+            f'<circle class="point" cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3"><title>{tip}</title></circle>'
+        )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+# the trainer's figures the job page charts, in order: (field, label)
+TRAINING_CHARTS = (("loss", "loss"), ("kl", "KL"), ("grad_norm", "grad norm"), ("entropy", "entropy"))
+
+
+def training_charts(versions: Sequence[Any]) -> list[Markup]:
+    """The job page's charts of the trainer's numbers (``schemas.VersionTraining`` rows)."""
+    return [
+        metric_chart_svg(
+            f"chart-{field.replace('_', '-')}",
+            label,
+            [(v.version, float(getattr(v, field))) for v in versions if getattr(v, field) is not None],
+        )
+        for field, label in TRAINING_CHARTS
+    ]

@@ -20,7 +20,7 @@ from fastapi.templating import Jinja2Templates
 from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
 from services.dispatcher.api.transcripts import stored_log, transcript
-from services.dispatcher.console.charts import PALETTE, reward_curve_svg, reward_curves_svg
+from services.dispatcher.console.charts import PALETTE, reward_curve_svg, reward_curves_svg, training_charts
 from temper.lifecycle import JOB_TERMINAL, IllegalTransition
 from temper.tenants import Caller, authenticate
 
@@ -176,6 +176,7 @@ async def _live_context(session: SessionDep, job: Any) -> dict[str, Any]:
         "job": repo.job_summary(job),
         "m": metrics,
         "chart": reward_curve_svg(metrics.reward_curve),
+        "training_charts": training_charts(metrics.training.versions),
         "live": job.state not in JOB_TERMINAL,
         "refresh_s": REFRESH_S,
     }
@@ -291,7 +292,7 @@ async def episode_log(
 ) -> Response:
     """The episode's stored log (JSON lines), shown as text in the browser."""
     episode = await repo.get_episode(session, tenant_id=caller.tenant.id, episode_id=episode_id)
-    data = await stored_log(store, episode) if episode is not None else None
+    data = await stored_log(session, store, episode) if episode is not None else None
     if data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no log for episode {episode_id}")
     return Response(data, media_type="text/plain; charset=utf-8")
@@ -326,7 +327,14 @@ async def compare_page(
                 "best": max((p.mean for p in curve), default=None),
             }
         )
-    chart = reward_curves_svg([(r["job"].id, r["curve"]) for r in rows])
+    names = [r["job"].name for r in rows]
+    # the legend names jobs as people do; a name two of them share gets the id beside it
+    labels = [n if names.count(n) == 1 else f"{n} ({r['job'].id})" for n, r in zip(names, rows, strict=True)]
+    for r, label in zip(rows, labels, strict=True):
+        r["label"] = label
+    chart = reward_curves_svg(
+        [(r["job"].id, label, r["curve"]) for label, r in zip(labels, rows, strict=True)]
+    )
     return page(request, "compare.html", caller=caller, rows=rows, chart=chart)
 
 

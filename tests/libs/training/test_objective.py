@@ -116,8 +116,8 @@ def test_loss_matches_the_reference(name):
     assert stats.kl == pytest.approx(want["kl"], rel=1e-4, abs=1e-6)
     assert stats.model_tokens == want["tokens"]
     assert stats.filtered_samples == 8 - want["samples"]
-    if cfg.entropy_coef:
-        assert stats.entropy == pytest.approx(want["entropy"], rel=1e-4)
+    # measured on every step, with or without the bonus (it was 0.0 without)
+    assert stats.entropy > 0.1 and stats.entropy == pytest.approx(want["entropy"], rel=1e-4)
 
 
 def grads(cfg: LearnerConfig, groups, budget: int) -> tuple[dict[str, torch.Tensor], float]:
@@ -170,3 +170,17 @@ def test_clip_higher_moves_only_the_upper_bound():
     assert sym.clipped == 2 and higher.clipped == 1
     assert sym.pg_sum == pytest.approx(-1.2 + 0.8)  # the negative side: -min(-0.75, -0.8)
     assert higher.pg_sum == pytest.approx(-1.25 + 0.8)
+
+
+def test_the_whole_model_forward_measures_the_same_entropy():
+    """A sharded model is called whole (``full_forward``: ``token_logprobs`` on the full
+    logits); its entropy is the one the output-layer-only path measures."""
+    cfg = CONFIGS[sorted(CONFIGS)[0]]
+    policy, ref_model = create_model(seed=1), create_model(seed=2)
+    groups = fixed_batch(policy)
+    want = reference(policy, ref_model, groups, cfg)
+    learner = Learner(create_model(seed=1), cfg, device="cpu", reference=ref_model)
+    learner.full_forward = True
+    stats = learner.step(groups)
+    assert stats.entropy > 0.1 and stats.entropy == pytest.approx(want["entropy"], rel=1e-4)
+    assert stats.loss == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)

@@ -194,3 +194,90 @@ def test_an_unfinished_job_page_refreshes_itself(dispatcher, chrome, env):
         lambda d: d.find_element(By.ID, "live").get_attribute("data-marker") is None
     )
     chrome.save_screenshot(str(ARTIFACTS / "console-running-job.png"))
+
+
+@pytest.fixture
+def trained(env, tmp_path):
+    """The seeded job with three trained versions (the trainer's numbers on each) and one
+    episode whose reward carries an unweighted measure and per-test details; a second job
+    of the same shape to compare with; then the dispatcher on it."""
+    import json
+
+    settings, seeded = env
+    db_path = settings.db.url.split(":///", 1)[1]
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("UPDATE jobs SET state = 'paused' WHERE id = ?", (seeded.running_job_id,))
+        for v, (loss, kl, grad, ent) in enumerate(
+            [(0.9, 0.01, 2.0, 1.8), (0.6, 0.03, 1.5, 1.5), (0.4, 0.02, 1.1, 1.2)], 1
+        ):
+            metrics = {"loss": loss, "kl": kl, "grad_norm": grad, "entropy": ent, "clip_fraction": 0.1,
+                       "learning_rate": 1e-5, "tokens": 100 * v}  # fmt: skip
+            conn.execute(
+                "INSERT INTO policy_versions (job_id, version, checkpoint_key, step, metrics, train_s, created_at)"
+                " VALUES (?, ?, ?, ?, ?, 1.0, '2026-12-04 00:00:00')",
+                (seeded.job_id, v, f"k{v}", v, json.dumps(metrics)),
+            )
+        key = conn.execute("SELECT trajectory_key FROM episodes WHERE id = ?", (KILLED_EPISODE,)).fetchone()[
+            0
+        ]
+    path = Path(settings.storage.root) / key
+    trajectory = json.loads(path.read_text())
+    trajectory["rewards"]["format_ok"] = {"value": 1.0, "ok": True}
+    trajectory["rewards"]["tests_passed"]["details"]["tests"] = [
+        {"name": "test_small", "passed": True}, {"name": "test_negative", "passed": False},
+    ]  # fmt: skip
+    path.write_text(json.dumps(trajectory))
+    with run_dispatcher(settings.db.url, settings.storage.root, tmp_path, "console-trained.log") as url:
+        yield url, seeded
+
+
+def test_the_trainer_charts_the_compare_colours_and_the_reward_table(trained, chrome):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, seeded = trained
+    wait = WebDriverWait(chrome, 15)
+    log_in(chrome, url, seeded.key)
+
+    chrome.get(f"{url}/console/jobs/{seeded.job_id}")
+    wait.until(ec.presence_of_element_located((By.ID, "training")))
+    for chart in ("chart-loss", "chart-kl", "chart-grad-norm", "chart-entropy"):
+        svg = chrome.find_element(By.ID, chart)
+        assert svg.get_attribute("data-points") == "3" and svg.size["width"] > 200, chart
+    loss = [
+        float(p.get_attribute("cy"))
+        for p in chrome.find_elements(By.CSS_SELECTOR, "#chart-loss circle.point")
+    ]
+    assert loss[0] < loss[1] < loss[2], "a falling loss is drawn going down"
+    ticks = [
+        t.text
+        for t in chrome.find_elements(By.CSS_SELECTOR, "#chart-loss text.tick")
+        if t.text.startswith("v")
+    ]
+    assert ticks[0] == "v1" and ticks[-1] == "v3"
+    assert not chrome.find_elements(By.ID, "not-trained")
+    chrome.find_element(By.ID, "training").screenshot(str(ARTIFACTS / "console-training-charts.png"))
+
+    chrome.get(f"{url}/console/compare?jobs={seeded.job_id}&jobs={seeded.job_id}-b")
+    assert "There is no job" in chrome.page_source  # the second job does not exist: named
+    chrome.get(f"{url}/console/compare?jobs={seeded.job_id}&jobs={seeded.running_job_id}")
+    wait.until(ec.presence_of_element_located((By.ID, "compare-curves")))
+    fills = {
+        chrome.execute_script("return getComputedStyle(arguments[0]).fill", c)
+        for c in chrome.find_elements(By.CSS_SELECTOR, "#compare-curves circle.point")
+    }
+    assert fills == {"rgb(47, 111, 222)"}, fills  # the first job's colour, drawn as given
+    legend = [t.text for t in chrome.find_elements(By.CSS_SELECTOR, "#compare-curves .legend-label")]
+    assert legend == ["add-numbers"]
+    chrome.save_screenshot(str(ARTIFACTS / "console-compare-legend.png"))
+
+    chrome.get(f"{url}/console/episodes/{KILLED_EPISODE}")
+    wait.until(ec.presence_of_element_located((By.ID, "reward-vector")))
+    reward = chrome.find_element(By.ID, "reward-vector")
+    assert "tests_passed" in reward.text and "format_ok" not in reward.text
+    assert "format_ok" in chrome.find_element(By.ID, "measured").text
+    rows = chrome.find_elements(By.CSS_SELECTOR, "#reward-vector table.details tbody tr")
+    assert [r.text.split() for r in rows] == [["test_small", "True"], ["test_negative", "False"]]
+    assert "{'name'" not in chrome.page_source, "no Python repr on the page"
+    chrome.save_screenshot(str(ARTIFACTS / "console-episode-rewards.png"))

@@ -160,6 +160,7 @@ async def test_the_compare_page_overlays_reward_curves(browser, seeded):
     assert r.status_code == 200
     assert 'data-series="1"' in r.text  # the running job has nothing scored: no line for it
     assert f'data-job="{seeded.job_id}"' in r.text
+    assert re.search(r'class="legend-label"[^>]*>add-numbers<title>', r.text), "the legend names the job"
     table = r.text[r.text.index('id="compare-table"') :]
     assert seeded.job_id in table and seeded.running_job_id in table
     assert len(re.findall(r'class="point"', r.text)) == 3
@@ -179,9 +180,15 @@ def test_curves_of_several_jobs_share_one_axis():
         IterationReward(iteration=i, episodes=2, mean=0.2 + 0.1 * i, std=0.0, min=0.1, max=1.0)
         for i in range(5)
     ]
-    svg = str(reward_curves_svg([("job-a", a), ("job-c", []), ("job-b", b)]))
+    svg = str(reward_curves_svg([("job-a", "alpha", a), ("job-c", "gamma", []), ("job-b", "beta", b)]))
     assert 'data-series="2"' in svg and svg.count('class="series"') == 2
     # colours by position, as the compare table shows them: job-c's stays unused
     assert 'data-job="job-a" stroke="#2f6fde"' in svg and 'data-job="job-b" stroke="#2b8a3e"' in svg
     labels = re.findall(r'text-anchor="middle">(\d+)</text>', svg)
     assert labels[0] == "1" and labels[-1] == "5"  # iterations counted from 1
+    # each job's points in its own colour (a fill attribute lost to the console's CSS rule)
+    assert svg.count('style="fill: #2f6fde"') == 3 and svg.count('style="fill: #2b8a3e"') == 5
+    assert re.findall(r'class="legend-label"[^>]*>([^<]+)<title>([^<]+)', svg) == [
+        ("alpha", "job-a"),
+        ("beta", "job-b"),
+    ]

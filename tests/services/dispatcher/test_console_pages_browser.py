@@ -39,7 +39,7 @@ def test_pager_error_page_components_and_compare(dispatcher, chrome):  # noqa: F
 
     chrome.get(f"{url}/console/episodes/{KILLED_EPISODE}")
     row = chrome.find_element(By.CSS_SELECTOR, "#reward-vector tr.weighted")
-    assert row.get_attribute("data-component") == "tests_passed" and "weighted" in row.text
+    assert row.get_attribute("data-component") == "tests_passed" and "× 1.0" in row.text  # its weight
     assert "passed" in row.text and "{" not in row.text  # details as a list, not JSON
     assert "2 turns" in chrome.find_element(By.TAG_NAME, "main").text
     chrome.save_screenshot(str(ARTIFACTS / "console-episode-components.png"))

@@ -223,8 +223,8 @@ def test_jobs_counts_iterations_from_1_and_flags_go_before_or_after_the_command(
     code, out, _ = run_cli(["jobs", "--url", url, "--key", seeded.key], capsys)
     assert code == 0
     rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
-    assert rows[seeded.job_id][3] == "3/3", out  # iteration index 3 of 3: done, shown as 3
-    assert rows[seeded.running_job_id][3] == "2/3", out  # index 1: the second iteration
+    assert rows[seeded.job_id][4] == "3/3", out  # iteration index 3 of 3: done, shown as 3
+    assert rows[seeded.running_job_id][4] == "2/3", out  # index 1: the second iteration
     code, before, _ = run_cli(["--url", url, "--key", seeded.key, "jobs"], capsys)
     assert code == 0 and before == out
     code, out, _ = run_cli(["admin", "plugins", "--json", "--url", url], capsys)

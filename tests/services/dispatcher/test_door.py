@@ -48,6 +48,8 @@ def one_shape(body: dict) -> None:
         ({"policy__model": "gpt-17"}, "policy.model", "unknown model 'gpt-17'"),
         ({"policy__backend_pool": "gpu-9"}, "policy.backend_pool", "allowed: default"),
         ({"tasks__taskset": "ts-acm"}, "tasks.taskset", "did you mean 'ts-acme'?"),
+        ({"tasks__taskset": "adder"}, "tasks.taskset", "did you mean 'adders'?"),  # by name too
+        ({"tasks__taskset": "theirs"}, "tasks.taskset", "unknown task set 'theirs'"),  # another tenant's name
         ({"algorithm__name": "dpo"}, "algorithm.name", ""),
         ({"schedule__iterations": "5"}, "schedule.iterations", "valid integer"),
         ({"algorithm__skip_zero_variance": "yes"}, "algorithm.skip_zero_variance", "valid boolean"),

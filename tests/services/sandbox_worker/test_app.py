@@ -109,26 +109,30 @@ async def test_run_code_is_sandboxfusion_compatible(client) -> None:
         and r["run_result"]["return_code"] == 3
         and r["run_result"]["stdout"] == "42\n"
     )
+    py = {"language": "python"}
     r = (
-        await client.post("/run_code", json={"code": "import time; time.sleep(5)", "run_timeout": 0.5})
+        await client.post("/run_code", json={**py, "code": "import time; time.sleep(5)", "run_timeout": 0.5})
     ).json()
     assert r["status"] == "Failed" and r["run_result"]["status"] == "TimeLimitExceeded"
+    assert r["run_result"]["return_code"] is None and r["run_result"]["kill_reason"] == "timeout"
     files = {"data/in.txt": base64.b64encode(b"7\n").decode()}
     code = "n = int(open('data/in.txt').read()); open('out.txt', 'w').write(str(n * 6))"
     r = (
-        await client.post("/run_code", json={"code": code, "files": files, "fetch_files": ["out.txt"]})
+        await client.post("/run_code", json={**py, "code": code, "files": files, "fetch_files": ["out.txt"]})
     ).json()
     assert r["status"] == "Success" and base64.b64decode(r["files"]["out.txt"]) == b"42"
+    # A run killed for memory finished (its program failed): a run-level Error is a
+    # sandbox fault only, in SandboxFusion's meaning.
     r = (
-        await client.post("/run_code", json={"code": "x = bytearray(1 << 30)", "memory_limit_MB": 64})
+        await client.post("/run_code", json={**py, "code": "x = bytearray(1 << 30)", "memory_limit_MB": 64})
     ).json()
-    assert r["status"] == "Failed" and r["run_result"]["kill_reason"] == "memory"
-    r = (await client.post("/run_code", json={"code": "print(1)", "language": "cobol"})).json()
-    assert r["status"] == "SandboxError"
+    assert r["status"] == "Failed" and r["run_result"]["status"] == "Finished"
+    assert r["run_result"]["return_code"] == -9 and r["run_result"]["kill_reason"] == "memory"
+    assert r["compile_result"] is None  # Python has no compile step
 
 
 async def test_truncated_output_is_not_success(client) -> None:
-    r = (await client.post("/run_code", json={"code": "print('x' * 200000)"})).json()
+    r = (await client.post("/run_code", json={"language": "python", "code": "print('x' * 200000)"})).json()
     assert r["status"] == "Failed", "SandboxFusion would say Success here"
     assert r["run_result"]["stdout_truncated"] is True and "truncated" in r["message"]
     assert len(r["run_result"]["stdout"]) == LIMITS.output_bytes
@@ -173,10 +177,23 @@ async def test_bad_input_is_a_4xx_on_every_route_never_a_5xx(client, worker) -> 
     sid = (await client.post("/v1/sessions", json={"session_id": "dup"})).json()["session_id"]
     act = f"/v1/sessions/{sid}/actions"
     bad: list[tuple[str, dict, int, str]] = [
-        ("/run_code", {"code": "print(1)", "memory_limit_MB": nan}, 422, "memory_limit_MB"),
-        ("/run_code", {"code": "print(1)", "memory_limit_MB": inf}, 422, "memory_limit_MB"),
-        ("/run_code", {"code": "print(1)", "run_timeout": nan}, 422, "run_timeout"),
-        ("/run_code", {"code": "print(1)", "run_timeout": -inf}, 422, "run_timeout"),
+        (
+            "/run_code",
+            {"code": "print(1)", "language": "python", "memory_limit_MB": nan},
+            422,
+            "memory_limit_MB",
+        ),
+        (
+            "/run_code",
+            {"code": "print(1)", "language": "python", "memory_limit_MB": inf},
+            422,
+            "memory_limit_MB",
+        ),
+        ("/run_code", {"code": "print(1)", "language": "python", "run_timeout": nan}, 422, "run_timeout"),
+        ("/run_code", {"code": "print(1)", "language": "python", "run_timeout": -inf}, 422, "run_timeout"),
+        ("/run_code", {"code": "print(1)", "language": "python3"}, 422, "language"),
+        ("/run_code", {"code": "print(1)", "language": "cobol"}, 422, "language"),
+        ("/run_code", {"code": "print(1)"}, 422, "language"),
         ("/v1/run_tests", {"code": "pass", "limits": {"memory_mb": nan}}, 422, "memory_mb"),
         ("/v1/run_tests", {"code": "pass", "limits": {"wall_s": inf}}, 422, "wall_s"),
         ("/v1/run_tests", {"code": "pass", "limits": {"image": unknown}}, 422, "image"),
@@ -207,11 +224,11 @@ async def test_bad_input_is_a_4xx_on_every_route_never_a_5xx(client, worker) -> 
         assert r.status_code == status and field in r.text, (path, body, r.status_code, r.text)
     # /run_code answers as SandboxFusion does for what it cannot run: 200, status SandboxError.
     for files in ({"../x": "eA=="}, {"x": "not base64!"}):
-        r = await client.post("/run_code", json={"code": "print(1)", "files": files})
+        r = await client.post("/run_code", json={"code": "print(1)", "language": "python", "files": files})
         assert r.status_code == 200 and r.json()["status"] == "SandboxError", r.text
         assert "file" in r.json()["message"] and "x" in r.json()["message"], r.text
     # The worker is still up and serves.
-    r = await client.post("/run_code", json={"code": "print(6 * 7)"})
+    r = await client.post("/run_code", json={"code": "print(6 * 7)", "language": "python"})
     assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n"
     assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 204
 

@@ -20,7 +20,7 @@ from services.trainer.ledger import (
     SKIP_STALE,
     SKIP_ZERO_VARIANCE,
 )
-from temper.db import Job, OutboxRow, PolicyVersion, TrainedTrajectory
+from temper.db import Episode, Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.db.migrate import upgrade
 from temper.events import PolicyUpdate, Topics
 from temper.policy import create_model, load_weights
@@ -546,5 +546,89 @@ async def test_a_batch_whose_logprobs_are_not_its_versions_is_refused_and_the_jo
         assert canary["mean"] > 1e-3, "v0's logprobs are not v1's"
         rows = await ledger(runtime, job_id)
         assert {rows[m.message.episode_id].skipped for m in stale_label} == {SKIP_MISMATCH}
+    finally:
+        await stop(runtime, component)
+
+
+async def add_episodes(runtime: Runtime, job_id: str, group: list, states: list[str]) -> None:
+    """Episode rows for ``group``'s trajectories, in ``states`` (the dispatcher's side)."""
+    assert runtime.db is not None
+    async with runtime.db.session() as s:
+        for made, state in zip(group, states, strict=True):
+            m = made.message
+            s.add(Episode(
+                id=m.episode_id, job_id=job_id, tenant_id="acme", task_id=m.task_id, group_id=m.group_id,
+                state=state, behaviour_version=0, reward=m.reward,
+                trajectory_key=m.trajectory_key if state == "scored" else None,
+                state_reason="job cancelled" if state == "cancelled" else None,
+            ))  # fmt: skip
+
+
+async def test_a_cancelled_jobs_groups_are_trained_at_once_not_after_the_group_timeout(settings):
+    """Cancelling a job cancels its episodes in flight, so some groups will never be full.
+    The trainer closes such a group as soon as the database says nothing more will come
+    (every member finished, every scored member's trajectory received): two or more samples
+    train, one is skipped as incomplete; a group with a member still running, or a scored
+    member whose trajectory is still on its way, waits. The group timeout (600 s) plays no
+    part: a resumed job trains what it holds at once."""
+    runtime, component = await start(settings)  # group_timeout_s: the default, 600 s
+    trainer = component.training
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-c", job_spec(group_size=4, groups_per_step=1, checkpoint_every=1))
+        f = TrajectoryFactory("job-c")
+        whole = f.group("whole", [1, 0, 0, 1])
+        half = f.group("half", [1, 0, 0, 0])
+        lone = f.group("lone", [1, 0, 0, 0])
+        running = f.group("running", [0, 1, 0, 0])
+        late = f.group("late", [0, 1, 1, 0])
+        await add_episodes(runtime, "job-c", whole, ["scored"] * 4)
+        await add_episodes(runtime, "job-c", half, ["scored", "scored", "cancelled", "cancelled"])
+        await add_episodes(runtime, "job-c", lone, ["scored", "cancelled", "cancelled", "cancelled"])
+        await add_episodes(runtime, "job-c", running, ["scored", "scored", "acting", "acting"])
+        await add_episodes(runtime, "job-c", late, ["scored"] * 4)
+        sent = whole + half[:2] + lone[:1] + running[:2] + late[:3]
+        await store_all(runtime.store, whole + half + lone + running + late)
+        await send_all(runtime.bus, sent)
+
+        async def settled() -> bool:
+            rows = await ledger(runtime, "job-c")
+            done = [rows.get(m.message.episode_id) for m in whole + half[:2] + lone[:1]]
+            return all(r is not None and (r.step is not None or r.skipped) for r in done) and all(
+                m.message.episode_id in rows for m in sent
+            )
+
+        await wait_for(settled, within=20, what="the closed groups trained or skipped")
+        rows = await ledger(runtime, "job-c")
+        assert rows[lone[0].message.episode_id].skipped == SKIP_INCOMPLETE
+        assert len({rows[m.message.episode_id].step for m in half[:2]}) == 1  # one step, the pair
+        assert (
+            rows[half[0].message.episode_id].step is not None and not rows[half[0].message.episode_id].skipped
+        )
+        assert all(rows[m.message.episode_id].step is not None for m in whole)
+        # a member still running, a trajectory still on its way: those groups wait
+        job = trainer.jobs["job-c"]
+        assert set(job.groups) == {"running", "late"}
+        assert all(rows[m.message.episode_id].step is None for m in running[:2] + late[:3])
+
+        # the job is cancelled: its running members with it; the late trajectory arrives
+        async with runtime.db.session() as s:
+            for m in running[2:]:
+                ep = await s.get(Episode, m.message.episode_id)
+                ep.state, ep.state_reason = "cancelled", "job cancelled"
+        await send_all(runtime.bus, late[3:])
+
+        async def all_trained() -> bool:
+            rows = await ledger(runtime, "job-c")
+            return all(
+                (r := rows.get(m.message.episode_id)) is not None and r.step is not None
+                for m in running[:2] + late
+            )
+
+        await wait_for(all_trained, within=20, what="the last two groups trained")
+        rows = await ledger(runtime, "job-c")
+        assert len({rows[m.message.episode_id].step for m in late}) == 1, "the late group trained whole"
+        assert not trainer.jobs["job-c"].groups
+        assert [v for v, _ in await versions(runtime, "job-c")] == [1, 2, 3, 4]  # whole, half, running, late
     finally:
         await stop(runtime, component)
