@@ -123,6 +123,25 @@ TRAINER_CLIP_FRACTION = Gauge(
     "temper_trainer_clip_fraction", "Fraction of clipped ratios, last step", ["job_id"]
 )
 TRAINER_TOKENS_PER_SECOND = Gauge("temper_trainer_tokens_per_second", "Training throughput", ["job_id"])
+TRAINER_LOGPROB_MISMATCH = Gauge(
+    "temper_trainer_logprob_mismatch",
+    "The logprob canary's last checked batch: |behaviour - recomputed| mean and max, and the share "
+    "of tokens past the tolerance",
+    ["job_id", "stat"],
+)
+TRAINER_LOGPROB_CHECKED = Counter(
+    "temper_trainer_logprob_checked_tokens_total", "Tokens the logprob canary checked", ["job_id"]
+)
+TRAINER_MISMATCHED_BATCHES = Counter(
+    "temper_trainer_mismatched_batches_total",
+    "Batches whose behaviour logprobs failed the canary (algorithm.mismatch)",
+    ["job_id"],
+)
+TRAINER_UNCHECKED_VERSIONS = Counter(
+    "temper_trainer_unchecked_versions_total",
+    "Versions whose first step had no token of that version to check (all stale)",
+    ["job_id"],
+)
 TRAINER_STALENESS = Histogram(
     "temper_trainer_staleness",
     "Policy versions between behaviour and trained policy",

@@ -23,6 +23,7 @@ from services.dispatcher import repo
 from services.dispatcher.episodes import ACTIVE, EpisodeMachine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
+from services.dispatcher.placement import backend_wait, served_version
 from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
 from temper import metrics
 from temper.clock import utcnow
@@ -379,6 +380,12 @@ class Scheduler:
                 s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
             )
             return False
+        waiting = await backend_wait(s, job, spec)
+        if waiting is not None:
+            if job.state_reason != STUCK_PREFIX + waiting:
+                await mark_job_stuck(s, job.id, waiting)
+                log_event(log, "job waits for a backend", reason=waiting)
+            return False
         await transition_job(s, job, J.running)
         init_job_metrics(job.id)
         log_event(log, "job started", tasks=sampleable_count)
@@ -404,15 +411,17 @@ class Scheduler:
         return int(await s.scalar(query) or 0)
 
     async def _fresh_enough(self, s: AsyncSession, job: Job, spec: JobSpec, iteration: int) -> bool:
-        """May episodes of ``iteration`` start? Their behaviour version is the current one; the
-        trainer will learn from them at about ``iteration x versions_per_iteration``; the gap
-        must stay within ``max_staleness``. If the trainer holds too few groups to make a
-        step (it skipped zero-variance groups, or waits for a full batch), waiting would
-        deadlock, so the gate opens."""
+        """May episodes of ``iteration`` start? Their behaviour version is the one the
+        gateway serves the job (confirmed by its backends, :func:`served_version`; not the
+        trainer's newest, which the gateway may not have loaded yet); the trainer will learn
+        from them at about ``iteration x versions_per_iteration``; the gap must stay within
+        ``max_staleness``. If the trainer holds too few groups to make a step (it skipped
+        zero-variance groups, or waits for a full batch), waiting would deadlock, so the
+        gate opens."""
         if not self.trainer_attached:
             return True
         expected = math.floor(iteration * versions_per_iteration(spec) + 1e-9)
-        if expected - await self.current_version(s, job) <= spec.schedule.max_staleness:
+        if expected - await served_version(s, job.id) <= spec.schedule.max_staleness:
             return True
         return await self._untrained_groups(s, job.id, iteration) < spec.algorithm.groups_per_step
 

@@ -77,6 +77,8 @@ class Turns:
             episode_id=ep.id,
             turn=turn,
             model=spec.policy.model,
+            init=spec.policy.init,
+            pool=spec.policy.backend_pool,
             prompt_ids=prompt_ids,
             sampling=SamplingParams(
                 max_tokens=s.max_tokens,
