@@ -1,7 +1,7 @@
 """episodes.steps_key: a finished episode's steps archived to object storage
 
-Revision ID: 0007_episode_steps_key
-Revises: 0006_memory_trainer_quotas
+Revision ID: 0008_episode_steps_key
+Revises: 0007_policy_version_served
 Create Date: 2026-12-04 02:00:00
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007_episode_steps_key"
-down_revision = "0006_memory_trainer_quotas"
+revision = "0008_episode_steps_key"
+down_revision = "0007_policy_version_served"
 branch_labels = None
 depends_on = None
 
