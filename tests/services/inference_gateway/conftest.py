@@ -131,6 +131,7 @@ def start_cpu_server_process(seed: int = 0) -> ProcServer:
         wait_healthy(url, timeout=90, proc=proc)
     except Exception:
         proc.kill()
+        proc.wait()
         raise
     return ProcServer(url, proc)
 
