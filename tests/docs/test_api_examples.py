@@ -56,7 +56,7 @@ def test_the_api_pages_curl_examples_run_as_written(tmp_path):
         # the preamble's own lines, but the URL and key of this server
         prelude = "\n".join(ln for ln in preamble.splitlines() if not ln.startswith("export TEMPER_"))
         for i, block in enumerate(runnable):
-            if "$EPISODE" in block:  # the job must have started an episode (the scheduler's next pass)
+            if "$EPISODE" in block or "/log?" in block:  # the job must have started (the scheduler's pass)
                 job = re.search(r"^export JOB=(\S+)$", state.read_text(), re.M)
                 assert job, "an earlier example set $JOB"
                 wait_for_episode(url, key, job.group(1).strip("'\""))
@@ -84,7 +84,7 @@ def test_the_api_pages_curl_examples_run_as_written(tmp_path):
 
 
 def wait_for_episode(url: str, key: str, job: str) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     headers = {"Authorization": f"Bearer {key}"}
     while not httpx.get(f"{url}/v1/jobs/{job}/episodes", params={"limit": 1}, headers=headers).json()[
         "items"
