@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "domains",
         frozenset({
             "jobspec", "trajectory", "lifecycle", "tenants", "retention", "episode_log", "policy",
-            "sandbox", "rewards", "training", "tasks", "envs", "envpkg",
+            "sandbox", "rewards", "training", "tasks", "envs", "envpkg", "tracking",
         }),
     ),
     ("surfaces", frozenset({"client", "cli"})),
