@@ -27,13 +27,13 @@ from temper import __version__
 from temper.db import Database, Episode, Job
 from temper.events import LifecycleEvent
 from temper.jobspec import Tracking
+from temper.lifecycle import JOB_TERMINAL
 from temper.lifecycle import EpisodeState as E
-from temper.lifecycle import JobState
 from temper.tracking.mlflow import RUN_STATUS, MlflowRuns
 from temper.tracking.params import flatten
 
 SCORED = (E.scored.value, E.trained.value)
-ENDS = {JobState.completed.value, JobState.failed.value, JobState.cancelled.value}
+ENDS = {state.value for state in JOB_TERMINAL}
 CACHED_JOBS = 1000
 
 Point = tuple[str, float, int, int]  # key, value, timestamp ms, step
