@@ -179,10 +179,13 @@ class Tracker:
             params=job.params,
         )  # fmt: skip
         client = self.mlflow.client(spec.uri)
-        await client.log_batch(run_id, metrics=points, tags=tags)
+        if points:
+            await client.log_batch(run_id, metrics=points)
         if status is not None:
             end = _ms(event) if status != "RUNNING" else None
             await client.update_run(run_id, status=status, end_ms=end)
+        if tags:  # last: a reader that sees temper.state sees the points and status before it
+            await client.log_batch(run_id, tags=tags)
 
 
 def tracking_of(spec: dict[str, Any]) -> Tracking:
