@@ -1,4 +1,5 @@
-"""Dispatcher orchestration overhead per turn, over the real stack (Kafka + Postgres).
+"""Dispatcher orchestration overhead per turn, over the real stack (Kafka + Postgres),
+for this checkout and a baseline, measured alternately in one run.
 
 Bench-local doubles of the peers answer at once: a stub policy (a ``true`` shell
 command until the last turn, then ``submit``), a no-op sandbox and a constant reward.
@@ -8,9 +9,21 @@ transactions that record a result and write the next command, published as they 
 A turn is measured from the step rows: the time between the dispatcher issuing one
 inference request of an episode and issuing the next. Measured next to the raw Kafka
 produce→consume hop of the same run; the dispatcher process's CPU time per turn is
-reported too.
+reported too, and the machine's: every process a turn runs through (the dispatcher, the
+peers, the Postgres backends of the bench's database and Postgres's own background
+processes, the Kafka broker), from /proc over the throughput run. Kafka's and
+Postgres's background processes serve the other users of the shared servers as well, so
+on a busy machine that figure is an upper bound.
+
+The machine is shared and noisy, so one invocation measures both: ``--rounds`` times the
+baseline (``--baseline``, a git commit: the code before the dispatcher's one data path,
+unpacked with ``git archive`` into a temporary directory) and then this checkout, each
+in a fresh process, with the load average before and after each. The table and the
+JSON give the median of each side (``baseline_*`` keys for the baseline) and every
+round's figures.
 
     python bench/dispatch.py            # make bench-dispatch
+    python bench/dispatch.py --rounds 1 --baseline none   # this checkout only
     python bench/dispatch.py --episodes 512 --concurrency 128
 
 Writes bench/results/dispatch.json (flat JSON).
@@ -21,29 +34,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import json
 import logging
 import multiprocessing
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
+# BENCH_CODE=DIR measures the checkout in DIR (its libs and services) with this script;
+# an environment variable, so the peers' spawned process imports the same code.
+CODE = Path(os.environ.get("BENCH_CODE") or ROOT)
+sys.path[:0] = [str(CODE / "libs"), str(CODE)]
 
 import asyncpg  # noqa: E402
+import sqlalchemy  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
 from services.dispatcher.component import Dispatcher  # noqa: E402
+from temper import metrics  # noqa: E402
 from temper.bus import Record  # noqa: E402
 from temper.bus.kafka import KafkaBus, start_groups_at_end  # noqa: E402
+from temper.clock import utcnow  # noqa: E402
 from temper.db import Episode, Job, Step, Task, TaskSet, Tenant  # noqa: E402
 from temper.db.migrate import upgrade  # noqa: E402
 from temper.events import (  # noqa: E402
@@ -71,8 +93,74 @@ from temper.settings import (  # noqa: E402
 )
 
 TOK = default_tokenizer()
+# The dispatcher before its one data path (issue 29): main at f43815c.
+BASELINE = "f43815c"
 RUN_TEXT = "```bash\ntrue\n```"
 SUBMIT_TEXT = "submit"
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """A process's user + system CPU time so far (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def kafka_pids() -> list[int]:
+    """The Kafka broker's JVM (its command line names kafka.Kafka)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"kafka.Kafka" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+class MachineCpu:
+    """CPU time of every process a turn runs through, over an interval: this process
+    (the dispatcher), the peers, the Postgres backends of the bench's database and
+    Postgres's background processes, and the Kafka broker."""
+
+    def __init__(self, admin_url: str, database: str, peers_pid: int) -> None:
+        self.admin_url, self.database, self.peers_pid = admin_url, database, peers_pid
+
+    async def _postgres_pids(self) -> list[int]:
+        conn = await asyncpg.connect(self.admin_url)
+        try:
+            rows = await conn.fetch(
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1 OR backend_type <> 'client backend'",
+                self.database,
+            )
+        finally:
+            await conn.close()
+        return [r["pid"] for r in rows]
+
+    async def sample(self) -> dict[str, float]:
+        postgres = await self._postgres_pids()
+        return {
+            "dispatcher": time.process_time(),
+            "peers": proc_cpu_s(self.peers_pid),
+            **{f"postgres:{pid}": proc_cpu_s(pid) for pid in postgres},
+            **{f"kafka:{pid}": proc_cpu_s(pid) for pid in kafka_pids()},
+        }
+
+    @staticmethod
+    def used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        """Seconds each part used between two samples (a backend that started in between
+        counts from 0; its own connection to ask is not among them)."""
+        out = {"dispatcher": 0.0, "peers": 0.0, "postgres": 0.0, "kafka": 0.0}
+        for key, value in after.items():
+            part = key.split(":", 1)[0]
+            out[part] += max(0.0, value - before.get(key, 0.0))
+        return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -176,6 +264,102 @@ def run_peers(
     asyncio.run(main())
 
 
+def run_replica(
+    index: int,
+    url: str,
+    bootstrap: str,
+    partitions: int,
+    pool_size: int,
+    data_dir: str,
+    dispatcher_settings: dict,
+    stats_dir: str,
+    ready,
+    stop,
+) -> None:
+    """One dispatcher replica in a process of its own (bench/scale.py ``--replicas``). Every
+    2 s it writes ``stats-<index>.json``: its CPU time, RSS, consumer lag and the results
+    it took, and at the end the episodes it took results of (no episode may be in two)."""
+    from services.dispatcher import rewards
+
+    async def main() -> None:
+        logging.disable(logging.WARNING)
+        settings = Settings(
+            db=DatabaseSettings(url=url, pool_size=pool_size),
+            bus=BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=partitions),
+            storage=StorageSettings(kind=StorageKind.local, root=Path(data_dir) / "objects"),
+            data_dir=Path(data_dir),
+        )
+        runtime = Runtime(settings, service=f"bench-dispatcher-{index}")
+        await runtime.start()
+        dispatcher = Dispatcher(runtime, settings=DispatcherSettings(**dispatcher_settings))
+        await dispatcher.start()
+        machine = dispatcher.machine
+        assert machine is not None
+        episodes: set[str] = set()
+        taken = [0]
+        on_results, on_rewards = machine.on_results, rewards.on_rewards
+
+        async def counted_results(messages):  # type: ignore[no-untyped-def]
+            ignored = machine.ignored
+            await on_results(messages)
+            taken[0] += len(messages) - (machine.ignored - ignored)
+            episodes.update(m.episode_id for m in messages)
+
+        async def counted_rewards(m, messages):  # type: ignore[no-untyped-def]
+            ignored = machine.ignored
+            await on_rewards(m, messages)
+            taken[0] += len(messages) - (machine.ignored - ignored)
+            episodes.update(message.episode_id for message in messages)
+
+        machine.on_results = counted_results  # type: ignore[method-assign]
+        rewards.on_rewards = counted_rewards
+
+        def write(final: bool = False) -> None:
+            lag = sum(
+                s.value
+                for family in metrics.BUS_CONSUMER_LAG.collect()
+                for s in family.samples
+                if s.labels.get("group") == dispatcher_settings["results_group"]
+            )
+            stats = {
+                "cpu_s": time.process_time(),
+                "rss_mb": _rss_mb(os.getpid()),
+                "lag": lag,
+                "taken": taken[0],
+                "ignored": machine.ignored,
+                "episodes": len(episodes),
+            }
+            if final:
+                stats["episode_ids"] = sorted(episodes)
+            path = Path(stats_dir) / f"stats-{index}.json"
+            path.with_suffix(".tmp").write_text(json.dumps(stats))
+            path.with_suffix(".tmp").replace(path)
+
+        write()
+        ready.set()
+        while not await asyncio.to_thread(stop.wait, 2.0):
+            write()
+        await dispatcher.stop()
+        write(final=True)
+        await runtime.stop()
+
+    asyncio.run(main())
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def replica_stats(bench: Bench) -> list[dict]:
+    """The replicas' latest stats files."""
+    if bench.stats_dir is None:
+        return []
+    return [json.loads(p.read_text()) for p in sorted(bench.stats_dir.glob("stats-*.json"))]
+
+
 async def kafka_roundtrip(runtime: Runtime, n: int, suffix: str) -> list[float]:
     """Produce → consume on a fresh topic, one message at a time (ms)."""
     bus = runtime.bus
@@ -216,7 +400,9 @@ def spec(episodes: int, concurrency: int, max_turns: int) -> dict:
     ).model_dump(mode="json")
 
 
-async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: int) -> dict:
+async def run_job(
+    db, job_id: str, episodes: int, concurrency: int, max_turns: int, machine: MachineCpu | None = None
+) -> dict:
     async with db.session() as s:
         s.add(
             Job(
@@ -228,7 +414,12 @@ async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: i
             )
         )
     t0 = time.perf_counter()
+    submitted = utcnow()
     cpu0 = time.process_time()
+    machine0 = await machine.sample() if machine is not None else {}
+    # Polled 4 times a second: the poll runs in the dispatcher's process, and its CPU is
+    # counted as the dispatcher's (20 polls a second were 0.3 ms of every turn); the job's
+    # wall time comes from its steps, not from when a poll saw it end.
     while True:
         async with db.session() as s:
             state = await s.scalar(select(Job.state).where(Job.id == job_id))
@@ -236,9 +427,9 @@ async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: i
             break
         if time.perf_counter() - t0 > 300:
             raise TimeoutError(f"job {job_id} did not finish in 300 s")
-        await asyncio.sleep(0.05)
-    wall = time.perf_counter() - t0
+        await asyncio.sleep(0.25)
     cpu = time.process_time() - cpu0
+    parts = MachineCpu.used(machine0, await machine.sample()) if machine is not None else {}
     async with db.session() as s:
         scored = await s.scalar(
             select(func.count())
@@ -255,6 +446,12 @@ async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: i
                 .order_by(Step.episode_id, Step.turn)
             )
         ).all()
+        last = await s.scalar(
+            select(func.max(Step.completed_at))
+            .join(Episode, Episode.id == Step.episode_id)
+            .where(Episode.job_id == job_id)
+        )
+    wall = (last - submitted).total_seconds() if last is not None else time.perf_counter() - t0
     gaps = [
         (b.created_at - a.created_at).total_seconds() * 1000
         for a, b in zip(issued, issued[1:], strict=False)
@@ -267,22 +464,26 @@ async def run_job(db, job_id: str, episodes: int, concurrency: int, max_turns: i
         "scored": scored,
         "gaps_ms": gaps,
         "turns": scored * max_turns,
+        "parts_cpu_s": parts,
     }
 
 
 @dataclass
 class Bench:
-    """What :func:`bench_stack` started: the runtime and dispatcher in this process, the
-    stub peers in another, on a fresh database and the shared Kafka."""
+    """What :func:`bench_stack` started: the runtime and (without replicas) the dispatcher
+    in this process, the stub peers in another and (with replicas) each dispatcher replica
+    in its own, on a fresh database and the shared Kafka."""
 
     runtime: Runtime
-    dispatcher: Dispatcher
+    dispatcher: Dispatcher | None
     peers: multiprocessing.process.BaseProcess
     prefix: str  # every job id starts with it (the peers answer only those)
     suffix: str
     database: str
     admin_url: str
     results_group: str
+    replicas: list[multiprocessing.process.BaseProcess] = field(default_factory=list)
+    stats_dir: Path | None = None  # each replica's stats-<n>.json (replica_stats)
 
 
 @contextlib.asynccontextmanager
@@ -294,7 +495,12 @@ async def bench_stack(
     policy_delay_s: tuple[float, float] = (0.0, 0.0),
     lease_s: float = 120,
     scheduler_interval_s: float = 0.02,  # the latency bench's; the service's default is 0.5
+    replicas: int = 0,
+    replica_pool_size: int = 10,
+    fleet_max_episodes: int | None = None,
 ) -> AsyncIterator[Bench]:
+    """``replicas`` 0: one dispatcher in this process; N: N dispatcher processes in one
+    consumer group (each with a pool of ``replica_pool_size`` connections)."""
     suffix = uuid.uuid4().hex[:8]
     base = os.environ.get("TEMPER_DB__URL", "postgresql+asyncpg://temper:temper@127.0.0.1:55432/temper")
     bootstrap = os.environ.get("TEMPER_BUS__BOOTSTRAP", "127.0.0.1:59092")
@@ -355,20 +561,48 @@ async def bench_stack(
         peers.start()
         if not await asyncio.to_thread(peers_ready.wait, 120):
             raise TimeoutError("the stub peers did not start")
-        dispatcher = Dispatcher(
-            runtime,
-            settings=DispatcherSettings(
-                trainer_attached=False,
-                scheduler_interval_s=scheduler_interval_s,
-                lease_s=lease_s,
-                result_concurrency=16,  # under the pool size (20)
-                results_group=results_group,
-                policy_group=f"bench-dispatcher-policy-{suffix}",
-            ),
+        dispatcher_settings = dict(
+            trainer_attached=False,
+            scheduler_interval_s=scheduler_interval_s,
+            lease_s=lease_s,
+            result_concurrency=16 if not replicas else min(16, replica_pool_size - 2),  # under the pool size
+            results_group=results_group,
+            policy_group=f"bench-dispatcher-policy-{suffix}",
+            fleet_max_episodes=fleet_max_episodes,
         )
-        await dispatcher.start()
-        yield Bench(runtime, dispatcher, peers, prefix, suffix, dbname, admin, results_group)
-        await dispatcher.stop()
+        dispatcher: Dispatcher | None = None
+        processes: list[multiprocessing.process.BaseProcess] = []
+        stats_dir = tmp / "replicas" if replicas else None
+        replica_stop = spawn.Event()
+        if replicas:
+            assert stats_dir is not None
+            stats_dir.mkdir()
+            readies = []
+            for n in range(replicas):
+                ready = spawn.Event()
+                readies.append(ready)
+                proc = spawn.Process(
+                    target=run_replica,
+                    args=(n, url, bootstrap, partitions, replica_pool_size, str(tmp), dispatcher_settings,
+                          str(stats_dir), ready, replica_stop),
+                    daemon=True,
+                )  # fmt: skip
+                proc.start()
+                processes.append(proc)
+            for ready in readies:
+                if not await asyncio.to_thread(ready.wait, 180):
+                    raise TimeoutError("a dispatcher replica did not start")
+        else:
+            dispatcher = Dispatcher(runtime, settings=DispatcherSettings(**dispatcher_settings))
+            await dispatcher.start()
+        yield Bench(
+            runtime, dispatcher, peers, prefix, suffix, dbname, admin, results_group, processes, stats_dir
+        )
+        if dispatcher is not None:
+            await dispatcher.stop()
+        replica_stop.set()
+        for proc in processes:
+            await asyncio.to_thread(proc.join, 60)
         peers_stop.set()
         await asyncio.to_thread(peers.join, 30)
         await runtime.stop()
@@ -394,19 +628,49 @@ async def drop_database(admin: str, dbname: str, tries: int = 30) -> None:
         await conn.close()
 
 
-async def main(args: argparse.Namespace) -> dict:
+async def measure(args: argparse.Namespace) -> dict:
+    """One measurement of the code this process imported (``BENCH_CODE``)."""
     logging.disable(logging.WARNING)
-    async with bench_stack("dispatch", partitions=args.partitions, max_turns=args.turns) as bench:
+    async with bench_stack(
+        "dispatch",
+        partitions=args.partitions,
+        max_turns=args.turns,
+        scheduler_interval_s=args.scheduler_interval_s,
+    ) as bench:
         runtime, prefix, suffix = bench.runtime, bench.prefix, bench.suffix
+        machine = MachineCpu(bench.admin_url, bench.database, bench.peers.pid)
         ping = await kafka_roundtrip(runtime, args.pings, suffix)
         # Warm-up (consumer groups join, caches fill), then a latency run with few episodes
         # in flight, then a throughput run with many.
         await run_job(runtime.db, f"{prefix}warm", 4, 4, 2)
         latency = await run_job(runtime.db, f"{prefix}lat", args.latency_episodes, 4, args.turns)
-        throughput = await run_job(runtime.db, f"{prefix}tput", args.episodes, args.concurrency, args.turns)
+        statements: Counter[str] = Counter()
+        if args.count_statements:
+
+            def count(conn, cursor, statement, parameters, context, executemany) -> None:  # noqa: ANN001
+                statements[" ".join(statement.split())[:90]] += 1
+
+            sqlalchemy.event.listen(runtime.db.engine.sync_engine, "before_cursor_execute", count)
+        profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not waits
+        if profiler is not None:
+            profiler.enable()
+        throughput = await run_job(
+            runtime.db, f"{prefix}tput", args.episodes, args.concurrency, args.turns, machine
+        )
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+        if args.count_statements:
+            sqlalchemy.event.remove(runtime.db.engine.sync_engine, "before_cursor_execute", count)
+            counted = json.dumps(
+                {"turns": throughput["turns"], "statements": statements.most_common()}, indent=1
+            )
+            await asyncio.to_thread(Path(args.count_statements).write_text, counted)
         ping_after = await kafka_roundtrip(runtime, args.pings, suffix + "b")
     pings = ping + ping_after
     gaps = latency["gaps_ms"]
+    turns = max(1, throughput["turns"])
+    parts = throughput["parts_cpu_s"]
     return {
         "turn_overhead_p50_ms": round(pct(gaps, 0.5), 2),
         "turn_overhead_p99_ms": round(pct(gaps, 0.99), 2),
@@ -422,41 +686,154 @@ async def main(args: argparse.Namespace) -> dict:
         "throughput_concurrency": args.concurrency,
         "turns_per_episode": args.turns,
         "throughput_wall_s": round(throughput["wall_s"], 2),
-        "dispatcher_cpu_ms_per_turn": round(throughput["cpu_s"] * 1000 / max(1, throughput["turns"]), 2),
+        "dispatcher_cpu_ms_per_turn": round(throughput["cpu_s"] * 1000 / turns, 2),
+        "machine_cpu_ms_per_turn": round(sum(parts.values()) * 1000 / turns, 2),
+        "postgres_cpu_ms_per_turn": round(parts["postgres"] * 1000 / turns, 2),
+        "kafka_cpu_ms_per_turn": round(parts["kafka"] * 1000 / turns, 2),
+        "peers_cpu_ms_per_turn": round(parts["peers"] * 1000 / turns, 2),
         "partitions": args.partitions,
-        "target_turn_overhead_p50_ms": 15,
-        "target_turns_per_s": 200,
+        "scheduler_interval_s": args.scheduler_interval_s,
     }
 
 
+SIDE_KEYS = (
+    "turn_overhead_p50_ms",
+    "turn_overhead_p99_ms",
+    "turns_per_s",
+    "under_load_turn_p50_ms",
+    "under_load_turn_p99_ms",
+    "kafka_roundtrip_p50_ms",
+    "dispatcher_cpu_ms_per_turn",
+    "machine_cpu_ms_per_turn",
+    "postgres_cpu_ms_per_turn",
+    "kafka_cpu_ms_per_turn",
+    "peers_cpu_ms_per_turn",
+)
+
+
+def baseline_checkout(commit: str) -> Path:
+    """The baseline's files (``git archive`` of ``commit``), unpacked once per commit."""
+    sha = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{commit}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    target = Path(tempfile.gettempdir()) / f"temper-bench-baseline-{sha[:12]}"
+    if not (target / "libs").is_dir():
+        target.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", sha, "libs", "services", "migrations", "alembic.ini"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target
+
+
+def one_run(code: Path, args: argparse.Namespace, interval_s: float) -> dict:
+    """One measurement in a fresh process that imports the code in ``code``."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+        path = Path(out.name)
+    cmd = [
+        sys.executable, str(Path(__file__).resolve()), "--single", "--out", str(path),
+        "--turns", str(args.turns), "--latency-episodes", str(args.latency_episodes),
+        "--episodes", str(args.episodes), "--concurrency", str(args.concurrency),
+        "--partitions", str(args.partitions), "--pings", str(args.pings),
+        "--scheduler-interval-s", str(interval_s),
+    ]  # fmt: skip
+    load_before = os.getloadavg()[0]
+    subprocess.run(cmd, check=True, env={**os.environ, "BENCH_CODE": str(code)})
+    result = json.loads(path.read_text())
+    path.unlink()
+    result["load_avg_1m_before"] = round(load_before, 2)
+    result["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    return result
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """``--rounds`` x (baseline, then this checkout), each in its own process; medians."""
+    runs: dict[str, list[dict]] = {"baseline": [], "now": []}
+    base = baseline_checkout(args.baseline) if args.baseline != "none" else None
+    for n in range(args.rounds):
+        if base is not None:
+            print(f"round {n + 1}: baseline {args.baseline}", flush=True)  # noqa: T201
+            runs["baseline"].append(one_run(base, args, args.baseline_scheduler_interval_s))
+        print(f"round {n + 1}: this checkout", flush=True)  # noqa: T201
+        runs["now"].append(one_run(ROOT, args, args.scheduler_interval_s))
+    result = dict(runs["now"][-1])
+    for key in SIDE_KEYS:
+        result[key] = round(statistics.median(r[key] for r in runs["now"]), 2)
+        result[f"rounds_{key}"] = ", ".join(str(r[key]) for r in runs["now"])
+        if runs["baseline"]:
+            result[f"baseline_{key}"] = round(statistics.median(r[key] for r in runs["baseline"]), 2)
+            result[f"baseline_rounds_{key}"] = ", ".join(str(r[key]) for r in runs["baseline"])
+    loads = [
+        v for side in runs.values() for r in side for v in (r["load_avg_1m_before"], r["load_avg_1m_after"])
+    ]
+    result.update(
+        rounds=args.rounds,
+        baseline=args.baseline,
+        baseline_scheduler_interval_s=args.baseline_scheduler_interval_s if base else None,
+        load_avg_1m_min=min(loads),
+        load_avg_1m_max=max(loads),
+        rounds_load_avg_1m=", ".join(
+            f"{r['load_avg_1m_before']}-{r['load_avg_1m_after']}" for r in runs["now"]
+        ),
+        baseline_rounds_load_avg_1m=", ".join(
+            f"{r['load_avg_1m_before']}-{r['load_avg_1m_after']}" for r in runs["baseline"]
+        ),
+        cpus=os.cpu_count(),
+        target_turn_overhead_p50_ms=15,
+        target_turns_per_s=200,
+        target_dispatcher_cpu_ms_per_turn=2,
+    )
+    result.pop("load_avg_1m_before", None)
+    result.pop("load_avg_1m_after", None)
+    return result
+
+
 def table(result: dict) -> str:
+    def both(key: str) -> str:
+        base = result.get(f"baseline_{key}")
+        return f"{base} -> {result[key]}" if base is not None else str(result[key])
+
     rows = [
-        ("turn overhead p50 (ms)", result["turn_overhead_p50_ms"], "<= 15"),
-        ("turn overhead p99 (ms)", result["turn_overhead_p99_ms"], ""),
-        ("turns per second", result["turns_per_s"], ">= 200"),
+        ("turn overhead p50 (ms)", both("turn_overhead_p50_ms"), "<= 15"),
+        ("turn overhead p99 (ms)", both("turn_overhead_p99_ms"), ""),
+        ("turns per second", both("turns_per_s"), ">= 200"),
         (
             "kafka produce->consume p50 (ms)",
-            result["kafka_roundtrip_p50_ms"],
+            both("kafka_roundtrip_p50_ms"),
             f"x{result['kafka_hops_per_turn']} hops/turn",
         ),
-        ("kafka produce->consume p99 (ms)", result["kafka_roundtrip_p99_ms"], ""),
         (
             f"turn p50 under load, {result['throughput_concurrency']} in flight (ms)",
-            result["under_load_turn_p50_ms"],
+            both("under_load_turn_p50_ms"),
             "",
         ),
         (
             f"turn p99 under load, {result['throughput_concurrency']} in flight (ms)",
-            result["under_load_turn_p99_ms"],
+            both("under_load_turn_p99_ms"),
             "",
         ),
+        ("dispatcher CPU per turn (ms)", both("dispatcher_cpu_ms_per_turn"), "<= 2"),
+        ("machine CPU per turn (ms)", both("machine_cpu_ms_per_turn"), "must not rise"),
+        ("  of it Postgres (ms)", both("postgres_cpu_ms_per_turn"), ""),
+        ("  of it Kafka (ms)", both("kafka_cpu_ms_per_turn"), ""),
+        ("  of it the peers (ms)", both("peers_cpu_ms_per_turn"), ""),
         (
-            "dispatcher CPU per turn (ms)",
-            result["dispatcher_cpu_ms_per_turn"],
-            "one core: 1000/this turns/s at most",
+            "load average (1 min) over the runs",
+            f"{result.get('load_avg_1m_min')}-{result.get('load_avg_1m_max')}",
+            f"{result.get('cpus')} cores",
         ),
     ]
-    return metric_table(rows, "target")
+    note = (
+        f"baseline {result['baseline']} -> this checkout"
+        if result.get("baseline") not in (None, "none")
+        else ""
+    )
+    return metric_table(rows, f"target   ({note})", value_width=24)
 
 
 def metric_table(rows: list[tuple[str, object, str]], note: str, value_width: int = 10) -> str:
@@ -477,10 +854,41 @@ if __name__ == "__main__":
     )
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--pings", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=2, help="baseline/this-checkout pairs")
+    parser.add_argument(
+        "--baseline",
+        default=BASELINE,
+        help="the git commit measured against, or 'none' (default: main before the one data path)",
+    )
+    parser.add_argument(
+        "--scheduler-interval-s",
+        type=float,
+        default=0.5,
+        help="this checkout's fallback tick (the service default; it is woken by finished episodes)",
+    )
+    parser.add_argument(
+        "--baseline-scheduler-interval-s",
+        type=float,
+        default=0.02,
+        help="the baseline's tick (its bench's: it ticks, nothing wakes it)",
+    )
+    parser.add_argument(
+        "--profile", default="", help="with --single: cProfile the throughput run into this file"
+    )
+    parser.add_argument(
+        "--count-statements",
+        default="",
+        help="with --single: the throughput run's SQL statements, counted, to this file",
+    )
+    parser.add_argument(
+        "--single", action="store_true", help="one measurement of BENCH_CODE (or this checkout)"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "dispatch.json"))
     args = parser.parse_args()
-    result = asyncio.run(main(args))
-    print(table(result))
+    result = asyncio.run(measure(args)) if args.single else compare(args)
+    if not args.single:
+        print(table(result))  # noqa: T201
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    if not args.single:
+        print(f"wrote {args.out}")  # noqa: T201

@@ -11,7 +11,7 @@ Parts, in order of value (``make gpu-check`` runs them in this order):
   linear layer of the decoder, KL to the base). Figures: tokens/s, MFU (below), and
   the peak allocated memory against ``temper.training.memory.estimate`` (within 15 %).
 - ``engine``: the CPU engine's generation code (``services.inference_gateway.cpu_server
-  .core.Engine``) on CUDA at the same size in bf16, one batch mixing the base and two
+  .runner.ModelRunner``) on CUDA at the same size in bf16, one batch mixing the base and two
   LoRA adapters: tokens/s, and each row's logprobs against the model's own forward
   with that row's adapter (within bf16 tolerance; and far from the other adapters').
 - ``fsdp``: with two or more GPUs, the learner under ``torchrun`` with FSDP2 on NCCL
@@ -505,7 +505,7 @@ def engine_part(work: Workload, device: torch.device, args: argparse.Namespace) 
     """One batch of the CPU engine's generate on the base and two adapters at once."""
     import torch
 
-    from services.inference_gateway.cpu_server.core import Engine, GenRequest, SamplingParams
+    from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams
     from temper.jobspec import LoraSpec
     from temper.policy import default_tokenizer, pad_batch, token_logprobs
     from temper.training.lora import apply_lora
@@ -528,7 +528,9 @@ def engine_part(work: Workload, device: torch.device, args: argparse.Namespace) 
             adapter.save_pretrained(f"{d}/{job}")
             del adapter
         # the byte tokenizer decodes what it knows and skips the rest; text is not measured
-        engine = Engine(base, default_tokenizer())
+        tok = default_tokenizer()
+        # origin: this check never gives the base back, and a kept copy would double the memory
+        engine = ModelRunner(base, tok, origin=lambda: (base, tok))
         for job in JOBS:
             engine.load_adapter(f"{d}/{job}", job_id=job, version=1)
     rng = random.Random(2)

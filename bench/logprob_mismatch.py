@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 
-from services.inference_gateway.cpu_server.core import Engine, GenRequest, SamplingParams  # noqa: E402
+from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams  # noqa: E402
 from temper.policy import ChatTokenizer, token_logprobs  # noqa: E402
 from tests.services.inference_gateway.vllm_server import (  # noqa: E402
     SERVED_NAME,
@@ -107,7 +107,7 @@ def main() -> None:
     ps = prompts(args.rows, tok.vocab_size)
     res: dict[str, float | int | str] = {}
 
-    engine = Engine(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), tok)
+    engine = ModelRunner(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval(), tok)
     outs = engine.generate(
         [
             GenRequest(p, SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=i, ignore_eos=True))

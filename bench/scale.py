@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 import asyncpg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from bench.dispatch import Bench, bench_stack, metric_table, pct, spec  # noqa: E402
+from bench.dispatch import Bench, bench_stack, metric_table, pct, replica_stats, spec  # noqa: E402
 from temper import metrics  # noqa: E402
 from temper.db import Episode, Job, Step  # noqa: E402
 from temper.lifecycle import EpisodeState as E  # noqa: E402
@@ -65,6 +65,8 @@ class Sample:
     connections: int
     tuples_written: int
     commits: int
+    wal_bytes: int
+    replicas: list[dict]
 
 
 def rss_mb(pid: int) -> float:
@@ -86,6 +88,7 @@ def consumer_lag(group: str) -> int:
 
 
 async def sample(bench: Bench, pg: asyncpg.Connection, job_id: str, t0: float) -> Sample:
+    """One look at everything; with replicas, the dispatcher's figures are their sums."""
     async with bench.runtime.db.session() as s:
         states = dict(
             (
@@ -110,20 +113,24 @@ async def sample(bench: Bench, pg: asyncpg.Connection, job_id: str, t0: float) -
         " FROM pg_stat_database d WHERE datname = $1",
         bench.database,
     )
+    wal = int(await pg.fetchval("SELECT wal_bytes FROM pg_stat_wal"))
+    replicas = replica_stats(bench)
     return Sample(
         t=time.perf_counter() - t0,
         live=sum(states.get(state, 0) for state in LIVE),
         finished_steps=int(finished or 0),
         scored=states.get(E.scored, 0),
-        dispatcher_rss_mb=rss_mb(os.getpid()),
+        dispatcher_rss_mb=sum(r["rss_mb"] for r in replicas) if replicas else rss_mb(os.getpid()),
         peers_rss_mb=rss_mb(bench.peers.pid),
-        cpu_s=time.process_time(),
-        lag=consumer_lag(bench.results_group),
+        cpu_s=sum(r["cpu_s"] for r in replicas) if replicas else time.process_time(),
+        lag=int(sum(r["lag"] for r in replicas)) if replicas else consumer_lag(bench.results_group),
         rows=rows,
         db_bytes=int(stat["size"]),
         connections=int(stat["connections"]),
         tuples_written=int(stat["written"]),
         commits=int(stat["xact_commit"]),
+        wal_bytes=wal,
+        replicas=replicas,
     )
 
 
@@ -132,15 +139,39 @@ def rate(samples: list[Sample], attr: str) -> float:
     return (getattr(last, attr) - getattr(first, attr)) / max(1e-9, last.t - first.t)
 
 
+async def exactly_once(pg: asyncpg.Connection, job_id: str) -> dict:
+    """What shows a result taken twice or a lease that expired: retried steps, failed
+    episodes, and commands per step (each step's command is written once, plus once per
+    retry). Every outbox row of the bench's fresh database is this job's."""
+    return {
+        "steps_retried": int(await pg.fetchval("SELECT count(*) FROM steps WHERE attempt > 0")),
+        "episodes_failed": int(
+            await pg.fetchval("SELECT count(*) FROM episodes WHERE job_id = $1 AND state = 'failed'", job_id)
+        ),
+        "step_rows": int(await pg.fetchval("SELECT count(*) FROM steps")),
+        "command_rows": int(
+            await pg.fetchval(
+                "SELECT count(*) FROM outbox WHERE topic IN"
+                " ('inference.requests', 'sandbox.requests', 'reward.requests')"
+            )
+        ),
+    }
+
+
 async def run(args: argparse.Namespace) -> dict:
     logging.disable(logging.WARNING)
+    load_start = os.getloadavg()[0]
     async with bench_stack(
         "scale",
         partitions=args.partitions,
         max_turns=args.turns,
         policy_delay_s=(args.turn_s_min, args.turn_s_max),
-        lease_s=600,  # a turn takes up to 30 s and waits in the peers' queue; no retry by lease here
+        # a turn takes up to turn_s_max and may wait in the peers' queue: no retry by lease here
+        lease_s=2 * args.turn_s_max + 300,
         scheduler_interval_s=args.scheduler_interval_s,
+        replicas=args.replicas,
+        replica_pool_size=args.pool_size,
+        fleet_max_episodes=args.fleet_max_episodes,
     ) as bench:
         pg = await asyncpg.connect(bench.admin_url.rsplit("/", 1)[0] + f"/{bench.database}")
         try:
@@ -170,13 +201,21 @@ async def run(args: argparse.Namespace) -> dict:
                     state = await s.scalar(select(Job.state).where(Job.id == job_id))
                 if state in ("completed", "failed", "cancelled"):
                     break
+                if args.observe_s and cur.t > args.observe_s:
+                    break  # past capacity: what admission does is seen by now
                 if cur.t > args.timeout_s:
                     raise TimeoutError(f"job {job_id} did not finish in {args.timeout_s} s")
                 await asyncio.sleep(2.0)
+            checks = await exactly_once(pg, job_id)
+            async with bench.runtime.db.session() as s:
+                checks["job_state_reason"] = await s.scalar(select(Job.state_reason).where(Job.id == job_id))
         finally:
             await pg.close()
+    # the replicas write their final stats (with the episodes they took) as they stop, at the block's end
+    final_replicas = replica_stats(bench)
+    target = min(args.episodes, args.fleet_max_episodes or args.episodes)
     peak = max(samples, key=lambda x: x.live)
-    plateau = [x for x in samples if x.live >= 0.95 * args.episodes] or [peak]
+    plateau = [x for x in samples if x.live >= 0.95 * target] or [peak]
     at_peak = max(plateau, key=lambda x: x.dispatcher_rss_mb)
     live = max(1, peak.live)
     transitions = rate(plateau, "finished_steps") if len(plateau) > 1 else float("nan")
@@ -187,9 +226,25 @@ async def run(args: argparse.Namespace) -> dict:
         if len(plateau) > 1
         else float("nan")
     )
-    ramp = next((x.t for x in samples if x.live >= 0.95 * args.episodes), None)
+    ramp = next((x.t for x in samples if x.live >= 0.95 * target), None)
     last = samples[-1]
+    third = max(1, len(plateau) // 3)
+    replicas = {}
+    if final_replicas:
+        ids = [set(r.get("episode_ids", [])) for r in final_replicas]
+        shared = set().union(*(a & b for i, a in enumerate(ids) for b in ids[i + 1 :]))
+        replicas = {
+            "replicas": len(final_replicas),
+            "replica_results_taken": ", ".join(str(r["taken"]) for r in final_replicas),
+            "replica_episodes": ", ".join(str(r["episodes"]) for r in final_replicas),
+            "replica_cpu_s": ", ".join(str(round(r["cpu_s"], 1)) for r in final_replicas),
+            "replica_rss_mb": ", ".join(str(round(r["rss_mb"], 1)) for r in final_replicas),
+            "episodes_on_two_replicas": len(shared),
+            "pool_size_per_replica": args.pool_size,
+        }
     return {
+        **replicas,
+        **checks,
         "episodes": args.episodes,
         "state": state,
         "live_episodes_peak": peak.live,
@@ -215,6 +270,12 @@ async def run(args: argparse.Namespace) -> dict:
         "pg_connections_max": max(x.connections for x in samples),
         "pg_rows_written_per_s": round(rate(plateau, "tuples_written"), 1) if len(plateau) > 1 else None,
         "pg_commits_per_s": round(rate(plateau, "commits"), 1) if len(plateau) > 1 else None,
+        "pg_wal_mb_per_s": round(rate(plateau, "wal_bytes") / 2**20, 2) if len(plateau) > 1 else None,
+        "lag_first_third_p50": round(statistics.median(x.lag for x in plateau[:third]), 1),
+        "lag_last_third_p50": round(statistics.median(x.lag for x in plateau[-third:]), 1),
+        "fleet_max_episodes": args.fleet_max_episodes,
+        "load_avg_1m_start": round(load_start, 2),
+        "load_avg_1m_end": round(os.getloadavg()[0], 2),
         "pg_db_mb_end": round(last.db_bytes / 2**20, 1),
         "pg_bytes_per_episode": round((last.db_bytes - idle.db_bytes) / args.episodes),
         "pg_episode_rows": last.rows["episodes"],
@@ -250,10 +311,34 @@ def table(r: dict) -> str:
         ("Postgres connections (max)", r["pg_connections_max"], ""),
         ("Postgres rows written per second", r["pg_rows_written_per_s"], ""),
         ("Postgres commits per second", r["pg_commits_per_s"], ""),
+        ("Postgres WAL written (MB/s)", r["pg_wal_mb_per_s"], "the whole server's"),
+        (
+            "lag p50, first -> last third of the plateau",
+            f"{r['lag_first_third_p50']} -> {r['lag_last_third_p50']}",
+            "not growing?",
+        ),
+        (
+            "steps retried / episodes failed",
+            f"{r['steps_retried']} / {r['episodes_failed']}",
+            "0 / 0: no lease expired",
+        ),
+        ("step rows / command rows", f"{r['step_rows']} / {r['command_rows']}", "equal: each command once"),
+        ("job state reason", r["job_state_reason"], ""),
+        (
+            "load average (1 min) start -> end",
+            f"{r['load_avg_1m_start']} -> {r['load_avg_1m_end']}",
+            f"{r['cpus']} cores",
+        ),
         ("Postgres bytes per episode", r["pg_bytes_per_episode"], f"{r['pg_db_mb_end']} MB in all"),
         ("step rows per episode", r["pg_step_rows_per_episode"], ""),
         ("job wall time (s)", r["job_wall_s"], r["state"]),
     ]
+    if r.get("replicas"):
+        rows += [
+            ("replicas: results taken", r["replica_results_taken"], "each busy?"),
+            ("replicas: CPU s / RSS MB", f"{r['replica_cpu_s']} / {r['replica_rss_mb']}", ""),
+            ("episodes handled by two replicas", r["episodes_on_two_replicas"], "0"),
+        ]
     return metric_table(rows, "note", value_width=16)
 
 
@@ -268,6 +353,14 @@ if __name__ == "__main__":
         "--scheduler-interval-s", type=float, default=0.5, help="the dispatcher's tick (its default: 0.5)"
     )
     parser.add_argument("--timeout-s", type=float, default=900)
+    parser.add_argument(
+        "--replicas", type=int, default=0, help="dispatcher processes (0: one, in this process)"
+    )
+    parser.add_argument("--pool-size", type=int, default=10, help="Postgres connections per replica")
+    parser.add_argument("--fleet-max-episodes", type=int, default=None, help="the fleet's admission limit")
+    parser.add_argument(
+        "--observe-s", type=float, default=0, help="stop after this many seconds (0: at the job's end)"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale.json"))
     args = parser.parse_args()
     result = asyncio.run(run(args))

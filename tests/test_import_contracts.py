@@ -13,7 +13,9 @@ stays allowed as long as it respects the contracts) and every
   own layer and those below (:data:`LAYERS`, bottom first): core (the clock, events,
   settings, the limits vocabulary, metrics and logging) < infrastructure (database, bus,
   object store, outbox, registry, plugins, the runtime) < domains < surfaces (the client
-  and the CLI). A room in no layer fails the test, so a new one is placed on purpose.
+  and the CLI). A room in no layer fails the test, so a new one is placed on purpose;
+- no module of a service imports another of the same service in a cycle (``TYPE_CHECKING``
+  and lazy imports included: those were the cycles, ``component.py`` <-> ``handlers.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "domains",
         frozenset({
-            "jobspec", "trajectory", "lifecycle", "tenants", "retention", "episode_log", "policy",
+            "jobspec", "trajectory", "lifecycle", "tenants", "retention", "episode_log", "episode_steps", "policy",
             "sandbox", "rewards", "training", "tasks", "envs", "envpkg", "tracking",
         }),
     ),
@@ -236,3 +238,108 @@ def test_a_broken_contract_is_found(module: str, source: str, broken: str) -> No
 )
 def test_an_allowed_import_passes(module: str, source: str) -> None:
     assert violations(imports_of(source, module)) == []
+
+
+# --- no import cycle inside a service ----------------------------------------------------------
+def _resolve(target: str, known: set[str]) -> str | None:
+    """The module ``target`` names: itself, or for ``from a.b import Name`` the module ``a.b``."""
+    while target:
+        if target in known:
+            return target
+        target = target.rpartition(".")[0]
+    return None
+
+
+def service_cycles(imports: list[Import], known: set[str]) -> list[str]:
+    """Each import cycle between modules of one service (every import counts: under
+    ``TYPE_CHECKING``, inside a function, of a package's ``__init__``), as its modules in
+    order with the line of each import, e.g. ``a:3 -> b:7 -> a``."""
+    edges: dict[str, dict[str, int]] = {}
+    for imp in imports:
+        target = _resolve(imp.target, known)
+        service = _service_of(imp.module)
+        if target is None or target == imp.module or service is None or _service_of(target) != service:
+            continue
+        edges.setdefault(imp.module, {}).setdefault(target, imp.line)
+    # Tarjan's strongly connected components: a component of two or more modules is a cycle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, {}):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    out = []
+    for component in sorted(components):
+        members = set(component)
+        # one cycle through the component's first module, for the message
+        path, node = [component[0]], component[0]
+        seen = {node}
+        while True:
+            nxt = next(
+                n for n in sorted(edges[node]) if n in members and (n == component[0] or n not in seen)
+            )
+            path.append(f"{node}:{edges[node][nxt]}")
+            if nxt == component[0]:
+                break
+            seen.add(nxt)
+            node = nxt
+        out.append(
+            " -> ".join([*path[1:], component[0]]) + f" (modules in the cycle: {', '.join(component)})"
+        )
+    return out
+
+
+def test_no_service_imports_its_own_files_in_a_cycle() -> None:
+    modules = _modules()
+    known = {m for m, _, _ in modules}
+    imports = [
+        imp
+        for m, path, pkg in modules
+        if m.startswith("services.")
+        for imp in imports_of(path.read_text(), m, is_package=pkg)
+    ]
+    assert service_cycles(imports, known) == []
+
+
+def test_an_import_cycle_inside_a_service_is_found() -> None:
+    known = {"services.x.component", "services.x.handlers", "services.x.domain", "services.y.app"}
+    planted = imports_of(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.x.component import C\n",
+        "services.x.handlers",
+    ) + imports_of("from services.x import handlers\n", "services.x.component")
+    assert service_cycles(planted, known) == [
+        "services.x.component:1 -> services.x.handlers:3 -> services.x.component "
+        "(modules in the cycle: services.x.component, services.x.handlers)"
+    ]
+    lazy = imports_of("def f():\n    from .component import C\n", "services.x.domain") + imports_of(
+        "from services.x.domain import D\n", "services.x.component"
+    )
+    assert len(service_cycles(lazy, known)) == 1, "a lazy import inside a function counts"
+    one_way = imports_of("from services.x.domain import D\n", "services.x.component") + imports_of(
+        "import services.x.domain\n", "services.y.app"
+    )
+    assert service_cycles(one_way, known) == []

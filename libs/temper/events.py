@@ -90,7 +90,9 @@ class SamplingParams(BaseModel):
 class InferenceRequest(Message):
     type: Literal["inference.request"] = "inference.request"
     kind: str | None = "inference"
-    model: str
+    model: str = Field(description="the job's policy.model")
+    init: str | None = Field(None, description="the job's policy.init: the weights its version 0 is")
+    pool: str = Field("default", description="the job's policy.backend_pool")
     prompt_ids: list[int]
     sampling: SamplingParams = SamplingParams()
 

@@ -297,6 +297,29 @@ class LoraSpec(_Spec):
         return self
 
 
+class OnMismatch(StrEnum):
+    flag = "flag"  # train on, record the mismatch and give the job a reason
+    skip = "skip"  # refuse the batch: no optimizer step, its groups are skipped with the reason
+    halt = "halt"  # refuse the batch and pause the job (resumed over the API)
+
+
+class MismatchSpec(_Spec):
+    """The logprob canary (``temper.training.canary``): on the first step after a version,
+    each token that version sampled is recomputed by the trainer and compared with the
+    logprob the engine reported."""
+
+    tolerance: float = Field(
+        1e-4,
+        gt=0,
+        description="per-token |Δ logprob| counted as a mismatch (fp32 engines measure ≤ 7.6e-6; "
+        "bf16 vLLM up to 0.38: set e.g. 0.5 there)",
+    )
+    max_share: float = Field(
+        0.01, ge=0, lt=1, description="a batch fails when more of its checked tokens than this share mismatch"
+    )
+    on_mismatch: OnMismatch = Field(OnMismatch.flag, description="what a failed batch does")
+
+
 class AlgorithmSpec(_Spec):
     name: Algorithm = Field(Algorithm.grpo, description="a preset of the parts below")
     learning_rate: float = Field(1e-4, gt=0, le=1)
@@ -352,6 +375,7 @@ class AlgorithmSpec(_Spec):
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
     precision: Precision | None = Field(None, description="default: TEMPER_TRAINER__BF16")
     lora: LoraSpec | None = Field(None, description="train a LoRA adapter; absent: full weights")
+    mismatch: MismatchSpec = Field(default_factory=MismatchSpec, description="the logprob canary")
 
     @field_validator("name", mode="before")
     @classmethod

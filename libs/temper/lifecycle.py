@@ -14,28 +14,25 @@ whether it needs a reason. The side effects of a transition live here, once:
   reason ``job failed`` / ``job cancelled``) and their waiting steps (``cancelled``), so a
   result that arrives later finds nothing waiting and is ignored.
 
-The episode and step functions take ORM objects or, on the dispatcher's hot path, the
-Core-level :class:`EpisodeRow` and :class:`StepRow` (rows read with SQLAlchemy Core that
-remember which columns were set); :func:`write_rows` writes those, and the steps that
-:func:`new_step_values` made, in the caller's transaction. Either way the rules here
-decide every ``state`` value.
+The episode and step functions take the one row type of each table, the mapped
+:class:`temper.db.Episode` and :class:`temper.db.Step`. The dispatcher reads and writes
+them with SQLAlchemy Core (``temper.db.rows``: detached instances whose changes are
+written in the caller's transaction); an ORM session's instances follow the same rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, ClassVar, cast
+from typing import Any
 
-from sqlalchemy import Table, bindparam, insert, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.sql.dml import Insert, Update
+from sqlalchemy import Select, bindparam, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
 from temper.clock import utcnow
-from temper.db import Episode, Job, Step
+from temper.db import Episode, Job, Step, rows
 from temper.events import LifecycleEvent, Topics
 from temper.outbox import enqueue
 
@@ -158,29 +155,65 @@ async def mark_job_stuck(session: AsyncSession, job_id: str, why: str | None) ->
     await session.execute(update(Job).where(Job.id == job_id, ours).values(state_reason=reason))
 
 
-async def _cancel_unfinished(session: AsyncSession, job_id: str, *, reason: str) -> None:
-    unfinished = (Episode.job_id == job_id, Episode.state.not_in([s.value for s in EPISODE_FINISHED]))
-    # in id order, as the dispatcher's batches take them, so the two cannot deadlock
-    query = select(Episode).where(*unfinished).order_by(Episode.id).with_for_update()
-    episodes = list((await session.execute(query)).scalars())
-    if not episodes:
-        return
-    steps = await session.execute(
-        select(Step)
-        .join(Episode, Episode.id == Step.episode_id)
-        .where(*unfinished, Step.state.in_([s.value for s in STEP_WAITING]))
+EPISODE_COLUMNS = rows.columns(Episode)
+STEP_COLUMNS = rows.columns(Step)
+
+
+def _unfinished_with_waiting_step() -> Select[Any]:
+    """A job's unfinished episodes (locked, in id order, as the dispatcher's batches take
+    them, so the two cannot deadlock), each with its waiting step if it has one."""
+    ep = Episode.__table__.c
+    finished = [s.value for s in EPISODE_FINISHED]
+    waiting = [s.value for s in STEP_WAITING]
+    step_table = Step.__table__.alias("step")
+    step = step_table.c
+    joined = Episode.__table__.outerjoin(step_table, (step.episode_id == ep.id) & step.state.in_(waiting))
+    return (
+        select(*(ep[c] for c in EPISODE_COLUMNS), *(step[c] for c in STEP_COLUMNS))
+        .select_from(joined)
+        .where(ep.job_id == bindparam("job_id"), ep.state.not_in(finished))
+        .order_by(ep.id)
     )
-    for step in steps.scalars():
-        cancel_step(step)
-    for episode in episodes:
+
+
+_UNFINISHED = _unfinished_with_waiting_step()
+
+
+async def _cancel_unfinished(session: AsyncSession, job_id: str, *, reason: str) -> None:
+    await session.flush()  # rows this session changed or staged, before the read
+    await rows.write_staged(session)
+    conn = await session.connection()
+    query = (
+        _UNFINISHED if conn.dialect.name == "sqlite" else _UNFINISHED.with_for_update(of=Episode.__table__)
+    )
+    episodes: dict[str, Episode] = {}
+    changed: list[Episode | Step] = []
+    n = len(EPISODE_COLUMNS)
+    for row in await conn.execute(query, {"job_id": job_id}):
+        values = tuple(row)
+        ep = episodes.get(values[0])
+        if ep is None:
+            ep = episodes[values[0]] = rows.loaded(
+                Episode, dict(zip(EPISODE_COLUMNS, values[:n], strict=True))
+            )
+            changed.append(ep)
+        step = rows.loaded_from(Step, STEP_COLUMNS, values[n:])
+        if step is not None:
+            cancel_step(step)
+            changed.append(step)
+    for episode in episodes.values():
         transition_episode(session, episode, E.cancelled, reason=reason)
+    await rows.write(conn, changed)
+    for obj in list(session.identity_map.values()):  # what the session held of them is stale now
+        if isinstance(obj, Episode | Step):
+            session.expire(obj)
 
 
 # --- episodes --------------------------------------------------------------------------------
 
 
 def transition_episode(
-    session: AsyncSession, episode: Episode | EpisodeRow, to: EpisodeState, *, reason: str | None = None
+    session: AsyncSession, episode: Episode, to: EpisodeState, *, reason: str | None = None
 ) -> None:
     """Move ``episode`` to ``to`` (a reason is required for failed and cancelled); leaving
     the waiting states clears its lease."""
@@ -213,35 +246,27 @@ def transition_episode(
 # --- steps -----------------------------------------------------------------------------------
 
 
-def new_step_values(
-    *, episode_id: str, turn: int, kind: str, request: dict[str, Any], lease_expires_at: datetime
-) -> dict[str, Any]:
-    """The columns of a step whose command is going out now (attempt 0), leased until
-    ``lease_expires_at``: for :func:`new_step`, or for :func:`write_rows` to insert."""
-    return {
-        "episode_id": episode_id,
-        "turn": turn,
-        "kind": kind,
-        "attempt": 0,
-        "state": S.leased,
-        "request": request,
-        "lease_expires_at": lease_expires_at,
-        "created_at": utcnow(),
-    }
-
-
 def new_step(
     *, episode_id: str, turn: int, kind: str, request: dict[str, Any], lease_expires_at: datetime
 ) -> Step:
-    """A step whose command is going out now (attempt 0), leased until ``lease_expires_at``."""
-    return Step(
-        **new_step_values(
-            episode_id=episode_id, turn=turn, kind=kind, request=request, lease_expires_at=lease_expires_at
-        )
+    """A step whose command is going out now (attempt 0), leased until ``lease_expires_at``:
+    a new row, for the caller's session or ``temper.db.rows.write``."""
+    return rows.new(
+        Step,
+        episode_id=episode_id,
+        turn=turn,
+        kind=kind,
+        attempt=0,
+        state=S.leased,
+        request=request,
+        result=None,
+        lease_expires_at=lease_expires_at,
+        created_at=utcnow(),
+        completed_at=None,
     )
 
 
-def _transition_step(step: Step | StepRow, to: StepState) -> None:
+def _transition_step(step: Step, to: StepState) -> None:
     _check(
         STEP_TRANSITIONS,
         f"step {step.kind} of episode {step.episode_id} turn {step.turn}",
@@ -255,151 +280,21 @@ def _transition_step(step: Step | StepRow, to: StepState) -> None:
         step.completed_at = utcnow()
 
 
-def retry_step(step: Step | StepRow, *, lease_expires_at: datetime) -> None:
+def retry_step(step: Step, *, lease_expires_at: datetime) -> None:
     """The same step again with the next attempt, leased anew."""
     _transition_step(step, S.leased)
     step.attempt += 1
     step.lease_expires_at = lease_expires_at
 
 
-def complete_step(step: Step | StepRow, result: dict[str, Any]) -> None:
+def complete_step(step: Step, result: dict[str, Any]) -> None:
     _transition_step(step, S.done)
     step.result = result
 
 
-def fail_step(step: Step | StepRow) -> None:
+def fail_step(step: Step) -> None:
     _transition_step(step, S.failed)
 
 
-def cancel_step(step: Step | StepRow) -> None:
+def cancel_step(step: Step) -> None:
     _transition_step(step, S.cancelled)
-
-
-# --- Core-level rows -------------------------------------------------------------------------
-
-
-class _Row:
-    """A row read with SQLAlchemy Core, as a plain object whose attributes are its columns.
-    It remembers which columns were set since it was read, so :func:`write_rows` updates
-    only those: the cost of the ORM's unit of work without its bookkeeping."""
-
-    TABLE: ClassVar[Table]
-    COLUMNS: ClassVar[tuple[str, ...]]
-    _changed: set[str]
-
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        object.__setattr__(self, "_changed", set())
-        self.__dict__.update(values)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self.__dict__[name] = value
-        self._changed.add(name)
-
-    def changed(self) -> dict[str, Any]:
-        """The columns set since the row was read (or last written), with their values."""
-        return {name: self.__dict__[name] for name in self._changed}
-
-    def _written(self) -> None:
-        self._changed.clear()
-
-
-class EpisodeRow(_Row):
-    """An ``episodes`` row (every column of :class:`temper.db.Episode`), plus the steps
-    issued for it in this transaction (``new_steps``, from :func:`new_step_values`), which
-    :func:`write_rows` inserts."""
-
-    TABLE = cast(Table, Episode.__table__)
-    COLUMNS = tuple(c.key for c in Episode.__table__.columns)
-    id: str
-    job_id: str
-    tenant_id: str
-    task_id: str
-    group_id: str
-    iteration: int
-    state: str
-    state_reason: str | None
-    turn: int
-    attempt: int
-    format_errors: int
-    behaviour_version: int | None
-    reward: float | None
-    rewards: dict[str, Any]
-    session_id: str | None
-    snapshot_key: str | None
-    trajectory_key: str | None
-    lease_expires_at: datetime | None
-    timings: dict[str, Any]
-    sandbox_cpu_s: float
-    sandbox_memory_gb_s: float
-    inference_tokens: int
-    created_at: datetime
-    updated_at: datetime
-    new_steps: list[dict[str, Any]]
-
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        super().__init__(values)
-        self.__dict__["new_steps"] = []
-
-
-class StepRow(_Row):
-    """A ``steps`` row (every column of :class:`temper.db.Step`)."""
-
-    TABLE = cast(Table, Step.__table__)
-    COLUMNS = tuple(c.key for c in Step.__table__.columns)
-    id: int
-    episode_id: str
-    turn: int
-    kind: str
-    attempt: int
-    state: str
-    request: dict[str, Any]
-    result: dict[str, Any] | None
-    lease_expires_at: datetime | None
-    created_at: datetime
-    completed_at: datetime | None
-
-
-_UPDATES: dict[tuple[str, frozenset[str]], Update] = {}
-_INSERT_STEPS: Insert = insert(Step)
-
-
-def _update_of(table: Table, columns: Iterable[str]) -> Update:
-    """``UPDATE table SET <columns> WHERE id = :row_id``, built once per set of columns (a
-    statement object keeps its cache key, so executing it again compiles nothing)."""
-    key = (table.name, frozenset(columns))
-    stmt = _UPDATES.get(key)
-    if stmt is None:
-        stmt = (
-            update(table)
-            .where(table.c.id == bindparam("row_id"))
-            .values({table.c[c]: bindparam(f"set_{c}", type_=table.c[c].type) for c in sorted(key[1])})
-        )
-        _UPDATES[key] = stmt
-    return stmt
-
-
-async def write_rows(conn: AsyncConnection, *rows: EpisodeRow | StepRow | None) -> None:
-    """Write what changed on each row, and insert the steps each episode issued, in the
-    caller's transaction (``conn`` is its connection: ``await session.connection()``).
-    Rows that changed the same columns are updated by one statement (executemany), so a
-    batch of results costs about as many statements as one."""
-    new_steps: list[dict[str, Any]] = []
-    updates: dict[tuple[Table, frozenset[str]], list[dict[str, Any]]] = {}
-    for row in rows:
-        if row is None:
-            continue
-        if isinstance(row, EpisodeRow) and row.new_steps:
-            new_steps += row.new_steps
-            row.new_steps.clear()
-        changed = row.changed()
-        changed.pop("new_steps", None)
-        changed.pop("id", None)
-        if changed:
-            params = {f"set_{c}": v for c, v in changed.items()}
-            params["row_id"] = row.id
-            updates.setdefault((row.TABLE, frozenset(changed)), []).append(params)
-        row._written()
-    if new_steps:
-        await conn.execute(_INSERT_STEPS, new_steps)
-    for (table, columns), params_list in updates.items():
-        await conn.execute(_update_of(table, columns), params_list)

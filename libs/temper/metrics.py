@@ -25,6 +25,10 @@ BUS_PAUSED = Gauge("temper_bus_paused", "1 while a consumer has paused its parti
 OUTBOX_PENDING = Gauge("temper_outbox_pending", "Outbox rows committed but not yet published")
 OUTBOX_PUBLISHED = Counter("temper_outbox_published_total", "Outbox rows published", ["topic"])
 OUTBOX_PRUNED = Counter("temper_outbox_pruned_total", "Published outbox rows deleted after keep_published_s")
+STEPS_ARCHIVED = Counter(
+    "temper_steps_archived_total",
+    "Step rows of finished episodes moved to object storage (temper.episode_steps)",
+)
 BUS_DEPENDENCY_WAITS = Counter(
     "temper_bus_dependency_waits_total",
     "Handler attempts that failed because a dependency was down (retried, never dead-lettered)",
@@ -119,6 +123,25 @@ TRAINER_CLIP_FRACTION = Gauge(
     "temper_trainer_clip_fraction", "Fraction of clipped ratios, last step", ["job_id"]
 )
 TRAINER_TOKENS_PER_SECOND = Gauge("temper_trainer_tokens_per_second", "Training throughput", ["job_id"])
+TRAINER_LOGPROB_MISMATCH = Gauge(
+    "temper_trainer_logprob_mismatch",
+    "The logprob canary's last checked batch: |behaviour - recomputed| mean and max, and the share "
+    "of tokens past the tolerance",
+    ["job_id", "stat"],
+)
+TRAINER_LOGPROB_CHECKED = Counter(
+    "temper_trainer_logprob_checked_tokens_total", "Tokens the logprob canary checked", ["job_id"]
+)
+TRAINER_MISMATCHED_BATCHES = Counter(
+    "temper_trainer_mismatched_batches_total",
+    "Batches whose behaviour logprobs failed the canary (algorithm.mismatch)",
+    ["job_id"],
+)
+TRAINER_UNCHECKED_VERSIONS = Counter(
+    "temper_trainer_unchecked_versions_total",
+    "Versions whose first step had no token of that version to check (all stale)",
+    ["job_id"],
+)
 TRAINER_STALENESS = Histogram(
     "temper_trainer_staleness",
     "Policy versions between behaviour and trained policy",

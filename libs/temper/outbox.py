@@ -39,6 +39,7 @@ from temper.bus import Bus
 from temper.bus.errors import unavailable_dependency
 from temper.clock import utcnow
 from temper.db import Database, OutboxRow
+from temper.db import rows as rows_of_db
 from temper.events import Message
 from temper.logs import dependency_failed, dependency_recovered, log_event
 
@@ -46,12 +47,17 @@ log = logging.getLogger("temper.outbox")
 
 # The rows a session added to the outbox, for the fast path (session.info is per session).
 _ROWS = "temper.outbox.rows"
+# Set on a relay's transaction(): its rows are inserted by the relay, not the session.
+_RELAYED = "temper.outbox.relayed"
 
 
 def enqueue(session: AsyncSession, topic: str, message: Message) -> None:
-    """Add ``message`` to the outbox inside the caller's transaction."""
-    row = OutboxRow(topic=topic, key=message.key(), payload=message.to_bytes())
-    session.add(row)
+    """Add ``message`` to the outbox inside the caller's transaction. In a relay's
+    :meth:`OutboxRelay.transaction` the relay inserts it (claimed) before the commit;
+    in any other session the session flushes it."""
+    row = rows_of_db.new(OutboxRow, topic=topic, key=message.key(), payload=message.to_bytes())
+    if not session.info.get(_RELAYED):
+        session.add(row)
     session.info.setdefault(_ROWS, []).append(row)
 
 
@@ -61,13 +67,14 @@ async def _insert_claimed(session: AsyncSession, rows: list[OutboxRow], until: d
     Core INSERT in the order they were enqueued, instead of through the unit of work; the
     ids come back in that order, so the sweep's id order is still the enqueue order (rows a
     query autoflushed were written before, with lower ids)."""
-    fresh = [r for r in rows if r in session.new]
+    fresh = [r for r in rows if r in session.new or rows_of_db.is_new(r) and r not in session]
     for row in rows:
         row.claimed_until = until  # other relays leave them to this one (flushed rows: at commit)
     if not fresh:
         return
     for row in fresh:
-        session.expunge(row)
+        if row in session:
+            session.expunge(row)
     created = utcnow()
     values = [
         {"topic": r.topic, "key": r.key, "payload": r.payload, "created_at": created, "claimed_until": until}
@@ -124,6 +131,7 @@ class OutboxRelay:
         ids: set[int] = set()
         try:
             async with self.db.session() as session:
+                session.info[_RELAYED] = True
                 yield session
                 rows: list[OutboxRow] = session.info.pop(_ROWS, [])
                 if rows:

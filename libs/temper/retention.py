@@ -5,8 +5,10 @@ A job's objects are its trajectories and episode logs and checkpoints
 episodes' sandbox snapshots (``<snapshot_prefix>/<session>/...``). Once the job
 finished (``jobs.finished_at``) more than ``days`` ago, all of them go except the
 checkpoint of the job's latest policy version (weights and optimizer state), which is
-what a user would deploy or resume from. Database rows stay: the job, its episodes and
-steps remain readable, and a transcript falls back to the steps.
+what a user would deploy or resume from, and the episodes' archived steps
+(``tenants/<t>/jobs/<j>/steps/``, ``temper.episode_steps``). Database rows stay: the job
+and its episodes remain readable, and a transcript or an episode's log falls back to the
+steps (the rows, or their archive once the dispatcher moved them out of Postgres).
 
 ``TEMPER_RETENTION__DAYS`` turns it on; the Celery beat task ``temper.retention``
 (the worker service, ``services/worker``) runs :func:`delete_expired` once a day.
@@ -28,6 +30,9 @@ from temper.storage import ObjectStore, object_key
 log = logging.getLogger("temper.retention")
 
 KINDS = ("trajectories", "logs", "checkpoints", "snapshots", "rewards", "other")
+# The steps of finished episodes, archived out of Postgres (temper.episode_steps): kept, as
+# the rows were before, so a transcript can still be read once the trajectory is gone.
+KEPT_STEPS = "steps"
 
 
 def _stem(checkpoint_key: str) -> str:
@@ -111,6 +116,8 @@ async def _delete_job(
         if kind == "versions":  # the registry's policy versions are the job's checkpoints
             kind = "checkpoints"
         if kind == "checkpoints" and keep is not None and key.startswith(keep):
+            continue
+        if kind == KEPT_STEPS:  # archived steps stay as long as their episodes' rows
             continue
         await store.delete(key)
         counts[kind if kind in KINDS else "other"] += 1

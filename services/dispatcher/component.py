@@ -21,10 +21,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.dispatcher import handlers
+from services.dispatcher.batches import ResultBatches
 from services.dispatcher.episodes import EpisodeMachine
 from services.dispatcher.leader import Leadership
 from services.dispatcher.scheduler import Scheduler
 from temper.bus import Consumer
+from temper.episode_steps import archive_finished
 from temper.logs import log_event
 from temper.outbox import OutboxRelay
 from temper.runtime import Runtime
@@ -32,6 +34,7 @@ from temper.settings import DispatcherSettings
 from temper.tenants import ensure_bootstrap_key
 
 log = logging.getLogger("temper.dispatcher")
+WAKE_GATHER_S = 0.02
 
 
 class BootstrapKey:
@@ -62,6 +65,7 @@ class Dispatcher:
         self.runtime = runtime
         self.settings = settings or runtime.settings.dispatcher
         self.machine: EpisodeMachine | None = None
+        self.batches: ResultBatches | None = None
         self.scheduler: Scheduler | None = None
         self.relay: OutboxRelay | None = None
         self.leadership: Leadership | None = None
@@ -77,6 +81,7 @@ class Dispatcher:
         s = self.settings
         self.relay = OutboxRelay(rt.db, rt.bus, keep_published_s=rt.settings.db.outbox_keep_published_s)
         self.machine = EpisodeMachine(rt.db, rt.store, s, transaction=self.relay.transaction)
+        self.batches = ResultBatches(self.machine)
         self.leadership = Leadership(rt.db)
         self.scheduler = Scheduler(
             self.machine,
@@ -90,18 +95,23 @@ class Dispatcher:
         self._tasks.append(rt.spawn(self.relay.run(), "dispatcher-outbox-relay"))
         self._consumers.append(
             await rt.consume_handlers(
-                handlers.result_topics(self.machine),
+                handlers.result_topics(self.batches),
                 group=s.results_group,
                 concurrency=s.result_concurrency,
-                batch_handlers=handlers.result_batches(self.machine),
+                batch_handlers=handlers.result_batches(self.batches),
             )
         )
         self._consumers.append(
             await rt.consume_handlers(handlers.policy_topics(self.scheduler), group=s.policy_group)
         )
+        # The scheduler runs when an episode of this replica finished (its slot is free) and
+        # otherwise every scheduler_interval_s (new jobs, other replicas' episodes).
+        wake = asyncio.Event()
+        self.machine.on_finished = wake.set
         self._tasks.append(
             rt.spawn(
-                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler"), "dispatcher-scheduler"
+                self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler", wake=wake),
+                "dispatcher-scheduler",
             )
         )
         self._tasks.append(
@@ -110,6 +120,18 @@ class Dispatcher:
                 "dispatcher-reaper",
             )
         )
+        if s.archive_after_s is not None:
+            db, store, after_s = rt.db, rt.store, s.archive_after_s
+            self._tasks.append(
+                rt.spawn(
+                    self._every(
+                        s.archive_interval_s,
+                        lambda: archive_finished(db, store, after_s=after_s),
+                        "steps archive",
+                    ),
+                    "dispatcher-steps-archive",
+                )
+            )
         rt.checks["dispatcher"] = self._check
         log_event(
             log,
@@ -119,15 +141,33 @@ class Dispatcher:
             trainer_attached=s.trainer_attached,
         )
 
-    async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], name: str) -> None:
+    async def _every(
+        self,
+        interval_s: float,
+        fn: Callable[[], Awaitable[Any]],
+        name: str,
+        *,
+        wake: asyncio.Event | None = None,
+    ) -> None:
+        """Run ``fn`` every ``interval_s``, or as soon as ``wake`` is set."""
         while True:
+            if wake is not None:
+                wake.clear()
             try:
                 await fn()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a db blip must not stop the loop
                 log_event(log, f"{name} pass failed", logging.WARNING, error=repr(exc))
-            await asyncio.sleep(interval_s)
+            if wake is None:
+                await asyncio.sleep(interval_s)
+                continue
+            try:
+                await asyncio.wait_for(wake.wait(), interval_s)
+            except TimeoutError:
+                continue
+            # the episodes finishing in the next moment go in the same pass
+            await asyncio.sleep(min(WAKE_GATHER_S, interval_s))
 
     async def _check(self) -> None:
         for task in self._tasks:
@@ -138,6 +178,8 @@ class Dispatcher:
         for consumer in self._consumers:
             await consumer.stop()
         self._consumers.clear()
+        if self.batches is not None:
+            await self.batches.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -205,6 +205,12 @@ class FleetShare:
         """Episodes in flight per unit of weight."""
         return self.active[tenant_id] / self._w(tenant_id)
 
+    def why_not(self, tenant_id: str) -> str:
+        """Why :meth:`admit` refused ``tenant_id`` (said in the job's reason)."""
+        if self.free <= 0:
+            return f"the fleet runs its fleet_max_episodes ({self.capacity})"
+        return f"the fleet's {self.free} free slots are planned for tenants with a smaller share"
+
     def admit(self, tenant_id: str, size: int) -> bool:
         """May ``tenant_id`` start a group of ``size`` episodes now? A group may pass its
         tenant's planned room by less than one group; the next tick's plan evens it out."""

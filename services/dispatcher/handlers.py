@@ -7,24 +7,25 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.dispatcher.episodes import EpisodeMachine
+from services.dispatcher.batches import ResultBatches
 from services.dispatcher.scheduler import Scheduler
 from temper.events import InferenceResult, PolicyUpdate, RewardResult, SandboxResult, Topics
 
 Handlers = dict[str, Callable[[Any], Awaitable[None]]]
 
 
-def result_topics(machine: EpisodeMachine) -> Handlers:
-    """``inference.results``, ``sandbox.results``, ``reward.results``: one consumer group."""
+def result_topics(batches: ResultBatches) -> Handlers:
+    """``inference.results``, ``sandbox.results``, ``reward.results``: one consumer group.
+    Results handed over at the same moment share a transaction (``batches.py``)."""
 
     async def on_inference_result(message: InferenceResult) -> None:
-        await machine.on_inference(message)
+        await batches.take([message])
 
     async def on_sandbox_result(message: SandboxResult) -> None:
-        await machine.on_sandbox(message)
+        await batches.take([message])
 
     async def on_reward_result(message: RewardResult) -> None:
-        await machine.on_reward(message)
+        await batches.take([message])
 
     return {
         Topics.INFERENCE_RESULTS: on_inference_result,
@@ -33,18 +34,24 @@ def result_topics(machine: EpisodeMachine) -> Handlers:
     }
 
 
-def result_batches(machine: EpisodeMachine) -> Handlers:
-    """Batches of ``inference.results`` or ``sandbox.results`` (distinct episodes, one
-    partition's fetch) in one transaction each; reward results go one at a time (each
-    writes its trajectory to object storage between two transactions)."""
+def result_batches(batches: ResultBatches) -> Handlers:
+    """Batches of each result topic (distinct episodes, one partition's fetch), with
+    whatever else is handed over then."""
 
     async def on_inference_results(messages: list[InferenceResult]) -> None:
-        await machine.on_results(messages)
+        await batches.take(messages)
 
     async def on_sandbox_results(messages: list[SandboxResult]) -> None:
-        await machine.on_results(messages)
+        await batches.take(messages)
 
-    return {Topics.INFERENCE_RESULTS: on_inference_results, Topics.SANDBOX_RESULTS: on_sandbox_results}
+    async def on_reward_results(messages: list[RewardResult]) -> None:
+        await batches.take(messages)
+
+    return {
+        Topics.INFERENCE_RESULTS: on_inference_results,
+        Topics.SANDBOX_RESULTS: on_sandbox_results,
+        Topics.REWARD_RESULTS: on_reward_results,
+    }
 
 
 def policy_topics(scheduler: Scheduler) -> Handlers:

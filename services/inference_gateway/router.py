@@ -22,8 +22,8 @@ import hashlib
 import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -35,6 +35,7 @@ from services.inference_gateway.backends import (
     ErrorKind,
     GenerateRequest,
 )
+from services.inference_gateway.versions import Serving
 from temper import metrics
 from temper.settings.inference import InferenceSettings
 
@@ -175,8 +176,16 @@ class Router:
     def has_capacity(self) -> bool:
         return any(s.available() for s in self.slots.values())
 
-    def choose(self, episode_id: str | None, exclude: set[str] | frozenset[str] = frozenset()) -> Slot | None:
-        up = [s for s in self.slots.values() if s.available()]
+    def choose(
+        self,
+        episode_id: str | None,
+        exclude: set[str] | frozenset[str] = frozenset(),
+        among: Collection[str] | None = None,
+    ) -> Slot | None:
+        """A backend for a request: among ``among`` (default: all), not in ``exclude``
+        unless nothing else is up."""
+        slots = self.slots.values() if among is None else [self.slots[n] for n in among if n in self.slots]
+        up = [s for s in slots if s.available()]
         candidates = [s for s in up if s.name not in exclude] or up
         if not candidates:
             return None
@@ -207,8 +216,12 @@ class Router:
             self._freed.notify_all()
 
     # --- one request ---------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> BackendResult:
-        """Run ``req`` on a backend, retrying elsewhere; raises :class:`RequestFailed`."""
+    async def generate(
+        self, req: GenerateRequest, routes: Mapping[str, Serving] | None = None
+    ) -> BackendResult:
+        """Run ``req`` on a backend, retrying elsewhere; raises :class:`RequestFailed`.
+        ``routes``: the backends that serve the request's job and how (the gateway's table
+        of served versions); each attempt is sent with its backend's version and adapter."""
         if not self.slots:
             raise RequestFailed("no backend configured (TEMPER_INFERENCE__BACKENDS is empty)", 0)
         st = self.settings
@@ -217,10 +230,12 @@ class Router:
         backend_error = ""  # the last backend's own error, kept when a later attempt finds none up
         attempts = 0
         deadline = time.monotonic() + st.request_timeout_s * (st.max_retries + 1)
+        among = list(routes) if routes is not None else None
+        pool = self.slots.values() if among is None else [self.slots[n] for n in among if n in self.slots]
         while attempts <= st.max_retries:
-            slot = self.choose(req.episode_id, tried)
+            slot = self.choose(req.episode_id, tried, among)
             if slot is None:
-                if any(s.healthy and s.breaker.can_try() for s in self.slots.values()):
+                if any(s.healthy and s.breaker.can_try() for s in pool):
                     # all usable backends are full: wait for a request to finish (backpressure)
                     if time.monotonic() > deadline:
                         reason = "timed out waiting for backend capacity"
@@ -237,6 +252,9 @@ class Router:
             slot.outstanding += 1
             slot.m_inflight.inc()
             t0 = time.perf_counter()
+            if routes is not None:
+                serving = routes[slot.name]
+                req = replace(req, version=serving.version, adapter=serving.adapter)
             try:
                 result = await slot.backend.complete(req)
             except BackendError as exc:
@@ -247,7 +265,10 @@ class Router:
                 if not exc.retryable:
                     slot.breaker.success()  # the backend answered; the request is at fault
                     raise RequestFailed(reason, attempts) from exc
-                slot.breaker.failure()
+                if exc.kind is ErrorKind.not_served:
+                    slot.breaker.success()  # it answered: the job's weights just are not there now
+                else:
+                    slot.breaker.failure()
                 if exc.kind is ErrorKind.connect:
                     self._mark(slot, healthy=False)
                 tried.add(slot.name)
@@ -281,18 +302,20 @@ class Router:
             self._freed.notify_all()
         return {s.name: s.healthy for s in self.slots.values()}
 
-    async def _health_loop(self) -> None:
+    async def health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             with contextlib.suppress(Exception):
                 await self.check_health()
 
-    async def start(self) -> None:
+    async def start(self, *, health_loop: bool = True) -> None:
+        """Start the backends and probe them; ``health_loop=False`` leaves the periodic probe
+        (:meth:`health_loop`) to the caller (the gateway component spawns it on its runtime)."""
         for s in self.slots.values():
             await s.backend.start()
         await self.check_health()
-        if self._health_task is None:
-            self._health_task = asyncio.create_task(self._health_loop(), name="gateway-health")
+        if health_loop and self._health_task is None:
+            self._health_task = asyncio.create_task(self.health_loop(), name="gateway-health")
 
     async def stop(self) -> None:
         if self._health_task is not None:
@@ -314,7 +337,6 @@ class Router:
                 "max_inflight": s.max_inflight,
                 "served": s.served,
                 "failed": s.failed,
-                "policy_version": s.backend.version,
             }
             for s in self.slots.values()
         ]

@@ -24,12 +24,22 @@ from typing import Any
 class TemperWorkerExtension:
     """Mixed into vLLM's worker class by ``--worker-extension-cls``: ``self`` is the worker."""
 
-    def temper_reload_weights(self, weights_path: str) -> dict[str, Any]:
+    def temper_reload_weights(self, weights_path: str, tag: dict[str, Any] | None = None) -> dict[str, Any]:
         """Load the weights of the model directory ``weights_path`` in place, tied output layer
-        included; answers what was done, for the gateway to check."""
+        included, and keep ``tag`` (whose version they are: ``{job_id, version}``, None for the
+        base) for :meth:`temper_loaded`; answers what was done, for the gateway to check."""
+        # a reload that fails half-way leaves weights of no known version: reported as such
+        self.temper_tag: dict[str, Any] | None = {"failed_reload": weights_path}
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return {"weights_path": weights_path, **refresh_tied_output(model)}
+        done = {"weights_path": weights_path, **refresh_tied_output(model)}
+        self.temper_tag = tag
+        return done
+
+    def temper_loaded(self) -> dict[str, Any]:
+        """Whose weights this worker holds (the last reload's tag; None: those it started with).
+        A restarted gateway reads it, so what it routes by is what the server says."""
+        return {"tag": getattr(self, "temper_tag", None)}
 
 
 def refresh_tied_output(model: Any) -> dict[str, Any]:

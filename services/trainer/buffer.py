@@ -52,6 +52,7 @@ class TrainingJob:
     publish_failures: int = 0
     publish_failing_since: float = 0.0
     next_publish_at: float = 0.0
+    mismatch_reason: str | None = None  # the canary's reason on the job, while it holds
     closed_checked_at: float = 0.0  # monotonic time the incomplete groups were last looked up
 
     def holds(self, episode_id: str) -> bool:

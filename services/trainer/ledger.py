@@ -30,6 +30,7 @@ SKIP_JOB_ENDED = SKIPPED_JOB_ENDED
 SKIP_INCOMPLETE = "incomplete_group"
 SKIP_MISSING = "trajectory_missing"
 SKIP_NO_UPDATE = "no_update"  # the step produced a non-finite gradient and was dropped
+SKIP_MISMATCH = "logprob_mismatch"  # the canary refused the batch (algorithm.mismatch.on_mismatch: skip)
 SKIP_TRAIN_ERROR = "train_error"  # the step raised (e.g. a token id outside the vocabulary)
 
 

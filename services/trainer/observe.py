@@ -16,7 +16,14 @@ def init_job_metrics(job_id: str, version: int) -> None:
     (metrics.zero says why)."""
     metrics.POLICY_VERSION.labels(job_id).set(version)
     metrics.TRAINER_PUBLISH_FAILING.labels(job_id).set(0)
-    for counter in (metrics.TRAINER_STEPS, metrics.TRAINER_SKIPPED_GROUPS, metrics.TRAINER_PUBLISH_FAILURES):
+    for counter in (
+        metrics.TRAINER_STEPS,
+        metrics.TRAINER_SKIPPED_GROUPS,
+        metrics.TRAINER_PUBLISH_FAILURES,
+        metrics.TRAINER_LOGPROB_CHECKED,
+        metrics.TRAINER_MISMATCHED_BATCHES,
+        metrics.TRAINER_UNCHECKED_VERSIONS,
+    ):
         metrics.zero(counter, job_id)
 
 
@@ -31,3 +38,22 @@ def observe_step(job_id: str, stats: StepStats) -> None:
     metrics.TRAINER_TOKENS_PER_SECOND.labels(job_id).set(stats.tokens_per_s)
     for s in stats.staleness:
         metrics.TRAINER_STALENESS.observe(s)
+
+
+def observe_canary(job_id: str, stats: StepStats) -> None:
+    """The logprob canary's figures of a step that ran it (``stats.canary``): a step with
+    nothing to check counts as an unchecked version, never as a pass."""
+    if not stats.canary:
+        return
+    if stats.mismatch_tokens == 0:
+        metrics.TRAINER_UNCHECKED_VERSIONS.labels(job_id).inc()
+        return
+    metrics.TRAINER_LOGPROB_CHECKED.labels(job_id).inc(stats.mismatch_tokens)
+    for stat, value in (
+        ("mean", stats.mismatch_mean),
+        ("max", stats.mismatch_max),
+        ("share", stats.mismatch_share),
+    ):
+        metrics.TRAINER_LOGPROB_MISMATCH.labels(job_id, stat).set(value)
+    if stats.mismatch_failed:
+        metrics.TRAINER_MISMATCHED_BATCHES.labels(job_id).inc()

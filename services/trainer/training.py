@@ -53,10 +53,12 @@ from services.trainer.buffer import Buffered, TrainingJob
 from services.trainer.learners import ModelFactory, build_learner, release
 from services.trainer.ledger import (
     SKIP_JOB_ENDED,
+    SKIP_MISMATCH,
     SKIP_MISSING,
     SKIP_NO_UPDATE,
     SKIP_TRAIN_ERROR,
 )
+from services.trainer.mismatch import record_canary
 from services.trainer.observe import init_job_metrics, observe_step
 from services.trainer.ranks import Ranks
 from temper import metrics
@@ -349,6 +351,10 @@ class JobTrainer:
             log_event(log, "step skipped", logging.ERROR, job_id=job.job_id, error=repr(exc)[:300])
             return None
         job.seconds_since_checkpoint += stats.seconds  # a step that learned nothing took time too
+        await record_canary(self.db, job, stats)
+        if stats.refused:
+            await self._mark_skipped(job, episodes, SKIP_MISMATCH, groups=len(batch))
+            return stats
         if not stats.updated:
             await self._mark_skipped(job, episodes, SKIP_NO_UPDATE, groups=len(batch))
             return stats

@@ -167,6 +167,7 @@ def test_every_service_answers_health_with_the_compose_environment(tmp_path):
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()  # a killed process not waited for warns when collected (a test error)
         import asyncio
 
         from services.launcher.resources import admin_sql

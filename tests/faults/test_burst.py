@@ -1,8 +1,8 @@
 """A burst on the real stack: ten times the steady load submitted at once.
 
-The steady load is one small job whose concurrency (8 episodes) exactly fills the
+The steady load is one small LoRA job whose concurrency (8 episodes) exactly fills the
 gateway (one backend, 8 requests in flight at most). The burst is ten such jobs submitted
-together: 80 episodes want an answer at once, so the gateway pauses its consumer and the
+together, each sampling its own adapter on the one base model: 80 episodes want an answer at once, so the gateway pauses its consumer and the
 requests wait in Kafka. The test checks that Kafka absorbs it (the gateway's consumer lag
 rises, then drains to zero), that nothing is dropped (every job completes, each episode
 scored once and trained once, no dead letter), and that memory does not follow the burst.
@@ -62,7 +62,16 @@ class LagWatch:
 def test_ten_times_the_steady_load_at_once_is_absorbed_and_drained(fault_stack):
     # 64 sampled tokens an answer (the tiny policy rarely stops sooner), so that a batch of
     # answers takes long enough for the queue behind it to be seen
-    spec = small_spec("steady", **{"schedule.iterations": 2, "policy.sampling.max_tokens": 64})
+    # LoRA jobs: many jobs share the gateway's one backend only with adapters (a backend
+    # holds one job's full weights at most, so ten full-weight jobs would run one by one)
+    spec = small_spec(
+        "steady",
+        **{
+            "schedule.iterations": 2,
+            "policy.sampling.max_tokens": 64,
+            "algorithm.lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        },
+    )
     stack: FaultStack = fault_stack(spec)
     stack.start()
     stack.submit()

@@ -152,6 +152,7 @@ async def test_sigkill_mid_job_loses_no_episode_and_scores_none_twice(
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
     try:
         eps = await episodes_of(db, job)
         assert len(eps) == 16, "no episode lost, none started twice"

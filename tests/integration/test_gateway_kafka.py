@@ -126,8 +126,8 @@ async def test_gateway_serves_real_generations_over_kafka(
         # the logprobs are the model's: recompute the greedy one with a forward pass
         import torch
 
-        slot = h.gateway.service.router.slots["local-0"]
-        model = slot.backend.engine.model  # type: ignore[attr-defined]
+        slot = h.gateway.inference.router.slots["local-0"]
+        model = slot.backend.runner.model  # type: ignore[attr-defined]
         res = results[reqs[0].episode_id]
         ids = torch.tensor([reqs[0].prompt_ids + res.token_ids])
         mask = torch.ones_like(ids)
@@ -155,7 +155,7 @@ async def test_backpressure_pauses_the_kafka_consumer_and_answers_everything(
         results = await h.wait_results(n)
         assert sorted(r.episode_id for r in results) == sorted(f"{h.job}-bp{i}" for i in range(n))
         assert all(r.error is None and r.token_ids for r in results)
-        assert h.gateway.pauses > 0  # the consumer was paused while the backend was full
+        assert h.gateway.flow.pauses > 0  # the consumer was paused while the backend was full
         await asyncio.sleep(0.1)
         assert not h.gateway.requests.paused  # and resumed once it was free
     finally:
@@ -184,7 +184,7 @@ async def test_results_carry_the_version_a_kafka_policy_update_switched_to(
             Topics.POLICY_UPDATES, PolicyUpdate(job_id=h.job, version=1, checkpoint_key=key, step=4)
         )
         deadline = asyncio.get_running_loop().time() + 30
-        while h.gateway.service.policy_version < 1:
+        while (h.gateway.inference.confirmed(h.job) or 0) < 1:
             assert asyncio.get_running_loop().time() < deadline, "policy update not applied"
             await asyncio.sleep(0.05)
         await h.send(request(h, "after", **greedy))
@@ -192,7 +192,7 @@ async def test_results_carry_the_version_a_kafka_policy_update_switched_to(
         after = next(r for r in results if r.episode_id.endswith("after"))
         assert after.policy_version == 1 and after.error is None
         assert after.logprobs != before.logprobs  # new weights
-        assert h.gateway.update_errors == 0
+        assert h.gateway.updates.update_errors == 0
     finally:
         await h.stop()
 
@@ -251,9 +251,9 @@ async def test_two_jobs_share_one_gateway_each_sampling_its_own_adapter(
                 PolicyUpdate(job_id=job, version=version, checkpoint_key=key, step=version),
             )
         deadline = asyncio.get_running_loop().time() + 30
-        while h.gateway.service.versions != {j: v for j, (_, v) in jobs.items()}:
+        while {j: h.gateway.inference.confirmed(j) for j in jobs} != {j: v for j, (_, v) in jobs.items()}:
             assert asyncio.get_running_loop().time() < deadline, (
-                f"updates not applied: {h.gateway.service.versions}"
+                f"updates not applied: {h.gateway.inference.table.snapshot()}"
             )
             await asyncio.sleep(0.05)
         prompt = encode_chat(TOK, [{"role": "user", "content": "same prompt"}])
@@ -278,7 +278,7 @@ async def test_two_jobs_share_one_gateway_each_sampling_its_own_adapter(
             with torch.no_grad():
                 theirs = token_logprobs(learners[other].model, ids)[0, len(prompt) :].tolist()
             assert max(abs(x - y) for x, y in zip(res.logprobs, theirs, strict=True)) > 1e-2
-        assert h.gateway.update_errors == 0
+        assert h.gateway.updates.update_errors == 0
     finally:
         await h.stop()
         for job in jobs:

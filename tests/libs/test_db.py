@@ -90,3 +90,17 @@ async def test_datetimes_come_back_aware_utc_and_naive_ones_are_refused(database
     with pytest.raises(Exception, match="naive datetime 2026-01-01T12:00:00"):
         async with database.session() as s:
             s.add(Tenant(id="naive", name="no zone", created_at=datetime(2026, 1, 1, 12, 0)))
+
+
+def test_the_migrations_are_one_chain():
+    """One head, each revision numbered after the one it revises: two branches that each
+    add a migration must be chained when they meet (``upgrade head`` refuses two heads)."""
+    from alembic.script import ScriptDirectory
+
+    from temper.db.migrate import alembic_config
+
+    script = ScriptDirectory.from_config(alembic_config("sqlite+aiosqlite:///:memory:"))
+    assert script.get_heads() == [script.get_current_head()] and len(script.get_heads()) == 1
+    for rev in script.walk_revisions():
+        if rev.down_revision is not None:
+            assert int(rev.revision[:4]) == int(str(rev.down_revision)[:4]) + 1, rev.revision

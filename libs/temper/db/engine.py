@@ -10,6 +10,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from temper.db.rows import write_staged
 from temper.settings import DatabaseSettings
 
 
@@ -23,7 +24,7 @@ def masked_url(url: str) -> str:
 
 class Database:
     """An engine plus a session factory. ``session()`` opens a transaction that commits
-    when the block ends and rolls back if it raises."""
+    when the block ends (after writing the rows staged on it) and rolls back if it raises."""
 
     def __init__(self, settings: DatabaseSettings) -> None:
         self.url = settings.url
@@ -56,8 +57,11 @@ class Database:
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
+        """A transaction; the rows staged on it (``temper.db.rows.stage``) are written
+        before it commits."""
         async with self.sessions() as session, session.begin():
             yield session
+            await write_staged(session)
 
     async def check(self) -> None:
         try:

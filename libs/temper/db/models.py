@@ -201,6 +201,9 @@ class Episode(Base):
     session_id: Mapped[str | None] = mapped_column(String(64), default=None)
     snapshot_key: Mapped[str | None] = mapped_column(String(512), default=None)
     trajectory_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    steps_key: Mapped[str | None] = mapped_column(
+        String(512), default=None, doc="where its steps went once archived (temper.episode_steps)"
+    )
     lease_expires_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
     timings: Mapped[dict[str, Any]] = mapped_column(default=dict)
     # what it consumed, counted by the transaction that accepts each result (once per result)
@@ -245,6 +248,25 @@ class PolicyVersion(Base):
         Float, default=0.0, doc="trainer seconds of the steps since the version before"
     )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Written by the inference gateway, once every backend that serves the job confirmed it
+    # serves this version; the dispatcher starts iterations on it (not on the trainer's word).
+    served_at: Mapped[datetime | None] = mapped_column(default=None)
+    served_by: Mapped[list[Any] | None] = mapped_column(default=None, doc="the backends that confirmed it")
+
+
+class InferenceBackend(Base):
+    """A backend of the inference gateway and what it can serve, as the gateway reports it
+    at start (``temper.policy.placement.BackendInfo``): the dispatcher checks jobs against
+    these rows, at submission and before it starts one. Written by the gateway only."""
+
+    __tablename__ = "inference_backends"
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    pool: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(32))
+    models: Mapped[list[Any]] = mapped_column(doc="the model names its own weights answer to")
+    loads_models: Mapped[bool] = mapped_column(Boolean, doc="it takes any model directory or prefix too")
+    weights: Mapped[list[Any]] = mapped_column(doc="what it loads: lora, full")
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
 # ``TrainedTrajectory.skipped`` of a group with zero reward variance: the trainer writes it,

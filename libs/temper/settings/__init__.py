@@ -145,6 +145,13 @@ class DispatcherSettings(BaseModel):
         "by tenant weight (default: no limit beyond each tenant's max_concurrent_episodes)",
     )
     reaper_interval_s: float = Field(1.0, gt=0)
+    archive_after_s: float | None = Field(
+        3600.0,
+        gt=0,
+        description="move a finished episode's steps to object storage this long after it finished "
+        "(temper.episode_steps; None: keep them in Postgres)",
+    )
+    archive_interval_s: float = Field(60.0, gt=0, description="how often the dispatcher archives steps")
     result_concurrency: int = Field(
         8, ge=1, description="results handled at once (one episode's in order); keep under the db pool size"
     )

@@ -40,6 +40,9 @@ class BackendSpec(BaseModel):
     kind: BackendKind = BackendKind.cpu_server
     model: str | None = Field(None, description="model name to send; default: the gateway's model_name")
     max_inflight: int | None = Field(None, ge=1, description="overrides max_inflight_per_backend")
+    pool: str = Field(
+        "default", description="the backend pool it serves: jobs name theirs in policy.backend_pool"
+    )
     # kind=local only: which model the in-process engine runs
     model_dir: str | None = Field(
         None, description="local: a model directory (config + safetensors + tokenizer)"

@@ -12,9 +12,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Select, case, func, select, update
+from sqlalchemy import ColumnElement, Select, and_, case, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from temper.clock import utcnow
+from temper.db import rows
 from temper.db.models import Task, TaskOutcome, TaskSet
 from temper.storage import ObjectStore
 from temper.storage.base import check_key
@@ -143,14 +145,16 @@ async def status_counts(session: AsyncSession, taskset_id: str) -> dict[str, int
     return {status: n for status, n in rows.all()}
 
 
+def sampleable(taskset_id: str) -> ColumnElement[bool]:
+    """Which tasks of a set an episode may be given: every task not marked invalid
+    (pending ones too, so a set can be used before its validation finishes). The one
+    definition: :func:`sampleable_tasks` and the dispatcher's scheduler use it."""
+    return and_(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid))
+
+
 async def sampleable_tasks(session: AsyncSession, taskset_id: str) -> list[Task]:
-    """Tasks an episode may be given: every task not marked invalid (pending ones too, so
-    a set can be used before its validation finishes)."""
-    rows = await session.scalars(
-        select(Task)
-        .where(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid))
-        .order_by(Task.key)
-    )
+    """The tasks of a set an episode may be given (:func:`sampleable`), by key."""
+    rows = await session.scalars(select(Task).where(sampleable(taskset_id)).order_by(Task.key))
     return list(rows)
 
 
@@ -174,6 +178,31 @@ async def set_taskset_status(session: AsyncSession, taskset_id: str, status: str
     await session.execute(update(TaskSet).where(TaskSet.id == taskset_id).values(status=status))
 
 
+def outcome_row(
+    *,
+    episode_id: str,
+    task_id: str,
+    job_id: str,
+    policy_version: int | None,
+    passed: bool,
+    reward: float,
+) -> TaskOutcome:
+    """One scored episode's verdict on its task, as a new row: the dispatcher's scoring
+    transaction (the only writer outside tests) stages it with the episode's rows
+    (``temper.db.rows.stage``). A second row for the same episode fails on the unique
+    episode id."""
+    return rows.new(
+        TaskOutcome,
+        episode_id=episode_id,
+        task_id=task_id,
+        job_id=job_id,
+        policy_version=policy_version,
+        passed=passed,
+        reward=reward,
+        created_at=utcnow(),
+    )
+
+
 def record_outcome(
     session: AsyncSession,
     *,
@@ -184,11 +213,9 @@ def record_outcome(
     passed: bool,
     reward: float,
 ) -> None:
-    """Record one scored episode's verdict on its task, in the caller's transaction (the
-    dispatcher's scoring transaction: the only caller). A second row for the same episode
-    fails on the unique episode id."""
+    """:func:`outcome_row`, added to an ORM session (flushed with it)."""
     session.add(
-        TaskOutcome(
+        outcome_row(
             episode_id=episode_id,
             task_id=task_id,
             job_id=job_id,

@@ -38,12 +38,22 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from temper.jobspec import Advantage, Aggregation, AlgorithmSpec, KLEstimator, LoraSpec, Overlong, Precision
+from temper.jobspec import (
+    Advantage,
+    Aggregation,
+    AlgorithmSpec,
+    KLEstimator,
+    LoraSpec,
+    OnMismatch,
+    Overlong,
+    Precision,
+)
 from temper.logs import log_event
 from temper.policy import load_weights, position_ids_from_mask, save_weights, token_logprobs
 from temper.settings.trainer import Device, TrainerSettings
 from temper.storage import ObjectStore
 from temper.training.batch import Sample, collate, micro_batches, samples_from_groups
+from temper.training.canary import Mismatch, compare
 from temper.training.grpo import Objective, grpo_token_loss, sample_weights
 from temper.training.lora import (
     SharedBase,
@@ -94,6 +104,17 @@ def pick_device(device: Device | str = Device.auto) -> torch.device:
     return torch.device(name)
 
 
+def policy_entropy(logp: torch.Tensor, grad: bool) -> torch.Tensor:
+    """``-sum(p log p)`` over the last axis. Measured only (no ``grad``), it is made in place
+    in one extra copy of ``logp``, so measuring it on every step costs no more memory than
+    the forward's end already holds (``temper.training.memory`` plans two copies)."""
+    if grad and torch.is_grad_enabled():
+        return -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():
+        p = logp.exp()
+        return -p.mul_(logp).sum(-1)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -125,15 +146,15 @@ def completion_logprobs(
     am = attention_mask.bool()
     # position t is scored from the hidden state at t-1, if both tokens are real and t is the model's
     scored = completion_mask[:, 1:].bool() & am[:, 1:] & am[:, :-1]
-    logits = head(hidden[:, :-1][scored]).float()
-    logp = torch.log_softmax(logits, dim=-1)
+    # unnamed logits: freed once the log-softmax (which its backward needs) is made
+    logp = torch.log_softmax(head(hidden[:, :-1][scored]).float(), dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:][scored].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=picked.device)
     index = scored.nonzero(as_tuple=True)
     if entropy is not None:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            h = -(logp.exp() * logp).sum(-1)
-            entropy.append(torch.zeros_like(out).index_put((index[0], index[1] + 1), h))
+        entropy.append(
+            torch.zeros_like(out).index_put((index[0], index[1] + 1), policy_entropy(logp, entropy_grad))
+        )
     return out.index_put((index[0], index[1] + 1), picked)
 
 
@@ -168,6 +189,10 @@ class LearnerConfig:
     gradient_checkpointing: bool = False
     memory_limit_gb: float | None = None  # default: the CUDA device's memory; none on CPU
     lora: LoraSpec | None = None  # train a LoRA adapter; None: every weight
+    # the logprob canary (temper.training.canary; the spec's algorithm.mismatch)
+    mismatch_tolerance: float = 1e-4
+    mismatch_max_share: float = 0.01
+    on_mismatch: OnMismatch = OnMismatch.flag
 
     def objective(self) -> Objective:
         return Objective(
@@ -216,6 +241,9 @@ class LearnerConfig:
             gradient_checkpointing=a.gradient_checkpointing,
             memory_limit_gb=s.memory_limit_gb,
             lora=a.lora,
+            mismatch_tolerance=a.mismatch.tolerance,
+            mismatch_max_share=a.mismatch.max_share,
+            on_mismatch=a.mismatch.on_mismatch,
         )
 
 
@@ -250,6 +278,16 @@ class StepStats:
     staleness: list[int] = field(default_factory=list)
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    # the logprob canary: tokens sampled by this version before this step changed the weights,
+    # their |recomputed - behaviour| (mean, max), the share past the tolerance, and whether the
+    # batch failed (more than max_share past it); refused: the step was not taken, and why
+    canary: bool = False  # the first step on this version's weights: the canary ran
+    mismatch_tokens: int = 0
+    mismatch_mean: float = 0.0
+    mismatch_max: float = 0.0
+    mismatch_share: float = 0.0
+    mismatch_failed: bool = False
+    refused: str = ""
 
     def as_dict(self, *, with_staleness: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -271,6 +309,11 @@ class Accumulated:
     abs_log_ratio: float = 0.0
     tokens: int = 0
     micro_batches: int = 0
+    mismatch: Mismatch = field(default_factory=Mismatch)
+    canary: bool = False  # the micro-batches ran on the weights of the learner's version
+
+
+REFUSED_MISMATCH = "logprob_mismatch"
 
 
 class Learner:
@@ -406,6 +449,17 @@ class Learner:
 
     # --- training ----------------------------------------------------------------------
 
+    @property
+    def version(self) -> int:
+        """The policy version the learner is at. Setting it (a publish, a load) says the
+        weights are that version's, which the canary relies on until the next optimizer step."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = value
+        self.weights_at_version = True
+
     def step(self, groups: Sequence[Sequence[Trajectory]]) -> StepStats:
         """One optimizer step on ``groups`` (each: the trajectories of one task)."""
         samples, skipped = samples_from_groups(
@@ -448,7 +502,20 @@ class Learner:
             from temper.training.distributed import full_norm, share, summed
 
             acc = self.backward(share(samples, self.rank, self.world), normalizer, batch=samples)
-            acc.loss, acc.pg, acc.kl, acc.entropy, acc.clipped, acc.ratio, acc.abs_log_ratio, t = summed(
+            mm = acc.mismatch
+            (
+                acc.loss,
+                acc.pg,
+                acc.kl,
+                acc.entropy,
+                acc.clipped,
+                acc.ratio,
+                acc.abs_log_ratio,
+                t,
+                checked,
+                mm.sum_abs,
+                over,
+            ) = summed(
                 [
                     acc.loss,
                     acc.pg,
@@ -458,12 +525,26 @@ class Learner:
                     acc.ratio,
                     acc.abs_log_ratio,
                     acc.tokens,
+                    mm.checked,
+                    mm.sum_abs,
+                    mm.over,
                 ],
                 self.device,
             )
-            acc.tokens = int(t)
+            acc.tokens, mm.checked, mm.over = int(t), int(checked), int(over)  # max_abs: this rank's
         else:
             acc = self.backward(samples, normalizer)
+        mm = acc.mismatch
+        stats.canary = acc.canary
+        stats.mismatch_tokens, stats.mismatch_mean, stats.mismatch_max = mm.checked, mm.mean, mm.max_abs
+        stats.mismatch_share = mm.share_over
+        stats.mismatch_failed = mm.failed(self.config.mismatch_max_share)
+        if stats.mismatch_failed and self.config.on_mismatch is not OnMismatch.flag:
+            # the engine's logprobs are not this version's: no step learns from them
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.refused = REFUSED_MISMATCH
+            stats.seconds = time.perf_counter() - started
+            return stats
         pg, kl, clipped, ratio, alr = acc.pg, acc.kl, acc.clipped, acc.ratio, acc.abs_log_ratio
         tokens, batches = acc.tokens, acc.micro_batches
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -471,6 +552,7 @@ class Learner:
         grad_norm = float(norm) if self.world == 1 else full_norm(norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
+            self.weights_at_version = False  # until the next version is published
             self.step_count += 1
             stats.updated = True
         self.optimizer.zero_grad(set_to_none=True)
@@ -516,6 +598,7 @@ class Learner:
             normalizer = sum(s.scored_tokens for s in samples)
         self.model.train()
         acc = Accumulated()
+        canary = acc.canary = self.weights_at_version  # the weights that sampled this version's tokens
         batches = micro_batches(samples, self.config.micro_batch_tokens)
         if self.loss_scale != 1.0:
             batches = self._same_count_on_every_rank(batches)
@@ -545,6 +628,17 @@ class Learner:
                         ref = completion_logprobs(
                             self.model, b.input_ids, b.attention_mask, b.completion_mask
                         )
+            if canary:
+                rows = torch.tensor([s.behaviour_version == self.version for s in mb], device=self.device)
+                acc.mismatch.add(
+                    compare(
+                        logprobs,
+                        b.behaviour_logprobs,
+                        b.completion_mask,
+                        rows,
+                        tolerance=self.config.mismatch_tolerance,
+                    )
+                )
             parts = grpo_token_loss(
                 logprobs.float(),
                 b.behaviour_logprobs,

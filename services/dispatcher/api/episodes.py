@@ -128,8 +128,8 @@ async def get_trajectory(store: StoreDep, episode: EpisodeDep) -> Response:
     response_class=Response,
     responses={200: {"content": {"application/x-ndjson": {}}}, **EPISODE_NOT_FOUND, **AUTH},
 )
-async def get_episode_log(store: StoreDep, episode: EpisodeDep) -> Response:
-    data = await stored_log(store, episode)
+async def get_episode_log(session: SessionDep, store: StoreDep, episode: EpisodeDep) -> Response:
+    data = await stored_log(session, store, episode)
     if data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"episode {episode.id} has no log (not scored yet)")
     return Response(data, media_type="application/x-ndjson")

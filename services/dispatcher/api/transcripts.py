@@ -2,7 +2,8 @@
 sandbox's observation with its kill reason, and the reward vector.
 
 A scored episode is read from its stored :class:`temper.trajectory.Trajectory`; one still
-in progress (or one whose trajectory was never written) from its ``steps`` rows.
+in progress (or one whose trajectory was never written or has expired) from its steps,
+through :func:`temper.episode_steps.read_steps` (Postgres, or their archive).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
 from services.dispatcher.api.repo import episode_out
-from temper.db import Episode, Job, Step
-from temper.episode_log import log_key
+from temper.db import Episode, Job
+from temper.episode_log import build_episode_log, log_key
+from temper.episode_steps import read_steps
 from temper.storage import NotFound, ObjectStore
 from temper.trajectory import Trajectory
 
@@ -144,14 +146,8 @@ def _observation_text(result: dict[str, Any] | None) -> str:
     return "\n".join(parts)
 
 
-async def from_steps(session: AsyncSession, episode: Episode) -> schemas.Transcript:
-    steps = list(
-        (
-            await session.execute(
-                select(Step).where(Step.episode_id == episode.id).order_by(Step.turn, Step.id)
-            )
-        ).scalars()
-    )
+async def from_steps(session: AsyncSession, store: ObjectStore, episode: Episode) -> schemas.Transcript:
+    steps = await read_steps(await session.connection(), store, episode)
     job_spec = await session.scalar(select(Job.spec).where(Job.id == episode.job_id))
     policy = (job_spec or {}).get("policy") if isinstance(job_spec, dict) else None
     turns: dict[int, schemas.TranscriptTurn] = {}
@@ -209,14 +205,17 @@ async def stored_log_key(store: ObjectStore, episode: Episode) -> str | None:
     return key if await store.exists(key) else None
 
 
-async def stored_log(store: ObjectStore, episode: Episode) -> bytes | None:
-    """The episode's log (JSON lines) if it was written: one read, no separate existence check."""
+async def stored_log(session: AsyncSession, store: ObjectStore, episode: Episode) -> bytes | None:
+    """The episode's log (JSON lines) once it is scored: the one written with its trajectory
+    (one read, no separate existence check) or, once retention expired it, one built again
+    from its steps (Postgres or their archive)."""
     if not episode.trajectory_key:
         return None
     try:
         return await store.get(log_key(episode.tenant_id, episode.job_id, episode.id))
     except NotFound:
-        return None
+        steps = await read_steps(await session.connection(), store, episode)
+        return build_episode_log(episode, steps) if steps else None
 
 
 async def transcript(session: AsyncSession, store: ObjectStore, episode: Episode) -> schemas.Transcript:
@@ -226,6 +225,6 @@ async def transcript(session: AsyncSession, store: ObjectStore, episode: Episode
         if traj is not None:
             out = from_trajectory(episode, traj)
     if out is None:
-        out = await from_steps(session, episode)
+        out = await from_steps(session, store, episode)
     out.log_key = await stored_log_key(store, episode)
     return out

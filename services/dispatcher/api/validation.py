@@ -8,8 +8,10 @@ Three layers, each refusing with ``(field path, message)`` pairs (:class:`SpecEr
 - the types: the spec is validated strictly (``"iterations": "5"`` is refused, not
   coerced to 5);
 - the names: environment kind, action format, reward components (the plugins installed
-  here, Temper's own included: ``temper.jobspec.plugin_errors``), model, backend pool and
-  task set must be ones this deployment knows, with the allowed values and a "did you mean".
+  here, Temper's own included: ``temper.jobspec.plugin_errors``), model (a complete model
+  directory, naming the file it lacks), backend pool and task set must be ones this
+  deployment knows, with the allowed values and a "did you mean"; and a backend of the
+  pool must be able to serve the model with what the job trains (``temper.policy.placement``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher.backends import deployment
 from temper import problems
 from temper.db import Job, Task, TaskSet
 from temper.jobspec import JobSpec, SpecError, plugin_errors
+from temper.policy.placement import BackendInfo, missing_model_files, need_of, serve_error
 from temper.settings import Settings
-from temper.settings.inference import BackendKind, BackendSpec
 from temper.tasks.service import TaskSetAmbiguous, TaskSetNotFound, get_taskset
 
 MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few more
@@ -155,30 +158,53 @@ def unknown(what: str, value: str, allowed: Iterable[str]) -> str:
     return f"{message}; did you mean {close[0]!r}?" if close else message
 
 
-def known_models(settings: Settings) -> set[str]:
-    """Model names this deployment's gateway serves: its model name, its backends' model
-    names, the presets its in-process CPU engines run (the default one when no backend is
-    configured) and the names an operator lists in ``TEMPER_DISPATCHER__MODELS``. A model
-    directory on this machine is also accepted. (Nothing here imports torch: the dispatcher
-    stays small.)"""
-    backends = settings.inference.backends
+def known_models(settings: Settings, backends: list[BackendInfo]) -> set[str]:
+    """Model names this deployment's gateway serves: its model name, what its backends'
+    own weights answer to (served names, model directories, presets) and the names an
+    operator lists in ``TEMPER_DISPATCHER__MODELS``. A model directory on this machine is
+    also accepted. (Nothing here imports torch: the dispatcher stays small.)"""
     names = {settings.inference.model_name, *settings.dispatcher.models}
-    names.update(b.model for b in backends if b.model)
-    names.update(b.preset for b in backends if b.kind is BackendKind.local)
-    if not backends:
-        names.add(BackendSpec.model_fields["preset"].default)
+    for b in backends:
+        names.update(b.models)
     return names
 
 
-def backend_pools(settings: Settings) -> set[str]:
-    return {"default", *(b.name for b in settings.inference.backends)}
-
-
-def _model_dir(ref: str) -> bool:
+def _local_dir(ref: str) -> Path | None:
+    """``ref`` as a directory on this machine, or None."""
     try:
-        return len(ref) < 4096 and (Path(ref) / "config.json").is_file()
+        path = Path(ref)
+        return path if len(ref) < 4096 and path.is_dir() else None
     except (OSError, ValueError):
-        return False
+        return None
+
+
+def model_errors(spec: JobSpec, settings: Settings, backends: list[BackendInfo]) -> list[tuple[str, str]]:
+    """``policy.model`` is a model this deployment serves or a model directory here, and a
+    directory (``policy.model`` or ``policy.init``) has every file a server and the trainer
+    load; then some backend of the job's pool can serve it with what it trains."""
+    errors = []
+    models = known_models(settings, backends)
+    for field, ref in (("policy.model", spec.policy.model), ("policy.init", spec.policy.init)):
+        directory = _local_dir(ref) if ref else None
+        if directory is not None:
+            missing = missing_model_files(directory)
+            if missing:
+                errors.append(
+                    (field, f"{clip(ref)} is not a complete model directory: no {', '.join(missing)}")
+                )
+        elif field == "policy.model" and ref is not None and ref not in models:
+            errors.append((field, unknown("model", ref, models) + " (or a model directory)"))
+    if errors or not backends:
+        return errors  # no backend list: this dispatcher cannot tell what the gateway serves
+    p = spec.policy
+    need = need_of("", model=p.model, init=p.init, pool=p.backend_pool, lora=spec.algorithm.lora is not None)
+    pools = {b.pool for b in backends}
+    if p.backend_pool not in pools:
+        return [("policy.backend_pool", unknown("backend pool", p.backend_pool, pools))]
+    problem = serve_error(need, backends)
+    if problem is not None:
+        errors.append(("policy.init" if p.init else "policy.model", problem))
+    return errors
 
 
 async def image_errors(session: AsyncSession, *, spec: JobSpec, store: Any) -> list[tuple[str, str]]:
@@ -246,14 +272,7 @@ async def check_names(
 ) -> None:
     """Every name the spec references, checked against this deployment; all problems at once."""
     errors = plugin_errors(spec)
-    models = known_models(settings)
-    if spec.policy.model not in models and not _model_dir(spec.policy.model):
-        errors.append(
-            ("policy.model", unknown("model", spec.policy.model, models) + " (or a model directory)")
-        )
-    pools = backend_pools(settings)
-    if spec.policy.backend_pool not in pools:
-        errors.append(("policy.backend_pool", unknown("backend pool", spec.policy.backend_pool, pools)))
+    errors += model_errors(spec, settings, await deployment(session, settings))
     try:
         # a name stands for the one task set of the tenant with it: the job keeps the id
         spec.tasks.taskset = (await get_taskset(session, spec.tasks.taskset, tenant=tenant_id)).id

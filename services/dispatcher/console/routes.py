@@ -292,7 +292,7 @@ async def episode_log(
 ) -> Response:
     """The episode's stored log (JSON lines), shown as text in the browser."""
     episode = await repo.get_episode(session, tenant_id=caller.tenant.id, episode_id=episode_id)
-    data = await stored_log(store, episode) if episode is not None else None
+    data = await stored_log(session, store, episode) if episode is not None else None
     if data is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no log for episode {episode_id}")
     return Response(data, media_type="text/plain; charset=utf-8")

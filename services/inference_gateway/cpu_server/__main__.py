@@ -10,21 +10,10 @@ import torch
 import uvicorn
 
 from services.inference_gateway.cpu_server.app import create_app
-from services.inference_gateway.cpu_server.core import BatchScheduler, Engine
-from temper.policy import create_model, default_tokenizer, load_model, read_metadata
+from services.inference_gateway.cpu_server.batching import BatchScheduler
+from services.inference_gateway.cpu_server.runner import build_runner
 from temper.settings import get_settings
 from temper.storage import make_store
-
-
-def build_engine(
-    *, model_dir: str | None = None, preset: str = "tiny", seed: int = 0, version: int | None = None
-) -> Engine:
-    if model_dir:
-        model, tok = load_model(model_dir)
-        v = version if version is not None else int(read_metadata(model_dir).get("version", 0))
-    else:
-        model, tok, v = create_model(preset, seed=seed), default_tokenizer(), version or 0
-    return Engine(model, tok, version=v)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,7 +24,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     src.add_argument("--preset", default="tiny", help="create a model with random weights (default: tiny)")
     ap.add_argument("--seed", type=int, default=0, help="weight seed for --preset")
-    ap.add_argument("--version", type=int, default=None, help="policy version of the initial weights")
     ap.add_argument("--model-name", default="temper-policy")
     # compose and k8s start it without flags: TEMPER_HOST/TEMPER_PORT, as every service reads them
     ap.add_argument("--host", default=os.environ.get("TEMPER_HOST", "127.0.0.1"))
@@ -47,14 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO)
-    engine = build_engine(model_dir=args.model_dir, preset=args.preset, seed=args.seed, version=args.version)
+    runner = build_runner(model_dir=args.model_dir, preset=args.preset, seed=args.seed)
     settings = get_settings()
-    sched = BatchScheduler(engine, max_batch=args.max_batch, window_ms=args.batch_window_ms)
+    sched = BatchScheduler(runner, max_batch=args.max_batch, window_ms=args.batch_window_ms)
     app = create_app(
         sched,
         model_name=args.model_name,
         store=make_store(settings),
-        cache_dir=settings.data_dir / "engine-checkpoints",
+        cache_dir=settings.data_dir / "cpu-server-checkpoints",
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -1,133 +1,17 @@
-"""HTTP API of the CPU engine: the subset of vLLM's OpenAI-compatible server Temper uses.
-
-- ``POST /v1/completions``: ``prompt`` as text, a list of token ids, or a list of either;
-  ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``,
-  ``ignore_eos``, ``logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``. The
-  response has vLLM's shape (``choices[].token_ids``/``prompt_token_ids`` as in vLLM >= 0.10.2)
-  plus ``policy_version`` at the top level and in the ``X-Temper-Policy-Version`` header.
-- ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
-- ``POST /v1/load_weights`` ``{"version", "path"?, "key"?}``: switch weights between batches; a
-  local ``path`` wins when it exists here, else ``key`` is fetched from the object store.
-"""
+"""The CPU model server's app: the batch scheduler started and stopped with the app, and
+its routes (``routes.py``)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
-from fastapi import FastAPI, HTTPException, Response
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import FastAPI
 
-from services.inference_gateway.checkpoints import fetch_checkpoint
-from services.inference_gateway.cpu_server.core import BatchScheduler, GenOutput, GenRequest, SamplingParams
-from temper import metrics
-from temper.registry import CorruptVersion
-from temper.storage import NotFound, ObjectStore
-
-VERSION_HEADER = "X-Temper-Policy-Version"
-
-
-class CompletionBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int = Field(16, ge=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1, le=1)
-    echo: bool = False
-    stream: bool = False
-    return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
-    job_id: str | None = Field(None, description="Temper's: run on this job's LoRA adapter, if one is loaded")
-
-
-class LoadWeightsBody(BaseModel):
-    version: int
-    path: str | None = None
-    key: str | None = None
-
-
-def _prompts(body: CompletionBody, encode: Callable[[str], list[int]]) -> list[list[int]]:
-    p = body.prompt
-    if isinstance(p, str):
-        return [encode(p)]
-    if not p:
-        raise HTTPException(400, "prompt is empty")
-    if all(isinstance(x, int) for x in p):
-        return [[x for x in p if isinstance(x, int)]]
-    # validated lists are homogeneous: no ints here, the filter only narrows the type
-    return [encode(x) if isinstance(x, str) else list(x) for x in p if not isinstance(x, int)]
-
-
-def completion_response(
-    outs: list[GenOutput], body: CompletionBody, *, model: str, token_str: Callable[[int], str]
-) -> dict[str, Any]:
-    """vLLM's ``CompletionResponse`` for our outputs (see docs/inference.md for the fields)."""
-    choices = []
-    for i, o in enumerate(outs):
-        lp = None
-        if body.logprobs is not None:
-            tokens = (
-                [f"token_id:{t}" for t in o.token_ids]
-                if body.return_tokens_as_token_ids
-                else [token_str(t) for t in o.token_ids]
-            )
-            offsets, at = [], 0
-            for t in o.token_ids:
-                offsets.append(at)
-                at += len(token_str(t))
-            lp = {
-                "text_offset": offsets,
-                "token_logprobs": o.logprobs,
-                "tokens": tokens,
-                "top_logprobs": [{tok: v} for tok, v in zip(tokens, o.logprobs, strict=True)]
-                if body.logprobs > 0
-                else None,
-            }
-        choices.append(
-            {
-                "index": i,
-                "text": o.text,
-                "logprobs": lp,
-                "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason,
-                "token_ids": o.token_ids if body.return_token_ids else None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": o.prompt_ids if body.return_token_ids else None,
-            }
-        )
-    n_prompt = sum(len(o.prompt_ids) for o in outs)
-    n_out = sum(len(o.token_ids) for o in outs)
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": None,
-        "usage": {
-            "prompt_tokens": n_prompt,
-            "total_tokens": n_prompt + n_out,
-            "completion_tokens": n_out,
-            "prompt_tokens_details": None,
-        },
-        "kv_transfer_params": None,
-        "policy_version": min(o.policy_version for o in outs) if outs else None,
-    }
+from services.inference_gateway.cpu_server.batching import BatchScheduler
+from services.inference_gateway.cpu_server.routes import add_routes
+from temper.storage import ObjectStore
 
 
 def create_app(
@@ -137,10 +21,6 @@ def create_app(
     store: ObjectStore | None = None,
     cache_dir: str | Path = ".temper/engine-checkpoints",
 ) -> FastAPI:
-    engine = scheduler.engine
-    tok = engine.tok
-    backend = "engine"
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await scheduler.start()
@@ -150,101 +30,5 @@ def create_app(
     app = FastAPI(title="Temper CPU engine", lifespan=lifespan)
     app.state.scheduler = scheduler
     app.state.last_switch_s = None
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "policy_version": engine.version, "adapters": engine.served_versions()}
-
-    @app.get("/metrics")
-    async def prom() -> Response:
-        body, ctype = metrics.render_latest()
-        return Response(body, media_type=ctype)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "temper",
-                    "root": model_name,
-                    "parent": None,
-                    "max_model_len": engine.max_len,
-                    "permission": [],
-                    "policy_version": engine.version,
-                }
-            ],
-        }
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody) -> JSONResponse:
-        if body.stream:
-            raise HTTPException(400, "stream=true is not supported by the CPU engine")
-        prompts = _prompts(body, tok.encode)
-        for p in prompts:
-            if not p:
-                raise HTTPException(400, "prompt is empty")
-            if min(p) < 0 or max(p) >= tok.vocab_size:
-                raise HTTPException(400, f"prompt token ids must be in [0, {tok.vocab_size})")
-            if len(p) >= engine.max_len:
-                raise HTTPException(400, f"prompt of {len(p)} tokens exceeds max_model_len {engine.max_len}")
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        params = SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=stop,
-            stop_token_ids=list(body.stop_token_ids or []),
-            ignore_eos=body.ignore_eos,
-        )
-        t0 = time.perf_counter()
-        metrics.INFERENCE_INFLIGHT.labels(backend).inc()
-        try:
-            outs = list(
-                await asyncio.gather(
-                    *(scheduler.submit(GenRequest(p, params, job_id=body.job_id)) for p in prompts)
-                )
-            )
-        except Exception:
-            metrics.INFERENCE_REQUESTS.labels(backend, "error").inc()
-            raise
-        finally:
-            metrics.INFERENCE_INFLIGHT.labels(backend).dec()
-        metrics.INFERENCE_SECONDS.labels(backend).observe(time.perf_counter() - t0)
-        metrics.INFERENCE_REQUESTS.labels(backend, "ok").inc()
-        data = completion_response(outs, body, model=body.model or model_name, token_str=tok.token_str)
-        return JSONResponse(data, headers={VERSION_HEADER: str(data["policy_version"])})
-
-    @app.post("/v1/load_weights")
-    async def load(body: LoadWeightsBody) -> dict[str, Any]:
-        path = Path(body.path) if body.path else None
-        if path is None or not path.exists():
-            if not body.key:
-                raise HTTPException(
-                    404 if path else 400, f"no checkpoint at {path}" if path else "give path or key"
-                )
-            if store is None:
-                raise HTTPException(400, "this engine has no object store to resolve keys")
-            try:
-                path = await fetch_checkpoint(store, body.key, cache_dir, body.version)
-            except NotFound as exc:
-                raise HTTPException(404, f"no checkpoint at key {body.key}") from exc
-            except CorruptVersion as exc:
-                raise HTTPException(422, str(exc)) from exc
-        try:
-            seconds = await scheduler.reload(path, body.version)
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from exc
-        metrics.WEIGHT_SWITCH_SECONDS.observe(seconds)
-        app.state.last_switch_s = seconds
-        return {
-            "policy_version": engine.version,
-            "adapters": engine.served_versions(),
-            "switch_ms": seconds * 1000,
-        }
-
+    add_routes(app, scheduler, model_name=model_name, store=store, cache_dir=cache_dir)
     return app

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.inference_gateway.cpu_server.core import Engine, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams
 from temper.policy import ChatTokenizer, load_model, token_logprobs
 from temper.policy.build import ARCHITECTURES, build_model_dir, train_tokenizer
 
@@ -51,7 +51,7 @@ def test_each_architecture_round_trips_through_a_sharded_model_directory(arch, c
 
     # the engine samples with the model's own stop ids, and reports the logprobs the trainer recomputes
     prompt = tok.render([{"role": "user", "content": "Compute 17 * 23."}])
-    engine = Engine(model, tok)
+    engine = ModelRunner(model, tok)
     [out] = engine.generate([GenRequest(prompt, SamplingParams(max_tokens=6, seed=3))])
     assert len(out.token_ids) == len(out.logprobs) >= 1
     ids = torch.tensor([prompt + out.token_ids])
@@ -70,7 +70,9 @@ def test_the_engine_stops_on_the_generation_configs_end_of_turn(chatml, tmp_path
         hidden = model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
         model.lm_head.weight.zero_()
         model.lm_head.weight[im_end] = 50.0 * hidden / hidden.norm()
-    [out] = Engine(model, tok).generate([GenRequest(prompt, SamplingParams(max_tokens=5, temperature=0))])
+    [out] = ModelRunner(model, tok).generate(
+        [GenRequest(prompt, SamplingParams(max_tokens=5, temperature=0))]
+    )
     assert out.token_ids == [im_end] and out.finish_reason == "stop"
 
 

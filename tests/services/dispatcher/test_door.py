@@ -90,9 +90,44 @@ async def test_every_bad_name_is_named_at_once(client):
 
 async def test_a_model_directory_here_is_a_known_model(client, tmp_path):
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / "m" / name).write_text("{}")
     r = await client.post("/v1/jobs", json=spec(policy__model=str(tmp_path / "m")))
     assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize(
+    "files,missing",
+    [
+        (["config.json"], "no tokenizer.json, model.safetensors"),
+        (["config.json", "tokenizer.json"], "no model.safetensors"),
+        (["tokenizer.json", "model.safetensors"], "no config.json"),
+    ],
+)
+async def test_an_incomplete_model_directory_is_refused_naming_what_it_lacks(
+    client, tmp_path, files, missing
+):
+    for field in ("policy__model", "policy__init"):
+        d = tmp_path / field
+        d.mkdir()
+        for name in files:
+            (d / name).write_text("{}")
+        r = await client.post("/v1/jobs", json=spec(**{field: str(d)}))
+        assert r.status_code == 422, r.text
+        (error,) = r.json()["errors"]
+        assert error["field"] == field.replace("__", ".") and error["message"].endswith(missing), error
+    assert await nothing_stored(client)
+
+
+async def test_a_sharded_model_directory_needs_every_shard_its_index_names(client, tmp_path):
+    d = tmp_path / "sharded"
+    d.mkdir()
+    for name in ("config.json", "tokenizer.json", "model-00001-of-00002.safetensors"):
+        (d / name).write_text("{}")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    r = await client.post("/v1/jobs", json=spec(policy__model=str(d)))
+    assert r.status_code == 422 and "no model-00002-of-00002.safetensors" in r.text, r.text
 
 
 @pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "", "image/png"])

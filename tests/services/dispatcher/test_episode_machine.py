@@ -22,7 +22,8 @@ from episode_peers import (
 )
 from sqlalchemy import select
 
-from temper.db import Job, TaskOutcome
+from temper.clock import utcnow
+from temper.db import Job, PolicyVersion, TaskOutcome
 from temper.episode_log import read_episode_log
 from temper.events import PolicyUpdate, RewardRequest, SandboxRequest, Topics, TrajectoryReady
 from temper.storage import object_key
@@ -193,10 +194,16 @@ async def test_a_step_that_never_answers_fails_the_episode_with_the_reason(tmp_p
     try:
         await seed(h.db, tasks={"t1": {}})
         job = await submit_job(h.db, job_spec(tasks__group_size=1, schedule__episodes_per_iteration=1))
-        await wait_for(lambda: _is(h.db, job, "completed"), what="job completed (its episode failed)")
+        # its one episode failed: nothing to learn from, so the job fails too, saying why
+        await wait_for(lambda: _is(h.db, job, "failed"), what="job failed (its episode failed)")
         (ep,) = await episodes_of(h.db, job)
         assert ep.state == "failed"
         assert ep.state_reason == "lease_expired: sandbox step of turn 0 (after 2 attempts)"
+        async with h.db.session() as s:
+            reason = (await s.get(Job, job)).state_reason
+        assert (
+            reason == "every episode failed (1): 1 x lease_expired: sandbox step of turn 0 (after 2 attempts)"
+        )
         assert [m.attempt for m in h.peers.requests["sandbox"]] == [0, 1]
         await wait_for(lambda: _has_event(h.peers.events, "episode.state", "failed"), what="failed event")
     finally:
@@ -303,13 +310,22 @@ async def test_staleness_bound_holds_the_next_iteration_until_the_policy_catches
         await wait_for(lambda: _states(h.db, job, {"scored": 2}), what="iteration 0 scored")
         await asyncio.sleep(0.4)
         assert await episode_states(h.db, job) == {"scored": 2}, "iteration 1 waits for policy version 1"
-        h.peers.policy_version = 1
-        # playing the trainer, the only writer of a job's policy version: the row, then the update
+        # playing the trainer, the only writer of a job's policy version: the rows, then the update
         async with h.db.session() as s:
             (await s.get(Job, job)).policy_version = 1  # type: ignore[union-attr]
+            s.add(PolicyVersion(job_id=job, version=1, checkpoint_key="ckpt/1", step=1))
         await h.runtime.bus.send_message(  # type: ignore[union-attr]
             Topics.POLICY_UPDATES, PolicyUpdate(job_id=job, version=1, checkpoint_key="ckpt/1", step=1)
         )
+        await asyncio.sleep(0.4)
+        assert await episode_states(h.db, job) == {"scored": 2}, (
+            "the trainer's word is not enough: iteration 1 waits until the gateway serves version 1"
+        )
+        # playing the gateway: every backend serving the job confirmed version 1
+        h.peers.policy_version = 1
+        async with h.db.session() as s:
+            row = await s.get(PolicyVersion, (job, 1))
+            row.served_at, row.served_by = utcnow(), ["fake"]  # type: ignore[union-attr]
         await wait_for(lambda: _is(h.db, job, "completed"), what="job completed")
         eps = await episodes_of(h.db, job)
         assert sorted((e.iteration, e.behaviour_version) for e in eps) == [(0, 0), (0, 0), (1, 1), (1, 1)]

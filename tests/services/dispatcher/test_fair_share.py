@@ -240,3 +240,51 @@ async def tokens_in_steps(db: Database, job_id: str) -> int:
             )
         ).scalars()
         return sum(len(st.request["prompt_ids"]) + len(st.result["token_ids"]) for st in steps)
+
+
+async def test_past_the_fleets_capacity_a_job_waits_with_the_reason_and_nothing_fails(tmp_path, database_url):
+    """A job that wants more episodes than the fleet holds starts what fits, says why the
+    rest wait in its reason, and goes on (the reason cleared) as room frees up."""
+    await asyncio.to_thread(upgrade, database_url)
+    db = Database(DatabaseSettings(url=database_url))
+    u = uuid.uuid4().hex[:8]
+    job = await tenant_with_job(
+        db,
+        f"big-{u}",
+        tasks__group_size=1,
+        schedule__episodes_per_iteration=6,
+        schedule__max_concurrent_episodes=6,
+    )
+    await db.dispose()
+    h = await start_harness(
+        tmp_path, database_url, migrate=False, fleet_max_episodes=4, peers={"script": one_turn}
+    )
+    try:
+        h.peers.hold = True  # the first four wait on their model, so the fleet stays full
+
+        async def four_wait() -> bool:
+            async with h.db.session() as s:
+                reason = await s.scalar(select(Job.state_reason).where(Job.id == job))
+            return len(await episodes_of(h.db, job)) == 4 and reason is not None
+
+        await wait_for(four_wait, limit_s=30, what="four episodes started and a reason")
+        async with h.db.session() as s:
+            row = await s.get(Job, job)
+            assert row is not None
+            assert (row.state, row.state_reason) == (
+                "running",
+                "stuck: waiting for room: the fleet runs its fleet_max_episodes (4)",
+            )
+        await h.peers.release()
+
+        async def completed() -> bool:
+            return await job_state(h.db, job) == "completed"
+
+        await wait_for(completed, limit_s=60, what="the job completed")
+        async with h.db.session() as s:
+            row = await s.get(Job, job)
+            assert row is not None and row.state_reason is None
+        states = Counter(e.state for e in await episodes_of(h.db, job))
+        assert states == {"scored": 6}
+    finally:
+        await h.stop()

@@ -3,10 +3,14 @@ exactly as alone (SQLite, and Postgres under the ``postgres`` marker)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from episode_peers import TOK, engine_settings, job_spec, seed
 from sqlalchemy import select
 
+from services.dispatcher import repo
+from services.dispatcher.batches import ResultBatches
 from services.dispatcher.episodes import EpisodeMachine
 from temper.db import Database, Episode, Job, OutboxRow, Step
 from temper.events import InferenceResult, SandboxRequest, SandboxResult, Topics, decode
@@ -142,3 +146,77 @@ async def test_a_batch_is_results_of_one_kind_and_distinct_episodes(database: Da
         await machine.on_results(
             [answer(a), SandboxResult(job_id="job-b", episode_id="x", turn=0, session_id="x", result=ran)]
         )
+
+
+async def test_results_handed_over_together_share_a_transaction_and_a_bad_one_fails_alone(
+    database: Database, tmp_path
+):
+    """ResultBatches: calls at the same moment go through one locking query; when one
+    result makes the merged transaction fail, the others are taken on their own and only
+    its own call raises."""
+    machine, (a, b, c, d) = await started(database, tmp_path, 4)
+    batches = ResultBatches(machine)
+    locks: list[list[str]] = []
+    real_lock = repo.lock_episodes
+
+    async def counted(conn, ids, kind):  # type: ignore[no-untyped-def]
+        locks.append(sorted(ids))
+        return await real_lock(conn, ids, kind)
+
+    real_take = machine._take
+
+    async def c_fails(session, msg, *rest):  # type: ignore[no-untyped-def]
+        if msg.episode_id == c:
+            raise RuntimeError("c's result cannot be taken")
+        return await real_take(session, msg, *rest)
+
+    repo.lock_episodes = counted  # type: ignore[assignment]
+    try:
+        await asyncio.gather(batches.take([answer(a)]), batches.take([answer(b)]))
+        assert locks == [sorted([a, b])], "one transaction for both calls"
+        for e in (a, b):
+            assert await steps(database, e) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
+
+        machine._take = c_fails  # type: ignore[method-assign]
+        locks.clear()
+        outcomes = await asyncio.gather(
+            batches.take([answer(c)]), batches.take([answer(d)]), return_exceptions=True
+        )
+        assert locks == [sorted([c, d]), [c], [d]], "merged, rolled back, then each alone"
+        assert isinstance(outcomes[0], RuntimeError) and outcomes[1] is None, "only c's own call fails"
+        assert await steps(database, c) == [(0, "inference", "leased", 0)], "c's result not taken"
+        assert await steps(database, d) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
+        assert sorted(m.episode_id or "" for m in await sandbox_requests(database)) == sorted([a, b, d])
+    finally:
+        repo.lock_episodes = real_lock  # type: ignore[assignment]
+        await batches.close()
+
+
+async def test_a_caller_cancelled_while_it_waits_leaves_the_others_their_own_outcome(
+    database: Database, tmp_path
+):
+    """A consumer stopping cancels its wait; when the merged transaction then fails, its
+    results still run alone (taking is idempotent) and the next caller gets its own error."""
+    machine, (c, d) = await started(database, tmp_path, 2)
+    batches = ResultBatches(machine)
+    real_take = machine._take
+
+    async def c_fails(session, msg, *rest):  # type: ignore[no-untyped-def]
+        if msg.episode_id == c:
+            raise RuntimeError("c's result cannot be taken")
+        return await real_take(session, msg, *rest)
+
+    machine._take = c_fails  # type: ignore[method-assign]
+    try:
+        waits_d = asyncio.create_task(batches.take([answer(d)]))
+        waits_c = asyncio.create_task(batches.take([answer(c)]))
+        await asyncio.sleep(0)  # both queued; the batch has not run yet
+        waits_d.cancel()
+        with pytest.raises(RuntimeError, match="c's result cannot be taken"):
+            await waits_c
+        with pytest.raises(asyncio.CancelledError):
+            await waits_d
+        assert await steps(database, d) == [(0, "inference", "done", 0), (0, "sandbox", "leased", 0)]
+        assert await steps(database, c) == [(0, "inference", "leased", 0)]
+    finally:
+        await batches.close()

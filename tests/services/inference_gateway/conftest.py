@@ -1,4 +1,4 @@
-"""Engine servers for the gateway tests: in-process (a uvicorn thread) or real subprocesses."""
+"""ModelRunner servers for the gateway tests: in-process (a uvicorn thread) or real subprocesses."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import pytest
 import uvicorn
 
 from services.inference_gateway.cpu_server.app import create_app
-from services.inference_gateway.cpu_server.core import BatchScheduler, Engine
+from services.inference_gateway.cpu_server.batching import BatchScheduler
+from services.inference_gateway.cpu_server.runner import ModelRunner
 from temper.policy import create_model, default_tokenizer
 from tests.services.inference_gateway.vllm_server import VLLM_VERSION, VLLMServer
 
@@ -50,7 +51,7 @@ class ThreadServer:
     url: str
     server: uvicorn.Server
     thread: threading.Thread
-    engine: Engine
+    runner: ModelRunner
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -67,26 +68,26 @@ def serve_app(app, port: int | None = None) -> tuple[str, uvicorn.Server, thread
     return url, server, thread
 
 
-def start_engine_thread(
+def start_cpu_server_thread(
     seed: int = 0, *, max_batch: int = 16, window_ms: float = 3.0, store=None
 ) -> ThreadServer:  # noqa: ANN001
-    engine = Engine(create_model(seed=seed), default_tokenizer())
-    app = create_app(BatchScheduler(engine, max_batch=max_batch, window_ms=window_ms), store=store)
+    runner = ModelRunner(create_model(seed=seed), default_tokenizer())
+    app = create_app(BatchScheduler(runner, max_batch=max_batch, window_ms=window_ms), store=store)
     url, server, thread = serve_app(app)
-    return ThreadServer(url, server, thread, engine)
+    return ThreadServer(url, server, thread, runner)
 
 
 @pytest.fixture
-def engine_server() -> Iterator[ThreadServer]:
-    srv = start_engine_thread()
+def cpu_server() -> Iterator[ThreadServer]:
+    srv = start_cpu_server_thread()
     yield srv
     srv.stop()
 
 
 @pytest.fixture
-def engines() -> Iterator[list[ThreadServer]]:
-    """Two in-process engines with the same weights (seed 0)."""
-    servers = [start_engine_thread(0), start_engine_thread(0)]
+def cpu_servers() -> Iterator[list[ThreadServer]]:
+    """Two in-process cpu_servers with the same weights (seed 0)."""
+    servers = [start_cpu_server_thread(0), start_cpu_server_thread(0)]
     yield servers
     for s in servers:
         s.stop()
@@ -103,7 +104,7 @@ class ProcServer:
             self.proc.wait(timeout=10)
 
 
-def start_engine_process(seed: int = 0) -> ProcServer:
+def start_cpu_server_process(seed: int = 0) -> ProcServer:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "libs")])}
     proc = subprocess.Popen(
@@ -130,13 +131,14 @@ def start_engine_process(seed: int = 0) -> ProcServer:
         wait_healthy(url, timeout=90, proc=proc)
     except Exception:
         proc.kill()
+        proc.wait()
         raise
     return ProcServer(url, proc)
 
 
 @pytest.fixture
-def two_engine_processes() -> Iterator[list[ProcServer]]:
-    servers = [start_engine_process(0), start_engine_process(0)]
+def two_cpu_server_processes() -> Iterator[list[ProcServer]]:
+    servers = [start_cpu_server_process(0), start_cpu_server_process(0)]
     yield servers
     for s in servers:
         s.kill()

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from services.inference_gateway.cpu_server.core import Engine, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams, build_runner
 from temper import registry
 from temper.jobspec import LoraSpec
 from temper.policy import create_model, default_tokenizer, encode_chat, token_logprobs
@@ -51,10 +51,10 @@ def own_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -
 async def test_two_adapters_in_one_batch_each_sample_their_own_weights(tmp_path):
     store = LocalStore(tmp_path / "objects")
     a, b = adapter_learner(1), adapter_learner(2)
-    engine = Engine(create_model(seed=0), TOK, version=0)
+    engine = ModelRunner(create_model(seed=0), TOK)
     engine.load_weights(await publish(store, a, "job-a", 3, tmp_path / "a3"), 3)
     engine.load_weights(await publish(store, b, "job-b", 5, tmp_path / "b5"), 5)
-    assert engine.served_versions() == {"job-a": 3, "job-b": 5}
+    assert engine.holding().adapters == {"job-a": 3, "job-b": 5}
 
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     outs = engine.generate(
@@ -76,7 +76,7 @@ async def test_two_adapters_in_one_batch_each_sample_their_own_weights(tmp_path)
 
 async def test_a_new_version_replaces_the_jobs_adapter_and_a_corrupt_one_is_refused(tmp_path):
     store = LocalStore(tmp_path / "objects")
-    engine = Engine(create_model(seed=0), TOK, version=0)
+    engine = ModelRunner(create_model(seed=0), TOK)
     engine.load_weights(await publish(store, adapter_learner(1), "job-a", 1, tmp_path / "a1"), 1)
     v2 = adapter_learner(9)
     engine.load_weights(await publish(store, v2, "job-a", 2, tmp_path / "a2"), 2)
@@ -114,7 +114,7 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
 ):
     """The gateway's own path: policy.updates with manifest keys (fetched and verified from
     the object store), per-job routing, version tags."""
-    from services.inference_gateway.inference import InferenceService
+    from services.inference_gateway.inference import Inference
     from services.inference_gateway.local import LocalBackend
     from temper.events import InferenceRequest, PolicyUpdate
     from temper.events import SamplingParams as Sampling
@@ -123,8 +123,8 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
     store, tenant = registry_store
     cfg = InferenceSettings(backends=[], checkpoint_cache_dir=str(tmp_path / "cache"))
     spec = BackendSpec(name="local-0", kind=BackendKind.local)
-    backend = LocalBackend(spec, model_name="temper-policy", engine=Engine(create_model(seed=0), TOK))
-    svc = InferenceService(cfg, store=store, backends=[backend], tokenizer=TOK)
+    backend = LocalBackend(spec, model_name="temper-policy", runner=ModelRunner(create_model(seed=0), TOK))
+    svc = Inference(cfg, store=store, backends=[backend], tokenizer=TOK)
     await svc.start()
     try:
         learners = {"job-a": adapter_learner(1), "job-b": adapter_learner(2)}
@@ -148,7 +148,7 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
             await svc.apply_update(
                 PolicyUpdate(job_id=job, version=version, checkpoint_key=key, step=version)
             )
-        assert svc.versions == {"job-a": 2, "job-b": 7}
+        assert (svc.confirmed("job-a"), svc.confirmed("job-b")) == (2, 7)
         a, b = await asyncio.gather(svc.handle(request("job-a")), svc.handle(request("job-b")))
         assert (a.policy_version, b.policy_version) == (2, 7)
         for res, job in ((a, "job-a"), (b, "job-b")):
@@ -167,3 +167,25 @@ async def test_two_jobs_on_one_base_model_through_one_gateway_each_sample_their_
         assert (await svc.handle(request("job-a"))).policy_version == 3
     finally:
         await svc.stop()
+
+
+async def test_an_adapter_that_fails_to_load_leaves_the_runner_as_it_was(tmp_path):
+    """PEFT puts an adapter's layers into the model before it reads the weights: a load that
+    fails there (weights of another rank) must not leave them in the base."""
+    import json
+
+    store = LocalStore(tmp_path / "objects")
+    d = await publish(store, adapter_learner(1), "job-a", 1, tmp_path / "a1")
+    config = json.loads((d / "adapter_config.json").read_text())
+    config["r"] = 8  # the weights are rank 4
+    (d / "adapter_config.json").write_text(json.dumps(config))
+    for runner in (ModelRunner(create_model(seed=0), TOK), build_runner(preset="tiny", seed=0)):
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            runner.load_adapter(d, job_id="job-a", version=1)
+        assert runner.holding().adapters == {}
+        assert not [n for n, _ in runner.base.named_parameters() if "lora_" in n]
+        out = runner.generate([GenRequest(PROMPT, SamplingParams(max_tokens=4, seed=2), job_id="job-a")])[0]
+        assert (out.adapter, out.policy_version) == (None, 0)
+        assert out.logprobs == pytest.approx(
+            own_logprobs(create_model(seed=0), PROMPT, out.token_ids), abs=1e-4
+        )

@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, VLLMBackend
+from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, Served
+from services.inference_gateway.vllm_backend import VLLMBackend
 from temper import registry
 from temper.events import SamplingParams
 from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
@@ -127,37 +128,61 @@ async def version_dir(tmp_path: Path, job: str, version: int, kind: str = "lora"
     return dest
 
 
-async def test_lora_reload_names_an_adapter_per_job_and_version_and_requests_use_it(tmp_path) -> None:
+def model_list(base: str, loaded: dict[str, str]) -> dict:
+    """``GET /v1/models`` as vLLM answers it with the LoRA adapters ``loaded`` (name -> path)."""
+    card = load("vllm_models.json")["response"]["data"][0]
+    adapters = [
+        {**card, "id": n, "root": p, "parent": base, "max_model_len": None} for n, p in loaded.items()
+    ]
+    return {"object": "list", "data": [{**card, "id": base}, *adapters]}
+
+
+async def test_lora_reload_names_an_adapter_per_job_and_version_and_reports_what_vllm_lists(tmp_path) -> None:
     calls: list[tuple[str, dict]] = []
+    loaded: dict[str, str] = {}
     completion = load("vllm_0.10.2_completion_token_ids.json")["response"]
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json=model_list("temper-policy", loaded))
         body = json.loads(request.content)
         calls.append((request.url.path, body))
-        if request.url.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        if request.url.path == "/v1/load_lora_adapter":
+            loaded[body["lora_name"]] = body["lora_path"]
             return httpx.Response(200, text="Success: LoRA adapter loaded successfully.")
+        if request.url.path == "/v1/unload_lora_adapter":
+            loaded.pop(body["lora_name"])
+            return httpx.Response(200, text="Success")
         return httpx.Response(200, json=completion)
 
     b = vllm_backend(handler)
+    assert await b.served() == Served(base="temper-policy")
     for v in (1, 2, 3):
         await b.load_weights(version=v, path=await version_dir(tmp_path, "job-a", v))
     await b.load_weights(version=1, path=await version_dir(tmp_path, "job-b", 1))
-    res = await b.complete(GenerateRequest([1, 2], job_id="job-a"))
+    served = await b.served()
+    assert served is not None and served.adapters == {"job-a": 3, "job-b": 1}
+    assert sorted(loaded) == ["job-a-v2", "job-a-v3", "job-b-v1"], (
+        "the one before stays for requests sent with it"
+    )
+    # a request is sent with the adapter the gateway's table names, and tagged with its version
+    res = await b.complete(GenerateRequest([1, 2], job_id="job-a", version=3, adapter="job-a-v3"))
     assert res.policy_version == 3
     assert calls[-1][0] == "/v1/completions" and calls[-1][1]["model"] == "job-a-v3"
-    res = await b.complete(GenerateRequest([1, 2], job_id="job-b"))
-    assert res.policy_version == 1 and calls[-1][1]["model"] == "job-b-v1"
     res = await b.complete(GenerateRequest([1, 2], job_id="job-c"))  # no adapter: the base model
     assert res.policy_version == 0 and calls[-1][1]["model"] == "temper-policy"
     loads = [body for path, body in calls if path == "/v1/load_lora_adapter"]
     assert [x["lora_name"] for x in loads] == ["job-a-v1", "job-a-v2", "job-a-v3", "job-b-v1"]
     assert loads[0]["lora_path"] == str(tmp_path / "shared" / "job-a" / "v1")
-    assert ("/v1/unload_lora_adapter", {"lora_name": "job-a-v1"}) in calls
+    await b.release("job-a")  # the job ended: every adapter of it goes
+    assert sorted(loaded) == ["job-b-v1"]
     await b.aclose()
 
 
 async def test_a_version_vllm_refuses_is_never_served(tmp_path) -> None:
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json=model_list("temper-policy", {}))
         if request.url.path == "/v1/load_lora_adapter":
             return httpx.Response(400, json=load("vllm_error_400.json")["response"])
         return httpx.Response(200, json=load("vllm_0.10.2_completion_token_ids.json")["response"])
@@ -165,7 +190,8 @@ async def test_a_version_vllm_refuses_is_never_served(tmp_path) -> None:
     b = vllm_backend(handler)
     with pytest.raises(BackendError):
         await b.load_weights(version=1, path=await version_dir(tmp_path, "job-a", 1))
-    assert (await b.complete(GenerateRequest([1], job_id="job-a"))).policy_version == 0
+    served = await b.served()
+    assert served is not None and served.adapters == {}, "a refused adapter is not reported"
     with pytest.raises(BackendError, match="not one"):  # a bare weights file is not an adapter
         await b.load_weights(version=2, path=tmp_path)
     d = await version_dir(tmp_path, "job-a", 3)
@@ -178,24 +204,70 @@ async def test_a_version_vllm_refuses_is_never_served(tmp_path) -> None:
 async def test_full_reload_pauses_loads_the_versions_directory_resets_the_cache_and_resumes(tmp_path) -> None:
     calls: list[tuple[str, dict]] = []
     version = await version_dir(tmp_path, "job-a", 4, kind="full")
+    served = tmp_path / "vllm-model"  # the directory vLLM was started on
+    served.mkdir()
+    (served / "model.safetensors").write_bytes(b"base-weights")
+    (served / "config.json").write_text("{}")
+    held: dict[str, object] = {"tag": None}  # what the worker extension records
+    completion = load("vllm_0.10.2_completion_token_ids.json")["response"]
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json=model_list("temper-policy", {}))
         body = json.loads(request.content) if request.content else {}
         calls.append(
             (request.url.path + (f"?{request.url.query.decode()}" if request.url.query else ""), body)
         )
+        if request.url.path == "/collective_rpc" and body["method"] == "temper_loaded":
+            return httpx.Response(200, json={"results": [{"tag": held["tag"]}]})
         if request.url.path == "/collective_rpc":
-            return httpx.Response(200, json={"results": [{"weights_path": str(version), "tied": False}]})
+            held["tag"] = body["kwargs"]["tag"]
+            path = body["kwargs"]["weights_path"]
+            return httpx.Response(200, json={"results": [{"weights_path": path, "tied": False}]})
         if request.url.path == "/reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, json=completion)
         return httpx.Response(200, json={"status": "ok"})
 
-    b = vllm_backend(handler, VLLMReloadMode.full)
+    spec = BackendSpec(name="v0", url="http://vllm", kind=BackendKind.vllm, model_dir=str(served))
+    b = VLLMBackend(spec, model_name="temper-policy", reload_mode=VLLMReloadMode.full)
+    b.client = httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://vllm")
+    assert await b.served() == Served(base=str(served))
+    calls.clear()
     await b.load_weights(version=4, path=version)
     assert [c[0] for c in calls] == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
-    assert calls[1][1] == {"method": "temper_reload_weights", "kwargs": {"weights_path": str(version)}}
-    assert b.version == 4
+    assert calls[1][1] == {
+        "method": "temper_reload_weights",
+        "kwargs": {"weights_path": str(version), "tag": {"job_id": "job-a", "version": 4}},
+    }
+    assert await b.served() == Served(base=str(served), at_origin=False, owner="job-a", version=4)
+    # the server's record is what counts: a restarted gateway takes it over
+    fresh = VLLMBackend(spec, model_name="temper-policy", reload_mode=VLLMReloadMode.full)
+    fresh.client = b.client
+    await fresh.start()
+    assert fresh.owner == ("job-a", 4)
+    res = await b.complete(GenerateRequest([1, 2], job_id="job-a"))
+    assert res.policy_version == 4, "tagged with the version the server holds"
+    with pytest.raises(BackendError) as other:  # one job's full weights at a time
+        await b.load_weights(version=1, path=await version_dir(tmp_path, "job-b", 1, kind="full"))
+    assert other.value.kind is ErrorKind.not_served
+    with pytest.raises(BackendError) as other:
+        await b.complete(GenerateRequest([1, 2], job_id="job-b"))
+    assert other.value.kind is ErrorKind.not_served
+    calls.clear()
+    await b.release("job-a")  # the job ended: the directory vLLM started on again
+    assert calls[1][1] == {
+        "method": "temper_reload_weights",
+        "kwargs": {"weights_path": str(served), "tag": None},
+    }
+    assert await b.served() == Served(base=str(served))
+    no_dir = vllm_backend(handler, VLLMReloadMode.full)
+    await no_dir.load_weights(version=5, path=await version_dir(tmp_path, "job-a", 5, kind="full"))
+    with pytest.raises(BackendError, match="model_dir"):  # the base cannot come back without it
+        await no_dir.release("job-a")
     await b.aclose()
+    await no_dir.aclose()
 
 
 async def test_a_tied_model_without_the_worker_extension_is_refused_and_vllm_resumes(tmp_path) -> None:
@@ -216,13 +288,13 @@ async def test_a_tied_model_without_the_worker_extension_is_refused_and_vllm_res
 
     b = vllm_backend(handler, VLLMReloadMode.full)
     with pytest.raises(BackendError, match="worker-extension-cls"):
-        await b.load_weights(version=2, path=version)
-    assert calls == ["/pause", "/collective_rpc", "/resume"] and b.version == 0
+        await b.load_weights(version=2, path=version, job_id="job-a")
+    assert calls == ["/pause", "/collective_rpc", "/resume"] and b.owner is None
     await b.aclose()
 
 
 def test_models_fixture_is_what_the_gateway_serves_too() -> None:
-    from services.inference_gateway.cpu_server.app import CompletionBody
+    from services.inference_gateway.cpu_server.schemas import CompletionBody
 
     fx = load("vllm_models.json")["response"]
     assert {"id", "object", "owned_by", "root", "parent", "permission"} <= set(fx["data"][0])

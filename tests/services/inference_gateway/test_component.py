@@ -8,10 +8,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select
 
 from services.inference_gateway.app import create_app
 from services.inference_gateway.component import Gateway
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from temper.bus import Record
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate, SamplingParams, Topics, decode
 from temper.policy import create_model, default_tokenizer, encode_chat, save_weights
@@ -74,7 +75,7 @@ def request(episode: str, **kw: object) -> InferenceRequest:
 async def test_embedded_gateway_without_backends_serves_from_a_local_engine(tmp_path) -> None:  # noqa: ANN001
     rt, gw, results = await started(tmp_path)
     try:
-        assert [s.backend.spec.kind for s in gw.service.router.slots.values()] == [BackendKind.local]
+        assert [s.backend.spec.kind for s in gw.inference.router.slots.values()] == [BackendKind.local]
         assert (await rt.health())["backends"] == "ok"
         await rt.bus.send_message(Topics.INFERENCE_REQUESTS, request("ep-a"))
         await rt.bus.send_message(Topics.INFERENCE_REQUESTS, request("ep-bad", prompt_ids=[99999]))
@@ -120,13 +121,13 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
                     step=v,
                 ),
             )
-        await wait_until(lambda: gw.service.policy_version == 2)
-        assert gw.update_errors == 0 and gw.updates_applied in (1, 2)
+        await wait_until(lambda: gw.inference.confirmed("job") == 2)
+        assert gw.updates.update_errors == 0 and gw.updates.updates_applied in (1, 2)
         await rt.bus.send_message(Topics.INFERENCE_REQUESTS, request("ep-v"))
         await wait_until(lambda: len(results) == 1)
         assert results[0].policy_version == 2 and results[0].error is None
         # a missing checkpoint is logged and counted, the gateway keeps serving version 2
-        gw.policy_retries = 1
+        gw.updates.retries = 1
         await rt.bus.send_message(
             Topics.POLICY_UPDATES,
             PolicyUpdate(
@@ -136,8 +137,8 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
                 step=3,
             ),
         )
-        await wait_until(lambda: gw.update_errors == 1)
-        assert gw.service.policy_version == 2
+        await wait_until(lambda: gw.updates.update_errors == 1)
+        assert gw.inference.confirmed("job") == 2
     finally:
         await gw.stop()
         await rt.stop()
@@ -145,7 +146,7 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
 
 async def test_health_is_503_when_no_backend_is_configured(tmp_path) -> None:  # noqa: ANN001
     s = settings(tmp_path)
-    app = create_app(s, service=InferenceService(s.inference, backends=[]))
+    app = create_app(s, inference=Inference(s.inference, backends=[]))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
             r = await c.get("/health")
@@ -202,7 +203,12 @@ async def test_a_gateway_that_starts_serves_the_running_jobs_current_version(tmp
             async with rt.db.session() as s:
                 s.add(PolicyVersion(job_id=job, version=v, checkpoint_key=key, step=v))
         await gw.start()
-        assert gw.service.policy_version == 2, "the running job's newest version, not a finished job's"
+        assert gw.inference.confirmed("job") == 2, "the running job's newest version, not a finished job's"
+        assert gw.inference.table.holders_of("done") == []
+        async with rt.db.session() as s:  # confirmed by every backend serving the job, on its row
+            rows = {v.version: v for v in (await s.execute(select(PolicyVersion))).scalars()}
+        assert rows[2].served_by == ["local-0"] and rows[2].served_at is not None
+        assert rows[1].served_at is None and rows[9].served_at is None
         results: list[InferenceResult] = []
 
         async def collect(record: Record) -> None:

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from services.inference_gateway.cpu_server.app import create_app
-from services.inference_gateway.cpu_server.core import BatchScheduler, Engine, GenRequest, SamplingParams
+from services.inference_gateway.cpu_server.batching import BatchScheduler
+from services.inference_gateway.cpu_server.runner import (
+    GenRequest,
+    ModelRunner,
+    SamplingParams,
+)
 from temper.policy import (
     create_model,
     default_tokenizer,
@@ -23,8 +28,8 @@ TOK = default_tokenizer()
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine(create_model(seed=0), TOK)
+def engine() -> ModelRunner:
+    return ModelRunner(create_model(seed=0), TOK)
 
 
 def req(text: str, **kw) -> GenRequest:  # noqa: ANN003
@@ -32,7 +37,7 @@ def req(text: str, **kw) -> GenRequest:  # noqa: ANN003
     return GenRequest(encode_chat(TOK, [{"role": "user", "content": text}]), SamplingParams(**kw))
 
 
-def test_same_seed_same_tokens_alone_and_inside_a_batch(engine: Engine) -> None:
+def test_same_seed_same_tokens_alone_and_inside_a_batch(engine: ModelRunner) -> None:
     target = req("hello", max_tokens=12, seed=42, temperature=1.0)
     alone = engine.generate([target])[0]
     again = engine.generate([target])[0]
@@ -45,7 +50,7 @@ def test_same_seed_same_tokens_alone_and_inside_a_batch(engine: Engine) -> None:
     assert other_seed.token_ids != alone.token_ids
 
 
-def test_sampled_logprobs_equal_a_forward_pass(engine: Engine) -> None:
+def test_sampled_logprobs_equal_a_forward_pass(engine: ModelRunner) -> None:
     outs = engine.generate(
         [req("abc", max_tokens=10, seed=1), req("a much longer prompt", max_tokens=10, seed=2)]
     )
@@ -59,13 +64,13 @@ def test_sampled_logprobs_equal_a_forward_pass(engine: Engine) -> None:
         assert recomputed == pytest.approx(o.logprobs, abs=1e-4)
 
 
-def test_greedy_and_tiny_top_p_agree(engine: Engine) -> None:
+def test_greedy_and_tiny_top_p_agree(engine: ModelRunner) -> None:
     greedy = engine.generate([req("q", max_tokens=8, temperature=0.0)])[0]
     nucleus = engine.generate([req("q", max_tokens=8, temperature=1.0, top_p=1e-6, seed=5)])[0]
     assert greedy.token_ids == nucleus.token_ids
 
 
-def test_stop_token_ids_and_eos(engine: Engine) -> None:
+def test_stop_token_ids_and_eos(engine: ModelRunner) -> None:
     first = engine.generate([req("s", max_tokens=8, seed=3)])[0]
     stop_at = first.token_ids[2]
     out = engine.generate([req("s", max_tokens=8, seed=3, stop_token_ids=[stop_at])])[0]
@@ -74,7 +79,7 @@ def test_stop_token_ids_and_eos(engine: Engine) -> None:
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_at)
 
 
-def test_stop_strings_cut_the_text(engine: Engine) -> None:
+def test_stop_strings_cut_the_text(engine: ModelRunner) -> None:
     first = engine.generate([req("t", max_tokens=32, seed=11)])[0]
     printable = [i for i, t in enumerate(first.token_ids) if 32 <= t < 127]
     assert printable, "the random model produced no ASCII token; pick another seed"
@@ -86,12 +91,12 @@ def test_stop_strings_cut_the_text(engine: Engine) -> None:
     assert out.token_ids == first.token_ids[: len(out.token_ids)]
 
 
-def test_max_tokens_zero_returns_nothing(engine: Engine) -> None:
+def test_max_tokens_zero_returns_nothing(engine: ModelRunner) -> None:
     out = engine.generate([req("z", max_tokens=0)])[0]
     assert out.token_ids == [] and out.finish_reason == "length"
 
 
-async def test_scheduler_batches_concurrent_requests(engine: Engine) -> None:
+async def test_scheduler_batches_concurrent_requests(engine: ModelRunner) -> None:
     sched = BatchScheduler(engine, max_batch=8, window_ms=20)
     await sched.start()
     try:
@@ -103,7 +108,7 @@ async def test_scheduler_batches_concurrent_requests(engine: Engine) -> None:
 
 
 @pytest.fixture
-async def client(engine: Engine):  # noqa: ANN201
+async def client(engine: ModelRunner):  # noqa: ANN201
     sched = BatchScheduler(engine, max_batch=8, window_ms=2)
     app = create_app(sched, model_name="tiny")
     await sched.start()
@@ -157,7 +162,7 @@ async def test_http_rejects_bad_prompts(client: httpx.AsyncClient) -> None:
 
 
 async def test_weight_reload_bumps_version_and_loses_nothing(tmp_path) -> None:
-    engine = Engine(create_model(seed=0), TOK)
+    engine = ModelRunner(create_model(seed=0), TOK)
     sched = BatchScheduler(engine, max_batch=4, window_ms=1)
     app = create_app(sched)
     save_checkpoint(create_model(seed=99), tmp_path / "v1")
@@ -177,7 +182,7 @@ async def test_weight_reload_bumps_version_and_loses_nothing(tmp_path) -> None:
             await asyncio.sleep(0.01)
             r = await c.post("/v1/load_weights", json={"path": str(tmp_path / "v1"), "version": 1})
             assert r.status_code == 200, r.text
-            assert r.json()["policy_version"] == 1 and r.json()["switch_ms"] > 0
+            assert (r.json()["owner"], r.json()["version"], r.json()["switch_ms"] > 0) == ("", 1, True)
             done = [x.json() for x in await asyncio.gather(*inflight)]
             after = (await c.post("/v1/completions", json=body)).json()
             missing = await c.post("/v1/load_weights", json={"path": str(tmp_path / "nope"), "version": 2})

@@ -11,9 +11,10 @@ import httpx
 import pytest
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from services.inference_gateway.app import GatewayApp, proxy_app
-from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.app import proxy_app
+from services.inference_gateway.backends import Backend, BackendResult, GenerateRequest, Served
+from services.inference_gateway.inference import Inference
+from services.inference_gateway.routes import GatewayApp
 from temper.settings.inference import BackendSpec, InferenceSettings
 
 pytestmark = pytest.mark.timeout(30)
@@ -32,14 +33,27 @@ class FakeBackend(Backend):
             backend=self.name,
         )
 
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
         return 0.0
 
+    async def served(self) -> Served:
+        return Served(base="m")
 
-def make_app(tmp_path: Path, *, backends: bool = True) -> GatewayApp:
+    async def release(self, job_id: str) -> float:
+        return 0.0
+
+    async def health(self) -> bool:
+        return True
+
+
+async def make_app(tmp_path: Path, *, backends: bool = True) -> GatewayApp:
     cfg = InferenceSettings(backends=[], checkpoint_cache_dir=str(tmp_path / "cache"))
     fakes = [FakeBackend(BackendSpec(name="f0", url="http://fake"), model_name="m")] if backends else []
-    app = proxy_app(InferenceService(cfg, backends=fakes))
+    inference = Inference(cfg, backends=fakes)
+    await inference.start(health_loop=False)  # what the backend serves, as the app's lifespan would
+    app = proxy_app(inference)
     assert isinstance(app, GatewayApp)
     return app
 
@@ -88,27 +102,27 @@ def comparable(r: httpx.Response) -> tuple[int, str | None, str | None, Any]:
     ],
 )
 async def test_fast_path_answers_like_fastapi(tmp_path: Path, body: Any) -> None:
-    app = make_app(tmp_path)
+    app = await make_app(tmp_path)
     fast, slow = await post(app, body, fast=True), await post(app, body, fast=False)
     assert comparable(fast) == comparable(slow)
     assert fast.status_code in (200, 400, 422)
 
 
 async def test_fast_path_error_bodies(tmp_path: Path) -> None:
-    app = make_app(tmp_path)
+    app = await make_app(tmp_path)
     r = await post(app, {"max_tokens": 2}, fast=True)
     assert r.status_code == 422 and r.json()["detail"][0]["type"] == "missing"
     assert r.json()["detail"][0]["loc"] == ["prompt"]
     r = await post(app, {"prompt": [1], "stream": True}, fast=True)
     assert (r.status_code, r.json()) == (400, {"detail": "stream=true is not supported by the gateway"})
     r = await post(
-        make_app(tmp_path, backends=False), {"prompt": [1]}, fast=True
-    )  # request.app.state.service
+        await make_app(tmp_path, backends=False), {"prompt": [1]}, fast=True
+    )  # request.app.state.inference
     assert r.status_code == 502 and r.json()["detail"].startswith("generation failed: no backend configured")
 
 
 async def test_fast_path_records_the_episode_trace(tmp_path: Path) -> None:
-    app = make_app(tmp_path)
+    app = await make_app(tmp_path)
     r = await post(app, {"prompt": [5, 6], "logprobs": 0}, fast=True, headers={"X-Temper-Episode": "ep"})
     assert r.status_code == 200 and r.headers["x-temper-policy-version"] == "3"
     assert r.json()["choices"][0]["token_ids"] == [7, 8] and r.json()["id"].startswith("cmpl-")
@@ -120,7 +134,7 @@ async def test_fast_path_records_the_episode_trace(tmp_path: Path) -> None:
 
 
 async def test_fast_path_skips_the_middleware_and_other_requests_do_not(tmp_path: Path) -> None:
-    app = make_app(tmp_path)
+    app = await make_app(tmp_path)
     assert (await post(app, {"prompt": [1]}, fast=True)).status_code == 200
     assert app.middleware_stack is None  # FastAPI builds it on the first request it serves
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
@@ -133,7 +147,7 @@ async def test_fast_path_skips_the_middleware_and_other_requests_do_not(tmp_path
 
 
 async def test_user_middleware_turns_the_fast_path_off(tmp_path: Path) -> None:
-    app = make_app(tmp_path)
+    app = await make_app(tmp_path)
     seen: list[str] = []
 
     async def spy(request, call_next):  # noqa: ANN001, ANN202

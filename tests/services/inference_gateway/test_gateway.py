@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from services.inference_gateway.app import proxy_app
-from services.inference_gateway.inference import InferenceService
+from services.inference_gateway.inference import Inference
 from temper.events import InferenceRequest, PolicyUpdate, SamplingParams
 from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint
 from temper.settings.inference import BackendSpec, InferenceSettings
@@ -19,18 +19,18 @@ TOK = default_tokenizer()
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def make_service(engines, tmp_path: Path) -> InferenceService:  # noqa: ANN001
+def make_service(cpu_servers, tmp_path: Path) -> Inference:  # noqa: ANN001
     cfg = InferenceSettings(
-        backends=[BackendSpec(name=f"e{i}", url=s.url) for i, s in enumerate(engines)],
+        backends=[BackendSpec(name=f"e{i}", url=s.url) for i, s in enumerate(cpu_servers)],
         checkpoint_cache_dir=str(tmp_path / "cache"),
         retry_backoff_s=0.001,
         health_interval_s=0.5,
     )
-    return InferenceService(cfg, store=LocalStore(tmp_path / "objects"))
+    return Inference(cfg, store=LocalStore(tmp_path / "objects"))
 
 
-async def test_handle_turns_a_request_message_into_a_result_message(engines, tmp_path) -> None:  # noqa: ANN001
-    svc = make_service(engines, tmp_path)
+async def test_handle_turns_a_request_message_into_a_result_message(cpu_servers, tmp_path) -> None:  # noqa: ANN001
+    svc = make_service(cpu_servers, tmp_path)
     await svc.start()
     try:
         prompt = encode_chat(TOK, [{"role": "user", "content": "hi"}])
@@ -48,7 +48,7 @@ async def test_handle_turns_a_request_message_into_a_result_message(engines, tmp
         assert res.error is None and res.backend in ("e0", "e1")
         assert (res.job_id, res.episode_id, res.turn, res.attempt) == ("j", "ep", 2, 1)
         assert 1 <= len(res.token_ids) == len(res.logprobs) <= 5 and res.policy_version == 0
-        for s in engines:
+        for s in cpu_servers:
             s.stop()
         failed = await svc.handle(msg)
         assert failed.error and failed.token_ids == []
@@ -56,8 +56,10 @@ async def test_handle_turns_a_request_message_into_a_result_message(engines, tmp
         await svc.stop()
 
 
-async def test_policy_update_from_object_store_switches_every_engine(engines, tmp_path) -> None:  # noqa: ANN001
-    svc = make_service(engines, tmp_path)
+async def test_a_full_weights_update_takes_one_server_for_its_job(cpu_servers, tmp_path) -> None:  # noqa: ANN001
+    """A job's full weights go on one server, which then serves that job only; the other
+    server keeps serving every other job's version 0."""
+    svc = make_service(cpu_servers, tmp_path)
     ckpt = save_checkpoint(create_model(seed=5), tmp_path / "ckpt")
     await svc.store.put(
         "tenants/t/jobs/j/checkpoints/v1/model.safetensors", (ckpt / "model.safetensors").read_bytes()
@@ -66,32 +68,42 @@ async def test_policy_update_from_object_store_switches_every_engine(engines, tm
     try:
         prompt = encode_chat(TOK, [{"role": "user", "content": "v"}])
         msg = InferenceRequest(
-            model="m",
+            job_id="j",
+            model="temper-policy",
             prompt_ids=prompt,
             episode_id="e",
             sampling=SamplingParams(max_tokens=6, seed=1, temperature=0),
         )
+        other = msg.model_copy(update={"job_id": "k", "episode_id": "e-k"})
         before = await svc.handle(msg)
         inflight = [asyncio.create_task(svc.handle(msg)) for _ in range(6)]
         times = await svc.apply_update(
-            PolicyUpdate(version=1, checkpoint_key="tenants/t/jobs/j/checkpoints/v1", step=10)
+            PolicyUpdate(job_id="j", version=1, checkpoint_key="tenants/t/jobs/j/checkpoints/v1", step=10)
         )
         done = await asyncio.gather(*inflight)
         after = await svc.handle(msg)
-        assert set(times) == {"e0", "e1"} and all(t > 0 for t in times.values())
+        (held,) = times
+        assert times[held] > 0
         assert all(r.error is None and r.policy_version in (0, 1) for r in done)
         assert (before.policy_version, after.policy_version) == (0, 1) and after.logprobs != before.logprobs
+        assert after.backend == held
         assert (
-            await svc.apply_update(PolicyUpdate(version=1, checkpoint_key="x", step=10)) == {}
+            await svc.apply_update(PolicyUpdate(job_id="j", version=1, checkpoint_key="x", step=10)) == {}
         )  # idempotent
-        assert all(s.engine.version == 1 for s in engines)
+        assert [s.runner.holding().owner for s in cpu_servers] == [
+            "j" if f"e{i}" == held else None for i in range(2)
+        ]
+        for _ in range(4):  # another job never lands on job j's weights
+            k = await svc.handle(other)
+            assert (k.error, k.policy_version) == (None, 0) and k.backend != held
+            assert k.logprobs == before.logprobs
     finally:
         await svc.stop()
 
 
 @pytest.fixture
-async def gateway(engines, tmp_path):  # noqa: ANN001, ANN201
-    svc = make_service(engines, tmp_path)
+async def gateway(cpu_servers, tmp_path):  # noqa: ANN001, ANN201
+    svc = make_service(cpu_servers, tmp_path)
     app = proxy_app(svc)
     await svc.start()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
@@ -142,9 +154,9 @@ async def test_chat_proxy_extends_the_conversation_token_wise(gateway) -> None: 
     assert len({x["backend"] for x in calls}) == 1  # sticky
 
 
-async def test_gateway_health_names_down_backends(gateway, engines) -> None:  # noqa: ANN001
+async def test_gateway_health_names_down_backends(gateway, cpu_servers) -> None:  # noqa: ANN001
     c, svc = gateway
-    for s in engines:
+    for s in cpu_servers:
         s.stop()
     await svc.router.check_health()
     r = await c.get("/health")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.inference_gateway.app import parse_tool_calls
+from services.inference_gateway.tool_calls import parse_tool_calls
 from temper.policy import default_tokenizer
 from temper.settings.inference import ToolParser
 from tests.services.inference_gateway.test_gateway import gateway  # noqa: F401

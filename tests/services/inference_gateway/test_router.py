@@ -12,6 +12,7 @@ from services.inference_gateway.backends import (
     CpuServerBackend,
     ErrorKind,
     GenerateRequest,
+    Served,
 )
 from services.inference_gateway.router import BreakerState, CircuitBreaker, RequestFailed, Router
 from temper.events import SamplingParams
@@ -31,10 +32,17 @@ class FakeBackend(Backend):
         await asyncio.sleep(self.delay)
         if self.fail is not None:
             raise BackendError(self.fail, "injected")
-        return BackendResult(req.prompt_ids, [1], [-0.5], "x", "length", None, self.version, self.name)
+        return BackendResult(req.prompt_ids, [1], [-0.5], "x", "length", None, req.version, self.name)
 
-    async def load_weights(self, *, version: int, path: Path | None = None, key: str | None = None) -> float:
-        self.version = version
+    async def load_weights(
+        self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None
+    ) -> float:
+        return 0.0
+
+    async def served(self) -> Served:
+        return Served(base="m")
+
+    async def release(self, job_id: str) -> float:
         return 0.0
 
     async def health(self) -> bool:
@@ -134,8 +142,8 @@ def test_breaker_half_open_lets_one_trial_through() -> None:
     assert br.state is BreakerState.open
 
 
-async def test_failover_when_a_real_engine_is_killed(two_engine_processes) -> None:  # noqa: ANN001
-    a, b = two_engine_processes
+async def test_failover_when_a_real_engine_is_killed(two_cpu_server_processes) -> None:  # noqa: ANN001
+    a, b = two_cpu_server_processes
     backends = [
         CpuServerBackend(
             BackendSpec(name=n, url=s.url), model_name="temper-policy", timeout_s=10, connect_timeout_s=1

@@ -11,10 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, VLLMBackend
+from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest
+from services.inference_gateway.vllm_backend import VLLMBackend
 from temper.events import SamplingParams
 from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
-from tests.services.inference_gateway.test_backends_contract import version_dir
+from tests.services.inference_gateway.test_backends_contract import model_list, version_dir
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,18 +45,24 @@ def vllm_server(calls: list[tuple[str, dict]], *, token_ids_field: bool = True):
     """A handler that validates each request with vLLM's models and answers with vLLM's
     response models, as vLLM 0.33.0's server would."""
 
+    loaded: dict[str, str] = {}
+
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.path == "/v1/models":
+            return httpx.Response(200, json=model_list("base", loaded))
         body = json.loads(request.content)
         calls.append((request.url.path, body))
         if request.url.path == "/v1/load_lora_adapter":
             LoadLoRAAdapterRequest.model_validate(body)
             assert set(body) <= declared(LoadLoRAAdapterRequest), set(body) - declared(LoadLoRAAdapterRequest)
+            loaded[body["lora_name"]] = body["lora_path"]
             return httpx.Response(
                 200, text=f"Success: LoRA adapter '{body['lora_name']}' added successfully."
             )
         if request.url.path == "/v1/unload_lora_adapter":
             UnloadLoRAAdapterRequest.model_validate(body)
             assert set(body) <= declared(UnloadLoRAAdapterRequest)
+            loaded.pop(body["lora_name"])
             return httpx.Response(200, text="Success")
         assert request.url.path == "/v1/completions"
         req = CompletionRequest.model_validate(body)
@@ -135,7 +142,11 @@ async def test_adapter_loads_validate_and_requests_name_the_jobs_adapter(tmp_pat
     b = backend(vllm_server(calls))
     for v in (1, 2, 3):
         await b.load_weights(version=v, path=await version_dir(tmp_path, "job-a", v))
-    res = await b.complete(GenerateRequest([1, 2], SamplingParams(max_tokens=2), job_id="job-a"))
+    served = await b.served()
+    assert served is not None and served.adapters == {"job-a": 3}
+    res = await b.complete(
+        GenerateRequest([1, 2], SamplingParams(max_tokens=2), job_id="job-a", version=3, adapter="job-a-v3")
+    )
     assert res.policy_version == 3
     assert CompletionRequest.model_validate(calls[-1][1]).model == "job-a-v3"
     assert ("/v1/unload_lora_adapter", {"lora_name": "job-a-v1"}) in calls

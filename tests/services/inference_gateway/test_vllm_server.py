@@ -14,20 +14,30 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from services.inference_gateway.backends import BackendError, ErrorKind, GenerateRequest, VLLMBackend
+from services.inference_gateway.backends import (
+    BackendError,
+    ErrorKind,
+    GenerateRequest,
+    Served,
+    adapter_name,
+)
+from services.inference_gateway.vllm_backend import VLLMBackend
 from temper import registry
 from temper.events import SamplingParams
 from temper.jobspec import LoraSpec
 from temper.policy import ChatTokenizer, token_logprobs
 from temper.settings.inference import BackendKind, BackendSpec, VLLMReloadMode
 from temper.storage import LocalStore
-from temper.training import Learner, LearnerConfig
+from temper.training import Learner, LearnerConfig, StepStats
+from temper.trajectory import Segment, Trajectory
 from tests.services.inference_gateway.vllm_server import SERVED_NAME, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]  # the first test waits for the server
@@ -64,7 +74,13 @@ def gap(a: list[float], b: list[float]) -> float:
 
 
 def backend(server, mode: VLLMReloadMode = VLLMReloadMode.lora) -> VLLMBackend:  # noqa: ANN001
-    spec = BackendSpec(name="vllm-0", url=server.url, kind=BackendKind.vllm, model=SERVED_NAME)
+    spec = BackendSpec(
+        name="vllm-0",
+        url=server.url,
+        kind=BackendKind.vllm,
+        model=SERVED_NAME,
+        model_dir=str(server.model_dir),
+    )
     return VLLMBackend(spec, model_name=SERVED_NAME, reload_mode=mode, timeout_s=120.0)
 
 
@@ -79,6 +95,37 @@ async def lora_backend(vllm_server) -> AsyncIterator[VLLMBackend]:  # noqa: ANN0
 def req(prompt: list[int], job: str | None = None, **sampling) -> GenerateRequest:  # noqa: ANN003
     params = {"max_tokens": 8, "temperature": 0.0, **sampling}
     return GenerateRequest(prompt_ids=prompt, sampling=SamplingParams(**params), job_id=job, ignore_eos=True)
+
+
+def routed(served: Served | None, r: GenerateRequest) -> GenerateRequest:
+    """``r`` as the gateway sends it: with the adapter and version the server reported for its job."""
+    assert served is not None
+    v = served.adapters.get(r.job_id or "")
+    return replace(r, version=v or 0, adapter=adapter_name(r.job_id or "", v) if v is not None else None)
+
+
+def canary(learner: Learner, rows: list[tuple[list[int], Any]], version: int) -> StepStats:
+    """The trainer's logprob canary on ``rows`` (prompt, a result with ``token_ids`` and
+    ``logprobs``) sampled by ``version`` of ``learner``'s weights: one optimizer step of the
+    learner on them (it is not used after)."""
+    group = [
+        Trajectory(
+            job_id="j",
+            episode_id=f"e{i}",
+            task_id="t",
+            group_id="g",
+            reward=float(i % 2),
+            segments=[
+                Segment(role="prompt", token_ids=prompt),
+                Segment(role="model", token_ids=r.token_ids, logprobs=r.logprobs, policy_version=version),
+            ],
+        )
+        for i, (prompt, r) in enumerate(rows)
+    ]
+    learner.version = version  # as published: the learner's weights are that version's
+    stats = learner.step([group])
+    assert stats.canary and stats.mismatch_tokens == sum(len(r.token_ids) for _, r in rows)
+    return stats
 
 
 # --- completions -----------------------------------------------------------------------------
@@ -218,10 +265,11 @@ async def test_adapters_load_serve_their_own_weights_in_one_batch_and_unload(
     # one batch: rows of job a, job b and a job still on the base model (v0), sampled and greedy
     base_model = hf_model(base)
     rows = [(job, p, t) for job in (job_a, job_b, job_c) for p in PROMPTS[:2] for t in (0.0, 1.0)]
+    served = await lora_backend.served()
     for rnd in range(3):
         results = await asyncio.gather(
             *(
-                lora_backend.complete(req(p, job, max_tokens=12, temperature=t, seed=rnd))
+                lora_backend.complete(routed(served, req(p, job, max_tokens=12, temperature=t, seed=rnd)))
                 for job, p, t in rows
             )
         )
@@ -238,18 +286,19 @@ async def test_adapters_load_serve_their_own_weights_in_one_batch_and_unload(
     a2, a3 = adapter(base, 4), adapter(base, 5)
     await lora_backend.load_weights(version=2, path=await publish(tmp_path, a2, job_a, 2, base))
     await lora_backend.load_weights(version=3, path=await publish(tmp_path, a3, job_a, 3, base))
-    res = await lora_backend.complete(req(PROMPTS[1], job_a))
+    res = await lora_backend.complete(routed(await lora_backend.served(), req(PROMPTS[1], job_a)))
     assert (
         res.policy_version == 3 and gap(res.logprobs, reference(a3.model, PROMPTS[1], res.token_ids)) <= TOL
     )
     loaded = await served_adapters(vllm_server)
     assert f"{job_a}-v1" not in loaded and {f"{job_a}-v2", f"{job_a}-v3"} <= loaded
 
-    # a gateway restarted against the same server takes the adapters over (and a replayed
+    # a gateway restarted against the same server serves what it lists (and a replayed
     # update of a version vLLM holds already is not an error)
     fresh = backend(vllm_server)
     await fresh.start()
-    assert fresh.route(job_a) == (f"{job_a}-v3", 3) and fresh.route(job_b) == (f"{job_b}-v3", 3)
+    served = await fresh.served()
+    assert served is not None and {job_a: 3, job_b: 3}.items() <= served.adapters.items()
     await fresh.load_weights(version=3, path=tmp_path / "served" / job_b / "v3")
     await fresh.aclose()
     for name in loaded & {f"{job_a}-v2", f"{job_a}-v3", f"{job_b}-v3"}:
@@ -302,20 +351,31 @@ async def test_full_reload_serves_the_new_weights_tied_output_layer_included(
     learner = Learner(hf_model(vllm_models.v1), LearnerConfig(), device="cpu")
     version = await publish(tmp_path, learner, "job-full", 1, vllm_models.base)
     try:
-        cached = await full.complete(req(PROMPTS[2]))  # the long prompt's KV now in the prefix cache
+        cached = await full.complete(req(PROMPTS[2], "job-full"))  # the long prompt's KV in the prefix cache
         assert gap(cached.logprobs, reference(base_model, PROMPTS[2], cached.token_ids)) <= TOL
         switch_s = await full.load_weights(version=1, path=version)
+        assert await full.served() == Served(
+            base=str(vllm_server.model_dir), at_origin=False, owner="job-full", version=1
+        ), "the server says whose weights it holds"
+        with pytest.raises(BackendError) as other:  # the job owns the server: no other job runs on it
+            await full.complete(req(PROMPTS[0], "job-other"))
+        assert other.value.kind is ErrorKind.not_served
+        sampled = []
         for prompt in PROMPTS:
-            res = await full.complete(req(prompt, max_tokens=12))
+            res = await full.complete(req(prompt, "job-full", max_tokens=12))
+            sampled.append((prompt, res))
             assert res.policy_version == 1
             assert res.token_ids == greedy(v1_model, prompt, 12)
             assert gap(res.logprobs, reference(v1_model, prompt, res.token_ids)) <= TOL
             assert gap(res.logprobs, reference(base_model, prompt, res.token_ids)) > DIFFERENT
         assert switch_s < 30
+        stats = canary(learner, sampled, 1)  # the trainer that published v1 checks what vLLM served
+        assert not stats.mismatch_failed and stats.mismatch_max < 1e-4
     finally:
-        await full.load_weights(version=2, path=vllm_models.base)  # the base weights, as a version
-    res = await full.complete(req(PROMPTS[2]))
-    assert res.policy_version == 2 and res.token_ids == cached.token_ids
+        await full.release("job-full")  # the job ended: the base weights again
+    assert await full.served() == Served(base=str(vllm_server.model_dir))
+    res = await full.complete(req(PROMPTS[2], "job-other"))
+    assert res.policy_version == 0 and res.token_ids == cached.token_ids
     assert gap(res.logprobs, reference(base_model, PROMPTS[2], res.token_ids)) <= TOL
     await full.aclose()
 
@@ -344,7 +404,7 @@ async def test_requests_during_a_full_reload_are_tagged_with_the_weights_that_sa
                 assert gap(res.logprobs, reference(models[res.policy_version], prompt, res.token_ids)) <= TOL
             assert {r.policy_version for r in await asyncio.gather(*tasks[-3:])} == {switch}
     finally:
-        await full.load_weights(version=0, path=vllm_models.base)
+        await full.release("")  # the base weights, and the server's record says so
         await full.aclose()
 
 
@@ -403,22 +463,23 @@ async def test_vllms_own_reload_leaves_a_tied_output_layer_stale_and_the_prefix_
 async def test_the_gateway_service_tags_each_jobs_results_with_the_adapter_that_sampled_them(
     tmp_path, vllm_server, vllm_models, unique
 ) -> None:
-    from services.inference_gateway.inference import InferenceService
-    from temper.events import InferenceRequest
+    from services.inference_gateway.inference import Inference
+    from temper.events import InferenceRequest, PolicyUpdate
     from temper.settings.inference import InferenceSettings
 
     settings = InferenceSettings(
         model_name=SERVED_NAME,
         backends=[BackendSpec(name="vllm-0", url=vllm_server.url, kind=BackendKind.vllm, model=SERVED_NAME)],
     )
-    service = InferenceService(settings, tokenizer=ChatTokenizer.load(vllm_models.base))
+    service = Inference(settings, tokenizer=ChatTokenizer.load(vllm_models.base))
     await service.start()
     learner = adapter(vllm_models.base, 7)
     job, other = f"g{unique}", f"h{unique}"
     try:
-        await service.reload(
-            version=1, path=await publish(tmp_path, learner, job, 1, vllm_models.base), job_id=job
-        )
+        path = await publish(tmp_path, learner, job, 1, vllm_models.base)
+        update = PolicyUpdate(job_id=job, version=1, checkpoint_key="fetched", step=1)
+        assert set(await service.apply_update(update, path=path)) == {"vllm-0"}
+        assert service.confirmed(job) == 1 and service.confirmed(other) == 0
         sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
         results = await asyncio.gather(
             *(
@@ -440,7 +501,103 @@ async def test_the_gateway_service_tags_each_jobs_results_with_the_adapter_that_
             assert (
                 len(res.token_ids) == 12 and gap(res.logprobs, reference(model, prompt, res.token_ids)) <= TOL
             )
+        # the job's trainer checks its tokens by the canary: they pass; the other job's (the
+        # base model's) labelled as the job's version fail it
+        ok = canary(learner, [(PROMPTS[0], results[0]), (PROMPTS[1], results[2])], 1)
+        assert not ok.mismatch_failed and ok.mismatch_max < 1e-4
+        wrong = canary(adapter(vllm_models.base, 7), [(PROMPTS[0], results[1]), (PROMPTS[1], results[2])], 1)
+        assert wrong.mismatch_failed
     finally:
         await service.stop()
         async with httpx.AsyncClient() as c:
             await c.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": f"{job}-v1"})
+
+
+async def test_two_full_weight_jobs_through_the_gateway_on_one_vllm_never_share_its_weights(
+    tmp_path, vllm_server, vllm_models, unique
+) -> None:
+    """Two full-weight jobs, one vLLM server (reload_mode=full), one gateway: the first job's
+    version owns the server and its samples are its weights, tagged with its version; the
+    second job's request waits and fails naming the holder (never the first job's weights
+    under its name), its version waits too; when the first job ends the base comes back,
+    the second job samples it as v0, then its own v1. Every row checked by logprobs."""
+    from services.inference_gateway.inference import Inference
+    from services.inference_gateway.weights import Waiting
+    from temper.events import InferenceRequest, PolicyUpdate
+    from temper.settings.inference import InferenceSettings
+    from tests.services.inference_gateway.vllm_server import build_model
+
+    tok = ChatTokenizer.load(vllm_models.base)
+    b_dir = build_model(tmp_path / "job-b-weights", seed=2, tokenizer=tok)
+    spec = BackendSpec(
+        name="vllm-0",
+        url=vllm_server.url,
+        kind=BackendKind.vllm,
+        model=SERVED_NAME,
+        model_dir=str(vllm_server.model_dir),
+    )
+    settings = InferenceSettings(
+        model_name=SERVED_NAME, backends=[spec], vllm_reload_mode=VLLMReloadMode.full, request_timeout_s=5.0
+    )
+    service = Inference(settings, tokenizer=tok)
+    await service.start()
+    job_a, job_b = f"fa{unique}", f"fb{unique}"
+    models = {"base": hf_model(vllm_models.base), "a": hf_model(vllm_models.v1), "b": hf_model(b_dir)}
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=4)
+
+    async def ask(job: str, prompt: list[int]):  # noqa: ANN202
+        return await service.handle(
+            InferenceRequest(
+                job_id=job, episode_id=f"e-{job}", model=SERVED_NAME, prompt_ids=prompt, sampling=sampling
+            )
+        )
+
+    def sampled_by(res, name: str, prompt: list[int]) -> None:  # noqa: ANN001
+        assert res.error is None and len(res.token_ids) == 12
+        assert gap(res.logprobs, reference(models[name], prompt, res.token_ids)) <= TOL, f"{name}'s weights"
+        for other in set(models) - {name}:
+            assert gap(res.logprobs, reference(models[other], prompt, res.token_ids)) > DIFFERENT
+
+    try:
+        a1 = await publish(
+            tmp_path,
+            Learner(hf_model(vllm_models.v1), LearnerConfig(), device="cpu"),
+            job_a,
+            1,
+            vllm_models.base,
+        )
+        b1 = await publish(
+            tmp_path, Learner(hf_model(b_dir), LearnerConfig(), device="cpu"), job_b, 1, vllm_models.base
+        )
+        assert set(
+            await service.apply_update(
+                PolicyUpdate(job_id=job_a, version=1, checkpoint_key="a1", step=1), path=a1
+            )
+        ) == {"vllm-0"}
+        for prompt in PROMPTS[:2]:
+            res = await ask(job_a, prompt)
+            assert res.policy_version == 1
+            sampled_by(res, "a", prompt)
+        held = await ask(job_b, PROMPTS[0])  # job a's weights hold the only backend
+        assert held.error is not None and job_a in held.error and held.token_ids == []
+        assert held.policy_version == 0
+        with pytest.raises(Waiting, match=job_a):
+            await service.apply_update(
+                PolicyUpdate(job_id=job_b, version=1, checkpoint_key="b1", step=1), path=b1
+            )
+        assert await service.end_job(job_a) == ["vllm-0"]
+        res = await ask(job_b, PROMPTS[0])
+        assert res.policy_version == 0
+        sampled_by(res, "base", PROMPTS[0])
+        await service.apply_update(
+            PolicyUpdate(job_id=job_b, version=1, checkpoint_key="b1", step=1), path=b1
+        )
+        assert service.confirmed(job_b) == 1
+        for prompt in PROMPTS[:2]:
+            res = await ask(job_b, prompt)
+            assert res.policy_version == 1
+            sampled_by(res, "b", prompt)
+    finally:
+        await service.end_job(job_b)
+        await service.end_job(job_a)
+        await service.stop()

@@ -68,7 +68,8 @@ class TrajectoryFactory:
         self.rng = random.Random(seed)
         self.count = 0
 
-    def make(self, group: str, reward: float, *, version: int = 0) -> Made:
+    def make(self, group: str, reward: float, *, version: int = 0, shift: float = 0.0) -> Made:
+        """``shift``: added to every behaviour logprob (an engine that reports other weights')."""
         self.count += 1
         episode = f"{self.job_id}-ep{self.count:04d}"
         prompt = encode_chat(TOK, [{"role": "user", "content": f"Solve {group}."}])
@@ -79,6 +80,7 @@ class TrajectoryFactory:
         mask = [0] * len(prompt) + [1] * len(a1) + [0] * len(obs) + [1] * len(a2)
         with torch.no_grad():
             lp = token_logprobs(self.model, torch.tensor([ids]), None, torch.tensor([mask]))[0].tolist()
+        lp = [x + shift for x in lp]
         n1, n2 = len(prompt), len(prompt) + len(a1) + len(obs)
         traj = Trajectory(
             job_id=self.job_id,
@@ -105,8 +107,8 @@ class TrajectoryFactory:
         )
         return Made(traj, msg)
 
-    def group(self, name: str, rewards: list[float], *, version: int = 0) -> list[Made]:
-        return [self.make(name, r, version=version) for r in rewards]
+    def group(self, name: str, rewards: list[float], *, version: int = 0, shift: float = 0.0) -> list[Made]:
+        return [self.make(name, r, version=version, shift=shift) for r in rewards]
 
 
 async def store_all(store: ObjectStore, made: list[Made]) -> None:

@@ -13,7 +13,13 @@ from sqlalchemy import select
 
 from services.trainer.app import create_app
 from services.trainer.component import Trainer
-from services.trainer.ledger import SKIP_INCOMPLETE, SKIP_JOB_ENDED, SKIP_STALE, SKIP_ZERO_VARIANCE
+from services.trainer.ledger import (
+    SKIP_INCOMPLETE,
+    SKIP_JOB_ENDED,
+    SKIP_MISMATCH,
+    SKIP_STALE,
+    SKIP_ZERO_VARIANCE,
+)
 from temper.db import Episode, Job, OutboxRow, PolicyVersion, TrainedTrajectory
 from temper.db.migrate import upgrade
 from temper.events import PolicyUpdate, Topics
@@ -448,6 +454,98 @@ async def test_a_lora_job_publishes_adapter_versions_and_resumes_from_them(setti
         await restored.load_version(runtime.store, key)
         now = restored.adapter_weights()
         assert now.keys() == adapter_v1.keys() and all(torch.equal(now[n], p) for n, p in adapter_v1.items())
+    finally:
+        await stop(runtime, component)
+
+
+@pytest.mark.parametrize("on_mismatch", ["skip", "halt"])
+async def test_a_batch_whose_logprobs_are_not_its_versions_is_refused_and_the_job_says_why(
+    settings, on_mismatch
+):
+    """The logprob canary (algorithm.mismatch.on_mismatch: skip or halt): a batch whose
+    behaviour logprobs were planted 0.5 off the version that sampled them is not trained on,
+    its groups are skipped with the reason, the job shows it (halt: the job is paused with
+    it) and the metric counts it; then (skip) the next clean batch of the same version passes
+    the canary, trains and clears the reason."""
+    runtime, component = await start(settings)
+    trainer = component.training
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        spec = job_spec(group_size=2, groups_per_step=1, checkpoint_every=1)
+        spec["algorithm"]["mismatch"] = {"on_mismatch": on_mismatch}
+        job_id = f"job-m-{on_mismatch}"
+        await add_job(runtime.db, job_id, spec)
+        labels = {"job_id": job_id}
+        f = TrajectoryFactory(job_id)
+        planted = f.group("planted", [0.0, 1.0], shift=0.5)
+        await store_all(runtime.store, planted)
+        await send_all(runtime.bus, planted)
+
+        async def refused() -> bool:
+            rows = await ledger(runtime, job_id)
+            return len(rows) == 2 and all(r.skipped for r in rows.values())
+
+        await wait_for(refused, what="the planted batch refused")
+        rows = await ledger(runtime, job_id)
+        assert {r.skipped for r in rows.values()} == {SKIP_MISMATCH}
+        job = trainer.jobs[job_id]
+        assert job.learner.step_count == 0 and await versions(runtime, job_id) == []
+        async with runtime.db.session() as s:
+            row = await s.get(Job, job_id)
+            assert row is not None
+            state, reason = row.state, row.state_reason
+        prefix = "stuck: " if on_mismatch == "skip" else ""
+        assert state == ("running" if on_mismatch == "skip" else "paused")
+        assert reason is not None and reason.startswith(f"{prefix}logprob mismatch at v0: 100.0% of")
+        assert "past 0.0001" in reason and "refused" in reason
+        assert REGISTRY.get_sample_value("temper_trainer_mismatched_batches_total", labels) == 1
+        assert REGISTRY.get_sample_value("temper_trainer_logprob_mismatch", {**labels, "stat": "mean"}) == (
+            pytest.approx(0.5, abs=1e-5)
+        )
+        checked = REGISTRY.get_sample_value("temper_trainer_logprob_checked_tokens_total", labels) or 0
+        assert checked == sum(
+            sum(s.role == "model" and len(s.token_ids) or 0 for s in m.trajectory.segments) for m in planted
+        )
+
+        if on_mismatch == "halt":
+            return
+        clean = f.group("clean", [1.0, 0.0])
+        await store_all(runtime.store, clean)
+        await send_all(runtime.bus, clean)
+
+        async def published() -> bool:
+            return await versions(runtime, job_id) == [(1, 1)]
+
+        await wait_for(published, what="the clean batch trained and published")
+        last = job.history[-1]
+        assert last["canary"] and last["mismatch_tokens"] > 0 and last["mismatch_max"] < 1e-4
+        assert not last["mismatch_failed"]
+        async with runtime.db.session() as s:
+            assert (await s.get(Job, job_id)).state_reason is None  # type: ignore[union-attr]
+        assert REGISTRY.get_sample_value("temper_trainer_mismatched_batches_total", labels) == 1
+        # an engine that answers with v0's weights under v1's label: the factory's logprobs are
+        # the initial policy's, the learner's weights v1's; the v1 row records the failure
+        stale_label = f.group("relabelled", [1.0, 0.0], version=1)
+        await store_all(runtime.store, stale_label)
+        await send_all(runtime.bus, stale_label)
+
+        async def v1_checked_and_refused() -> bool:
+            rows = await ledger(runtime, job_id)
+            if not all(
+                m.message.episode_id in rows and rows[m.message.episode_id].skipped for m in stale_label
+            ):
+                return False
+            async with runtime.db.session() as s:
+                row = await s.get(PolicyVersion, (job_id, 1))
+                return row is not None and "logprob_canary" in (row.metrics or {})
+
+        await wait_for(v1_checked_and_refused, what="the canary on the v1 row, the batch refused")
+        async with runtime.db.session() as s:
+            canary = (await s.get(PolicyVersion, (job_id, 1))).metrics["logprob_canary"]  # type: ignore[union-attr]
+        assert canary["failed_batches"] == 1 and canary["tokens"] > 0 and canary["over"] > 0
+        assert canary["mean"] > 1e-3, "v0's logprobs are not v1's"
+        rows = await ledger(runtime, job_id)
+        assert {rows[m.message.episode_id].skipped for m in stale_label} == {SKIP_MISMATCH}
     finally:
         await stop(runtime, component)
 

@@ -1,7 +1,7 @@
 """jobs.handle (unique per tenant), jobs.tags and jobs.note: the names and labels people give jobs
 
-Revision ID: 0007_job_handles
-Revises: 0006_memory_trainer_quotas
+Revision ID: 0009_job_handles
+Revises: 0008_episode_steps_key
 Create Date: 2026-12-04 04:00:00
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007_job_handles"
-down_revision = "0006_memory_trainer_quotas"
+revision = "0009_job_handles"
+down_revision = "0008_episode_steps_key"
 branch_labels = None
 depends_on = None
 

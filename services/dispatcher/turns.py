@@ -1,0 +1,248 @@
+"""What an awaited result does to its episode: record it on its step, then issue the next
+command (a sandbox step, the next turn's inference, or the reward request) as a new step
+row and an outbox message, moving the episode with ``temper.lifecycle``.
+
+Nothing here reads or writes the database: the caller locked the rows, and writes what
+changed and the new steps (``Turns.issued``) with ``temper.db.rows.write`` in its
+transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s, sandbox_memory_gb_s
+from services.dispatcher.leases import TOPIC_FOR_KIND, lease_until
+from temper import metrics
+from temper.db import Episode, Step
+from temper.envs import Environment, ParsedAction
+from temper.events import (
+    InferenceRequest,
+    InferenceResult,
+    Message,
+    RewardRequest,
+    SamplingParams,
+    SandboxRequest,
+    SandboxResult,
+)
+from temper.jobspec import JobSpec
+from temper.lifecycle import EpisodeState, complete_step, new_step, transition_episode
+from temper.outbox import enqueue
+from temper.policy.tokenizer import ChatTokenizer, assistant_stop_ids
+from temper.settings import DispatcherSettings
+
+E = EpisodeState
+
+
+def observe_step(step: Step) -> None:
+    if step.created_at is not None and step.completed_at is not None:
+        seconds = (step.completed_at - step.created_at).total_seconds()
+        metrics.TURN_SECONDS.labels(step.kind).observe(max(0.0, seconds))
+
+
+class Turns:
+    """Builds the next command of an episode. ``tok_of`` gives a job's policy tokenizer."""
+
+    def __init__(self, settings: DispatcherSettings, tok_of: Callable[[JobSpec], ChatTokenizer]) -> None:
+        self.settings = settings
+        self.tok_of = tok_of
+
+    def issue(
+        self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0
+    ) -> Step:
+        """A new step (attempt 0) and its command; the episode waits on it. The step is new:
+        the caller writes it."""
+        lease = lease_until(self.settings, kind, extra_s)
+        step = new_step(
+            episode_id=ep.id,
+            turn=message.turn or 0,
+            kind=kind,
+            request=message.model_dump(mode="json"),
+            lease_expires_at=lease,
+        )
+        ep.turn = message.turn or 0
+        ep.attempt = 0
+        ep.lease_expires_at = lease
+        enqueue(session, TOPIC_FOR_KIND[kind], message)
+        return step
+
+    def inference_request(
+        self, ep: Episode, spec: JobSpec, prompt_ids: list[int], *, turn: int
+    ) -> InferenceRequest:
+        s = spec.policy.sampling
+        return InferenceRequest(
+            job_id=ep.job_id,
+            episode_id=ep.id,
+            turn=turn,
+            model=spec.policy.model,
+            init=spec.policy.init,
+            pool=spec.policy.backend_pool,
+            prompt_ids=prompt_ids,
+            sampling=SamplingParams(
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                stop=list(s.stop),
+                stop_token_ids=assistant_stop_ids(self.tok_of(spec)),
+            ),
+        )
+
+    def take_inference(
+        self,
+        session: AsyncSession,
+        ep: Episode,
+        step: Step,
+        msg: InferenceResult,
+        spec: JobSpec,
+        env: Environment,
+    ) -> Step:
+        """Record the awaited inference result on ``step``; returns the step it issues."""
+        ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(step.request, msg)
+        text = msg.text or self.tok_of(spec).decode(msg.token_ids)
+        action = env.parse(text, turn=step.turn)
+        complete_step(
+            step,
+            {
+                "token_ids": msg.token_ids,
+                "logprobs": msg.logprobs,
+                "text": text,
+                "finish_reason": msg.finish_reason,
+                "policy_version": msg.policy_version,
+                "backend": msg.backend,
+                "answered_at": msg.occurred_at.isoformat(),
+                "action": action.to_dict(),
+            },
+        )
+        observe_step(step)
+        if ep.behaviour_version is None or msg.policy_version < ep.behaviour_version:
+            ep.behaviour_version = msg.policy_version
+        turn = step.turn
+        if action.kind == "sandbox":
+            assert action.command is not None
+            limits = env.limits or None
+            request = SandboxRequest(
+                job_id=ep.job_id,
+                episode_id=ep.id,
+                turn=turn,
+                session_id=ep.session_id or ep.id,
+                action=action.command,
+                more_actions=action.more or [],
+                limits=limits,
+                snapshot_key=ep.snapshot_key,
+                files=env.setup_files() if ep.snapshot_key is None else {},
+                setup=env.setup_actions() if ep.snapshot_key is None else [],
+            )
+            # The lease covers the actions' own wall-clock limits on top of the hop.
+            actions = 1 + len(action.more or [])
+            wall_s = actions * float((limits or {}).get("wall_s", 0.0))
+            issued = self.issue(session, ep, "sandbox", request, extra_s=wall_s)
+            transition_episode(session, ep, E.acting)
+            return issued
+        if not action.format_ok:
+            ep.format_errors = (ep.format_errors or 0) + 1
+        if action.kind == "submit" or env.is_last_turn(turn):
+            return self.issue_reward(session, ep, spec, env, action, final_text=text)
+        # A malformed action: its error is the observation, and the model tries again.
+        observations = env.observe(action, None)
+        step.result = {**(step.result or {}), "observation": observations[0]}
+        return self.next_turn(session, ep, spec, env, step, observations)
+
+    def take_sandbox(
+        self,
+        session: AsyncSession,
+        ep: Episode,
+        step: Step,
+        inference: Step,
+        msg: SandboxResult,
+        spec: JobSpec,
+        env: Environment,
+    ) -> Step:
+        """Record the awaited sandbox result on ``step``; returns the step it issues."""
+        assert inference.result is not None
+        ep.sandbox_cpu_s = (ep.sandbox_cpu_s or 0.0) + sandbox_cpu_s(msg)
+        ep.sandbox_memory_gb_s = (ep.sandbox_memory_gb_s or 0.0) + sandbox_memory_gb_s(msg)
+        action = ParsedAction.from_dict(inference.result["action"])
+        observations = env.observe(action, msg.result, msg.more_results)
+        complete_step(
+            step,
+            {
+                "exec": msg.result,
+                **({"more_exec": msg.more_results} if msg.more_results else {}),
+                "worker": msg.worker,
+                "snapshot_key": msg.snapshot_key,
+                "observation": "\n\n".join(observations),
+                **({"observations": observations} if len(observations) > 1 else {}),
+            },
+        )
+        observe_step(step)
+        if msg.snapshot_key:
+            ep.snapshot_key = msg.snapshot_key
+        if action.submit_after or env.is_last_turn(step.turn):
+            return self.issue_reward(
+                session, ep, spec, env, action, final_text=inference.result.get("text", "")
+            )
+        return self.next_turn(session, ep, spec, env, inference, observations)
+
+    def next_turn(
+        self,
+        session: AsyncSession,
+        ep: Episode,
+        spec: JobSpec,
+        env: Environment,
+        inference: Step,
+        observations: list[str],
+    ) -> Step:
+        """Extend the conversation token-wise with ``observations`` (one message per tool
+        call) and ask for the next action."""
+        sampled = inference.result["token_ids"] if inference.result else []
+        prompt = [
+            *inference.request["prompt_ids"],
+            *sampled,
+            *env.observation_ids(self.tok_of(spec), sampled, observations),
+        ]
+        if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
+            # Out of context: score what there is.
+            action = ParsedAction.from_dict((inference.result or {}).get("action", {"kind": "invalid"}))
+            ep.timings = {**ep.timings, "context_full": True}
+            return self.issue_reward(
+                session, ep, spec, env, action, final_text=(inference.result or {}).get("text", "")
+            )
+        issued = self.issue(
+            session, ep, "inference", self.inference_request(ep, spec, prompt, turn=inference.turn + 1)
+        )
+        transition_episode(session, ep, E.awaiting_action)
+        return issued
+
+    def issue_reward(
+        self,
+        session: AsyncSession,
+        ep: Episode,
+        spec: JobSpec,
+        env: Environment,
+        action: ParsedAction,
+        *,
+        final_text: str,
+    ) -> Step:
+        format_ok = not ep.format_errors  # over every turn, this one included
+        request = RewardRequest(
+            job_id=ep.job_id,
+            episode_id=ep.id,
+            turn=ep.turn,
+            task_id=ep.task_id,
+            taskset_id=env.task.meta.get("task_set_id") or spec.tasks.taskset,
+            submission=env.submission(
+                action if action.kind != "invalid" else None,
+                final_text=final_text,
+                snapshot_key=ep.snapshot_key,
+                session_id=ep.session_id or ep.id,
+            ),
+            weights=dict(spec.rewards),
+            turns_used=ep.turn + 1,
+            max_turns=env.max_turns,
+            format_ok=format_ok,
+        )
+        issued = self.issue(session, ep, "reward", request)
+        transition_episode(session, ep, E.scoring)
+        return issued

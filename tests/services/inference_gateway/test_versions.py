@@ -1,0 +1,156 @@
+"""Which version of which job a backend serves, checked by content: two jobs training full
+weights on one gateway never get each other's weights, nor each other's version tag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.inference_gateway.cpu_server.runner import ModelRunner
+from services.inference_gateway.inference import Inference
+from services.inference_gateway.local import LocalBackend
+from services.inference_gateway.weights import Waiting
+from temper import registry
+from temper.events import InferenceRequest, PolicyUpdate
+from temper.events import SamplingParams as Sampling
+from temper.policy import create_model, default_tokenizer, encode_chat, save_checkpoint, token_logprobs
+from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
+from temper.storage import LocalStore
+
+pytestmark = pytest.mark.timeout(120)
+
+TOK = default_tokenizer()
+PROMPT = encode_chat(TOK, [{"role": "user", "content": "Say something."}])
+
+
+async def publish_full(store: LocalStore, tmp: Path, job: str, version: int, seed: int) -> tuple[str, object]:
+    """A full-weights version of ``job`` (a model with the weights of ``seed``) in the registry."""
+    model = create_model(seed=seed)
+    directory = save_checkpoint(model, tmp / f"{job}-v{version}", tokenizer=TOK)
+    key = await registry.publish_version(
+        store,
+        registry.version_prefix("t", job, version),
+        directory,
+        job_id=job,
+        version=version,
+        kind="full",
+        base_model="tiny",
+    )
+    return key, model
+
+
+def own_logprobs(model: torch.nn.Module, tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        return token_logprobs(model, torch.tensor([PROMPT + tokens]))[0, len(PROMPT) :].tolist()
+
+
+def request(job: str) -> InferenceRequest:
+    return InferenceRequest(
+        job_id=job,
+        episode_id=f"{job}-e",
+        turn=0,
+        attempt=1,
+        model="tiny",
+        prompt_ids=PROMPT,
+        sampling=Sampling(max_tokens=6, seed=11),
+    )
+
+
+def inference(tmp: Path, store: LocalStore, backends: int) -> Inference:
+    cfg = InferenceSettings(
+        backends=[],
+        checkpoint_cache_dir=str(tmp / "cache"),
+        request_timeout_s=1.0,
+        max_retries=0,
+        retry_backoff_s=0.001,
+    )
+    local = [
+        LocalBackend(
+            BackendSpec(name=f"local-{i}", kind=BackendKind.local),
+            model_name="temper-policy",
+            runner=ModelRunner(create_model(seed=0), TOK),
+        )
+        for i in range(backends)
+    ]
+    return Inference(cfg, store=store, backends=local, tokenizer=TOK)
+
+
+async def test_the_issues_case_a_second_full_weight_job_never_gets_the_first_ones_weights(tmp_path):
+    """Job A reloads its full weights at version 5, then job B publishes its version 1, on a
+    gateway with one backend: B's requests are not answered with A's weights nor tagged
+    with A's version; B's version 1 is loaded once A's job ended, and then serves B."""
+    store = LocalStore(tmp_path / "objects")
+    svc = inference(tmp_path, store, backends=1)
+    await svc.start()
+    try:
+        key_a, model_a = await publish_full(store, tmp_path, "job-a", 5, seed=5)
+        key_b, model_b = await publish_full(store, tmp_path, "job-b", 1, seed=21)
+        b1 = PolicyUpdate(job_id="job-b", version=1, checkpoint_key=key_b, step=1)
+        await svc.apply_update(PolicyUpdate(job_id="job-a", version=5, checkpoint_key=key_a, step=5))
+        with pytest.raises(Waiting, match="job-a"):  # the only backend holds job A's weights
+            await svc.apply_update(b1)
+        a = await svc.handle(request("job-a"))
+        assert (a.error, a.policy_version) == (None, 5)
+        assert a.logprobs == pytest.approx(own_logprobs(model_a, a.token_ids), abs=1e-4)
+        b = await svc.handle(request("job-b"))
+        assert b.error is not None and b.policy_version != 5, (
+            f"job B was answered while job A holds the only backend: tagged v{b.policy_version}"
+        )
+        assert b.token_ids == [] and "job-a" in b.error
+        assert await svc.end_job("job-a") == ["local-0"]
+        assert svc.table.holders_of("job-a") == [] and svc.table.free("default") == ["local-0"]
+        base = await svc.handle(request("job-b"))  # job B before its update: the base weights, v0
+        assert (base.error, base.policy_version) == (None, 0)
+        assert base.logprobs == pytest.approx(own_logprobs(create_model(seed=0), base.token_ids), abs=1e-4)
+        assert await svc.apply_update(b1)
+        b = await svc.handle(request("job-b"))
+        assert (b.error, b.policy_version) == (None, 1)
+        assert b.logprobs == pytest.approx(own_logprobs(model_b, b.token_ids), abs=1e-4)
+    finally:
+        await svc.stop()
+
+
+async def test_two_full_weight_jobs_on_two_backends_each_get_their_own_weights_and_tag(tmp_path):
+    store = LocalStore(tmp_path / "objects")
+    svc = inference(tmp_path, store, backends=2)
+    await svc.start()
+    try:
+        key_a, model_a = await publish_full(store, tmp_path, "job-a", 5, seed=5)
+        key_b, model_b = await publish_full(store, tmp_path, "job-b", 1, seed=21)
+        await svc.apply_update(PolicyUpdate(job_id="job-a", version=5, checkpoint_key=key_a, step=5))
+        await svc.apply_update(PolicyUpdate(job_id="job-b", version=1, checkpoint_key=key_b, step=1))
+        for _ in range(3):  # whichever backend a request lands on
+            a, b = await svc.handle(request("job-a")), await svc.handle(request("job-b"))
+            assert (a.error, a.policy_version, b.error, b.policy_version) == (None, 5, None, 1)
+            assert a.backend != b.backend
+            assert a.logprobs == pytest.approx(own_logprobs(model_a, a.token_ids), abs=1e-4)
+            assert b.logprobs == pytest.approx(own_logprobs(model_b, b.token_ids), abs=1e-4)
+    finally:
+        await svc.stop()
+
+
+async def test_a_job_naming_a_model_directory_is_served_by_it_and_the_next_job_by_its_own(tmp_path):
+    """The runner takes the model a job names (its version 0), and gives it back for a job
+    that names the runner's own model."""
+    store = LocalStore(tmp_path / "objects")
+    named = create_model(seed=7)
+    directory = save_checkpoint(named, tmp_path / "named-model", tokenizer=TOK)
+    svc = inference(tmp_path, store, backends=1)
+    await svc.start()
+    try:
+        mine = await svc.handle(request("job-x").model_copy(update={"model": str(directory)}))
+        assert (mine.error, mine.policy_version) == (None, 0)
+        assert mine.logprobs == pytest.approx(own_logprobs(named, mine.token_ids), abs=1e-4)
+        assert svc.table.holdings["local-0"].names == {str(directory)}
+        # another job on the gateway's own model while job x still runs on its: it waits, then fails
+        blocked = await svc.handle(request("job-y"))
+        assert blocked.error is not None and str(directory) in blocked.error
+        await svc.end_job("job-x")
+        after = await svc.handle(request("job-y"))
+        assert (after.error, after.policy_version) == (None, 0)
+        assert after.logprobs == pytest.approx(own_logprobs(create_model(seed=0), after.token_ids), abs=1e-4)
+        assert svc.table.holdings["local-0"].at_origin
+    finally:
+        await svc.stop()
