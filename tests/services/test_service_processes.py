@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-SERVICES = ["dispatcher", "inference_gateway", "sandbox_worker", "reward_scorer", "trainer"]
+SERVICES = ["dispatcher", "inference_gateway", "sandbox_worker", "reward_scorer", "trainer", "tracker"]
 
 
 def free_port() -> int:

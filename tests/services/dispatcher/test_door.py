@@ -54,6 +54,16 @@ def one_shape(body: dict) -> None:
         ({"schedule__iterations": "5"}, "schedule.iterations", "valid integer"),
         ({"algorithm__skip_zero_variance": "yes"}, "algorithm.skip_zero_variance", "valid boolean"),
         ({"policy__sampling__temperature": "0.7"}, "policy.sampling.temperature", "valid number"),
+        ({"tracking__mlflow__uri": "ftp://mlflow:5000"}, "tracking.mlflow.uri", "http:// or https://"),
+        ({"tracking__mlflow__uri": "http://"}, "tracking.mlflow.uri", "with a host"),
+        ({"tracking__mlflow__uri": "http://me:pw@mlflow:5000"}, "tracking.mlflow.uri", "credentials"),
+        ({"tracking__mlflow__uri": "http://mlflow:99999"}, "tracking.mlflow.uri", "invalid port"),
+        (
+            {"tracking__wandb__project": "p", "tracking__wandb__mode": "online"},
+            "tracking.wandb.mode",
+            "only 'offline'",
+        ),  # fmt: skip
+        ({"tracking__wandb__project": "p"}, "tracking.wandb", "not built yet"),
     ],
 )
 async def test_each_bad_name_or_type_is_a_422_naming_the_field(client, changes, field, says):
