@@ -38,6 +38,7 @@ async def write_report(
         "pass_rates": [p.model_dump() for p in metrics.pass_rates],
         "policy_version": job.policy_version,
         "episodes_by_state": metrics.progress.episodes_by_state,
+        "training": metrics.training.model_dump(mode="json"),  # the trainer's numbers per version
         "seconds": round(seconds, 1),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
