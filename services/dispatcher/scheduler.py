@@ -104,7 +104,10 @@ class Scheduler:
                 and_(Job.state == J.paused, Job.state_reason.startswith(QUOTA_REASON)),
             )
             jobs = list(
-                await session.execute(select(Job.id, Job.tenant_id, Job.state).where(live).order_by(Job.id))
+                # oldest first: jobs waiting for a backend get it in the order they came
+                await session.execute(
+                    select(Job.id, Job.tenant_id, Job.state).where(live).order_by(Job.created_at, Job.id)
+                )
             )
             # the fleet's room is planned for the tenants that may start episodes now
             await self.fleet.begin_tick(session, {t for _, t, state in jobs if state != J.paused})
