@@ -85,6 +85,10 @@ class Gateway:
         rt.checks["backends"] = self.check_backends
         self._tasks.append(rt.spawn(self.inference.router.health_loop(), "gateway-health"))
         self._tasks.append(rt.spawn(self.updates.run(), "gateway-policy-updates"))
+        if self.updates.database() is not None:
+            # The jobs' current versions come from the database (load_current, below); a
+            # new group that replayed the topic would load every past job's versions.
+            await rt.bus.start_group_at_end(self.policy_group, [Topics.POLICY_UPDATES])
         self.policy = await rt.consume_handlers(handlers.policy_topics(self.updates), group=self.policy_group)
         # The jobs' current versions before any request: never what a group replays.
         await self.updates.load_current()

@@ -158,6 +158,48 @@ async def test_pause_stops_delivery_and_resume_restarts_it(bus: Bus, unique: str
     await wait_for(lambda: got == [b"before", b"while-paused"])
 
 
+async def test_a_group_started_at_the_end_reads_only_what_is_sent_after_and_an_old_group_keeps_its_place(
+    bus: Bus, unique: str
+):
+    topic = f"t-end-{unique}"
+    await bus.create_topics([topic])
+    for i in range(6):
+        await bus.send(topic, f"old-{i}".encode(), key=f"k{i}")
+    # a group that read part of the topic before, and stopped
+    seen_old: list[str] = []
+
+    async def old_reader(record: Record) -> None:
+        seen_old.append(record.value.decode())
+
+    first = await bus.subscribe([topic], f"g-old-{unique}", old_reader)
+    await wait_for(lambda: len(seen_old) == 6)
+    await first.stop()
+    for i in range(3):
+        await bus.send(topic, f"between-{i}".encode(), key=f"k{i}")
+
+    await bus.start_group_at_end(f"g-new-{unique}", [topic])
+    await bus.start_group_at_end(f"g-old-{unique}", [topic])  # has offsets: left where it was
+    seen_new: list[str] = []
+    seen_again: list[str] = []
+
+    async def new_reader(record: Record) -> None:
+        seen_new.append(record.value.decode())
+
+    async def old_again(record: Record) -> None:
+        seen_again.append(record.value.decode())
+
+    new = await bus.subscribe([topic], f"g-new-{unique}", new_reader)
+    again = await bus.subscribe([topic], f"g-old-{unique}", old_again)
+    for i in range(4):
+        await bus.send(topic, f"new-{i}".encode(), key=f"k{i}")
+    await wait_for(lambda: len(seen_new) >= 4 and len(seen_again) >= 7)
+    await asyncio.sleep(0.3)
+    assert sorted(seen_new) == [f"new-{i}" for i in range(4)]
+    assert sorted(seen_again) == sorted([f"between-{i}" for i in range(3)] + [f"new-{i}" for i in range(4)])
+    await new.stop()
+    await again.stop()
+
+
 async def test_messages_round_trip_as_typed_events(bus: Bus, unique: str):
     from temper.events import decode
 

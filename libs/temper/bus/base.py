@@ -79,6 +79,12 @@ class Bus(ABC):
         """Create topics and their dead-letter twins; existing ones are left as they are."""
 
     @abstractmethod
+    async def start_group_at_end(self, group: str, topics: Iterable[str]) -> None:
+        """Place a group that has no committed offsets at the topics' current ends, so it
+        reads only what is sent from now on (a new group otherwise starts at the earliest
+        offset and replays the topics' whole history). A group with offsets keeps them."""
+
+    @abstractmethod
     async def send(
         self,
         topic: str,

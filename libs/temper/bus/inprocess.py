@@ -43,6 +43,14 @@ class InProcessBus(Bus):
             for name in (topic, Topics.dead_letter(topic)):
                 self.topics.setdefault(name, [[] for _ in range(partitions or self.partitions)])
 
+    async def start_group_at_end(self, group: str, topics: Iterable[str]) -> None:
+        g = self._groups.setdefault(group, _Group(group))
+        if g.committed:
+            return
+        for topic in topics:
+            for partition, log in enumerate(self.topics[topic]):
+                g.committed[(topic, partition)] = len(log)
+
     def _partition_for(self, topic: str, key: str | None) -> int:
         count = len(self.topics[topic])
         if key is None:

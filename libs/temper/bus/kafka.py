@@ -95,6 +95,33 @@ class KafkaBus(Bus):
             raise self._unavailable(exc) from None
         return admin
 
+    async def start_group_at_end(self, group: str, topics: Iterable[str]) -> None:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            group_id=self.broker_name(group),
+            enable_auto_commit=False,
+            request_timeout_ms=int(self.connect_timeout_s * 1000) + 1000,
+        )
+        try:
+            await consumer.start()
+        except (KafkaError, OSError, TimeoutError) as exc:
+            raise self._unavailable(exc) from exc
+        try:
+            await consumer._client.force_metadata_update()
+            tps = [
+                TopicPartition(self.broker_name(t), p)
+                for t in topics
+                for p in sorted(consumer.partitions_for_topic(self.broker_name(t)) or ())
+            ]
+            consumer.assign(tps)
+            committed = [await consumer.committed(tp) for tp in tps]
+            if any(offset is not None for offset in committed):
+                return  # the group has read these before: it goes on where it stopped
+            ends = await consumer.end_offsets(tps)
+            await consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in ends.items()})
+        finally:
+            await consumer.stop()
+
     async def create_topics(self, topics: Iterable[str], partitions: int | None = None) -> None:
         names = [self.broker_name(n) for t in topics for n in (t, Topics.dead_letter(t))]
         admin = await self._admin()
