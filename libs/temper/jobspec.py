@@ -320,6 +320,30 @@ class MismatchSpec(_Spec):
     on_mismatch: OnMismatch = Field(OnMismatch.flag, description="what a failed batch does")
 
 
+class Correction(StrEnum):
+    none = "none"
+    tis = "tis"  # truncated importance sampling: each token's loss times min(rho, cap)
+    mis = "mis"  # masked importance sampling: times rho where rho <= cap, else no loss
+
+
+class CorrectionLevel(StrEnum):
+    token = "token"  # rho of each token
+    sequence = "sequence"  # rho of the whole response (the product over its tokens)
+
+
+class CorrectionSpec(_Spec):
+    """Train/inference mismatch correction (docs/training.md): ``rho`` is the trainer's
+    probability of a sampled token (at the weights before this step) over the engine's;
+    with a correction on, the clipped ratio is taken against the trainer's probability and
+    the engine's enters only through ``rho``."""
+
+    kind: Correction = Field(
+        Correction.none, description="none, tis (truncate rho at cap) or mis (mask past cap)"
+    )
+    level: CorrectionLevel = Field(CorrectionLevel.token, description="rho per token or per response")
+    cap: float = Field(2.0, gt=1, le=1000, description="the bound on rho")
+
+
 class AlgorithmSpec(_Spec):
     name: Algorithm = Field(Algorithm.grpo, description="a preset of the parts below")
     learning_rate: float = Field(1e-4, gt=0, le=1)
@@ -376,6 +400,9 @@ class AlgorithmSpec(_Spec):
     precision: Precision | None = Field(None, description="default: TEMPER_TRAINER__BF16")
     lora: LoraSpec | None = Field(None, description="train a LoRA adapter; absent: full weights")
     mismatch: MismatchSpec = Field(default_factory=MismatchSpec, description="the logprob canary")
+    correction: CorrectionSpec = Field(
+        default_factory=CorrectionSpec, description="train/inference mismatch correction (TIS, MIS)"
+    )
 
     @field_validator("name", mode="before")
     @classmethod

@@ -15,7 +15,21 @@ tokens are masked out):
     l_t    = pg_t + kl_coef * kl_t - entropy_coef * H_t
     loss   = sum_{i,t} w_i * m_{i,t} * l_t
 
-with the aggregation choosing the weight ``w_i`` of each token of sample ``i``
+A mismatch correction (``Objective.correction``: TIS or MIS) weighs each token's
+``pg_t`` by an importance weight of the engine's sampling, with ``log pi_prox`` the
+trainer's own logprob at the weights before this step (detached):
+
+    rho_t   = exp(log pi_prox(y_t) - log pi_behaviour(y_t))       (level token)
+    rho_t   = exp(sum_t' log pi_prox(y_t') - log pi_behaviour(y_t'))  (level sequence, one per response)
+    tis     c_t = min(rho_t, cap)
+    mis     c_t = rho_t if rho_t <= cap else 0
+    pg_t    = -c_t * min(r_t * A_i, clip(r_t, 1 - clip_low, 1 + clip_high) * A_i),
+              r_t = exp(log pi_theta(y_t) - log pi_prox(y_t))
+
+so the clipped ratio is taken against the trainer's probabilities and the engine's
+enter only through ``c_t`` (the decoupled form of TIS, Yao et al. 2025, and AReaL).
+
+With the aggregation choosing the weight ``w_i`` of each token of sample ``i``
 (``n_i`` its model tokens, ``N`` those of the whole batch, ``B`` its samples):
 token_mean ``1/N``, seq_mean ``1/(B n_i)``, seq_sum ``1/(B C)`` for a constant ``C``.
 Weights are computed over the whole optimizer batch, so micro-batches add up to
@@ -30,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from temper.jobspec import Advantage, Aggregation, KLEstimator, Overlong
+from temper.jobspec import Advantage, Aggregation, Correction, CorrectionLevel, KLEstimator, Overlong
 
 # exp() of a log-ratio above this would overflow float32; such tokens are clamped.
 MAX_LOG_RATIO = 20.0
@@ -92,6 +106,9 @@ class Objective:
     overlong_max_tokens: int = 0
     overlong_buffer: int = 0
     adv_eps: float = 1e-4
+    correction: Correction = Correction.none
+    correction_level: CorrectionLevel = CorrectionLevel.token
+    correction_cap: float = 2.0
 
 
 def sample_weights(token_counts: Sequence[int], objective: Objective) -> list[float]:
@@ -130,6 +147,8 @@ class LossParts:
     abs_log_ratio_sum: float
     tokens: float
     entropy_sum: float = 0.0
+    correction_sum: float = 0.0  # of c_t (each token's correction weight; 1 without one)
+    corrected: float = 0.0  # tokens whose rho passed the cap (truncated or masked)
 
 
 def grpo_token_loss(
@@ -147,22 +166,43 @@ def grpo_token_loss(
     kl: KLEstimator = KLEstimator.k3,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    proximal_logprobs: torch.Tensor | None = None,
+    correction: Correction = Correction.none,
+    correction_level: CorrectionLevel = CorrectionLevel.token,
+    correction_cap: float = 2.0,
 ) -> LossParts:
     """``logprobs``/``behaviour_logprobs``/``ref_logprobs``/``entropy``/``mask``: ``[B, T]``;
     ``advantages`` and ``weights`` (per-token weight of each row): ``[B]``; without
     ``weights`` every token weighs ``1 / normalizer``. ``clip_eps`` is the lower bound,
     ``clip_high`` the upper one (default: the same). Masked positions contribute
-    nothing, not even NaN."""
+    nothing, not even NaN. A ``correction`` other than none needs ``proximal_logprobs``
+    (the module docstring)."""
     high = clip_eps if clip_high is None else clip_high
     m = mask.bool()
     mf = m.to(logprobs.dtype)
-    log_ratio = torch.where(m, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+    corrected = correction is not Correction.none
+    if corrected and proximal_logprobs is None:
+        raise ValueError(f"correction {correction} needs the proximal logprobs")
+    anchor = behaviour_logprobs if proximal_logprobs is None or not corrected else proximal_logprobs.detach()
+    log_ratio = torch.where(m, logprobs - anchor, torch.zeros_like(logprobs))
     log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1).expand_as(ratio)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + high) * adv
     pg = -torch.minimum(unclipped, clipped)
+    weight_c = torch.ones_like(logprobs)
+    past = torch.zeros_like(m)
+    if corrected:
+        with torch.no_grad():
+            log_rho = torch.where(m, anchor - behaviour_logprobs, torch.zeros_like(logprobs))
+            if correction_level is CorrectionLevel.sequence:
+                log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+            log_cap = math.log(correction_cap)
+            past = (log_rho > log_cap) & m
+            rho = torch.exp(log_rho.clamp(max=log_cap))  # past the cap: cap (tis) or 0 (mis)
+            weight_c = torch.where(past, torch.zeros_like(rho), rho) if correction is Correction.mis else rho
+        pg = pg * weight_c
     per_token = pg
     kl_sum = 0.0
     if ref_logprobs is not None and kl is not KLEstimator.none:
@@ -186,13 +226,21 @@ def grpo_token_loss(
     loss = (per_token * w).sum()
     with torch.no_grad():
         bound = ((adv > 0) & (ratio > 1.0 + high)) | ((adv < 0) & (ratio < 1.0 - clip_eps))
+        # the statistics' ratio is against the engine's logprobs, with a correction too
+        behaviour_log_ratio = log_ratio
+        if corrected:
+            behaviour_log_ratio = torch.where(m, logprobs - behaviour_logprobs, torch.zeros_like(logprobs))
+            behaviour_log_ratio = behaviour_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        behaviour_ratio = torch.exp(behaviour_log_ratio)
         return LossParts(
             loss=loss,
             pg_sum=float((pg * mf).sum()),
             kl_sum=kl_sum,
             clipped=float((bound & m).sum()),
-            ratio_sum=float((ratio * mf).sum()),
-            abs_log_ratio_sum=float((log_ratio.abs() * mf).sum()),
+            ratio_sum=float((behaviour_ratio * mf).sum()),
+            abs_log_ratio_sum=float((behaviour_log_ratio.abs() * mf).sum()),
             tokens=float(mf.sum()),
             entropy_sum=entropy_sum,
+            correction_sum=float((weight_c * mf).sum()),
+            corrected=float(past.sum()),
         )

@@ -42,6 +42,8 @@ from temper.jobspec import (
     Advantage,
     Aggregation,
     AlgorithmSpec,
+    Correction,
+    CorrectionLevel,
     KLEstimator,
     LoraSpec,
     OnMismatch,
@@ -193,6 +195,10 @@ class LearnerConfig:
     mismatch_tolerance: float = 1e-4
     mismatch_max_share: float = 0.01
     on_mismatch: OnMismatch = OnMismatch.flag
+    # train/inference mismatch correction (the spec's algorithm.correction; temper.training.grpo)
+    correction: Correction = Correction.none
+    correction_level: CorrectionLevel = CorrectionLevel.token
+    correction_cap: float = 2.0
 
     def objective(self) -> Objective:
         return Objective(
@@ -208,6 +214,9 @@ class LearnerConfig:
             overlong_max_tokens=self.overlong_max_tokens,
             overlong_buffer=self.overlong_buffer,
             adv_eps=self.adv_eps,
+            correction=self.correction,
+            correction_level=self.correction_level,
+            correction_cap=self.correction_cap,
         )
 
     @classmethod
@@ -244,6 +253,9 @@ class LearnerConfig:
             mismatch_tolerance=a.mismatch.tolerance,
             mismatch_max_share=a.mismatch.max_share,
             on_mismatch=a.mismatch.on_mismatch,
+            correction=a.correction.kind,
+            correction_level=a.correction.level,
+            correction_cap=a.correction.cap,
         )
 
 
@@ -288,6 +300,10 @@ class StepStats:
     mismatch_share: float = 0.0
     mismatch_failed: bool = False
     refused: str = ""
+    # the mismatch correction (algorithm.correction): the mean of each token's weight c_t
+    # (1 without a correction) and the share of tokens whose rho passed the cap
+    correction_weight_mean: float = 1.0
+    correction_capped_fraction: float = 0.0
 
     def as_dict(self, *, with_staleness: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -307,6 +323,8 @@ class Accumulated:
     clipped: float = 0.0
     ratio: float = 0.0
     abs_log_ratio: float = 0.0
+    correction: float = 0.0  # sum of c_t
+    corrected: float = 0.0  # tokens past the cap
     tokens: int = 0
     micro_batches: int = 0
     mismatch: Mismatch = field(default_factory=Mismatch)
@@ -511,6 +529,8 @@ class Learner:
                 acc.clipped,
                 acc.ratio,
                 acc.abs_log_ratio,
+                acc.correction,
+                acc.corrected,
                 t,
                 checked,
                 mm.sum_abs,
@@ -524,6 +544,8 @@ class Learner:
                     acc.clipped,
                     acc.ratio,
                     acc.abs_log_ratio,
+                    acc.correction,
+                    acc.corrected,
                     acc.tokens,
                     mm.checked,
                     mm.sum_abs,
@@ -567,6 +589,8 @@ class Learner:
         stats.clip_fraction = clipped / normalizer
         stats.ratio_mean = ratio / normalizer
         stats.abs_log_ratio = alr / normalizer
+        stats.correction_weight_mean = acc.correction / normalizer
+        stats.correction_capped_fraction = acc.corrected / normalizer
         stats.grad_norm = grad_norm
         stats.learning_rate = float(self.optimizer.param_groups[0]["lr"])
         stats.tokens = tokens
@@ -652,6 +676,12 @@ class Learner:
                 kl=obj.kl,
                 entropy=entropy[0] if entropy else None,
                 entropy_coef=obj.entropy_coef,
+                # one optimizer step a batch: the weights before it are these, so the
+                # proximal policy of the correction is this forward, detached
+                proximal_logprobs=logprobs.detach().float(),
+                correction=obj.correction,
+                correction_level=obj.correction_level,
+                correction_cap=obj.correction_cap,
             )
             parts.loss.backward()
             acc.loss += float(parts.loss.detach()) / self.loss_scale
@@ -661,6 +691,8 @@ class Learner:
             acc.clipped += parts.clipped
             acc.ratio += parts.ratio_sum
             acc.abs_log_ratio += parts.abs_log_ratio_sum
+            acc.correction += parts.correction_sum
+            acc.corrected += parts.corrected
             acc.tokens += b.tokens
         acc.micro_batches = len(batches)
         return acc

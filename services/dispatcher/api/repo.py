@@ -490,4 +490,6 @@ TRAINING_FIELDS = (
     "clip_fraction",
     "learning_rate",
     "tokens",
+    "correction_weight_mean",
+    "correction_capped_fraction",
 )

@@ -209,6 +209,12 @@ class VersionTraining(BaseModel):
     clip_fraction: float | None = None
     learning_rate: float | None = None
     tokens: int | None = Field(None, description="tokens forwarded in the step")
+    correction_weight_mean: float | None = Field(
+        None, description="algorithm.correction: the mean importance weight of a token (1 without one)"
+    )
+    correction_capped_fraction: float | None = Field(
+        None, description="algorithm.correction: the share of tokens whose ratio passed the cap"
+    )
     train_s: float = Field(description="trainer seconds of the steps since the version before")
     created_at: datetime
 
