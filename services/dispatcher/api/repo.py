@@ -446,10 +446,16 @@ async def _training(session: AsyncSession, job: Job, *, scored: int) -> schemas.
         value = m.get(key)
         return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
+    def canary(m: dict[str, Any]) -> dict[str, Any]:
+        c = m.get("logprob_canary")
+        if not isinstance(c, dict):
+            return {}
+        return {f"canary_{k}": num(c, src) for k, src in CANARY_FIELDS.items()}
+
     versions = [
         schemas.VersionTraining(
             version=v.version, step=v.step, train_s=v.train_s, created_at=v.created_at,
-            **{k: num(v.metrics or {}, k) for k in TRAINING_FIELDS},
+            **{k: num(v.metrics or {}, k) for k in TRAINING_FIELDS}, **canary(v.metrics or {}),
         )
         for v in rows
     ]  # fmt: skip
@@ -479,6 +485,9 @@ async def _training(session: AsyncSession, job: Job, *, scored: int) -> schemas.
         versions=versions, trained_episodes=trained, skipped_groups=skipped, not_trained_reason=reason
     )
 
+
+# the logprob canary's figures on a version row (services/trainer/mismatch.py), by their metrics names
+CANARY_FIELDS = {"tokens": "tokens", "mean": "mean", "max": "max", "failed_batches": "failed_batches"}
 
 # the StepStats fields a version row carries that the metrics show
 TRAINING_FIELDS = (

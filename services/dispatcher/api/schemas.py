@@ -215,6 +215,14 @@ class VersionTraining(BaseModel):
     correction_capped_fraction: float | None = Field(
         None, description="algorithm.correction: the share of tokens whose ratio passed the cap"
     )
+    canary_tokens: int | None = Field(
+        None,
+        description="the logprob canary: tokens this version sampled that the trainer recomputed "
+        "(0: none checked, which is flagged, not a pass; None: the canary has not run on it)",
+    )
+    canary_mean: float | None = Field(None, description="the canary: mean |Δ logprob| of those tokens")
+    canary_max: float | None = Field(None, description="the canary: the largest |Δ logprob|")
+    canary_failed_batches: int | None = Field(None, description="the canary: batches past algorithm.mismatch")
     train_s: float = Field(description="trainer seconds of the steps since the version before")
     created_at: datetime
 

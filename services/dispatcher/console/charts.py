@@ -234,7 +234,13 @@ def metric_chart_svg(
 
 
 # the trainer's figures the job page charts, in order: (field, label)
-TRAINING_CHARTS = (("loss", "loss"), ("kl", "KL"), ("grad_norm", "grad norm"), ("entropy", "entropy"))
+TRAINING_CHARTS = (
+    ("loss", "loss"),
+    ("kl", "KL"),
+    ("grad_norm", "grad norm"),
+    ("entropy", "entropy"),
+    ("canary_mean", "logprob mismatch (canary, mean |Δ|)"),
+)
 
 
 def training_charts(versions: Sequence[Any]) -> list[Markup]:

@@ -211,7 +211,8 @@ def trained(env, tmp_path):
             [(0.9, 0.01, 2.0, 1.8), (0.6, 0.03, 1.5, 1.5), (0.4, 0.02, 1.1, 1.2)], 1
         ):
             metrics = {"loss": loss, "kl": kl, "grad_norm": grad, "entropy": ent, "clip_fraction": 0.1,
-                       "learning_rate": 1e-5, "tokens": 100 * v}  # fmt: skip
+                       "learning_rate": 1e-5, "tokens": 100 * v,
+                       "logprob_canary": {"tokens": 50, "mean": 1e-6 * v, "max": 1e-5, "failed_batches": 0}}  # fmt: skip
             conn.execute(
                 "INSERT INTO policy_versions (job_id, version, checkpoint_key, step, metrics, train_s, created_at)"
                 " VALUES (?, ?, ?, ?, ?, 1.0, '2026-12-04 00:00:00')",
@@ -242,7 +243,7 @@ def test_the_trainer_charts_the_compare_colours_and_the_reward_table(trained, ch
 
     chrome.get(f"{url}/console/jobs/{seeded.job_id}")
     wait.until(ec.presence_of_element_located((By.ID, "training")))
-    for chart in ("chart-loss", "chart-kl", "chart-grad-norm", "chart-entropy"):
+    for chart in ("chart-loss", "chart-kl", "chart-grad-norm", "chart-entropy", "chart-canary-mean"):
         svg = chrome.find_element(By.ID, chart)
         assert svg.get_attribute("data-points") == "3" and svg.size["width"] > 200, chart
     loss = [

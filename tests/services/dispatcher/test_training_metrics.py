@@ -30,7 +30,9 @@ async def test_each_versions_trainer_numbers_and_the_skipped_groups(client, env,
     db = Database(settings.db)
     try:
         async with db.session() as s:
-            for n, stats in ((1, first), (2, second)):
+            # the canary's figures as the trainer adds them to the version it checked (v1 only)
+            canary = {"tokens": 40, "mean": 0.012, "max": 0.2, "over": 3, "failed_batches": 1}
+            for n, stats in ((1, {**first, "logprob_canary": canary}), (2, second)):
                 s.add(PolicyVersion(job_id=seeded.job_id, version=n, checkpoint_key=f"k{n}", step=n,
                                     metrics=stats, train_s=0.5 * n))  # fmt: skip
             for i, ep_id in enumerate(seeded.episodes[:6]):  # three groups of two: one trained, two skipped
@@ -43,8 +45,15 @@ async def test_each_versions_trainer_numbers_and_the_skipped_groups(client, env,
     m = (await client.get(f"/v1/jobs/{seeded.job_id}/metrics")).json()["training"]
     assert [v["version"] for v in m["versions"]] == [1, 2]
     for v, stats in zip(m["versions"], (first, second), strict=True):
-        for key in ("loss", "kl", "entropy", "grad_norm", "clip_fraction", "learning_rate", "tokens"):
+        for key in ("loss", "kl", "entropy", "grad_norm", "clip_fraction", "learning_rate", "tokens",
+                    "correction_weight_mean", "correction_capped_fraction"):  # fmt: skip
             assert v[key] == pytest.approx(stats[key]), key
+    assert first["correction_weight_mean"] == 1.0  # no correction: every token weighs 1
+    one, two = m["versions"]
+    assert (one["canary_tokens"], one["canary_mean"], one["canary_max"], one["canary_failed_batches"]) == (
+        40, 0.012, 0.2, 1,
+    )  # fmt: skip
+    assert two["canary_tokens"] is None and two["canary_mean"] is None  # not run on v2: not a pass
     assert m["versions"][0]["learning_rate"] == pytest.approx(3e-4) and m["versions"][1]["train_s"] == 1.0
     assert m["skipped_groups"] == {"zero_reward_variance": 1, "stale": 1}
     assert m["trained_episodes"] == 2 and m["not_trained_reason"] is None
