@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -389,3 +390,19 @@ def run_service(app_factory: Callable[[Settings], FastAPI], service: str, defaul
     except StartupError as exc:
         sys.stderr.write(f"{service}: {exc}\n")
         raise SystemExit(2) from None
+    exit_after_stop()
+
+
+def exit_after_stop(status: int = 0) -> None:
+    """End the process once its lifespan has stopped everything in order: run the atexit
+    handlers (logging's flush among them), flush the streams and leave without the
+    interpreter's finalization. That finalization can hang in a native destructor: seen
+    as a gateway with a torch model that outlived SIGTERM in 2 of 6 stops under load, its
+    main thread in the final garbage collection with no Python frame."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)

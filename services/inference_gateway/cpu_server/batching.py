@@ -8,7 +8,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.inference_gateway.cpu_server.runner import GenOutput, GenRequest, ModelRunner, NotServed
+from services.inference_gateway.cpu_server.runner import (
+    GenOutput,
+    GenRequest,
+    ModelRunner,
+    NotServed,
+    Stopped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +47,13 @@ class BatchScheduler:
 
     async def start(self) -> None:
         if self._task is None:
+            self.runner.stopping = False
             self._task = asyncio.create_task(self._run(), name="runner-scheduler")
 
     async def stop(self) -> None:
+        """Stop taking batches; a batch in its worker thread ends at its next token."""
         if self._task is not None:
+            self.runner.stopping = True
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -101,6 +110,11 @@ class BatchScheduler:
                     continue
                 try:
                     outs = await asyncio.to_thread(self.runner.generate, [p.req for p in live])
+                except asyncio.CancelledError:  # stopping: the batch's callers are told so
+                    for p in live:
+                        if not p.fut.done():
+                            p.fut.set_exception(Stopped("the model runner stopped during this generation"))
+                    raise
                 except Exception as exc:  # one bad batch fails its requests, not the server
                     log.exception("batch failed")
                     for p in live:

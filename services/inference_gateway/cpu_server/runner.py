@@ -162,6 +162,11 @@ class NotServed(Exception):
     or jobs' adapters are on the base that would have to change."""
 
 
+class Stopped(RuntimeError):
+    """The runner is stopping: a generation in progress is abandoned between two tokens
+    (its request is not answered, so the bus gives it to another replica)."""
+
+
 @dataclass
 class Holding:
     """What a runner serves, as it reports it to the gateway (``GET /health`` of the CPU
@@ -212,6 +217,9 @@ class ModelRunner:
         self.base_name = base
         self.owner: str | None = None
         self.version = 0  # the owner's version; the base weights are every job's version 0
+        # set by the scheduler's stop: a thread cannot be cancelled, and a generation of
+        # thousands of tokens would hold the process's exit until it ends
+        self.stopping = False
         self.adapters: dict[str, tuple[str, int]] = {}
         self._origin = origin
         # without ``origin``: an untouched copy of the model it started with (PEFT changes
@@ -274,6 +282,8 @@ class ModelRunner:
         logits, cache = forward(self.model, ids, mask, use_cache=True, adapter_names=names)
         pos = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)
         while True:
+            if self.stopping:
+                raise Stopped("the model runner is stopping: generation abandoned")
             nxt = torch.full((len(live), 1), self.tok.pad_id, dtype=torch.long)
             # sampling runs on the CPU with each request's own generator (on CUDA too)
             last = logits[:, -1].float().cpu()

@@ -107,6 +107,51 @@ async def test_scheduler_batches_concurrent_requests(engine: ModelRunner) -> Non
     assert sched.batches < 6
 
 
+async def test_stop_abandons_a_generation_in_progress_at_its_next_token(
+    engine: ModelRunner, monkeypatch
+) -> None:
+    """A thread cannot be cancelled: without this a long generation held the gateway's exit
+    (the executor's shutdown waits for it) long past SIGTERM."""
+    import threading
+
+    from services.inference_gateway.cpu_server.runner import Stopped
+
+    generate, running, ended = engine.generate, threading.Event(), threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def watched(requests):  # noqa: ANN001, ANN202
+        running.set()
+        try:
+            out = generate(requests)
+            outcome.append(None)
+            return out
+        except BaseException as exc:
+            outcome.append(exc)
+            raise
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(engine, "generate", watched)
+    budget = engine.max_len - 40  # as long as the model allows: seconds of decoding
+    sched = BatchScheduler(engine, max_batch=2, window_ms=1)
+    await sched.start()
+    call = asyncio.create_task(sched.submit(req("go on", max_tokens=budget, seed=1)))
+    assert await asyncio.to_thread(running.wait, 20), "the generation never started"
+    await asyncio.sleep(0.2)  # inside the decode loop
+    await sched.stop()
+    with pytest.raises(Stopped):
+        await asyncio.wait_for(call, 5)
+    assert await asyncio.to_thread(ended.wait, 5), "the generation thread did not end"
+    assert len(outcome) == 1 and isinstance(outcome[0], Stopped), "cut short, not finished"
+    # started again, it serves as before
+    await sched.start()
+    try:
+        out = await sched.submit(req("again", max_tokens=3, seed=2))
+    finally:
+        await sched.stop()
+    assert len(out.token_ids) == 3
+
+
 @pytest.fixture
 async def client(engine: ModelRunner):  # noqa: ANN201
     sched = BatchScheduler(engine, max_batch=8, window_ms=2)
