@@ -63,6 +63,9 @@ class ActionFormat(StrEnum):
     llama3_json = (
         "llama3_json"  # Llama 3: the turn is {"name": ..., "parameters": ...} (several joined by ";")
     )
+    mistral = "mistral"  # Mistral: [TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]
+    pythonic = "pythonic"  # the turn is a Python list of calls: [f(a=1), g()] (Llama 3.2, Gemma 3)
+    tool_code = "tool_code"  # Gemma: calls name(a=1) in ```tool_code blocks
 
 
 class BuiltinTool(StrEnum):
@@ -199,7 +202,8 @@ class EnvironmentSpec(_Spec):
     max_turns: int = Field(4, ge=1, le=100)
     action_format: str = Field(
         ActionFormat.code_block.value,
-        description="code_block | tool_call, or a tool-call parser (hermes, llama3_json, or a temper.parsers plugin)",
+        description="code_block | tool_call, or a tool-call parser (hermes, llama3_json, mistral, pythonic, "
+        "tool_code, or a temper.parsers plugin)",
     )
     limits: dict[str, Any] = Field(default_factory=dict, description="sandbox limits (see docs/sandbox.md)")
     system_prompt: str | None = Field(
@@ -207,7 +211,12 @@ class EnvironmentSpec(_Spec):
     )
     tools: list[ToolSpec] | None = Field(
         None,
-        description="tools passed to the chat template (hermes, llama3_json); default: the environment's own",
+        description="tools passed to the chat template (function-calling formats); default: the environment's own",
+    )
+    tool_role: Literal["tool", "user"] | None = Field(
+        None,
+        description="the role of the messages that carry tool results: tool (OpenAI's, with tool_call_id), or "
+        "user for chat templates without a tool role (Gemma 3); default: the environment's own (tool)",
     )
 
     @model_validator(mode="after")
@@ -275,20 +284,40 @@ PRESETS: dict[Algorithm, dict[str, Any]] = {
 REFUSED_ALGORITHMS = {"ppo": "ppo needs a value model, which Temper does not train"}
 
 
+# The default LoRA targets: every decoder projection under the names of both layouts,
+# separate (Llama, Qwen, Mistral, Gemma) and fused (Phi-3: q, k and v in qkv_proj; gate
+# and up in gate_up_proj); a model gets those of them it has (temper.training.lora).
+DEFAULT_LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "down_proj",
+)
+
+
 class LoraSpec(_Spec):
     """LoRA adapters instead of full weights (PEFT). Absent: the trainer updates every weight."""
 
     rank: int = Field(16, ge=1, le=1024, description="adapter rank r")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: updates are scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+    target_modules: list[str] | None = Field(
+        None,
         min_length=1,
-        description="names of the linear layers that get an adapter (suffixes of module names)",
+        description="names of the linear layers that get an adapter (suffixes of module names); default: "
+        "every attention and MLP projection the model has, separate (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj) or fused (Phi-3's qkv_proj, gate_up_proj)",
     )
 
     @model_validator(mode="after")
     def _names(self) -> LoraSpec:
+        if self.target_modules is None:
+            return self
         bad = [m for m in self.target_modules if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", m)]
         if bad:
             raise ValueError(f"target_modules: not module names: {bad}")

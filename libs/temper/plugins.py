@@ -9,8 +9,8 @@ A plugin is any installed distribution that declares, in its packaging metadata,
     [project.entry-points."temper.tools"]          # a ToolSpec (or its mapping): a tool jobs name
 
 Temper's own ``code``, ``math`` and ``shell`` environments, its reward components and
-its ``hermes``/``llama3_json`` parsers are registered the same way, in Temper's own
-``pyproject.toml``, and looked up by the same code. :data:`BUILTINS` is that table
+its parsers (``hermes``, ``llama3_json``, ``mistral``, ``pythonic``, ``tool_code``) are
+registered the same way, in Temper's own ``pyproject.toml``, and looked up by the same code. :data:`BUILTINS` is that table
 (``tests/libs/test_plugins.py`` checks that the two agree); it is read instead of
 Temper's installed metadata, which an editable install leaves stale until reinstalled.
 
@@ -66,6 +66,9 @@ BUILTINS: dict[Group, dict[str, str]] = {
     Group.parsers: {
         "hermes": "temper.envs.tools:parse_hermes",
         "llama3_json": "temper.envs.tools:parse_llama3_json",
+        "mistral": "temper.envs.tools:parse_mistral",
+        "pythonic": "temper.envs.tools:parse_pythonic",
+        "tool_code": "temper.envs.tools:parse_tool_code",
     },
     Group.tools: {},  # Temper's own tools are the built-ins (temper.jobspec.BuiltinTool)
 }

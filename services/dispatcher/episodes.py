@@ -38,9 +38,9 @@ from temper.db import Database, Episode, Job, Step, Task, rows
 from temper.envs import Environment, make_environment
 from temper.events import InferenceResult, Message, SandboxResult
 from temper.jobspec import PACKAGE_KIND, JobSpec
-from temper.lifecycle import STEP_WAITING, EpisodeState, transition_episode
+from temper.lifecycle import STEP_WAITING, EpisodeState, fail_step, transition_episode
 from temper.logs import log_context, log_event
-from temper.policy.tokenizer import ChatTokenizer, fetch_policy_tokenizer, policy_tokenizer
+from temper.policy.tokenizer import ChatTokenizer, TemplateError, fetch_policy_tokenizer, policy_tokenizer
 from temper.settings import DispatcherSettings
 from temper.storage import ObjectStore
 
@@ -66,7 +66,7 @@ def init_metrics() -> None:
     counts), step kind and expired-lease kind exports 0 from the start (metrics.zero says why)."""
     kinds = list(STEP_FOR_STATE.values())
     metrics.zero(metrics.EPISODE_TRANSITIONS, *E)
-    metrics.zero(metrics.EPISODE_FAILURES, "lease_expired", *(f"{k}_error" for k in kinds))
+    metrics.zero(metrics.EPISODE_FAILURES, "lease_expired", "template_error", *(f"{k}_error" for k in kinds))
     metrics.zero(metrics.TURN_SECONDS, *kinds)
     metrics.zero(metrics.STEP_LEASES_EXPIRED, *kinds, "trajectory")  # trajectory: the scheduler's
 
@@ -179,6 +179,7 @@ class EpisodeMachine:
             max_observation_chars=self.settings.max_observation_chars,
             system_prompt=env.system_prompt,
             tools=env.tools,
+            tool_role=env.tool_role,
             **({"package": env.package} if env.kind == PACKAGE_KIND else {}),
         )
 
@@ -298,13 +299,30 @@ class EpisodeMachine:
             return None
         spec = await self.spec_of(session, ep.job_id)
         env = self.environment(spec, await self.task_of(session, ep.task_id))
-        if isinstance(msg, SandboxResult):
-            assert inference is not None
-            issued = self.turns.take_sandbox(session, ep, step, inference, msg, spec, env)
-        else:
-            issued = self.turns.take_inference(session, ep, step, msg, spec, env)
+        try:
+            if isinstance(msg, SandboxResult):
+                assert inference is not None
+                issued = self.turns.take_sandbox(session, ep, step, inference, msg, spec, env)
+            else:
+                issued = self.turns.take_inference(session, ep, step, msg, spec, env)
+        except TemplateError as exc:
+            # the chat template cannot render this turn: no retry renders it either, so the
+            # episode fails now with the template's own error (never a lease expiry later)
+            self.template_failed(session, ep, step, exc)
+            rows.stage(session, ep, step, inference)
+            return None
         rows.stage(session, ep, step, inference, issued)
         return None
+
+    def template_failed(self, session: AsyncSession, ep: Episode, step: Step, exc: TemplateError) -> None:
+        """Fail ``ep`` at once with ``template_error: <the template's error>``; its result
+        stays recorded on ``step``."""
+        if step.state in WAITING:
+            fail_step(step)
+        reason = f"template_error: {exc}"[:2000]
+        transition_episode(session, ep, E.failed, reason=reason)
+        log_event(log, "episode failed", logging.WARNING, reason=reason, attempts=step.attempt + 1)
+        self.on_finished()
 
     # --- leases --------------------------------------------------------------------------------
     async def reap_expired(self, limit: int = 200) -> int:

@@ -100,8 +100,10 @@ class Turns:
     ) -> Step:
         """Record the awaited inference result on ``step``; returns the step it issues."""
         ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(step.request, msg)
-        text = msg.text or self.tok_of(spec).decode(msg.token_ids)
-        action = env.parse(text, turn=step.turn)
+        tok = self.tok_of(spec)
+        text = msg.text or tok.decode(msg.token_ids)
+        # parsers read the reply with its special tokens (Mistral's [TOOL_CALLS] is one)
+        action = env.parse(tok.parse_text(msg.token_ids, text), turn=step.turn)
         complete_step(
             step,
             {
@@ -195,12 +197,16 @@ class Turns:
         observations: list[str],
     ) -> Step:
         """Extend the conversation token-wise with ``observations`` (one message per tool
-        call) and ask for the next action."""
+        call) and ask for the next action. Raises :class:`~temper.policy.TemplateError`
+        where the chat template cannot render them."""
         sampled = inference.result["token_ids"] if inference.result else []
+        # the results answer the turn's calls (their tool messages carry the calls' ids);
+        # a template that cannot render them raises TemplateError: the episode fails at once
+        calls = ((inference.result or {}).get("action") or {}).get("calls")
         prompt = [
             *inference.request["prompt_ids"],
             *sampled,
-            *env.observation_ids(self.tok_of(spec), sampled, observations),
+            *env.observation_ids(self.tok_of(spec), sampled, observations, calls=calls),
         ]
         if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
             # Out of context: score what there is.

@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from transformers import AutoModelForCausalLM
 
 from services.dispatcher.api.repo import create_job, job_metrics
+from services.dispatcher.api.validation import check_template
 from services.embedded import localrun
 from services.embedded.components import components, in_one_process
 from services.embedded.report import write_report
@@ -143,6 +144,8 @@ async def run(
             async with db.session() as session:
                 tenant = await session.get(Tenant, TENANT)
                 assert tenant is not None, "_store_taskset created the tenant"
+                # the door's template check, as POST /v1/jobs makes it: refused before any episode
+                await check_template(session, spec=spec, store=store)
                 job = await create_job(session, tenant=tenant, spec=spec)
                 job_id = job.id
             log_event(log, "job submitted", job_id=job_id)
@@ -257,6 +260,7 @@ def make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress
         stats = warm_start(
             model, tok, conversations, steps=ws.steps, batch_size=ws.batch_size,
             learning_rate=ws.learning_rate, betas=ws.betas, seed=ws.seed, on_step=on_step, tools=tools,
+            observation_role=env.tool_role,
         )  # fmt: skip
         progress.done()
         log_event(log, "warm start finished", loss=stats.loss, seconds=stats.seconds, tokens=stats.tokens)
@@ -313,6 +317,7 @@ def _environment(spec: JobSpec, task: dict[str, Any]) -> Environment:
         action_format=spec.environment.action_format,
         system_prompt=spec.environment.system_prompt,
         tools=spec.environment.tools,
+        tool_role=spec.environment.tool_role,
     )
 
 

@@ -28,11 +28,16 @@ class ChatSessions:
 
     @staticmethod
     def _norm(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Role, content and (assistant) tool calls with their arguments as objects, the
-        form chat templates render; OpenAI clients send arguments as JSON strings."""
+        """Role, content, (assistant) tool calls with their ids and their arguments as
+        objects, the form chat templates render (OpenAI clients send arguments as JSON
+        strings), and a tool message's ``tool_call_id`` and ``name`` (Mistral's templates
+        refuse a tool message without the id)."""
         out: list[dict[str, Any]] = []
         for m in messages:
             msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    msg[key] = m[key]
             calls = []
             for c in m.get("tool_calls") or []:
                 fn = dict(c.get("function") or {})
@@ -43,7 +48,10 @@ class ChatSessions:
                         raise ValueError(
                             f"tool call arguments are not JSON: {fn['arguments'][:80]!r}"
                         ) from None
-                calls.append({"type": "function", "function": fn})
+                call: dict[str, Any] = {"type": "function", "function": fn}
+                if c.get("id") is not None:
+                    call = {"id": c["id"], **call}
+                calls.append(call)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from temper.settings.inference import ToolParser
@@ -10,8 +9,11 @@ from temper.settings.inference import ToolParser
 
 def parse_tool_calls(text: str, parser: ToolParser) -> tuple[str, list[dict[str, Any]]]:
     """``(content, tool_calls)`` of a reply, OpenAI-shaped. A reply whose calls do not
-    parse is returned as content with no calls, as vLLM's parsers do."""
-    from temper.envs.tools import ToolCallError, parse_calls
+    parse is returned as content with no calls, as vLLM's parsers do. Each call's id is
+    the model's own where it wrote one (Mistral), else nine letters and digits made from
+    the reply (``temper.envs.tools.call_id``: the same reply gives the same ids, and
+    Mistral's templates accept them when the client sends them back)."""
+    from temper.envs.tools import ToolCallError, call_content, parse_calls
 
     try:
         calls = parse_calls(text, parser.value)
@@ -19,9 +21,4 @@ def parse_tool_calls(text: str, parser: ToolParser) -> tuple[str, list[dict[str,
         return text, []
     if not calls:
         return text, []
-    content = (
-        re.sub(r"<tool_call>.*?</tool_call>", "", text, flags=re.S).strip()
-        if parser is ToolParser.hermes
-        else ""
-    )
-    return content, [c.openai(i) for i, c in enumerate(calls)]
+    return call_content(text, parser.value), [c.openai(i, seed=text) for i, c in enumerate(calls)]

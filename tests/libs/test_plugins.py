@@ -188,7 +188,8 @@ def test_temper_admin_plugins_lists_what_is_installed(tmp_path, capsys):
         "target": "temper_wordcount:WordCountEnvironment",
     }
     assert table["temper.rewards"]["close_count"]["dist"] == "temper-wordcount"
-    assert set(table["temper.parsers"]) == {"hermes", "llama3_json"} and table["temper.tools"] == {}
+    assert set(table["temper.parsers"]) == {"hermes", "llama3_json", "mistral", "pythonic", "tool_code"}
+    assert table["temper.tools"] == {}
 
 
 def test_a_tool_plugin_is_named_in_a_spec_and_runs_as_its_command(tmp_path):

@@ -49,7 +49,8 @@ class Manifest(BaseModel):
         "{prompt}", description="the first user message; {prompt} is replaced by the task's prompt"
     )
     action_format: str = Field(
-        ActionFormat.hermes.value, description="a function-calling parser: hermes, llama3_json or a plugin's"
+        ActionFormat.hermes.value,
+        description="a function-calling parser: hermes, llama3_json, mistral, pythonic, tool_code or a plugin's",
     )
     max_turns: int = Field(4, ge=1, le=100)
     tools: list[ToolSpec] = Field(min_length=1, description="OpenAI function schemas bound to commands")
@@ -84,7 +85,8 @@ class Manifest(BaseModel):
     def _format(cls, value: str) -> str:
         if value in TEXT_FORMATS:
             raise ValueError(
-                f"{value!r} renders no tool schemas; a package needs a function-calling format (hermes, llama3_json)"
+                f"{value!r} renders no tool schemas; a package needs a function-calling format "
+                "(hermes, llama3_json, mistral, pythonic, tool_code)"
             )
         if value not in plugins.installed(plugins.Group.parsers):
             raise ValueError(plugins.unknown_message(plugins.Group.parsers, value))

@@ -15,9 +15,17 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
-from temper.envs.tools import ToolCallError, builtin_tools, call_action, parse_calls, tool_table
+from temper.envs.tools import (
+    ToolCall,
+    ToolCallError,
+    builtin_tools,
+    call_action,
+    call_id,
+    parse_calls,
+    tool_table,
+)
 from temper.jobspec import ActionFormat, ToolSpec
-from temper.policy.tokenizer import ChatTokenizer
+from temper.policy.tokenizer import ChatTokenizer, TemplateError
 
 # The formats an environment reads itself; every other action format names a parser of
 # function calls (a ``temper.parsers`` plugin) whose tools the chat template renders.
@@ -67,7 +75,9 @@ class ParsedAction:
     session, then the ``more`` commands of the same turn in order (several tool calls),
     then (if ``submit_after``) score. ``submit``: score now (``answer`` for math).
     ``invalid``: nothing runs; ``error`` goes back to the model as the observation and the
-    episode's format flag turns false.
+    episode's format flag turns false. ``calls``: the function calls that run, one per
+    command, in the shape an assistant message's ``tool_calls`` has (each with its
+    ``id``; its result's tool message carries it as ``tool_call_id``).
     """
 
     kind: ActionKind
@@ -78,6 +88,7 @@ class ParsedAction:
     format_ok: bool = True
     error: str | None = None
     note: str | None = None
+    calls: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -162,8 +173,12 @@ class Environment(ABC):
         max_observation_chars: int = 4000,
         system_prompt: str | None = None,
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
+        tool_role: str | None = None,
     ) -> None:
         self.task = TaskView.of(task)
+        # ``environment.tool_role``: the role of the messages that carry tool results
+        # (``user`` for templates without a tool role); else the environment's own
+        self.tool_role: str = tool_role or self.observation_role
         self.custom_system_prompt = system_prompt
         self.max_turns = max(1, max_turns)
         self.action_format = str(action_format)
@@ -234,16 +249,85 @@ class Environment(ABC):
             texts[-1] = f"{texts[-1]}\nNote: {action.note}"
         return texts
 
+    def observation_messages(
+        self,
+        texts: str | Sequence[str],
+        *,
+        calls: Sequence[Mapping[str, Any]] | None = None,
+        seed: str = "",
+    ) -> list[dict[str, Any]]:
+        """The messages that carry a turn's observations. In the tool role: one tool message
+        per text, each with the ``tool_call_id`` (and ``name``) of the call it answers
+        (``calls`` in order; a text no call produced, such as a format error, gets an id made
+        from ``seed``), as OpenAI's format and the templates that check ids (Mistral's)
+        expect. In the user role (``environment.tool_role: user``, for templates without a
+        tool role such as Gemma 3's): one user message with every text, so that roles still
+        alternate."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        if self.tool_role == "user":
+            return [{"role": "user", "content": "\n\n".join(texts)}]
+        messages = []
+        for i, text in enumerate(texts):
+            call = calls[i] if calls and i < len(calls) else None
+            msg: dict[str, Any] = {"role": self.tool_role, "content": text}
+            msg["tool_call_id"] = str(call["id"]) if call and call.get("id") else call_id(seed, i)
+            if call and isinstance(call.get("function"), Mapping):
+                msg["name"] = call["function"].get("name")
+            messages.append(msg)
+        return messages
+
     def observation_ids(
-        self, tok: ChatTokenizer, model_ids: Sequence[int], texts: str | Sequence[str]
+        self,
+        tok: ChatTokenizer,
+        model_ids: Sequence[int],
+        texts: str | Sequence[str],
+        *,
+        calls: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The ids that extend the conversation after the model's sampled ``model_ids``: the
-        rest of the template's end-of-turn, the observation messages (one per tool call) as
-        the template renders them, and the opening of the next assistant turn. Sampled ids
-        are never changed."""
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        messages = [{"role": self.observation_role, "content": t} for t in texts]
+        rest of the template's end-of-turn, the observation messages
+        (:meth:`observation_messages`: one per tool call, answering ``calls``) as the
+        template renders them, and the opening of the next assistant turn. Sampled ids are
+        never changed. Raises :class:`~temper.policy.TemplateError` where the template
+        cannot render them."""
+        seed = ",".join(map(str, model_ids))
+        messages = self.observation_messages(texts, calls=calls, seed=seed)
         return tok.continuation(model_ids, messages, tools=self.tool_schemas())
+
+    def check_template(self, tok: ChatTokenizer) -> None:
+        """Render what this environment's episodes will render, or raise
+        :class:`~temper.policy.TemplateError` with the template's own error: the first
+        prompt with the tools; a conversation where the assistant calls a tool (OpenAI's
+        ``tool_calls`` shape, with an id) and its result follows (in the tool role, or as a
+        user turn with ``tool_role: user``); and the continuation that extends a sampled
+        turn token-wise with that result. With a function-calling format, a template that
+        renders nothing of the tools is refused unless the system prompt names each of
+        them (Gemma 3's template drops them)."""
+        tools = self.tool_schemas()
+        first = self.first_messages()
+        prompt = tok.render_text(first, tools=tools)
+        if tools and prompt == tok.render_text(first, tools=None):
+            system = first[0]["content"] if first[0]["role"] == "system" else ""
+            unnamed = [t.function.name for t in self.tools if t.function.name not in system]
+            if unnamed:
+                raise TemplateError(
+                    "the chat template ignores tools (the prompt is the same with and without them) and "
+                    f"the system prompt does not name {', '.join(unnamed)}: describe the tools in "
+                    "environment.system_prompt, or use a template that renders tools"
+                )
+        name, args = "tool", {}
+        if self.tools:
+            name, args = self.tools[0].function.name, _example_arguments(self.tools[0].function.parameters)
+        call = ToolCall(name, args, call_id("probe", 0)).message(0)
+        result = self.observation_messages(
+            ['[exit code 0; 0.01s]\nstdout:\nprobe "result"'], calls=[call], seed="probe"
+        )
+        if self.calls_functions:
+            reply: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [call]}
+        else:
+            reply = {"role": "assistant", "content": "A reply."}
+        tok.render_text([*first, reply, *result], tools=tools)
+        tok.continuation([], result, tools=tools)
 
     def is_last_turn(self, turn: int) -> bool:
         return turn + 1 >= self.max_turns
@@ -260,12 +344,14 @@ class Environment(ABC):
 
     # --- shared parsing -----------------------------------------------------------------------
     def parse_function_calls(self, text: str) -> ParsedAction | None:
-        """Function calls (hermes, llama3_json) checked against the declared tools; None if
-        the turn has none. The calls that run in the sandbox run in order, each with its
-        own observation; a submit call scores the episode once they ran (calls after the
-        submit are ignored, and the last observation says so)."""
+        """Function calls (hermes, llama3_json, mistral, pythonic, tool_code, a plugin's)
+        checked against the declared tools; None if the turn has none. The calls that run
+        in the sandbox run in order, each with its own observation; a submit call scores
+        the episode once they ran (calls after the submit are ignored, and the last
+        observation says so). Each call keeps the model's id, or gets one made from the
+        turn's text (the same text, the same ids)."""
         try:
-            calls = parse_calls(text, self.action_format)
+            calls = [c.with_id(text, i) for i, c in enumerate(parse_calls(text, self.action_format))]
             commands = [call_action(c, tool_table(self.tools)) for c in calls]
         except ToolCallError as exc:
             return ParsedAction.invalid(str(exc))
@@ -278,7 +364,12 @@ class Environment(ABC):
             return ParsedAction("submit", answer=commands[0].get("answer"))
         note = f"{ignored} tool call(s) after submit were ignored" if ignored > 0 else None
         return ParsedAction(
-            "sandbox", command=runs[0], more=runs[1:] or None, submit_after=end < len(commands), note=note
+            "sandbox",
+            command=runs[0],
+            more=runs[1:] or None,
+            submit_after=end < len(commands),
+            note=note,
+            calls=[c.message(i) for i, c in enumerate(calls[:end])],
         )
 
     def parse_calls_or_submit(self, text: str, tool_help: Mapping[str, str]) -> ParsedAction | None:
@@ -298,6 +389,12 @@ class Environment(ABC):
         names = ", ".join(t.function.name for t in self.tools)
         if self.action_format == ActionFormat.llama3_json:
             return f'Reply with a JSON call {{"name": ..., "parameters": {{...}}}} of one of: {names}.'
+        if self.action_format == "mistral":
+            return f'Call tools as [TOOL_CALLS] [{{"name": ..., "arguments": {{...}}}}]; tools: {names}.'
+        if self.action_format == "pythonic":
+            return f"Reply with a Python list of calls, [name(argument=value)]; tools: {names}."
+        if self.action_format == "tool_code":
+            return f"Call a tool in a ```tool_code block, name(argument=value); tools: {names}."
         return f'Call a tool as <tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>; tools: {names}.'
 
     def parse_tool_call(self, text: str, tools: Mapping[str, str]) -> ParsedAction | None:
@@ -347,6 +444,18 @@ class Environment(ABC):
             answer = args.get("answer")
             return ParsedAction("submit", answer=None if answer is None else str(answer))
         return ParsedAction.invalid(f"unknown tool {name!r}")
+
+
+def _example_arguments(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """Arguments of the schema's required parameters (each a value of its type), for the
+    template check's probe call."""
+    samples = {"string": "x", "integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
+    props = schema.get("properties") or {}
+    out: dict[str, Any] = {}
+    for name in schema.get("required") or []:
+        kind = (props.get(name) or {}).get("type", "string")
+        out[str(name)] = samples.get(kind if isinstance(kind, str) else "string", "x")
+    return out
 
 
 def render_result(command: Mapping[str, Any], result: Mapping[str, Any], limit: int) -> str:

@@ -4,16 +4,27 @@ schemas, and turn them into sandbox actions.
 Parsers (``environment.action_format``, registered under ``temper.parsers``): ``hermes`` reads every
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` of a turn, in order (Qwen,
 Hermes); ``llama3_json`` reads a turn that is a JSON object ``{"name": ...,
-"parameters": {...}}`` (several joined by ``;``), optionally after ``<|python_tag|>``.
-A malformed call, an unknown tool or arguments that do not fit the schema is a
-:class:`ToolCallError`; the environment turns it into an observation.
+"parameters": {...}}`` (several joined by ``;``), optionally after ``<|python_tag|>``;
+``mistral`` reads ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (Mistral v0.3;
+also ``[TOOL_CALLS]name[ARGS]{...}`` of later Mistral tokenizers); ``pythonic`` reads a
+turn that is a Python list of calls, ``[f(a=1), g()]`` (Llama 3.2, Gemma 3 as vLLM serves
+it); ``tool_code`` reads the calls in ````` ```tool_code ````` blocks (Gemma's own
+function-calling format). A malformed call, an unknown tool or arguments that do not fit
+the schema is a :class:`ToolCallError`; the environment turns it into an observation.
+
+Every call has an id (``ToolCall.id``: the model's own where it wrote one, as Mistral's
+may, else :func:`call_id`, nine letters and digits as Mistral's templates demand); the
+tool message answering it carries it as ``tool_call_id``.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import re
 import shlex
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,17 +40,52 @@ class ToolCallError(ValueError):
     pass
 
 
+_ID_ALPHABET = string.ascii_letters + string.digits
+_ID = re.compile(r"^[A-Za-z0-9]{9}$")
+
+
+def call_id(seed: str, index: int) -> str:
+    """A tool call's id: nine letters and digits (what Mistral's templates and tokenizers
+    accept; any OpenAI client takes it), the same for the same ``seed`` and ``index``."""
+    digest = int.from_bytes(hashlib.sha256(f"{index}:{seed}".encode()).digest()[:12], "big")
+    out = []
+    for _ in range(9):
+        digest, r = divmod(digest, len(_ID_ALPHABET))
+        out.append(_ID_ALPHABET[r])
+    return "".join(out)
+
+
+def usable_id(value: Any) -> str | None:
+    """A model-written call id kept as it is when every template takes it (nine letters and
+    digits), else None (one is made with :func:`call_id`)."""
+    return value if isinstance(value, str) and _ID.match(value) else None
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: dict[str, Any]
+    id: str | None = None  # the model's own id (Mistral), when it wrote a usable one
 
-    def openai(self, index: int) -> dict[str, Any]:
+    def with_id(self, seed: str, index: int) -> ToolCall:
+        """This call with its id: the model's, else :func:`call_id` of ``seed`` and ``index``."""
+        return self if self.id else ToolCall(self.name, self.arguments, call_id(seed, index))
+
+    def openai(self, index: int, *, seed: str = "") -> dict[str, Any]:
         """The call as an OpenAI ``tool_calls`` entry (arguments as a JSON string)."""
         return {
-            "id": f"call_{index}",
+            "id": self.id or call_id(seed, index),
             "type": "function",
             "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
+
+    def message(self, index: int, *, seed: str = "") -> dict[str, Any]:
+        """The call as an assistant message's ``tool_calls`` entry for a chat template: the
+        OpenAI shape with the arguments as an object (what Hugging Face templates render)."""
+        return {
+            "id": self.id or call_id(seed, index),
+            "type": "function",
+            "function": {"name": self.name, "arguments": dict(self.arguments)},
         }
 
 
@@ -61,7 +107,7 @@ def _call(obj: Any, args_key: str) -> ToolCall:
         args = {}
     if not isinstance(args, dict):
         raise ToolCallError(f'"{args_key}" of {obj["name"]!r} must be a JSON object')
-    return ToolCall(obj["name"], args)
+    return ToolCall(obj["name"], args, usable_id(obj.get("id")))
 
 
 def _json(text: str, what: str) -> Any:
@@ -101,9 +147,169 @@ def parse_llama3_json(text: str) -> list[ToolCall]:
     return calls
 
 
+# --- Mistral: [TOOL_CALLS] -----------------------------------------------------------------------
+
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
+_JSON_LIST = re.compile(r"^\[\s*\{")
+
+
+def _json_list_of_calls(body: str) -> list[ToolCall]:
+    try:
+        obj, end = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError as exc:
+        raise ToolCallError(f"the tool calls are not valid JSON ({exc.msg} at char {exc.pos})") from None
+    if body[end:].strip():
+        raise ToolCallError("text after the list of tool calls; the calls end the turn")
+    if isinstance(obj, dict):
+        obj = [obj]
+    if not isinstance(obj, list) or not obj:
+        raise ToolCallError("[TOOL_CALLS] needs a non-empty JSON list of calls")
+    return [_call(o, "arguments") for o in obj]
+
+
+def parse_mistral(text: str) -> list[ToolCall]:
+    """Mistral's calls: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id"?: ...}, ...]``
+    (Mistral-7B-Instruct-v0.3 and its tokenizer v3), or one ``[TOOL_CALLS]name[ARGS]{...}``
+    (with ``[CALL_ID]id`` before ``[ARGS]`` in some) per call (later tokenizers). The
+    content before the first marker is the assistant's text. ``[TOOL_CALLS]`` is a special
+    token: text decoded without special tokens has lost it, so a turn that is only a JSON
+    list of calls reads as if it were there. None if the turn has neither."""
+    at = text.find(MISTRAL_CALLS)
+    if at < 0:
+        body = text.strip()
+        return _json_list_of_calls(body) if _JSON_LIST.match(body) else []
+    parts = text[at + len(MISTRAL_CALLS) :].split(MISTRAL_CALLS)
+    if parts[0].lstrip().startswith(("[", "{")):
+        if len(parts) > 1:
+            raise ToolCallError("[TOOL_CALLS] twice in one turn; give every call in one list")
+        return _json_list_of_calls(parts[0].strip())
+    calls = []
+    for i, part in enumerate(parts):
+        head, sep, args = part.partition(MISTRAL_ARGS)
+        if not sep:
+            raise ToolCallError(
+                f"tool call {i + 1}: [TOOL_CALLS] must be followed by a JSON list of calls "
+                "or by name[ARGS]{...}"
+            )
+        name, _, cid = head.partition(MISTRAL_CALL_ID)
+        name = name.strip()
+        if not _NAME.match(name):
+            raise ToolCallError(f"tool call {i + 1}: {name[:40]!r} is not a tool name")
+        try:
+            obj, end = json.JSONDecoder().raw_decode(args.strip())
+        except json.JSONDecodeError as exc:
+            raise ToolCallError(
+                f"the arguments of {name!r} are not valid JSON ({exc.msg} at char {exc.pos})"
+            ) from None
+        if args.strip()[end:].strip():
+            raise ToolCallError(f"text after the arguments of {name!r}; the calls end the turn")
+        calls.append(_call({"name": name, "arguments": obj, "id": cid.strip()}, "arguments"))
+    return calls
+
+
+# --- Python calls: pythonic lists and Gemma's tool_code blocks --------------------------------------
+
+_TOOL_CODE = re.compile(r"```tool_code[ \t]*\n(.*?)```", re.S)
+
+
+def _python(src: str, what: str, mode: str) -> Any:
+    try:
+        return ast.parse(src, mode=mode)
+    except SyntaxError as exc:
+        raise ToolCallError(f"{what} is not valid Python ({exc.msg}, line {exc.lineno})") from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # null bytes, absurd nesting
+        raise ToolCallError(f"{what} is not valid Python ({type(exc).__name__})") from None
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _python_call(node: ast.AST, where: str) -> ToolCall:
+    """One call expression ``name(arg=literal, ...)`` (``print(call)`` unwrapped) as a call."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "print"
+        and len(node.args) == 1
+        and not node.keywords
+        and isinstance(node.args[0], ast.Call)
+    ):
+        node = node.args[0]  # Gemma's examples print the call's result
+    if not isinstance(node, ast.Call):
+        raise ToolCallError(f"{where} is not a function call, name(argument=value, ...)")
+    name = _dotted(node.func)
+    if name is None:
+        raise ToolCallError(f"{where}: the called thing is not a tool name")
+    if node.args:
+        raise ToolCallError(f"{where}: {name} takes its arguments by name ({name}(x=1)), not by position")
+    args: dict[str, Any] = {}
+    for kw in node.keywords:
+        if kw.arg is None:
+            raise ToolCallError(f"{where}: {name}: **arguments are not accepted; name each argument")
+        try:
+            args[kw.arg] = ast.literal_eval(kw.value)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            raise ToolCallError(
+                f"{where}: {name}: argument {kw.arg} is not a literal (a string, number, list, dict, "
+                "True, False or None)"
+            ) from None
+    return ToolCall(name, args)
+
+
+def parse_pythonic(text: str) -> list[ToolCall]:
+    """The turn as a Python list of calls, ``[f(a=1, b="x"), g()]`` (the pythonic format of
+    Llama 3.2 and of Gemma 3 as vLLM serves it); none if it does not start with ``[``."""
+    body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+    if not body.startswith("["):
+        return []
+    tree = _python(body, "the list of tool calls", "eval")
+    if not isinstance(tree.body, ast.List):
+        raise ToolCallError("the tool calls must be one Python list, [f(a=1), g()], and nothing after it")
+    return [_python_call(e, f"tool call {i + 1}") for i, e in enumerate(tree.body.elts)]
+
+
+def parse_tool_code(text: str) -> list[ToolCall]:
+    """Every call in the turn's ````` ```tool_code ````` blocks, in order (Gemma's format:
+    one call per line, ``name(arg=value)``, ``print(...)`` around it allowed, or a list of
+    calls); an unclosed block is an error."""
+    blocks = _TOOL_CODE.findall(text)
+    if "```tool_code" in _TOOL_CODE.sub("", text):
+        raise ToolCallError("a ```tool_code block was opened but never closed with ```")
+    calls: list[ToolCall] = []
+    for b, body in enumerate(blocks, 1):
+        tree = _python(body, f"tool_code block {b}", "exec")
+        for stmt in tree.body:
+            where = f"tool_code block {b}, line {stmt.lineno}"
+            if not isinstance(stmt, ast.Expr):
+                raise ToolCallError(f"{where}: only function calls, name(argument=value), not statements")
+            items = stmt.value.elts if isinstance(stmt.value, ast.List) else [stmt.value]
+            calls += [_python_call(e, where) for e in items]
+    return calls
+
+
+def call_content(text: str, parser: str) -> str:
+    """The assistant's text of a turn whose calls ``parser`` read: the turn without them."""
+    if parser == "hermes":
+        return _HERMES.sub("", text).strip()
+    if parser == "tool_code":
+        return _TOOL_CODE.sub("", text).strip()
+    if parser == "mistral" and MISTRAL_CALLS in text:
+        return text[: text.find(MISTRAL_CALLS)].strip()
+    return ""
+
+
 def parse_calls(text: str, parser: str) -> list[ToolCall]:
     """The calls in ``text`` read by the parser registered as ``parser`` under
-    ``temper.parsers`` (Temper's own: ``hermes``, ``llama3_json``). A plugin parser returns
+    ``temper.parsers`` (Temper's own: ``hermes``, ``llama3_json``, ``mistral``, ``pythonic``,
+    ``tool_code``). A plugin parser returns
     a list of :class:`ToolCall` (or of ``{"name", "arguments"}`` objects) and raises
     :class:`ToolCallError` for a malformed call; any other failure is one too."""
     fn = plugins.load(plugins.Group.parsers, str(parser))
@@ -205,9 +411,14 @@ __all__ = [
     "ToolCallError",
     "builtin_tools",
     "call_action",
+    "call_content",
+    "call_id",
     "parse_calls",
     "parse_hermes",
     "parse_llama3_json",
+    "parse_mistral",
+    "parse_pythonic",
+    "parse_tool_code",
     "schema_errors",
     "tool_table",
 ]

@@ -14,7 +14,7 @@ first user message, calls as a JSON object, tool results in an ``ipython`` turn)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +136,43 @@ def train_tokenizer(
     corpus: Iterable[str], *, template: str = "chatml", vocab_size: int = 512
 ) -> ChatTokenizer:
     """A byte-level BPE tokenizer trained on ``corpus``, with ``template``'s special tokens and chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; choose one of {sorted(TEMPLATES)}")
     t = TEMPLATES[template]
+    return train_chat_tokenizer(
+        corpus,
+        chat_template=t["template"],
+        specials=t["specials"],
+        extra=t["extra"],
+        bos=t["bos"],
+        eos=t["eos"],
+        pad=t["pad"],
+        stops=t["stops"],
+        vocab_size=vocab_size,
+    )
+
+
+def train_chat_tokenizer(
+    corpus: Iterable[str],
+    *,
+    chat_template: str,
+    specials: Sequence[str],
+    eos: str,
+    stops: Sequence[str],
+    bos: str | None = None,
+    pad: str | None = None,
+    unk: str | None = None,
+    extra: Sequence[str] = (),
+    vocab_size: int = 512,
+) -> ChatTokenizer:
+    """A byte-level BPE tokenizer trained on ``corpus`` with any chat template: ``specials``
+    are special tokens (dropped when decoding without them; ``bos``, ``eos``, ``pad`` and
+    ``unk`` name some of them), ``extra`` single tokens that decoding keeps (Qwen's
+    ``<tool_call>``), ``stops`` the tokens generation stops on. What a model's tokenizer
+    and template look like (the tests build Mistral's and Gemma's with it)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     # digits one by one, as Qwen2's and Llama 3's pre-tokenizers split numbers (Llama 3 in
     # threes): a number's tokens are its digits, which a small model can learn to copy
@@ -151,23 +182,25 @@ def train_tokenizer(
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(t["specials"]),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus), trainer=trainer)
     # tool-call tags are single tokens but not special: decoding keeps them, as Qwen's do
-    tok.add_tokens([AddedToken(x, special=False, normalized=False) for x in t["extra"]])
+    tok.add_tokens([AddedToken(x, special=False, normalized=False) for x in extra])
+    named = (bos, eos, pad, unk)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=t["bos"],
-        eos_token=t["eos"],
-        pad_token=t["pad"],
-        additional_special_tokens=[s for s in t["specials"] if s not in (t["bos"], t["eos"], t["pad"])],
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        unk_token=unk,
+        additional_special_tokens=[s for s in specials if s not in named],
         model_max_length=4096,
     )
-    hf.chat_template = t["template"]
-    return ChatTokenizer(hf, eos_token_ids=[token_id(hf, s) for s in t["stops"]])
+    hf.chat_template = chat_template
+    return ChatTokenizer(hf, eos_token_ids=[token_id(hf, s) for s in stops])
 
 
 def model_config(

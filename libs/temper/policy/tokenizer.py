@@ -132,6 +132,19 @@ class ChatTokenizer:
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special))
 
+    def parse_text(self, ids: Sequence[int], text: str | None = None) -> str:
+        """What tool-call parsers read of a sampled reply: its ids decoded with their special
+        tokens (Mistral's ``[TOOL_CALLS]`` is one), the stop token that ended it left out.
+        ``text`` is the engine's own text; where it is not those ids' text without special
+        tokens (a stop string cut it), it is what the parsers read."""
+        ids = list(ids)
+        while ids and ids[-1] in self.stop_ids:
+            ids.pop()
+        plain = self.decode(ids)
+        if text is not None and text != plain:
+            return text
+        return self.decode(ids, skip_special=False)
+
     def token_str(self, i: int) -> str:
         """A readable form of one token (for logprob listings)."""
         return str(self.hf.decode([i], skip_special_tokens=False))
@@ -311,6 +324,15 @@ def assistant_stop_ids(tok: ChatTokenizer) -> list[int]:
 @lru_cache(maxsize=64)
 def _load_cached(directory: str, mtime_ns: int) -> ChatTokenizer:
     return ChatTokenizer.load(directory)
+
+
+def tokenizer_source(model: str | None, init: str | None = None) -> str | None:
+    """Which of ``model`` and ``init`` :func:`policy_tokenizer` takes the tokenizer from
+    (``"model"`` or ``"init"``), or None for the byte tokenizer."""
+    for name, ref in (("model", model), ("init", init)):
+        if ref and ((Path(ref) / TOKENIZER_FILE).is_file() or ref in _FETCHED):
+            return name
+    return None
 
 
 def policy_tokenizer(model: str | None, init: str | None = None) -> ChatTokenizer:

@@ -32,6 +32,9 @@ class VLLMReloadMode(StrEnum):
 class ToolParser(StrEnum):
     hermes = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen, Hermes)
     llama3_json = "llama3_json"  # {"name": ..., "parameters": ...} (Llama 3)
+    mistral = "mistral"  # [TOOL_CALLS] [{"name": ..., "arguments": ...}] (Mistral)
+    pythonic = "pythonic"  # [f(a=1), g()] (Llama 3.2, Gemma 3 as vLLM serves it)
+    tool_code = "tool_code"  # ```tool_code\nf(a=1)\n``` (Gemma)
 
 
 class BackendSpec(BaseModel):

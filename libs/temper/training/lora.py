@@ -22,11 +22,21 @@ from typing import Any
 
 import torch
 
-from temper.jobspec import LoraSpec
+from temper.jobspec import DEFAULT_LORA_TARGETS, LoraSpec
 
 
 class LoraTargetError(ValueError):
     """``target_modules`` names no linear layer of the model."""
+
+
+# The fused layer that holds a separate projection, in models that fuse them (Phi-3).
+FUSED_INTO = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -34,35 +44,58 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
+def resolve_targets(spec: LoraSpec, names: list[str]) -> list[str]:
+    """The modules that get an adapter on a model whose linear layers are ``names``: the
+    spec's ``target_modules``, each of which must name one (a separate projection that the
+    model fuses is refused with the fused layer's name), or by default every one of
+    :data:`~temper.jobspec.DEFAULT_LORA_TARGETS` the model has (Llama's q/k/v/o and MLP
+    projections, Phi-3's ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``)."""
+    have = set(names)
+    if spec.target_modules is None:
+        targets = [t for t in DEFAULT_LORA_TARGETS if t in have]
+        if not targets:
+            raise LoraTargetError(
+                f"the model has none of the default LoRA target modules {list(DEFAULT_LORA_TARGETS)}; "
+                f"name its layers in algorithm.lora.target_modules; it has {sorted(names)}"
+            )
+        return targets
+    missing = [t for t in spec.target_modules if t.rsplit(".", 1)[-1] not in have]
+    if missing:
+        fused = sorted({FUSED_INTO[m] for m in missing if FUSED_INTO.get(m) in have})
+        hint = f" (it fuses them: name {', '.join(fused)})" if fused else ""
+        raise LoraTargetError(
+            f"algorithm.lora.target_modules {missing} name no linear layer of the model{hint}; "
+            f"it has {sorted(names)}"
+        )
+    return list(spec.target_modules)
+
+
 def check_targets(spec: LoraSpec, names: list[str]) -> None:
     """Refuse ``target_modules`` that name none of ``names`` (the model's linear layers)."""
-    missing = [t for t in spec.target_modules if t.rsplit(".", 1)[-1] not in set(names)]
-    if missing:
-        raise LoraTargetError(
-            f"algorithm.lora.target_modules {missing} name no linear layer of the model; it has {sorted(names)}"
-        )
+    resolve_targets(spec, names)
 
 
-def lora_config(spec: LoraSpec) -> Any:
+def lora_config(spec: LoraSpec, names: list[str]) -> Any:
+    """PEFT's config of ``spec`` on a model whose linear layers are ``names``."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=spec.rank,
         lora_alpha=spec.alpha,  # type: ignore[arg-type]  # a float scale works; peft annotates int
         lora_dropout=spec.dropout,
-        target_modules=list(spec.target_modules),
+        target_modules=resolve_targets(spec, names),
         bias="none",
         task_type="CAUSAL_LM",
     )
 
 
 def apply_lora(model: torch.nn.Module, spec: LoraSpec, *, adapter_name: str = "default") -> torch.nn.Module:
-    """``model`` with a fresh LoRA adapter on ``spec.target_modules`` (the base frozen)."""
+    """``model`` with a fresh LoRA adapter on ``spec``'s target modules (the base frozen)."""
     from peft import get_peft_model
 
-    check_targets(spec, linear_names(model))
+    config = lora_config(spec, linear_names(model))
     with peft_quiet():
-        return get_peft_model(model, lora_config(spec), adapter_name=adapter_name)  # type: ignore[arg-type]
+        return get_peft_model(model, config, adapter_name=adapter_name)  # type: ignore[arg-type]
 
 
 class SharedBase:
@@ -92,7 +125,7 @@ class SharedBase:
                 self.model = apply_lora(self.model, spec, adapter_name=name)
             else:
                 with peft_quiet():
-                    self.model.add_adapter(name, lora_config(spec))  # type: ignore[operator]
+                    self.model.add_adapter(name, lora_config(spec, self.linear))  # type: ignore[operator]
             self._added += 1
             self.adapters.append(name)
             self.model.set_adapter(name)  # type: ignore[operator]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from temper.envs.tools import call_id
 from temper.policy import pad_batch, token_logprobs
 from temper.policy.tokenizer import ChatTokenizer
 
@@ -80,7 +81,10 @@ def encode_conversation(
             ids += reply
             mask += [_trained(turn)] * len(reply)
         else:
-            more = tok.continuation(ids, [{"role": observation_role, "content": text}], tools=tools)
+            message: dict[str, Any] = {"role": observation_role, "content": text}
+            if observation_role == "tool":  # templates that check ids (Mistral's) need one
+                message["tool_call_id"] = call_id(",".join(map(str, ids[-64:])), i)
+            more = tok.continuation(ids, [message], tools=tools)
             ids += more
             mask += [False] * len(more)
     if not any(mask):
@@ -108,6 +112,7 @@ def warm_start(
     betas: tuple[float, float] = (0.9, 0.999),
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    observation_role: str = "tool",
 ) -> WarmStartStats:
     """Train ``model`` in place for ``steps`` batches drawn from ``pairs`` (with replacement
     once they run out). Returns the last step's loss and the time taken.
@@ -118,7 +123,9 @@ def warm_start(
     the step for the hard ones small for thousands of steps at 0.999."""
     if not pairs:
         raise ValueError("warm start needs at least one (messages, completion) pair")
-    encoded = [encode_conversation(tok, m, c, tools=tools) for m, c in pairs]
+    encoded = [
+        encode_conversation(tok, m, c, tools=tools, observation_role=observation_role) for m, c in pairs
+    ]
     rng = random.Random(seed)
     order: list[int] = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=betas)

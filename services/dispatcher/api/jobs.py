@@ -14,7 +14,7 @@ from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.bodies import MAX_SPEC_BYTES, read_limited, too_large
 from services.dispatcher.api.deps import CurrentTenant, RuntimeDep, SessionDep
-from services.dispatcher.api.validation import check_names, load_document, strict_spec
+from services.dispatcher.api.validation import check_names, check_template, load_document, strict_spec
 from temper import problems
 from temper.db import Job
 from temper.envpkg import service as envpkg
@@ -132,8 +132,9 @@ def job_detail(job: Job) -> schemas.Job:
     summary="Submit a job",
     description="Validates the spec strictly (no type coercion, no YAML aliases, bounded size, depth and "
     "integers) and checks every name it references (environment kind, reward components, model, backend "
-    "pool, task set) against this deployment; the job starts in state `pending` and the scheduler picks "
-    "it up.",
+    "pool, task set) against this deployment, and that the model's chat template renders the job's "
+    "conversation (its tools, a tool call and its result); the job starts in state `pending` and the "
+    "scheduler picks it up.",
     status_code=status.HTTP_201_CREATED,
     response_model=schemas.Job,
     responses={
@@ -152,6 +153,7 @@ async def submit_job(
             session, spec=spec, settings=runtime.settings, tenant_id=tenant.id, store=runtime.store
         )
         await envpkg.pin(runtime.store, tenant_id=tenant.id, spec=spec)
+        await check_template(session, spec=spec, store=runtime.store)
         job = await repo.create_job(session, tenant=tenant, spec=spec)
     except SpecError as exc:
         return spec_problem(exc)

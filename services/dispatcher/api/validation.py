@@ -11,15 +11,20 @@ Three layers, each refusing with ``(field path, message)`` pairs (:class:`SpecEr
   here, Temper's own included: ``temper.jobspec.plugin_errors``), model (a complete model
   directory, naming the file it lacks), backend pool and task set must be ones this
   deployment knows, with the allowed values and a "did you mean"; and a backend of the
-  pool must be able to serve the model with what the job trains (``temper.policy.placement``).
+  pool must be able to serve the model with what the job trains (``temper.policy.placement``);
+- the chat template: it renders what the job's episodes will (:func:`template_errors`), or
+  the job is refused with the template's own error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import json
+import logging
 import math
 import re
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,8 @@ from temper.jobspec import JobSpec, SpecError, plugin_errors
 from temper.policy.placement import BackendInfo, missing_model_files, need_of, serve_error
 from temper.settings import Settings
 from temper.tasks.service import TaskSetAmbiguous, TaskSetNotFound, get_taskset
+
+log = logging.getLogger("temper.dispatcher.validation")
 
 MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few more
 MAX_NODES = 100_000
@@ -299,5 +306,77 @@ async def check_names(
             )
     errors += await image_errors(session, spec=spec, store=store)
     errors += await limit_errors(session, spec=spec, settings=settings)
+    if errors:
+        raise SpecError(errors)
+
+
+async def template_errors(
+    session: AsyncSession, *, spec: JobSpec, store: Any = None
+) -> list[tuple[str, str]]:
+    """The job's chat template renders what its episodes will, for one of its tasks
+    (``temper.envs.Environment.check_template``): the first prompt with the job's tools, an
+    assistant turn that calls a tool and the tool's result (in ``environment.tool_role``),
+    and the token-wise continuation with that result. A template that cannot is refused
+    now with its own error, under the field whose model gave it, not in the first
+    episode. (A model directory that does not load is ``model_errors``' to report.)"""
+    from temper.envs import make_environment
+    from temper.jobspec import PACKAGE_KIND
+    from temper.policy.tokenizer import (
+        TemplateError,
+        fetch_policy_tokenizer,
+        policy_tokenizer,
+        tokenizer_source,
+    )
+
+    p, env = spec.policy, spec.environment
+    field = f"policy.{tokenizer_source(p.model, p.init) or 'model'}"
+    try:
+        if store is not None:
+            cache = Path(tempfile.gettempdir()) / "temper-tokenizers"
+            await fetch_policy_tokenizer(store, p.model, p.init, cache)
+        tok = await asyncio.to_thread(policy_tokenizer, p.model, p.init)
+        field = f"policy.{tokenizer_source(p.model, p.init) or 'model'}"
+    except TemplateError as exc:
+        return [(field, f"{clip(p.init if field == 'policy.init' else p.model)}: {exc}")]
+    except Exception as exc:  # noqa: BLE001 - a directory that does not load is model_errors'
+        log.debug("template check skipped: the tokenizer did not load: %s", exc)
+        return []
+    row = (
+        await session.execute(
+            select(Task.id, Task.kind, Task.prompt, Task.spec, Task.meta)
+            .where(Task.task_set_id == spec.tasks.taskset)
+            .order_by(Task.id)
+            .limit(1)
+        )
+    ).first()
+    task = dict(row._mapping) if row is not None else {"id": "probe", "kind": env.kind, "prompt": "Probe."}
+    try:
+        environment = make_environment(
+            env.kind or str(task["kind"]),
+            task,
+            max_turns=env.max_turns,
+            action_format=env.action_format,
+            limits=env.limits,
+            system_prompt=env.system_prompt,
+            tools=env.tools,
+            tool_role=env.tool_role,
+            **({"package": env.package} if env.kind == PACKAGE_KIND else {}),
+        )
+    except Exception as exc:  # noqa: BLE001 - names and packages are checked elsewhere
+        log.debug("template check skipped: the environment did not build: %s", exc)
+        return []
+    try:
+        await asyncio.to_thread(environment.check_template, tok)
+    except TemplateError as exc:
+        return [(field, f"its chat template cannot render this job's episodes: {exc}")]
+    except Exception as exc:  # noqa: BLE001 - an environment's own bug is not the template's
+        log.warning("template check skipped: the environment failed: %s", exc)
+    return []
+
+
+async def check_template(session: AsyncSession, *, spec: JobSpec, store: Any = None) -> None:
+    """:func:`template_errors` as a :class:`SpecError` (after the package is pinned: a
+    package's tools are part of what the template must render)."""
+    errors = await template_errors(session, spec=spec, store=store)
     if errors:
         raise SpecError(errors)

@@ -126,9 +126,13 @@ def test_parsers_are_validated_by_name():
 
     base = {"name": "x", "policy": {"model": "m"}, "tasks": {"taskset": "t"}}
     with pytest.raises(
-        SpecError, match=r"installed: code_block, tool_call, hermes \(temper\), llama3_json \(temper\)"
+        SpecError,
+        match=r"installed: code_block, tool_call, hermes \(temper\), llama3_json \(temper\), "
+        r"mistral \(temper\), pythonic \(temper\), tool_code \(temper\)",
     ):
-        parse_spec({**base, "environment": {"action_format": "mistral"}})
+        parse_spec({**base, "environment": {"action_format": "qwen3_xml"}})
+    for name in ("mistral", "pythonic", "tool_code"):
+        assert parse_spec({**base, "environment": {"action_format": name}}).environment.action_format == name
     assert parse_spec({**base, "environment": {"action_format": "hermes"}}).environment.action_format == (
         ActionFormat.hermes
     )

@@ -49,6 +49,41 @@ def test_unknown_target_module_is_refused_with_the_models_names():
         Learner(create_model(seed=1), LearnerConfig(lora=LoraSpec(target_modules=["attn_qkv"])), device="cpu")
 
 
+def _adapted(model) -> set[str]:
+    """The layer names (last component) that carry a LoRA adapter."""
+    return {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if ".lora_A." in n}
+
+
+def test_the_default_targets_cover_separate_and_fused_projections(tmp_path):
+    """By default every attention and MLP projection gets an adapter, under the names the
+    model uses: Llama's and Qwen's separate ones, Phi-3's fused qkv_proj and gate_up_proj.
+    An explicit separate name on a fused model is refused naming the fused layer."""
+    from temper.policy.build import build_model_dir, train_tokenizer
+    from temper.policy.model import load_model
+    from temper.training.lora import apply_lora
+
+    tok = train_tokenizer(["def add(a, b): return a + b"] * 20, vocab_size=300)
+    phi3, _ = load_model(build_model_dir(tmp_path / "phi3", "phi3", tok))
+    assert {"qkv_proj", "gate_up_proj"} <= {n.rsplit(".", 1)[-1] for n, _ in phi3.named_modules()}
+    assert _adapted(apply_lora(phi3, LoraSpec(rank=2))) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    llama, _ = load_model(build_model_dir(tmp_path / "llama", "llama", tok))
+    assert _adapted(apply_lora(llama, LoraSpec(rank=2))) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    }  # fmt: skip
+    phi3, _ = load_model(tmp_path / "phi3")
+    with pytest.raises(
+        LoraTargetError, match=r"\['q_proj', 'up_proj'\].*it fuses them: name gate_up_proj, qkv_proj"
+    ):
+        apply_lora(phi3, LoraSpec(target_modules=["q_proj", "up_proj", "o_proj"]))
+    # the default is what a spec without target_modules means, and it survives a round trip
+    spec = parse_spec(base_spec(lora={"rank": 4}))
+    assert spec.algorithm.lora is not None and spec.algorithm.lora.target_modules is None
+    assert parse_spec(spec.model_dump(mode="json")).algorithm.lora == spec.algorithm.lora
+    # the trainer's learner trains Phi-3 with the default adapter
+    learner = Learner(load_model(tmp_path / "phi3")[0], LearnerConfig(lora=LoraSpec(rank=2)), device="cpu")
+    assert _adapted(learner.model) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
 def test_lora_trains_the_adapter_only_and_the_reference_is_the_base():
     base = create_model(seed=3)
     before = {k: v.clone() for k, v in base.state_dict().items()}

@@ -358,3 +358,71 @@ async def test_nan_and_infinity_are_refused(client):
     text = yaml.safe_dump(spec()).replace("tests_passed: 1.0", "tests_passed: .inf")
     r = await client.post("/v1/jobs", content=text, headers={"content-type": "application/yaml"})
     assert r.status_code == 422 and "finite" in r.json()["detail"], r.text
+
+
+def _hub_model(directory, name: str) -> str:
+    """A model directory with a real-shaped tokenizer and chat template (the weights'
+    files present but not read: the door loads only the tokenizer)."""
+    from tests.libs.policy.real_templates import save_as_on_a_hub, tokenizer
+
+    save_as_on_a_hub(tokenizer(name, vocab_size=400), directory)
+    for f in ("config.json", "model.safetensors"):
+        (directory / f).write_text("{}")
+    return str(directory)
+
+
+GEMMA_SYSTEM = (
+    "Fix the code. Tools: bash(command), python(code), write_file(path, content), read_file(path), "
+    "submit(). Call one in a ```tool_code block."
+)
+
+
+async def test_a_template_that_cannot_render_a_tool_turn_is_refused_with_its_own_error(client, tmp_path):
+    """Gemma 3's template has no tool role: results as tool messages are refused at the
+    door with the template's words, under the model's field; as user turns the job goes in."""
+    model = _hub_model(tmp_path / "gemma", "gemma3")
+    env = {"kind": "code", "max_turns": 3, "action_format": "tool_code", "system_prompt": GEMMA_SYSTEM}
+    started = time.perf_counter()
+    r = await client.post("/v1/jobs", json=spec(policy__model=model, environment=env))
+    assert r.status_code == 422, r.text
+    one_shape(r.json())
+    (error,) = r.json()["errors"]
+    assert error["field"] == "policy.model", error
+    assert "its chat template cannot render this job's episodes" in error["message"]
+    assert "Conversation roles must alternate user/assistant/user/assistant/..." in error["message"]
+    assert time.perf_counter() - started < 10
+    assert await nothing_stored(client)
+    r = await client.post(
+        "/v1/jobs", json=spec(policy__model=model, environment={**env, "tool_role": "user"})
+    )
+    assert r.status_code == 201, r.text
+    assert r.json()["spec"]["environment"]["tool_role"] == "user"
+
+
+async def test_a_template_that_drops_the_tools_is_refused_unless_the_prompt_names_them(client, tmp_path):
+    model = _hub_model(tmp_path / "gemma", "gemma3")
+    env = {"kind": "code", "max_turns": 3, "action_format": "tool_code", "tool_role": "user"}
+    r = await client.post("/v1/jobs", json=spec(policy__model=model, environment=env))
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["errors"]
+    assert error["field"] == "policy.model" and "the chat template ignores tools" in error["message"], error
+    assert "describe the tools in environment.system_prompt" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("name", "parser"), [("mistral-v0.3", "mistral"), ("llama3.1", "llama3_json"), ("qwen2.5", "hermes")]
+)
+async def test_templates_with_tools_pass_the_door(client, tmp_path, name, parser):
+    model = _hub_model(tmp_path / name, name)
+    env = {"kind": "code", "max_turns": 3, "action_format": parser}
+    r = await client.post("/v1/jobs", json=spec(policy__model=model, environment=env))
+    assert r.status_code == 201, r.text
+    # policy.init gives the tokenizer when policy.model is a served name: its field is named
+    r = await client.post(
+        "/v1/jobs",
+        json=spec(
+            policy__init=_hub_model(tmp_path / "g", "gemma3"),
+            environment={**env, "action_format": "tool_code"},
+        ),
+    )
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "policy.init", r.text

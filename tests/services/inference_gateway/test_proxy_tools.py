@@ -4,6 +4,7 @@ parsed ``tool_calls``, and a conversation with calls and results extends token-w
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -29,11 +30,14 @@ def test_replies_are_parsed_into_openai_tool_calls():
     assert content == "Let me run it."
     assert calls == [
         {
-            "id": "call_0",
+            "id": calls[0]["id"],
             "type": "function",
             "function": {"name": "python", "arguments": '{"code": "print(1)"}'},
         }
     ]
+    # nine letters and digits (what Mistral's templates accept), the same for the same reply
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", calls[0]["id"])
+    assert parse_tool_calls(text, ToolParser.hermes)[1][0]["id"] == calls[0]["id"]
     content, calls = parse_tool_calls(
         '{"name": "python", "parameters": {"code": "1"}}', ToolParser.llama3_json
     )
@@ -41,6 +45,19 @@ def test_replies_are_parsed_into_openai_tool_calls():
     broken = "<tool_call>{oops</tool_call>"
     assert parse_tool_calls(broken, ToolParser.hermes) == (broken, [])  # left as content, as vLLM does
     assert parse_tool_calls("just words", ToolParser.hermes) == ("just words", [])
+
+
+def test_mistral_pythonic_and_tool_code_replies_are_parsed_too():
+    text = 'Checking. [TOOL_CALLS] [{"name": "python", "arguments": {"code": "1"}, "id": "Ab3dE6gH9"}]'
+    content, calls = parse_tool_calls(text, ToolParser.mistral)
+    assert content == "Checking." and calls[0]["id"] == "Ab3dE6gH9"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"code": "1"}
+    content, calls = parse_tool_calls('[python(code="1"), submit(answer="2")]', ToolParser.pythonic)
+    assert content == "" and [c["function"]["name"] for c in calls] == ["python", "submit"]
+    content, calls = parse_tool_calls('Run:\n```tool_code\npython(code="1")\n```', ToolParser.tool_code)
+    assert content == "Run:" and calls[0]["function"]["name"] == "python"
+    for broken, parser in (("[TOOL_CALLS] [{oops", ToolParser.mistral), ("[python(1)]", ToolParser.pythonic)):
+        assert parse_tool_calls(broken, parser) == (broken, [])
 
 
 async def test_tools_reach_the_template_and_calls_extend_the_conversation(gateway) -> None:  # noqa: F811

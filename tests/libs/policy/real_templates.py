@@ -1,0 +1,167 @@
+"""Tokenizers with the chat templates real models ship, for the tests: a byte-level BPE
+trained here, the model's special tokens, and one of the fixture templates in
+``templates/`` (each says which model's format it reproduces and what was checked), saved
+as a model hub lays it out (the template inside ``tokenizer_config.json``) and loaded back
+with :meth:`temper.policy.ChatTokenizer.load`, the code a downloaded model goes through."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from temper.policy import ChatTokenizer
+from temper.policy.build import train_chat_tokenizer
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """One model's tokenizer shape and how it calls tools."""
+
+    template: str  # the fixture's file name
+    specials: tuple[str, ...]
+    eos: str
+    stops: tuple[str, ...]
+    bos: str | None = None
+    pad: str | None = None
+    unk: str | None = None
+    extra: tuple[str, ...] = ()
+    parser: str = "hermes"  # environment.action_format
+    tool_role: str | None = None  # environment.tool_role
+    call: str = ""  # the model's text for python(code=CODE), CODE as a placeholder
+    answer: str = "The answer is \\boxed{391}."
+    job: dict[str, Any] = field(default_factory=dict)  # more environment fields a job needs
+
+    @property
+    def text(self) -> str:
+        return (TEMPLATES / self.template).read_text()
+
+    def call_text(self, code: str) -> str:
+        return self.call.replace("CODE", code)
+
+
+# What each call looks like in the model's own format (the parsers' inputs).
+SHIPPED: dict[str, Shipped] = {
+    "qwen2.5": Shipped(
+        "qwen2.5.jinja",
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        extra=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        stops=("<|im_end|>", "<|endoftext|>"),
+        parser="hermes",
+        call='<tool_call>\n{"name": "python", "arguments": {"code": "CODE"}}\n</tool_call>',
+    ),
+    "llama3.1": Shipped(
+        "llama3.1.jinja",
+        specials=(
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+            "<|finetune_right_pad_id|>",
+        ),
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        pad="<|finetune_right_pad_id|>",
+        stops=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
+        parser="llama3_json",
+        call='{"name": "python", "parameters": {"code": "CODE"}}',
+    ),
+    "mistral-v0.3": Shipped(
+        "mistral-v0.3.jinja",
+        specials=(
+            "<unk>",
+            "<s>",
+            "</s>",
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ),
+        bos="<s>",
+        eos="</s>",
+        unk="<unk>",
+        stops=("</s>",),
+        parser="mistral",
+        # v0.3 writes the call's id itself: the tool result must carry the same one
+        call='[TOOL_CALLS] [{"name": "python", "arguments": {"code": "CODE"}, "id": "Ab3dE6gH9"}]',
+        answer=" The answer is \\boxed{391}.",  # the template writes " " + content|trim
+        # its template joins the system text to the last user turn only while that turn is
+        # the conversation's last message: a job without a system message re-renders stably
+        job={"system_prompt": ""},
+    ),
+    "gemma3": Shipped(
+        "gemma3.jinja",
+        specials=("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>"),
+        bos="<bos>",
+        eos="<eos>",
+        pad="<pad>",
+        stops=("<end_of_turn>", "<eos>"),
+        parser="tool_code",
+        tool_role="user",  # no tool role in the template
+        call='```tool_code\npython(code="CODE")\n```',
+        # the template drops tools: the system prompt describes them (the door checks it)
+        job={
+            "system_prompt": (
+                "Solve the problem. Tools: python(code: str) runs Python and shows what it prints; "
+                "submit(answer: str) gives the answer. Call one in a ```tool_code block, e.g. "
+                '```tool_code\npython(code="print(1)")\n```. Give the final answer as \\boxed{...}.'
+            )
+        },
+    ),
+}
+
+CORPUS = [
+    "Compute 17 * 23 with python and give the answer.",
+    "print(17 * 23)",
+    "391\nThe answer is \\boxed{391}.",
+    "[exit code 0; 0.01s]\nstdout:\n391",
+    '{"name": "python", "arguments": {"code": "print(17 * 23)"}}',
+]
+
+
+def tokenizer(name: str, *, vocab_size: int = 600) -> ChatTokenizer:
+    """The BPE tokenizer of ``name``'s shape, trained on the corpus as its template renders it."""
+    s = SHIPPED[name]
+    corpus = [*CORPUS, s.call_text("print(17 * 23)"), s.text] * 20
+    return train_chat_tokenizer(
+        corpus,
+        chat_template=s.text,
+        specials=s.specials,
+        extra=s.extra,
+        bos=s.bos,
+        eos=s.eos,
+        pad=s.pad,
+        unk=s.unk,
+        stops=s.stops,
+        vocab_size=vocab_size,
+    )
+
+
+def save_as_on_a_hub(tok: ChatTokenizer, directory: Path) -> Path:
+    """``tok``'s files in ``directory`` with the chat template inside
+    ``tokenizer_config.json`` (where Llama 3.1, Mistral v0.3 and Qwen2.5 ship it), not in
+    a ``chat_template.jinja`` beside it."""
+    tok.save(directory)
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = tok.hf.chat_template
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    return directory
+
+
+def hub_tokenizer(name: str, directory: Path) -> ChatTokenizer:
+    """:func:`tokenizer` saved as on a hub and loaded back from ``directory``."""
+    save_as_on_a_hub(tokenizer(name), directory)
+    return ChatTokenizer.load(directory)
