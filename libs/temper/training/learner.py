@@ -41,6 +41,7 @@ from safetensors.torch import save as st_save
 from temper.jobspec import (
     Advantage,
     Aggregation,
+    Algorithm,
     AlgorithmSpec,
     Correction,
     CorrectionLevel,
@@ -199,6 +200,9 @@ class LearnerConfig:
     correction: Correction = Correction.none
     correction_level: CorrectionLevel = CorrectionLevel.token
     correction_cap: float = 2.0
+    # supervised fine-tuning (algorithm.name sft): the loss is the token-mean negative
+    # log-likelihood of the masked tokens; no advantage, ratio, reference or canary
+    sft: bool = False
 
     def objective(self) -> Objective:
         return Objective(
@@ -224,6 +228,18 @@ class LearnerConfig:
         """The job's algorithm settings plus the trainer process's own knobs."""
         s = settings or TrainerSettings.model_validate({})
         a = algorithm
+        if a.name is Algorithm.sft:
+            return cls(
+                learning_rate=a.learning_rate,
+                max_grad_norm=a.max_grad_norm,
+                weight_decay=s.weight_decay,
+                micro_batch_tokens=a.max_tokens_per_microbatch or s.micro_batch_tokens,
+                bf16=s.bf16 if a.precision is None else a.precision is Precision.bf16,
+                gradient_checkpointing=a.gradient_checkpointing,
+                memory_limit_gb=s.memory_limit_gb,
+                lora=a.lora,
+                sft=True,
+            )
         if a.aggregation is Aggregation.seq_sum and a.loss_constant is None:
             raise ValueError("aggregation seq_sum needs algorithm.loss_constant")
         if a.overlong not in (None, Overlong.keep) and not (a.overlong_max_tokens and a.overlong_buffer):
@@ -485,6 +501,14 @@ class Learner:
         )
         return self.step_samples(samples, groups=len(groups), skipped_groups=skipped)
 
+    def step_conversations(self, encoded: Sequence[tuple[list[int], list[bool]]]) -> StepStats:
+        """One sft step on encoded conversations (ids, mask of the trained tokens:
+        :func:`temper.training.sft.encode_chat`), cut into micro-batches as an RL step's."""
+        if not self.config.sft:
+            raise ValueError("step_conversations is the sft step; this learner's algorithm is RL")
+        samples = [Sample(ids, mask, [0.0] * len(ids), 0.0, 0.0, self.version) for ids, mask in encoded]
+        return self.step_samples(samples, groups=len(samples))
+
     @on_adapter
     def step_samples(
         self, samples: Sequence[Sample], *, groups: int = 0, skipped_groups: int = 0
@@ -622,7 +646,8 @@ class Learner:
             normalizer = sum(s.scored_tokens for s in samples)
         self.model.train()
         acc = Accumulated()
-        canary = acc.canary = self.weights_at_version  # the weights that sampled this version's tokens
+        # the weights that sampled this version's tokens (sft data was sampled by none)
+        canary = acc.canary = self.weights_at_version and not self.config.sft
         batches = micro_batches(samples, self.config.micro_batch_tokens)
         if self.loss_scale != 1.0:
             batches = self._same_count_on_every_rank(batches)
@@ -663,6 +688,9 @@ class Learner:
                         tolerance=self.config.mismatch_tolerance,
                     )
                 )
+            if self.config.sft:
+                self._sft_backward(acc, logprobs.float(), b, entropy[0] if entropy else None)
+                continue
             parts = grpo_token_loss(
                 logprobs.float(),
                 b.behaviour_logprobs,
@@ -696,6 +724,24 @@ class Learner:
             acc.tokens += b.tokens
         acc.micro_batches = len(batches)
         return acc
+
+    def _sft_backward(
+        self, acc: Accumulated, logprobs: torch.Tensor, b: Any, entropy: torch.Tensor | None
+    ) -> None:
+        """One micro-batch of the sft loss: ``-sum_i w_i sum_t m_it log p(y_it)``, with the
+        token-mean weights over the whole step (``w_i = 1/N``), so micro-batches add up to
+        the step's mean negative log-likelihood however the batch was cut."""
+        mask = b.completion_mask.float()
+        nll = -(logprobs * mask).sum(-1)
+        loss = (nll * b.weights).sum()
+        loss.backward()
+        acc.loss += float(loss.detach()) / self.loss_scale
+        acc.pg += float(nll.detach().sum())  # the unweighted sum: pg_loss is the mean nll
+        if entropy is not None:
+            acc.entropy += float((entropy.detach() * mask).sum())
+        acc.ratio += float(mask.sum())  # no ratio: 1 per token, as an on-policy step reads
+        acc.correction += float(mask.sum())
+        acc.tokens += b.tokens
 
     def _same_count_on_every_rank(self, batches: list[list[Sample]]) -> list[list[Sample]]:
         """Sharded training: FSDP's collectives need every rank to run as many forward and

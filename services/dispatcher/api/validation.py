@@ -32,7 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from services.dispatcher.backends import deployment
 from temper import problems
 from temper.db import Job, Task, TaskSet
-from temper.jobspec import JobSpec, SpecError, plugin_errors
+from temper.jobspec import JobSpec, SpecError, plugin_errors, rl_only_errors
 from temper.policy.placement import BackendInfo, missing_model_files, need_of, serve_error
 from temper.settings import Settings
 from temper.tasks.service import TaskSetAmbiguous, TaskSetNotFound, get_taskset
@@ -134,6 +134,8 @@ def strict_spec(data: Any) -> JobSpec:
     coercion; enums and floats from JSON values as JSON allows."""
     if not isinstance(data, dict):
         raise SpecError([("(document)", "the spec must be a mapping")])
+    if errors := rl_only_errors(data):
+        raise SpecError(errors)
     try:
         text = json.dumps(data, default=str)  # YAML dates and the like become strings
     except (TypeError, ValueError) as exc:
