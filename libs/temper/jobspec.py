@@ -660,6 +660,26 @@ class JobSpec(_Spec):
     def is_sft(self) -> bool:
         return self.algorithm.name is Algorithm.sft
 
+    def sft_steps(self, conversations: int) -> tuple[int, int]:
+        """(optimizer steps per epoch, steps in all) of an sft job on ``conversations``:
+        each epoch is every conversation once, in batches of ``algorithm.batch_size`` (the
+        last one of an epoch may be smaller); ``schedule.iterations`` epochs."""
+        per_epoch = -(-conversations // (self.algorithm.batch_size or SFT_BATCH_SIZE))
+        return per_epoch, per_epoch * self.schedule.iterations
+
+    def sft_batch(self, conversations: int, step: int) -> list[int]:
+        """The conversations (indices, in id order) of sft step ``step`` (0-based): a
+        function of the seed, the epoch and the step alone, so a trainer that restarts from
+        a version trains on exactly the batches after it."""
+        import random
+
+        per_epoch, _ = self.sft_steps(conversations)
+        epoch, k = divmod(step, per_epoch)
+        order = list(range(conversations))
+        random.Random(f"{self.tasks.seed}:{epoch}").shuffle(order)
+        size = self.algorithm.batch_size or SFT_BATCH_SIZE
+        return order[k * size : (k + 1) * size]
+
 
 class SpecError(ValueError):
     """A spec that does not validate; ``errors`` lists (field path, message)."""
