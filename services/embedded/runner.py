@@ -158,12 +158,15 @@ async def run(
                 )
     finally:
         await runtime.stop()
-    rewards = (
-        f"mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
-        f"{summary['last_mean_reward']:.3f} (last)"
-        if summary["reward_curve"]
-        else "no episode was scored"
-    )
+    if summary.get("first_loss") is not None:
+        rewards = f"sft loss {summary['first_loss']:.4f} (first version) -> {summary['last_loss']:.4f} (last)"
+    elif summary["reward_curve"]:
+        rewards = (
+            f"mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
+            f"{summary['last_mean_reward']:.3f} (last)"
+        )
+    else:
+        rewards = "no episode was scored"
     out.write(
         f"\n{state}: {rewards} in {summary['seconds']:.0f}s\nreport: {run_dir / 'report.html'}\n"
         f"console: temper serve --data-dir {run_dir}\n"
