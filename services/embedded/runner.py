@@ -328,7 +328,9 @@ async def _follow(runtime: Runtime, job_id: str, progress: Progress) -> str:
             metrics = (await job_metrics(session, job=job)).model_dump(mode="json")
             state = job.state
             name = job.name
-        progress.show(progress_lines({"id": job_id, "name": name}, metrics, color=progress.tty))
+            algorithm = (job.spec.get("algorithm") or {}).get("name")
+        shown = {"id": job_id, "name": name, "algorithm": algorithm}
+        progress.show(progress_lines(shown, metrics, color=progress.tty))
         if JobState(state) in JOB_TERMINAL:
             progress.done()
             return state
