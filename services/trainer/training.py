@@ -117,7 +117,8 @@ class JobTrainer:
         # base models under LoRA jobs' adapters, by base_key (not under torchrun)
         self.bases: dict[str, SharedBase] = {}
         self._sft_checked_at = 0.0
-        self._sft_running: list[str] = []
+        self._sft_running: list[str] = []  # the running sft jobs this process owns
+        self._tok_dir: str | None = None
 
     @property
     def group(self) -> str:
@@ -444,13 +445,12 @@ class JobTrainer:
 
     @property
     def _tokenizer_cache(self) -> str:
+        """Where tokenizers of object-store model directories are fetched to (made once)."""
         import tempfile
 
         if self._tok_dir is None:
             self._tok_dir = tempfile.mkdtemp(prefix="temper-trainer-tokenizers-")
         return self._tok_dir
-
-    _tok_dir: str | None = None
 
     # --- publishing, retried ------------------------------------------------------------
 

@@ -91,3 +91,30 @@ def complete(runtime):
         return bool(rows) and rows[-1][1] >= 12
 
     return check
+
+
+class ShardedRanks:
+    """What the sft path asks of torchrun's ranks: only whether they are several."""
+
+    sharded = True
+
+
+async def test_a_sharded_trainer_refuses_an_sft_job_with_a_reason(settings):
+    from services.trainer.training import JobTrainer
+    from temper.db import Database
+    from temper.storage.local import LocalStore
+
+    db = Database(settings.db)
+    try:
+        await add_job(db, "job-sft", sft_spec("ts-words"))
+        trainer = JobTrainer(db, LocalStore(settings.storage.root), settings.trainer, ranks=ShardedRanks())
+        assert await trainer.train_sft() is False
+        assert "job-sft" not in trainer.jobs  # nothing loaded, nothing trained
+        async with db.session() as s:
+            reason = (await s.get(Job, "job-sft")).state_reason
+        assert (
+            reason
+            == "stuck: sft jobs are not built for a sharded trainer (torchrun); run a single-process trainer for them"
+        )
+    finally:
+        await db.dispose()
