@@ -110,3 +110,37 @@ def test_an_rl_learner_refuses_the_sft_step():
     learner = Learner(create_model("tiny"), LearnerConfig(), device="cpu")
     with pytest.raises(ValueError, match="sft step"):
         learner.step_conversations([encode_chat(TOK, *conversation("q", "a"))])
+
+
+def test_a_conversation_is_encoded_as_the_warm_start_and_an_episode_grow_it():
+    from temper.training.sft import encode_conversation
+
+    messages = [
+        {"role": "user", "content": "Which word?"},
+        {"role": "assistant", "content": "run secret.py"},
+        {"role": "tool", "content": "stdout: apple"},
+        {"role": "assistant", "content": "apple"},
+    ]
+    chat = encode_chat(TOK, messages, [False, False, False, True])
+    warm = encode_conversation(
+        TOK, messages[:1], [{"content": "run secret.py", "train": False}, "stdout: apple", "apple"]
+    )
+    assert chat == warm
+
+
+def test_tool_calls_are_trained_as_the_template_writes_them():
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    messages = [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "5"},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    ids, mask = encode_chat(TOK, messages, [False, True, False, False, True])
+    trained = TOK.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special=False)
+    assert trained == '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><|end|>ok<|end|>'
+    assert TOK.decode(ids, skip_special=False) == (
+        '<|bos|><|user|>add<|end|><|assistant|><tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+        "<|end|><|tool|>5<|end|><|user|>thanks<|end|><|assistant|>ok<|end|>"
+    )
