@@ -32,8 +32,34 @@ class Sampling(_Spec):
 class PolicySpec(_Spec):
     model: str = Field(description="policy model name, as the inference gateway's backends know it")
     backend_pool: str = Field("default", description="which gateway backend pool serves it")
-    init: str | None = Field(None, description="object-store key or local directory of initial weights")
+    init: str | None = Field(
+        None,
+        description="initial weights: a local model directory, an object-store key, or another job's "
+        "published version as job:<job id or handle>@v<N> (or @latest), resolved at submission",
+    )
     sampling: Sampling = Sampling()
+
+    @field_validator("init")
+    @classmethod
+    def _job_reference(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith(JOB_REF_PREFIX) and not JOB_REF.fullmatch(value):
+            raise ValueError(
+                "a job's version is named job:<job id or handle>@v<N> or job:<job id or handle>@latest"
+            )
+        return value
+
+
+JOB_REF_PREFIX = "job:"
+JOB_REF = re.compile(r"job:([a-z0-9][a-z0-9._-]{0,99})@(v[0-9]{1,9}|latest)")
+
+
+def job_reference(init: str | None) -> tuple[str, int | None] | None:
+    """``(job, version)`` of a ``job:<job>@v<N>`` init (version None for ``@latest``), else None."""
+    match = JOB_REF.fullmatch(init or "")
+    if match is None:
+        return None
+    job, version = match.groups()
+    return job, None if version == "latest" else int(version[1:])
 
 
 class Curriculum(StrEnum):
@@ -239,6 +265,10 @@ class Algorithm(StrEnum):
     dr_grpo = "dr_grpo"
     dapo = "dapo"
     rloo = "rloo"
+    sft = "sft"  # supervised fine-tuning on conversations: no rollouts, no rewards
+
+
+RL_ALGORITHMS = frozenset({Algorithm.grpo, Algorithm.dr_grpo, Algorithm.dapo, Algorithm.rloo})
 
 
 class Advantage(StrEnum):
@@ -280,8 +310,44 @@ PRESETS: dict[Algorithm, dict[str, Any]] = {
                      "clip_eps_high": 0.28, "overlong": Overlong.penalty},
     Algorithm.rloo: {"advantage": Advantage.leave_one_out, "aggregation": Aggregation.token_mean,
                      "overlong": Overlong.keep},
+    Algorithm.sft: {},
 }  # fmt: skip
-REFUSED_ALGORITHMS = {"ppo": "ppo needs a value model, which Temper does not train"}
+REFUSED_ALGORITHMS = {
+    "ppo": "ppo needs a value model, which Temper does not train",
+    "dpo": 'dpo is not built yet (docs/training.md, "Supervised fine-tuning")',
+}
+SFT_BATCH_SIZE = 8
+
+# What an sft job has no use for (it runs no episodes and scores nothing), as spec paths.
+# Given in an sft spec, each is refused; at the door (the raw document) even at its default.
+RL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
+    "policy": ("sampling",),
+    "tasks": ("group_size", "curriculum", "prior_from_job"),
+    "algorithm": (
+        "advantage", "aggregation", "loss_constant", "clip_eps", "clip_eps_high", "kl_coef",
+        "kl_estimator", "entropy_coef", "overlong", "overlong_max_tokens", "overlong_buffer",
+        "groups_per_step", "skip_zero_variance", "dynamic_sampling", "max_replacement_groups",
+        "mismatch", "correction",
+    ),
+    "schedule": ("episodes_per_iteration", "max_concurrent_episodes", "max_staleness"),
+}  # fmt: skip
+RL_ONLY_TOP = ("environment", "rewards")
+SFT_REFUSAL = "applies to RL jobs only; an sft job runs no episodes (leave it out)"
+
+
+def rl_only_errors(data: Any) -> list[tuple[str, str]]:
+    """The RL-only fields an sft spec document names (the raw mapping, before defaults)."""
+    if not isinstance(data, dict):
+        return []
+    algorithm = data.get("algorithm")
+    if not isinstance(algorithm, dict) or algorithm.get("name") != Algorithm.sft.value:
+        return []
+    errors = [(name, SFT_REFUSAL) for name in RL_ONLY_TOP if name in data]
+    for section, names in RL_ONLY_FIELDS.items():
+        given = data.get(section)
+        if isinstance(given, dict):
+            errors += [(f"{section}.{n}", SFT_REFUSAL) for n in names if n in given]
+    return errors
 
 
 # The default LoRA targets: every decoder projection under the names of both layouts,
@@ -406,6 +472,12 @@ class AlgorithmSpec(_Spec):
     )
     max_grad_norm: float = Field(1.0, gt=0)
     groups_per_step: int = Field(4, ge=1, description="groups in one optimizer batch")
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description=f"sft: conversations in one optimizer batch; default {SFT_BATCH_SIZE}",
+    )
     checkpoint_every: int = Field(
         1, ge=1, description="optimizer steps between checkpoints / policy versions"
     )
@@ -443,6 +515,11 @@ class AlgorithmSpec(_Spec):
 
     @model_validator(mode="after")
     def _preset(self) -> AlgorithmSpec:
+        if self.name is Algorithm.sft:
+            self.batch_size = self.batch_size or SFT_BATCH_SIZE
+            return self
+        if self.batch_size is not None:
+            raise ValueError("batch_size applies to sft only; an RL step takes groups_per_step groups")
         for name, value in PRESETS[self.name].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -465,7 +542,9 @@ class AlgorithmSpec(_Spec):
 
 
 class Schedule(_Spec):
-    iterations: int = Field(10, ge=1, le=100000)
+    iterations: int = Field(
+        10, ge=1, le=100000, description="RL: iterations of episodes; sft: epochs (passes over the data)"
+    )
     episodes_per_iteration: int = Field(16, ge=1)
     max_concurrent_episodes: int = Field(16, ge=1)
     max_staleness: int = Field(1, ge=0, description="how many policy versions behind a trajectory may be")
@@ -567,6 +646,8 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
+        if self.algorithm.name is Algorithm.sft:
+            return self._sft_consistent()
         if self.schedule.episodes_per_iteration % self.tasks.group_size:
             raise ValueError(
                 f"schedule.episodes_per_iteration ({self.schedule.episodes_per_iteration}) must be a multiple "
@@ -584,6 +665,49 @@ class JobSpec(_Spec):
             if a.overlong_buffer > a.overlong_max_tokens:
                 raise ValueError("algorithm.overlong_buffer must not exceed algorithm.overlong_max_tokens")
         return self
+
+    def _sft_consistent(self) -> JobSpec:
+        """An sft spec that sets an RL-only field to anything but its default is refused
+        (a stored spec holds every default, so only a changed value can be told apart here;
+        the door refuses the field at its default too: :func:`rl_only_errors`)."""
+        errors = []
+        for section, names in RL_ONLY_FIELDS.items():
+            given = getattr(self, section)
+            for name in names:
+                field = type(given).model_fields[name]
+                if getattr(given, name) != field.get_default(call_default_factory=True):
+                    errors.append(f"{section}.{name}")
+        if self.environment != EnvironmentSpec():
+            errors.append("environment")
+        if self.rewards != JobSpec.model_fields["rewards"].get_default(call_default_factory=True):
+            errors.append("rewards")
+        if errors:
+            raise ValueError(f"{', '.join(errors)}: {SFT_REFUSAL}")
+        return self
+
+    @property
+    def is_sft(self) -> bool:
+        return self.algorithm.name is Algorithm.sft
+
+    def sft_steps(self, conversations: int) -> tuple[int, int]:
+        """(optimizer steps per epoch, steps in all) of an sft job on ``conversations``:
+        each epoch is every conversation once, in batches of ``algorithm.batch_size`` (the
+        last one of an epoch may be smaller); ``schedule.iterations`` epochs."""
+        per_epoch = -(-conversations // (self.algorithm.batch_size or SFT_BATCH_SIZE))
+        return per_epoch, per_epoch * self.schedule.iterations
+
+    def sft_batch(self, conversations: int, step: int) -> list[int]:
+        """The conversations (indices, in id order) of sft step ``step`` (0-based): a
+        function of the seed, the epoch and the step alone, so a trainer that restarts from
+        a version trains on exactly the batches after it."""
+        import random
+
+        per_epoch, _ = self.sft_steps(conversations)
+        epoch, k = divmod(step, per_epoch)
+        order = list(range(conversations))
+        random.Random(f"{self.tasks.seed}:{epoch}").shuffle(order)
+        size = self.algorithm.batch_size or SFT_BATCH_SIZE
+        return order[k * size : (k + 1) * size]
 
 
 class SpecError(ValueError):
@@ -604,6 +728,8 @@ def plugin_errors(spec: JobSpec) -> list[tuple[str, str]]:
     of ``POST /v1/jobs``), so an unimplemented value is refused, never accepted and
     failing later."""
     errors: list[tuple[str, str]] = []
+    if spec.is_sft:  # no environment, parser or reward runs
+        return errors
     env = spec.environment
     if env.kind == PACKAGE_KIND:  # the package's own names are checked when it is uploaded and pinned
         return errors
@@ -629,6 +755,8 @@ def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
             raise SpecError([("(document)", f"not valid YAML/JSON: {yaml_problem(exc)}")]) from None
     if not isinstance(data, dict):
         raise SpecError([("(document)", "the spec must be a mapping")])
+    if errors := rl_only_errors(data):
+        raise SpecError(errors)
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:

@@ -27,7 +27,7 @@ from services.dispatcher.placement import backend_wait, served_version
 from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
 from temper import metrics
 from temper.clock import utcnow
-from temper.db import Episode, Job, Task, Tenant, TrainedTrajectory, rows
+from temper.db import Episode, Job, PolicyVersion, Task, Tenant, TrainedTrajectory, rows
 from temper.events import PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import Curriculum, JobSpec
 from temper.lifecycle import (
@@ -163,6 +163,9 @@ class Scheduler:
             if job.state != J.running:
                 return
             spec = await self.machine.spec_of(s, job.id)
+            if spec.is_sft:  # no episodes: the trainer steps through the data
+                await self._sft_progress(s, job, spec)
+                return
             if self.trainer_attached:
                 await self.mark_trained(s, job.id)
                 await self.resend_trajectories(s, job.id)
@@ -173,6 +176,21 @@ class Scheduler:
             if await self._complete_if_done(s, job, spec, counts, replace):
                 return
             await self._start_groups(s, job, spec, tenant, counts, replace)
+
+    async def _sft_progress(self, s: AsyncSession, job: Job, spec: JobSpec) -> None:
+        """An sft job's iteration is the epoch its latest version reached; it completes
+        once a version holds the last step (services.trainer.supervised)."""
+        step = await s.scalar(select(func.max(PolicyVersion.step)).where(PolicyVersion.job_id == job.id))
+        conversations = int(
+            await s.scalar(select(func.count()).select_from(Task).where(sampleable(spec.tasks.taskset))) or 0
+        )
+        per_epoch, total = spec.sft_steps(conversations)
+        step = int(step or 0)
+        job.iteration = min(step // max(per_epoch, 1), spec.schedule.iterations - 1)
+        metrics.JOB_ITERATION.labels(job.id).set(job.iteration)
+        if conversations and step >= total:
+            await transition_job(s, job, J.completed)
+            log_event(log, "job completed", steps=step, epochs=spec.schedule.iterations)
 
     async def _lock_job(self, s: AsyncSession, job_id: str) -> Job | None:
         query = select(Job).where(Job.id == job_id)
@@ -383,7 +401,7 @@ class Scheduler:
                 s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
             )
             return False
-        waiting = await backend_wait(s, job, spec)
+        waiting = None if spec.is_sft else await backend_wait(s, job, spec)  # sft serves nothing
         if waiting is not None:
             if job.state_reason != STUCK_PREFIX + waiting:
                 await mark_job_stuck(s, job.id, waiting)

@@ -99,6 +99,11 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
         file, _, func = local.warm_start.generator.partition(":")
         local.warm_start.generator = f"{(path.parent / file).resolve()}:{func}"
     doc.setdefault("tasks", {}).setdefault("taskset", "local")  # replaced by the uploaded set's id
+    init = (doc.get("policy") or {}).get("init")
+    if isinstance(init, str) and init.startswith("job:"):
+        raise SpecError(
+            [("policy.init", "temper run holds no other job to start from; submit the job to temper serve")]
+        )
     return parse_spec(doc), local
 
 

@@ -41,6 +41,11 @@ async def write_report(
         "training": metrics.training.model_dump(mode="json"),  # the trainer's numbers per version
         "seconds": round(seconds, 1),
     }
+    if (job.spec.get("algorithm") or {}).get("name") == "sft":
+        # the loss of the first and the last version (each the loss of its last step)
+        losses = [v.loss for v in metrics.training.versions if v.loss is not None]
+        summary["first_loss"] = losses[0] if losses else None
+        summary["last_loss"] = losses[-1] if losses else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_reward_curve(curve, run_dir / "reward_curve.png", title=job.name)
     episodes = await _sample_episodes(session, job.id)

@@ -161,12 +161,15 @@ async def run(
                 )
     finally:
         await runtime.stop()
-    rewards = (
-        f"mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
-        f"{summary['last_mean_reward']:.3f} (last)"
-        if summary["reward_curve"]
-        else "no episode was scored"
-    )
+    if summary.get("first_loss") is not None:
+        rewards = f"sft loss {summary['first_loss']:.4f} (first version) -> {summary['last_loss']:.4f} (last)"
+    elif summary["reward_curve"]:
+        rewards = (
+            f"mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
+            f"{summary['last_mean_reward']:.3f} (last)"
+        )
+    else:
+        rewards = "no episode was scored"
     out.write(
         f"\n{state}: {rewards} in {summary['seconds']:.0f}s\nreport: {run_dir / 'report.html'}\n"
         f"console: temper serve --data-dir {run_dir}\n"
@@ -330,7 +333,9 @@ async def _follow(runtime: Runtime, job_id: str, progress: Progress) -> str:
             metrics = (await job_metrics(session, job=job)).model_dump(mode="json")
             state = job.state
             name = job.name
-        progress.show(progress_lines({"id": job_id, "name": name}, metrics, color=progress.tty))
+            algorithm = (job.spec.get("algorithm") or {}).get("name")
+        shown = {"id": job_id, "name": name, "algorithm": algorithm}
+        progress.show(progress_lines(shown, metrics, color=progress.tty))
         if JobState(state) in JOB_TERMINAL:
             progress.done()
             return state

@@ -20,7 +20,6 @@ from temper.jobspec import JobSpec
 from temper.policy import (
     ChatTokenizer,
     create_model,
-    default_tokenizer,
     is_model_dir,
     load_causal_lm,
     load_weights,
@@ -35,12 +34,12 @@ ModelFactory = Callable[[JobSpec], torch.nn.Module]
 
 
 def publish_tokenizer(spec: JobSpec) -> ChatTokenizer:
-    """The tokenizer a full version is published with: the initial model directory's, else
-    the byte tokenizer of the CPU presets."""
-    init = spec.policy.init or spec.policy.model
-    if Path(init).is_dir() and (Path(init) / "tokenizer.json").is_file():
-        return ChatTokenizer.load(init)
-    return default_tokenizer()
+    """The tokenizer a full version is published with: the initial model directory's (local,
+    or an object-store one the trainer fetched), else the byte tokenizer of the CPU presets."""
+    from temper.policy.tokenizer import policy_tokenizer
+
+    # an object-store model directory's tokenizer once fetched (fetch_policy_tokenizer)
+    return policy_tokenizer(spec.policy.init or spec.policy.model)
 
 
 def _load_local(init: str) -> torch.nn.Module | None:

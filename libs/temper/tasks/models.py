@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from temper.limits import SandboxLimits
+from temper.tasks.chat import ChatMessage, ChatTool, check_conversation, prompt_of
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:=-]{0,150}$")
 
@@ -30,6 +31,7 @@ class TaskKind(StrEnum):
     code = "code"  # write code; hidden Python tests run against it
     math = "math"  # give an answer; it is compared with the known one
     shell = "shell"  # act on a workspace with commands; hidden Python tests check the result
+    chat = "chat"  # a conversation to learn from (sft jobs): messages, optional tools; no tests
 
 
 class TaskStatus(StrEnum):
@@ -66,10 +68,27 @@ class TaskSpec(BaseModel):
         None, description="shell: a bash script that solves the task in the workspace (Harbor's solution.sh)"
     )
     answer: str | None = Field(None, description="math: the expected final answer")
+    messages: list[ChatMessage] | None = Field(
+        None, description="chat: the conversation (OpenAI chat format; train or weight per assistant turn)"
+    )
+    tools: list[ChatTool] | None = Field(None, description="chat: OpenAI function schemas the template shows")
     metadata: TaskMeta = TaskMeta()
     limits: SandboxLimits | None = Field(
         None, description="sandbox limits for this task's episodes and scoring"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_prompt(cls, data: Any) -> Any:
+        # a conversation's prompt (what listings show) is its first user message
+        if isinstance(data, dict) and data.get("kind") == TaskKind.chat.value and not data.get("prompt"):
+            messages = data.get("messages")
+            if isinstance(messages, list) and messages:
+                try:
+                    data = {**data, "prompt": prompt_of([ChatMessage.model_validate(m) for m in messages])}
+                except (ValueError, TypeError):
+                    data = {**data, "prompt": "(conversation)"}  # the field errors come from messages
+        return data
 
     @field_validator("id")
     @classmethod
@@ -91,6 +110,17 @@ class TaskSpec(BaseModel):
 
     @model_validator(mode="after")
     def _complete(self) -> TaskSpec:
+        chat_only = [f for f in ("tools",) if getattr(self, f) is not None]
+        if self.kind is TaskKind.chat:
+            if self.messages is None:
+                raise ValueError("a chat task needs messages")
+            check_conversation(self.messages)
+            given = [f for f in ("tests", "solution", "oracle", "answer", "entry_point") if getattr(self, f)]
+            if given or self.files:
+                raise ValueError(f"a chat task has no {', '.join(given or ['files'])} (it is not run)")
+            return self
+        if self.messages is not None or chat_only:
+            raise ValueError(f"messages and tools apply to chat tasks only (this one is {self.kind})")
         if self.kind is TaskKind.math:
             if not (self.answer and self.answer.strip()):
                 raise ValueError("a math task needs an answer")
@@ -101,10 +131,14 @@ class TaskSpec(BaseModel):
     # --- hashes used for duplicate detection ------------------------------------------
     @property
     def prompt_hash(self) -> str:
+        if self.kind is TaskKind.chat:  # a duplicate conversation is the same one, whole
+            return sha256("chat:" + json.dumps(self.spec_dict(), sort_keys=True))
         return sha256(normalise_prompt(self.prompt))
 
     @property
     def tests_hash(self) -> str:
+        if self.kind is TaskKind.chat:
+            return ""
         if self.kind is TaskKind.math:
             return sha256("answer:" + (self.answer or "").strip())
         return sha256(normalise_code(self.tests or "") + "\0" + (self.entry_point or ""))
@@ -185,6 +219,10 @@ def parse_tasks(data: str | bytes, *, filename: str = "") -> list[TaskSpec]:
         if not isinstance(raw, dict):
             errors.append((line, "(task)", "a task must be a JSON object"))
             continue
+        if "messages" in raw and "kind" not in raw:  # an OpenAI fine-tuning line
+            raw = {"kind": TaskKind.chat.value, **raw}
+        if raw.get("kind") == TaskKind.chat.value and "id" not in raw:
+            raw = {"id": f"line-{line}", **raw}
         try:
             task = TaskSpec.model_validate(raw)
         except ValidationError as exc:

@@ -174,9 +174,12 @@ async def validate_taskset(
         async with gate:
             runs: dict[str, Any] | None = None
             try:
-                reasons = await check_task(scorer.runner, spec)
-                runs, oracle_reasons = await run_oracle(scorer, spec)
-                reasons += [r for r in oracle_reasons if r not in reasons]
+                if spec.kind is TaskKind.chat:
+                    reasons = []  # a conversation's format, checked at upload, is all there is to check
+                else:
+                    reasons = await check_task(scorer.runner, spec)
+                    runs, oracle_reasons = await run_oracle(scorer, spec)
+                    reasons += [r for r in oracle_reasons if r not in reasons]
             except ScoringError as exc:
                 reasons = [f"could not be validated: {exc}"]
         reasons = dups.get(spec.id, []) + reasons

@@ -41,6 +41,7 @@ from safetensors.torch import save as st_save
 from temper.jobspec import (
     Advantage,
     Aggregation,
+    Algorithm,
     AlgorithmSpec,
     Correction,
     CorrectionLevel,
@@ -199,6 +200,12 @@ class LearnerConfig:
     correction: Correction = Correction.none
     correction_level: CorrectionLevel = CorrectionLevel.token
     correction_cap: float = 2.0
+    # supervised fine-tuning (algorithm.name sft): the loss is the token-mean negative
+    # log-likelihood of the masked tokens; no advantage, ratio, reference or canary
+    sft: bool = False
+    # DPO (temper.training.dpo; not yet a job: algorithm.name dpo is refused): beta, and a
+    # frozen reference as the KL term's (a copy of the initial weights, or the adapter off)
+    dpo_beta: float | None = None
 
     def objective(self) -> Objective:
         return Objective(
@@ -224,6 +231,18 @@ class LearnerConfig:
         """The job's algorithm settings plus the trainer process's own knobs."""
         s = settings or TrainerSettings.model_validate({})
         a = algorithm
+        if a.name is Algorithm.sft:
+            return cls(
+                learning_rate=a.learning_rate,
+                max_grad_norm=a.max_grad_norm,
+                weight_decay=s.weight_decay,
+                micro_batch_tokens=a.max_tokens_per_microbatch or s.micro_batch_tokens,
+                bf16=s.bf16 if a.precision is None else a.precision is Precision.bf16,
+                gradient_checkpointing=a.gradient_checkpointing,
+                memory_limit_gb=s.memory_limit_gb,
+                lora=a.lora,
+                sft=True,
+            )
         if a.aggregation is Aggregation.seq_sum and a.loss_constant is None:
             raise ValueError("aggregation seq_sum needs algorithm.loss_constant")
         if a.overlong not in (None, Overlong.keep) and not (a.overlong_max_tokens and a.overlong_buffer):
@@ -389,8 +408,9 @@ class Learner:
 
     def _setup(self, model: torch.nn.Module, reference: torch.nn.Module | None, pad_id: int | None) -> None:
         """Plan the memory, place the model, and build AdamW over its trainable weights."""
+        wants_reference = self.config.kl_coef > 0 or self.config.dpo_beta is not None
         self.memory_plan = self.plan_memory(
-            model, reference_copy=self.config.kl_coef > 0 and reference is None and not self.lora
+            model, reference_copy=wants_reference and reference is None and not self.lora
         )
         self.model = model.to(self.device).float()
         self.model.train()
@@ -404,7 +424,7 @@ class Learner:
                 old(gradient_checkpointing_kwargs={"use_reentrant": False})
             else:
                 raise ValueError("gradient_checkpointing: this model does not support it")
-        if self.config.kl_coef > 0 and reference is None and not self.lora:
+        if wants_reference and reference is None and not self.lora:
             reference = copy.deepcopy(model)  # the policy as it is now: normally the initial weights
         self.reference = reference.to(self.device).eval() if reference is not None else None
         if self.reference is not None:
@@ -484,6 +504,74 @@ class Learner:
             groups, skip_zero_variance=self.config.skip_zero_variance, objective=self.config.objective()
         )
         return self.step_samples(samples, groups=len(groups), skipped_groups=skipped)
+
+    def step_conversations(self, encoded: Sequence[tuple[list[int], list[bool]]]) -> StepStats:
+        """One sft step on encoded conversations (ids, mask of the trained tokens:
+        :func:`temper.training.sft.encode_chat`), cut into micro-batches as an RL step's."""
+        if not self.config.sft:
+            raise ValueError("step_conversations is the sft step; this learner's algorithm is RL")
+        samples = [Sample(ids, mask, [0.0] * len(ids), 0.0, 0.0, self.version) for ids, mask in encoded]
+        return self.step_samples(samples, groups=len(samples))
+
+    @on_adapter
+    def step_pairs(
+        self, pairs: Sequence[tuple[tuple[list[int], list[bool]], tuple[list[int], list[bool]]]]
+    ) -> StepStats:
+        """One DPO step on (chosen, rejected) conversations, each (ids, mask of the trained
+        tokens): :func:`temper.training.dpo.dpo_loss` over the sequence logprobs of the
+        policy and of the reference (the frozen copy, or this model with its adapter off
+        under LoRA, as the KL term's). A pair's two rows share a micro-batch, so the loss,
+        which couples them, is exact however the batch is cut."""
+        from temper.training.dpo import dpo_loss, pair_micro_batches
+
+        beta = self.config.dpo_beta
+        if beta is None:
+            raise ValueError("step_pairs is the DPO step; this learner has no dpo_beta")
+        started = time.perf_counter()
+        stats = StepStats(step=self.step_count, version=self.version, updated=False, samples=2 * len(pairs))
+        if not pairs:
+            return stats
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        tokens, batches = 0, 0
+        for mb in pair_micro_batches(pairs, self.config.micro_batch_tokens):
+            rows = [Sample(ids, mask, [0.0] * len(ids), 0.0, 0.0) for pair in mb for ids, mask in pair]
+            b = collate([self._truncate(r) for r in rows], self.pad_id, self.device)
+            with self._autocast():
+                logp = completion_logprobs(self.model, b.input_ids, b.attention_mask, b.completion_mask)
+                with torch.no_grad():
+                    if self.reference is not None:
+                        ref = completion_logprobs(
+                            self.reference, b.input_ids, b.attention_mask, b.completion_mask
+                        )
+                    else:
+                        with reference_off(self.model):
+                            ref = completion_logprobs(
+                                self.model, b.input_ids, b.attention_mask, b.completion_mask
+                            )
+            seq, ref_seq = logp.float().sum(-1), ref.float().sum(-1)
+            loss = dpo_loss(seq[0::2], seq[1::2], ref_seq[0::2], ref_seq[1::2], beta).sum() / len(pairs)
+            loss.backward()
+            stats.loss += float(loss.detach())
+            tokens += b.tokens
+            batches += 1
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.weights_at_version = False
+            self.step_count += 1
+            stats.updated = True
+        self.optimizer.zero_grad(set_to_none=True)
+        stats.step, stats.grad_norm, stats.tokens, stats.micro_batches = (
+            self.step_count,
+            grad_norm,
+            tokens,
+            batches,
+        )
+        stats.learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        stats.seconds = time.perf_counter() - started
+        return stats
 
     @on_adapter
     def step_samples(
@@ -622,7 +710,8 @@ class Learner:
             normalizer = sum(s.scored_tokens for s in samples)
         self.model.train()
         acc = Accumulated()
-        canary = acc.canary = self.weights_at_version  # the weights that sampled this version's tokens
+        # the weights that sampled this version's tokens (sft data was sampled by none)
+        canary = acc.canary = self.weights_at_version and not self.config.sft
         batches = micro_batches(samples, self.config.micro_batch_tokens)
         if self.loss_scale != 1.0:
             batches = self._same_count_on_every_rank(batches)
@@ -663,6 +752,9 @@ class Learner:
                         tolerance=self.config.mismatch_tolerance,
                     )
                 )
+            if self.config.sft:
+                self._sft_backward(acc, logprobs.float(), b, entropy[0] if entropy else None)
+                continue
             parts = grpo_token_loss(
                 logprobs.float(),
                 b.behaviour_logprobs,
@@ -696,6 +788,24 @@ class Learner:
             acc.tokens += b.tokens
         acc.micro_batches = len(batches)
         return acc
+
+    def _sft_backward(
+        self, acc: Accumulated, logprobs: torch.Tensor, b: Any, entropy: torch.Tensor | None
+    ) -> None:
+        """One micro-batch of the sft loss: ``-sum_i w_i sum_t m_it log p(y_it)``, with the
+        token-mean weights over the whole step (``w_i = 1/N``), so micro-batches add up to
+        the step's mean negative log-likelihood however the batch was cut."""
+        mask = b.completion_mask.float()
+        nll = -(logprobs * mask).sum(-1)
+        loss = (nll * b.weights).sum()
+        loss.backward()
+        acc.loss += float(loss.detach()) / self.loss_scale
+        acc.pg += float(nll.detach().sum())  # the unweighted sum: pg_loss is the mean nll
+        if entropy is not None:
+            acc.entropy += float((entropy.detach() * mask).sum())
+        acc.ratio += float(mask.sum())  # no ratio: 1 per token, as an on-policy step reads
+        acc.correction += float(mask.sum())
+        acc.tokens += b.tokens
 
     def _same_count_on_every_rank(self, batches: list[list[Sample]]) -> list[list[Sample]]:
         """Sharded training: FSDP's collectives need every rank to run as many forward and

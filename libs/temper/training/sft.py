@@ -153,3 +153,63 @@ def warm_start(
             on_step(step, loss_value)
     model.eval()
     return WarmStartStats(steps=steps, loss=loss_value, seconds=time.perf_counter() - start, tokens=tokens)
+
+
+# --- sft jobs: conversations in the OpenAI chat format ------------------------------------
+
+_CONTEXT = [{"role": "user", "content": "x"}]
+
+
+def reply_text(
+    tok: ChatTokenizer, message: Mapping[str, Any], tools: Sequence[Mapping[str, Any]] | None = None
+) -> str:
+    """What the model writes for an assistant ``message``: the template's rendering of it
+    between the assistant header and the end of the turn (its content, and its
+    ``tool_calls`` as the template writes calls, e.g. ``<tool_call>{...}</tool_call>``)."""
+    head = tok.render_text(_CONTEXT, tools=tools, add_generation_prompt=True)
+    full = tok.render_text([*_CONTEXT, dict(message)], tools=tools, add_generation_prompt=False)
+    eot = tok.end_of_turn_text
+    if not full.startswith(head) or not full.endswith(eot):
+        raise ValueError(
+            "the chat template renders an assistant message other than as header + reply + end of turn; "
+            "its replies cannot be trained token-wise"
+        )
+    return full[len(head) : len(full) - len(eot)]
+
+
+def encode_chat(
+    tok: ChatTokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    trained: Sequence[bool],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> tuple[list[int], list[bool]]:
+    """Ids of a whole conversation, grown as an episode grows (the first prompt, then per
+    assistant turn the reply's ids and the first end-of-turn token, then the template's
+    continuation with the messages up to the next assistant header), and a mask that is
+    True on the replies of the ``trained`` assistant turns (one flag per message)."""
+    if len(trained) != len(messages):
+        raise ValueError("one trained flag per message")
+    roles = [m.get("role") for m in messages]
+    if not messages or roles[0] == "assistant" or roles[-1] != "assistant":
+        raise ValueError("a conversation starts before its first assistant turn and ends with one")
+    first = roles.index("assistant")
+    ids = tok.render(messages[:first], tools=tools)
+    mask = [False] * len(ids)
+    stop = tok.end_of_turn_ids[:1]
+    i = first
+    while i < len(messages):
+        reply = tok.encode(reply_text(tok, messages[i], tools)) + stop
+        ids += reply
+        mask += [bool(trained[i])] * len(reply)
+        j = i + 1
+        while j < len(messages) and roles[j] != "assistant":
+            j += 1
+        if j < len(messages):  # the observations, user turns, and the next assistant header
+            more = tok.continuation(ids, messages[i + 1 : j], tools=tools)
+            ids += more
+            mask += [False] * len(more)
+        i = j
+    if not any(mask):
+        raise ValueError("a conversation needs at least one trained assistant turn")
+    return ids, mask

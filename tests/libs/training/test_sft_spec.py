@@ -1,0 +1,76 @@
+"""The sft job spec: RL-only fields refused (at the door even at their default, on every
+validation when changed), batch_size and epochs, the job-version syntax of policy.init."""
+
+from __future__ import annotations
+
+import pytest
+
+from temper.jobspec import JobSpec, SpecError, job_reference, parse_spec
+
+
+def doc(**fields) -> dict:
+    return {
+        "name": "s",
+        "policy": {"model": "m"},
+        "tasks": {"taskset": "ts"},
+        "algorithm": {"name": "sft"},
+        **fields,
+    }
+
+
+def test_an_sft_spec_takes_batch_size_and_epochs_and_survives_its_stored_form():
+    spec = parse_spec(doc(algorithm={"name": "sft", "batch_size": 4}, schedule={"iterations": 3}))
+    assert spec.is_sft and spec.algorithm.batch_size == 4
+    assert spec.sft_steps(10) == (3, 9)  # ceil(10 / 4) steps an epoch
+    # every conversation once an epoch, the last batch smaller; the order is the seed's
+    epoch = [i for k in range(3) for i in spec.sft_batch(10, k)]
+    assert sorted(epoch) == list(range(10)) and len(spec.sft_batch(10, 2)) == 2
+    second = [i for k in range(3, 6) for i in spec.sft_batch(10, k)]
+    assert sorted(second) == list(range(10)) and second != epoch  # each epoch its own shuffle
+    assert spec.sft_batch(10, 4) == parse_spec(doc(algorithm={"name": "sft", "batch_size": 4})).sft_batch(
+        10, 4
+    )
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec
+    assert parse_spec(doc()).algorithm.batch_size == 8
+
+
+@pytest.mark.parametrize(
+    ("fields", "path"),
+    [
+        ({"algorithm": {"name": "sft", "clip_eps": 0.2}}, "algorithm.clip_eps"),  # its default, still refused
+        ({"algorithm": {"name": "sft", "kl_coef": 0.1}}, "algorithm.kl_coef"),
+        ({"algorithm": {"name": "sft", "groups_per_step": 2}}, "algorithm.groups_per_step"),
+        ({"tasks": {"taskset": "ts", "group_size": 4}}, "tasks.group_size"),
+        ({"rewards": {"tests_passed": 1.0}}, "rewards"),
+        ({"environment": {"kind": "code"}}, "environment"),
+        ({"schedule": {"episodes_per_iteration": 16}}, "schedule.episodes_per_iteration"),
+        ({"policy": {"model": "m", "sampling": {"temperature": 0.5}}}, "policy.sampling"),
+    ],
+)
+def test_rl_only_fields_are_refused_for_sft(fields, path):
+    with pytest.raises(SpecError) as exc:
+        parse_spec(doc(**fields))
+    assert (path, "applies to RL jobs only; an sft job runs no episodes (leave it out)") in exc.value.errors
+
+
+def test_a_stored_sft_spec_with_a_changed_rl_field_is_refused_on_validation():
+    stored = parse_spec(doc()).model_dump(mode="json")
+    stored["algorithm"]["kl_coef"] = 0.1
+    with pytest.raises(ValueError, match="algorithm.kl_coef: applies to RL jobs only"):
+        JobSpec.model_validate(stored)
+
+
+def test_batch_size_is_sft_only_and_dpo_is_not_built():
+    with pytest.raises(SpecError, match="batch_size applies to sft only"):
+        parse_spec(doc(algorithm={"name": "grpo", "batch_size": 4}))
+    with pytest.raises(SpecError, match="dpo is not built yet"):
+        parse_spec(doc(algorithm={"name": "dpo"}))
+
+
+def test_the_job_version_syntax_of_policy_init():
+    assert job_reference("job:sft-words@v12") == ("sft-words", 12)
+    assert job_reference("job:job-abc123@latest") == ("job-abc123", None)
+    assert job_reference("tenants/t/jobs/j/versions/v1") is None
+    for bad in ("job:x", "job:x@12", "job:X@v1", "job:x@v1/extra"):
+        with pytest.raises(SpecError, match="job:<job id or handle>@v<N>"):
+            parse_spec(doc(policy={"model": "m", "init": bad}))
