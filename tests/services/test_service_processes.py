@@ -14,6 +14,9 @@ import uuid
 import httpx
 import pytest
 
+from temper.bus.kafka import start_groups_at_end
+from temper.events import Topics
+
 SERVICES = ["dispatcher", "inference_gateway", "sandbox_worker", "reward_scorer", "trainer", "tracker"]
 
 
@@ -64,6 +67,11 @@ def test_service_starts_on_the_real_stack_and_reports_health(
         # gateway: the database gives it the current versions, the topic only what follows.
         ghost = f"ghost-job-{uuid.uuid4().hex[:8]}"
         asyncio.run(publish_policy_update(kafka_bootstrap, ghost))
+        # Its own requests group, placed at the topic's end: the stack's default group may
+        # hold requests other tests left, and answering them is not what this test is for.
+        group = f"test-service-gateway-{uuid.uuid4().hex[:8]}"
+        env["TEMPER_INFERENCE__REQUESTS_GROUP"] = group
+        asyncio.run(start_groups_at_end(kafka_bootstrap, {group: [Topics.INFERENCE_REQUESTS]}))
     log = (tmp_path / f"{service}.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", f"services.{service}"], env=env, stdout=log, stderr=log)
     try:
@@ -104,7 +112,7 @@ def test_service_starts_on_the_real_stack_and_reports_health(
 
 async def publish_policy_update(bootstrap: str, job: str) -> None:
     from temper.bus import KafkaBus
-    from temper.events import PolicyUpdate, Topics
+    from temper.events import PolicyUpdate
 
     bus = KafkaBus(bootstrap=bootstrap)
     await bus.start()
