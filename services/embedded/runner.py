@@ -143,7 +143,7 @@ async def run(
             async with db.session() as session:
                 tenant = await session.get(Tenant, TENANT)
                 assert tenant is not None, "_store_taskset created the tenant"
-                job = await create_job(session, tenant=tenant, spec=spec)
+                job = await create_job(session, tenant=tenant, spec=spec, store=store)
                 job_id = job.id
             log_event(log, "job submitted", job_id=job_id)
             state = await _follow(runtime, job_id, progress)

@@ -6,7 +6,7 @@ job's spec names (:class:`temper.tracking.mlflow.MlflowSink`,
 
 | event | logged |
 |---|---|
-| first event of the job | a run (MLflow: found again by its ``temper.job_id`` tag; W&B: id = the job's id), its tags (tenant, job id and name, Temper's version), the resolved spec as params (:func:`temper.tracking.params.flatten`, secrets redacted) |
+| first event of the job | a run (MLflow: found again by its ``temper.job_id`` tag; W&B: id = the job's id), its tags (tenant, job id and name, Temper's version), the resolved spec and the job's provenance (``provenance.*``) as params (:func:`temper.tracking.params.flatten`, secrets redacted) |
 | ``policy.version`` | every number the trainer published with the version (``train/loss``, ``train/kl``, ``train/entropy``, ``train/grad_norm``, ``train/clip_fraction``, ``train/learning_rate``, ``train/tokens``, ...), step = version |
 | ``episode.reward`` | the iteration's reward so far from the database: ``rollout/reward_mean``, ``rollout/reward_std``, ``rollout/episodes``, step = iteration |
 | ``job.state`` | tags ``temper.state`` and ``temper.state_reason``, the run's status; at an end, every iteration's reward again, as the database holds it then |
@@ -132,8 +132,9 @@ class Tracker:
                 tracking = tracking_of(spec)
                 if tracking.mlflow is not None or tracking.wandb is not None:
                     labels = tuple(str(t) for t in spec.get("tags") or ())
-                    found = TrackedJob(row.id, row.tenant_id, row.name, tracking, flatten(spec),
-                                       flatten_values(spec), labels)  # fmt: skip
+                    logged = {**spec, **provenance_params(row.provenance)}
+                    found = TrackedJob(row.id, row.tenant_id, row.name, tracking, flatten(logged),
+                                       flatten_values(logged), labels)  # fmt: skip
         if row is not None:  # a job not yet visible is looked up again next time
             self._jobs[job_id] = found
             while len(self._jobs) > CACHED_JOBS:
@@ -189,6 +190,16 @@ class Tracker:
                 points += train_points(version, metrics, int(created.timestamp() * 1000))
         now = int(utcnow().timestamp() * 1000)
         return points + reward_points(await iteration_rewards(self.db, job.id), now)
+
+
+def provenance_params(provenance: dict[str, Any] | None) -> dict[str, Any]:
+    """The job's provenance (``jobs.provenance``) as params beside its spec, under
+    ``provenance.``: ``provenance.spec_sha256``, ``provenance.seeds.tasks.seed``,
+    ``provenance.temper.commit``, ``provenance.model.sha256``, ``provenance.taskset.sha256``, …
+    (its format number and time left out)."""
+    if not provenance:
+        return {}
+    return {"provenance": {k: v for k, v in provenance.items() if k not in ("format", "recorded_at")}}
 
 
 def tracking_of(spec: dict[str, Any]) -> Tracking:

@@ -18,6 +18,7 @@ from services.cli import main
 from temper import __version__
 from temper.tracking import MlflowClient, WandbSink, flatten, flatten_values, read_records
 from temper.tracking.mlflow import JOB_TAG
+from temper.tracking.tracker import provenance_params
 from temper.tracking.wandb_offline import history as wandb_history
 from tests.services.embedded.test_temper_run import small_spec
 from tests.services.tracker.mlflow_server import MlflowServer
@@ -59,8 +60,8 @@ def test_temper_run_logs_the_job_to_mlflow_and_wandb(tmp_path, capsys, mlflow_se
     assert "tracking: not every event" not in err
 
     with sqlite3.connect(tmp_path / "runs" / "tracked" / "temper.db") as conn:
-        job_id, tenant, name, stored, state = conn.execute(
-            "SELECT id, tenant_id, name, spec, state FROM jobs"
+        job_id, tenant, name, stored, state, recorded = conn.execute(
+            "SELECT id, tenant_id, name, spec, state, provenance FROM jobs"
         ).fetchone()
         versions = conn.execute("SELECT version, metrics FROM policy_versions ORDER BY version").fetchall()
         rewards = conn.execute(
@@ -70,7 +71,11 @@ def test_temper_run_logs_the_job_to_mlflow_and_wandb(tmp_path, capsys, mlflow_se
     run, history = asyncio.run(read_run(mlflow_server.uri, "temper-run", job_id))
 
     assert run["info"]["status"] == "FINISHED"
-    assert {p["key"]: p["value"] for p in run["data"]["params"]} == flatten(json.loads(stored))
+    logged = {**json.loads(stored), **provenance_params(json.loads(recorded))}
+    params = {p["key"]: p["value"] for p in run["data"]["params"]}
+    assert params == flatten(logged)
+    # the job's provenance: the run's initial model directory (temper run makes it) by digest
+    assert params["provenance.model.source"] == "directory" and len(params["provenance.model.sha256"]) == 64
     tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
     assert (tags["temper.tenant"], tags[JOB_TAG], tags["temper.job_name"], tags["temper.version"], tags["temper.state"]) == (
         tenant, job_id, name, __version__, "completed",
@@ -102,7 +107,7 @@ def test_temper_run_logs_the_job_to_mlflow_and_wandb(tmp_path, capsys, mlflow_se
     )
     assert f"tenant:{tenant}" in wandb_run["tags"] and f"job:{job_id}" in wandb_run["tags"]
     config = {k: v for k, v in wandb_run["config"]["update"].items() if k != "_wandb"}
-    assert config == {**flatten_values(json.loads(stored)), "temper.tenant": tenant, "temper.job_id": job_id,
+    assert config == {**flatten_values(logged), "temper.tenant": tenant, "temper.job_id": job_id,
                       "temper.job_name": name, "temper.version": __version__}  # fmt: skip
     rows = wandb_history(records)
     for v, m in versions:

@@ -28,9 +28,17 @@ from temper.jobspec import JobSpec
 from temper.runtime import Runtime
 from temper.settings import DatabaseSettings, LogSettings, Settings, StorageSettings, TrackingSettings
 from temper.tracking import Tracker, WandbFailed, WandbSink, flatten_values, read_records
+from temper.tracking.tracker import provenance_params
 from temper.tracking.wandb_offline import history
 from temper.training.learner import StepStats
-from tests.services.tracker.test_mlflow_tracking import ITERATIONS, JOB, PER_ITERATION, TENANT, VERSIONS
+from tests.services.tracker.test_mlflow_tracking import (
+    ITERATIONS,
+    JOB,
+    PER_ITERATION,
+    PROVENANCE,
+    TENANT,
+    VERSIONS,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -72,7 +80,16 @@ async def steps(runtime: Runtime) -> list[Step]:
     async with runtime.db.session() as s:
         s.add(Tenant(id=TENANT, name="Acme"))
     async with runtime.db.session() as s:
-        s.add(Job(id=JOB, tenant_id=TENANT, name="tracked job", spec=spec(), state="running"))
+        s.add(
+            Job(
+                id=JOB,
+                tenant_id=TENANT,
+                name="tracked job",
+                spec=spec(),
+                state="running",
+                provenance=PROVENANCE,
+            )
+        )
     out: list[Step] = [([], LifecycleEvent(event="job.state", job_id=JOB, tenant=TENANT, state="running"))]
     for it in range(ITERATIONS):
         for n in range(PER_ITERATION):
@@ -165,10 +182,12 @@ async def check_run(
         assert (run["run_id"], run["project"], run["display_name"]) == (JOB, PROJECT, "tracked job")
         assert run["tags"] == [f"tenant:{TENANT}", f"job:{JOB}", "nightly", "exp:lr-sweep"]
         config = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
-        assert config == {**flatten_values(job.spec), "temper.tenant": TENANT, "temper.job_id": JOB,
+        assert config == {**flatten_values({**job.spec, **provenance_params(job.provenance)}),
+                          "temper.tenant": TENANT, "temper.job_id": JOB,
                           "temper.job_name": "tracked job", "temper.version": __version__}  # fmt: skip
         assert config["algorithm.learning_rate"] == 3e-05 and config["schedule.iterations"] == ITERATIONS
         assert config["tracking.wandb.mode"] == "offline"
+        assert config["provenance.model.sha256"] == "a" * 64 and config["provenance.seeds.tasks.seed"] == 0
         metrics = {r["metric"].get("glob_name") or r["metric"]["name"]: r["metric"] for r in records
                    if r["type"] == "metric"}  # fmt: skip
         assert metrics["train/*"]["step_metric"] == "policy_version"
