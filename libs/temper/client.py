@@ -131,6 +131,11 @@ class TemperClient:
     def job(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}")  # type: ignore[no-any-return]
 
+    def rerun(self, job: str, *, handle: str | None = None, name: str | None = None) -> dict[str, Any]:
+        """Submit ``job``'s resolved spec again as a new job (with ``handle``/``name`` if given)."""
+        change = {k: v for k, v in {"handle": handle, "name": name}.items() if v is not None}
+        return self._call("POST", f"/v1/jobs/{job}/rerun", json=change)  # type: ignore[no-any-return]
+
     def pause(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/jobs/{job_id}/pause")  # type: ignore[no-any-return]
 

@@ -581,16 +581,23 @@ class WandbMode(StrEnum):
 
 
 class WandbTracking(_Spec):
-    """A W&B run written offline (a ``.wandb`` file under the job's data; ``wandb sync`` uploads it)."""
+    """A W&B run written offline (a ``.wandb`` file under TEMPER_TRACKING__WANDB_DIR; ``wandb
+    sync`` uploads it)."""
 
-    project: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    project: str = Field(
+        min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="the W&B project the run is synced to",
+    )  # fmt: skip
     mode: WandbMode = WandbMode.offline
 
     @field_validator("mode", mode="before")
     @classmethod
     def _offline_only(cls, value: Any) -> Any:
-        if value == "online":
-            raise ValueError("only 'offline' is supported: online logging to wandb.ai is not built or tested")
+        if value != WandbMode.offline.value:
+            raise ValueError(
+                f"only 'offline' is supported (got {value!r}): the run is written to a .wandb file that "
+                "`wandb sync` uploads; logging to a W&B server directly is not built"
+            )
         return value
 
 
@@ -599,15 +606,6 @@ class Tracking(_Spec):
 
     mlflow: MlflowTracking | None = None
     wandb: WandbTracking | None = None
-
-    @field_validator("wandb")
-    @classmethod
-    def _wandb_not_built(cls, value: WandbTracking | None) -> WandbTracking | None:
-        if value is not None:
-            raise ValueError(
-                "W&B logging is not built yet (designed in docs/tracking.md); use tracking.mlflow"
-            )
-        return value
 
 
 HANDLE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"

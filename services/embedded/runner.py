@@ -146,13 +146,14 @@ async def run(
                 assert tenant is not None, "_store_taskset created the tenant"
                 # the door's template check, as POST /v1/jobs makes it: refused before any episode
                 await check_template(session, spec=spec, store=store)
-                job = await create_job(session, tenant=tenant, spec=spec)
+                job = await create_job(session, tenant=tenant, spec=spec, store=store)
                 job_id = job.id
             log_event(log, "job submitted", job_id=job_id)
             state = await _follow(runtime, job_id, progress)
-            if spec.tracking.mlflow is not None and not await _tracked(runtime):
+            tracking = spec.tracking
+            if (tracking.mlflow is not None or tracking.wandb is not None) and not await _tracked(runtime):
                 out.write(
-                    f"tracking: not every event reached MLflow in {TRACKING_WAIT_S:.0f}s (see the log)\n"
+                    f"tracking: not every event reached the tracking runs in {TRACKING_WAIT_S:.0f}s (see the log)\n"
                 )
             async with db.session() as session:
                 job = await _job(session, job_id)
@@ -182,7 +183,7 @@ TRACKING_WAIT_S = 60.0
 
 async def _tracked(runtime: Runtime, timeout_s: float = TRACKING_WAIT_S) -> bool:
     """Wait until the tracker has logged every lifecycle event (none left in the outbox, none
-    behind its group on the in-process bus), so the run ends after its MLflow run did: the
+    behind its group on the in-process bus), so the run ends after its tracking runs did: the
     in-process bus holds the events in memory only. False after ``timeout_s``."""
     bus = runtime.bus
     assert isinstance(bus, InProcessBus), "temper run uses the in-process bus"

@@ -31,7 +31,13 @@ class TrackerComponent:
         rt = self.runtime
         if rt.db is None or rt.bus is None:
             raise RuntimeError("TrackerComponent needs a started Runtime with a database and a bus")
-        self._tracker = Tracker(rt.db)
+        tracking = rt.settings.tracking
+        self._tracker = Tracker(
+            rt.db,
+            wandb_dir=tracking.wandb_dir or rt.settings.data_dir / "wandb",
+            wandb_flush_s=tracking.wandb_flush_s,
+            wandb_end_grace_s=tracking.wandb_end_grace_s,
+        )
         self.consumer = await rt.consume_handlers(handlers.topics(self._tracker), group=self.group)
 
     async def stop(self) -> None:

@@ -1,12 +1,16 @@
-"""The spec as tracking params: flattened with dots, secrets never in them."""
+"""The spec as tracking params: flattened with dots, secrets never in them; the W&B spec's door;
+what a W&B run holds and what it writes next (no wandb process needed)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from temper.jobspec import JobSpec, SpecError, parse_spec
-from temper.tracking import flatten, is_secret
+from temper.tracking import flatten, flatten_values, is_secret
 from temper.tracking.params import REDACTED
+from temper.tracking.wandb_offline import RunLog
 
 
 @pytest.mark.parametrize(
@@ -67,3 +71,54 @@ def test_tracking_is_optional_and_checked():
     with pytest.raises(SpecError) as exc:
         parse_spec({**base, "tracking": {"mlflow": {"uri": "http://m:5000", "experiment": ""}}})
     assert exc.value.errors[0][0] == "tracking.mlflow.experiment"
+
+
+def test_wandb_is_offline_only():
+    base = {"name": "j", "policy": {"model": "m"}, "tasks": {"taskset": "t"}}
+    spec = parse_spec({**base, "tracking": {"wandb": {"project": "code-agents"}}})
+    assert spec.tracking.wandb is not None and spec.tracking.wandb.mode.value == "offline"
+    for mode in ("online", "shared", "disabled"):
+        with pytest.raises(SpecError) as exc:
+            parse_spec({**base, "tracking": {"wandb": {"project": "p", "mode": mode}}})
+        assert exc.value.errors[0][0] == "tracking.wandb.mode"
+        assert f"only 'offline' is supported (got '{mode}')" in exc.value.errors[0][1]
+
+
+def test_flatten_values_keeps_types_and_redacts_alike():
+    spec = {"algorithm": {"learning_rate": 3e-5, "lora": {}}, "policy": {"init": None, "stop": ["x"]},
+            "schedule": {"iterations": 3}, "skip": True, "env": {"HF_TOKEN": "hf_abc"}}  # fmt: skip
+    values = flatten_values(spec)
+    assert values == {"algorithm.learning_rate": 3e-5, "algorithm.lora": "{}", "policy.init": None,
+                      "policy.stop": '["x"]', "schedule.iterations": 3, "skip": True,
+                      "env.HF_TOKEN": REDACTED}  # fmt: skip
+    assert flatten(spec) == {k: "None" if v is None else v if isinstance(v, str) else json.dumps(v)
+                             for k, v in values.items()}  # fmt: skip
+
+
+def test_a_wandb_run_writes_only_what_it_lacks():
+    held = RunLog()
+    held.add([
+        {"type": "run", "run": {"run_id": "job-1"}},
+        {"type": "history", "history": {"item": {"_step": 0, "policy_version": 1, "train/loss": 0.5}}},
+        {"type": "history", "history": {"item": {"_step": 1, "iteration": 0, "rollout/reward_mean": 0.25,
+                                                  "rollout/episodes": 2}}},
+        {"type": "summary", "summary": {"update": {"temper.state": "running", "_runtime": 3}}},
+        {"type": "preempting", "preempting": {}},
+        {"type": "exit", "exit": {"exit_code": 0}},
+    ])  # fmt: skip
+    assert held.next_step == 2 and held.summary == {"temper.state": "running"}
+    assert held.exit_code is None  # closed as preempting: not the job's end
+    assert held.logged == {("policy_version", 1): {"train/loss": 0.5},
+                           ("iteration", 0): {"rollout/reward_mean": 0.25, "rollout/episodes": 2}}  # fmt: skip
+    rows = held.rows([
+        ("train/loss", 0.5, 10, 1),  # held
+        ("rollout/reward_mean", 0.25, 11, 0), ("rollout/episodes", 4.0, 11, 0),  # one changed
+        ("train/loss", 0.4, 12, 2), ("train/kl", 0.1, 12, 2),
+        ("train/loss", 0.3, 13, 2),  # the later point of a key wins
+        ("eval/x", 1.0, 14, 2),  # no step axis: not written
+    ])  # fmt: skip
+    assert rows == [("iteration", 0, {"rollout/episodes": 4.0}, 11),
+                    ("policy_version", 2, {"train/loss": 0.3, "train/kl": 0.1}, 13)]  # fmt: skip
+    ended = RunLog()
+    ended.add([{"type": "exit", "exit": {}}])
+    assert ended.exit_code == 0 and ended.files == 1

@@ -2,6 +2,8 @@
 
     temper submit spec.yaml [--watch]      submit a job
     temper jobs [--state S] [--name N]     list jobs
+    temper show JOB [--json]               a job: its state, spec digest and provenance
+    temper rerun JOB [--handle H]          submit the job's resolved spec again (prints the new id)
     temper watch JOB                       live progress until the job ends
     temper transcript EPISODE [--json]     an episode's transcript
     temper pause|resume|cancel JOB
@@ -70,6 +72,66 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         out("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     if page["total"] > len(page["items"]):
         out(f"({len(page['items'])} of {page['total']} shown; use --limit)")
+    return 0
+
+
+def provenance_lines(job: dict[str, Any]) -> list[str]:
+    """What the job was made from (its ``provenance``), one fact a line."""
+    p = job.get("provenance")
+    if not p:
+        return ["provenance: not recorded (the job was submitted before Temper recorded it)"]
+    src, model, ts = p.get("temper") or {}, p.get("model") or {}, p.get("taskset") or {}
+    commit = src.get("commit")
+    if commit:
+        commit_text = commit + (" (with uncommitted changes)" if src.get("dirty") else "")
+    else:
+        commit_text = f"unknown: {src.get('commit_unknown') or 'not recorded'}"
+    seeds = ", ".join(f"{k}={v}" for k, v in sorted((p.get("seeds") or {}).items())) or "-"
+    weights = model.get("init") or "-"
+    model_digest = (
+        model.get("sha256") or f"none ({model.get('note') or model.get('source') or 'not readable'})"
+    )
+    lines = [
+        f"temper:        {src.get('version', '?')}, commit {commit_text}",
+        f"seeds:         {seeds}",
+        f"spec sha256:   {p.get('spec_sha256', '-')}",
+        f"model:         {model.get('policy_model', '-')} (initial weights: {weights}, {model.get('source') or '-'})",
+        f"model sha256:  {model_digest}" + (f" over {model['files']} files" if model.get("files") else ""),
+        f"task set:      {ts.get('id', '-')} ({ts.get('name') or '-'}, {ts.get('tasks', 0)} tasks)",
+        f"tasks sha256:  {ts.get('sha256', '-')}",
+    ]
+    if p.get("rerun_of"):
+        lines.append(f"rerun of:      {p['rerun_of']}")
+    return lines
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with client(args) as api:
+        job = api.job(args.job)
+    if args.json:
+        out(json.dumps(job, indent=2))
+        return 0
+    handle = f" ({job['handle']})" if job.get("handle") else ""
+    out(f"{job['id']}{handle}  {job['name']}")
+    out(f"state:         {job['state']}" + (f" ({job['state_reason']})" if job.get("state_reason") else ""))
+    out(
+        f"progress:      iteration {shown_iteration(job)}/{job['iterations']}, policy v{job['policy_version']}"
+    )
+    out(f"created:       {job['created_at'][:19].replace('T', ' ')}")
+    if job.get("tags"):
+        out(f"tags:          {','.join(job['tags'])}")
+    for line in provenance_lines(job):
+        out(line)
+    return 0
+
+
+def cmd_rerun(args: argparse.Namespace) -> int:
+    with client(args) as api:
+        job = api.rerun(args.job, handle=args.handle, name=args.name)
+        out(job["id"])
+        sys.stderr.write(f"submitted {args.job} again as {job['id']} ({job['state']})\n")
+        if args.watch:
+            return watch(api, job["id"], interval=args.interval)
     return 0
 
 
@@ -347,6 +409,21 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser(
+        "show", help="a job: its state and what it was made from (JOB: its id, handle or name)"
+    )
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true", help="the job as the API gives it (spec and provenance)")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("rerun", help="submit a job's resolved spec again as a new job; prints the new id")
+    p.add_argument("job")
+    p.add_argument("--handle", help="the new job's handle (the old job keeps its own)")
+    p.add_argument("--name", help="the new job's name (default: the same)")
+    p.add_argument("--watch", action="store_true", help="then watch it until it ends")
+    p.add_argument("--interval", type=float, default=2.0)
+    p.set_defaults(func=cmd_rerun)
 
     p = sub.add_parser("watch", help="live progress of a job until it ends")
     p.add_argument("job")

@@ -172,6 +172,11 @@ class Job(Base):
     policy_version: Mapped[int] = mapped_column(
         Integer, default=0, doc="the trainer's latest published version"
     )
+    provenance: Mapped[dict[str, Any] | None] = mapped_column(
+        default=None,
+        doc="what the job was made from, recorded at submission (temper.provenance): seeds, spec digest, "
+        "Temper's version and commit, model and task-set digests; None for jobs from before 0010",
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)

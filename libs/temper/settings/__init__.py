@@ -182,6 +182,28 @@ class RetentionSettings(BaseModel):
     )
 
 
+class TrackingSettings(BaseModel):
+    """Experiment tracking of the jobs that ask for it (docs/tracking.md; ``TEMPER_TRACKING__*``)."""
+
+    wandb_dir: Path | None = Field(
+        None,
+        description="where W&B offline runs are written, one wandb/ directory per tenant under it "
+        "(None: <data_dir>/wandb)",
+    )
+    wandb_flush_s: float = Field(
+        2.0,
+        ge=0,
+        description="how often wandb-core flushes an open run to its .wandb file (0: only when a buffer "
+        "fills or the run finishes)",
+    )
+    wandb_end_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="a W&B run stays open this long after its job's end for the numbers that come after "
+        "it (the last version), then finishes",
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TEMPER_", env_nested_delimiter="__", extra="ignore")
 
@@ -204,6 +226,7 @@ class Settings(BaseSettings):
     reward_scorer: RewardScorerSettings = RewardScorerSettings()
     dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
+    tracking: TrackingSettings = TrackingSettings()
 
     @model_validator(mode="before")
     @classmethod

@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from temper.tracking.model import TrackedJob, Update
+
 API = "/api/2.0/mlflow"
 # log-batch limits of the server (MLflow's REST API docs): per request
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
@@ -215,3 +217,35 @@ class MlflowRuns:
         await client.log_batch(run_id, params=params, tags=tags)
         self._runs[key] = run_id
         return run_id
+
+
+class MlflowSink:
+    """The :class:`temper.tracking.model.Sink` of ``tracking.mlflow``: the job's one run
+    (:class:`MlflowRuns`), its points in log-batch requests, its status from the job's state,
+    its tags last (a reader that sees ``temper.state`` sees the points and status before it)."""
+
+    def __init__(self, runs: MlflowRuns | None = None) -> None:
+        self.runs = runs or MlflowRuns()
+
+    def wants(self, job: TrackedJob) -> bool:
+        return job.tracking.mlflow is not None
+
+    async def aclose(self) -> None:
+        await self.runs.aclose()
+
+    async def log(self, job: TrackedJob, update: Update) -> None:
+        spec = job.tracking.mlflow
+        assert spec is not None
+        run_id = await self.runs.run_id(
+            spec.uri, spec.experiment, job_id=job.id, name=job.name, start_ms=update.at_ms, tags=job.tags,
+            params=job.params,
+        )  # fmt: skip
+        client = self.runs.client(spec.uri)
+        if update.points:
+            await client.log_batch(run_id, metrics=update.points)
+        status = RUN_STATUS.get(update.state) if update.state is not None else None
+        if status is not None:
+            end = update.at_ms if status != "RUNNING" else None
+            await client.update_run(run_id, status=status, end_ms=end)
+        if update.tags:
+            await client.log_batch(run_id, tags=update.tags)

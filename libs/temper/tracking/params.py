@@ -52,18 +52,28 @@ def _scrub(value: Any) -> Any:
     return value
 
 
-def flatten(spec: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """``{"algorithm": {"learning_rate": 1e-5}}`` -> ``{"algorithm.learning_rate": "1e-05"}``;
-    a list (or an empty mapping) is one parameter, its JSON; ``None`` is ``"None"``."""
-    out: dict[str, str] = {}
+Scalar = str | int | float | bool | None
+
+
+def flatten_values(spec: dict[str, Any], prefix: str = "") -> dict[str, Scalar]:
+    """:func:`flatten` with its scalars kept typed (W&B's config holds numbers as numbers):
+    ``{"algorithm": {"learning_rate": 1e-5}}`` -> ``{"algorithm.learning_rate": 1e-05}``; a
+    list (or an empty mapping) is one value, its JSON; secrets are redacted alike."""
+    out: dict[str, Scalar] = {}
     for key, value in spec.items():
         name = f"{prefix}{key}"
         if is_secret(str(key)):
             out[name] = REDACTED
         elif isinstance(value, dict) and value:
-            out.update(flatten(value, f"{name}."))
-        elif value is None:
-            out[name] = "None"
+            out.update(flatten_values(value, f"{name}."))
+        elif value is None or isinstance(value, str | int | float | bool):
+            out[name] = value
         else:
             out[name] = _text(_scrub(value))
     return out
+
+
+def flatten(spec: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"algorithm": {"learning_rate": 1e-5}}`` -> ``{"algorithm.learning_rate": "1e-05"}``;
+    a list (or an empty mapping) is one parameter, its JSON; ``None`` is ``"None"``."""
+    return {k: "None" if v is None else _text(v) for k, v in flatten_values(spec, prefix).items()}

@@ -1,15 +1,19 @@
 """What a job's lifecycle events become in its tracking runs. One :class:`Tracker` serves
-every job; a job is tracked only when its spec has ``tracking:``.
+every job; a job is tracked only when its spec has ``tracking:``. The tracker works out what
+an event logs (an :class:`temper.tracking.model.Update`) once, and hands it to each system the
+job's spec names (:class:`temper.tracking.mlflow.MlflowSink`,
+:class:`temper.tracking.wandb_offline.WandbSink`), which only translate it.
 
 | event | logged |
 |---|---|
-| first event of the job | a run (MLflow: found again by its ``temper.job_id`` tag), its tags (tenant, job id and name, Temper's version), the resolved spec as params (:func:`temper.tracking.params.flatten`, secrets redacted) |
+| first event of the job | a run (MLflow: found again by its ``temper.job_id`` tag; W&B: id = the job's id), its tags (tenant, job id and name, Temper's version), the resolved spec and the job's provenance (``provenance.*``) as params (:func:`temper.tracking.params.flatten`, secrets redacted) |
 | ``policy.version`` | every number the trainer published with the version (``train/loss``, ``train/kl``, ``train/entropy``, ``train/grad_norm``, ``train/clip_fraction``, ``train/learning_rate``, ``train/tokens``, ...), step = version |
 | ``episode.reward`` | the iteration's reward so far from the database: ``rollout/reward_mean``, ``rollout/reward_std``, ``rollout/episodes``, step = iteration |
 | ``job.state`` | tags ``temper.state`` and ``temper.state_reason``, the run's status; at an end, every iteration's reward again, as the database holds it then |
 
 Every point's timestamp is its event's ``occurred_at``: a redelivered event logs the same
-points, which the servers keep once. A tracking server that cannot be reached raises a
+points, which MLflow keeps once and W&B does not write again (it writes a row only for values
+its run lacks). A tracking server that cannot be reached raises a
 ``ConnectionError``, so the bus holds the record and retries it with backoff until the
 server answers (docs/tracking.md)."""
 
@@ -18,54 +22,44 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import func, select
 
-from temper import __version__
-from temper.db import Database, Episode, Job
+from temper.clock import utcnow
+from temper.db import Database, Episode, Job, PolicyVersion
 from temper.events import LifecycleEvent
 from temper.jobspec import Tracking
 from temper.lifecycle import JOB_TERMINAL
 from temper.lifecycle import EpisodeState as E
-from temper.tracking.mlflow import RUN_STATUS, MlflowRuns
-from temper.tracking.params import flatten
+from temper.tracking.mlflow import MlflowRuns, MlflowSink
+from temper.tracking.model import Point, Sink, TrackedJob, Update
+from temper.tracking.params import flatten, flatten_values
+from temper.tracking.wandb_offline import WandbSink
 
 SCORED = (E.scored.value, E.trained.value)
 ENDS = {state.value for state in JOB_TERMINAL}
 CACHED_JOBS = 1000
-
-Point = tuple[str, float, int, int]  # key, value, timestamp ms, step
-
-
-@dataclass(frozen=True)
-class TrackedJob:
-    id: str
-    tenant: str
-    name: str
-    tracking: Tracking
-    params: dict[str, str]
-
-    @property
-    def tags(self) -> dict[str, str]:
-        return {"temper.tenant": self.tenant, "temper.job_name": self.name, "temper.version": __version__,
-                "mlflow.runName": self.name}  # fmt: skip
 
 
 def _ms(event: LifecycleEvent) -> int:
     return int(event.occurred_at.timestamp() * 1000)
 
 
+def train_points(version: int, numbers: dict[str, Any], ts: int) -> list[Point]:
+    """The trainer's numbers of a version as ``train/<name>`` at step = version."""
+    return [
+        (f"train/{k}", float(v), ts, version)
+        for k, v in sorted(numbers.items())
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    ]
+
+
 def version_points(event: LifecycleEvent) -> list[Point]:
     """The trainer's numbers of a ``policy.version`` event as ``train/<name>`` at step = version."""
     assert event.version is not None
-    ts = _ms(event)
-    return [
-        (f"train/{k}", float(v), ts, event.version)
-        for k, v in sorted(event.data.items())
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    ]
+    return train_points(event.version, event.data, _ms(event))
 
 
 async def iteration_rewards(
@@ -101,16 +95,30 @@ def reward_points(stats: dict[int, tuple[int, float, float]], ts: int) -> list[P
 
 
 class Tracker:
-    """Log lifecycle events to the tracking runs their jobs ask for."""
+    """Log lifecycle events to the tracking runs their jobs ask for: ``sinks`` are the
+    systems (default: MLflow, and W&B offline under ``wandb_dir``)."""
 
-    def __init__(self, db: Database, *, mlflow: MlflowRuns | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        mlflow: MlflowRuns | None = None,
+        wandb_dir: Path = Path(".temper/wandb"),
+        wandb_flush_s: float = 2.0,
+        wandb_end_grace_s: float = 30.0,
+        sinks: list[Sink] | None = None,
+    ) -> None:
         self.db = db
-        self.mlflow = mlflow or MlflowRuns()
+        self.sinks: list[Sink] = sinks if sinks is not None else [
+            MlflowSink(mlflow),
+            WandbSink(wandb_dir, flush_s=wandb_flush_s, end_grace_s=wandb_end_grace_s, backfill=self.history),
+        ]  # fmt: skip
         self._jobs: OrderedDict[str, TrackedJob | None] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def aclose(self) -> None:
-        await self.mlflow.aclose()
+        for sink in self.sinks:
+            await sink.aclose()
 
     async def job(self, job_id: str) -> TrackedJob | None:
         """The job, if its spec asks for tracking (cached: a spec does not change)."""
@@ -120,9 +128,13 @@ class Tracker:
             row = await s.get(Job, job_id)
             found = None
             if row is not None:
-                tracking = tracking_of(row.spec or {})
+                spec = row.spec or {}
+                tracking = tracking_of(spec)
                 if tracking.mlflow is not None or tracking.wandb is not None:
-                    found = TrackedJob(row.id, row.tenant_id, row.name, tracking, flatten(row.spec or {}))
+                    labels = tuple(str(t) for t in spec.get("tags") or ())
+                    logged = {**spec, **provenance_params(row.provenance)}
+                    found = TrackedJob(row.id, row.tenant_id, row.name, tracking, flatten(logged),
+                                       flatten_values(logged), labels)  # fmt: skip
         if row is not None:  # a job not yet visible is looked up again next time
             self._jobs[job_id] = found
             while len(self._jobs) > CACHED_JOBS:
@@ -135,57 +147,59 @@ class Tracker:
         job = await self.job(event.job_id)
         if job is None:
             return
-        points, tags, status = await self._what(job, event)
-        if not points and not tags:
+        update = await self.update(job, event)
+        if not update:
             return
         lock = self._locks.setdefault(job.id, asyncio.Lock())  # one run per job, never two creates
         async with lock:
-            if job.tracking.mlflow is not None:
-                await self._to_mlflow(job, event, points, tags, status)
+            for sink in self.sinks:
+                if sink.wants(job):
+                    await sink.log(job, update)
 
-    async def _what(
-        self, job: TrackedJob, event: LifecycleEvent
-    ) -> tuple[list[Point], dict[str, str], str | None]:
-        """The points, tags and run status an event logs."""
+    async def update(self, job: TrackedJob, event: LifecycleEvent) -> Update:
+        """What an event logs: its points, tags and (on ``job.state``) the job's state."""
         ts = _ms(event)
         if event.event == "policy.version" and event.version is not None:
-            return version_points(event), {}, None
+            return Update(version_points(event), {}, None, ts)
         if event.event == "episode.reward" and isinstance(event.data.get("iteration"), int):
-            return (
-                reward_points(await iteration_rewards(self.db, job.id, event.data["iteration"]), ts),
-                {},
-                None,
-            )
+            stats = await iteration_rewards(self.db, job.id, event.data["iteration"])
+            return Update(reward_points(stats, ts), {}, None, ts)
         if event.event == "job.state" and event.state is not None:
             tags = {"temper.state": event.state, "temper.state_reason": event.reason or ""}
             points = (
                 reward_points(await iteration_rewards(self.db, job.id), ts) if event.state in ENDS else []
             )
-            return points, tags, RUN_STATUS.get(event.state)
-        return [], {}, None
+            return Update(points, tags, event.state, ts)
+        return Update([], {}, None, ts)
 
-    async def _to_mlflow(
-        self,
-        job: TrackedJob,
-        event: LifecycleEvent,
-        points: list[Point],
-        tags: dict[str, str],
-        status: str | None,
-    ) -> None:
-        spec = job.tracking.mlflow
-        assert spec is not None
-        run_id = await self.mlflow.run_id(
-            spec.uri, spec.experiment, job_id=job.id, name=job.name, start_ms=_ms(event), tags=job.tags,
-            params=job.params,
-        )  # fmt: skip
-        client = self.mlflow.client(spec.uri)
-        if points:
-            await client.log_batch(run_id, metrics=points)
-        if status is not None:
-            end = _ms(event) if status != "RUNNING" else None
-            await client.update_run(run_id, status=status, end_ms=end)
-        if tags:  # last: a reader that sees temper.state sees the points and status before it
-            await client.log_batch(run_id, tags=tags)
+    async def history(self, job: TrackedJob) -> list[Point]:
+        """Every point the database holds for the job now: each version's numbers (at the
+        version's time) and each iteration's reward. A system that may have missed some (W&B,
+        the first time a process sees the job) logs those it lacks."""
+        async with self.db.session() as s:
+            versions = (
+                await s.execute(
+                    select(PolicyVersion.version, PolicyVersion.metrics, PolicyVersion.created_at)
+                    .where(PolicyVersion.job_id == job.id)
+                    .order_by(PolicyVersion.version)
+                )
+            ).all()
+        points: list[Point] = []
+        for version, metrics, created in versions:
+            if version > 0 and metrics:
+                points += train_points(version, metrics, int(created.timestamp() * 1000))
+        now = int(utcnow().timestamp() * 1000)
+        return points + reward_points(await iteration_rewards(self.db, job.id), now)
+
+
+def provenance_params(provenance: dict[str, Any] | None) -> dict[str, Any]:
+    """The job's provenance (``jobs.provenance``) as params beside its spec, under
+    ``provenance.``: ``provenance.spec_sha256``, ``provenance.seeds.tasks.seed``,
+    ``provenance.temper.commit``, ``provenance.model.sha256``, ``provenance.taskset.sha256``, …
+    (its format number and time left out)."""
+    if not provenance:
+        return {}
+    return {"provenance": {k: v for k, v in provenance.items() if k not in ("format", "recorded_at")}}
 
 
 def tracking_of(spec: dict[str, Any]) -> Tracking:

@@ -124,7 +124,7 @@ JobDep = Annotated[Job, Depends(job_or_404)]
 
 
 def job_detail(job: Job) -> schemas.Job:
-    return schemas.Job(**repo.job_summary(job), spec=job.spec)
+    return schemas.Job(**repo.job_summary(job), spec=job.spec, provenance=job.provenance)
 
 
 @router.post(
@@ -154,11 +154,52 @@ async def submit_job(
         )
         await envpkg.pin(runtime.store, tenant_id=tenant.id, spec=spec)
         await check_template(session, spec=spec, store=runtime.store)
-        job = await repo.create_job(session, tenant=tenant, spec=spec)
+        job = await repo.create_job(session, tenant=tenant, spec=spec, store=runtime.store)
     except SpecError as exc:
         return spec_problem(exc)
     await session.commit()
     return job_detail(job)
+
+
+@router.post(
+    "/{job_id}/rerun",
+    summary="Submit a job again",
+    description="A new job from this job's stored, resolved spec (the same task set, model, algorithm and "
+    "seeds), checked as a submitted spec is; its provenance names the job it repeats (`rerun_of`). The handle "
+    "is not copied (it names one job); give the new job one, or a new name, in the body.",
+    status_code=status.HTTP_201_CREATED,
+    response_model=schemas.Job,
+    responses={
+        422: {
+            "model": schemas.Problem,
+            "description": "the spec no longer passes (a task set deleted, a handle taken)",
+        },
+        **NOT_FOUND,
+        **AUTH,
+    },
+)
+async def rerun_job(
+    runtime: RuntimeDep,
+    session: SessionDep,
+    tenant: CurrentTenant,
+    job: JobDep,
+    change: schemas.Rerun | None = None,
+) -> Any:
+    data = {**job.spec, "handle": change.handle if change else None}
+    if change is not None and change.name is not None:
+        data["name"] = change.name
+    try:
+        spec = strict_spec(data)
+        await check_names(
+            session, spec=spec, settings=runtime.settings, tenant_id=tenant.id, store=runtime.store
+        )
+        await envpkg.pin(runtime.store, tenant_id=tenant.id, spec=spec)
+        await check_template(session, spec=spec, store=runtime.store)
+        new = await repo.create_job(session, tenant=tenant, spec=spec, store=runtime.store, rerun_of=job.id)
+    except SpecError as exc:
+        return spec_problem(exc)
+    await session.commit()
+    return job_detail(new)
 
 
 @router.get("", summary="List jobs", response_model=schemas.JobPage, responses={**BAD_CURSOR, **AUTH})

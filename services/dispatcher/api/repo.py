@@ -18,12 +18,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api import schemas
 from services.dispatcher.sampling import replacement_groups, zero_variance_groups
+from temper import provenance
 from temper.clock import utcnow
 from temper.db import Episode, Job, PolicyVersion, TaskOutcome, TaskSet, Tenant, TrainedTrajectory
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState, JobState, transition_job
 from temper.outbox import enqueue
+from temper.storage import ObjectStore
 from temper.tasks.service import task_row_id
 
 SCORED = (EpisodeState.scored.value, EpisodeState.trained.value)
@@ -102,8 +104,17 @@ def new_job_id() -> str:
     return "job-" + uuid.uuid4().hex[:12]
 
 
-async def create_job(session: AsyncSession, *, tenant: Tenant, spec: JobSpec) -> Job:
-    """Insert a pending job; :class:`SpecError` if its task set is not the tenant's or unusable."""
+async def create_job(
+    session: AsyncSession,
+    *,
+    tenant: Tenant,
+    spec: JobSpec,
+    store: ObjectStore | None = None,
+    rerun_of: str | None = None,
+) -> Job:
+    """Insert a pending job with its provenance (:func:`temper.provenance.record`; ``store``
+    to read an object-store model's files, ``rerun_of`` the job it repeats); :class:`SpecError`
+    if its task set is not the tenant's or unusable."""
     taskset = await session.get(TaskSet, spec.tasks.taskset)
     if taskset is None or taskset.tenant_id != tenant.id:
         raise SpecError([("tasks.taskset", f"task set {spec.tasks.taskset!r} does not exist")])
@@ -113,6 +124,7 @@ async def create_job(session: AsyncSession, *, tenant: Tenant, spec: JobSpec) ->
         taken := await job_by_handle(session, tenant_id=tenant.id, handle=spec.handle)
     ):
         raise SpecError([("handle", f"handle {spec.handle!r} is taken by job {taken.id}")])
+    stored = spec.model_dump(mode="json")
     job = Job(
         id=new_job_id(),
         tenant_id=tenant.id,
@@ -120,8 +132,9 @@ async def create_job(session: AsyncSession, *, tenant: Tenant, spec: JobSpec) ->
         handle=spec.handle,
         tags=list(dict.fromkeys(spec.tags)),
         note=spec.note,
-        spec=spec.model_dump(mode="json"),
+        spec=stored,
         state=JobState.pending.value,
+        provenance=await provenance.record(session, spec, stored, store=store, rerun_of=rerun_of),
     )
     session.add(job)
     enqueue(

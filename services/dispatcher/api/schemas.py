@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from temper.jobspec import TAG_PATTERN
+from temper.jobspec import HANDLE_PATTERN, TAG_PATTERN
 
 PASS_THRESHOLD = (
     "without it, an episode passed as recorded when it was scored (temper.rewards.passed: its "
@@ -59,6 +59,27 @@ class JobSummary(_Out):
 
 class Job(JobSummary):
     spec: dict[str, Any] = Field(description="the validated spec, defaults filled in")
+    provenance: dict[str, Any] | None = Field(
+        None,
+        description="what the job was made from, recorded when it was submitted: `seeds`, `spec_sha256`, "
+        "`temper` (version, git `commit` or why none, `dirty`), `model` (the initial weights, their `source` and "
+        "`sha256`), `taskset` (id, tasks, `sha256` of its content), `rerun_of`; null for jobs submitted "
+        "before it was recorded (docs/api.md, Reproducibility)",
+    )
+
+
+class Rerun(BaseModel):
+    """What a rerun changes: nothing else (the same resolved spec)."""
+
+    model_config = ConfigDict(extra="forbid")
+    handle: str | None = Field(
+        None,
+        pattern=HANDLE_PATTERN,
+        description="the new job's handle (the old one's stays its own); none: none",
+    )
+    name: str | None = Field(
+        None, min_length=1, max_length=200, description="the new job's name; none: the same"
+    )
 
 
 class JobChange(BaseModel):

@@ -63,7 +63,13 @@ def one_shape(body: dict) -> None:
             "tracking.wandb.mode",
             "only 'offline'",
         ),  # fmt: skip
-        ({"tracking__wandb__project": "p"}, "tracking.wandb", "not built yet"),
+        (
+            {"tracking__wandb__project": "p", "tracking__wandb__mode": "shared"},
+            "tracking.wandb.mode",
+            "only 'offline' is supported (got 'shared')",
+        ),  # fmt: skip
+        ({"tracking__wandb__project": "has space"}, "tracking.wandb.project", "pattern"),
+        ({"tracking__wandb__mode": "offline"}, "tracking.wandb.project", "required"),
     ],
 )
 async def test_each_bad_name_or_type_is_a_422_naming_the_field(client, changes, field, says):
@@ -74,6 +80,13 @@ async def test_each_bad_name_or_type_is_a_422_naming_the_field(client, changes, 
     assert field in messages, r.json()
     assert says in messages[field], messages[field]
     assert await nothing_stored(client)
+
+
+async def test_a_wandb_tracked_job_is_accepted_and_stored_resolved(client):
+    r = await client.post("/v1/jobs", json=spec(tracking__wandb__project="code-agents"))
+    assert r.status_code == 201, r.text
+    stored = (await client.get(f"/v1/jobs/{r.json()['id']}")).json()["spec"]["tracking"]
+    assert stored == {"mlflow": None, "wandb": {"project": "code-agents", "mode": "offline"}}
 
 
 async def test_every_bad_name_is_named_at_once(client):

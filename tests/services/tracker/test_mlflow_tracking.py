@@ -27,6 +27,7 @@ from temper.runtime import Runtime
 from temper.settings import BusKind, BusSettings, DatabaseSettings, LogSettings, Settings, StorageSettings
 from temper.tracking import MlflowClient, flatten
 from temper.tracking.mlflow import JOB_TAG
+from temper.tracking.tracker import provenance_params
 from temper.training.learner import StepStats
 from tests.services.tracker.mlflow_server import MlflowServer
 
@@ -34,6 +35,17 @@ pytestmark = [pytest.mark.mlflow, pytest.mark.timeout(240)]
 
 TENANT = "acme"
 JOB = "job-tracked"
+# as temper.provenance.record leaves it at submission
+PROVENANCE = {
+    "format": 1,
+    "recorded_at": "2026-12-04T10:00:00+00:00",
+    "seeds": {"tasks.seed": 0},
+    "spec_sha256": "5" * 64,
+    "temper": {"version": __version__, "commit": "c" * 40, "dirty": False},
+    "model": {"policy_model": "temper-policy", "init": "/models/m", "source": "directory", "sha256": "a" * 64,
+              "files": 3},
+    "taskset": {"id": "ts-1", "name": "adders", "tasks": 2, "sha256": "b" * 64},
+}  # fmt: skip
 ITERATIONS, PER_ITERATION, VERSIONS = 3, 4, 3
 
 
@@ -57,7 +69,8 @@ async def seed(runtime: Runtime, uri: str, experiment: str) -> list[LifecycleEve
     async with runtime.db.session() as s:
         s.add(Tenant(id=TENANT, name="Acme"))
     async with runtime.db.session() as s:
-        s.add(Job(id=JOB, tenant_id=TENANT, name="tracked job", spec=spec(uri, experiment), state="running"))
+        s.add(Job(id=JOB, tenant_id=TENANT, name="tracked job", spec=spec(uri, experiment), state="running",
+                  provenance=PROVENANCE))  # fmt: skip
         await s.flush()
         for it in range(ITERATIONS):
             for n in range(PER_ITERATION):
@@ -143,7 +156,11 @@ async def check_run(runtime: Runtime, client: MlflowClient, run: dict[str, Any],
     assert info["experiment_id"] == experiment_id
 
     params = {p["key"]: p["value"] for p in data["params"]}
-    assert params == flatten(job.spec)
+    assert params == flatten({**job.spec, **provenance_params(job.provenance)})
+    # the job's provenance beside its spec
+    assert params["provenance.model.sha256"] == "a" * 64 and params["provenance.taskset.sha256"] == "b" * 64
+    assert params["provenance.temper.commit"] == "c" * 40 and params["provenance.seeds.tasks.seed"] == "0"
+    assert "provenance.recorded_at" not in params
     assert params["algorithm.learning_rate"] == "3e-05" and params["algorithm.kl_coef"] == "0.02"
     assert params["tracking.mlflow.experiment"] == experiment and params["schedule.iterations"] == str(
         ITERATIONS

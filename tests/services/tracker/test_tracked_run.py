@@ -1,6 +1,7 @@
 """``temper run`` of a small real job (real sandboxes, generation and gradient steps) with
-``tracking.mlflow``: the job's MLflow run on a real server holds its params, tags, state and
-every metric point, with the values the run's database holds when it ends."""
+``tracking.mlflow`` and ``tracking.wandb``: the job's MLflow run on a real server, and its
+offline W&B run (read back from its ``.wandb`` file with wandb's own reader), hold its params,
+tags, state and every metric point, with the values the run's database holds when it ends."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import yaml
 
 from services.cli import main
 from temper import __version__
-from temper.tracking import MlflowClient, flatten
+from temper.tracking import MlflowClient, WandbSink, flatten, flatten_values, read_records
 from temper.tracking.mlflow import JOB_TAG
+from temper.tracking.tracker import provenance_params
+from temper.tracking.wandb_offline import history as wandb_history
 from tests.services.embedded.test_temper_run import small_spec
 from tests.services.tracker.mlflow_server import MlflowServer
 
@@ -41,12 +44,15 @@ async def read_run(
 @pytest.mark.sandbox
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_temper_run_logs_the_job_to_mlflow(tmp_path, capsys, mlflow_server: MlflowServer):
+def test_temper_run_logs_the_job_to_mlflow_and_wandb(tmp_path, capsys, mlflow_server: MlflowServer):
     path = small_spec(tmp_path)
     spec = yaml.safe_load(path.read_text())
     # a weak model can score every group flat: train on those too, so versions are published
     spec["algorithm"]["skip_zero_variance"] = False
-    spec["tracking"] = {"mlflow": {"uri": mlflow_server.uri, "experiment": "temper-run"}}
+    spec["tracking"] = {
+        "mlflow": {"uri": mlflow_server.uri, "experiment": "temper-run"},
+        "wandb": {"project": "temper-run", "mode": "offline"},
+    }
     path.write_text(yaml.safe_dump(spec))
     code = main(["run", str(path), "--runs-dir", str(tmp_path / "runs"), "--run-id", "tracked"])
     err = capsys.readouterr().err
@@ -54,8 +60,8 @@ def test_temper_run_logs_the_job_to_mlflow(tmp_path, capsys, mlflow_server: Mlfl
     assert "tracking: not every event" not in err
 
     with sqlite3.connect(tmp_path / "runs" / "tracked" / "temper.db") as conn:
-        job_id, tenant, name, stored, state = conn.execute(
-            "SELECT id, tenant_id, name, spec, state FROM jobs"
+        job_id, tenant, name, stored, state, recorded = conn.execute(
+            "SELECT id, tenant_id, name, spec, state, provenance FROM jobs"
         ).fetchone()
         versions = conn.execute("SELECT version, metrics FROM policy_versions ORDER BY version").fetchall()
         rewards = conn.execute(
@@ -65,7 +71,11 @@ def test_temper_run_logs_the_job_to_mlflow(tmp_path, capsys, mlflow_server: Mlfl
     run, history = asyncio.run(read_run(mlflow_server.uri, "temper-run", job_id))
 
     assert run["info"]["status"] == "FINISHED"
-    assert {p["key"]: p["value"] for p in run["data"]["params"]} == flatten(json.loads(stored))
+    logged = {**json.loads(stored), **provenance_params(json.loads(recorded))}
+    params = {p["key"]: p["value"] for p in run["data"]["params"]}
+    assert params == flatten(logged)
+    # the job's provenance: the run's initial model directory (temper run makes it) by digest
+    assert params["provenance.model.source"] == "directory" and len(params["provenance.model.sha256"]) == 64
     tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
     assert (tags["temper.tenant"], tags[JOB_TAG], tags["temper.job_name"], tags["temper.version"], tags["temper.state"]) == (
         tenant, job_id, name, __version__, "completed",
@@ -84,3 +94,41 @@ def test_temper_run_logs_the_job_to_mlflow(tmp_path, capsys, mlflow_server: Mlfl
         ):
             final = max((m for m in history[key] if int(m["step"]) == it), key=lambda m: m["timestamp"])
             assert final["value"] == pytest.approx(want, rel=1e-9, abs=1e-12), (key, it)
+
+    # the same job in W&B: under the run's data directory (TEMPER_TRACKING__WANDB_DIR unset)
+    files = WandbSink(tmp_path / "runs" / "tracked" / "wandb").run_files(job_id, tenant)
+    assert len(files) == 1, files
+    records = read_records(files[0])
+    wandb_run = next(r["run"] for r in records if r["type"] == "run")
+    assert (wandb_run["run_id"], wandb_run["project"], wandb_run["display_name"]) == (
+        job_id,
+        "temper-run",
+        name,
+    )
+    assert f"tenant:{tenant}" in wandb_run["tags"] and f"job:{job_id}" in wandb_run["tags"]
+    config = {k: v for k, v in wandb_run["config"]["update"].items() if k != "_wandb"}
+    assert config == {**flatten_values(logged), "temper.tenant": tenant, "temper.job_id": job_id,
+                      "temper.job_name": name, "temper.version": __version__}  # fmt: skip
+    rows = wandb_history(records)
+    for v, m in versions:
+        [row] = [row for row in rows if row.get("policy_version") == v]
+        for key in NUMBERS:
+            assert row[f"train/{key}"] == float(json.loads(m)[key]), (v, key)
+            # and MLflow holds the same number
+            assert [p["value"] for p in history[f"train/{key}"] if int(p["step"]) == v] == [
+                row[f"train/{key}"]
+            ]
+    for it in sorted({i for i, _ in rewards}):
+        values = [r for i, r in rewards if i == it]
+        newest: dict[str, float] = {}
+        for row in rows:
+            if row.get("iteration") == it:
+                newest.update({k: v for k, v in row.items() if k.startswith("rollout/")})
+        assert newest["rollout/reward_mean"] == pytest.approx(sum(values) / len(values), rel=1e-9, abs=1e-12)
+        assert newest["rollout/episodes"] == len(values)
+    summary = {}
+    for r in records:
+        if r["type"] == "summary":
+            summary.update(r["summary"]["update"])
+    assert summary["temper.state"] == "completed"
+    assert [r["exit"].get("exit_code", 0) for r in records if r["type"] == "exit"] == [0]
