@@ -44,6 +44,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         pass
+    from temper.runtime import exit_after_stop
+
+    exit_after_stop(0)  # everything stopped in order; the interpreter's finalization can hang
     return 0
 
 
