@@ -48,7 +48,14 @@ def test_the_api_pages_curl_examples_run_as_written(tmp_path):
     assert "export TEMPER_URL" in preamble
     runnable = [b for b in rest if "curl " in b]
     assert len(runnable) >= 7, "the page's examples were found"
-    with temper_serve(tmp_path / "data", "docs-api-serve.log") as (url, printed, _):
+    # The page submits three full-weight jobs, and one CPU engine serves one such job at a
+    # time: with one engine each, $JOB starts whichever job the scheduler takes first.
+    engines = json.dumps([{"name": f"local-{i}", "kind": "local"} for i in range(3)])
+    with temper_serve(tmp_path / "data", "docs-api-serve.log", TEMPER_INFERENCE__BACKENDS=engines) as (
+        url,
+        printed,
+        _,
+    ):
         key = printed_key(printed)
         statuses = tmp_path / "statuses"
         state = tmp_path / "state.sh"
