@@ -118,7 +118,8 @@ def source() -> dict[str, Any]:
 # --- the model ------------------------------------------------------------------------------------
 
 
-def _local_dir(ref: str) -> Path | None:
+def local_dir(ref: str) -> Path | None:
+    """``ref`` as a directory on this machine, or None (a model name, a key, a path too long)."""
     try:
         path = Path(ref)
         return path if len(ref) < 4096 and path.is_dir() else None
@@ -131,7 +132,7 @@ async def model_provenance(spec: JobSpec, store: ObjectStore | None) -> dict[str
     ``policy.model`` when it is a model directory, else the trainer's preset), and their
     digest where the files can be seen from here."""
     policy = spec.policy
-    model_dir = _local_dir(policy.model)
+    model_dir = local_dir(policy.model)
     ref = policy.init or (
         policy.model if model_dir is not None and (model_dir / CONFIG_FILE).is_file() else None
     )
@@ -143,7 +144,7 @@ async def model_provenance(spec: JobSpec, store: ObjectStore | None) -> dict[str
             "TEMPER_TRAINER__SEED, settings of the trainer's own that this process cannot see"
         )
         return out
-    directory = _local_dir(ref)
+    directory = local_dir(ref)
     if directory is not None:
         files = await asyncio.to_thread(directory_files, directory)
         out.update(source="directory", sha256=tree_digest(files), files=len(files))

@@ -39,6 +39,7 @@ from temper import problems
 from temper.db import Job, PolicyVersion, Task, TaskSet
 from temper.jobspec import JobSpec, SpecError, job_reference, plugin_errors, rl_only_errors
 from temper.policy.placement import BackendInfo, missing_model_files, need_of, serve_error
+from temper.provenance import local_dir
 from temper.settings import Settings
 from temper.tasks.service import TaskSetAmbiguous, TaskSetNotFound, get_taskset
 
@@ -178,15 +179,6 @@ def known_models(settings: Settings, backends: list[BackendInfo]) -> set[str]:
     return names
 
 
-def _local_dir(ref: str) -> Path | None:
-    """``ref`` as a directory on this machine, or None."""
-    try:
-        path = Path(ref)
-        return path if len(ref) < 4096 and path.is_dir() else None
-    except (OSError, ValueError):
-        return None
-
-
 def model_errors(spec: JobSpec, settings: Settings, backends: list[BackendInfo]) -> list[tuple[str, str]]:
     """``policy.model`` is a model this deployment serves or a model directory here, and a
     directory (``policy.model`` or ``policy.init``) has every file a server and the trainer
@@ -194,7 +186,7 @@ def model_errors(spec: JobSpec, settings: Settings, backends: list[BackendInfo])
     errors = []
     models = known_models(settings, backends)
     for field, ref in (("policy.model", spec.policy.model), ("policy.init", spec.policy.init)):
-        directory = _local_dir(ref) if ref else None
+        directory = local_dir(ref) if ref else None
         if directory is not None:
             missing = missing_model_files(directory)
             if missing:
@@ -332,7 +324,7 @@ async def init_errors(
                 "(train the sft job without algorithm.lora)",
             )
         ]
-    own = _local_dir(spec.policy.model)
+    own = local_dir(spec.policy.model)
     entry = manifest.files.get("tokenizer.json")
     if own is not None and (own / "tokenizer.json").is_file() and entry is not None:
         import hashlib
