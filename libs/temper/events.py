@@ -95,6 +95,11 @@ class InferenceRequest(Message):
     pool: str = Field("default", description="the job's policy.backend_pool")
     prompt_ids: list[int]
     sampling: SamplingParams = SamplingParams()
+    partial_rollout: bool = Field(
+        False,
+        description="the episode takes partial rollouts: a generation in progress when a new version "
+        "is loaded may be interrupted and resumed with its prefix on that version (where the backend can)",
+    )
 
 
 class InferenceResult(Message):
@@ -102,9 +107,13 @@ class InferenceResult(Message):
     kind: str | None = "inference"
     token_ids: list[int] = []
     logprobs: list[float] = []
+    token_versions: list[int] = Field(
+        default_factory=list,
+        description="the policy version that sampled each token (empty: every token is policy_version's)",
+    )
     text: str = ""
     finish_reason: str | None = None
-    policy_version: int = 0
+    policy_version: int = Field(0, description="the version that sampled the last token")
     backend: str | None = None
     error: str | None = None
 

@@ -547,7 +547,11 @@ class Schedule(_Spec):
     )
     episodes_per_iteration: int = Field(16, ge=1)
     max_concurrent_episodes: int = Field(16, ge=1)
-    max_staleness: int = Field(1, ge=0, description="how many policy versions behind a trajectory may be")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="how many policy versions behind the trainer a trajectory's oldest token may be",
+    )
 
 
 class MlflowTracking(_Spec):

@@ -147,6 +147,18 @@ TRAINER_STALENESS = Histogram(
     "Policy versions between behaviour and trained policy",
     buckets=(0, 1, 2, 3, 4, 8, 16),
 )
+TRAINER_TOKEN_STALENESS = Gauge(
+    "temper_trainer_token_staleness",
+    "The last step's model tokens: versions between the trained policy and the one that sampled each "
+    "token, mean and max",
+    ["job_id", "stat"],
+)
+TRAINER_MULTI_VERSION_SHARE = Gauge(
+    "temper_trainer_multi_version_share",
+    "The last step's share of trajectories whose tokens came from two or more policy versions "
+    "(partial rollouts)",
+    ["job_id"],
+)
 TRAINER_PUBLISH_FAILING = Gauge(
     "temper_trainer_publish_failing",
     "1 while a job's trained steps cannot be published as a policy version (retried with backoff)",

@@ -78,6 +78,8 @@ def _inference_error(msg: InferenceResult) -> str | None:
         return msg.error
     if len(msg.logprobs) != len(msg.token_ids):
         return f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens"
+    if msg.token_versions and len(msg.token_versions) != len(msg.token_ids):
+        return f"{len(msg.token_versions)} token versions for {len(msg.token_ids)} tokens"
     return None
 
 

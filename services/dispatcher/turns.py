@@ -32,6 +32,7 @@ from temper.lifecycle import EpisodeState, complete_step, new_step, transition_e
 from temper.outbox import enqueue
 from temper.policy.tokenizer import ChatTokenizer, assistant_stop_ids
 from temper.settings import DispatcherSettings
+from temper.trajectory import token_versions
 
 E = EpisodeState
 
@@ -104,11 +105,13 @@ class Turns:
         text = msg.text or tok.decode(msg.token_ids)
         # parsers read the reply with its special tokens (Mistral's [TOOL_CALLS] is one)
         action = env.parse(tok.parse_text(msg.token_ids, text), turn=step.turn)
+        versions = token_versions(msg)
         complete_step(
             step,
             {
                 "token_ids": msg.token_ids,
                 "logprobs": msg.logprobs,
+                "token_versions": versions,
                 "text": text,
                 "finish_reason": msg.finish_reason,
                 "policy_version": msg.policy_version,
@@ -118,8 +121,9 @@ class Turns:
             },
         )
         observe_step(step)
-        if ep.behaviour_version is None or msg.policy_version < ep.behaviour_version:
-            ep.behaviour_version = msg.policy_version
+        oldest = min(versions, default=msg.policy_version)
+        if ep.behaviour_version is None or oldest < ep.behaviour_version:
+            ep.behaviour_version = oldest
         turn = step.turn
         if action.kind == "sandbox":
             assert action.command is not None
