@@ -329,7 +329,7 @@ RL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
         "groups_per_step", "skip_zero_variance", "dynamic_sampling", "max_replacement_groups",
         "mismatch", "correction",
     ),
-    "schedule": ("episodes_per_iteration", "max_concurrent_episodes", "max_staleness"),
+    "schedule": ("episodes_per_iteration", "max_concurrent_episodes", "max_staleness", "partial_rollouts"),
 }  # fmt: skip
 RL_ONLY_TOP = ("environment", "rewards")
 SFT_REFUSAL = "applies to RL jobs only; an sft job runs no episodes (leave it out)"
@@ -551,6 +551,11 @@ class Schedule(_Spec):
         1,
         ge=0,
         description="how many policy versions behind the trainer a trajectory's oldest token may be",
+    )
+    partial_rollouts: bool = Field(
+        False,
+        description="a generation in progress when the job's next version is loaded is interrupted and "
+        "resumed with its prefix on that version (CPU engine; docs/training.md, Partial rollouts)",
     )
 
 

@@ -147,6 +147,11 @@ TRAINER_STALENESS = Histogram(
     "Policy versions between behaviour and trained policy",
     buckets=(0, 1, 2, 3, 4, 8, 16),
 )
+INFERENCE_INTERRUPTIONS = Counter(
+    "temper_inference_interruptions_total",
+    "Generations a new policy version interrupted and that went on from their prefix on it "
+    "(partial rollouts, CPU engine)",
+)
 TRAINER_TOKEN_STALENESS = Gauge(
     "temper_trainer_token_staleness",
     "The last step's model tokens: versions between the trained policy and the one that sampled each "

@@ -209,10 +209,13 @@ class EpisodeMachine:
         iteration: int,
         episode_id: str | None = None,
         behaviour_version: int | None = None,
+        partial_rollouts: bool | None = None,
     ) -> Episode:
         """A pending episode that asks for its first action, staged in the caller's
         transaction (:meth:`tx` writes it). Its behaviour version is the job's current
-        one (the scheduler says which; else ``job.policy_version``)."""
+        one (the scheduler says which; else ``job.policy_version``). ``partial_rollouts``:
+        its own switch, the job's ``schedule.partial_rollouts`` unless given (an
+        evaluation episode passes False: it is sampled by the version it evaluates)."""
         episode_id = episode_id or new_id()
         now = utcnow()
         ep = rows.new(
@@ -239,6 +242,9 @@ class EpisodeMachine:
             sandbox_cpu_s=0.0,
             sandbox_memory_gb_s=0.0,
             inference_tokens=0,
+            partial_rollouts=spec.schedule.partial_rollouts if partial_rollouts is None else partial_rollouts,
+            deadline_at=None,
+            model_tokens=0,
             created_at=now,
             updated_at=now,
         )

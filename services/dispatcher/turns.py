@@ -88,6 +88,7 @@ class Turns:
                 stop=list(s.stop),
                 stop_token_ids=assistant_stop_ids(self.tok_of(spec)),
             ),
+            partial_rollout=bool(ep.partial_rollouts),
         )
 
     def take_inference(

@@ -365,7 +365,7 @@ class CpuServerBackend(Backend):
         version = data.get("policy_version")
         if version is None:
             raise BackendError(ErrorKind.protocol, f"{self.name}: the answer names no policy_version")
-        versions = [int(v) for v in data.get("token_versions") or []]
+        versions = [int(v) for v in (data.get("choices") or [{}])[0].get("token_versions") or []]
         if versions and len(versions) != len(fields["token_ids"]):
             raise BackendError(
                 ErrorKind.protocol, f"{len(fields['token_ids'])} token ids but {len(versions)} token versions"

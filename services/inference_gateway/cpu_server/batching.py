@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from services.inference_gateway.cpu_server.runner import (
@@ -15,6 +15,7 @@ from services.inference_gateway.cpu_server.runner import (
     NotServed,
     Stopped,
 )
+from temper import metrics
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,10 @@ class BatchScheduler:
     loop keeps accepting requests. A weight reload (or release, or base change) waits for
     the running batch, swaps the weights, and the next batch runs on the new version: a
     request is never lost, and its output names the version that produced it; a request
-    whose job is no longer served here fails with :class:`NotServed`.
+    whose job is no longer served here fails with :class:`NotServed`. A job's reload asks
+    the running batch to stop at its next token (:attr:`ModelRunner.switching`) where the
+    job's rows take partial rollouts; the rows it stopped go first into the next batch,
+    from their prefixes.
     """
 
     def __init__(self, runner: ModelRunner, *, max_batch: int = 16, window_ms: float = 3.0) -> None:
@@ -42,8 +46,10 @@ class BatchScheduler:
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._resumed: list[_Pending] = []  # interrupted generations, ahead of the queue
         self.batches = 0
         self.inflight = 0
+        self.interruptions = 0  # generations a new version interrupted (resumed on it)
 
     async def start(self) -> None:
         if self._task is None:
@@ -69,8 +75,13 @@ class BatchScheduler:
             self.inflight -= 1
 
     async def reload(self, path: str | Path, version: int, job_id: str | None = None) -> float:
-        async with self._lock:
-            return await asyncio.to_thread(self.runner.load_weights, path, version, job_id)
+        job = job_id or ""
+        self.runner.switching.add(job)  # a running batch of partial rollouts stops for it
+        try:
+            async with self._lock:
+                return await asyncio.to_thread(self.runner.load_weights, path, version, job_id)
+        finally:
+            self.runner.switching.discard(job)
 
     async def load_base(self, directory: str | Path | None, name: str) -> float:
         async with self._lock:
@@ -83,6 +94,10 @@ class BatchScheduler:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self._resumed:
+                batch, self._resumed = self._resumed[: self.max_batch], self._resumed[self.max_batch :]
+                await self._batch(batch)
+                continue
             first = await self._queue.get()
             batch = [first]
             deadline = loop.time() + self.window_s
@@ -96,32 +111,43 @@ class BatchScheduler:
                     break
             while len(batch) < self.max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            live = [p for p in batch if not p.fut.done()]
+            await self._batch(batch)
+
+    async def _batch(self, batch: list[_Pending]) -> None:
+        """Run one batch; answer its requests, or put the interrupted ones back first in line."""
+        live = [p for p in batch if not p.fut.done()]
+        if not live:
+            return
+        async with self._lock:
+            # a job whose weights are not here now (another job's full weights were
+            # loaded since it was routed) is refused, not run on the wrong weights
+            for p in live:
+                if not self.runner.serves(p.req.job_id):
+                    p.fut.set_exception(NotServed(f"job {p.req.job_id!r} is not served here now"))
+            live = [p for p in live if not p.fut.done()]
             if not live:
-                continue
-            async with self._lock:
-                # a job whose weights are not here now (another job's full weights were
-                # loaded since it was routed) is refused, not run on the wrong weights
+                return
+            try:
+                outs = await asyncio.to_thread(self.runner.generate, [p.req for p in live])
+            except asyncio.CancelledError:  # stopping: the batch's callers are told so
                 for p in live:
-                    if not self.runner.serves(p.req.job_id):
-                        p.fut.set_exception(NotServed(f"job {p.req.job_id!r} is not served here now"))
-                live = [p for p in live if not p.fut.done()]
-                if not live:
-                    continue
-                try:
-                    outs = await asyncio.to_thread(self.runner.generate, [p.req for p in live])
-                except asyncio.CancelledError:  # stopping: the batch's callers are told so
-                    for p in live:
-                        if not p.fut.done():
-                            p.fut.set_exception(Stopped("the model runner stopped during this generation"))
-                    raise
-                except Exception as exc:  # one bad batch fails its requests, not the server
-                    log.exception("batch failed")
-                    for p in live:
-                        if not p.fut.done():
-                            p.fut.set_exception(exc)
-                    continue
-            self.batches += 1
-            for p, out in zip(live, outs, strict=True):
-                if not p.fut.done():
-                    p.fut.set_result(out)
+                    if not p.fut.done():
+                        p.fut.set_exception(Stopped("the model runner stopped during this generation"))
+                raise
+            except Exception as exc:  # one bad batch fails its requests, not the server
+                log.exception("batch failed")
+                for p in live:
+                    if not p.fut.done():
+                        p.fut.set_exception(exc)
+                return
+        self.batches += 1
+        for p, out in zip(live, outs, strict=True):
+            if p.fut.done():
+                continue
+            if out.interrupted:
+                # after the load that stopped it (it holds the lock next): on from its prefix
+                self.interruptions += 1
+                metrics.INFERENCE_INTERRUPTIONS.inc()
+                self._resumed.append(_Pending(replace(p.req, resumed=out.resumed()), p.fut))
+            else:
+                p.fut.set_result(out)

@@ -10,6 +10,12 @@ of the logits, before temperature and top-p), as vLLM V1 reports by default
 (``logprobs_mode=raw_logprobs``); ``temper.policy.token_logprobs`` recomputes exactly
 this from a forward pass.
 
+A generation of a partial-rollout request (``GenRequest.partial_rollout``) is interrupted
+when its job's next version waits to be loaded (:attr:`ModelRunner.switching`): the batch
+stops at its next token, the scheduler loads the version, and each unfinished row goes on
+from its prefix (:class:`Resumed`) on the weights then served. Every token records the
+version that sampled it (``GenOutput.token_versions``).
+
 Many jobs share one base model: each job's policy is a LoRA adapter (PEFT) named
 ``<job>-v<version>``, chosen per request by ``job_id``. Requests of different jobs run
 in the same batch: PEFT's ``adapter_names`` applies each row's own adapter inside every
@@ -51,10 +57,22 @@ class SamplingParams:
 
 
 @dataclass
+class Resumed:
+    """What an interrupted generation had sampled: it goes on after these tokens."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    interruptions: int
+
+
+@dataclass
 class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     job_id: str | None = None  # picks the job's adapter; none loaded: the base weights
+    partial_rollout: bool = False  # may be interrupted by the job's next version and resumed on it
+    resumed: Resumed | None = None  # the prefix of an interrupted generation
 
 
 @dataclass
@@ -65,8 +83,16 @@ class GenOutput:
     text: str
     finish_reason: str  # "stop" | "length"
     stop_reason: int | str | None
-    policy_version: int
+    policy_version: int  # the version that sampled the last token
     adapter: str | None = None  # the LoRA adapter that produced it; None: the base weights
+    token_versions: list[int] = field(default_factory=list)  # the version that sampled each token
+    interruptions: int = 0  # times a new version interrupted it (partial rollouts)
+    interrupted: bool = False  # stopped for a new version: to be resumed, not answered
+
+    def resumed(self) -> Resumed:
+        return Resumed(
+            list(self.token_ids), list(self.logprobs), list(self.token_versions), self.interruptions + 1
+        )
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
@@ -98,18 +124,28 @@ class _Row:
         self.stop_ids = set(self.p.stop_token_ids)
         self.eos_ids = set() if self.p.ignore_eos else set(tok.stop_ids)
         self.budget = max(0, min(self.p.max_tokens, max_len - len(req.prompt_ids)))
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
+        before = req.resumed
+        self.ids: list[int] = list(before.ids) if before else []
+        self.logprobs: list[float] = list(before.logprobs) if before else []
+        self.versions: list[int] = list(before.versions) if before else []
+        self.interruptions = before.interruptions if before else 0
+        self.interrupted = False
         self.text = ""
-        self.finish: str | None = None if self.budget > 0 else "length"
+        self.finish: str | None = None if self.budget > len(self.ids) else "length"
         self.stop_reason: int | str | None = None
         self.version = version
         self.adapter = adapter
         self.tok = tok
 
+    @property
+    def context(self) -> list[int]:
+        """What the model reads before its next token: the prompt and the tokens sampled so far."""
+        return [*self.req.prompt_ids, *self.ids]
+
     def push(self, token: int, logprob: float) -> None:
         self.ids.append(token)
         self.logprobs.append(logprob)
+        self.versions.append(self.version)
         if token in self.stop_ids:
             self.finish, self.stop_reason = "stop", token
         elif token in self.eos_ids:
@@ -135,6 +171,9 @@ class _Row:
             stop_reason=self.stop_reason,
             policy_version=self.version,
             adapter=self.adapter,
+            token_versions=list(self.versions),
+            interruptions=self.interruptions,
+            interrupted=self.interrupted,
         )
 
 
@@ -220,6 +259,9 @@ class ModelRunner:
         # set by the scheduler's stop: a thread cannot be cancelled, and a generation of
         # thousands of tokens would hold the process's exit until it ends
         self.stopping = False
+        # jobs whose next weights wait for the running batch (the scheduler's reload): their
+        # partial-rollout rows stop at the next token and resume on the new version
+        self.switching: set[str] = set()
         self.adapters: dict[str, tuple[str, int]] = {}
         self._origin = origin
         # without ``origin``: an untouched copy of the model it started with (PEFT changes
@@ -276,7 +318,7 @@ class ModelRunner:
             if not r.req.prompt_ids:
                 raise ValueError("empty prompt")
         dev = self.device
-        ids, mask = pad_batch([r.req.prompt_ids for r in live], self.tok.pad_id, left=True)
+        ids, mask = pad_batch([r.context for r in live], self.tok.pad_id, left=True)
         ids, mask = ids.to(dev), mask.to(dev)
         names = [r.adapter or BASE_ADAPTER for r in live] if self.model is not self.base else None
         logits, cache = forward(self.model, ids, mask, use_cache=True, adapter_names=names)
@@ -294,6 +336,8 @@ class ModelRunner:
                     nxt[i, 0] = t
             if all(r.finish is not None for r in live):
                 break
+            if self.switching and self._interrupt(live):
+                break
             mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=dev)], dim=1)
             pos = pos + 1
             logits, cache = forward(
@@ -306,6 +350,20 @@ class ModelRunner:
                 adapter_names=names,
             )
         return [r.output() for r in rows]
+
+    def _interrupt(self, live: list[_Row]) -> bool:
+        """Stop the batch for a job's next version (:attr:`switching`) when some unfinished
+        row of that job takes partial rollouts and none of its unfinished rows refuses them
+        (those finish on the version they began on, and the load waits for them). Every
+        unfinished row is then ``interrupted``: the scheduler resumes it after the load,
+        other jobs' rows on their unchanged weights."""
+        waiting = [r for r in live if r.finish is None and (r.req.job_id or "") in self.switching]
+        if not waiting or not all(r.req.partial_rollout for r in waiting):
+            return False
+        for r in live:
+            if r.finish is None:
+                r.interrupted = True
+        return True
 
     # --- loading ----------------------------------------------------------------------------
     def load_weights(self, path: str | Path, version: int, job_id: str | None = None) -> float:
