@@ -132,6 +132,12 @@ class SandboxRequest(Message):
         None, description="where to restore the session from if this worker lacks it"
     )
     snapshot_after: bool = True
+    keep_s: float | None = Field(
+        None,
+        ge=0,
+        description="keep the session at least this long after this step, idle or not: the time the episode "
+        "may still need it (until its deadline); None: the worker's idle expiry alone",
+    )
     files: dict[str, str] = Field(
         default_factory=dict,
         description="the task's starting files: written into the workspace when the session is created "

@@ -212,6 +212,9 @@ class ToolSpec(_Spec):
 PACKAGE_KIND = "package"  # a tenant environment package (temper.envpkg), named by name and version
 
 
+LISTING_KINDS = frozenset({"code", "shell"})  # their first prompt lists the workspace's files
+
+
 class EnvironmentSpec(_Spec):
     kind: str = Field(
         "code",
@@ -226,6 +229,19 @@ class EnvironmentSpec(_Spec):
         "submitted (anything sent here is replaced)",
     )
     max_turns: int = Field(4, ge=1, le=100)
+    max_episode_s: float | None = Field(
+        None,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="an episode's wall-clock budget from its start; reached, the episode ends and is scored "
+        "with what it left (ended_by: max_episode_s); its sandbox session lives at least that long",
+    )
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens the model may sample over all of an episode's turns (each turn's max_tokens is "
+        "at most what is left); spent, the episode ends and is scored (ended_by: max_episode_tokens)",
+    )
     action_format: str = Field(
         ActionFormat.code_block.value,
         description="code_block | tool_call, or a tool-call parser (hermes, llama3_json, mistral, pythonic, "
@@ -244,6 +260,12 @@ class EnvironmentSpec(_Spec):
         description="the role of the messages that carry tool results: tool (OpenAI's, with tool_call_id), or "
         "user for chat templates without a tool role (Gemma 3); default: the environment's own (tool)",
     )
+    hide_files: list[str] = Field(
+        default_factory=list,
+        max_length=32,
+        description="code and shell: glob patterns (fnmatch) of workspace files the first prompt names "
+        "without their content (the agent runs or reads them); the others are shown whole",
+    )
 
     @model_validator(mode="after")
     def _unique_tools(self) -> EnvironmentSpec:
@@ -251,6 +273,11 @@ class EnvironmentSpec(_Spec):
             raise ValueError("kind package needs the package's name and version")
         if self.kind != PACKAGE_KIND and (self.name or self.version or self.package):
             raise ValueError("name, version and package apply to kind package only")
+        if self.hide_files and self.kind not in LISTING_KINDS:
+            raise ValueError(
+                f"hide_files applies to the environments that show the workspace in their prompt "
+                f"({', '.join(sorted(LISTING_KINDS))}), not {self.kind!r}"
+            )
         names = [t.function.name for t in self.tools or []]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

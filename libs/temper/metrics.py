@@ -67,6 +67,11 @@ SANDBOX_EXEC_SECONDS = Histogram(
     "temper_sandbox_exec_seconds", "Time of one sandbox action", buckets=FAST_BUCKETS
 )
 SANDBOX_KILLS = Counter("temper_sandbox_kills_total", "Sandbox actions killed", ["reason"])
+SANDBOX_KEPT_EVICTED = Counter(
+    "temper_sandbox_kept_sessions_evicted_total",
+    "Sessions destroyed to make room while still kept for an episode (every session held was kept): "
+    "the episode's next step restores its workspace from its snapshot",
+)
 SANDBOX_FRESH_RUNS = Counter(
     "temper_sandbox_fresh_runs_total",
     "One-shot runs, by where they ran: zygote (fresh namespaces) or sandbox (a sandbox of their own)",

@@ -30,7 +30,7 @@ from typing import Any
 from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher import leases, repo
+from services.dispatcher import deadlines, leases, repo
 from services.dispatcher.turns import Turns
 from temper import metrics
 from temper.clock import utcnow
@@ -183,6 +183,7 @@ class EpisodeMachine:
             tools=env.tools,
             tool_role=env.tool_role,
             **({"package": env.package} if env.kind == PACKAGE_KIND else {}),
+            **({"hide_files": env.hide_files} if env.hide_files else {}),
         )
 
     def ignore(self, why: str, message: Message) -> None:
@@ -243,7 +244,7 @@ class EpisodeMachine:
             sandbox_memory_gb_s=0.0,
             inference_tokens=0,
             partial_rollouts=spec.schedule.partial_rollouts if partial_rollouts is None else partial_rollouts,
-            deadline_at=None,
+            deadline_at=deadlines.deadline_of(spec, now),
             model_tokens=0,
             created_at=now,
             updated_at=now,
@@ -334,11 +335,23 @@ class EpisodeMachine:
 
     # --- leases --------------------------------------------------------------------------------
     async def reap_expired(self, limit: int = 200) -> int:
-        """Retry (or fail) every step whose lease expired; returns how many."""
-        reaped = await leases.reap_expired(self.tx, self.settings, limit)
+        """Retry (or fail) every step whose lease expired, or end the episodes whose deadline
+        it was (:meth:`end_at_deadline`); returns how many."""
+        reaped = await leases.reap_expired(self.tx, self.settings, limit, on_deadline=self.end_at_deadline)
         if reaped:
             self.on_finished()  # some may have failed
         return reaped
+
+    async def end_at_deadline(self, session: AsyncSession, ep: Episode, step: Step) -> Step:
+        """``ep`` reached its ``max_episode_s`` while ``step`` (an inference or sandbox step)
+        was out: the step is given up (a late result is ignored), and the episode is scored
+        with what it left. Returns the reward step."""
+        fail_step(step)
+        spec = await self.spec_of(session, ep.job_id)
+        env = self.environment(spec, await self.task_of(session, ep.task_id))
+        log_event(log, "episode reached its deadline", kind=step.kind, turn=ep.turn)
+        # the answered step's result is not read here: the episode is scored on its workspace
+        return self.turns.end_early(session, ep, spec, env, None, deadlines.MAX_EPISODE_S)
 
     def describe(self) -> dict[str, Any]:
         return {"ignored_results": self.ignored}

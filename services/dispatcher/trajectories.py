@@ -102,4 +102,5 @@ def build_trajectory(
             "format_ok": not ep.format_errors,
         },
         timings=timings,
+        ended_by=(ep.timings or {}).get("ended_by"),
     )

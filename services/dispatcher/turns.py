@@ -10,12 +10,15 @@ transaction.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher import deadlines
 from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s, sandbox_memory_gb_s
 from services.dispatcher.leases import TOPIC_FOR_KIND, lease_until
 from temper import metrics
+from temper.clock import utcnow
 from temper.db import Episode, Step
 from temper.envs import Environment, ParsedAction
 from temper.events import (
@@ -55,7 +58,7 @@ class Turns:
     ) -> Step:
         """A new step (attempt 0) and its command; the episode waits on it. The step is new:
         the caller writes it."""
-        lease = lease_until(self.settings, kind, extra_s)
+        lease = deadlines.lease_end(ep, kind, lease_until(self.settings, kind, extra_s))
         step = new_step(
             episode_id=ep.id,
             turn=message.turn or 0,
@@ -82,7 +85,7 @@ class Turns:
             pool=spec.policy.backend_pool,
             prompt_ids=prompt_ids,
             sampling=SamplingParams(
-                max_tokens=s.max_tokens,
+                max_tokens=deadlines.max_tokens(ep, spec),
                 temperature=s.temperature,
                 top_p=s.top_p,
                 stop=list(s.stop),
@@ -102,6 +105,7 @@ class Turns:
     ) -> Step:
         """Record the awaited inference result on ``step``; returns the step it issues."""
         ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(step.request, msg)
+        ep.model_tokens = (ep.model_tokens or 0) + len(msg.token_ids)
         tok = self.tok_of(spec)
         text = msg.text or tok.decode(msg.token_ids)
         # parsers read the reply with its special tokens (Mistral's [TOOL_CALLS] is one)
@@ -126,6 +130,8 @@ class Turns:
         if ep.behaviour_version is None or oldest < ep.behaviour_version:
             ep.behaviour_version = oldest
         turn = step.turn
+        if action.kind == "sandbox" and (why := deadlines.reached(ep, spec, utcnow(), inference_next=False)):
+            return self.end_early(session, ep, spec, env, step.result, why)
         if action.kind == "sandbox":
             assert action.command is not None
             limits = env.limits or None
@@ -140,6 +146,7 @@ class Turns:
                 snapshot_key=ep.snapshot_key,
                 files=env.setup_files() if ep.snapshot_key is None else {},
                 setup=env.setup_actions() if ep.snapshot_key is None else [],
+                keep_s=deadlines.session_keep_s(ep, self.settings, utcnow()),
             )
             # The lease covers the actions' own wall-clock limits on top of the hop.
             actions = 1 + len(action.more or [])
@@ -213,18 +220,34 @@ class Turns:
             *sampled,
             *env.observation_ids(self.tok_of(spec), sampled, observations, calls=calls),
         ]
+        if why := deadlines.reached(ep, spec, utcnow(), inference_next=True):
+            return self.end_early(session, ep, spec, env, inference.result, why)
         if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
             # Out of context: score what there is.
-            action = ParsedAction.from_dict((inference.result or {}).get("action", {"kind": "invalid"}))
             ep.timings = {**ep.timings, "context_full": True}
-            return self.issue_reward(
-                session, ep, spec, env, action, final_text=(inference.result or {}).get("text", "")
-            )
+            return self.end_early(session, ep, spec, env, inference.result, "context_full")
         issued = self.issue(
             session, ep, "inference", self.inference_request(ep, spec, prompt, turn=inference.turn + 1)
         )
         transition_episode(session, ep, E.awaiting_action)
         return issued
+
+    def end_early(
+        self,
+        session: AsyncSession,
+        ep: Episode,
+        spec: JobSpec,
+        env: Environment,
+        result: dict[str, Any] | None,
+        why: str,
+    ) -> Step:
+        """End the episode before its agent did (a budget of ``deadlines.py``, or the context
+        is full) and score what it left (``result``: its last inference result, if one is at
+        hand); ``why`` goes on its trajectory as ``ended_by``."""
+        ep.timings = {**ep.timings, "ended_by": why}
+        result = result or {}
+        action = ParsedAction.from_dict(result.get("action", {"kind": "invalid"}))
+        return self.issue_reward(session, ep, spec, env, action, final_text=result.get("text", ""))
 
     def issue_reward(
         self,

@@ -322,6 +322,7 @@ def _environment(spec: JobSpec, task: dict[str, Any]) -> Environment:
         system_prompt=spec.environment.system_prompt,
         tools=spec.environment.tools,
         tool_role=spec.environment.tool_role,
+        **({"hide_files": spec.environment.hide_files} if spec.environment.hide_files else {}),
     )
 
 
