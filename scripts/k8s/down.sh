@@ -33,5 +33,13 @@ awk -v a="$K8S_DIR" -v b=/run/temper-k8s '$2 ~ "^"a || $2 ~ "^"b {print $2}' /pr
   umount -l "$m" 2>/dev/null
 done
 ip link del cni0 2>/dev/null
+# The bridge plugin's NAT chains (ipMasq), one per pod that was not torn down by its plugin.
+iptables -t nat -S POSTROUTING 2>/dev/null | grep -- '-j CNI-' | sed 's/^-A /-D /' | while read -r rule; do
+  # shellcheck disable=SC2086
+  iptables -t nat $rule 2>/dev/null
+done
+for chain in $(iptables -t nat -S 2>/dev/null | awk '/^-N CNI-/{print $2}'); do
+  iptables -t nat -F "$chain" 2>/dev/null; iptables -t nat -X "$chain" 2>/dev/null
+done
 rm -rf "$K8S_DIR" /run/temper-k8s
 log "down: cluster stopped and $K8S_DIR removed"
