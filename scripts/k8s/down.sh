@@ -4,7 +4,7 @@
 set -uo pipefail
 # shellcheck source=common.sh
 source "$(dirname "$0")/common.sh"
-[ -d "$K8S_DIR" ] || { log "down: no cluster under $K8S_DIR"; exit 0; }
+[ -d "$K8S_DIR" ] || log "down: no cluster state under $K8S_DIR; cleaning what may be left"
 
 stop() {
   local name=$1 pidf="$K8S_DIR/run/$1.pid"
