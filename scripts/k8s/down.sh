@@ -34,10 +34,8 @@ awk -v a="$K8S_DIR" -v b=/run/temper-k8s '$2 ~ "^"a || $2 ~ "^"b {print $2}' /pr
 done
 ip link del cni0 2>/dev/null
 # The bridge plugin's NAT chains (ipMasq), one per pod that was not torn down by its plugin.
-iptables -t nat -S POSTROUTING 2>/dev/null | grep -- '-j CNI-' | sed 's/^-A /-D /' | while read -r rule; do
-  # shellcheck disable=SC2086
-  iptables -t nat $rule 2>/dev/null
-done
+iptables -t nat -L POSTROUTING -n --line-numbers 2>/dev/null | awk '$2 ~ /^CNI-/ {print $1}' | sort -rn |
+  while read -r n; do iptables -t nat -D POSTROUTING "$n"; done
 for chain in $(iptables -t nat -S 2>/dev/null | awk '/^-N CNI-/{print $2}'); do
   iptables -t nat -F "$chain" 2>/dev/null; iptables -t nat -X "$chain" 2>/dev/null
 done
