@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the binaries of a one-node Kubernetes from the Go module proxy, once, into
 # $K8S_BIN (cached like MinIO): kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubelet, kube-proxy, kubectl, etcd, CoreDNS, local-path-provisioner and the static `pause`.
+# kubelet, kube-proxy, kubectl, etcd, CoreDNS, local-path-provisioner, KEDA and the static
+# `pause`.
 # (The CNI plugins come from Debian's containernetworking-plugins.)
 # Idempotent: a binary already built for the pinned release is kept.
 #
@@ -106,6 +107,26 @@ build_local_path() {
   (cd "$w" && go mod tidy >/dev/null && timed local-path-provisioner go build -p "$JOBS" -trimpath -ldflags "-s -w" -o "$K8S_BIN/local-path-provisioner" github.com/rancher/local-path-provisioner)
 }
 
+# KEDA's operator and metrics adapter (scaling on Kafka lag), built as the main module: its
+# go.mod's replace directives point at published modules, which `go install` still refuses.
+build_keda() {
+  have keda-operator && have keda-adapter && return 0
+  local src="$CACHE_DIR/k8s/src/keda-$KEDA_VERSION"
+  if [ ! -f "$src/go.mod" ]; then
+    local dir
+    dir=$(cd /tmp && go mod download -json "github.com/kedacore/keda/v2@$KEDA_VERSION" | sed -n 's/.*"Dir": "\(.*\)",/\1/p')
+    [ -d "$dir" ] || die "go mod download github.com/kedacore/keda/v2@$KEDA_VERSION gave no directory"
+    rm -rf "$src"; mkdir -p "$(dirname "$src")"; cp -r "$dir" "$src"; chmod -R u+w "$src"
+    rm -rf "$src/vendor"
+  fi
+  local ldflags="-s -w -X github.com/kedacore/keda/v2/version.Version=${KEDA_VERSION#v}"
+  for cmd in operator adapter; do
+    have "keda-$cmd" && continue
+    (cd "$src" && timed "keda-$cmd" go build -p "$JOBS" -trimpath -ldflags "$ldflags" -o "$K8S_BIN/keda-$cmd.tmp" "./cmd/$cmd")
+    mv "$K8S_BIN/keda-$cmd.tmp" "$K8S_BIN/keda-$cmd"
+  done
+}
+
 # The pod sandbox image's one binary, from Kubernetes' own source.
 build_pause() {
   have pause && return 0
@@ -116,8 +137,9 @@ build_pause() {
 
 what=${1:-all}
 case $what in
-  all) build_pause; build_etcd; build_coredns; build_local_path; build_kube ;;
+  all) build_pause; build_etcd; build_coredns; build_local_path; build_kube; build_keda ;;
+  keda) build_keda ;;
   kube) build_kube ;; etcd) build_etcd ;; local-path) build_local_path ;; coredns) build_coredns ;; pause) build_pause ;;
-  *) die "unknown part $what (all kube etcd coredns local-path pause)" ;;
+  *) die "unknown part $what (all kube etcd coredns local-path keda pause)" ;;
 esac
 log "binaries in $K8S_BIN: $(ls "$K8S_BIN" | tr '\n' ' ')"
