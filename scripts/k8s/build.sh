@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the binaries of a one-node Kubernetes from the Go module proxy, once, into
 # $K8S_BIN (cached like MinIO): kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubelet, kube-proxy, kubectl, etcd, CoreDNS, local-path-provisioner, KEDA and the static
-# `pause`.
+# kubelet, kube-proxy, kubectl, etcd, CoreDNS, local-path-provisioner, KEDA, MinIO's client
+# and the static `pause` (`node`: what make k8s-up needs; `all`: make k8s-test's too).
 # (The CNI plugins come from Debian's containernetworking-plugins.)
 # Idempotent: a binary already built for the pinned release is kept.
 #
@@ -127,6 +127,12 @@ build_keda() {
   done
 }
 
+# MinIO's client for the bucket Job k8s/base/deps/minio.yaml runs (minio/mc's interface).
+build_mc() {
+  have mc && return 0
+  (cd /tmp && CGO_ENABLED=0 GOBIN="$K8S_BIN" timed mc go install -trimpath -ldflags "-s -w" "github.com/minio/mc@$MC_VERSION")
+}
+
 # The pod sandbox image's one binary, from Kubernetes' own source.
 build_pause() {
   have pause && return 0
@@ -137,9 +143,11 @@ build_pause() {
 
 what=${1:-all}
 case $what in
-  all) build_pause; build_etcd; build_coredns; build_local_path; build_kube; build_keda ;;
+  node) build_pause; build_etcd; build_coredns; build_local_path; build_kube ;;
+  all) build_pause; build_etcd; build_coredns; build_local_path; build_kube; build_keda; build_mc ;;
+  mc) build_mc ;;
   keda) build_keda ;;
   kube) build_kube ;; etcd) build_etcd ;; local-path) build_local_path ;; coredns) build_coredns ;; pause) build_pause ;;
-  *) die "unknown part $what (all kube etcd coredns local-path keda pause)" ;;
+  *) die "unknown part $what (all node kube etcd coredns local-path keda mc pause)" ;;
 esac
 log "binaries in $K8S_BIN: $(ls "$K8S_BIN" | tr '\n' ' ')"

@@ -16,6 +16,8 @@ ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
 COREDNS_VERSION="${COREDNS_VERSION:-v1.12.4}"
 KEDA_VERSION="${KEDA_VERSION:-v2.18.1}"   # supports Kubernetes 1.32-1.34
 LOCAL_PATH_VERSION="${LOCAL_PATH_VERSION:-v0.0.30}"
+# MinIO publishes its client only as pseudo-versions of its main branch (as the server).
+MC_VERSION="${MC_VERSION:-v0.0.0-20250313080218-cf909e1063a9}"
 
 K8S_CACHE="$CACHE_DIR/k8s/$K8S_VERSION"
 K8S_BIN="$K8S_CACHE/bin"
@@ -55,3 +57,4 @@ REDIS_IMAGE=temper.local/redis:7
 MINIO_IMAGE=temper.local/minio:local
 KAFKA_IMAGE=temper.local/kafka:4.0
 POSTGRES_IMAGE=temper.local/postgres:15
+MC_IMAGE=temper.local/mc:local

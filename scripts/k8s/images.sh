@@ -35,6 +35,10 @@ node_images() {
 # Temper's images come from the compose build (Dockerfile, deploy/compose/servers.Dockerfile),
 # tagged with the names k8s/ uses, then `docker save | ctr import`.
 temper_images() {
+  # MinIO's client for the bucket Job: mc beside a busybox shell (the Job runs `sh -c`).
+  local links=()
+  for app in sh cat echo test; do links+=(--link "/bin/$app:busybox"); done
+  static_image "$MC_IMAGE" mc.tar --add "$K8S_BIN/mc:/usr/bin/mc" --add /bin/busybox:/bin/busybox "${links[@]}" --entrypoint /usr/bin/mc
   bash "$REPO_ROOT/scripts/compose/build.sh"
   local pairs=(
     "temper:local=$TEMPER_IMAGE"

@@ -26,7 +26,7 @@ if [ ${#need_pkgs[@]} -gt 0 ]; then
 fi
 
 # --- 2. binaries, certificates -----------------------------------------------
-bash "$K8S_SCRIPTS/build.sh"
+bash "$K8S_SCRIPTS/build.sh" node
 bash "$K8S_SCRIPTS/pki.sh"
 
 running() { [ -f "$K8S_DIR/run/$1.pid" ] && kill -0 "$(cat "$K8S_DIR/run/$1.pid")" 2>/dev/null; }
