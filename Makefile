@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test k8s-up k8s-down k8s-status fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
+        check-deploy compose-build compose-test k8s-up k8s-down k8s-status k8s-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -56,6 +56,12 @@ k8s-down:
 
 k8s-status:
 	bash scripts/k8s/status.sh
+
+# Temper on that cluster end to end (scripts/k8s/k8s_test.py): images, CRDs, the dev overlay
+# through the API server, KEDA, a job surviving two pod deletions, scaling on lag.
+# Writes bench/results/k8s.json. Not part of make test (tens of minutes).
+k8s-test: setup
+	$(PY) scripts/k8s/k8s_test.py $(ARGS)
 
 test: setup stack-up
 	bash scripts/check_deploy.sh --tools

@@ -51,7 +51,12 @@ def main() -> None:
         },
         "spec": {
             "group": "postgresql.cnpg.io",
-            "names": {"kind": "Cluster", "listKind": "ClusterList", "plural": "clusters", "singular": "cluster"},
+            "names": {
+                "kind": "Cluster",
+                "listKind": "ClusterList",
+                "plural": "clusters",
+                "singular": "cluster",
+            },
             "scope": "Namespaced",
             "versions": [
                 {

@@ -58,3 +58,5 @@ MINIO_IMAGE=temper.local/minio:local
 KAFKA_IMAGE=temper.local/kafka:4.0
 POSTGRES_IMAGE=temper.local/postgres:15
 MC_IMAGE=temper.local/mc:local
+KEDA_IMAGE=temper.local/keda:${KEDA_VERSION#v}
+KEDA_ADAPTER_IMAGE=temper.local/keda-metrics-apiserver:${KEDA_VERSION#v}

@@ -3,6 +3,7 @@
 # into its k8s.io namespace. Idempotent: an image already there is kept.
 #   images.sh node     the pause sandbox image, CoreDNS, local-path-provisioner, busybox
 #                      (single-layer archives of static binaries: oci_image.py)
+#   images.sh keda     KEDA's operator and metrics adapter (static binaries, as above)
 #   images.sh temper   Temper's image and the servers' (scripts/compose/build.sh, with a
 #                      Docker engine), saved from Docker and imported
 set -euo pipefail
@@ -58,8 +59,17 @@ temper_images() {
   done
 }
 
+# KEDA's operator and metrics adapter, at the paths its own manifests run them from, as the
+# non-root user its images declare (its Deployments say runAsNonRoot without a uid).
+keda_images() {
+  static_image "$KEDA_IMAGE" keda.tar --add "$K8S_BIN/keda-operator:/keda" --entrypoint /keda --user 65532:65532
+  static_image "$KEDA_ADAPTER_IMAGE" keda-adapter.tar --add "$K8S_BIN/keda-adapter:/keda-adapter" \
+    --entrypoint /keda-adapter --user 65532:65532
+}
+
 case ${1:-node} in
   node) node_images ;;
+  keda) keda_images ;;
   temper) temper_images ;;
-  *) die "images.sh node|temper" ;;
+  *) die "images.sh node|keda|temper" ;;
 esac

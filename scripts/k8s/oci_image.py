@@ -100,7 +100,11 @@ def main() -> None:
                 "size": len(config_bytes),
             },
             "layers": [
-                {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_ref, "size": len(layer)}
+                {
+                    "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                    "digest": layer_ref,
+                    "size": len(layer),
+                }
             ],
         }
         manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
