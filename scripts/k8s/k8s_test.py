@@ -65,6 +65,15 @@ def kubectl(*args: str, input: str | None = None, check: bool = True, timeout: f
     return proc.stdout
 
 
+def ok(*args: str) -> bool:
+    """A kubectl command that succeeded (its output dropped)."""
+    try:
+        kubectl(*args)
+    except RuntimeError:
+        return False
+    return True
+
+
 def sh(*cmd: str, timeout: float = 3600) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=timeout)
 
@@ -88,7 +97,12 @@ def install_crds() -> int:
         ["bash", str(SCRIPTS / "crds.sh")], capture_output=True, text=True, check=True
     ).stdout
     kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=crds)
-    kubectl("wait", "--for", "condition=established", "crd", "--all", "--timeout", "120s")
+    # A CRD just created has no status for a moment: `kubectl wait` fails on it, so ask again.
+    wait_until(
+        "every CRD established",
+        lambda: ok("wait", "--for", "condition=established", "crd", "--all", "--timeout", "10s"),
+        120,
+    )
     return crds.count("kind: CustomResourceDefinition")
 
 
@@ -135,11 +149,15 @@ def install_keda() -> None:
     )
     (overlay / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources:\n  - {module}/config/default\n"
+        # kustomize takes no absolute root: the module's directory, relative to this one
+        f"resources:\n  - {os.path.relpath(Path(module) / 'config' / 'default', overlay)}\n"
         "images:\n"
         f"  - {{name: ghcr.io/kedacore/keda, newName: {keda_image[0]}, newTag: '{keda_image[1]}'}}\n"
         f"  - {{name: ghcr.io/kedacore/keda-metrics-apiserver, newName: {adapter_image[0]}, newTag: '{adapter_image[1]}'}}\n"
         f"patches:\n{delete}\n"
+        # its manifests say Always, and there is no registry to pull from: the node has them
+        "  - target: {kind: Deployment, namespace: keda}\n    patch: |-\n"
+        "      - {op: add, path: /spec/template/spec/containers/0/imagePullPolicy, value: IfNotPresent}\n"
     )
     rendered = kubectl("kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay))
     kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=rendered)
