@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the binaries of a one-node Kubernetes from the Go module proxy, once, into
 # $K8S_BIN (cached like MinIO): kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubelet, kube-proxy, kubectl, etcd, CoreDNS, local-path-provisioner, KEDA, MinIO's client
+# kubelet, kube-proxy, kubectl, etcd, containerd 2 and runc, CoreDNS, local-path-provisioner,
+# KEDA, MinIO's client
 # and the static `pause` (`node`: what make k8s-up needs; `all`: make k8s-test's too).
 # (The CNI plugins come from Debian's containernetworking-plugins.)
 # Idempotent: a binary already built for the pinned release is kept.
@@ -127,6 +128,19 @@ build_keda() {
   done
 }
 
+# The container runtime: containerd 2 and runc from the Go module proxy. Debian 12's
+# containerd 1.6 and runc 1.1 cannot run a pod in its own user namespace (hostUsers: false,
+# which the sandbox workers need for an unmasked /proc): the kubelet refuses the pod with
+# "runtime does not support user namespaces". runc is built with seccomp (libseccomp-dev).
+build_runtime() {
+  have containerd && have containerd-shim-runc-v2 && have ctr && have runc && return 0
+  (cd /tmp && CGO_ENABLED=1 GOBIN="$K8S_BIN" timed runc go install -tags seccomp -trimpath "github.com/opencontainers/runc@$RUNC_VERSION")
+  (cd /tmp && CGO_ENABLED=1 GOBIN="$K8S_BIN" timed containerd go install -tags no_btrfs -trimpath \
+    "github.com/containerd/containerd/v2/cmd/containerd@$CONTAINERD_VERSION" \
+    "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" \
+    "github.com/containerd/containerd/v2/cmd/ctr@$CONTAINERD_VERSION")
+}
+
 # MinIO's client for the bucket Job k8s/base/deps/minio.yaml runs (minio/mc's interface).
 build_mc() {
   have mc && return 0
@@ -143,11 +157,12 @@ build_pause() {
 
 what=${1:-all}
 case $what in
-  node) build_pause; build_etcd; build_coredns; build_local_path; build_kube ;;
-  all) build_pause; build_etcd; build_coredns; build_local_path; build_kube; build_keda; build_mc ;;
+  node) build_pause; build_etcd; build_coredns; build_local_path; build_kube; build_runtime ;;
+  all) build_pause; build_etcd; build_coredns; build_local_path; build_kube; build_runtime; build_keda; build_mc ;;
+  runtime) build_runtime ;;
   mc) build_mc ;;
   keda) build_keda ;;
   kube) build_kube ;; etcd) build_etcd ;; local-path) build_local_path ;; coredns) build_coredns ;; pause) build_pause ;;
-  *) die "unknown part $what (all node kube etcd coredns local-path keda mc pause)" ;;
+  *) die "unknown part $what (all node kube etcd coredns local-path runtime keda mc pause)" ;;
 esac
 log "binaries in $K8S_BIN: $(ls "$K8S_BIN" | tr '\n' ' ')"

@@ -12,6 +12,8 @@ CACHE_DIR="${TEMPER_CACHE_DIR:-$REPO_ROOT/.cache}"
 # Pinned releases. Kubernetes 1.34 still runs on cgroup v1 (1.35 refuses it by default).
 K8S_VERSION="${K8S_VERSION:-v1.34.4}"
 K8S_STAGING_VERSION="v0.${K8S_VERSION#v1.}"          # k8s.io/api etc. are tagged v0.34.x
+CONTAINERD_VERSION="${CONTAINERD_VERSION:-v2.4.2}"
+RUNC_VERSION="${RUNC_VERSION:-v1.5.3}"
 ETCD_VERSION="${ETCD_VERSION:-v3.6.16}"
 COREDNS_VERSION="${COREDNS_VERSION:-v1.12.4}"
 KEDA_VERSION="${KEDA_VERSION:-v2.18.1}"   # supports Kubernetes 1.32-1.34
@@ -47,7 +49,7 @@ node_ip() {
 }
 kubectl_() { "$K8S_BIN/kubectl" --kubeconfig "$K8S_DIR/admin.kubeconfig" "$@"; }
 PAUSE_IMAGE=registry.k8s.io/pause:3.10
-ctr_() { ctr --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
+ctr_() { "$K8S_BIN/ctr" --address "$CONTAINERD_SOCK" --namespace k8s.io "$@"; }
 # Images the cluster runs, all built here (scripts/k8s/images.sh) and never pulled.
 COREDNS_IMAGE=temper.local/coredns:${COREDNS_VERSION#v}
 LOCAL_PATH_IMAGE=temper.local/local-path-provisioner:$LOCAL_PATH_VERSION

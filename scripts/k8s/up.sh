@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # make k8s-up: a one-node Kubernetes on this machine, idempotently.
-#   1. Debian packages: containerd, runc, the CNI plugins, iptables, conntrack.
+#   1. Debian packages: the CNI plugins, iptables, conntrack, busybox (the helper image),
+#      libseccomp (runc's seccomp).
 #   2. The binaries (build.sh, cached), the certificates (pki.sh).
 #   3. etcd, kube-apiserver, kube-controller-manager, kube-scheduler, containerd (its own
 #      socket, so a Docker engine's containerd is left alone), kubelet and kube-proxy, each
@@ -17,7 +18,7 @@ NODE_IP=$(node_ip)
 
 # --- 1. packages ------------------------------------------------------------
 need_pkgs=()
-for p in containerd runc containernetworking-plugins iptables conntrack busybox-static; do
+for p in containernetworking-plugins iptables conntrack busybox-static libseccomp-dev pkg-config; do
   dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -89,21 +90,24 @@ start kube-scheduler "$K8S_BIN/kube-scheduler" --kubeconfig "$K8S_DIR/scheduler.
 # --- containerd, with its own socket and state ------------------------------------
 mkdir -p "$(dirname "$CONTAINERD_SOCK")" "$K8S_DIR/cni/net.d"
 cat > "$K8S_DIR/containerd.toml" <<TOML
-version = 2
+version = 3
 root = "$K8S_DIR/containerd/root"
 state = "/run/temper-k8s/containerd"
 [grpc]
   address = "$CONTAINERD_SOCK"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$PAUSE_IMAGE"
+[plugins."io.containerd.cri.v1.images".pinned_images]
+  sandbox = "$PAUSE_IMAGE"
+[plugins."io.containerd.cri.v1.runtime"]
   # root here lacks CAP_SYS_RESOURCE: without this, pod sandboxes fail with
   # "can't get final child's PID from pipe: EOF" (shared/FACTS.md)
   restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["/usr/lib/cni"]
     conf_dir = "$K8S_DIR/cni/net.d"
-  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
     runtime_type = "io.containerd.runc.v2"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+      BinaryName = "$K8S_BIN/runc"
 TOML
 # The pod network: one bridge, host-local addresses from the node's pod range, NAT out.
 cat > "$K8S_DIR/cni/net.d/10-temper.conflist" <<JSON
@@ -113,7 +117,8 @@ cat > "$K8S_DIR/cni/net.d/10-temper.conflist" <<JSON
   {"type": "portmap", "capabilities": {"portMappings": true}},
   {"type": "loopback"}]}
 JSON
-start containerd /usr/bin/containerd --config "$K8S_DIR/containerd.toml"
+# its shim is found on PATH: the one built with it, not a Debian one
+start containerd env PATH="$K8S_BIN:$PATH" "$K8S_BIN/containerd" --config "$K8S_DIR/containerd.toml"
 wait_for containerd 60 ctr_ version
 
 # --- images the node needs (built here, never pulled) ---------------------------
