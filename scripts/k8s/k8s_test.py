@@ -287,7 +287,7 @@ async def main(job):
     c = AIOKafkaConsumer("events", bootstrap_servers="temper-kafka-kafka-bootstrap:9092",
                          group_id="k8s-test-" + uuid.uuid4().hex[:8], auto_offset_reset="earliest")
     await c.start()
-    seen, states = 0, []
+    job_states, episodes, rewards = [], set(), 0
     try:
         while True:
             batch = await c.getmany(timeout_ms=3000)
@@ -296,13 +296,17 @@ async def main(job):
             for records in batch.values():
                 for r in records:
                     doc = json.loads(r.value)
-                    if doc.get("job_id") == job:
-                        seen += 1
-                        if doc.get("state"):
-                            states.append(doc["state"])
+                    if doc.get("job_id") != job:
+                        continue
+                    if doc.get("event") == "job.state":
+                        job_states.append(doc.get("state"))
+                    elif doc.get("event") == "episode.state":
+                        episodes.add(doc.get("episode_id"))
+                    elif doc.get("event") == "episode.reward":
+                        rewards += 1
     finally:
         await c.stop()
-    print(json.dumps({"events": seen, "states": states[-5:]}))
+    print(json.dumps({"job_states": job_states, "episodes": len(episodes), "rewards": rewards}))
 asyncio.run(main(sys.argv[1]))
 """
 
@@ -328,7 +332,7 @@ def trajectories_in_minio(tenant: str, job_id: str) -> int:
 
 
 def job_with_deletions(api: Api, taskset: str, summary: Summary, result: dict[str, Any]) -> None:
-    episodes, iterations = 8, 3
+    episodes, iterations = 8, 4
     job_id = api.submit(code_spec(taskset, name="k8s-test", episodes=episodes, iterations=iterations))
     t0 = time.monotonic()
 
@@ -356,8 +360,8 @@ def job_with_deletions(api: Api, taskset: str, summary: Summary, result: dict[st
     summary.check(n >= total, "trajectories in the in-cluster MinIO", f"{n} objects")
     seen = events_in_cluster(job_id)
     summary.check(
-        seen["events"] > 0 and "completed" in seen["states"],
-        "the job's events on the in-cluster Kafka",
+        seen["job_states"][-1:] == ["completed"] and seen["episodes"] == total and seen["rewards"] >= total,
+        "the job's events on the in-cluster Kafka (its states, every episode, every reward)",
         json.dumps(seen),
     )
 
