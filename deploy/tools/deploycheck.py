@@ -230,6 +230,15 @@ def cmd_topics(files: list[str]) -> int:
         for d in yaml.safe_load_all(Path(file).read_text()):
             if d and d.get("kind") == "ScaledObject":
                 meta = d["spec"]["triggers"][0]["metadata"]
+                # KEDA's operator resolves the broker from its own namespace: a bare Service
+                # name never resolves there.
+                host = meta["bootstrapServers"].split(",")[0].rsplit(":", 1)[0]
+                namespace = d["metadata"].get("namespace")
+                if namespace and not host.startswith(f"{host.split('.')[0]}.{namespace}."):
+                    errors.append(
+                        f"{Path(file).name}: ScaledObject {d['metadata']['name']}: bootstrapServers {host} "
+                        f"is not qualified with its namespace {namespace} (KEDA resolves it from its own)"
+                    )
                 if d["spec"]["maxReplicaCount"] > parts.get(meta["topic"], 0):
                     errors.append(
                         f"{Path(file).name}: ScaledObject {d['metadata']['name']} may scale past "
