@@ -193,6 +193,9 @@ def install_keda() -> None:
 
 # --- 4: the local overlay ---------------------------------------------------------------
 def make_secrets() -> str:
+    """The Secrets k8s/base reads, made here before the overlay (never committed)."""
+    if not kubectl("get", "namespace", NS, "--ignore-not-found", "-o", "name"):
+        kubectl("create", "namespace", NS)
     bootstrap = "k8s_" + secrets.token_urlsafe(30)
     for name, data in {
         "temper-minio": {"access-key": "temper", "secret-key": secrets.token_urlsafe(18)},
