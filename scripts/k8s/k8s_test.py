@@ -107,15 +107,15 @@ def install_crds() -> int:
     return crds.count("kind: CustomResourceDefinition")
 
 
-def dry_run_dev(summary: Summary) -> None:
-    """Every document of the dev overlay through the API server's admission and validation,
+def dry_run(summary: Summary, overlay: str = "k8s/overlays/dev") -> None:
+    """Every document of an overlay through the API server's admission and validation,
     in a namespace of its own made for it (a dry run over live objects trips on immutable
     fields of Jobs, which says nothing about the manifests)."""
     work = Path(ENV["K8S_DIR"]) / "dry-run"
     work.mkdir(parents=True, exist_ok=True)
-    dev = os.path.relpath(ROOT / "k8s" / "overlays" / "dev", work)
+    source = os.path.relpath(ROOT / overlay, work)
     (work / "kustomization.yaml").write_text(
-        f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {DRY_NS}\nresources: [{dev}]\n"
+        f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: {DRY_NS}\nresources: [{source}]\n"
     )
     rendered = kubectl("kustomize", "--load-restrictor", "LoadRestrictionsNone", str(work))
     kubectl("delete", "namespace", DRY_NS, "--ignore-not-found", "--wait=true", timeout=320)
@@ -131,7 +131,7 @@ def dry_run_dev(summary: Summary) -> None:
     accepted = [line for line in proc.stdout.splitlines() if line.endswith("(server dry run)")]
     summary.check(
         proc.returncode == 0 and len(accepted) == len(docs),
-        "k8s/overlays/dev accepted by the API server (server-side dry run)",
+        f"{overlay} accepted by the API server (server-side dry run)",
         f"{len(accepted)} of {len(docs)} documents"
         + (f"; {proc.stderr.strip()[:1500]}" if proc.returncode else ""),
     )
@@ -480,8 +480,20 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="leave the namespace and KEDA in place")
     parser.add_argument("--skip-build", action="store_true", help="use the images already imported")
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument(
+        "--dry-run-only",
+        nargs="+",
+        metavar="OVERLAY",
+        help="only install the CRDs and send these overlays through the API server (make check-deploy)",
+    )
     args = parser.parse_args()
     summary = Summary("k8s-test")
+    if args.dry_run_only:
+        install_crds()
+        for overlay in args.dry_run_only:
+            dry_run(summary, overlay)
+        summary.print()
+        return 1 if summary.failed else 0
     result: dict[str, Any] = {"release": ENV["K8S_VERSION"], "keda": ENV["KEDA_VERSION"]}
     if not Path(KUBECONFIG).exists():
         summary.check(False, "a cluster to test", f"no {KUBECONFIG}: run make k8s-up first")
@@ -494,7 +506,7 @@ def main() -> int:
             step(summary, "binaries and images built here", build)
         n = step(summary, "CRDs installed from the operators' sources", install_crds)
         result["crds"] = n
-        dry_run_dev(summary)
+        dry_run(summary)
         step(summary, "KEDA installed (its own manifests, images built here)", install_keda)
         bootstrap = make_secrets()
         t0 = time.monotonic()
