@@ -104,11 +104,13 @@ async def run_program(
     limits: SandboxLimits | None = None,
     compile_timeout_s: float | None = None,
     fetch: list[str] | tuple[str, ...] = (),
+    sources: tuple[str, ...] = (),
 ) -> ProgramResult:
     """Compile (where ``language`` has a compile step) and run ``code`` with ``files``
     (path -> bytes; the code goes to ``language.source`` after them) and ``stdin``; read
     ``fetch`` back after the run. ``limits`` are the run's (default: the worker's);
-    the compile runs under ``TEMPER_SANDBOX__COMPILE_LIMITS`` and ``compile_timeout_s``."""
+    the compile runs under ``TEMPER_SANDBOX__COMPILE_LIMITS`` and ``compile_timeout_s``.
+    ``sources``: files among ``files`` that the compile takes with the code (Go's)."""
     settings = manager.settings
     limits = manager.with_image(limits or settings.default_limits)
     missing = await manager.missing_tools(language, limits)
@@ -132,7 +134,7 @@ async def run_program(
         cache = (
             None if image else manager.compile_caches.ready(language.cache, spawn, memory_mb=compile_memory)
         )
-        step = Step(compile_memory, cache)
+        step = Step(compile_memory, cache, sources)
         argv = language.compile_argv(step)
         assert argv is not None
         c_limits = compile_limits(
