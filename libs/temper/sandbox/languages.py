@@ -62,6 +62,9 @@ class Language:
     package: str  # the Debian package(s) of its toolchain (scripts/setup_system.sh langs)
     version: tuple[str, ...]  # prints the toolchain's version
     in_process: bool = False  # Python: the sandbox's agent runs the code itself, no interpreter start
+    # An address-space limit becomes the language's own out-of-memory error (Python's
+    # MemoryError) rather than a crash: run_program can set it (SandboxFusion's way).
+    address_space_error: bool = False
     cache: str | None = None  # the compile cache it uses (temper.sandbox.compile_cache), if any
 
     @property
@@ -102,6 +105,7 @@ class Python(Language):
     package = "python3"
     version = ("/usr/bin/python3", "--version")
     in_process = True
+    address_space_error = True
 
     def run_argv(self, step: Step) -> list[str]:
         return ["/usr/bin/python3", self.source]  # what in_process stands for
