@@ -160,7 +160,9 @@ async def run_program(
     step = Step(limits.memory_mb, cache)
     space = limits.memory_mb if address_space and language.address_space_error else None
     if language.in_process:
-        action = Action(kind="run_python", code=code, path=language.source, stdin=stdin, address_space_mb=space)
+        action = Action(
+            kind="run_python", code=code, path=language.source, stdin=stdin, address_space_mb=space
+        )
     else:
         action = Action(
             kind="run_command", command=language.run_argv(step), env=language.run_env(step), stdin=stdin,
