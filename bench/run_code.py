@@ -88,14 +88,21 @@ async def _post_loop(
     try:
         while take():
             t0 = time.perf_counter()
-            writer.write(head + body)
-            status_line = await reader.readuntil(b"\r\n")
-            length = 0
-            while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
-                name, _, value = line.decode().partition(":")
-                if name.lower() == "content-length":
-                    length = int(value)
-            reply = json.loads(await reader.readexactly(length))
+            try:
+                writer.write(head + body)
+                status_line = await reader.readuntil(b"\r\n")
+                length = 0
+                while (line := await reader.readuntil(b"\r\n")) != b"\r\n":
+                    name, _, value = line.decode().partition(":")
+                    if name.lower() == "content-length":
+                        length = int(value)
+                reply = json.loads(await reader.readexactly(length))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                # the server closed the connection: a failed request, counted; go on on a new one
+                failed += 1
+                writer.close()
+                reader, writer = await asyncio.open_connection(host, port)
+                continue
             latencies.append((time.perf_counter() - t0) * 1000)
             ok = status_line.split()[1] == b"200" and reply.get("status") == "Success"
             if not ok or reply["run_result"]["stdout"] != expect:

@@ -8,9 +8,9 @@ Temper's worker is started by the benchmark with its default settings (bench/run
 
 Both get the same hello-world Python request from the same plain keep-alive asyncio client
 (bench/run_code.py's), first checked to answer ``Success`` with ``hello``. SandboxFusion's
-plateau is the best of its rates at 4, 16 and 64 clients; Temper's ``run_code_rps_c16`` and
-SandboxFusion's at 16 clients are measured in alternating rounds (each first in half of them),
-so a change in the machine's load hits both alike. Every round also counts the whole
+plateau is the best of its median rates at 4, 16 and 64 clients; each of six rounds measures
+Temper's ``run_code_rps_c16`` and SandboxFusion at 4, 16 and 64 clients, in an order that
+turns from round to round, so a change in the machine's load hits both alike. Every round also counts the whole
 machine's CPU (``/proc/stat``) per request, and for Temper where it went: the worker process
 (HTTP, the run's bookkeeping), the sandboxes' cgroups (the zygotes: each run's forks,
 namespaces, mounts and the program), the load generator, and the rest (the spawner, kernel
@@ -132,22 +132,22 @@ async def measure(fusion: str, fusion_pid: int | None, requests: int) -> dict[st
         await run_code._load(temper, 4, 40)  # warm: imports, page cache, the zygotes
         await run_code._load(fusion, 4, 20)
         fusion_requests = max(100, requests // 3)  # about as long a round at a third of the rate
-        for clients in PLATEAU_CLIENTS:
-            if clients != 16:
-                got = await round_of(fusion, clients, fusion_requests, None, fusion_pid)
-                out[f"sandboxfusion_rps_c{clients}"] = round(got["rps"], 1)
-        rounds: dict[str, list[dict]] = {"temper": [], "fusion": []}
+        # Each round: Temper at 16 clients and SandboxFusion at 4, 16 and 64, in an order
+        # that turns from round to round.
+        rounds: dict[str, list[dict]] = {"temper": [], **{f"fusion{c}": [] for c in PLATEAU_CLIENTS}}
         for i in range(ROUNDS):
-            pair = [
-                ("temper", temper, requests, proc.pid, None),
-                ("fusion", fusion, fusion_requests, None, fusion_pid),
+            turn: list[tuple[str, str, int, int, int | None, int | None]] = [
+                ("temper", temper, 16, requests, proc.pid, None),
+                *((f"fusion{c}", fusion, c, fusion_requests, None, fusion_pid) for c in PLATEAU_CLIENTS),
             ]
-            for name, base, n, wpid, fpid in pair if i % 2 == 0 else pair[::-1]:
-                rounds[name].append(await round_of(base, 16, n, wpid, fpid))
-        t, f = rounds["temper"], rounds["fusion"]
+            turn = turn[i % len(turn) :] + turn[: i % len(turn)]
+            for name, base, clients, n, wpid, fpid in turn:
+                rounds[name].append(await round_of(base, clients, n, wpid, fpid))
+        t, f = rounds["temper"], rounds["fusion16"]
         out["run_code_rps_c16"] = round(med(t, "rps"), 1)
         out["run_code_ms_c16"] = round(med(t, "ms"), 2)
-        out["sandboxfusion_rps_c16"] = round(med(f, "rps"), 1)
+        for c in PLATEAU_CLIENTS:
+            out[f"sandboxfusion_rps_c{c}"] = round(med(rounds[f"fusion{c}"], "rps"), 1)
         out["sandboxfusion_ms_c16"] = round(med(f, "ms"), 2)
         plateau = max(float(out[f"sandboxfusion_rps_c{c}"]) for c in PLATEAU_CLIENTS)
         out["sandboxfusion_plateau_rps"] = plateau
@@ -167,7 +167,7 @@ async def measure(fusion: str, fusion_pid: int | None, requests: int) -> dict[st
         out["rounds"] = ROUNDS
         out["temper_requests_per_round"] = requests
         out["sandboxfusion_requests_per_round"] = fusion_requests
-        out["failed"] = sum(r["failed"] for r in t + f)
+        out["failed"] = sum(r["failed"] for rs in rounds.values() for r in rs)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -206,6 +206,9 @@ def main() -> None:
                         help="a running SandboxFusion (or SANDBOXFUSION_URL)")  # fmt: skip
     parser.add_argument("--sandboxfusion-pid", type=int, help="its server's process id, to count its CPU")
     parser.add_argument("--requests", type=int, default=400, help="Temper's requests per round")
+    parser.add_argument(
+        "--how", default="", help="how the SandboxFusion measured was built and run (kept in the results)"
+    )
     args = parser.parse_args()
     if not args.sandboxfusion:
         raise SystemExit(
@@ -213,6 +216,7 @@ def main() -> None:
             "bytedance/SandboxFusion 469de08 in a Python 3.11 venv from its poetry.lock, isolation none)"
         )
     res = asyncio.run(measure(args.sandboxfusion.rstrip("/"), args.sandboxfusion_pid, args.requests))
+    res["sandboxfusion_how"] = args.how
     rows = table(res)
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
