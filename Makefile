@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test k8s-up k8s-down k8s-status k8s-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
+        check-deploy compose-build compose-test k8s-up k8s-down k8s-status k8s-test fuzz bench bench-sandbox bench-sandboxfusion bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -21,6 +21,7 @@ help:
 	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
 	@echo "make chaos        kill/restart every service and server mid-job: bench/results/chaos.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
+	@echo "make bench-sandboxfusion  /run_code beside a running SandboxFusion (SANDBOXFUSION_URL=...)"
 	@echo "make gpu-check    on a GPU node, its own python3: learner MFU and memory, engine, FSDP (bench/results/gpu.json)"
 
 system:
@@ -103,6 +104,11 @@ bench: bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
 
 bench-sandbox: setup
 	$(PY) bench/sandbox.py
+
+# Temper's /run_code beside a SandboxFusion already running (SANDBOXFUSION_URL or
+# ARGS="--sandboxfusion URL"; how it ran here: ../shared/FACTS.md); not in CI, not in make bench.
+bench-sandboxfusion: setup
+	$(PY) bench/sandboxfusion.py $(ARGS)
 
 bench-rewards: setup
 	$(PY) bench/rewards.py

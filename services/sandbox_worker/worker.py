@@ -143,6 +143,7 @@ class SandboxWorker:
         limits: SandboxLimits | None,
         compile_timeout_s: float,
         fetch: list[str] | tuple[str, ...] = (),
+        address_space: bool = False,
     ) -> ProgramResult:
         """``code`` compiled (where its language is) and run once where no other run was
         (``temper.sandbox.programs``), holding one action slot throughout; a failure of the
@@ -150,7 +151,7 @@ class SandboxWorker:
         raw = self._files(files, limits or self.settings.default_limits)
         program = run_program(
             self.manager, self.manager.languages[language], code, files=raw, stdin=stdin, limits=limits,
-            compile_timeout_s=compile_timeout_s, fetch=fetch,
+            compile_timeout_s=compile_timeout_s, fetch=fetch, address_space=address_space,
         )  # fmt: skip
         result: ProgramResult = await self._run(program)
         for step in (result.compile, result.run):
@@ -183,6 +184,7 @@ class SandboxWorker:
             result = await self._program(
                 body.language, body.code, files=body.files, stdin=body.stdin, limits=limits,
                 compile_timeout_s=body.compile_timeout, fetch=body.fetch_files,
+                address_space=body.memory_limit_MB > 0,  # a Python program meets MemoryError, as there
             )  # fmt: skip
         except LanguageUnavailable:
             raise  # a 422 naming ``language``, as SandboxFusion answers a language it lacks

@@ -121,14 +121,20 @@ async def test_run_code_is_sandboxfusion_compatible(client) -> None:
         await client.post("/run_code", json={**py, "code": code, "files": files, "fetch_files": ["out.txt"]})
     ).json()
     assert r["status"] == "Success" and base64.b64decode(r["files"]["out.txt"]) == b"42"
-    # A run killed for memory finished (its program failed): a run-level Error is a
-    # sandbox fault only, in SandboxFusion's meaning.
+    # Past memory_limit_MB a Python program meets MemoryError, as SandboxFusion's (an
+    # address-space limit): the run finished, its program failed with return code 1; a
+    # run-level Error is a sandbox fault only, in SandboxFusion's meaning.
     r = (
         await client.post("/run_code", json={**py, "code": "x = bytearray(1 << 30)", "memory_limit_MB": 64})
     ).json()
     assert r["status"] == "Failed" and r["run_result"]["status"] == "Finished"
-    assert r["run_result"]["return_code"] == -9 and r["run_result"]["kill_reason"] == "memory"
+    assert r["run_result"]["return_code"] == 1 and r["run_result"]["kill_reason"] is None
+    assert r["run_result"]["stderr"].rstrip().endswith("MemoryError")
     assert r["compile_result"] is None  # Python has no compile step
+    # without memory_limit_MB there is no address-space limit: the sandbox's own memory limit kills
+    r = (await client.post("/run_code", json={**py, "code": "x = bytearray(1 << 30)"})).json()
+    assert r["run_result"]["status"] == "Finished" and r["run_result"]["kill_reason"] == "memory"
+    assert r["run_result"]["return_code"] == -9
 
 
 async def test_truncated_output_is_not_success(client) -> None:
