@@ -40,6 +40,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -161,6 +162,58 @@ class MachineCpu:
             part = key.split(":", 1)[0]
             out[part] += max(0.0, value - before.get(key, 0.0))
         return out
+
+
+class StackSampler:
+    """A sampling profile of this process's CPU: on every ``interval_s`` of the process's
+    CPU time (``ITIMER_PROF``) a signal handler records the main thread's stack. cProfile
+    charges coroutine frames oddly (every resume is a call) and triples the run's CPU; a
+    thread that samples waits for the GIL and sees mostly calls that release it. These
+    samples fall where the CPU goes."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self.stacks: Counter[tuple[str, ...]] = Counter()
+
+    def _on_signal(self, signum: int, frame) -> None:  # noqa: ANN001 - a frame
+        names = []
+        while frame is not None:
+            code = frame.f_code
+            names.append(f"{self._where(code.co_filename)}:{code.co_name}")
+            frame = frame.f_back
+        self.stacks[tuple(reversed(names))] += 1
+
+    @staticmethod
+    def _where(filename: str) -> str:
+        """A file by its package path (``sqlalchemy/orm/session.py``, ``services/...``)."""
+        for marker in ("site-packages/", f"{CODE}/libs/", f"{CODE}/"):
+            if marker in filename:
+                return filename.split(marker, 1)[1]
+        return Path(filename).name
+
+    def start(self) -> None:
+        signal.signal(signal.SIGPROF, self._on_signal)
+        signal.setitimer(signal.ITIMER_PROF, self.interval_s, self.interval_s)
+
+    def stop(self) -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+
+    def dump(self, path: str) -> None:
+        """The inclusive share of busy samples per function, most first, and the stacks."""
+        busy = dict(self.stacks)
+        total = max(1, sum(busy.values()))
+        inclusive: Counter[str] = Counter()
+        for stack, n in busy.items():
+            for name in set(stack):
+                inclusive[name] += n
+        doc = {
+            "samples": sum(self.stacks.values()),
+            "busy": total,
+            "inclusive_share": [(name, round(n / total, 4)) for name, n in inclusive.most_common(400)],
+            "stacks": [[list(s), n] for s, n in Counter(busy).most_common(5000)],
+        }
+        Path(path).write_text(json.dumps(doc, indent=1))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -654,12 +707,18 @@ async def measure(args: argparse.Namespace) -> dict:
         profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not waits
         if profiler is not None:
             profiler.enable()
+        sampler = StackSampler() if args.sample else None
+        if sampler is not None:
+            sampler.start()
         throughput = await run_job(
             runtime.db, f"{prefix}tput", args.episodes, args.concurrency, args.turns, machine
         )
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(args.profile)
+        if sampler is not None:
+            sampler.stop()
+            sampler.dump(args.sample)
         if args.count_statements:
             sqlalchemy.event.remove(runtime.db.engine.sync_engine, "before_cursor_execute", count)
             counted = json.dumps(
@@ -874,6 +933,11 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--profile", default="", help="with --single: cProfile the throughput run into this file"
+    )
+    parser.add_argument(
+        "--sample",
+        default="",
+        help="with --single: a sampling profile of the throughput run (the stack every ms of CPU) to this file",
     )
     parser.add_argument(
         "--count-statements",

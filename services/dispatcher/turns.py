@@ -2,21 +2,22 @@
 command (a sandbox step, the next turn's inference, or the reward request) as a new step
 row and an outbox message, moving the episode with ``temper.lifecycle``.
 
-Nothing here reads or writes the database: the caller locked the rows, and writes what
-changed and the new steps (``Turns.issued``) with ``temper.db.rows.write`` in its
-transaction.
+Nothing here writes the database: the caller locked the rows, and writes what changed and
+the new steps with ``temper.db.rows.write`` in its transaction. The one read is the prompt
+of an inference step whose output was malformed (its next prompt extends it): the locking
+query leaves the answered step's request out, since every other path only counts it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s, sandbox_memory_gb_s
 from services.dispatcher.leases import TOPIC_FOR_KIND, lease_until
 from temper import metrics
-from temper.db import Episode, Step
+from temper.db import Episode, Step, rows
+from temper.db.core import CoreTx
+from temper.db.rows import HasInfo
 from temper.envs import Environment, ParsedAction
 from temper.events import (
     InferenceRequest,
@@ -49,9 +50,7 @@ class Turns:
         self.settings = settings
         self.tok_of = tok_of
 
-    def issue(
-        self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0
-    ) -> Step:
+    def issue(self, tx: HasInfo, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0) -> Step:
         """A new step (attempt 0) and its command; the episode waits on it. The step is new:
         the caller writes it."""
         lease = lease_until(self.settings, kind, extra_s)
@@ -65,7 +64,7 @@ class Turns:
         ep.turn = message.turn or 0
         ep.attempt = 0
         ep.lease_expires_at = lease
-        enqueue(session, TOPIC_FOR_KIND[kind], message)
+        enqueue(tx, TOPIC_FOR_KIND[kind], message)
         return step
 
     def inference_request(
@@ -89,17 +88,19 @@ class Turns:
             ),
         )
 
-    def take_inference(
+    async def take_inference(
         self,
-        session: AsyncSession,
+        tx: CoreTx,
         ep: Episode,
         step: Step,
         msg: InferenceResult,
         spec: JobSpec,
         env: Environment,
+        prompt_tokens: int,
     ) -> Step:
-        """Record the awaited inference result on ``step``; returns the step it issues."""
-        ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(step.request, msg)
+        """Record the awaited inference result on ``step`` (asked with a prompt of
+        ``prompt_tokens``); returns the step it issues."""
+        ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(prompt_tokens, msg)
         tok = self.tok_of(spec)
         text = msg.text or tok.decode(msg.token_ids)
         # parsers read the reply with its special tokens (Mistral's [TOOL_CALLS] is one)
@@ -139,21 +140,23 @@ class Turns:
             # The lease covers the actions' own wall-clock limits on top of the hop.
             actions = 1 + len(action.more or [])
             wall_s = actions * float((limits or {}).get("wall_s", 0.0))
-            issued = self.issue(session, ep, "sandbox", request, extra_s=wall_s)
-            transition_episode(session, ep, E.acting)
+            issued = self.issue(tx, ep, "sandbox", request, extra_s=wall_s)
+            transition_episode(tx, ep, E.acting)
             return issued
         if not action.format_ok:
             ep.format_errors = (ep.format_errors or 0) + 1
         if action.kind == "submit" or env.is_last_turn(turn):
-            return self.issue_reward(session, ep, spec, env, action, final_text=text)
+            return self.issue_reward(tx, ep, spec, env, action, final_text=text)
         # A malformed action: its error is the observation, and the model tries again.
         observations = env.observe(action, None)
         step.result = {**(step.result or {}), "observation": observations[0]}
-        return self.next_turn(session, ep, spec, env, step, observations)
+        if "request" not in rows.loaded_columns(step):
+            await rows.load(tx, step, "request")
+        return self.next_turn(tx, ep, spec, env, step, observations)
 
     def take_sandbox(
         self,
-        session: AsyncSession,
+        tx: HasInfo,
         ep: Episode,
         step: Step,
         inference: Step,
@@ -182,14 +185,12 @@ class Turns:
         if msg.snapshot_key:
             ep.snapshot_key = msg.snapshot_key
         if action.submit_after or env.is_last_turn(step.turn):
-            return self.issue_reward(
-                session, ep, spec, env, action, final_text=inference.result.get("text", "")
-            )
-        return self.next_turn(session, ep, spec, env, inference, observations)
+            return self.issue_reward(tx, ep, spec, env, action, final_text=inference.result.get("text", ""))
+        return self.next_turn(tx, ep, spec, env, inference, observations)
 
     def next_turn(
         self,
-        session: AsyncSession,
+        tx: HasInfo,
         ep: Episode,
         spec: JobSpec,
         env: Environment,
@@ -213,17 +214,17 @@ class Turns:
             action = ParsedAction.from_dict((inference.result or {}).get("action", {"kind": "invalid"}))
             ep.timings = {**ep.timings, "context_full": True}
             return self.issue_reward(
-                session, ep, spec, env, action, final_text=(inference.result or {}).get("text", "")
+                tx, ep, spec, env, action, final_text=(inference.result or {}).get("text", "")
             )
         issued = self.issue(
-            session, ep, "inference", self.inference_request(ep, spec, prompt, turn=inference.turn + 1)
+            tx, ep, "inference", self.inference_request(ep, spec, prompt, turn=inference.turn + 1)
         )
-        transition_episode(session, ep, E.awaiting_action)
+        transition_episode(tx, ep, E.awaiting_action)
         return issued
 
     def issue_reward(
         self,
-        session: AsyncSession,
+        tx: HasInfo,
         ep: Episode,
         spec: JobSpec,
         env: Environment,
@@ -249,6 +250,6 @@ class Turns:
             max_turns=env.max_turns,
             format_ok=format_ok,
         )
-        issued = self.issue(session, ep, "reward", request)
-        transition_episode(session, ep, E.scoring)
+        issued = self.issue(tx, ep, "reward", request)
+        transition_episode(tx, ep, E.scoring)
         return issued
