@@ -226,10 +226,17 @@ class PolicyUpdates:
         for attempt in range(1, attempts + 1):
             try:
                 await self.record_backends()
-                for current in await self.current_policies():
-                    self.offer(current)
+                current = await self.current_policies()
+                for update in current:
+                    self.offer(update)
                 await self.release_ended()
                 await self.apply_wanted()
+                # Said once, so a restart shows which versions it came back on.
+                log_event(
+                    log,
+                    "policy version loaded at start",
+                    versions={u.job_id: u.version for u in current},
+                )
                 return
             except asyncio.CancelledError:
                 raise
