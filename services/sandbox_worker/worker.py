@@ -29,6 +29,7 @@ from services.sandbox_worker.schemas import (
     SessionCreated,
     SnapshotTaken,
 )
+from temper import faults
 from temper.events import SandboxRequest, SandboxResult
 from temper.logs import log_context
 from temper.sandbox import (
@@ -260,6 +261,7 @@ class SandboxWorker:
             if error is not None:
                 return self._result(request, error=error)
         result = await self.manager.act(sid, action)
+        await faults.hold("sandbox.act", episode_id=request.episode_id, turn=request.turn)
         more_results = [(await self.manager.act(sid, a)).model_dump(mode="json") for a in more or []]
         snapshot_key = None
         if request.snapshot_after and self.store is not None:
