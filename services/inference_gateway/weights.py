@@ -93,6 +93,12 @@ class Weights:
             kind = _kind(path)
             if kind == "lora":
                 todo = await self._lora_targets(job, model)
+                if not todo:
+                    pool = model.pool if model is not None else "default"
+                    raise Waiting(
+                        f"no backend of pool {pool!r} serves job {job!r}'s base model and none is free "
+                        f"to take it ({self.table.describe(pool)})"
+                    )
             else:
                 todo = await self._full_target(job, model)
             todo = [
