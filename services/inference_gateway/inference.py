@@ -170,7 +170,7 @@ class Inference:
             return InferenceResult(
                 **envelope, error=exc.reason, policy_version=self.confirmed(request.job_id) or 0
             )
-        await faults.hold("gateway.generate", **envelope)
+        await faults.hold("gateway.generate", episode_id=request.episode_id, turn=request.turn)
         return InferenceResult(
             **envelope,
             token_ids=res.token_ids,

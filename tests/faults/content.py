@@ -195,6 +195,9 @@ async def check(
 ) -> ContentCheck:
     """Every check over the jobs ``job_ids``; ``rescore`` scored episodes of each job are
     scored again (every one when there are fewer)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one bar per model loaded: noise here
     db = Database(DatabaseSettings(url=db_url))
     cache = Path(tempfile.mkdtemp(prefix="temper-content-"))
     result = ContentCheck()

@@ -1,9 +1,10 @@
 """The reduced chaos set (``make chaos`` runs them all, bench/chaos.py): one group of the
 chaos workload (two LoRA jobs and a full-weight job at once on one base model, two CPU
-engines, multi-turn sandbox episodes scored by hidden tests) broken three times, each
-service killed while it holds work at a fault point: a sandbox worker after running an
+engines, multi-turn sandbox episodes scored by hidden tests) broken five times: three
+services killed while they hold work at a fault point (a sandbox worker after running an
 agent's action, the gateway with a policy version about to be loaded, the reward scorer
-with a score not yet recorded. The jobs complete with every episode scored once and
+with a score not yet recorded), the group's Postgres restarted mid-iteration, and the
+object store refusing every request for 20 s from a publish on. The jobs complete with every episode scored once and
 trained once, nothing trained twice, every outbox row on its topic, and the content
 checks find nothing: every tagged version is the job's, every recomputed logprob agrees
 with its version's weights, every re-score agrees, every sandbox turn ran in the
@@ -23,11 +24,13 @@ pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.s3, pytest.ma
 def test_three_jobs_survive_kills_in_flight_with_what_they_trained_intact(tmp_path, kafka_bootstrap):
     chaos = Chaos(tmp_path, step_timeout_s=150, private_kafka=False, rescore=4)
     try:
-        chaos.submit("reduced", iterations=4)
+        chaos.submit("reduced", iterations=5)
         recoveries = {
             "kill sandbox_worker @ action": chaos.kill_at("sandbox_worker", "action", gather_s=1.0),
             "kill inference_gateway @ adapter load": chaos.kill_at("inference_gateway", "adapter load"),
             "kill reward_scorer @ score": chaos.kill_at("reward_scorer", "score"),
+            "restart postgres": chaos.restart_postgres(),
+            "object store refuses 20 s": chaos.refuse_object_store(20.0),
         }
         check = chaos.check_job()
         dead = chaos.stack.dead_letters(list(chaos.jobs))

@@ -2,13 +2,18 @@
 episode's sandbox session, whose workspace carries state from turn to turn, and whose
 last workspace is scored by hidden tests in fresh sandboxes.
 
-Each task's workspace starts with ``step.py``. Run (the policy calls the ``python`` tool
-with ``exec(open('step.py').read())``), it prints the SHA-256 of the workspace as it
-found it (its first 16 hex digits; :func:`workspace_digest` computes the same from a
-snapshot), appends a random line to ``journal.txt`` and writes ``solution.py`` with
-``scale(x) = x * k`` for a random ``k`` of 2 or 3. The hidden tests want ``x * 2``, so half the episodes pass; the reward
-weights ``tests_passed`` and ``efficiency`` (the other always-computed components,
-``compiles``, ``format`` and ``turn_penalty``, come with them).
+Each task's workspace starts with ``step.py``. The policy calls the ``python`` tool with
+``k = <a digit>; exec(open('step.py').read())``: step.py prints the SHA-256 of the
+workspace as it found it (its first 16 hex digits; :func:`workspace_digest` computes the
+same from a snapshot), appends a random line to ``journal.txt`` and writes
+``solution.py`` with ``scale(x) = x * k``. The hidden tests want ``x * 2``; the teacher
+picks ``k`` from 2 to 7, so about one episode in six passes at first and RL has something
+to learn. The reward weights ``tests_passed`` and ``efficiency`` (the other
+always-computed components, ``compiles``, ``format`` and ``turn_penalty``, come with them).
+
+The digit is the one token of a turn the policy is unsure of: the call's other tokens
+have probabilities within 1e-4 of 1 under every version, so it is what tells versions
+apart when the content check recomputes a turn's logprobs.
 
 So a turn's printed digest says which workspace the action ran in: the one the previous
 turn left (its snapshot), or another one (a session recreated empty, or restored from
@@ -33,14 +38,17 @@ from pathlib import Path
 from typing import Any
 
 STEP_PY = """\
-import hashlib, os, random
+import hashlib, os
 ws = b''.join(n.encode() + b'\\0' + open(n, 'rb').read() + b'\\0' for n in sorted(os.listdir('.')))
 print('workspace', hashlib.sha256(ws).hexdigest()[:16])
 open('journal.txt', 'a').write(os.urandom(4).hex() + '\\n')
-open('solution.py', 'w').write('def scale(x):\\n    return x * %d\\n' % random.choice((2, 3)))
+open('solution.py', 'w').write('def scale(x):\\n    return x * %d\\n' % k)
 """
-CODE = "exec(open('step.py').read())"
-PROMPT = "Run step.py with the python tool on every turn; hidden tests check scale(x) in solution.py."
+CODE = "k = {k}; exec(open('step.py').read())"
+DIGITS = (2, 3, 4, 5, 6, 7)
+PROMPT = (
+    "Set k and run step.py with the python tool on every turn; hidden tests check scale(x) in solution.py."
+)
 TESTS = """\
 def check(candidate):
     assert candidate(3) == 6
@@ -79,9 +87,9 @@ def taskset_bytes() -> bytes:
     return "".join(json.dumps(t) + "\n" for t in tasks()).encode()
 
 
-def call() -> str:
+def call(k: int) -> str:
     """The policy's every turn: one Hermes/Qwen call of the python tool."""
-    arguments = json.dumps({"code": CODE})
+    arguments = json.dumps({"code": CODE.format(k=k)})
     return f'<tool_call>\n{{"name": "python", "arguments": {arguments}}}\n</tool_call>'
 
 
@@ -100,15 +108,18 @@ def warm_start_examples(n: int, *, seed: int = 0) -> list[tuple[dict[str, Any], 
         task = rng.choice(all_tasks)
         turns: list[str] = []
         for _ in range(rng.randrange(MAX_TURNS)):
-            turns += [call(), _observation(rng)]
-        pairs.append(({"prompt": task["prompt"], "files": task["files"]}, [*turns, call()]))
+            turns += [call(rng.choice(DIGITS)), _observation(rng)]
+        pairs.append(({"prompt": task["prompt"], "files": task["files"]}, [*turns, call(rng.choice(DIGITS))]))
     return pairs
 
 
 def spec(name: str, *, iterations: int, episodes: int, lora: bool, group_size: int = 4) -> dict[str, Any]:
     """A job of this workload (``policy.init`` and ``tasks.taskset`` are the caller's)."""
     algorithm: dict[str, Any] = {
-        "learning_rate": 0.002,
+        "learning_rate": 0.001,
+        # every step moves the weights, a step of groups without reward variance too (the
+        # digit's entropy has a gradient): no two versions of a job are the same weights
+        "entropy_coef": 0.01,
         "groups_per_step": max(1, episodes // group_size // 2),
         "checkpoint_every": 1,
         "skip_zero_variance": False,
@@ -183,9 +194,8 @@ def build_policy(directory: Path) -> Path:
 
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the built policy depends on: a change to any of these builds it again.
-BUILT_FROM = (
-    Path(__file__).resolve(),
+# The code the policy is built with: a change to it (or to what it is built from) builds it again.
+BUILT_BY = (
     ROOT / "libs" / "temper" / "policy" / "build.py",
     ROOT / "libs" / "temper" / "training" / "sft.py",
     ROOT / "services" / "embedded" / "runner.py",
@@ -194,15 +204,18 @@ BUILT_FROM = (
 
 def cached_policy(cache_dir: Path) -> Path:
     """:func:`build_policy`'s model directory, built once per machine under ``cache_dir``
-    (keyed by the code it is built with and the torch and transformers versions; the
-    build takes about 30 s of CPU). Safe when several processes ask at once."""
+    (keyed by what it is built from, the code that builds it and the torch and transformers
+    versions; the build takes about 30 s of CPU). Safe when several processes ask at once."""
     import fcntl
 
     import torch
     import transformers
 
     h = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
-    for path in BUILT_FROM:
+    h.update(taskset_bytes() + json.dumps(LOCAL, sort_keys=True).encode())
+    h.update(json.dumps(warm_start_examples(int(LOCAL["warm_start"]["examples"]))).encode())
+    h.update(json.dumps(spec("build", iterations=1, episodes=4, lora=False)["environment"]).encode())
+    for path in BUILT_BY:
         h.update(path.read_bytes())
     root = cache_dir / "chaos-policy"
     done = root / h.hexdigest()[:16]
