@@ -313,25 +313,21 @@ class Chaos:
     def kill_at(self, service: str, moment: str, *, gather_s: float = 0.5) -> Recovery:
         """Arm ``service``'s fault point for ``moment``, wait until it holds work (and
         ``gather_s`` more, so that more can pile up), SIGKILL the service, disarm, start it
-        again, and wait for correct progress. A sandbox worker is killed once sessions have
-        state (a turn behind them) and it holds a later turn's action, so that sessions go on
-        from their snapshots in the new process."""
+        again, and wait for correct progress. A sandbox worker is armed once sessions have
+        state (a few turns behind them), so that they go on from their snapshots in the new
+        process. (Only the first arrivals can be waited for: held actions keep the worker's
+        slots, so no later turn comes while they are held.)"""
         point = KILLS[service][moment]
         proc = self.stack.services[service].proc
         assert proc is not None and proc.poll() is None, f"{service} is not running"
-        wanted: Callable[[list[dict[str, Any]]], bool] = bool
         if service == "sandbox_worker":
             self._until(
-                "sessions with a turn behind them", lambda facts: any(f.sandbox for f in facts.values())
+                "turns behind sessions", lambda facts: sum(len(f.sandbox) for f in facts.values()) >= 4
             )
-
-            def wanted(held: list[dict[str, Any]]) -> bool:
-                return any(int(h["ids"].get("turn") or 0) >= 1 for h in held)
-
         faults.arm(self.faults, point)
         try:
             self._until(
-                f"{service} to hold work at {point}", lambda _: wanted(faults.held(self.faults, point)), 0.05
+                f"{service} to hold work at {point}", lambda _: bool(faults.held(self.faults, point)), 0.05
             )
             time.sleep(gather_s)
             held = [h for h in faults.held(self.faults, point) if h["pid"] == proc.pid]
