@@ -23,6 +23,8 @@ from temper.storage import LocalStore
 from tests.faults import content, workload
 from tests.faults.harness import CACHE_DIR
 
+pytestmark = [pytest.mark.slow, pytest.mark.sandbox]
+
 
 @pytest.mark.timeout(300)
 def test_a_mislabelling_gateway_and_a_scorer_dropping_a_component_are_caught(tmp_path: Path, monkeypatch):
