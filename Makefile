@@ -19,7 +19,7 @@ help:
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
 	@echo "make compose-test the whole platform in Docker: build, compose up, a job end to end, dashboard queries"
 	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
-	@echo "make chaos        kill/restart every service and server mid-job: bench/results/chaos.json"
+	@echo "make chaos        kill every service while it holds work, restart the servers; check what was trained: bench/results/chaos.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
 	@echo "make bench-sandboxfusion  /run_code beside a running SandboxFusion (SANDBOXFUSION_URL=...)"
 	@echo "make gpu-check    on a GPU node, its own python3: learner MFU and memory, engine, FSDP (bench/results/gpu.json)"
@@ -134,7 +134,7 @@ bench-trainer: setup
 chaos: setup stack-up
 	$(PY) bench/chaos.py $(ARGS)
 
-# The reduced chaos set (one job, four faults in sequence, about 2 minutes); `make test` runs it too.
+# The reduced chaos set (one group of three jobs, five faults in sequence, content checks; about 3 minutes); `make test` runs it too.
 chaos-reduced: setup stack-up
 	$(PY) -m pytest -q -p no:cacheprovider -s tests/faults/test_reduced_chaos.py $(ARGS)
 

@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher import leases, repo
 from services.dispatcher.turns import Turns
-from temper import metrics
+from temper import faults, metrics
 from temper.clock import utcnow
 from temper.db import Database, Episode, Job, Step, Task, rows
 from temper.db.core import CoreTx, core_of
@@ -329,6 +329,7 @@ class EpisodeMachine:
                     job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt
                 ):
                     await self._take(tx, msg, locked.get(msg.episode_id or ""), state)
+            await faults.hold("dispatcher.batch", work=len(messages), kind=kind)
 
     async def _take(
         self,

@@ -29,6 +29,7 @@ from services.sandbox_worker.schemas import (
     SessionCreated,
     SnapshotTaken,
 )
+from temper import faults
 from temper.events import SandboxRequest, SandboxResult
 from temper.logs import log_context
 from temper.sandbox import (
@@ -68,6 +69,11 @@ class SandboxWorker:
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._running = 0
         self._recent: OrderedDict[tuple[str, int, int], asyncio.Future[SandboxResult]] = OrderedDict()
+        # Steps whose actions ran and whose snapshot did not follow (its upload failed): a
+        # retry takes the snapshot, it does not run the actions on the workspace they changed.
+        self._acted: OrderedDict[tuple[str, int, int], tuple[dict[str, Any], list[dict[str, Any]]]] = (
+            OrderedDict()
+        )
         # Called with ``full`` each time a slot is taken or freed (the consumer's backpressure).
         self.load_listeners: list[Callable[[bool], None]] = []
 
@@ -199,8 +205,10 @@ class SandboxWorker:
     async def handle(self, request: SandboxRequest) -> SandboxResult:
         """Run one step for an episode. Idempotent by (episode, turn, attempt): a
         redelivered request gets the recorded result, a concurrent duplicate waits for the
-        first. A session this worker does not hold is restored from ``snapshot_key``."""
-        key = (request.episode_id or request.session_id, request.turn or 0, request.attempt)
+        first, and a retry after the step failed past its actions (the snapshot's upload)
+        does not run them again. A session this worker does not hold is restored from
+        ``snapshot_key``."""
+        key = step_key(request)
         fut = self._recent.get(key)
         if fut is not None:
             self._recent.move_to_end(key)
@@ -257,23 +265,29 @@ class SandboxWorker:
             if sid in self.manager.sessions:
                 await self.manager.destroy_session(sid, wait=False)
             return self._result(request)
-        if sid not in self.manager.sessions:
-            error = await self._open_session(request, limits)
-            if error is not None:
-                return self._result(request, error=error)
-        result = await self.manager.act(sid, action)
-        more_results = [(await self.manager.act(sid, a)).model_dump(mode="json") for a in more or []]
+        key = step_key(request)
+        acted = self._acted.pop(key, None) if sid in self.manager.sessions else None
+        if acted is None:  # the actions have not run in this session yet
+            if sid not in self.manager.sessions:
+                error = await self._open_session(request, limits)
+                if error is not None:
+                    return self._result(request, error=error)
+            result = (await self.manager.act(sid, action)).model_dump(mode="json")
+            await faults.hold("sandbox.act", episode_id=request.episode_id, turn=request.turn)
+            more_results = [(await self.manager.act(sid, a)).model_dump(mode="json") for a in more or []]
+            acted = (result, more_results)
         snapshot_key = None
         if request.snapshot_after and self.store is not None:
             turn = request.turn or 0
             snapshot_key = f"{self.settings.snapshot_prefix}/{sid}/turn-{turn:06d}-a{request.attempt}.tar.gz"
-            await self.manager.snapshot(sid, snapshot_key)
-        return self._result(
-            request,
-            result=result.model_dump(mode="json"),
-            more_results=more_results,
-            snapshot_key=snapshot_key,
-        )
+            try:
+                await self.manager.snapshot(sid, snapshot_key)
+            except BaseException:
+                self._acted[key] = acted
+                while len(self._acted) > IDEMPOTENCY_CACHE:
+                    self._acted.popitem(last=False)
+                raise
+        return self._result(request, result=acted[0], more_results=acted[1], snapshot_key=snapshot_key)
 
     async def _open_session(self, request: SandboxRequest, limits: SandboxLimits | None) -> str | None:
         """Make the session this worker lacks: restored from ``snapshot_key`` when the
@@ -311,6 +325,11 @@ class SandboxWorker:
                 )
                 return f"setup failed: {why}: {(r.stderr or r.stdout).strip()[-500:]}"
         return None
+
+
+def step_key(request: SandboxRequest) -> tuple[str, int, int]:
+    """What makes a step one: (episode, turn, attempt)."""
+    return (request.episode_id or request.session_id, request.turn or 0, request.attempt)
 
 
 def command_result(result: ExecResult) -> CommandRunResult:
