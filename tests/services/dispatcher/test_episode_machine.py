@@ -417,3 +417,49 @@ def test_curriculum_prefers_tasks_with_a_pass_rate_strictly_between_0_and_1():
     assert task_weight(0, 0, Curriculum.learnable) == learnable, "an unmeasured task counts as learnable"
     assert task_weight(10, 10, Curriculum.uniform) == task_weight(10, 4, Curriculum.uniform)
 
+
+async def test_a_lone_write_that_ends_the_episode_is_scored_without_a_session(tmp_path, database_url):
+    """A one-turn code episode whose reply only writes a file: the reward request carries the
+    workspace a session would have held (the task's starting files and that file), and no
+    session is started. A command, or a write that is not the episode's last action, takes
+    the session as before."""
+    scripts = {
+        "write": f"{FENCE}python ./add.py\ndef add(a, b):\n    return a + b\n{FENCE}",
+        "command": f"{FENCE}bash\nls\n{FENCE}",
+    }
+    h = await start_harness(
+        tmp_path, database_url, peers={"script": lambda r: scripts[r.job_id.split("-")[0]]}
+    )
+    try:
+        await seed(
+            h.db,
+            tasks={
+                "t1": {"spec": {"files": {"add.py": "def add(a, b):\n    return a - b\n", "README": "x"}}}
+            },
+        )
+        one_turn = {
+            "tasks__group_size": 1,
+            "schedule__episodes_per_iteration": 1,
+            "environment__max_turns": 1,
+        }
+        write = await submit_job(h.db, job_spec(**one_turn), job_id="write-1")
+        command = await submit_job(h.db, job_spec(**one_turn), job_id="command-1")
+        two_turns = await submit_job(
+            h.db, job_spec(**{**one_turn, "environment__max_turns": 2}), job_id="write-2"
+        )
+        for job in (write, command, two_turns):
+            await wait_for(lambda job=job: _is(h.db, job, "completed"), what=f"{job} completed")
+        by_job = {m.job_id: m for m in h.peers.requests["reward"] if m.job_id != two_turns}
+        assert by_job[write].submission["files"] == {
+            "add.py": "def add(a, b):\n    return a + b\n",  # the reply's file over the starting one
+            "README": "x",
+        }
+        assert by_job[write].submission["snapshot_key"] is None
+        (ep,) = await episodes_of(h.db, write)
+        assert ep.timings.get("scored_without_session") is True
+        assert [(s.turn, s.kind) for s in await steps_of(h.db, ep.id)] == [(0, "inference"), (0, "reward")]
+        sandboxed = {m.job_id for m in h.peers.requests["sandbox"]}
+        assert sandboxed == {command, two_turns}, "a command, and a write with turns left, run in a session"
+        assert "files" not in by_job[command].submission
+    finally:
+        await h.stop()
