@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -118,9 +119,12 @@ async def test_a_request_joins_the_running_batch_at_its_next_token(engine: Model
     ]
     alone = [engine.generate([r])[0] for r in (long_req, *short_reqs)]
     advance, widths = engine.advance, []
+    decoding = threading.Event()  # the long one has decoded 20 tokens
 
     def watched(batch):  # noqa: ANN001, ANN202
         widths.append(len(batch.rows))
+        if len(widths) >= 20:
+            decoding.set()
         return advance(batch)
 
     monkeypatch.setattr(engine, "advance", watched)
@@ -128,8 +132,7 @@ async def test_a_request_joins_the_running_batch_at_its_next_token(engine: Model
     await sched.start()
     try:
         long_call = asyncio.create_task(sched.submit(long_req))
-        while len(widths) < 20:  # the long one is decoding
-            await asyncio.sleep(0.005)
+        assert await asyncio.to_thread(decoding.wait, 60), "the long one never decoded"
         shorts = await asyncio.gather(*(sched.submit(r) for r in short_reqs))
         assert not long_call.done(), "the short requests ended while the long one still decoded"
         long_out = await long_call
@@ -147,7 +150,6 @@ async def test_stop_abandons_a_generation_in_progress_at_its_next_token(
 ) -> None:
     """A thread cannot be cancelled: without this a long generation held the gateway's exit
     (the runner's thread decodes to the model's length) long past SIGTERM."""
-    import threading
 
     from services.inference_gateway.cpu_server.runner import Stopped
 
