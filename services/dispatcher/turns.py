@@ -10,6 +10,7 @@ query leaves the answered step's request out, since every other path only counts
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
 
 from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s, sandbox_memory_gb_s
@@ -18,7 +19,7 @@ from temper import metrics
 from temper.db import Episode, Step, rows
 from temper.db.core import CoreTx
 from temper.db.rows import HasInfo
-from temper.envs import Environment, ParsedAction
+from temper.envs import Environment, EnvKind, ParsedAction
 from temper.events import (
     InferenceRequest,
     InferenceResult,
@@ -41,6 +42,38 @@ def observe_step(step: Step) -> None:
     if step.created_at is not None and step.completed_at is not None:
         seconds = (step.completed_at - step.created_at).total_seconds()
         metrics.TURN_SECONDS.labels(step.kind).observe(max(0.0, seconds))
+
+
+# What any sandbox can hold (file_size_mb and workspace_mb are at least 1 MiB): a workspace
+# this small is written by a session and by the scorer's fresh run alike.
+LONE_WRITE_MAX_BYTES = 512 * 1024
+
+
+def lone_write(env: Environment, action: ParsedAction, turn: int) -> dict[str, str] | None:
+    """The workspace a code episode ends with when its first and last action only writes a
+    file: the task's starting files with that file. A sandbox session would hold exactly
+    these (no earlier action ran, the environment has no setup program, nothing runs after
+    the write), and the reward's run writes its submission's files into a fresh sandbox
+    itself, so the reward is the same without a session. None for anything else: a command,
+    several of them, an earlier turn, a base64 file or a workspace past
+    :data:`LONE_WRITE_MAX_BYTES` (where a sandbox's limits could refuse the write)."""
+    command = action.command or {}
+    if (
+        env.kind != EnvKind.code
+        or turn != 0
+        or not (action.submit_after or env.is_last_turn(turn))
+        or action.more
+        or command.get("kind") != "write_file"
+        or command.get("encoding", "utf-8") != "utf-8"
+        or env.setup_actions()
+    ):
+        return None
+    path = posixpath.normpath(str(command.get("path") or ""))  # as a snapshot names it
+    files = {posixpath.normpath(p): text for p, text in env.setup_files().items()}
+    files[path] = str(command.get("content") or "")
+    if sum(len(text.encode()) for text in files.values()) > LONE_WRITE_MAX_BYTES:
+        return None
+    return files
 
 
 class Turns:
@@ -124,6 +157,12 @@ class Turns:
         turn = step.turn
         if action.kind == "sandbox":
             assert action.command is not None
+            files = lone_write(env, action, turn)
+            if files is not None:
+                # the episode ends with one write into its starting files: the scorer's fresh
+                # run writes the same files itself, so no session is started for it
+                ep.timings = {**ep.timings, "scored_without_session": True}
+                return self.issue_reward(tx, ep, spec, env, action, final_text=text, files=files)
             limits = env.limits or None
             request = SandboxRequest(
                 job_id=ep.job_id,
@@ -231,20 +270,26 @@ class Turns:
         action: ParsedAction,
         *,
         final_text: str,
+        files: dict[str, str] | None = None,
     ) -> Step:
+        """Ask for the episode's reward; ``files``: the workspace it ended with, when no
+        session holds it (:func:`lone_write`)."""
         format_ok = not ep.format_errors  # over every turn, this one included
+        submission = env.submission(
+            action if action.kind != "invalid" else None,
+            final_text=final_text,
+            snapshot_key=ep.snapshot_key,
+            session_id=ep.session_id or ep.id,
+        )
+        if files is not None:
+            submission = {**submission, "files": files}
         request = RewardRequest(
             job_id=ep.job_id,
             episode_id=ep.id,
             turn=ep.turn,
             task_id=ep.task_id,
             taskset_id=env.task.meta.get("task_set_id") or spec.tasks.taskset,
-            submission=env.submission(
-                action if action.kind != "invalid" else None,
-                final_text=final_text,
-                snapshot_key=ep.snapshot_key,
-                session_id=ep.session_id or ep.id,
-            ),
+            submission=submission,
             weights=dict(spec.rewards),
             turns_used=ep.turn + 1,
             max_turns=env.max_turns,
