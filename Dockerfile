@@ -57,7 +57,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONPATH=/app/libs:/app \
     HOME=/home/temper \
     TEMPER_MODE=distributed \
-    TEMPER_API__HOST=0.0.0.0 \
+    TEMPER_HOST=0.0.0.0 \
     TEMPER_DATA_DIR=/home/temper/.temper \
     TEMPER_MIGRATIONS_DIR=/app/migrations
 

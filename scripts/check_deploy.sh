@@ -5,7 +5,8 @@
 #   docker-compose.yml validates against the Compose specification schema shipped in
 #   check-jsonschema; promtool checks the Prometheus config and rules and runs the alert tests;
 #   every Temper process's environment (compose and each rendered overlay) loads as Settings
-#   (deploy/tools/settings_check.py).
+#   (deploy/tools/settings_check.py). When the cluster of `make k8s-up` runs, every overlay also
+#   goes through its API server (a server-side dry run, CRDs installed from their operators).
 # Installs its tools idempotently under ${TEMPER_CACHE_DIR:-<repo>/.cache} and .venv.
 # Exits non-zero on any failure. `check_deploy.sh --tools` only installs the tools (make test
 # does, so the tests that render overlays find kustomize on a fresh machine).
@@ -106,6 +107,14 @@ step "promtool check rules deploy/prometheus/rules.yml" promtool check rules dep
 step "promtool test rules deploy/prometheus/rules_test.yml" promtool test rules deploy/prometheus/rules_test.yml
 step "every alert tested firing and quiet" "$PY" deploy/tools/deploycheck.py rule-tests
 step "grafana dashboard JSON" dashboard_json
+# With the one-node cluster of make k8s-up running: every overlay through the real API server.
+K8S_KUBECONFIG="${TEMPER_K8S_DIR:-$ROOT/.k8s}/admin.kubeconfig"
+if [[ -f "$K8S_KUBECONFIG" ]] && bash scripts/k8s/status.sh >/dev/null 2>&1 \
+    && "$PY" scripts/k8s/k8s_test.py --help >/dev/null 2>&1; then
+  overlays=(k8s); for dir in k8s/overlays/*/; do overlays+=("${dir%/}"); done
+  step "every overlay accepted by the API server of make k8s-up (server-side dry run)" \
+    "$PY" scripts/k8s/k8s_test.py --dry-run-only "${overlays[@]}"
+fi
 
 echo "check-deploy summary ($(( $(date +%s) - start ))s):"
 printf '  %s\n' "${RESULTS[@]}"

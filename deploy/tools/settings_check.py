@@ -2,9 +2,12 @@
 
     settings_check.py compose docker-compose.yml [OVERRIDE.yml ...]
     settings_check.py k8s RENDERED.yaml ...      (kustomize build output of an overlay)
+    settings_check.py --dockerfile=PATH ...      (another image's Dockerfile; default ./Dockerfile)
 
 A value that would kill a service at start (a bad URL list, a number that is not one, a
-refused mode) fails here first, named by file, service and variable. Compose's ``${VAR}``
+refused mode, a retired variable) fails here first, named by file, service and variable.
+Every container starts from the image's own ``ENV`` (the Dockerfile's last stage), so those
+variables are checked under each service too. Compose's ``${VAR}``
 references take the values of deploy/compose.env.example; Kubernetes secrets and fields
 the cluster fills in become placeholders, and ``$(VAR)`` references expand as kubelet does.
 Run by scripts/check_deploy.sh with libs/ on the path.
@@ -22,6 +25,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_EXAMPLE = ROOT / "deploy" / "compose.env.example"
+DOCKERFILE = ROOT / "Dockerfile"
 
 
 def is_temper(command: object) -> bool:
@@ -32,6 +36,20 @@ def is_temper(command: object) -> bool:
         and len(command) > 2
         and str(command[2]).startswith(("services.", "temper."))
     )
+
+
+def image_env(dockerfile: Path = DOCKERFILE) -> dict[str, str]:
+    """``ENV`` of the Dockerfile's last stage (``KEY=VALUE`` pairs, continued lines joined)."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        word = line.strip().split(" ", 1)
+        if word[0].upper() == "FROM":
+            env = {}
+        elif word[0].upper() == "ENV" and len(word) == 2:
+            for pair in re.findall(r'(\w+)=("[^"]*"|\S+)', word[1]):
+                env[pair[0]] = pair[1].strip('"')
+    return env
 
 
 def example_variables() -> dict[str, str]:
@@ -116,6 +134,9 @@ def check(env: dict[str, str]) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+    dockerfile = DOCKERFILE
+    if argv and argv[0].startswith("--dockerfile="):
+        dockerfile, argv = Path(argv[0].split("=", 1)[1]), argv[1:]
     if len(argv) < 2 or argv[0] not in ("compose", "k8s"):
         sys.stderr.write(__doc__ or "")
         return 2
@@ -126,7 +147,8 @@ def main(argv: list[str]) -> int:
     else:
         found = [item for f in files for item in k8s_envs(f)]
         where = ", ".join(str(f) for f in files)
-    errors = [f"{where}: {name}: {err}" for name, env in found if (err := check(env))]
+    image = image_env(dockerfile)
+    errors = [f"{where}: {name}: {err}" for name, env in found if (err := check({**image, **env}))]
     if not found:
         errors.append(f"{where}: no Temper service found")
     for line in errors:

@@ -23,12 +23,14 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, delete, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import String, any_, bindparam, delete, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper import metrics
 from temper.clock import utcnow
 from temper.db import Database, Episode, Step, rows
+from temper.db.core import CoreTx, core_of, one_of
 from temper.lifecycle import EPISODE_FINISHED
 from temper.logs import log_event
 from temper.storage import NotFound, ObjectStore, object_key
@@ -74,9 +76,10 @@ _STEPS_OF = (
 )
 
 
-async def read_steps(conn: AsyncConnection, store: ObjectStore, episode: Episode) -> list[Step]:
+async def read_steps(tx: CoreTx | AsyncSession, store: ObjectStore, episode: Episode) -> list[Step]:
     """Every step of ``episode`` in turn order, from Postgres or, once archived, from
-    object storage. An archive that is gone (deleted by hand) reads as no steps."""
+    object storage, in the caller's transaction (a ``CoreTx`` or a session). An archive
+    that is gone (deleted by hand) reads as no steps."""
     if episode.steps_key:
         try:
             return decode_steps(await store.get(episode.steps_key))
@@ -85,30 +88,44 @@ async def read_steps(conn: AsyncConnection, store: ObjectStore, episode: Episode
             return []
     return [
         rows.loaded(Step, dict(zip(STEP_COLUMNS, r, strict=True)))
-        for r in await conn.execute(_STEPS_OF, {"episode_id": episode.id})
+        for r in await (await core_of(tx)).rows(_STEPS_OF, {"episode_id": episode.id})
     ]
 
 
-_STEPS_OF_MANY = (
-    select(*(Step.__table__.c[c] for c in STEP_COLUMNS))
-    .where(Step.__table__.c.episode_id.in_(bindparam("ids", expanding=True)))
+def _of_episodes(postgres: bool) -> Any:
+    """``steps.episode_id`` among ``:ids``: one array parameter on Postgres (one prepared
+    statement whatever the count), an expanded ``IN`` elsewhere."""
+    column = Step.__table__.c.episode_id
+    if postgres:
+        return column == any_(bindparam("ids", type_=ARRAY(String)))
+    return column.in_(bindparam("ids", expanding=True))
+
+
+_STEPS_OF_MANY = {
+    postgres: select(*(Step.__table__.c[c] for c in STEP_COLUMNS))
+    .where(_of_episodes(postgres))
     .order_by(Step.__table__.c.episode_id, Step.__table__.c.turn, Step.__table__.c.id)
-)
+    for postgres in (True, False)
+}
 
 
-async def read_steps_of(
-    conn: AsyncConnection, store: ObjectStore, episodes: Sequence[Episode]
-) -> dict[str, list[Step]]:
+async def _steps_of_many(tx: CoreTx, ids: list[str]) -> dict[str, list[Step]]:
+    out: dict[str, list[Step]] = {i: [] for i in ids}
+    for r in await tx.rows(_STEPS_OF_MANY[tx.dialect != "sqlite"], {"ids": ids}):
+        step = rows.loaded(Step, dict(zip(STEP_COLUMNS, r, strict=True)))
+        out[step.episode_id].append(step)
+    return out
+
+
+async def read_steps_of(tx: CoreTx, store: ObjectStore, episodes: Sequence[Episode]) -> dict[str, list[Step]]:
     """:func:`read_steps` of several episodes: one query for those still in Postgres."""
     out: dict[str, list[Step]] = {ep.id: [] for ep in episodes}
     live = [ep.id for ep in episodes if not ep.steps_key]
     if live:
-        for r in await conn.execute(_STEPS_OF_MANY, {"ids": live}):
-            step = rows.loaded(Step, dict(zip(STEP_COLUMNS, r, strict=True)))
-            out[step.episode_id].append(step)
+        out.update(await _steps_of_many(tx, live))
     for ep in episodes:
         if ep.steps_key:
-            out[ep.id] = await read_steps(conn, store, ep)
+            out[ep.id] = await read_steps(tx, store, ep)
     return out
 
 
@@ -116,7 +133,7 @@ _ep = Episode.__table__.c
 _DUE = (
     select(_ep.id, _ep.tenant_id, _ep.job_id)
     .where(
-        _ep.state.in_([s.value for s in EPISODE_FINISHED]),
+        one_of(_ep.state, [s.value for s in EPISODE_FINISHED]),
         _ep.steps_key.is_(None),
         _ep.updated_at < bindparam("before"),
     )
@@ -128,7 +145,7 @@ _MARK = (
     .where(_ep.id == bindparam("episode_id"), _ep.steps_key.is_(None))
     .values(steps_key=bindparam("key"))
 )
-_DELETE = delete(Step).where(Step.__table__.c.episode_id.in_(bindparam("ids", expanding=True)))
+_DELETE = {postgres: delete(Step).where(_of_episodes(postgres)) for postgres in (True, False)}
 
 
 async def archive_finished(db: Database, store: ObjectStore, *, after_s: float, limit: int = 200) -> int:
@@ -138,24 +155,17 @@ async def archive_finished(db: Database, store: ObjectStore, *, after_s: float, 
     same object) and only then marked and deleted in one transaction; a crash in between
     leaves them in Postgres for the next pass. Replicas may run it at once: the mark is
     conditional, and deleting rows another one deleted deletes nothing."""
-    async with db.session() as session:
-        conn = await session.connection()
-        due = list(
-            await conn.execute(_DUE, {"before": utcnow() - timedelta(seconds=after_s), "limit": limit})
-        )
+    async with db.core() as tx:
+        due = await tx.rows(_DUE, {"before": utcnow() - timedelta(seconds=after_s), "limit": limit})
         if not due:
             return 0
-        by_episode: dict[str, list[Step]] = {row.id: [] for row in due}
-        for r in await conn.execute(_STEPS_OF_MANY, {"ids": list(by_episode)}):
-            step = rows.loaded(Step, dict(zip(STEP_COLUMNS, r, strict=True)))
-            by_episode[step.episode_id].append(step)
-    keys = {row.id: steps_key(row.tenant_id, row.job_id, row.id) for row in due}
+        by_episode = await _steps_of_many(tx, [episode_id for episode_id, _, _ in due])
+    keys = {episode_id: steps_key(tenant, job_id, episode_id) for episode_id, tenant, job_id in due}
     for episode_id, steps in by_episode.items():
         await store.put(keys[episode_id], encode_steps(steps), "application/json")
-    async with db.session() as session:
-        conn = await session.connection()
-        await conn.execute(_MARK, [{"episode_id": e, "key": k} for e, k in keys.items()])
-        await conn.execute(_DELETE, {"ids": list(keys)})
+    async with db.core() as tx:
+        await tx.run(_MARK, [{"episode_id": e, "key": k} for e, k in keys.items()])
+        await tx.run(_DELETE[tx.dialect != "sqlite"], {"ids": list(keys)})
     moved = sum(len(s) for s in by_episode.values())
     metrics.STEPS_ARCHIVED.inc(moved)
     log_event(log, "steps archived", episodes=len(keys), steps=moved)

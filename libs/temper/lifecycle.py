@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from temper import metrics
 from temper.clock import utcnow
 from temper.db import Episode, Job, Step, rows
+from temper.db.core import SessionTx
 from temper.events import LifecycleEvent, Topics
 from temper.outbox import enqueue
 
@@ -203,7 +204,7 @@ async def _cancel_unfinished(session: AsyncSession, job_id: str, *, reason: str)
             changed.append(step)
     for episode in episodes.values():
         transition_episode(session, episode, E.cancelled, reason=reason)
-    await rows.write(conn, changed)
+    await rows.write(SessionTx(conn, session.info), changed)
     for obj in list(session.identity_map.values()):  # what the session held of them is stale now
         if isinstance(obj, Episode | Step):
             session.expire(obj)
@@ -213,7 +214,7 @@ async def _cancel_unfinished(session: AsyncSession, job_id: str, *, reason: str)
 
 
 def transition_episode(
-    session: AsyncSession, episode: Episode, to: EpisodeState, *, reason: str | None = None
+    session: rows.HasInfo, episode: Episode, to: EpisodeState, *, reason: str | None = None
 ) -> None:
     """Move ``episode`` to ``to`` (a reason is required for failed and cancelled); leaving
     the waiting states clears its lease."""

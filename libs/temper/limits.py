@@ -1,5 +1,5 @@
 """What a sandbox may use and how a run of it can end: its limits, network policy and
-services, and the kill reasons. The vocabulary that job specs, tasks, settings and the
+services, the kill reasons, and the languages a program may be written in. The vocabulary that job specs, tasks, settings and the
 sandbox share, so it sits below all of them (plain pydantic v2, no other import)."""
 
 from __future__ import annotations
@@ -19,6 +19,21 @@ class KillReason(StrEnum):
     output = "output"  # stdout/stderr went past output_bytes
     disk = "disk"  # workspace full or a file past file_size_mb
     signal = "signal"  # died of a signal not explained by a limit
+
+
+class LanguageName(StrEnum):
+    """The languages a program, and a task's hidden tests, may be written in: SandboxFusion's
+    names (``c`` is Temper's addition). ``temper.sandbox.languages`` runs them."""
+
+    python = "python"
+    bash = "bash"
+    c = "c"
+    cpp = "cpp"
+    java = "java"
+    go = "go"
+    rust = "rust"
+    nodejs = "nodejs"
+    typescript = "typescript"
 
 
 class NetworkPolicy(StrEnum):

@@ -30,7 +30,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy import Table, delete, func, or_, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -40,6 +40,8 @@ from temper.bus.errors import unavailable_dependency
 from temper.clock import utcnow
 from temper.db import Database, OutboxRow
 from temper.db import rows as rows_of_db
+from temper.db.core import CoreTx, SessionTx
+from temper.db.rows import HasInfo
 from temper.events import Message
 from temper.logs import dependency_failed, dependency_recovered, log_event
 
@@ -51,44 +53,36 @@ _ROWS = "temper.outbox.rows"
 _RELAYED = "temper.outbox.relayed"
 
 
-def enqueue(session: AsyncSession, topic: str, message: Message) -> None:
-    """Add ``message`` to the outbox inside the caller's transaction. In a relay's
-    :meth:`OutboxRelay.transaction` the relay inserts it (claimed) before the commit;
-    in any other session the session flushes it."""
+def enqueue(tx: HasInfo, topic: str, message: Message) -> None:
+    """Add ``message`` to the outbox inside the caller's transaction (an ORM session or a
+    ``temper.db.core.CoreTx``). In a relay's transaction the relay inserts it (claimed)
+    before the commit; in any other the row is written with the transaction's own rows
+    (a session flushes it; a ``CoreTx`` writes what is staged on it)."""
     row = rows_of_db.new(OutboxRow, topic=topic, key=message.key(), payload=message.to_bytes())
-    if not session.info.get(_RELAYED):
-        session.add(row)
-    session.info.setdefault(_ROWS, []).append(row)
+    if not tx.info.get(_RELAYED):
+        if isinstance(tx, AsyncSession):
+            tx.add(row)
+        else:
+            rows_of_db.stage(tx, row)
+    tx.info.setdefault(_ROWS, []).append(row)
 
 
-async def _insert_claimed(session: AsyncSession, rows: list[OutboxRow], until: datetime) -> None:
-    """Write ``rows`` claimed by this relay until ``until``, giving each its id. Rows the
-    session has not flushed yet (all of them, unless a query autoflushed some) go in as one
-    Core INSERT in the order they were enqueued, instead of through the unit of work; the
-    ids come back in that order, so the sweep's id order is still the enqueue order (rows a
-    query autoflushed were written before, with lower ids)."""
-    fresh = [r for r in rows if r in session.new or rows_of_db.is_new(r) and r not in session]
-    for row in rows:
-        row.claimed_until = until  # other relays leave them to this one (flushed rows: at commit)
-    if not fresh:
-        return
-    for row in fresh:
-        if row in session:
-            session.expunge(row)
+_OUTBOX = cast(Table, OutboxRow.__table__)
+_CLAIMED_COLUMNS = frozenset({"topic", "key", "payload", "created_at", "claimed_until"})
+
+
+async def _insert_claimed(tx: CoreTx, rows: list[OutboxRow], until: datetime) -> None:
+    """Write ``rows`` claimed by this relay until ``until`` in one statement, giving each
+    its id in the order they were enqueued (so the sweep's id order is the enqueue order)."""
     created = utcnow()
     values = [
         {"topic": r.topic, "key": r.key, "payload": r.payload, "created_at": created, "claimed_until": until}
-        for r in fresh
+        for r in rows
     ]
-    conn = await session.connection()
-    result = await conn.execute(_INSERT_RETURNING_ID, values)
-    for row, (row_id,) in zip(fresh, result, strict=True):
+    for row, (row_id,) in zip(rows, await tx.insert_many(_OUTBOX, _CLAIMED_COLUMNS, values), strict=True):
         row.id = row_id
         row.created_at = created
-
-
-# Built once: a statement object keeps its cache key, so executing it again costs no compilation.
-_INSERT_RETURNING_ID = insert(OutboxRow).returning(OutboxRow.id, sort_by_parameter_order=True)
+        row.claimed_until = until
 
 
 class OutboxRelay:
@@ -127,7 +121,7 @@ class OutboxRelay:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
-        """A transaction whose outbox rows are published as soon as it commits."""
+        """An ORM session's transaction whose outbox rows are published as soon as it commits."""
         ids: set[int] = set()
         try:
             async with self.db.session() as session:
@@ -135,15 +129,37 @@ class OutboxRelay:
                 yield session
                 rows: list[OutboxRow] = session.info.pop(_ROWS, [])
                 if rows:
-                    await _insert_claimed(session, rows, utcnow() + timedelta(seconds=self.claim_s))
-                    # Claimed before the commit makes them visible, so the sweep never sees them unclaimed.
-                    ids = {r.id for r in rows}
-                    self._claimed |= ids
+                    ids = await self._claim(await SessionTx.of(session), rows)
         except BaseException:
             self._claimed -= ids
             raise
         if rows:
             await self._publish_committed(rows, ids)
+
+    @asynccontextmanager
+    async def core(self) -> AsyncIterator[CoreTx]:
+        """:meth:`transaction` for Core statements only (``Database.core``)."""
+        ids: set[int] = set()
+        try:
+            async with self.db.core() as tx:
+                tx.info[_RELAYED] = True
+                yield tx
+                rows: list[OutboxRow] = tx.info.pop(_ROWS, [])
+                if rows:
+                    ids = await self._claim(tx, rows)
+        except BaseException:
+            self._claimed -= ids
+            raise
+        if rows:
+            await self._publish_committed(rows, ids)
+
+    async def _claim(self, tx: CoreTx, rows: list[OutboxRow]) -> set[int]:
+        """Insert ``rows`` claimed, before the commit makes them visible, so the sweep
+        never sees them unclaimed."""
+        await _insert_claimed(tx, rows, utcnow() + timedelta(seconds=self.claim_s))
+        ids = {r.id for r in rows}
+        self._claimed |= ids
+        return ids
 
     async def _publish_committed(self, rows: Sequence[OutboxRow], ids: set[int]) -> None:
         try:

@@ -23,16 +23,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from deploy_e2e import Api, Summary, small_spec, wait_until  # noqa: E402 - the scripts folder above
+
 PROJECT = "temper-compose-test"
 FILES = ["-f", "docker-compose.yml", "-f", "deploy/compose/local-servers.yml"]
-TASKSET = ROOT / "examples" / "tasksets" / "arithmetic.jsonl"
+TASKSETS = ROOT / "examples" / "tasksets"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "temper.json"
 # Published port variable -> the service whose container port it maps.
 PORTS = {
@@ -50,27 +52,6 @@ PORTS = {
 }
 # The services Prometheus scrapes (deploy/prometheus/prometheus.yml), by port variable.
 SCRAPED = ["DISPATCHER_PORT", "GATEWAY_PORT", "SANDBOX_WORKER_PORT", "REWARD_SCORER_PORT", "TRAINER_PORT"]
-
-
-class Summary:
-    def __init__(self) -> None:
-        self.rows: list[tuple[bool, str, str]] = []
-        self.t0 = time.monotonic()
-
-    def check(self, ok: bool, what: str, detail: str = "") -> bool:
-        self.rows.append((ok, what, detail))
-        print(f"[compose-test] {'ok  ' if ok else 'FAIL'} {what} {detail}", flush=True)
-        return ok
-
-    @property
-    def failed(self) -> bool:
-        return not self.rows or any(not ok for ok, _, _ in self.rows)
-
-    def print(self) -> None:
-        print(f"\ncompose-test summary ({time.monotonic() - self.t0:.0f}s):")
-        for ok, what, detail in self.rows:
-            print(f"  {'ok  ' if ok else 'FAIL'}  {what}" + (f": {detail}" if detail else ""))
-        print("compose-test: " + ("FAILED" if self.failed else "all passed"))
 
 
 def free_ports(n: int) -> list[int]:
@@ -108,17 +89,6 @@ def containers(env: dict[str, str]) -> dict[str, dict[str, Any]]:
     return {c["Config"]["Labels"]["com.docker.compose.service"]: c["State"] for c in json.loads(out)}
 
 
-def wait_until(what: str, predicate: Callable[[], Any], timeout_s: float, every_s: float = 2.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:.0f}s")
-        time.sleep(every_s)
-
-
 def wait_healthy(env: dict[str, str], summary: Summary, timeout_s: float) -> bool:
     one_shots = {"migrate", "kafka-init", "minio-init"}
     last: dict[str, dict[str, Any]] = {}
@@ -153,80 +123,17 @@ def wait_healthy(env: dict[str, str], summary: Summary, timeout_s: float) -> boo
     return True
 
 
-def small_spec(taskset: str) -> dict[str, Any]:
-    """tests/faults/harness.py's small job on the compose gateway's model: single-turn
-    arithmetic on the tiny random policy, two iterations, every group trained."""
-    return {
-        "name": "compose-test",
-        "policy": {"model": "temper-policy", "sampling": {"temperature": 1.0, "max_tokens": 12}},
-        "tasks": {"taskset": taskset, "group_size": 4, "curriculum": "uniform"},
-        "environment": {"kind": "math", "max_turns": 1, "system_prompt": ""},
-        "rewards": {"answer_match": 1.0},
-        "algorithm": {
-            "learning_rate": 0.001,
-            "groups_per_step": 2,
-            "checkpoint_every": 1,
-            "skip_zero_variance": False,
-        },
-        "schedule": {
-            "iterations": 2,
-            "episodes_per_iteration": 8,
-            "max_concurrent_episodes": 8,
-            "max_staleness": 1,
-        },
-    }
-
-
 def run_job(env: dict[str, str], ports: dict[str, int], summary: Summary) -> str | None:
     """Tenant, key, taskset and job over REST; the job id once it completed."""
-    base = f"http://127.0.0.1:{ports['DISPATCHER_PORT']}/v1"
-    admin = {"Authorization": f"Bearer {env['TEMPER_BOOTSTRAP_KEY']}"}
-    with httpx.Client(timeout=60) as http:
-        r = http.post(
-            f"{base}/tenants", headers=admin, json={"name": "Compose Test", "max_concurrent_episodes": 64}
-        )
-        if not summary.check(
-            r.status_code == 201, "tenant and key created (admin key)", f"HTTP {r.status_code}"
-        ):
-            print(r.text)
-            return None
-        made = r.json()
-        tenant, key = made["tenant"]["id"], made["key"]["key"]
-        auth = {"Authorization": f"Bearer {key}"}
-        r = http.post(
-            f"{base}/tasksets",
-            params={"name": "arithmetic", "validate": "false"},
-            content=TASKSET.read_bytes(),
-            headers={**auth, "Content-Type": "application/x-ndjson"},
-        )
-        if not summary.check(r.status_code in (200, 201), "taskset uploaded", f"HTTP {r.status_code}"):
-            print(r.text)
-            return None
-        r = http.post(f"{base}/jobs", headers=auth, json=small_spec(r.json()["id"]))
-        if not summary.check(r.status_code in (200, 201, 202), "job submitted", f"HTTP {r.status_code}"):
-            print(r.text)
-            return None
-        job_id = r.json()["id"]
-        t0 = time.monotonic()
-        job: dict[str, Any] = {}
-
-        def finished() -> bool:
-            nonlocal job
-            job = http.get(f"{base}/jobs/{job_id}", headers=auth).json()
-            return job.get("state") in {"completed", "failed", "cancelled"}
-
-        try:
-            wait_until("the job to finish", finished, 600, every_s=3)
-        except TimeoutError as exc:
-            summary.check(False, "job completed", f"{exc}; last: {json.dumps(job)[:400]}")
-            return None
-        if not summary.check(
-            job["state"] == "completed", "job completed", f"{job['state']} in {time.monotonic() - t0:.0f}s"
-        ):
-            print(json.dumps(job, indent=1)[:2000])
-            return None
-        env["_TENANT"], env["_KEY"] = tenant, key
-        return job_id
+    api = Api(
+        f"http://127.0.0.1:{ports['DISPATCHER_PORT']}", env["TEMPER_BOOTSTRAP_KEY"], "Compose Test", summary
+    )
+    taskset = api.upload_taskset(TASKSETS / "arithmetic.jsonl", "arithmetic")
+    job_id = api.submit(small_spec(taskset, name="compose-test"))
+    if api.wait_finished(job_id) is None:
+        return None
+    env["_TENANT"], env["_KEY"] = api.tenant, api.key
+    return job_id
 
 
 def check_trajectories(env: dict[str, str], ports: dict[str, int], job_id: str, summary: Summary) -> None:
@@ -338,7 +245,7 @@ def check_dashboard(ports: dict[str, int], summary: Summary) -> None:
 
 
 def main() -> int:
-    summary = Summary()
+    summary = Summary("compose-test")
     run(summary)
     summary.print()
     return 1 if summary.failed else 0

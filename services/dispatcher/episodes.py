@@ -24,6 +24,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher import deadlines, leases, repo
 from services.dispatcher.turns import Turns
-from temper import metrics
+from temper import faults, metrics
 from temper.clock import utcnow
 from temper.db import Database, Episode, Job, Step, Task, rows
+from temper.db.core import CoreTx, core_of
 from temper.envs import Environment, make_environment
 from temper.events import InferenceResult, Message, SandboxResult
 from temper.jobspec import PACKAGE_KIND, JobSpec
@@ -98,6 +100,16 @@ def is_current(ep: Episode | None, step: Step | None, message: Message, state: E
     return None
 
 
+@dataclass
+class _EnvOf:
+    """A job's environment on one task, and its first prompt once rendered."""
+
+    spec: JobSpec
+    task: Task
+    env: Environment
+    first_prompt: list[int] | None = None
+
+
 class EpisodeMachine:
     """Drives episodes from result to result. Stateless between calls except for caches
     of immutable rows (job specs, tasks), so any replica can handle any episode."""
@@ -110,6 +122,7 @@ class EpisodeMachine:
         *,
         tokenizer: ChatTokenizer | None = None,
         transaction: Callable[[], AbstractAsyncContextManager[AsyncSession]] | None = None,
+        core: Callable[[], AbstractAsyncContextManager[CoreTx]] | None = None,
     ) -> None:
         init_metrics()
         self.db = db
@@ -118,10 +131,13 @@ class EpisodeMachine:
         self.tok = tokenizer  # fixed by a caller (tests); else each job's policy tokenizer
         self.tokenizer_cache = Path(tempfile.gettempdir()) / "temper-tokenizers"
         self.turns = Turns(settings, self.tok_of)
-        # The relay's transaction() publishes a handler's commands as soon as it commits.
+        # The relay's transaction() and core() publish a handler's commands as soon as it commits.
         self._transaction = transaction or db.session
+        self._core = core or db.core
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
         self._tasks: OrderedDict[str, Task] = OrderedDict()
+        self._toks: OrderedDict[int, tuple[JobSpec, ChatTokenizer]] = OrderedDict()
+        self._envs: OrderedDict[tuple[int, str], _EnvOf] = OrderedDict()
         # SQLite has one writer: serialise this process's transactions instead of retrying "locked".
         self._sqlite_lock = asyncio.Lock() if db.is_sqlite else None
         self.ignored = 0  # results acknowledged without effect (duplicates, stale attempts)
@@ -131,8 +147,9 @@ class EpisodeMachine:
     # --- plumbing ------------------------------------------------------------------------------
     @asynccontextmanager
     async def tx(self) -> AsyncIterator[AsyncSession]:
-        """One transaction; the rows staged on it are written before it commits
-        (``Database.session``), and its outbox rows are published once it has."""
+        """One ORM session's transaction (the scheduler's: jobs are ORM rows); the rows
+        staged on it are written before it commits (``Database.session``), and its outbox
+        rows are published once it has."""
         if self._sqlite_lock is not None:
             async with self._sqlite_lock, self._transaction() as session:
                 yield session
@@ -140,14 +157,32 @@ class EpisodeMachine:
             async with self._transaction() as session:
                 yield session
 
-    def tok_of(self, spec: JobSpec) -> ChatTokenizer:
-        return self.tok or policy_tokenizer(spec.policy.model, spec.policy.init)
+    @asynccontextmanager
+    async def core_tx(self) -> AsyncIterator[CoreTx]:
+        """One transaction of Core statements (results, rewards, the reaper): on Postgres
+        straight on asyncpg (``temper.db.core``); staged rows and outbox rows as :meth:`tx`."""
+        if self._sqlite_lock is not None:
+            async with self._sqlite_lock, self._core() as tx:
+                yield tx
+        else:
+            async with self._core() as tx:
+                yield tx
 
-    async def spec_of(self, session: AsyncSession, job_id: str) -> JobSpec:
+    def tok_of(self, spec: JobSpec) -> ChatTokenizer:
+        """The job's policy tokenizer (looked up once per cached spec: the lookup stats files)."""
+        if self.tok is not None:
+            return self.tok
+        found = self._toks.get(id(spec))
+        if found is None or found[0] is not spec:
+            found = self._toks[id(spec)] = (spec, policy_tokenizer(spec.policy.model, spec.policy.init))
+            while len(self._toks) > 1000:
+                self._toks.popitem(last=False)
+        return found[1]
+
+    async def spec_of(self, tx: CoreTx | AsyncSession, job_id: str) -> JobSpec:
         spec = self._specs.get(job_id)
         if spec is None:
-            conn = await session.connection()
-            raw = (await conn.execute(_JOB_SPEC, {"job_id": job_id})).scalar_one()
+            ((raw,),) = await (await core_of(tx)).rows(_JOB_SPEC, {"job_id": job_id})
             spec = JobSpec.model_validate(raw)
             await fetch_policy_tokenizer(
                 self.store, spec.policy.model, spec.policy.init, self.tokenizer_cache
@@ -157,13 +192,13 @@ class EpisodeMachine:
                 self._specs.popitem(last=False)
         return spec
 
-    async def task_of(self, session: AsyncSession, task_id: str) -> Task:
+    async def task_of(self, tx: CoreTx | AsyncSession, task_id: str) -> Task:
         task = self._tasks.get(task_id)
         if task is None:
-            conn = await session.connection()
-            row = (await conn.execute(_TASK, {"task_id": task_id})).first()
-            if row is None:
+            found = await (await core_of(tx)).rows(_TASK, {"task_id": task_id})
+            if not found:
                 raise LookupError(f"task {task_id} does not exist")
+            row = found[0]
             task = rows.loaded(Task, dict(zip(TASK_COLUMNS, row, strict=True)))
             self._tasks[task_id] = task
             while len(self._tasks) > 10_000:
@@ -171,6 +206,25 @@ class EpisodeMachine:
         return task
 
     def environment(self, spec: JobSpec, task: Task) -> Environment:
+        """The environment of a job's task: made once per cached spec and task (an
+        environment is stateless; making one validates its tools), then reused."""
+        found = self._envs.get((id(spec), task.id))
+        if found is None or found.spec is not spec or found.task is not task:
+            found = self._envs[(id(spec), task.id)] = _EnvOf(spec, task, self._make_environment(spec, task))
+            while len(self._envs) > 10_000:
+                self._envs.popitem(last=False)
+        return found.env
+
+    def first_prompt(self, spec: JobSpec, task: Task) -> list[int]:
+        """The first prompt of a job's episodes on ``task`` (rendered once: a group's
+        episodes share it). A copy: the caller's request owns it."""
+        env = self.environment(spec, task)
+        found = self._envs[(id(spec), task.id)]
+        if found.first_prompt is None:
+            found.first_prompt = env.first_prompt_ids(self.tok_of(spec))
+        return list(found.first_prompt)
+
+    def _make_environment(self, spec: JobSpec, task: Task) -> Environment:
         env = spec.environment
         return make_environment(
             env.kind or task.kind,
@@ -190,10 +244,10 @@ class EpisodeMachine:
         self.ignored += 1
         log_event(log, "result ignored", logging.DEBUG, why=why, kind=message.kind, attempt=message.attempt)
 
-    async def retry_or_fail(self, session: AsyncSession, ep: Episode, step: Step, reason: str) -> bool:
+    async def retry_or_fail(self, tx: CoreTx, ep: Episode, step: Step, reason: str) -> bool:
         """:func:`leases.retry_or_fail`, staging both rows; an episode that failed frees its slot."""
-        rows.stage(session, ep, step)
-        retried = await leases.retry_or_fail(session, self.settings, ep, step, reason)
+        rows.stage(tx, ep, step)
+        retried = await leases.retry_or_fail(tx, self.settings, ep, step, reason)
         if not retried:
             self.on_finished()
         return retried
@@ -201,7 +255,7 @@ class EpisodeMachine:
     # --- starting ------------------------------------------------------------------------------
     def start_episode(
         self,
-        session: AsyncSession,
+        session: rows.HasInfo,
         *,
         job: Job,
         spec: JobSpec,
@@ -249,9 +303,7 @@ class EpisodeMachine:
             created_at=now,
             updated_at=now,
         )
-        env = self.environment(spec, task)
-        prompt = env.first_prompt_ids(self.tok_of(spec))
-        request = self.turns.inference_request(ep, spec, prompt, turn=0)
+        request = self.turns.inference_request(ep, spec, self.first_prompt(spec, task), turn=0)
         step = self.turns.issue(session, ep, "inference", request)
         transition_episode(session, ep, E.awaiting_action)
         rows.stage(session, ep, step)
@@ -279,57 +331,55 @@ class EpisodeMachine:
         if not all(isinstance(m, wanted) for m in messages) or None in ids or len(set(ids)) < len(ids):
             raise ValueError("a batch is results of one kind, of distinct episodes")
         state = E.acting if kind == "sandbox" else E.awaiting_action
-        async with self.tx() as session:
-            conn = await session.connection()
-            locked = await repo.lock_episodes(conn, sorted(i for i in ids if i), kind)
+        async with self.core_tx() as tx:
+            locked = await repo.lock_episodes(tx, sorted(i for i in ids if i), kind)
             for msg in messages:
-                ep, step, inference = locked.get(msg.episode_id or "", (None, None, None))
                 with log_context(
                     job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt
                 ):
-                    await self._take(session, msg, ep, step, inference, state)
+                    await self._take(tx, msg, locked.get(msg.episode_id or ""), state)
+            await faults.hold("dispatcher.batch", work=len(messages), kind=kind)
 
     async def _take(
         self,
-        session: AsyncSession,
+        tx: CoreTx,
         msg: InferenceResult | SandboxResult,
-        ep: Episode | None,
-        step: Step | None,
-        inference: Step | None,
+        found: repo.Locked | None,
         state: EpisodeState,
     ) -> None:
+        ep, step, inference, prompt_tokens = found or (None, None, None, 0)
         why = is_current(ep, step, msg, state)
         if why:
             return self.ignore(why, msg)
         assert ep is not None and step is not None
         error = _inference_error(msg) if isinstance(msg, InferenceResult) else msg.error
         if error:
-            await self.retry_or_fail(session, ep, step, f"{step.kind}_error: {error}")
+            await self.retry_or_fail(tx, ep, step, f"{step.kind}_error: {error}")
             return None
-        spec = await self.spec_of(session, ep.job_id)
-        env = self.environment(spec, await self.task_of(session, ep.task_id))
+        spec = await self.spec_of(tx, ep.job_id)
+        env = self.environment(spec, await self.task_of(tx, ep.task_id))
         try:
             if isinstance(msg, SandboxResult):
                 assert inference is not None
-                issued = self.turns.take_sandbox(session, ep, step, inference, msg, spec, env)
+                issued = self.turns.take_sandbox(tx, ep, step, inference, msg, spec, env)
             else:
-                issued = self.turns.take_inference(session, ep, step, msg, spec, env)
+                issued = await self.turns.take_inference(tx, ep, step, msg, spec, env, prompt_tokens)
         except TemplateError as exc:
             # the chat template cannot render this turn: no retry renders it either, so the
             # episode fails now with the template's own error (never a lease expiry later)
-            self.template_failed(session, ep, step, exc)
-            rows.stage(session, ep, step, inference)
+            self.template_failed(tx, ep, step, exc)
+            rows.stage(tx, ep, step, inference)
             return None
-        rows.stage(session, ep, step, inference, issued)
+        rows.stage(tx, ep, step, inference, issued)
         return None
 
-    def template_failed(self, session: AsyncSession, ep: Episode, step: Step, exc: TemplateError) -> None:
+    def template_failed(self, tx: CoreTx, ep: Episode, step: Step, exc: TemplateError) -> None:
         """Fail ``ep`` at once with ``template_error: <the template's error>``; its result
         stays recorded on ``step``."""
         if step.state in WAITING:
             fail_step(step)
         reason = f"template_error: {exc}"[:2000]
-        transition_episode(session, ep, E.failed, reason=reason)
+        transition_episode(tx, ep, E.failed, reason=reason)
         log_event(log, "episode failed", logging.WARNING, reason=reason, attempts=step.attempt + 1)
         self.on_finished()
 
@@ -337,21 +387,23 @@ class EpisodeMachine:
     async def reap_expired(self, limit: int = 200) -> int:
         """Retry (or fail) every step whose lease expired, or end the episodes whose deadline
         it was (:meth:`end_at_deadline`); returns how many."""
-        reaped = await leases.reap_expired(self.tx, self.settings, limit, on_deadline=self.end_at_deadline)
+        reaped = await leases.reap_expired(
+            self.core_tx, self.settings, limit, on_deadline=self.end_at_deadline
+        )
         if reaped:
             self.on_finished()  # some may have failed
         return reaped
 
-    async def end_at_deadline(self, session: AsyncSession, ep: Episode, step: Step) -> Step:
+    async def end_at_deadline(self, tx: CoreTx, ep: Episode, step: Step) -> Step:
         """``ep`` reached its ``max_episode_s`` while ``step`` (an inference or sandbox step)
         was out: the step is given up (a late result is ignored), and the episode is scored
         with what it left. Returns the reward step."""
         fail_step(step)
-        spec = await self.spec_of(session, ep.job_id)
-        env = self.environment(spec, await self.task_of(session, ep.task_id))
+        spec = await self.spec_of(tx, ep.job_id)
+        env = self.environment(spec, await self.task_of(tx, ep.task_id))
         log_event(log, "episode reached its deadline", kind=step.kind, turn=ep.turn)
         # the answered step's result is not read here: the episode is scored on its workspace
-        return self.turns.end_early(session, ep, spec, env, None, deadlines.MAX_EPISODE_S)
+        return self.turns.end_early(tx, ep, spec, env, None, deadlines.MAX_EPISODE_S)
 
     def describe(self) -> dict[str, Any]:
         return {"ignored_results": self.ignored}

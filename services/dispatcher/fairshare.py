@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -33,9 +32,9 @@ IN_FLIGHT = (E.pending, E.awaiting_action, E.acting, E.scoring)
 QUOTA_REASON = "quota "  # how a job paused for a quota's reason starts
 
 
-def inference_tokens(request: dict[str, Any] | None, msg: InferenceResult) -> int:
+def inference_tokens(prompt_tokens: int, msg: InferenceResult) -> int:
     """Tokens one inference step used: its prompt and what was sampled."""
-    return len((request or {}).get("prompt_ids") or []) + len(msg.token_ids)
+    return prompt_tokens + len(msg.token_ids)
 
 
 def sandbox_cpu_s(msg: SandboxResult) -> float:

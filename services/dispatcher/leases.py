@@ -11,12 +11,11 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from services.dispatcher import repo
 from temper import metrics
 from temper.clock import utcnow
 from temper.db import Episode, Step, rows
+from temper.db.core import CoreTx
 from temper.events import InferenceRequest, Message, RewardRequest, SandboxRequest, Topics
 from temper.lifecycle import EpisodeState, fail_step, retry_step, transition_episode
 from temper.logs import log_context, log_event
@@ -51,13 +50,13 @@ def lease_until(settings: DispatcherSettings, kind: str, extra_s: float = 0.0) -
 
 
 async def retry_or_fail(
-    session: AsyncSession, settings: DispatcherSettings, ep: Episode, step: Step, reason: str
+    tx: CoreTx, settings: DispatcherSettings, ep: Episode, step: Step, reason: str
 ) -> bool:
     """Re-send ``step`` with the next attempt, or fail the episode once attempts run out
     (both written by the caller's ``rows.write``). Returns True when it retried."""
     if step.attempt + 1 < settings.max_step_attempts:
         if "request" not in rows.loaded_columns(step):  # the hot path's query leaves it out
-            await rows.load(await session.connection(), step, "request")
+            await rows.load(tx, step, "request")
         retry_step(step, lease_expires_at=lease_until(settings, step.kind))
         ep.attempt = step.attempt
         ep.lease_expires_at = step.lease_expires_at
@@ -70,20 +69,20 @@ async def retry_or_fail(
         if step.kind == "sandbox":
             payload["snapshot_key"] = ep.snapshot_key
         message = REQUEST_TYPES[step.kind].model_validate(payload)
-        enqueue(session, TOPIC_FOR_KIND[step.kind], message)
+        enqueue(tx, TOPIC_FOR_KIND[step.kind], message)
         log_event(log, "step retried", logging.WARNING, kind=step.kind, attempt=step.attempt, reason=reason)
         return True
     fail_step(step)
-    transition_episode(session, ep, E.failed, reason=f"{reason} (after {step.attempt + 1} attempts)")
+    transition_episode(tx, ep, E.failed, reason=f"{reason} (after {step.attempt + 1} attempts)")
     log_event(log, "episode failed", logging.WARNING, reason=reason, attempts=step.attempt + 1)
     return False
 
 
-OnDeadline = Callable[[AsyncSession, Episode, Step], Awaitable[Step]]
+OnDeadline = Callable[[CoreTx, Episode, Step], Awaitable[Step]]
 
 
 async def reap_expired(
-    transaction: Callable[[], AbstractAsyncContextManager[AsyncSession]],
+    transaction: Callable[[], AbstractAsyncContextManager[CoreTx]],
     settings: DispatcherSettings,
     limit: int = 200,
     *,
@@ -93,25 +92,22 @@ async def reap_expired(
     many. A step of an episode past its deadline (its lease ends there) is not retried:
     ``on_deadline`` ends the episode and returns the step it issues. Another replica's
     reaper skips the episodes this one locked."""
-    async with transaction() as session:
-        conn = await session.connection()
-        ids = await repo.expired_episodes(conn, utcnow(), limit)
+    async with transaction() as tx:
+        ids = await repo.expired_episodes(tx, utcnow(), limit)
         metrics.EPISODES_STUCK.set(len(ids))
-        locked = await repo.lock_episodes(conn, sorted(ids), None)
+        locked = await repo.lock_episodes(tx, sorted(ids), None)
         touched: list[Episode | Step | None] = []
-        for ep, step, _ in locked.values():
+        for ep, step, _, _ in locked.values():
             kind = repo.KIND_OF_STATE[EpisodeState(ep.state)]
             touched += [ep, step]
             with log_context(job_id=ep.job_id, episode_id=ep.id, turn=ep.turn):
                 metrics.STEP_LEASES_EXPIRED.labels(kind).inc()
                 if step is None:  # cannot happen unless rows were edited by hand
-                    transition_episode(session, ep, E.failed, reason=f"lease_expired: no {kind} step")
+                    transition_episode(tx, ep, E.failed, reason=f"lease_expired: no {kind} step")
                     continue
                 if on_deadline is not None and kind != "reward" and past_deadline(ep):
-                    touched.append(await on_deadline(session, ep, step))
+                    touched.append(await on_deadline(tx, ep, step))
                     continue
-                await retry_or_fail(
-                    session, settings, ep, step, f"lease_expired: {kind} step of turn {ep.turn}"
-                )
-        await rows.write(conn, touched)
+                await retry_or_fail(tx, settings, ep, step, f"lease_expired: {kind} step of turn {ep.turn}")
+        await rows.write(tx, touched)
         return len(ids)

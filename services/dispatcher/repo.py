@@ -15,13 +15,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Select, String, and_, any_, bindparam, case, func, select
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from temper.db import Episode, Step, TrainedTrajectory, rows
+from temper.db.core import CoreTx, one_of
 from temper.lifecycle import EPISODE_FINISHED, EpisodeState
 
 E = EpisodeState
@@ -31,12 +32,23 @@ STEP_COLUMNS = rows.columns(Step)
 ANSWERED_COLUMNS = tuple(c for c in STEP_COLUMNS if c not in ("request", "result"))
 KIND_OF_STATE = {E.awaiting_action: "inference", E.acting: "sandbox", E.scoring: "reward"}
 
-Locked = tuple[Episode, Step | None, Step | None]
+
+class Locked(NamedTuple):
+    """A locked episode, the step its result answers (None: none of that turn and kind),
+    for a sandbox step that turn's inference step, and for an inference step the length of
+    its prompt (counted by the database: the prompt's JSON is not read back)."""
+
+    ep: Episode
+    step: Step | None
+    inference: Step | None = None
+    prompt_tokens: int = 0
 
 
-def _answered_columns(kind: str | None) -> tuple[str, ...]:
-    """The answered step's columns: an inference step's request counts its prompt tokens."""
-    return (*ANSWERED_COLUMNS, "request") if kind == "inference" else ANSWERED_COLUMNS
+def _prompt_tokens(step: Any, postgres: bool) -> Any:
+    """The length of an inference step's ``request.prompt_ids``, computed in the query."""
+    if postgres:
+        return func.json_array_length(step.c.request["prompt_ids"])
+    return func.json_array_length(step.c.request, "$.prompt_ids")
 
 
 def _locking(*, postgres: bool, kind: str | None, with_inference: bool) -> Select[Any]:
@@ -51,8 +63,9 @@ def _locking(*, postgres: bool, kind: str | None, with_inference: bool) -> Selec
     joined = ep.outerjoin(
         step, and_(step.c.episode_id == ep.c.id, step.c.turn == ep.c.turn, step.c.kind == kind_of)
     )
-    answered = _answered_columns(kind)
-    columns = [*(ep.c[c] for c in EPISODE_COLUMNS), *(step.c[c] for c in answered)]
+    columns = [*(ep.c[c] for c in EPISODE_COLUMNS), *(step.c[c] for c in ANSWERED_COLUMNS)]
+    if kind == "inference":
+        columns.append(_prompt_tokens(step, postgres))
     if with_inference:
         inference = Step.__table__.alias("inference")
         joined = joined.outerjoin(
@@ -79,33 +92,32 @@ _LOCKING = {
 }
 
 
-async def lock_episodes(
-    conn: AsyncConnection, episode_ids: Sequence[str], kind: str | None
-) -> dict[str, Locked]:
+async def lock_episodes(tx: CoreTx, episode_ids: Sequence[str], kind: str | None) -> dict[str, Locked]:
     """The episodes ``episode_ids``, locked in id order (Postgres; SQLite has one writer),
     each with its step of ``kind`` (None: the kind its state waits on) of its current turn
     and, for a sandbox step, that turn's inference step: one query for all of them."""
     if not episode_ids:
         return {}
-    query = _LOCKING[(conn.dialect.name != "sqlite", kind)]
-    answered = _answered_columns(kind)
-    n_ep, n_step = len(EPISODE_COLUMNS), len(answered)
+    query = _LOCKING[(tx.dialect != "sqlite", kind)]
+    n_ep, n_step = len(EPISODE_COLUMNS), len(ANSWERED_COLUMNS)
     found: dict[str, Locked] = {}
-    for row in await conn.execute(query, {"ids": list(episode_ids), **({"kind": kind} if kind else {})}):
-        values = tuple(row)
+    for values in await tx.rows(query, {"ids": list(episode_ids), **({"kind": kind} if kind else {})}):
         ep = rows.loaded(Episode, dict(zip(EPISODE_COLUMNS, values[:n_ep], strict=True)))
-        step = rows.loaded_from(Step, answered, values[n_ep : n_ep + n_step])
-        inference = (
-            rows.loaded_from(Step, STEP_COLUMNS, values[n_ep + n_step :]) if kind == "sandbox" else None
-        )
-        found[ep.id] = (ep, step, inference)
+        step = rows.loaded_from(Step, ANSWERED_COLUMNS, values[n_ep : n_ep + n_step])
+        rest = values[n_ep + n_step :]
+        if kind == "sandbox":
+            found[ep.id] = Locked(ep, step, rows.loaded_from(Step, STEP_COLUMNS, rest))
+        elif kind == "inference":
+            found[ep.id] = Locked(ep, step, None, int(rest[0] or 0))
+        else:
+            found[ep.id] = Locked(ep, step)
     return found
 
 
 _EXPIRED = (
     select(Episode.__table__.c.id)
     .where(
-        Episode.__table__.c.state.in_([s.value for s in KIND_OF_STATE]),
+        one_of(Episode.__table__.c.state, [s.value for s in KIND_OF_STATE]),
         Episode.__table__.c.lease_expires_at < bindparam("now"),
     )
     .order_by(Episode.__table__.c.lease_expires_at)
@@ -113,11 +125,14 @@ _EXPIRED = (
 )
 
 
-async def expired_episodes(conn: AsyncConnection, now: Any, limit: int) -> list[str]:
+_EXPIRED_SKIP_LOCKED = _EXPIRED.with_for_update(skip_locked=True)
+
+
+async def expired_episodes(tx: CoreTx, now: Any, limit: int) -> list[str]:
     """Ids of episodes whose waiting step's lease ran out, oldest first, skipping those
     another replica has locked (Postgres)."""
-    query = _EXPIRED if conn.dialect.name == "sqlite" else _EXPIRED.with_for_update(skip_locked=True)
-    return [r[0] for r in await conn.execute(query, {"now": now, "limit": limit})]
+    query = _EXPIRED if tx.dialect == "sqlite" else _EXPIRED_SKIP_LOCKED
+    return [r[0] for r in await tx.rows(query, {"now": now, "limit": limit})]
 
 
 # --- the scheduler's -------------------------------------------------------------------------

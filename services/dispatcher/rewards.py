@@ -16,14 +16,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from services.dispatcher import repo
 from services.dispatcher.episodes import EpisodeMachine, is_current
 from services.dispatcher.trajectories import build_trajectory
 from services.dispatcher.turns import observe_step
 from temper.clock import utcnow
 from temper.db import Episode, Step, rows
+from temper.db.core import CoreTx
 from temper.episode_log import build_episode_log, log_key
 from temper.episode_steps import read_steps_of
 from temper.events import LifecycleEvent, RewardResult, Topics, TrajectoryReady
@@ -62,12 +61,11 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
         raise ValueError("a batch of reward results is of distinct episodes")
     scored: list[_Scored] = []
     puts = []
-    async with machine.tx() as session:
-        conn = await session.connection()
-        locked = await repo.lock_episodes(conn, sorted(i for i in ids if i), "reward")
-        steps_of = await read_steps_of(conn, machine.store, [ep for ep, _, _ in locked.values()])
+    async with machine.core_tx() as tx:
+        locked = await repo.lock_episodes(tx, sorted(i for i in ids if i), "reward")
+        steps_of = await read_steps_of(tx, machine.store, [found.ep for found in locked.values()])
         for msg in messages:
-            ep, step, _ = locked.get(msg.episode_id or "", (None, None, None))
+            ep, step, _, _ = locked.get(msg.episode_id or "") or (None, None, None, 0)
             with log_context(
                 job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt
             ):
@@ -77,10 +75,10 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
                     continue
                 assert ep is not None and step is not None
                 if msg.error:
-                    await machine.retry_or_fail(session, ep, step, f"reward_error: {msg.error}")
+                    await machine.retry_or_fail(tx, ep, step, f"reward_error: {msg.error}")
                     continue
                 steps = steps_of[ep.id]
-                tok = machine.tok_of(await machine.spec_of(session, ep.job_id))
+                tok = machine.tok_of(await machine.spec_of(tx, ep.job_id))
                 trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
                 key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
                 # The log beside it, in one write: every step's sandbox output, timings and reward.
@@ -95,12 +93,11 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
     if not scored:
         return
     await asyncio.gather(*puts)
-    async with machine.tx() as session:
-        conn = await session.connection()
-        locked = await repo.lock_episodes(conn, sorted(s.msg.episode_id or "" for s in scored), "reward")
+    async with machine.core_tx() as tx:
+        locked = await repo.lock_episodes(tx, sorted(s.msg.episode_id or "" for s in scored), "reward")
         for item in scored:
             msg = item.msg
-            ep, step, _ = locked.get(msg.episode_id or "", (None, None, None))
+            ep, step, _, _ = locked.get(msg.episode_id or "") or (None, None, None, 0)
             with log_context(
                 job_id=msg.job_id, episode_id=msg.episode_id, turn=msg.turn, attempt=msg.attempt
             ):
@@ -109,12 +106,12 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
                     machine.ignore(why, msg)
                     continue
                 assert ep is not None and step is not None
-                _score(session, ep, step, item)
+                _score(tx, ep, step, item)
     for _ in scored:
         machine.on_finished()
 
 
-def _score(session: AsyncSession, ep: Episode, step: Step, item: _Scored) -> None:
+def _score(tx: CoreTx, ep: Episode, step: Step, item: _Scored) -> None:
     """Record the reward, move the episode to ``scored``, write ``TrajectoryReady``, the
     ``episode.reward`` event and the task's outcome."""
     msg, key, trajectory = item.msg, item.key, item.trajectory
@@ -125,9 +122,9 @@ def _score(session: AsyncSession, ep: Episode, step: Step, item: _Scored) -> Non
     ep.rewards = components
     ep.trajectory_key = key
     ep.timings = {**ep.timings, **trajectory.timings}
-    transition_episode(session, ep, E.scored)
+    transition_episode(tx, ep, E.scored)
     enqueue(
-        session,
+        tx,
         Topics.EVENTS,
         LifecycleEvent(
             event="episode.reward",
@@ -146,7 +143,7 @@ def _score(session: AsyncSession, ep: Episode, step: Step, item: _Scored) -> Non
         ),
     )
     enqueue(
-        session,
+        tx,
         Topics.TRAJECTORIES,
         TrajectoryReady(
             job_id=ep.job_id,
@@ -168,5 +165,5 @@ def _score(session: AsyncSession, ep: Episode, step: Step, item: _Scored) -> Non
         passed=ok,
         reward=msg.reward,
     )
-    rows.stage(session, ep, step, outcome)
+    rows.stage(tx, ep, step, outcome)
     log_event(log, "episode scored", reward=msg.reward, passed=ok, turns=ep.turn + 1)

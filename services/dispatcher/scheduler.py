@@ -62,10 +62,14 @@ def task_weight(attempts: int, passes: int, curriculum: Curriculum) -> float:
     return LEARNABLE_WEIGHT if 0.0 < rate < 1.0 else SETTLED_WEIGHT
 
 
-def versions_per_iteration(spec: JobSpec) -> float:
-    """Policy versions a trainer produces per iteration: groups / (groups per step x steps per checkpoint)."""
-    groups = spec.schedule.episodes_per_iteration / spec.tasks.group_size
-    return groups / (spec.algorithm.groups_per_step * spec.algorithm.checkpoint_every)
+def trained_at(spec: JobSpec, version: int, untrained_groups: int) -> int:
+    """The trainer's version when it steps on the last group of an iteration started now:
+    ``version`` (its newest) plus one for every ``groups_per_step x checkpoint_every`` groups
+    ahead of that group (the ``untrained_groups`` of earlier iterations, then the
+    iteration's own)."""
+    own = math.ceil(spec.schedule.episodes_per_iteration / spec.tasks.group_size)
+    per_version = spec.algorithm.groups_per_step * spec.algorithm.checkpoint_every
+    return version + (untrained_groups + own - 1) // per_version
 
 
 def init_job_metrics(job_id: str) -> None:
@@ -432,19 +436,24 @@ class Scheduler:
         return int(await s.scalar(query) or 0)
 
     async def _fresh_enough(self, s: AsyncSession, job: Job, spec: JobSpec, iteration: int) -> bool:
-        """May episodes of ``iteration`` start? Their behaviour version is the one the
-        gateway serves the job (confirmed by its backends, :func:`served_version`; not the
-        trainer's newest, which the gateway may not have loaded yet); the trainer will learn
-        from them at about ``iteration x versions_per_iteration``; the gap must stay within
-        ``max_staleness``. If the trainer holds too few groups to make a step (it skipped
-        zero-variance groups, or waits for a full batch), waiting would deadlock, so the
-        gate opens."""
+        """May episodes of ``iteration`` start? They are generated on at least the version the
+        gateway serves the job now (confirmed by its backends, :func:`served_version`; not the
+        trainer's newest, which the gateway may not have loaded yet), and trained once the
+        trainer has stepped through the groups still ahead of them: from the trainer's own
+        progress, at its version now plus one version per ``groups_per_step x
+        checkpoint_every`` groups ahead (:func:`trained_at`). The gap must stay within
+        ``max_staleness``, or the trainer would drop them as stale. (Counting versions from
+        the iteration number instead held every iteration until the one before had trained
+        once a group was skipped: skipped groups make fewer steps than iterations.) If the
+        gateway serves the trainer's version and the trainer holds too few groups to make a
+        step, waiting would deadlock, so the gate opens."""
         if not self.trainer_attached:
             return True
-        expected = math.floor(iteration * versions_per_iteration(spec) + 1e-9)
-        if expected - await served_version(s, job.id) <= spec.schedule.max_staleness:
+        untrained = await self._untrained_groups(s, job.id, iteration)
+        served = await served_version(s, job.id)
+        if trained_at(spec, job.policy_version, untrained) - served <= spec.schedule.max_staleness:
             return True
-        return await self._untrained_groups(s, job.id, iteration) < spec.algorithm.groups_per_step
+        return served >= job.policy_version and untrained < spec.algorithm.groups_per_step
 
     async def _training_done(self, s: AsyncSession, job: Job, spec: JobSpec) -> bool:
         """The trainer has read every scored episode and cannot step again without more."""

@@ -2,25 +2,27 @@
 command (a sandbox step, the next turn's inference, or the reward request) as a new step
 row and an outbox message, moving the episode with ``temper.lifecycle``.
 
-Nothing here reads or writes the database: the caller locked the rows, and writes what
-changed and the new steps (``Turns.issued``) with ``temper.db.rows.write`` in its
-transaction.
+Nothing here writes the database: the caller locked the rows, and writes what changed and
+the new steps with ``temper.db.rows.write`` in its transaction. The one read is the prompt
+of an inference step whose output was malformed (its next prompt extends it): the locking
+query leaves the answered step's request out, since every other path only counts it.
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
 from typing import Any
-
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher import deadlines
 from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s, sandbox_memory_gb_s
 from services.dispatcher.leases import TOPIC_FOR_KIND, lease_until
 from temper import metrics
 from temper.clock import utcnow
-from temper.db import Episode, Step
-from temper.envs import Environment, ParsedAction
+from temper.db import Episode, Step, rows
+from temper.db.core import CoreTx
+from temper.db.rows import HasInfo
+from temper.envs import Environment, EnvKind, ParsedAction
 from temper.events import (
     InferenceRequest,
     InferenceResult,
@@ -46,6 +48,38 @@ def observe_step(step: Step) -> None:
         metrics.TURN_SECONDS.labels(step.kind).observe(max(0.0, seconds))
 
 
+# What any sandbox can hold (file_size_mb and workspace_mb are at least 1 MiB): a workspace
+# this small is written by a session and by the scorer's fresh run alike.
+LONE_WRITE_MAX_BYTES = 512 * 1024
+
+
+def lone_write(env: Environment, action: ParsedAction, turn: int) -> dict[str, str] | None:
+    """The workspace a code episode ends with when its first and last action only writes a
+    file: the task's starting files with that file. A sandbox session would hold exactly
+    these (no earlier action ran, the environment has no setup program, nothing runs after
+    the write), and the reward's run writes its submission's files into a fresh sandbox
+    itself, so the reward is the same without a session. None for anything else: a command,
+    several of them, an earlier turn, a base64 file or a workspace past
+    :data:`LONE_WRITE_MAX_BYTES` (where a sandbox's limits could refuse the write)."""
+    command = action.command or {}
+    if (
+        env.kind != EnvKind.code
+        or turn != 0
+        or not (action.submit_after or env.is_last_turn(turn))
+        or action.more
+        or command.get("kind") != "write_file"
+        or command.get("encoding", "utf-8") != "utf-8"
+        or env.setup_actions()
+    ):
+        return None
+    path = posixpath.normpath(str(command.get("path") or ""))  # as a snapshot names it
+    files = {posixpath.normpath(p): text for p, text in env.setup_files().items()}
+    files[path] = str(command.get("content") or "")
+    if sum(len(text.encode()) for text in files.values()) > LONE_WRITE_MAX_BYTES:
+        return None
+    return files
+
+
 class Turns:
     """Builds the next command of an episode. ``tok_of`` gives a job's policy tokenizer."""
 
@@ -53,9 +87,7 @@ class Turns:
         self.settings = settings
         self.tok_of = tok_of
 
-    def issue(
-        self, session: AsyncSession, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0
-    ) -> Step:
+    def issue(self, tx: HasInfo, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0) -> Step:
         """A new step (attempt 0) and its command; the episode waits on it. The step is new:
         the caller writes it."""
         lease = deadlines.lease_end(ep, kind, lease_until(self.settings, kind, extra_s))
@@ -69,7 +101,7 @@ class Turns:
         ep.turn = message.turn or 0
         ep.attempt = 0
         ep.lease_expires_at = lease
-        enqueue(session, TOPIC_FOR_KIND[kind], message)
+        enqueue(tx, TOPIC_FOR_KIND[kind], message)
         return step
 
     def inference_request(
@@ -94,17 +126,19 @@ class Turns:
             partial_rollout=bool(ep.partial_rollouts),
         )
 
-    def take_inference(
+    async def take_inference(
         self,
-        session: AsyncSession,
+        tx: CoreTx,
         ep: Episode,
         step: Step,
         msg: InferenceResult,
         spec: JobSpec,
         env: Environment,
+        prompt_tokens: int,
     ) -> Step:
-        """Record the awaited inference result on ``step``; returns the step it issues."""
-        ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(step.request, msg)
+        """Record the awaited inference result on ``step`` (asked with a prompt of
+        ``prompt_tokens``); returns the step it issues."""
+        ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(prompt_tokens, msg)
         ep.model_tokens = (ep.model_tokens or 0) + len(msg.token_ids)
         tok = self.tok_of(spec)
         text = msg.text or tok.decode(msg.token_ids)
@@ -131,9 +165,15 @@ class Turns:
             ep.behaviour_version = oldest
         turn = step.turn
         if action.kind == "sandbox" and (why := deadlines.reached(ep, spec, utcnow(), inference_next=False)):
-            return self.end_early(session, ep, spec, env, step.result, why)
+            return self.end_early(tx, ep, spec, env, step.result, why)
         if action.kind == "sandbox":
             assert action.command is not None
+            files = lone_write(env, action, turn)
+            if files is not None:
+                # the episode ends with one write into its starting files: the scorer's fresh
+                # run writes the same files itself, so no session is started for it
+                ep.timings = {**ep.timings, "scored_without_session": True}
+                return self.issue_reward(tx, ep, spec, env, action, final_text=text, files=files)
             limits = env.limits or None
             request = SandboxRequest(
                 job_id=ep.job_id,
@@ -151,21 +191,23 @@ class Turns:
             # The lease covers the actions' own wall-clock limits on top of the hop.
             actions = 1 + len(action.more or [])
             wall_s = actions * float((limits or {}).get("wall_s", 0.0))
-            issued = self.issue(session, ep, "sandbox", request, extra_s=wall_s)
-            transition_episode(session, ep, E.acting)
+            issued = self.issue(tx, ep, "sandbox", request, extra_s=wall_s)
+            transition_episode(tx, ep, E.acting)
             return issued
         if not action.format_ok:
             ep.format_errors = (ep.format_errors or 0) + 1
         if action.kind == "submit" or env.is_last_turn(turn):
-            return self.issue_reward(session, ep, spec, env, action, final_text=text)
+            return self.issue_reward(tx, ep, spec, env, action, final_text=text)
         # A malformed action: its error is the observation, and the model tries again.
         observations = env.observe(action, None)
         step.result = {**(step.result or {}), "observation": observations[0]}
-        return self.next_turn(session, ep, spec, env, step, observations)
+        if "request" not in rows.loaded_columns(step):
+            await rows.load(tx, step, "request")
+        return self.next_turn(tx, ep, spec, env, step, observations)
 
     def take_sandbox(
         self,
-        session: AsyncSession,
+        tx: HasInfo,
         ep: Episode,
         step: Step,
         inference: Step,
@@ -194,14 +236,12 @@ class Turns:
         if msg.snapshot_key:
             ep.snapshot_key = msg.snapshot_key
         if action.submit_after or env.is_last_turn(step.turn):
-            return self.issue_reward(
-                session, ep, spec, env, action, final_text=inference.result.get("text", "")
-            )
-        return self.next_turn(session, ep, spec, env, inference, observations)
+            return self.issue_reward(tx, ep, spec, env, action, final_text=inference.result.get("text", ""))
+        return self.next_turn(tx, ep, spec, env, inference, observations)
 
     def next_turn(
         self,
-        session: AsyncSession,
+        tx: HasInfo,
         ep: Episode,
         spec: JobSpec,
         env: Environment,
@@ -221,20 +261,20 @@ class Turns:
             *env.observation_ids(self.tok_of(spec), sampled, observations, calls=calls),
         ]
         if why := deadlines.reached(ep, spec, utcnow(), inference_next=True):
-            return self.end_early(session, ep, spec, env, inference.result, why)
+            return self.end_early(tx, ep, spec, env, inference.result, why)
         if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
             # Out of context: score what there is.
             ep.timings = {**ep.timings, "context_full": True}
-            return self.end_early(session, ep, spec, env, inference.result, "context_full")
+            return self.end_early(tx, ep, spec, env, inference.result, "context_full")
         issued = self.issue(
-            session, ep, "inference", self.inference_request(ep, spec, prompt, turn=inference.turn + 1)
+            tx, ep, "inference", self.inference_request(ep, spec, prompt, turn=inference.turn + 1)
         )
-        transition_episode(session, ep, E.awaiting_action)
+        transition_episode(tx, ep, E.awaiting_action)
         return issued
 
     def end_early(
         self,
-        session: AsyncSession,
+        tx: HasInfo,
         ep: Episode,
         spec: JobSpec,
         env: Environment,
@@ -247,36 +287,42 @@ class Turns:
         ep.timings = {**ep.timings, "ended_by": why}
         result = result or {}
         action = ParsedAction.from_dict(result.get("action", {"kind": "invalid"}))
-        return self.issue_reward(session, ep, spec, env, action, final_text=result.get("text", ""))
+        return self.issue_reward(tx, ep, spec, env, action, final_text=result.get("text", ""))
 
     def issue_reward(
         self,
-        session: AsyncSession,
+        tx: HasInfo,
         ep: Episode,
         spec: JobSpec,
         env: Environment,
         action: ParsedAction,
         *,
         final_text: str,
+        files: dict[str, str] | None = None,
     ) -> Step:
+        """Ask for the episode's reward; ``files``: the workspace it ended with, when no
+        session holds it (:func:`lone_write`)."""
         format_ok = not ep.format_errors  # over every turn, this one included
+        submission = env.submission(
+            action if action.kind != "invalid" else None,
+            final_text=final_text,
+            snapshot_key=ep.snapshot_key,
+            session_id=ep.session_id or ep.id,
+        )
+        if files is not None:
+            submission = {**submission, "files": files}
         request = RewardRequest(
             job_id=ep.job_id,
             episode_id=ep.id,
             turn=ep.turn,
             task_id=ep.task_id,
             taskset_id=env.task.meta.get("task_set_id") or spec.tasks.taskset,
-            submission=env.submission(
-                action if action.kind != "invalid" else None,
-                final_text=final_text,
-                snapshot_key=ep.snapshot_key,
-                session_id=ep.session_id or ep.id,
-            ),
+            submission=submission,
             weights=dict(spec.rewards),
             turns_used=ep.turn + 1,
             max_turns=env.max_turns,
             format_ok=format_ok,
         )
-        issued = self.issue(session, ep, "reward", request)
-        transition_episode(session, ep, E.scoring)
+        issued = self.issue(tx, ep, "reward", request)
+        transition_episode(tx, ep, E.scoring)
         return issued

@@ -68,7 +68,12 @@ class RunResult:
 def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
     """One process: SQLite, the in-process bus, a local object store, logs to a file (the
     terminal shows progress), and the gateway serving the run's policy from an
-    in-process engine that batches a whole iteration's requests."""
+    in-process engine that batches a whole iteration's requests.
+
+    torch's threads are the process's: the engine's decoding and the trainer's steps run
+    at once (the next batch is generated while the last one trains), each with half the
+    cores (``TEMPER_TRAINER__THREADS`` sets it). With all of them each, two busy thread
+    pools on one machine's cores slow both down several times."""
     batch = spec.schedule.max_concurrent_episodes
     backend = BackendSpec(
         name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
@@ -89,6 +94,10 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
             max_inflight_per_backend=batch,
             checkpoint_cache_dir=str(run_dir / "checkpoints"),
         ),
+    )
+    threads = settings.trainer.threads or max(1, (os.cpu_count() or 2) // 2)
+    settings = settings.model_copy(
+        update={"trainer": settings.trainer.model_copy(update={"threads": threads})}
     )
     return in_one_process(settings, scheduler_interval_s=0.1, reaper_interval_s=0.5)
 

@@ -23,6 +23,7 @@ from services.inference_gateway.traces import InMemoryTraceStore, TraceStore
 from services.inference_gateway.versions import JobModel, ServedVersions
 from services.inference_gateway.vllm_backend import VLLMBackend
 from services.inference_gateway.weights import Weights
+from temper import faults
 from temper.events import InferenceRequest, InferenceResult, PolicyUpdate
 from temper.policy import ChatTokenizer
 from temper.policy.tokenizer import policy_tokenizer
@@ -170,6 +171,7 @@ class Inference:
             return InferenceResult(
                 **envelope, error=exc.reason, policy_version=self.confirmed(request.job_id) or 0
             )
+        await faults.hold("gateway.generate", episode_id=request.episode_id, turn=request.turn)
         return InferenceResult(
             **envelope,
             token_ids=res.token_ids,

@@ -143,8 +143,7 @@ class LocalBackend(Backend):
         )
 
     async def health(self) -> bool:
-        task = self.scheduler._task if self.scheduler is not None else None
-        return task is not None and not task.done()
+        return self.scheduler is not None and self.scheduler.running
 
     async def aclose(self) -> None:
         if self.scheduler is not None:

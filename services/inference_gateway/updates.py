@@ -152,19 +152,36 @@ class PolicyUpdates:
             ).scalars()
             newest = {row.job_id: row for row in rows}  # the last row of a job is its newest
         for job in jobs.values():
-            policy = (job.spec or {}).get("policy") or {}
-            if policy.get("model"):
-                self.inference.jobs.setdefault(
-                    job.id,
-                    JobModel(
-                        base=policy.get("init") or policy["model"], pool=policy.get("backend_pool", "default")
-                    ),
-                )
+            self._note_model(job)
         ordered = sorted(newest.values(), key=lambda r: (r.created_at, r.version))
         return [
             PolicyUpdate(job_id=r.job_id, version=r.version, checkpoint_key=r.checkpoint_key, step=r.step)
             for r in ordered
         ]
+
+    def _note_model(self, job: Job) -> None:
+        """Route ``job`` by the model its spec starts from (unless its requests said already)."""
+        policy = (job.spec or {}).get("policy") or {}
+        if policy.get("model"):
+            self.inference.jobs.setdefault(
+                job.id,
+                JobModel(
+                    base=policy.get("init") or policy["model"], pool=policy.get("backend_pool", "default")
+                ),
+            )
+
+    async def know_model(self, job_id: str) -> None:
+        """Before a version of ``job_id`` is loaded: the job's model, from the database when
+        neither its requests nor the start-up read gave it. An update the policy group
+        redelivers to a restarted gateway can come before both; without the model, a LoRA
+        version would go on backends serving another base."""
+        db = self.database()
+        if not job_id or job_id in self.inference.jobs or db is None:
+            return
+        async with db.session() as s:
+            job = await s.get(Job, job_id)
+        if job is not None:
+            self._note_model(job)
 
     async def ended_jobs(self) -> set[str]:
         """Of the jobs something is loaded or wanted for, those the database says ended (a
@@ -226,10 +243,17 @@ class PolicyUpdates:
         for attempt in range(1, attempts + 1):
             try:
                 await self.record_backends()
-                for current in await self.current_policies():
-                    self.offer(current)
+                current = await self.current_policies()
+                for update in current:
+                    self.offer(update)
                 await self.release_ended()
                 await self.apply_wanted()
+                # Said once, so a restart shows which versions it came back on.
+                log_event(
+                    log,
+                    "policy version loaded at start",
+                    versions={u.job_id: u.version for u in current},
+                )
                 return
             except asyncio.CancelledError:
                 raise
@@ -260,6 +284,7 @@ class PolicyUpdates:
         job = update.job_id or ""
         for attempt in range(1, self.retries + 1):
             try:
+                await self.know_model(job)
                 times = await self.inference.apply_update(update)
             except asyncio.CancelledError:
                 raise

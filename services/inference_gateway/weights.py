@@ -28,7 +28,7 @@ from services.inference_gateway.backends import Backend, BackendError
 from services.inference_gateway.checkpoints import fetch_checkpoint, fetch_model
 from services.inference_gateway.router import Router
 from services.inference_gateway.versions import JobModel, ServedVersions
-from temper import metrics, registry
+from temper import faults, metrics, registry
 from temper.events import PolicyUpdate
 from temper.logs import log_event
 from temper.policy.placement import origin_names
@@ -93,6 +93,12 @@ class Weights:
             kind = _kind(path)
             if kind == "lora":
                 todo = await self._lora_targets(job, model)
+                if not todo:
+                    pool = model.pool if model is not None else "default"
+                    raise Waiting(
+                        f"no backend of pool {pool!r} serves job {job!r}'s base model and none is free "
+                        f"to take it ({self.table.describe(pool)})"
+                    )
             else:
                 todo = await self._full_target(job, model)
             todo = [
@@ -103,6 +109,7 @@ class Weights:
             if not todo:
                 await self._confirm(job, model, update.version)
                 return {}
+            await faults.hold("gateway.load", job_id=job, version=update.version)
             results = await asyncio.gather(
                 *(
                     self.backend(n).load_weights(

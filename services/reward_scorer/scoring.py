@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from temper import metrics
+from temper import faults, metrics
 from temper.db import Database
 from temper.envpkg import grader as envpkg_grader
 from temper.events import RewardRequest, RewardResult
@@ -119,6 +119,7 @@ class SubmissionScorer:
             return RewardResult.model_validate(stored["result"])
         async with self._gate:
             result = await self.score(request)
+            await faults.hold("scorer.score", job_id=request.job_id, episode_id=request.episode_id)
         record = {"request": request.model_dump(mode="json"), "result": result.model_dump(mode="json")}
         await self.store.put(key, json.dumps(record).encode(), "application/json")
         return result

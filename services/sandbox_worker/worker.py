@@ -29,6 +29,7 @@ from services.sandbox_worker.schemas import (
     SessionCreated,
     SnapshotTaken,
 )
+from temper import faults
 from temper.events import SandboxRequest, SandboxResult
 from temper.logs import log_context
 from temper.sandbox import (
@@ -68,6 +69,11 @@ class SandboxWorker:
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._running = 0
         self._recent: OrderedDict[tuple[str, int, int], asyncio.Future[SandboxResult]] = OrderedDict()
+        # Steps whose actions ran and whose snapshot did not follow (its upload failed): a
+        # retry takes the snapshot, it does not run the actions on the workspace they changed.
+        self._acted: OrderedDict[tuple[str, int, int], tuple[dict[str, Any], list[dict[str, Any]]]] = (
+            OrderedDict()
+        )
         # Called with ``full`` each time a slot is taken or freed (the consumer's backpressure).
         self.load_listeners: list[Callable[[bool], None]] = []
 
@@ -143,6 +149,7 @@ class SandboxWorker:
         limits: SandboxLimits | None,
         compile_timeout_s: float,
         fetch: list[str] | tuple[str, ...] = (),
+        address_space: bool = False,
     ) -> ProgramResult:
         """``code`` compiled (where its language is) and run once where no other run was
         (``temper.sandbox.programs``), holding one action slot throughout; a failure of the
@@ -150,7 +157,7 @@ class SandboxWorker:
         raw = self._files(files, limits or self.settings.default_limits)
         program = run_program(
             self.manager, self.manager.languages[language], code, files=raw, stdin=stdin, limits=limits,
-            compile_timeout_s=compile_timeout_s, fetch=fetch,
+            compile_timeout_s=compile_timeout_s, fetch=fetch, address_space=address_space,
         )  # fmt: skip
         result: ProgramResult = await self._run(program)
         for step in (result.compile, result.run):
@@ -183,6 +190,7 @@ class SandboxWorker:
             result = await self._program(
                 body.language, body.code, files=body.files, stdin=body.stdin, limits=limits,
                 compile_timeout_s=body.compile_timeout, fetch=body.fetch_files,
+                address_space=body.memory_limit_MB > 0,  # a Python program meets MemoryError, as there
             )  # fmt: skip
         except LanguageUnavailable:
             raise  # a 422 naming ``language``, as SandboxFusion answers a language it lacks
@@ -197,8 +205,10 @@ class SandboxWorker:
     async def handle(self, request: SandboxRequest) -> SandboxResult:
         """Run one step for an episode. Idempotent by (episode, turn, attempt): a
         redelivered request gets the recorded result, a concurrent duplicate waits for the
-        first. A session this worker does not hold is restored from ``snapshot_key``."""
-        key = (request.episode_id or request.session_id, request.turn or 0, request.attempt)
+        first, and a retry after the step failed past its actions (the snapshot's upload)
+        does not run them again. A session this worker does not hold is restored from
+        ``snapshot_key``."""
+        key = step_key(request)
         fut = self._recent.get(key)
         if fut is not None:
             self._recent.move_to_end(key)
@@ -255,27 +265,33 @@ class SandboxWorker:
             if sid in self.manager.sessions:
                 await self.manager.destroy_session(sid, wait=False)
             return self._result(request)
-        if sid not in self.manager.sessions:
-            error = await self._open_session(request, limits)
-            if error is not None:
-                return self._result(request, error=error)
-        if request.keep_s is not None:  # kept until the episode's deadline, whatever it waits on
-            self.manager.keep(sid, request.keep_s)
-        result = await self.manager.act(sid, action)
-        more_results = [(await self.manager.act(sid, a)).model_dump(mode="json") for a in more or []]
+        key = step_key(request)
+        acted = self._acted.pop(key, None) if sid in self.manager.sessions else None
+        if acted is None:  # the actions have not run in this session yet
+            if sid not in self.manager.sessions:
+                error = await self._open_session(request, limits)
+                if error is not None:
+                    return self._result(request, error=error)
+            if request.keep_s is not None:  # kept until the episode's deadline, whatever it waits on
+                self.manager.keep(sid, request.keep_s)
+            result = (await self.manager.act(sid, action)).model_dump(mode="json")
+            await faults.hold("sandbox.act", episode_id=request.episode_id, turn=request.turn)
+            more_results = [(await self.manager.act(sid, a)).model_dump(mode="json") for a in more or []]
+            acted = (result, more_results)
         if request.keep_s is not None:  # from the step's end
             self.manager.keep(sid, request.keep_s)
         snapshot_key = None
         if request.snapshot_after and self.store is not None:
             turn = request.turn or 0
             snapshot_key = f"{self.settings.snapshot_prefix}/{sid}/turn-{turn:06d}-a{request.attempt}.tar.gz"
-            await self.manager.snapshot(sid, snapshot_key)
-        return self._result(
-            request,
-            result=result.model_dump(mode="json"),
-            more_results=more_results,
-            snapshot_key=snapshot_key,
-        )
+            try:
+                await self.manager.snapshot(sid, snapshot_key)
+            except BaseException:
+                self._acted[key] = acted
+                while len(self._acted) > IDEMPOTENCY_CACHE:
+                    self._acted.popitem(last=False)
+                raise
+        return self._result(request, result=acted[0], more_results=acted[1], snapshot_key=snapshot_key)
 
     async def _open_session(self, request: SandboxRequest, limits: SandboxLimits | None) -> str | None:
         """Make the session this worker lacks: restored from ``snapshot_key`` when the
@@ -313,6 +329,11 @@ class SandboxWorker:
                 )
                 return f"setup failed: {why}: {(r.stderr or r.stdout).strip()[-500:]}"
         return None
+
+
+def step_key(request: SandboxRequest) -> tuple[str, int, int]:
+    """What makes a step one: (episode, turn, attempt)."""
+    return (request.episode_id or request.session_id, request.turn or 0, request.attempt)
 
 
 def command_result(result: ExecResult) -> CommandRunResult:

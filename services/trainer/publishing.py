@@ -17,7 +17,7 @@ from services.trainer import ledger
 from services.trainer.buffer import TrainingJob
 from services.trainer.learners import publish_tokenizer
 from services.trainer.ranks import Ranks
-from temper import metrics, registry
+from temper import faults, metrics, registry
 from temper.bus.errors import DATABASE, NETWORK, OBJECT_STORE, unavailable_dependency
 from temper.db import Database, Job, PolicyVersion
 from temper.events import LifecycleEvent, PolicyUpdate, Topics
@@ -52,6 +52,7 @@ async def publish(
         key = await learner.publish_version(
             store, prefix, job_id=job.job_id, version=version, base_model=base_model, tokenizer=tokenizer
         )
+    await faults.hold("trainer.publish", job_id=job.job_id, version=version)
     summary = stats.as_dict() if stats is not None else {}
     async with db.session() as s:
         s.add(

@@ -61,7 +61,7 @@ from services.trainer.ledger import (
 from services.trainer.mismatch import record_canary
 from services.trainer.observe import init_job_metrics, observe_step
 from services.trainer.ranks import Ranks
-from temper import metrics
+from temper import faults, metrics
 from temper.bus import Poison
 from temper.db import Database, Job, PolicyVersion, TrainedTrajectory
 from temper.events import TrajectoryReady
@@ -359,6 +359,7 @@ class JobTrainer:
             await self._mark_skipped(job, episodes, SKIP_TRAIN_ERROR, groups=len(batch))
             log_event(log, "step skipped", logging.ERROR, job_id=job.job_id, error=repr(exc)[:300])
             return None
+        await faults.hold("trainer.step", work=len(episodes), job_id=job.job_id, step=stats.step)
         job.seconds_since_checkpoint += stats.seconds  # a step that learned nothing took time too
         await record_canary(self.db, job, stats)
         if stats.refused:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,28 @@ def test_unchanged_rules_pass_promtool(tmp_path: Path) -> None:
         [promtool, "test", "rules", "rules_test.yml"], cwd=PROM, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_scaler_naming_the_broker_without_its_namespace_fails(tmp_path: Path) -> None:
+    """KEDA's operator resolves bootstrapServers from its own namespace: a bare Service name
+    never resolves there (the ScaledObjects stayed unready on the first real cluster)."""
+    kustomize = shutil.which("kustomize") or str(Path.home() / ".cache/temper/bin/kustomize")
+    rendered = subprocess.run(
+        [kustomize, "build", "k8s/overlays/dev"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    check = [
+        sys.executable,
+        str(ROOT / "deploy" / "tools" / "deploycheck.py"),
+        "topics",
+    ]
+    good = tmp_path / "good.yaml"
+    good.write_text(rendered)
+    assert subprocess.run([*check, str(good)], capture_output=True, text=True).returncode == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        rendered.replace("temper-kafka-kafka-bootstrap.temper.svc:9092", "temper-kafka-kafka-bootstrap:9092")
+    )
+    proc = subprocess.run([*check, str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert proc.stdout.count("is not qualified with its namespace temper") == 3, proc.stdout

@@ -55,6 +55,21 @@ def test_a_bad_compose_value_fails_naming_service_and_variable(tmp_path):
     assert "dispatcher:" not in result.stdout  # the others still load
 
 
+def test_the_images_own_env_is_checked_under_every_service(tmp_path):
+    # Every container inherits the Dockerfile's ENV: a retired variable there stops every
+    # service at start (it did: TEMPER_API__HOST, found by the first run on Kubernetes).
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(
+        (ROOT / "Dockerfile").read_text().replace("TEMPER_HOST=0.0.0.0", "TEMPER_API__HOST=0.0.0.0")
+    )
+    result = run_check(f"--dockerfile={dockerfile}", "compose", "docker-compose.yml")
+    assert result.returncode == 1
+    failing = [line for line in result.stdout.splitlines() if "TEMPER_API__HOST" in line]
+    assert len(failing) == 9, result.stdout  # every Temper service of the compose file
+    assert all("use TEMPER_HOST" in line for line in failing)
+    assert run_check("compose", "docker-compose.yml").returncode == 0  # the real one loads
+
+
 def test_a_missing_required_compose_variable_fails(tmp_path):
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     doc["services"]["dispatcher"]["environment"]["TEMPER_LOG__LEVEL"] = "${NOT_IN_THE_EXAMPLE:?set it}"

@@ -32,6 +32,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from services.launcher import resources
 from temper.client import TemperClient
 from temper.db import SKIPPED_JOB_ENDED, SKIPPED_STALE, Episode, Job, PolicyVersion, Step, TrainedTrajectory
 from temper.events import Topics
+from temper.lifecycle import STEP_WAITING
 from temper.tenants import new_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -400,6 +402,10 @@ class Facts:
     # Samples each published version's step trained on (its metrics): a trajectory trained
     # twice shows as more samples than trajectories.
     version_samples: dict[int, int] = field(default_factory=dict)
+    sandbox: list[Step] = field(default_factory=list)  # finished sandbox steps, with their results
+    scored: list[Step] = field(default_factory=list)  # finished reward steps
+    published_at: dict[int, datetime] = field(default_factory=dict)  # version -> its row's time
+    leased: int = 0  # steps whose command is out and whose result is awaited
 
     def by_state(self) -> Counter[str]:
         return Counter(e.state for e in self.episodes)
@@ -420,6 +426,12 @@ class FaultStack:
     storage: dict[str, str] | None = None
     bootstrap: str | None = None  # a private Kafka broker instead of the shared one
     env_overrides: dict[str, str] = field(default_factory=dict)
+    # A model directory to serve and start from (default: a tiny random policy), on how many
+    # CPU engines inside the gateway, and the TEMPER_FAULTS directory of every service
+    # (temper.faults: the fault points a test can arm).
+    policy_source: Path | None = None
+    engines: int = 1
+    faults_dir: Path | None = None
     services: dict[str, launcher.Service] = field(default_factory=dict)
     run_id: str = field(default_factory=lambda: "fault-" + uuid.uuid4().hex[:8])
 
@@ -440,6 +452,7 @@ class FaultStack:
         self.api: TemperClient | None = None
         self.offsets: dict[str, dict[int, int]] = {}
         self.database_url = ""
+        self.tasksets: dict[str, str] = {}  # name -> id, uploaded once
 
     # --- setting up ---------------------------------------------------------------------
     def prepare(self) -> FaultStack:
@@ -452,8 +465,11 @@ class FaultStack:
         name = "fault_" + self.run_id.replace("-", "_")
         self.database_url = resources.fresh_database(base, name)
         upgrade(self.database_url)
-        policy_dir = self.run_dir / "policy-v0"
-        save_checkpoint(create_model("tiny", seed=0), policy_dir, metadata={"version": 0, "preset": "tiny"})
+        policy_dir = self.policy_source or self.run_dir / "policy-v0"
+        if self.policy_source is None:
+            save_checkpoint(
+                create_model("tiny", seed=0), policy_dir, metadata={"version": 0, "preset": "tiny"}
+            )
         policy_key = f"runs/{self.run_id}/policy-v0"
         files = {p.name: p.read_bytes() for p in sorted(policy_dir.iterdir()) if p.is_file()}
         asyncio.run(resources.upload_files(self.stack_env, files, policy_key))
@@ -473,7 +489,8 @@ class FaultStack:
         env.update(self.group_env)
         batch = self.spec["schedule"]["max_concurrent_episodes"]
         backends = [
-            {"name": "local-0", "kind": "local", "model_dir": str(self.policy_dir), "max_batch": batch}
+            {"name": f"local-{i}", "kind": "local", "model_dir": str(self.policy_dir), "max_batch": batch}
+            for i in range(self.engines)
         ]
         env.update(
             TEMPER_MODE="distributed",
@@ -491,6 +508,8 @@ class FaultStack:
             ),
             PYTHONUNBUFFERED="1",
         )
+        if self.faults_dir is not None:
+            env["TEMPER_FAULTS"] = str(self.faults_dir)
         env.update(self.env_overrides)
         return env
 
@@ -543,14 +562,22 @@ class FaultStack:
         if wait:
             proc.wait(timeout=30)
 
-    def submit(self) -> str:
+    def submit(self, spec: dict[str, Any] | None = None, *, taskset: tuple[str, bytes] | None = None) -> str:
+        """Submit ``spec`` (default: the stack's) on ``taskset`` (name, JSONL; default the
+        arithmetic set), uploaded once per name; the job is the stack's ``job_id`` now."""
         dispatcher = self.services["dispatcher"]
-        self.api = api = TemperClient(dispatcher.url, self.key, timeout=60)
-        view = api._call("POST", "/v1/tasksets", params={"name": "arithmetic", "validate": "false"},
-                         content=TASKSET.read_bytes(), headers={"Content-Type": "application/x-ndjson"})  # fmt: skip
-        self.spec["tasks"]["taskset"] = view["id"]
-        api._call("PATCH", "/v1/tenants/default", json={"max_concurrent_episodes": 64})
-        self.job_id = api.submit(self.spec)["id"]
+        if self.api is None:
+            self.api = TemperClient(dispatcher.url, self.key, timeout=60)
+            self.api._call("PATCH", "/v1/tenants/default", json={"max_concurrent_episodes": 64})
+        api = self.api
+        name, data = taskset or ("arithmetic", TASKSET.read_bytes())
+        if name not in self.tasksets:
+            view = api._call("POST", "/v1/tasksets", params={"name": name, "validate": "false"},
+                             content=data, headers={"Content-Type": "application/x-ndjson"})  # fmt: skip
+            self.tasksets[name] = view["id"]
+        spec = spec if spec is not None else self.spec
+        spec["tasks"]["taskset"] = self.tasksets[name]
+        self.job_id = api.submit(spec)["id"]
         return self.job_id
 
     def stop(self) -> None:
@@ -603,8 +630,8 @@ class FaultStack:
         kb = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1))  # type: ignore[union-attr]
         return kb / 1024
 
-    def job_state(self) -> str:
-        return self.facts().job.state
+    def job_state(self, job_id: str | None = None) -> str:
+        return self.facts(job_id).job.state
 
     def wait(self, what: str, predicate: Callable[[], Any], timeout_s: float, every_s: float = 0.3) -> Any:
         """:func:`wait_until`, failing with the job's progress and the services' logs."""
@@ -617,29 +644,31 @@ class FaultStack:
                 f"reason {f.job.state_reason!r}\n{self.logs()}"
             ) from None
 
-    def wait_job(self, timeout_s: float) -> Facts:
-        """Until the job is finished; raises with the services' logs if it is not in time."""
+    def wait_job(self, timeout_s: float, job_id: str | None = None) -> Facts:
+        """Until the job (default: the last submitted) is finished; raises with the services'
+        logs if it is not in time."""
+        job_id = job_id or self.job_id
         try:
-            wait_until(f"job {self.job_id} to finish", lambda: self.job_state() in ("completed", "failed", "cancelled"),
+            wait_until(f"job {job_id} to finish", lambda: self.job_state(job_id) in ("completed", "failed", "cancelled"),
                        timeout_s, every_s=0.5)  # fmt: skip
         except FaultError as exc:
-            f = self.facts()
+            f = self.facts(job_id)
             raise FaultError(
                 f"{exc}; episodes {dict(f.by_state())}, versions {f.versions}, "
                 f"reason {f.job.state_reason!r}\n{self.logs()}"
             ) from None
-        if self.job_state() == "completed":
-            self.settle()
-        return self.facts()
+        if self.job_state(job_id) == "completed":
+            self.settle(job_id=job_id)
+        return self.facts(job_id)
 
-    def settle(self, timeout_s: float = 45.0) -> None:
+    def settle(self, timeout_s: float = 45.0, *, job_id: str | None = None) -> None:
         """After a job completed, until the trainer has closed it (no ledger row left
         buffered: what could not make a step is marked ``job_ended``) and every outbox row is
         published (a row whose writer could not send it waits out its claim, 30 s). Returns
         at the timeout all the same: the checks that follow say what is missing."""
 
         def settled() -> bool:
-            buffered = [r for r in self.facts().ledger.values() if r.step is None and not r.skipped]
+            buffered = [r for r in self.facts(job_id).ledger.values() if r.step is None and not r.skipped]
             rows = asyncio.run(_outbox_rows(self.database_url))
             return not buffered and all(published for _, (_, published), _ in rows)
 
@@ -651,7 +680,7 @@ class FaultStack:
             pass
 
     def assert_each_episode_scored_and_trained_once(
-        self, facts: Facts | None = None, *, allow_stale: bool = False
+        self, facts: Facts | None = None, *, allow_stale: bool = False, spec: dict[str, Any] | None = None
     ) -> Facts:
         """``allow_stale``: a trajectory the trainer dropped by the job's own staleness rule
         (ledger ``skipped: stale``) counts as handled, not lost. A fault that delays one group
@@ -661,8 +690,9 @@ class FaultStack:
         The drop can leave the job's last step a group short: that group is recorded
         ``skipped: job_ended`` when the job completes, and counts as handled too."""
         f = facts or self.facts()
+        spec = spec or self.spec
         assert f.job.state == "completed", (f.job.state, f.job.state_reason)
-        schedule = self.spec["schedule"]
+        schedule = spec["schedule"]
         assert len(f.episodes) == schedule["iterations"] * schedule["episodes_per_iteration"]
         # A job can complete in the tick that sees its last step, before that tick marks the
         # episodes trained: the ledger below is what says they were.
@@ -673,9 +703,9 @@ class FaultStack:
         ended = [e for e, r in f.ledger.items() if r.skipped == SKIPPED_JOB_ENDED]
         if ended and allowed:
             # only what a stale drop can leave: less than one step's groups
-            assert (
-                len(ended) < self.spec["algorithm"]["groups_per_step"] * self.spec["tasks"]["group_size"]
-            ), f"{len(ended)} trajectories left untrained at the job's end"
+            assert len(ended) < spec["algorithm"]["groups_per_step"] * spec["tasks"]["group_size"], (
+                f"{len(ended)} trajectories left untrained at the job's end"
+            )
             assert any(r.skipped == SKIPPED_STALE for r in f.ledger.values()), "left at the end, none stale"
             allowed.add(SKIPPED_JOB_ENDED)
         skipped = {
@@ -686,12 +716,13 @@ class FaultStack:
         assert not skipped, f"trajectories not trained on: {skipped}"
         return f
 
-    def commands(self) -> dict[str, Counter[tuple[Any, ...]]]:
-        """Every command message of this job since :meth:`prepare`, counted per topic by
-        its identity (episode, turn, attempt; the episode for a trajectory)."""
+    def commands(self, job_id: str | None = None) -> dict[str, Counter[tuple[Any, ...]]]:
+        """Every command message of this job (default: the last submitted) since
+        :meth:`prepare`, counted per topic by its identity (episode, turn, attempt; the
+        episode for a trajectory)."""
         offsets = {t: o for t, o in self.offsets.items() if t in COMMAND_TOPICS}
         return asyncio.run(
-            _count_commands(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets, self.job_id, self.ns)
+            _count_commands(self.stack_env["TEMPER_BUS__BOOTSTRAP"], offsets, job_id or self.job_id, self.ns)
         )
 
     def outbox_lost(self) -> list[str]:
@@ -785,21 +816,35 @@ async def _facts(url: str, job_id: str) -> Facts:
             }
             published = (
                 await s.execute(
-                    select(PolicyVersion.version, PolicyVersion.metrics).where(PolicyVersion.job_id == job_id)
+                    select(PolicyVersion.version, PolicyVersion.metrics, PolicyVersion.created_at).where(
+                        PolicyVersion.job_id == job_id
+                    )
                 )
             ).all()
-            versions = sorted(v for v, _ in published)
-            samples = {v: int((m or {}).get("samples", 0)) for v, m in published}
-            inference = list(
-                (
-                    await s.execute(
-                        select(Step)
-                        .join(Episode, Episode.id == Step.episode_id)
-                        .where(Episode.job_id == job_id, Step.kind == "inference", Step.state == "done")
-                    )
-                ).scalars()
+            versions = sorted(v for v, _, _ in published)
+            samples = {v: int((m or {}).get("samples", 0)) for v, m, _ in published}
+            done = {
+                kind: list(
+                    (
+                        await s.execute(
+                            select(Step)
+                            .join(Episode, Episode.id == Step.episode_id)
+                            .where(Episode.job_id == job_id, Step.kind == kind, Step.state == "done")
+                        )
+                    ).scalars()
+                )
+                for kind in ("inference", "sandbox", "reward")
+            }
+            leased = await s.scalar(
+                select(func.count())
+                .select_from(Step)
+                .join(Episode, Episode.id == Step.episode_id)
+                .where(Episode.job_id == job_id, Step.state.in_([w.value for w in STEP_WAITING]))
             )
-            return Facts(job, episodes, rewards, ledger, versions, inference, samples)
+            return Facts(
+                job, episodes, rewards, ledger, versions, done["inference"], samples,
+                done["sandbox"], done["reward"], {v: at for v, _, at in published}, int(leased or 0),
+            )  # fmt: skip
     finally:
         await db.dispose()
 

@@ -68,22 +68,20 @@ async def test_finished_episodes_steps_are_archived_and_read_back_the_same(datab
     store = LocalStore(tmp_path / "objects")
     await _seed(database, finished_ago_s=7200)
     async with database.session() as s:
-        conn = await s.connection()
         episodes = {e.id: e for e in (await s.execute(select(Episode))).scalars()}
-        before = {eid: _content(await read_steps(conn, store, ep)) for eid, ep in episodes.items()}
+        before = {eid: _content(await read_steps(s, store, ep)) for eid, ep in episodes.items()}
     assert [len(v) for v in before.values()] == [2, 2, 2]
 
     assert await archive_finished(database, store, after_s=3600) == 2  # scored and failed; not the live one
     assert await archive_finished(database, store, after_s=3600) == 0  # nothing left to move
 
     async with database.session() as s:
-        conn = await s.connection()
         left = dict((await s.execute(select(Step.episode_id, func.count()).group_by(Step.episode_id))).all())
         assert left == {"live": 2}
         for ep in (await s.execute(select(Episode))).scalars():
             assert ep.steps_key == (steps_key("acme", "j", ep.id) if ep.id != "live" else None)
             # the one reader gives the same rows, from the archive or from Postgres
-            assert _content(await read_steps(conn, store, ep)) == before[ep.id]
+            assert _content(await read_steps(s, store, ep)) == before[ep.id]
     assert await store.exists(steps_key("acme", "j", "done"))
 
     # Retention expires the trajectories, not the archived steps.

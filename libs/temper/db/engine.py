@@ -1,15 +1,19 @@
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
+import asyncpg
 from sqlalchemy import event, text
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from temper.db.core import CoreTx, DriverTx, SessionTx, Statements, init_connection, reset_connection
 from temper.db.rows import write_staged
 from temper.settings import DatabaseSettings
 
@@ -22,9 +26,16 @@ def masked_url(url: str) -> str:
     return re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", url)
 
 
+# Connections of the driver's own pool (Postgres), beside the engine's: the dispatcher's
+# result transactions (at most two at a time), the reaper's and the archive's.
+DRIVER_POOL_SIZE = 4
+
+
 class Database:
     """An engine plus a session factory. ``session()`` opens a transaction that commits
-    when the block ends (after writing the rows staged on it) and rolls back if it raises."""
+    when the block ends (after writing the rows staged on it) and rolls back if it raises;
+    ``core()`` is one for Core statements only (``temper.db.core``), straight on asyncpg on
+    Postgres."""
 
     def __init__(self, settings: DatabaseSettings) -> None:
         self.url = settings.url
@@ -42,6 +53,10 @@ class Database:
             event.listen(pool, "checkin", _idle_from_now)
             event.listen(pool, "checkout", _ping_if_idle)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        self._driver_pool: asyncpg.Pool | None = None
+        self._driver_lock = asyncio.Lock()
+        self._statements = Statements(self.engine.dialect)
+        self.driver_pool_size = min(DRIVER_POOL_SIZE, settings.pool_size)
 
     @property
     def is_sqlite(self) -> bool:
@@ -63,6 +78,39 @@ class Database:
             yield session
             await write_staged(session)
 
+    @asynccontextmanager
+    async def core(self) -> AsyncIterator[CoreTx]:
+        """A transaction for Core statements (``temper.db.core``): on Postgres an asyncpg
+        one on the driver's own pool, elsewhere a session's. The rows staged on it are
+        written before it commits."""
+        if self.is_sqlite:
+            async with self.session() as session:
+                yield await SessionTx.of(session)
+            return
+        pool = self._driver_pool or await self._start_driver_pool()
+        async with pool.acquire() as conn, conn.transaction():
+            tx = DriverTx(conn, self._statements)
+            yield tx
+            await write_staged(tx)
+
+    async def _start_driver_pool(self) -> asyncpg.Pool:
+        async with self._driver_lock:
+            if self._driver_pool is None:
+                _, opts = self.engine.dialect.create_connect_args(self.engine.url)
+                args: dict[str, Any] = {
+                    k: v
+                    for k, v in opts.items()
+                    if k not in ("prepared_statement_cache_size", "async_fallback")
+                }
+                self._driver_pool = await asyncpg.create_pool(
+                    min_size=0,
+                    max_size=self.driver_pool_size,
+                    init=init_connection,
+                    reset=reset_connection,
+                    **args,
+                )
+            return self._driver_pool
+
     async def check(self) -> None:
         try:
             async with self.engine.connect() as conn:
@@ -74,6 +122,9 @@ class Database:
             ) from None
 
     async def dispose(self) -> None:
+        if self._driver_pool is not None:
+            pool, self._driver_pool = self._driver_pool, None
+            await pool.close()
         await self.engine.dispose()
 
 

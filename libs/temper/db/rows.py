@@ -25,14 +25,15 @@ read.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
-from sqlalchemy import Table, bindparam, insert, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstanceState, Mapper, configure_mappers
 from sqlalchemy.orm.attributes import instance_state
-from sqlalchemy.sql.dml import Insert, Update
+from sqlalchemy.sql.dml import Update
 
+from temper.db.core import CoreTx, SessionTx
 from temper.db.models import Base
 
 T = TypeVar("T", bound=Base)
@@ -76,6 +77,17 @@ def new(cls: type[T], **values: Any) -> T:
 
 
 _KEYS: dict[type[Base], frozenset[str]] = {}
+_ORDER: dict[Table, int] = {}
+
+
+def _table_order() -> dict[Table, int]:
+    """Each table's place in the order its classes were declared (parents first)."""
+    if len(_ORDER) != len(Base.metadata.tables):
+        _ORDER.clear()
+        _ORDER.update({t: i for i, t in enumerate(Base.metadata.sorted_tables)})
+    return _ORDER
+
+
 _PKS: dict[type[Base], tuple[str, ...]] = {}
 
 
@@ -118,49 +130,43 @@ def changed(obj: Base) -> dict[str, Any]:
     return {name: state.dict[name] for name in state.committed_state}
 
 
-async def load(conn: AsyncConnection, obj: Base, *names: str) -> None:
+async def load(tx: CoreTx, obj: Base, *names: str) -> None:
     """Read the columns ``names`` of a loaded row that its query left out."""
     table = _table(type(obj))
     (pk,) = _pk(type(obj))
-    row = (
-        await conn.execute(select(*(table.c[n] for n in names)).where(table.c[pk] == getattr(obj, pk)))
-    ).one()
+    key = (table.name, names)
+    stmt = _LOADS.get(key)
+    if stmt is None:
+        stmt = _LOADS[key] = select(*(table.c[n] for n in names)).where(table.c[pk] == bindparam("row_pk"))
+    (row,) = await tx.rows(stmt, {"row_pk": getattr(obj, pk)})
     instance_state(obj).dict.update(zip(names, row, strict=True))
 
 
+_LOADS: dict[tuple[str, tuple[str, ...]], Any] = {}
 _STAGED = "temper.db.rows.staged"
 
 
-def stage(session: AsyncSession, *objs: Base | None) -> None:
-    """Have :func:`write_staged` write ``objs`` before the session's transaction commits
-    (the dispatcher's transactions do; code that makes rows need not hold on to them)."""
-    session.info.setdefault(_STAGED, []).extend(o for o in objs if o is not None)
+class HasInfo(Protocol):
+    """A transaction that holds what is staged on it: an ORM session or a ``CoreTx``."""
+
+    @property
+    def info(self) -> dict[Any, Any]: ...
 
 
-async def write_staged(session: AsyncSession) -> None:
-    """:func:`write` the rows staged on ``session`` since the last call."""
-    staged = session.info.pop(_STAGED, None)
+def stage(tx: HasInfo, *objs: Base | None) -> None:
+    """Have :func:`write_staged` write ``objs`` before the transaction commits (the
+    dispatcher's transactions do; code that makes rows need not hold on to them)."""
+    tx.info.setdefault(_STAGED, []).extend(o for o in objs if o is not None)
+
+
+async def write_staged(tx: CoreTx | AsyncSession) -> None:
+    """:func:`write` the rows staged on ``tx`` since the last call."""
+    staged = tx.info.pop(_STAGED, None)
     if staged:
-        await write(await session.connection(), staged)
+        await write(await SessionTx.of(tx) if isinstance(tx, AsyncSession) else tx, staged)
 
 
-_INSERTS: dict[tuple[str, frozenset[str]], Insert] = {}
 _UPDATES: dict[tuple[str, frozenset[str]], Update] = {}
-
-
-def _insert_of(table: Table, names: frozenset[str]) -> Insert:
-    """``INSERT`` of ``names``, returning an autoincrement key the rows lack; built once per
-    set of columns (a statement object keeps its cache key, so running it again compiles
-    nothing)."""
-    key = (table.name, names)
-    stmt = _INSERTS.get(key)
-    if stmt is None:
-        auto = [c for c in table.primary_key.columns if c.autoincrement is True and c.key not in names]
-        stmt = insert(table)
-        if auto:
-            stmt = stmt.returning(*auto, sort_by_parameter_order=True)
-        _INSERTS[key] = stmt
-    return stmt
 
 
 def _update_of(table: Table, names: frozenset[str]) -> Update:
@@ -192,11 +198,10 @@ def _grouped(changes: list[tuple[Base, dict[str, Any]]]) -> list[tuple[frozenset
     return list(groups.items())
 
 
-async def write(conn: AsyncConnection, rows: Iterable[Base | None]) -> None:
+async def write(tx: CoreTx, rows: Iterable[Base | None]) -> None:
     """Insert the new rows and update what changed on the loaded ones, in the caller's
-    transaction (``conn``: ``await session.connection()``). Tables are inserted in the
-    order their classes were declared (a parent before the rows that refer to it), then
-    updated."""
+    transaction. Tables are inserted in the order their classes were declared (a parent
+    before the rows that refer to it), then updated."""
     inserts: dict[Table, dict[frozenset[str], list[Base]]] = {}
     updates: dict[Table, list[tuple[Base, dict[str, Any]]]] = {}
     seen: set[int] = set()
@@ -211,17 +216,16 @@ async def write(conn: AsyncConnection, rows: Iterable[Base | None]) -> None:
             inserts.setdefault(table, {}).setdefault(names, []).append(obj)
         elif state.committed_state:
             updates.setdefault(table, []).append((obj, changed(obj)))
-    order = {t: i for i, t in enumerate(Base.metadata.sorted_tables)}
+    order = _table_order()
     for table in sorted(inserts, key=order.__getitem__):
         for names, objs in inserts[table].items():
             params = [{n: instance_state(o).dict[n] for n in names} for o in objs]
-            stmt = _insert_of(table, names)
-            result = await conn.execute(stmt, params)
-            returned = list(result) if stmt._returning else []  # noqa: SLF001 - built here
+            returned = await tx.insert_many(table, names, params)
+            auto = [c.key for c in table.primary_key.columns if c.key not in names] if returned else []
             for i, obj in enumerate(objs):
                 state = instance_state(obj)
                 if returned:
-                    state.dict.update(returned[i]._mapping)
+                    state.dict.update(zip(auto, returned[i], strict=True))
                 state.committed_state.clear()
                 state.key = type(obj).__mapper__.identity_key_from_primary_key(
                     tuple(state.dict[k] for k in _pk(type(obj)))
@@ -233,6 +237,6 @@ async def write(conn: AsyncConnection, rows: Iterable[Base | None]) -> None:
             for obj in objs:
                 values = instance_state(obj).dict
                 params.append({"row_pk": values[pk.key], **{f"set_{n}": values[n] for n in names}})
-            await conn.execute(_update_of(table, names), params)
+            await tx.run(_update_of(table, names), params)
             for obj in objs:
                 instance_state(obj).committed_state.clear()

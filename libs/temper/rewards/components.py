@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from temper.events import RewardComponent
+from temper.limits import LanguageName
 from temper.rewards.answers import DEFAULT_REL_TOL, answers_match, extract_answer
 from temper.rewards.models import CandidateRun, ComponentName, Submission
 from temper.rewards.runner import ScoringError, TestRunner
@@ -62,7 +63,7 @@ class ScoreContext:
         return await self._memo[key]
 
     def code(self) -> str | None:
-        return self.submission.code_for(self.task.solution_file)
+        return self.submission.code_for(self.task.solution_file, self.task.language)
 
     def files(self) -> dict[str, str]:
         files = dict(self.submission.files)
@@ -88,6 +89,8 @@ class ScoreContext:
     async def coverage_run(self) -> tuple[CandidateRun, dict[str, Any]]:
         if self.task.kind not in CODE_KINDS:
             raise Skip(f"a {self.task.kind} task has no code to cover")
+        if self.task.language is not LanguageName.python:
+            raise Skip(f"coverage is measured in Python only, not {self.task.language}")
         if self.code() is None:
             raise _NoCode()
 

@@ -3,10 +3,14 @@ outcome of one run of the hidden tests."""
 
 from __future__ import annotations
 
+import posixpath
 import re
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from temper.limits import LanguageName
+from temper.rewards.polyglot import FENCE_NAMES
 
 
 class ComponentName(StrEnum):
@@ -30,15 +34,18 @@ class Submission(BaseModel):
     answer: str | None = None
     text: str = ""
 
-    def code_for(self, solution_file: str) -> str | None:
-        """The agent's code for ``solution_file``: that file, else the only Python file it
-        wrote, else the last fenced Python block of its final message."""
+    def code_for(self, solution_file: str, language: LanguageName = LanguageName.python) -> str | None:
+        """The agent's code for ``solution_file``: that file, else the only file it wrote with
+        that file's suffix, else the last fenced block of its final message labelled with the
+        language (```python, ```cpp …) or not labelled."""
         if solution_file in self.files:
             return self.files[solution_file]
-        py = [p for p in self.files if p.endswith(".py")]
-        if len(py) == 1:
-            return self.files[py[0]]
-        blocks = re.findall(r"```(?:python|py)?[ \t]*\n(.*?)```", self.text, re.S)
+        suffix = posixpath.splitext(solution_file)[1] or ".py"
+        same = [p for p in self.files if p.endswith(suffix)]
+        if len(same) == 1:
+            return self.files[same[0]]
+        names = "|".join(re.escape(name) for name in FENCE_NAMES[language])
+        blocks = re.findall(rf"```(?:{names})?[ \t]*\n(.*?)```", self.text, re.S | re.I)
         return blocks[-1] if blocks else None
 
 

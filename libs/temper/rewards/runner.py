@@ -22,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from temper.rewards.models import CandidateRun, TestOutcome
+from temper.limits import LanguageName
+from temper.rewards.models import CandidateRun
+from temper.rewards.polyglot.run import LanguageTests, run_in_language
+from temper.rewards.results import ScoringError, mark_unfinished, parse_output
 from temper.rewards.testsplit import SplitTests, split_tests
 from temper.sandbox import Action, ExecResult, SandboxLimits, SandboxManager, SandboxSettings
 from temper.tasks.models import TaskKind, TaskSpec
@@ -130,14 +133,11 @@ def compile_harness(python: str) -> str | None:
     )
 
 
-class ScoringError(RuntimeError):
-    """The sandbox machinery failed (not the code under test)."""
-
-
 @dataclass
 class RunSettings:
     per_test_s: float = 3.0
     max_timeouts: int = 2
+    compile_timeout_s: float = 30.0  # tests in a compiled language: the test program's compile
     python: str = "/usr/bin/python3"
 
 
@@ -149,6 +149,7 @@ class TestRunner:
         self.settings = settings or RunSettings(python=manager.settings.python)
         self._splits: dict[tuple[str, str | None], SplitTests] = {}
         self._harness: asyncio.Future[str | None] | None = None
+        self.language_tests = LanguageTests()  # tests in other languages than Python, cut
 
     async def harness_code(self) -> str:
         """The ``run_python`` code that runs the harness: precompiled once (in a thread, the
@@ -216,15 +217,26 @@ class TestRunner:
     ) -> tuple[list[CandidateRun], dict[str, Any] | None]:
         """Run each candidate (label, source; ``None`` = the solution file in ``files``)
         against the task's tests in one fresh sandbox. With ``coverage`` the run goes
-        under coverage.py (line and branch) and its JSON report is returned too.
+        under coverage.py (line and branch) and its JSON report is returned too. Tests in
+        another language than Python run as that language's test program, one per
+        candidate (``temper.rewards.polyglot``); ``repeat`` is one pass there.
 
         This is one action in the sandbox (with coverage too): the harness gets the files
         with its spec and writes them itself. A run under coverage whose process was
         killed or ended early gives a report with only ``error`` (why) and no files."""
-        split = self.split(task)
         limits = self._limits(task)
         all_files = {**task.files, **(files or {})}
         check_files(all_files, limits)
+        if task.language is not LanguageName.python:
+            if coverage:
+                raise ScoringError(f"coverage is measured in Python only, not {task.language}")
+            runs = await run_in_language(
+                self.manager, self.language_tests.statements(task), task, candidates, files=all_files,
+                limits=limits, per_test_s=self.settings.per_test_s, max_timeouts=self.settings.max_timeouts,
+                compile_timeout_s=self.settings.compile_timeout_s,
+            )  # fmt: skip
+            return runs, None
+        split = self.split(task)
         if coverage and coverage_site_dir() is None:
             raise ScoringError("coverage.py is not installed on the scorer host")
         nonce = ""
@@ -259,7 +271,7 @@ class TestRunner:
             detail = (result.stderr.strip().splitlines() or [f"exit status {result.exit_code}"])[-1][:300]
             why = f"the test process ended early: {detail}"
         if why is not None:
-            _mark_unfinished(runs, why)
+            mark_unfinished(runs, why)
         if coverage and report is None:
             report = {"files": {}, "error": why or "the run gave no coverage report"}
         for run in runs:
@@ -335,58 +347,3 @@ def coverage_report(stdout: str, nonce: str) -> tuple[str, dict[str, Any] | None
             report = ev.get("report") if isinstance(ev, dict) else None
             return "".join(lines[:i] + lines[i + 1 :]), report if isinstance(report, dict) else None
     return stdout, None
-
-
-def _mark_unfinished(runs: list[CandidateRun], why: str) -> None:
-    for run in runs:
-        for t in run.tests:
-            if t.message == "__missing__":
-                t.message = why
-                why = "not run: " + why.split(": ", 1)[-1]
-
-
-def parse_output(stdout: str, nonce: str, labels: list[str], test_names: list[str]) -> list[CandidateRun]:
-    """Result lines tagged with the nonce; tests without a line are marked missing."""
-    runs = {label: CandidateRun(label=label) for label in labels}
-    seen: dict[str, dict[int, TestOutcome]] = {label: {} for label in labels}
-    started: set[str] = set()
-    prefix = nonce + " "
-    for line in stdout.splitlines():
-        if not line.startswith(prefix):
-            continue
-        try:
-            ev = json.loads(line[len(prefix) :])
-        except json.JSONDecodeError:
-            continue
-        label = ev.get("label")
-        if ev.get("ev") == "end" or label not in runs:
-            continue
-        run = runs[label]
-        if ev["ev"] == "candidate":
-            started.add(label)
-            run.compile_error = ev.get("compile")
-            run.load_error = ev.get("load")
-        elif ev["ev"] == "test":
-            seen[label][int(ev["i"])] = TestOutcome(
-                name=ev.get("name", ""),
-                passed=bool(ev["ok"]),
-                message=ev.get("msg"),
-                seconds=float(ev.get("s", 0)),
-            )
-        elif ev["ev"] == "timing":
-            run.best_s = float(ev["best_s"])
-    for label, run in runs.items():
-        run.started = label in started
-        if run.compile_error or run.load_error:
-            reason = (
-                f"does not compile: {run.compile_error}"
-                if run.compile_error
-                else f"load failed: {run.load_error}"
-            )
-            run.tests = [TestOutcome(name=n, passed=False, message=reason) for n in test_names]
-            continue
-        outcomes = []
-        for i, name in enumerate(test_names):
-            outcomes.append(seen[label].get(i) or TestOutcome(name=name, passed=False, message="__missing__"))
-        run.tests = outcomes
-    return list(runs.values())

@@ -256,6 +256,13 @@ class CgroupV1(Cgroup):
         self.paths = paths
         self.name = name
         self._fds = {}
+        # the counter files read around every action (paths made once, not per read)
+        mem = paths["memory"]
+        self._cpu = paths["cpuacct"] / "cpuacct.usage"
+        self._peak = mem / "memory.max_usage_in_bytes"
+        self._oom = mem / "memory.oom_control"
+        self._stat = mem / "memory.stat"
+        self._pids_events = paths["pids"] / "pids.events"
 
     def join_paths(self) -> list[str]:
         return [str(p / "cgroup.procs") for p in self.paths.values()]
@@ -277,7 +284,7 @@ class CgroupV1(Cgroup):
         _write(self.paths["pids"] / "pids.max", str(pids))
 
     def resident_bytes(self) -> int:
-        stat = self._get(self.paths["memory"] / "memory.stat")
+        stat = self._get(self._stat)
         return _keyed(stat, "total_rss") + _keyed(stat, "total_shmem")
 
     def procs(self) -> list[int]:
@@ -287,16 +294,15 @@ class CgroupV1(Cgroup):
         return sorted(pids)
 
     def stats(self) -> CgroupStats:
-        mem = self.paths["memory"]
         return CgroupStats(
-            cpu_ns=int(self._get(self.paths["cpuacct"] / "cpuacct.usage").strip() or 0),
-            peak_bytes=int(self._get(mem / "memory.max_usage_in_bytes").strip() or 0),
-            oom_kills=_keyed(self._get(mem / "memory.oom_control"), "oom_kill"),
-            pids_max_events=_keyed(self._get(self.paths["pids"] / "pids.events"), "max"),
+            cpu_ns=int(self._get(self._cpu).strip() or 0),
+            peak_bytes=int(self._get(self._peak).strip() or 0),
+            oom_kills=_keyed(self._get(self._oom), "oom_kill"),
+            pids_max_events=_keyed(self._get(self._pids_events), "max"),
         )
 
     def reset_peak(self) -> None:
-        _write(self.paths["memory"] / "memory.max_usage_in_bytes", "0")
+        _write(self._peak, "0")
 
     def _freeze(self, frozen: bool) -> None:
         path = self.paths["freezer"]

@@ -15,22 +15,8 @@ from __future__ import annotations
 import os
 import shlex
 from dataclasses import dataclass
-from enum import StrEnum
 
-
-class LanguageName(StrEnum):
-    """SandboxFusion's names (``c`` is Temper's addition)."""
-
-    python = "python"
-    bash = "bash"
-    c = "c"
-    cpp = "cpp"
-    java = "java"
-    go = "go"
-    rust = "rust"
-    nodejs = "nodejs"
-    typescript = "typescript"
-
+from temper.limits import LanguageName
 
 BUILD_ARCHIVE = ".temper-build.tar"  # what a compile step leaves for its run (a tar of its outputs)
 PATH = "/usr/bin:/bin"
@@ -57,11 +43,13 @@ def heap_mb(memory_mb: int) -> int:
 
 @dataclass(frozen=True)
 class Step:
-    """What a language's command may depend on: the step's memory limit and where its
-    compile cache is inside the sandbox (None: not ready, the step runs without it)."""
+    """What a language's command may depend on: the step's memory limit, where its compile
+    cache is inside the sandbox (None: not ready, the step runs without it), and the program's
+    other source files."""
 
     memory_mb: int
     cache: str | None = None
+    sources: tuple[str, ...] = ()  # other source files compiled with the language's own (Go's)
 
 
 class Language:
@@ -74,6 +62,9 @@ class Language:
     package: str  # the Debian package(s) of its toolchain (scripts/setup_system.sh langs)
     version: tuple[str, ...]  # prints the toolchain's version
     in_process: bool = False  # Python: the sandbox's agent runs the code itself, no interpreter start
+    # An address-space limit becomes the language's own out-of-memory error (Python's
+    # MemoryError) rather than a crash: run_program can set it (SandboxFusion's way).
+    address_space_error: bool = False
     cache: str | None = None  # the compile cache it uses (temper.sandbox.compile_cache), if any
 
     @property
@@ -114,6 +105,7 @@ class Python(Language):
     package = "python3"
     version = ("/usr/bin/python3", "--version")
     in_process = True
+    address_space_error = True
 
     def run_argv(self, step: Step) -> list[str]:
         return ["/usr/bin/python3", self.source]  # what in_process stands for
@@ -191,7 +183,7 @@ class Go(Language):
     cache = "go"  # a build cache (the standard library is Debian's, precompiled in GOROOT/pkg)
 
     def compile_argv(self, step: Step) -> list[str]:
-        return packed(["/usr/bin/go", "build", "-o", "main", self.source], "main")
+        return packed(["/usr/bin/go", "build", "-o", "main", self.source, *step.sources], "main")
 
     def compile_env(self, step: Step) -> dict[str, str]:
         return {

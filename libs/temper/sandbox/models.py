@@ -35,6 +35,14 @@ class Action(BaseModel):
     timeout_s: float | None = Field(
         None, gt=0, le=3600, description="overrides limits.wall_s for this action"
     )
+    address_space_mb: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="RLIMIT_AS of the action's processes: an allocation past it fails inside the "
+        "program (Python raises MemoryError), as SandboxFusion limits memory; the sandbox's "
+        "memory limit still holds",
+    )
 
 
 class FileInfo(BaseModel):

@@ -104,11 +104,16 @@ async def run_program(
     limits: SandboxLimits | None = None,
     compile_timeout_s: float | None = None,
     fetch: list[str] | tuple[str, ...] = (),
+    sources: tuple[str, ...] = (),
+    address_space: bool = False,
 ) -> ProgramResult:
     """Compile (where ``language`` has a compile step) and run ``code`` with ``files``
     (path -> bytes; the code goes to ``language.source`` after them) and ``stdin``; read
     ``fetch`` back after the run. ``limits`` are the run's (default: the worker's);
-    the compile runs under ``TEMPER_SANDBOX__COMPILE_LIMITS`` and ``compile_timeout_s``."""
+    the compile runs under ``TEMPER_SANDBOX__COMPILE_LIMITS`` and ``compile_timeout_s``.
+    ``sources``: files among ``files`` that the compile takes with the code (Go's).
+    ``address_space``: a language that turns it into its own error (Python's MemoryError)
+    runs with an address-space limit of the run's memory, as SandboxFusion limits it."""
     settings = manager.settings
     limits = manager.with_image(limits or settings.default_limits)
     missing = await manager.missing_tools(language, limits)
@@ -132,7 +137,7 @@ async def run_program(
         cache = (
             None if image else manager.compile_caches.ready(language.cache, spawn, memory_mb=compile_memory)
         )
-        step = Step(compile_memory, cache)
+        step = Step(compile_memory, cache, sources)
         argv = language.compile_argv(step)
         assert argv is not None
         c_limits = compile_limits(
@@ -153,11 +158,15 @@ async def run_program(
             return ProgramResult(compiled, None)
     cache = None if image else manager.compile_caches.ready(language.cache, spawn, memory_mb=limits.memory_mb)
     step = Step(limits.memory_mb, cache)
+    space = limits.memory_mb if address_space and language.address_space_error else None
     if language.in_process:
-        action = Action(kind="run_python", code=code, path=language.source, stdin=stdin)
+        action = Action(
+            kind="run_python", code=code, path=language.source, stdin=stdin, address_space_mb=space
+        )
     else:
         action = Action(
-            kind="run_command", command=language.run_argv(step), env=language.run_env(step), stdin=stdin
-        )
+            kind="run_command", command=language.run_argv(step), env=language.run_env(step), stdin=stdin,
+            address_space_mb=space,
+        )  # fmt: skip
     ran, fetched = await manager.run_fresh(limits, {**base, **built}, action, fetch, executable)
     return ProgramResult(compiled, ran, fetched)

@@ -530,7 +530,7 @@ class Sandbox:
             raise SandboxError(f"fetch: {reply.data.decode('utf-8', 'replace')}")
         return _parse_fetched(reply.data)
 
-    def _rlimits(self, cpu_s: float) -> dict[str, tuple[int, int]]:
+    def _rlimits(self, cpu_s: float, address_space_mb: int | None = None) -> dict[str, tuple[int, int]]:
         lim = self.limits
         cpu = max(1, math.ceil(cpu_s))
         rl = {
@@ -541,6 +541,9 @@ class Sandbox:
         }
         if self.cgroup is None:
             rl["RLIMIT_AS"] = (lim.memory_mb << 20, lim.memory_mb << 20)
+        if address_space_mb is not None:
+            space = min(address_space_mb, lim.memory_mb) << 20
+            rl["RLIMIT_AS"] = (space, space)
         return rl
 
     async def _exec(
@@ -557,7 +560,7 @@ class Sandbox:
             "op": "exec",
             "wall": wall,
             "out_cap": lim.output_bytes,
-            "rlimits": self._rlimits(cpu_s),
+            "rlimits": self._rlimits(cpu_s, action.address_space_mb),
             "env": env,
             "cwd": os.path.join(inner_ws, action.cwd) if action.cwd else inner_ws,
             "stdin": (action.stdin or "").encode(),

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from temper.limits import SandboxLimits
+from temper.limits import LanguageName, SandboxLimits
 from temper.tasks.chat import ChatMessage, ChatTool, check_conversation, prompt_of
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:=-]{0,150}$")
@@ -26,9 +26,22 @@ _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:=-]{0,150}$")
 
 MAX_PROMPT_CHARS = 1 << 20  # one task's prompt; a task set upload is limited as a whole too
 
+# Where a code task's agent writes its code when the task names no solution_file.
+SOLUTION_FILES = {
+    LanguageName.python: "solution.py",
+    LanguageName.bash: "solution.sh",
+    LanguageName.c: "solution.c",
+    LanguageName.cpp: "solution.cpp",
+    LanguageName.java: "Solution.java",
+    LanguageName.go: "solution.go",
+    LanguageName.rust: "solution.rs",
+    LanguageName.nodejs: "solution.js",
+    LanguageName.typescript: "solution.ts",
+}
+
 
 class TaskKind(StrEnum):
-    code = "code"  # write code; hidden Python tests run against it
+    code = "code"  # write code; hidden tests in its language run against it
     math = "math"  # give an answer; it is compared with the known one
     shell = "shell"  # act on a workspace with commands; hidden Python tests check the result
     chat = "chat"  # a conversation to learn from (sft jobs): messages, optional tools; no tests
@@ -56,14 +69,25 @@ class TaskSpec(BaseModel):
     kind: TaskKind = TaskKind.code
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     files: dict[str, str] = Field(default_factory=dict, description="starting files: path -> content")
-    tests: str | None = Field(
-        None, description="hidden Python tests (check(candidate), test_* functions or asserts)"
+    language: LanguageName = Field(
+        LanguageName.python,
+        description="code: the language of the solution and of its hidden tests (SandboxFusion's names)",
     )
-    entry_point: str | None = Field(None, description="the function under test; tests get it as `candidate`")
+    tests: str | None = Field(
+        None,
+        description="hidden tests: Python (check(candidate), test_* functions or asserts), or "
+        "assert-style statements in the task's language",
+    )
+    entry_point: str | None = Field(
+        None, description="the function under test; Python tests get it as `candidate`"
+    )
     solution: str | None = Field(
         None, description="reference solution: the content of solution_file (math: worked answer)"
     )
-    solution_file: str = Field("solution.py", description="where the agent's code is expected")
+    solution_file: str = Field(
+        "solution.py",
+        description="where the agent's code is expected (default: solution.<the language's suffix>)",
+    )
     oracle: str | None = Field(
         None, description="shell: a bash script that solves the task in the workspace (Harbor's solution.sh)"
     )
@@ -76,6 +100,21 @@ class TaskSpec(BaseModel):
     limits: SandboxLimits | None = Field(
         None, description="sandbox limits for this task's episodes and scoring"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _language_file(cls, data: Any) -> Any:
+        # a task in another language expects its code in solution.<suffix> unless it says
+        if (
+            isinstance(data, dict)
+            and "solution_file" not in data
+            and data.get("language") not in (None, "python")
+        ):
+            try:
+                data = {**data, "solution_file": SOLUTION_FILES[LanguageName(data["language"])]}
+            except ValueError:
+                pass  # the field's own error names the language
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -121,6 +160,16 @@ class TaskSpec(BaseModel):
             return self
         if self.messages is not None or chat_only:
             raise ValueError(f"messages and tools apply to chat tasks only (this one is {self.kind})")
+        if self.language is not LanguageName.python:
+            if self.kind is not TaskKind.code:
+                raise ValueError(
+                    f"language applies to code tasks only (a {self.kind} task's checks are Python)"
+                )
+            if self.entry_point:
+                raise ValueError(
+                    f"entry_point binds `candidate` in Python tests only; {self.language} tests name "
+                    "the function themselves"
+                )
         if self.kind is TaskKind.math:
             if not (self.answer and self.answer.strip()):
                 raise ValueError("a math task needs an answer")
@@ -144,8 +193,12 @@ class TaskSpec(BaseModel):
         return sha256(normalise_code(self.tests or "") + "\0" + (self.entry_point or ""))
 
     def spec_dict(self) -> dict[str, Any]:
-        """What the tasks table keeps in ``spec`` (everything but id, kind, prompt, metadata)."""
-        return self.model_dump(mode="json", exclude={"id", "kind", "prompt", "metadata"})
+        """What the tasks table keeps in ``spec`` (everything but id, kind, prompt, metadata;
+        the language only when it is not Python, so a Python task's row is as it was)."""
+        exclude = {"id", "kind", "prompt", "metadata"}
+        if self.language is LanguageName.python:
+            exclude.add("language")
+        return self.model_dump(mode="json", exclude=exclude)
 
     @classmethod
     def from_row(

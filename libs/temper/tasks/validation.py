@@ -4,8 +4,9 @@
 For every task:
 - code and shell tasks: the hidden tests parse and contain assertions; the reference
   solution passes every test; each *trivial* solution — the entry point's body replaced
-  by ``pass``, ``return None``, or a constant (0, 1, True, False, "", []) — fails at
-  least one test, else the tests are too weak. All of them run in one fresh sandbox
+  by ``pass``, ``return None``, or a constant (0, 1, True, False, "", []); in another
+  language than Python, an empty file — fails at least one test, else the tests are too
+  weak. All of them run in one fresh sandbox
   per task.
 - math tasks: the answer parses; a worked reference solution (``... #### 42``) ends in
   that answer; the trivial answer ``0`` does not match (unless the answer is 0).
@@ -29,8 +30,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from temper.db import Database
+from temper.limits import LanguageName
 from temper.rewards import Scorer
 from temper.rewards.answers import answers_match, extract_answer
+from temper.rewards.polyglot import names_of
 from temper.rewards.runner import ScoringError, TestRunner
 from temper.rewards.testsplit import split_tests
 from temper.tasks import service
@@ -88,17 +91,20 @@ async def check_task(runner: TestRunner, task: TaskSpec) -> list[str]:
     """Reasons the task is invalid (empty when it is valid)."""
     if task.kind is TaskKind.math:
         return _check_math(task)
+    python = task.language is LanguageName.python
     try:
-        split = split_tests(task.tests or "", task.entry_point)
+        split = split_tests(task.tests or "", task.entry_point) if python else None
     except SyntaxError as exc:
         return [f"hidden tests do not parse: {exc.msg} (line {exc.lineno})"]
-    if not split.chunks:
+    tests = split.chunks if split is not None else names_of(runner.language_tests.statements(task))
+    if not tests:
         return ["hidden tests contain no assertions"]
     if not task.solution:
         # a shell task's oracle script is run and scored by temper.tasks.oracle instead
         return [] if task.oracle else ["no reference solution"]
     try:
-        trivial = trivial_variants(task.solution, task.entry_point)
+        # another language's trivial solution is an empty file (it compiles to nothing the tests call)
+        trivial = trivial_variants(task.solution, task.entry_point) if python else [("empty file", "")]
     except SyntaxError as exc:
         return [f"reference solution does not parse: {exc.msg} (line {exc.lineno})"]
     candidates: list[tuple[str, str | None]] = [("reference", task.solution), *trivial]

@@ -147,7 +147,7 @@ def _observation_text(result: dict[str, Any] | None) -> str:
 
 
 async def from_steps(session: AsyncSession, store: ObjectStore, episode: Episode) -> schemas.Transcript:
-    steps = await read_steps(await session.connection(), store, episode)
+    steps = await read_steps(session, store, episode)
     job_spec = await session.scalar(select(Job.spec).where(Job.id == episode.job_id))
     policy = (job_spec or {}).get("policy") if isinstance(job_spec, dict) else None
     turns: dict[int, schemas.TranscriptTurn] = {}
@@ -214,7 +214,7 @@ async def stored_log(session: AsyncSession, store: ObjectStore, episode: Episode
     try:
         return await store.get(log_key(episode.tenant_id, episode.job_id, episode.id))
     except NotFound:
-        steps = await read_steps(await session.connection(), store, episode)
+        steps = await read_steps(session, store, episode)
         return build_episode_log(episode, steps) if steps else None
 
 

@@ -1,20 +1,6 @@
-"""The CPU model runner: batched token-in/token-out generation with a KV cache.
-
-One batch at a time: prompts are left-padded, positions come from the attention mask,
-and each step feeds one token per row through the cached model. Every request owns a
-``torch.Generator`` seeded from its ``seed``, and sampling is done row by row with it,
-so a request's tokens do not depend on which other requests share its batch.
-
-The logprob reported for a sampled token is the raw model distribution's (log-softmax
-of the logits, before temperature and top-p), as vLLM V1 reports by default
-(``logprobs_mode=raw_logprobs``); ``temper.policy.token_logprobs`` recomputes exactly
-this from a forward pass.
-
-A generation of a partial-rollout request (``GenRequest.partial_rollout``) is interrupted
-when its job's next version waits to be loaded (:attr:`ModelRunner.switching`): the batch
-stops at its next token, the scheduler loads the version, and each unfinished row goes on
-from its prefix (:class:`Resumed`) on the weights then served. Every token records the
-version that sampled it (``GenOutput.token_versions``).
+"""The CPU model runner: a model, what it serves, and token-in/token-out generation with
+a KV cache (the decoding itself, rows joining and leaving a running batch, and sampling
+with each request's own generator: :mod:`.decoding`).
 
 Many jobs share one base model: each job's policy is a LoRA adapter (PEFT) named
 ``<job>-v<version>``, chosen per request by ``job_id``. Requests of different jobs run
@@ -29,155 +15,39 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from temper.policy import ChatTokenizer, forward, is_model_dir, load_model, load_weights, pad_batch
+from services.inference_gateway.cpu_server.decoding import (
+    Decoding,
+    GenOutput,
+    GenRequest,
+    Row,
+    SamplingParams,
+    Stopped,
+)
+
+__all__ = [
+    "GenOutput",
+    "GenRequest",
+    "Holding",
+    "ModelRunner",
+    "NotServed",
+    "SamplingParams",
+    "Stopped",
+    "build_runner",
+]
+from temper.policy import ChatTokenizer, is_model_dir, load_model, load_weights
 from temper.registry import CorruptVersion, verify_directory
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-@dataclass
-class Resumed:
-    """What an interrupted generation had sampled: it goes on after these tokens."""
-
-    ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    interruptions: int
-
-
-@dataclass
-class GenRequest:
-    prompt_ids: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    job_id: str | None = None  # picks the job's adapter; none loaded: the base weights
-    partial_rollout: bool = False  # may be interrupted by the job's next version and resumed on it
-    resumed: Resumed | None = None  # the prefix of an interrupted generation
-
-
-@dataclass
-class GenOutput:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str  # "stop" | "length"
-    stop_reason: int | str | None
-    policy_version: int  # the version that sampled the last token
-    adapter: str | None = None  # the LoRA adapter that produced it; None: the base weights
-    token_versions: list[int] = field(default_factory=list)  # the version that sampled each token
-    interruptions: int = 0  # times a new version interrupted it (partial rollouts)
-    interrupted: bool = False  # stopped for a new version: to be resumed, not answered
-
-    def resumed(self) -> Resumed:
-        return Resumed(
-            list(self.token_ids), list(self.logprobs), list(self.token_versions), self.interruptions + 1
-        )
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
-    """One token from a row of logits ``[V]``; returns ``(token, raw logprob)``."""
-    raw = torch.log_softmax(logits, dim=-1)
-    if params.temperature <= 1e-5:
-        tok = int(torch.argmax(logits))
-        return tok, float(raw[tok])
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
-        sorted_p = torch.where(before < params.top_p, sorted_p, torch.zeros_like(sorted_p))
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    tok = int(torch.multinomial(probs, 1, generator=gen))
-    return tok, float(raw[tok])
-
-
-class _Row:
-    """The decoding state of one request inside a batch."""
-
-    def __init__(
-        self, req: GenRequest, tok: ChatTokenizer, version: int, max_len: int, adapter: str | None = None
-    ) -> None:
-        self.req = req
-        self.p = req.params
-        seed = self.p.seed if self.p.seed is not None else random.getrandbits(63)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.stop_ids = set(self.p.stop_token_ids)
-        self.eos_ids = set() if self.p.ignore_eos else set(tok.stop_ids)
-        self.budget = max(0, min(self.p.max_tokens, max_len - len(req.prompt_ids)))
-        before = req.resumed
-        self.ids: list[int] = list(before.ids) if before else []
-        self.logprobs: list[float] = list(before.logprobs) if before else []
-        self.versions: list[int] = list(before.versions) if before else []
-        self.interruptions = before.interruptions if before else 0
-        self.interrupted = False
-        self.text = ""
-        self.finish: str | None = None if self.budget > len(self.ids) else "length"
-        self.stop_reason: int | str | None = None
-        self.version = version
-        self.adapter = adapter
-        self.tok = tok
-
-    @property
-    def context(self) -> list[int]:
-        """What the model reads before its next token: the prompt and the tokens sampled so far."""
-        return [*self.req.prompt_ids, *self.ids]
-
-    def push(self, token: int, logprob: float) -> None:
-        self.ids.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(self.version)
-        if token in self.stop_ids:
-            self.finish, self.stop_reason = "stop", token
-        elif token in self.eos_ids:
-            self.finish = "stop"
-        if self.p.stop and self.finish is None:
-            text = self.tok.decode(self.ids)
-            for s in self.p.stop:
-                at = text.find(s)
-                if at >= 0:
-                    self.finish, self.stop_reason, self.text = "stop", s, text[:at]
-                    return
-        if self.finish is None and len(self.ids) >= self.budget:
-            self.finish = "length"
-
-    def output(self) -> GenOutput:
-        text = self.text if isinstance(self.stop_reason, str) else self.tok.decode(self.ids)
-        return GenOutput(
-            prompt_ids=list(self.req.prompt_ids),
-            token_ids=self.ids,
-            logprobs=self.logprobs,
-            text=text,
-            finish_reason=self.finish or "length",
-            stop_reason=self.stop_reason,
-            policy_version=self.version,
-            adapter=self.adapter,
-            token_versions=list(self.versions),
-            interruptions=self.interruptions,
-            interrupted=self.interrupted,
-        )
-
-
-BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 
 # The config fields that make two models of one family the same architecture (a full
 # version with these is loaded into the model in place; otherwise the model is replaced).
@@ -199,11 +69,6 @@ _PEFT_LOCK = threading.Lock()
 class NotServed(Exception):
     """The runner cannot do this for that job now: another job's full weights are loaded,
     or jobs' adapters are on the base that would have to change."""
-
-
-class Stopped(RuntimeError):
-    """The runner is stopping: a generation in progress is abandoned between two tokens
-    (its request is not answered, so the bus gives it to another replica)."""
 
 
 @dataclass
@@ -259,9 +124,6 @@ class ModelRunner:
         # set by the scheduler's stop: a thread cannot be cancelled, and a generation of
         # thousands of tokens would hold the process's exit until it ends
         self.stopping = False
-        # jobs whose next weights wait for the running batch (the scheduler's reload): their
-        # partial-rollout rows stop at the next token and resume on the new version
-        self.switching: set[str] = set()
         self.adapters: dict[str, tuple[str, int]] = {}
         self._origin = origin
         # without ``origin``: an untouched copy of the model it started with (PEFT changes
@@ -305,65 +167,32 @@ class ModelRunner:
             return self.adapters[job]
         return None, 0
 
-    @torch.inference_mode()
-    def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
-        rows: list[_Row] = []
-        for request in requests:
-            adapter, version = self.served(request.job_id)
-            rows.append(_Row(request, self.tok, version, self.max_len, adapter))
-        live = [r for r in rows if r.finish is None]
-        if not live:
-            return [r.output() for r in rows]
-        for r in live:
-            if not r.req.prompt_ids:
-                raise ValueError("empty prompt")
-        dev = self.device
-        ids, mask = pad_batch([r.context for r in live], self.tok.pad_id, left=True)
-        ids, mask = ids.to(dev), mask.to(dev)
-        names = [r.adapter or BASE_ADAPTER for r in live] if self.model is not self.base else None
-        logits, cache = forward(self.model, ids, mask, use_cache=True, adapter_names=names)
-        pos = (mask.sum(-1, keepdim=True) - 1).clamp(min=0)
-        while True:
-            if self.stopping:
-                raise Stopped("the model runner is stopping: generation abandoned")
-            nxt = torch.full((len(live), 1), self.tok.pad_id, dtype=torch.long)
-            # sampling runs on the CPU with each request's own generator (on CUDA too)
-            last = logits[:, -1].float().cpu()
-            for i, r in enumerate(live):
-                if r.finish is None:
-                    t, lp = sample_token(last[i], r.p, r.gen)
-                    r.push(t, lp)
-                    nxt[i, 0] = t
-            if all(r.finish is not None for r in live):
-                break
-            if self.switching and self._interrupt(live):
-                break
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=dev)], dim=1)
-            pos = pos + 1
-            logits, cache = forward(
-                self.model,
-                nxt.to(dev),
-                mask,
-                position_ids=pos,
-                cache=cache,
-                use_cache=True,
-                adapter_names=names,
-            )
-        return [r.output() for r in rows]
+    def row(self, request: GenRequest, ticket: Any = None) -> Row:
+        """The decoding state of ``request`` on what this runner serves its job now
+        (:class:`NotServed` while another job's full weights are loaded)."""
+        adapter, version = self.served(request.job_id)
+        return Row(request, self.tok, version, self.max_len, adapter, ticket)
 
-    def _interrupt(self, live: list[_Row]) -> bool:
-        """Stop the batch for a job's next version (:attr:`switching`) when some unfinished
-        row of that job takes partial rollouts and none of its unfinished rows refuses them
-        (those finish on the version they began on, and the load waits for them). Every
-        unfinished row is then ``interrupted``: the scheduler resumes it after the load,
-        other jobs' rows on their unchanged weights."""
-        waiting = [r for r in live if r.finish is None and (r.req.job_id or "") in self.switching]
-        if not waiting or not all(r.req.partial_rollout for r in waiting):
-            return False
-        for r in live:
-            if r.finish is None:
-                r.interrupted = True
-        return True
+    @torch.inference_mode()
+    def prefill(self, rows: list[Row]) -> Decoding:
+        """``rows``' prompts through the model: a batch ready for its first token."""
+        return Decoding(self.model, self.base, rows, self.tok.pad_id)
+
+    @torch.inference_mode()
+    def advance(self, batch: Decoding) -> list[Row]:
+        """One token of every row of ``batch``; returns the rows that finished.
+        :class:`Stopped` once the scheduler stops."""
+        return batch.advance(lambda: self.stopping)
+
+    def generate(self, requests: list[GenRequest]) -> list[GenOutput]:
+        """Run ``requests`` as one batch to their end."""
+        rows = [self.row(request) for request in requests]
+        live = [r for r in rows if r.finish is None]
+        if live:
+            batch = self.prefill(live)
+            while batch.rows:
+                self.advance(batch)
+        return [r.output() for r in rows]
 
     # --- loading ----------------------------------------------------------------------------
     def load_weights(self, path: str | Path, version: int, job_id: str | None = None) -> float:

@@ -23,7 +23,7 @@ from episode_peers import (
 from sqlalchemy import select
 
 from temper.clock import utcnow
-from temper.db import Job, PolicyVersion, TaskOutcome
+from temper.db import Job, PolicyVersion, TaskOutcome, TrainedTrajectory
 from temper.episode_log import read_episode_log
 from temper.events import PolicyUpdate, RewardRequest, SandboxRequest, Topics, TrajectoryReady
 from temper.storage import object_key
@@ -310,15 +310,19 @@ async def test_staleness_bound_holds_the_next_iteration_until_the_policy_catches
         await wait_for(lambda: _states(h.db, job, {"scored": 2}), what="iteration 0 scored")
         await asyncio.sleep(0.4)
         assert await episode_states(h.db, job) == {"scored": 2}, "iteration 1 waits for policy version 1"
-        # playing the trainer, the only writer of a job's policy version: the rows, then the update
+        # playing the trainer, the only writer of a job's policy version: in one transaction the
+        # ledger's rows with the step that trained them, the version, then the update
         async with h.db.session() as s:
+            for ep in await episodes_of(h.db, job):
+                s.add(TrainedTrajectory(episode_id=ep.id, job_id=job, trajectory_key=f"t/{ep.id}",
+                                        group_id=ep.group_id, step=1))  # fmt: skip
             (await s.get(Job, job)).policy_version = 1  # type: ignore[union-attr]
             s.add(PolicyVersion(job_id=job, version=1, checkpoint_key="ckpt/1", step=1))
         await h.runtime.bus.send_message(  # type: ignore[union-attr]
             Topics.POLICY_UPDATES, PolicyUpdate(job_id=job, version=1, checkpoint_key="ckpt/1", step=1)
         )
         await asyncio.sleep(0.4)
-        assert await episode_states(h.db, job) == {"scored": 2}, (
+        assert await episode_states(h.db, job) == {"trained": 2}, (
             "the trainer's word is not enough: iteration 1 waits until the gateway serves version 1"
         )
         # playing the gateway: every backend serving the job confirmed version 1
@@ -412,3 +416,50 @@ def test_curriculum_prefers_tasks_with_a_pass_rate_strictly_between_0_and_1():
     assert learnable > 10 * task_weight(10, 0, Curriculum.learnable)
     assert task_weight(0, 0, Curriculum.learnable) == learnable, "an unmeasured task counts as learnable"
     assert task_weight(10, 10, Curriculum.uniform) == task_weight(10, 4, Curriculum.uniform)
+
+
+async def test_a_lone_write_that_ends_the_episode_is_scored_without_a_session(tmp_path, database_url):
+    """A one-turn code episode whose reply only writes a file: the reward request carries the
+    workspace a session would have held (the task's starting files and that file), and no
+    session is started. A command, or a write that is not the episode's last action, takes
+    the session as before."""
+    scripts = {
+        "write": f"{FENCE}python ./add.py\ndef add(a, b):\n    return a + b\n{FENCE}",
+        "command": f"{FENCE}bash\nls\n{FENCE}",
+    }
+    h = await start_harness(
+        tmp_path, database_url, peers={"script": lambda r: scripts[r.job_id.split("-")[0]]}
+    )
+    try:
+        await seed(
+            h.db,
+            tasks={
+                "t1": {"spec": {"files": {"add.py": "def add(a, b):\n    return a - b\n", "README": "x"}}}
+            },
+        )
+        one_turn = {
+            "tasks__group_size": 1,
+            "schedule__episodes_per_iteration": 1,
+            "environment__max_turns": 1,
+        }
+        write = await submit_job(h.db, job_spec(**one_turn), job_id="write-1")
+        command = await submit_job(h.db, job_spec(**one_turn), job_id="command-1")
+        two_turns = await submit_job(
+            h.db, job_spec(**{**one_turn, "environment__max_turns": 2}), job_id="write-2"
+        )
+        for job in (write, command, two_turns):
+            await wait_for(lambda job=job: _is(h.db, job, "completed"), what=f"{job} completed")
+        by_job = {m.job_id: m for m in h.peers.requests["reward"] if m.job_id != two_turns}
+        assert by_job[write].submission["files"] == {
+            "add.py": "def add(a, b):\n    return a + b\n",  # the reply's file over the starting one
+            "README": "x",
+        }
+        assert by_job[write].submission["snapshot_key"] is None
+        (ep,) = await episodes_of(h.db, write)
+        assert ep.timings.get("scored_without_session") is True
+        assert [(s.turn, s.kind) for s in await steps_of(h.db, ep.id)] == [(0, "inference"), (0, "reward")]
+        sandboxed = {m.job_id for m in h.peers.requests["sandbox"]}
+        assert sandboxed == {command, two_turns}, "a command, and a write with turns left, run in a session"
+        assert "files" not in by_job[command].submission
+    finally:
+        await h.stop()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -107,42 +108,74 @@ async def test_scheduler_batches_concurrent_requests(engine: ModelRunner) -> Non
     assert sched.batches < 6
 
 
+async def test_a_request_joins_the_running_batch_at_its_next_token(engine: ModelRunner, monkeypatch) -> None:
+    """Continuous batching: a request that arrives while a long generation decodes starts at
+    the next token beside it (it does not wait for the batch to end) and leaves as soon as it
+    is done; each row's tokens and logprobs are those it gets alone."""
+    long_req = req("a long one", max_tokens=160, seed=1)
+    short_reqs = [
+        req("short", max_tokens=6, seed=7),
+        req("a rather longer prompt than the others", max_tokens=9, seed=8),
+    ]
+    alone = [engine.generate([r])[0] for r in (long_req, *short_reqs)]
+    advance, widths = engine.advance, []
+    decoding = threading.Event()  # the long one has decoded 20 tokens
+
+    def watched(batch):  # noqa: ANN001, ANN202
+        widths.append(len(batch.rows))
+        if len(widths) >= 20:
+            decoding.set()
+        return advance(batch)
+
+    monkeypatch.setattr(engine, "advance", watched)
+    sched = BatchScheduler(engine, max_batch=8, window_ms=1)
+    await sched.start()
+    try:
+        long_call = asyncio.create_task(sched.submit(long_req))
+        assert await asyncio.to_thread(decoding.wait, 60), "the long one never decoded"
+        shorts = await asyncio.gather(*(sched.submit(r) for r in short_reqs))
+        assert not long_call.done(), "the short requests ended while the long one still decoded"
+        long_out = await long_call
+    finally:
+        await sched.stop()
+    assert max(widths) == 3 and widths[0] == 1 and widths[-1] == 1, "they joined, then left"
+    assert sched.batches in (2, 3)  # the long one's prefill, then the joiners' (one or two)
+    for out, want in zip([long_out, *shorts], alone, strict=True):
+        assert out.token_ids == want.token_ids
+        assert out.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
 async def test_stop_abandons_a_generation_in_progress_at_its_next_token(
     engine: ModelRunner, monkeypatch
 ) -> None:
     """A thread cannot be cancelled: without this a long generation held the gateway's exit
-    (the executor's shutdown waits for it) long past SIGTERM."""
-    import threading
+    (the runner's thread decodes to the model's length) long past SIGTERM."""
 
     from services.inference_gateway.cpu_server.runner import Stopped
 
-    generate, running, ended = engine.generate, threading.Event(), threading.Event()
-    outcome: list[BaseException | None] = []
+    advance, running = engine.advance, threading.Event()
+    tokens: list[int] = []
+    finished: list[bool] = []
 
-    def watched(requests):  # noqa: ANN001, ANN202
+    def watched(batch):  # noqa: ANN001, ANN202
         running.set()
-        try:
-            out = generate(requests)
-            outcome.append(None)
-            return out
-        except BaseException as exc:
-            outcome.append(exc)
-            raise
-        finally:
-            ended.set()
+        out = advance(batch)
+        tokens.append(1)
+        finished.extend(True for _ in out)
+        return out
 
-    monkeypatch.setattr(engine, "generate", watched)
+    monkeypatch.setattr(engine, "advance", watched)
     budget = engine.max_len - 40  # as long as the model allows: seconds of decoding
     sched = BatchScheduler(engine, max_batch=2, window_ms=1)
     await sched.start()
     call = asyncio.create_task(sched.submit(req("go on", max_tokens=budget, seed=1)))
     assert await asyncio.to_thread(running.wait, 20), "the generation never started"
     await asyncio.sleep(0.2)  # inside the decode loop
-    await sched.stop()
+    at_stop = len(tokens)
+    await asyncio.wait_for(sched.stop(), 5)  # the runner's thread has ended
     with pytest.raises(Stopped):
         await asyncio.wait_for(call, 5)
-    assert await asyncio.to_thread(ended.wait, 5), "the generation thread did not end"
-    assert len(outcome) == 1 and isinstance(outcome[0], Stopped), "cut short, not finished"
+    assert not finished and len(tokens) <= at_stop + 1 < budget, "cut short at the next token, not finished"
     # started again, it serves as before
     await sched.start()
     try:

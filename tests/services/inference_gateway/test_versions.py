@@ -3,6 +3,7 @@ weights on one gateway never get each other's weights, nor each other's version 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,96 @@ async def test_a_job_naming_a_model_directory_is_served_by_it_and_the_next_job_b
         assert svc.table.holdings["local-0"].at_origin
     finally:
         await svc.stop()
+
+
+async def publish_lora(store: LocalStore, job: str, version: int, seed: int) -> tuple[str, torch.nn.Module]:
+    """A LoRA version of ``job`` on the seed-0 base, its adapter moved far from zero."""
+    from temper.jobspec import LoraSpec
+    from temper.training import Learner, LearnerConfig
+
+    lora = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    learner = Learner(create_model(seed=0), LearnerConfig(lora=lora), device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in learner.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    learner.model.eval()
+    key = await learner.publish_version(
+        store,
+        registry.version_prefix("t", job, version),
+        job_id=job,
+        version=version,
+        base_model="models/base",
+    )
+    return key, learner.model
+
+
+async def test_a_lora_version_with_no_backend_for_its_base_waits_and_loads_nowhere(tmp_path):
+    """Job A's full weights hold the only backend: job L's LoRA version has no backend
+    serving its base and none free to take it, so it waits (it was reported loaded, with
+    no backend serving it, and L's requests failed with no backend)."""
+    from services.inference_gateway.versions import JobModel
+
+    store = LocalStore(tmp_path / "objects")
+    svc = inference(tmp_path, store, backends=1)
+    await svc.start()
+    try:
+        key_a, _ = await publish_full(store, tmp_path, "job-a", 5, seed=5)
+        await svc.apply_update(PolicyUpdate(job_id="job-a", version=5, checkpoint_key=key_a, step=5))
+        key_l, _ = await publish_lora(store, "job-l", 1, seed=3)
+        svc.jobs["job-l"] = JobModel(base="tiny")
+        with pytest.raises(Waiting, match="job-l"):
+            await svc.apply_update(PolicyUpdate(job_id="job-l", version=1, checkpoint_key=key_l, step=1))
+        assert svc.table.holders_of("job-l") == [] and svc.confirmed("job-l") is None
+    finally:
+        await svc.stop()
+
+
+async def test_a_lora_version_read_before_its_job_goes_only_where_the_jobs_base_is(tmp_path):
+    """A restarted gateway's policy group redelivers a LoRA version before the job's requests
+    (or the start-up read) said which model the job starts from. The model is read from the
+    database first, so the adapter goes on one backend, given the job's base from the store,
+    and answers with the adapter's weights; it went on both backends at their own base."""
+    from services.inference_gateway.updates import PolicyUpdates
+    from temper.db import Job, Tenant
+    from temper.db.migrate import upgrade
+    from temper.runtime import Runtime
+    from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings
+
+    url = f"sqlite+aiosqlite:///{tmp_path}/temper.db"
+    await asyncio.to_thread(upgrade, url)
+    rt = Runtime(
+        Settings(
+            bus=BusSettings(kind=BusKind.inprocess),
+            storage=StorageSettings(kind=StorageKind.local, root=tmp_path / "objects"),
+            db=DatabaseSettings(url=url),
+            data_dir=tmp_path,
+        ),
+        service="inference-gateway",
+    )
+    await rt.start()
+    assert rt.db is not None and isinstance(rt.store, LocalStore)
+    store = rt.store
+    base = save_checkpoint(create_model(seed=0), tmp_path / "base", tokenizer=TOK)
+    for path in base.iterdir():
+        await store.put(f"models/base/{path.name}", path.read_bytes())
+    async with rt.db.session() as s:
+        s.add(Tenant(id="t", name="T"))
+    async with rt.db.session() as s:
+        spec = {"policy": {"model": "tiny", "init": "models/base"}}
+        s.add(Job(id="job-l", tenant_id="t", name="l", spec=spec, state="running", policy_version=1))
+    svc = inference(tmp_path, store, backends=2)
+    await svc.start()
+    updates = PolicyUpdates(rt, svc)
+    try:
+        key, adapted = await publish_lora(store, "job-l", 1, seed=3)
+        await updates._apply_one(PolicyUpdate(job_id="job-l", version=1, checkpoint_key=key, step=1))
+        [holder] = svc.table.holders_of("job-l")
+        assert "models/base" in svc.table.holdings[holder].names
+        answer = await svc.handle(request("job-l").model_copy(update={"init": "models/base"}))
+        assert (answer.error, answer.policy_version, answer.backend) == (None, 1, holder)
+        assert answer.logprobs == pytest.approx(own_logprobs(adapted, answer.token_ids), abs=1e-4)
+    finally:
+        await svc.stop()
+        await rt.stop()

@@ -16,6 +16,7 @@ import pytest
 from services.sandbox_worker.app import create_app
 from services.sandbox_worker.worker import SandboxWorker
 from temper.events import SandboxRequest
+from temper.rewards.models import files_from_snapshot
 from temper.sandbox import SandboxLimits, SandboxSettings
 from temper.storage import LocalStore
 
@@ -121,14 +122,20 @@ async def test_run_code_is_sandboxfusion_compatible(client) -> None:
         await client.post("/run_code", json={**py, "code": code, "files": files, "fetch_files": ["out.txt"]})
     ).json()
     assert r["status"] == "Success" and base64.b64decode(r["files"]["out.txt"]) == b"42"
-    # A run killed for memory finished (its program failed): a run-level Error is a
-    # sandbox fault only, in SandboxFusion's meaning.
+    # Past memory_limit_MB a Python program meets MemoryError, as SandboxFusion's (an
+    # address-space limit): the run finished, its program failed with return code 1; a
+    # run-level Error is a sandbox fault only, in SandboxFusion's meaning.
     r = (
         await client.post("/run_code", json={**py, "code": "x = bytearray(1 << 30)", "memory_limit_MB": 64})
     ).json()
     assert r["status"] == "Failed" and r["run_result"]["status"] == "Finished"
-    assert r["run_result"]["return_code"] == -9 and r["run_result"]["kill_reason"] == "memory"
+    assert r["run_result"]["return_code"] == 1 and r["run_result"]["kill_reason"] is None
+    assert r["run_result"]["stderr"].rstrip().endswith("MemoryError")
     assert r["compile_result"] is None  # Python has no compile step
+    # without memory_limit_MB there is no address-space limit: the sandbox's own memory limit kills
+    r = (await client.post("/run_code", json={**py, "code": "x = bytearray(1 << 30)"})).json()
+    assert r["run_result"]["status"] == "Finished" and r["run_result"]["kill_reason"] == "memory"
+    assert r["run_result"]["return_code"] == -9
 
 
 async def test_truncated_output_is_not_success(client) -> None:
@@ -167,6 +174,45 @@ async def test_handle_is_idempotent_and_restores_on_another_worker(root, tmp_pat
         assert done.error is None and "ep-1" not in b.manager.sessions
     finally:
         await b.close()
+
+
+class RefusingOnce(LocalStore):
+    """An object store that refuses the first upload of a snapshot, as one that is down does."""
+
+    refused = 0
+
+    async def put(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+        if "sandbox-snapshots/" in key and not self.refused:
+            self.refused += 1
+            raise ConnectionRefusedError("the object store is down")
+        await super().put(key, data, content_type)
+
+
+async def test_a_step_retried_after_its_snapshot_failed_does_not_run_its_action_again(root, tmp_path) -> None:
+    """The snapshot's upload fails after the action ran (an object store outage): the bus
+    retries the step, which takes the snapshot of the workspace the action left and answers
+    with the action's result; the action ran once (it ran twice, on the workspace its first
+    run had changed, and the episode's turn saw a workspace no snapshot held)."""
+    store = RefusingOnce(tmp_path / "objects")
+    w = make_worker(root, store)
+    await w.start()
+    try:
+        req = SandboxRequest(
+            episode_id="ep-1", turn=0, attempt=0, session_id="ep-1",
+            action={"kind": "run_command", "command": "echo $RANDOM >> log; wc -l < log"},
+        )  # fmt: skip
+        with pytest.raises(ConnectionRefusedError):
+            await w.handle(req)
+        again = await w.handle(req)
+        assert store.refused == 1 and again.error is None
+        assert again.result["stdout"] == "1\n", "the action ran again"
+        assert again.snapshot_key is not None
+        log = files_from_snapshot(await store.get(again.snapshot_key))["log"]
+        assert len(log.splitlines()) == 1
+        turn1 = await w.handle(req.model_copy(update={"turn": 1}))  # the next turn runs as usual
+        assert turn1.result["stdout"] == "2\n"
+    finally:
+        await w.close()
 
 
 async def test_bad_input_is_a_4xx_on_every_route_never_a_5xx(client, worker) -> None:
