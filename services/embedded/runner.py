@@ -217,8 +217,9 @@ async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalR
         session.add(Tenant(id=TENANT, name="local run", max_concurrent_episodes=1024))
         await session.flush()
         taskset = await create_taskset(
-            session, runtime.store, TENANT, local.taskset_file.stem, tasks, source=str(local.taskset_file)
-        )
+            session, runtime.store, TENANT, local.taskset_file.stem, tasks, source=str(local.taskset_file),
+            held_out=local.held_out,
+        )  # fmt: skip
     return spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
 
 
