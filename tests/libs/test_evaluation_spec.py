@@ -47,7 +47,10 @@ def test_a_k_above_the_samples_is_refused():
         ({"every_versions": 0}, "greater than or equal to 1"),
         ({"every_versions": 1, "pass_at": [1, 1]}, "repeats a k"),
         ({"every_versions": 1, "pass_at": []}, "at least 1 item"),
-        ({"every_versions": 1, "passed_by": "coverage"}, "'coverage' is not default, reward or one of the job's rewards"),
+        (
+            {"every_versions": 1, "passed_by": "coverage"},
+            "'coverage' is not default, reward or one of the job's rewards",
+        ),
         ({"every_versions": 1, "pass_threshold": 0.5}, "pass_threshold applies with passed_by reward"),
         ({"every_versions": 1, "split": "test"}, "evaluation.split"),
         ({"every_versions": 1, "label": "a b"}, "evaluation.label"),
@@ -61,7 +64,10 @@ def test_bad_sections_are_refused_naming_the_problem(evaluation, words):
 def test_a_component_rule_names_one_of_the_jobs_rewards():
     s = parse_spec({**BASE, "rewards": {"tests_passed": 1.0, "coverage": 0.2},
                     "evaluation": {"every_versions": 1, "passed_by": "coverage", "pass_threshold": 0.8}})  # fmt: skip
-    assert s.evaluation is not None and (s.evaluation.passed_by, s.evaluation.pass_threshold) == ("coverage", 0.8)
+    assert s.evaluation is not None and (s.evaluation.passed_by, s.evaluation.pass_threshold) == (
+        "coverage",
+        0.8,
+    )
 
 
 def test_an_evaluate_section_is_the_servers_and_an_sft_job_has_no_evaluation():
@@ -72,4 +78,6 @@ def test_an_evaluate_section_is_the_servers_and_an_sft_job_has_no_evaluation():
     with pytest.raises(ValueError, match="names a version or a model directory"):
         JobSpec.model_validate({**BASE, "evaluate": {"job": "job-1"}})
     with pytest.raises(ValueError, match="has no evaluation of its own"):
-        JobSpec.model_validate({**BASE, "evaluate": {"job": "job-1", "version": 1}, "evaluation": {"every_versions": 1}})
+        JobSpec.model_validate(
+            {**BASE, "evaluate": {"job": "job-1", "version": 1}, "evaluation": {"every_versions": 1}}
+        )

@@ -5,7 +5,7 @@
     temper logs EPISODE                                            an episode's stored log (JSON lines)
     temper export JOB [--format jsonl|parquet] [-o FILE]           trajectories: tokens, logprobs, rewards, versions
     temper checkpoints JOB [--download V [-o FILE]]                policy versions, and their weights
-    temper compare JOB JOB [...]                                   reward curves side by side
+    temper compare JOB JOB [...]                                   reward curves and eval pass@k side by side
 
 Iterations and turns are counted from 1, as the console counts them.
 """
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from temper.cli import evaluations
 from temper.cli.common import client, out
 from temper.cli.jobs import progress_lines
 from temper.client import ApiError
@@ -109,6 +110,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         ]
         for line in table(["task", "episodes", "passed", "pass rate", "mean reward"], rows):
             out("  " + line)
+    for line in evaluations.metrics_lines(m):
+        out(line)
     return 0
 
 
@@ -270,7 +273,7 @@ def compare_lines(jobs: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> 
         curve_rows = [[str(i + 1), *(_reward(c.get(i)) for c in by_job)] for i in iterations]
         lines += ["", "mean reward per iteration"]
         lines += ["  " + line for line in table(["iteration", *(j["id"] for j in jobs)], curve_rows)]
-    return lines
+    return lines + evaluations.compare_lines(jobs, metrics)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -106,6 +106,8 @@ async def test_the_upload_stores_each_tasks_part_and_training_draws_from_train_o
         train = {t.key for t in await service.sampleable_tasks(s, view["id"])}
         held = {t.key for t in await service.sampleable_tasks(s, view["id"], "held_out")}
         every = {t.key for t in await service.sampleable_tasks(s, view["id"], "all")}
-        stored = dict((await s.execute(select(Task.key, Task.split).where(Task.task_set_id == view["id"]))).all())
+        stored = dict(
+            (await s.execute(select(Task.key, Task.split).where(Task.task_set_id == view["id"]))).all()
+        )
     assert held == wanted and train == every - wanted and len(every) == 20
     assert {k for k, part in stored.items() if part == "held_out"} == wanted
