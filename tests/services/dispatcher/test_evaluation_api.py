@@ -178,3 +178,62 @@ async def test_temper_eval_and_evals_from_the_cli(server, env, capsys):  # noqa:
     assert code == 2 and "give --version V or --model DIR" in err
     code, _, err = run_cli([*base, "eval", "job-finished", "--version", "8"], capsys)
     assert code == 1 and "version: job job-finished has not published v8" in err
+
+
+async def finished_evaluations(settings) -> None:
+    """Two finished periodic evaluations of job-finished (v0 and v2), as the dispatcher leaves them."""
+    from temper.clock import utcnow
+    from temper.db import EvaluationResult, Job
+
+    db = Database(settings.db)
+    try:
+        async with db.session() as s:
+            for v, (p1, p2) in ((0, (0.25, 0.5)), (2, (0.75, 1.0))):
+                s.add(Job(id=f"job-eval-{v}", tenant_id="acme", name=f"add-numbers: eval v{v}", spec={},
+                          state="completed"))  # fmt: skip
+                await s.flush()
+                s.add(Evaluation(job_id=f"job-eval-{v}", tenant_id="acme", source_job_id="job-finished", version=v,
+                                 label="eval", periodic=True, taskset_id="ts-acme", split="held_out", samples=2,
+                                 pass_at=[1, 2], completed_at=utcnow(),
+                                 summary={"pass_at": {"1": p1, "2": p2}, "reward_mean": p1, "episodes": 6,
+                                          "components": {"tests_passed": p1}}))  # fmt: skip
+                await s.flush()
+                for task in HELD:
+                    s.add(EvaluationResult(job_id=f"job-eval-{v}", task_id=f"ts-acme:{task}", samples=2, passed=1,
+                                           pass_at={"1": 0.5, "2": 1.0}, reward_mean=0.5,
+                                           components={"tests_passed": 0.5}))  # fmt: skip
+            job = await s.get(Job, "job-finished")
+            job.provenance = {"temper": {"version": "0.1.0", "commit": "c" * 40, "dirty": False},
+                              "seeds": {"tasks.seed": 0}, "spec_sha256": "5" * 64,
+                              "model": {"policy_model": "tiny", "source": "preset"},
+                              "taskset": {"id": "ts-acme", "name": "adders", "tasks": 5, "sha256": "b" * 64}}  # fmt: skip
+    finally:
+        await db.dispose()
+
+
+async def test_the_console_shows_the_eval_curve_the_per_task_table_and_the_provenance(
+    app, client, env, seeded
+):
+    import re
+
+    import httpx
+
+    await add_rows(env[0])
+    await finished_evaluations(env[0])
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://dispatcher") as browser:
+        r = await browser.post("/console/login", data={"key": seeded.key, "next": "/console/"})
+        assert r.status_code == 303
+        page = (await browser.get("/console/jobs/job-finished")).text
+    curve = re.search(r'<svg id="eval-curve"[^>]*data-points="(\d+)"', page)
+    assert curve and curve.group(1) == "2"
+    assert 'id="reward-curve"' in page  # beside the reward curve
+    # one line per k, a point per version with its value in the tooltip
+    assert page.count('class="series" data-k="') == 2
+    assert "v2: pass@2 1.000" in page and "v0: pass@1 0.250" in page
+    table = page[page.index('id="eval-tasks"') :]
+    table = table[: table.index("</table>")]
+    assert "Per task at v2" in page and all(f"ts-acme:{t}" in table for t in HELD) and "1.000" in table
+    assert 'href="/console/jobs/job-eval-2"' in page
+    # the provenance, beside the spec
+    assert 'id="provenance"' in page and "c" * 40 in page and "b" * 64 in page and "tasks.seed=0" in page
