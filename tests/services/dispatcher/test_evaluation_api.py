@@ -152,7 +152,7 @@ async def test_a_stored_version_is_evaluated_as_a_job_of_its_own(client, env):
 SPEC_SAMPLING = {"temperature": 0.7, "top_p": 1.0, "max_tokens": 64, "stop": []}
 
 
-async def test_temper_eval_and_evals_from_the_cli(server, env, capsys):  # noqa: F811 - the fixture
+async def test_temper_eval_and_evals_from_the_cli(server, env, capsys, tmp_path):  # noqa: F811 - the fixture
     url, seeded = server
     base = ["--url", url, "--key", seeded.key]
     await add_rows(env[0])
@@ -174,6 +174,11 @@ async def test_temper_eval_and_evals_from_the_cli(server, env, capsys):  # noqa:
     assert json.loads(out)["spec"]["policy"]["sampling"]["temperature"] == 0.2
     code, out, _ = run_cli([*base, "evals", "job-finished"], capsys)
     assert out.splitlines()[0].split()[:3] == ["version", "label", "state"] and "v3" in out
+    out_file = tmp_path / "evaluations.jsonl"
+    code, _, err = run_cli([*base, "export", "job-finished", "--evaluations", "-o", str(out_file)], capsys)
+    assert code == 0 and "1 evaluations" in err, err
+    (exported,) = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert exported["evaluation_job_id"] == eval_job and exported["tasks"] == []
     code, _, err = run_cli([*base, "eval", "job-finished"], capsys)
     assert code == 2 and "give --version V or --model DIR" in err
     code, _, err = run_cli([*base, "eval", "job-finished", "--version", "8"], capsys)
@@ -237,3 +242,33 @@ async def test_the_console_shows_the_eval_curve_the_per_task_table_and_the_prove
     assert 'href="/console/jobs/job-eval-2"' in page
     # the provenance, beside the spec
     assert 'id="provenance"' in page and "c" * 40 in page and "b" * 64 in page and "tasks.seed=0" in page
+
+
+async def test_metrics_watch_and_compare_show_the_evaluations(server, env, capsys):  # noqa: F811 - the fixture
+    url, seeded = server
+    base = ["--url", url, "--key", seeded.key]
+    await add_rows(env[0])
+    await finished_evaluations(env[0])
+    code, out, err = run_cli([*base, "metrics", "job-finished"], capsys)
+    assert code == 0, err
+    section = out[out.index("evaluation per version") :].splitlines()
+    assert section[1].split() == [
+        "version",
+        "label",
+        "state",
+        "tasks",
+        "scored",
+        "pass@1",
+        "pass@2",
+        "reward",
+        "job",
+    ]
+    assert section[2].split()[:7] == ["v0", "eval", "completed", "ts-acme:held_out", "6", "0.250", "0.500"]
+    assert section[3].split()[:7] == ["v2", "eval", "completed", "ts-acme:held_out", "6", "0.750", "1.000"]
+    # the watch display's last line: the newest evaluation
+    assert "  eval v2 (eval, held_out): pass@1 0.750 · pass@2 1.000   reward 0.750" in out
+    code, out, err = run_cli([*base, "compare", "job-finished", "job-running"], capsys)
+    assert code == 0, err
+    rows = out[out.index("eval pass@1 per version") :].splitlines()
+    assert rows[1].split() == ["version", "job-finished", "job-running"]
+    assert rows[2].split() == ["v0", "0.250", "–"] and rows[3].split() == ["v2", "0.750", "–"]

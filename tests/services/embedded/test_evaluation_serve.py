@@ -32,6 +32,8 @@ def spec(name: str, taskset: str, model: str, *, lora: bool) -> dict:
         "checkpoint_every": 1,
         "skip_zero_variance": False,  # every group trains: two versions an iteration
         "learning_rate": 0.05,  # large steps: neighbouring versions sample apart
+        # random policies score alike (zero advantages): the entropy bonus moves every step
+        "entropy_coef": 1.0,
     }
     if lora:
         algorithm["lora"] = {"rank": 4, "alpha": 8}
@@ -205,4 +207,5 @@ def test_each_evaluation_is_sampled_by_the_version_it_evaluates_lora_and_full(tm
             [(v, True) for v in range(0, api.get(f"/v1/jobs/{full}").json()["policy_version"] + 1, 2)]
             + [(1, False)]
         )
+        versions.client.close()
         api.close()
