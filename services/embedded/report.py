@@ -112,7 +112,7 @@ def _plot_evaluations(ax: Any, done: list[EvaluationPoint]) -> None:
     rewards = [(e.version, e.reward_mean) for e in done if e.reward_mean is not None]
     ax.plot([v for v, _ in rewards], [r for _, r in rewards], linestyle="--", color="#2f6fb3",
             label="mean reward")  # fmt: skip
-    where = f"{done[0].split} tasks" if done[0].split != "all" else "every task"
+    where = {"held_out": "held-out tasks", "train": "training tasks"}.get(done[0].split, "every task")
     ax.set_xlabel("policy version")
     ax.set_ylabel("evaluation")
     ax.set_title(f"eval on {where}: {done[0].samples} samples a task")
