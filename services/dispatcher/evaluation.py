@@ -37,7 +37,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.episodes import new_id
-from temper import evaluation, provenance
+from temper import evaluation, metrics, provenance
 from temper.clock import utcnow
 from temper.db import (
     Episode,
@@ -433,73 +433,11 @@ async def finish(s: AsyncSession, job: Job, spec: JobSpec) -> dict[str, Any]:
         log, "evaluation finished", evaluation_job_id=job.id, source_job_id=row.source_job_id,
         version=row.version, pass_at=summary["pass_at"], reward_mean=summary["reward_mean"],
     )  # fmt: skip
+    state = "failed" if failed and not results else "completed"
+    metrics.EVALUATIONS_FINISHED.labels(row.source_job_id, state).inc()
+    if row.version is not None and results:
+        metrics.EVALUATION_VERSION.labels(row.source_job_id, row.label).set(row.version)
+        for k, value in summary["pass_at"].items():
+            if value is not None:
+                metrics.EVALUATION_PASS_AT.labels(row.source_job_id, row.label, k).set(value)
     return summary
-
-
-# --- reading ------------------------------------------------------------------------------
-
-
-async def points(s: AsyncSession, job_id: str, *, own: bool = False) -> list[dict[str, Any]]:
-    """The evaluations of job ``job_id`` (``own``: also the one it is, for an evaluation job),
-    by version then creation, each with its job's state and, once ended, its results."""
-    which = Evaluation.source_job_id == job_id
-    if own:
-        which = which | (Evaluation.job_id == job_id)
-    found = await s.execute(
-        select(Evaluation, Job.state, Job.state_reason)
-        .join(Job, Job.id == Evaluation.job_id)
-        .where(which)
-        .order_by(Evaluation.version, Evaluation.created_at, Evaluation.job_id)
-    )
-    out = []
-    for row, state, reason in found:
-        summary = row.summary or {}
-        out.append(
-            {
-                "evaluation_job_id": row.job_id,
-                "state": state,
-                "state_reason": reason,
-                "source_job_id": row.source_job_id,
-                "version": row.version,
-                "model": row.model,
-                "label": row.label,
-                "periodic": row.periodic,
-                "taskset": row.taskset_id,
-                "split": row.split,
-                "samples": row.samples,
-                "ks": list(row.pass_at),
-                "passed_by": row.passed_by,
-                "pass_threshold": row.pass_threshold,
-                "pass_at": summary.get("pass_at") or {},
-                "reward_mean": summary.get("reward_mean"),
-                "components": summary.get("components") or {},
-                "summary": row.summary,
-                "created_at": row.created_at,
-                "completed_at": row.completed_at,
-            }
-        )
-    return out
-
-
-async def task_rows(s: AsyncSession, evaluation_job_ids: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """Per evaluation, its per-task results (by task id)."""
-    if not evaluation_job_ids:
-        return {}
-    found = await s.execute(
-        select(EvaluationResult)
-        .where(EvaluationResult.job_id.in_(evaluation_job_ids))
-        .order_by(EvaluationResult.job_id, EvaluationResult.task_id)
-    )
-    out: dict[str, list[dict[str, Any]]] = {}
-    for r in found.scalars():
-        out.setdefault(r.job_id, []).append(
-            {
-                "task_id": r.task_id,
-                "samples": r.samples,
-                "passed": r.passed,
-                "pass_at": r.pass_at,
-                "reward_mean": r.reward_mean,
-                "components": r.components,
-            }  # fmt: skip
-        )
-    return out

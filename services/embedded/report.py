@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher import evaluation
+from services.dispatcher import evaluation_views
 from services.dispatcher.api.repo import job_metrics
 from services.dispatcher.api.schemas import EvaluationPoint, IterationReward, JobMetrics, Transcript
 from services.dispatcher.api.transcripts import transcript
@@ -60,7 +60,7 @@ async def write_report(
     episodes = await _sample_episodes(session, job.id)
     transcripts = [await transcript(session, store, e) for e in episodes]
     latest = done[-1] if done else None
-    tasks = (await evaluation.task_rows(session, [latest.evaluation_job_id])) if latest else {}
+    tasks = (await evaluation_views.task_rows(session, [latest.evaluation_job_id])) if latest else {}
     per_task = tasks.get(latest.evaluation_job_id, []) if latest else []
     (run_dir / "report.html").write_text(_html(job, metrics, summary, transcripts, latest, per_task))
     return summary

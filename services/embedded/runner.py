@@ -255,7 +255,8 @@ async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalR
         except SplitError as exc:
             raise SpecError([("local.held_out", str(exc))]) from None
         spec = spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
-        errors = await section_errors(session, spec, tenant_id=TENANT, pools=None)
+        pools = {b.pool for b in runtime.settings.inference.backends}
+        errors = await section_errors(session, spec, tenant_id=TENANT, pools=pools)
     if errors:
         raise SpecError([(f, m.replace("(temper tasksets upload --held-out 0.2, or held_out_fraction=0.2)",
                                        "(local.held_out: {fraction: 0.2})")) for f, m in errors])  # fmt: skip

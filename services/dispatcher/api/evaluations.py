@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, status
 
-from services.dispatcher import evaluation
+from services.dispatcher import evaluation, evaluation_views
 from services.dispatcher.api import schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import CurrentTenant, RuntimeDep, SessionDep
@@ -129,7 +129,9 @@ async def evaluate(
         return spec_problem(SpecError([(exc.field, str(exc))]))
     await session.commit()
     (point,) = [
-        p for p in await evaluation.points(session, made.id, own=True) if p["evaluation_job_id"] == made.id
+        p
+        for p in await evaluation_views.points(session, made.id, own=True)
+        if p["evaluation_job_id"] == made.id
     ]
     return schemas.Evaluation(**point)
 
@@ -148,10 +150,10 @@ async def list_evaluations(
     job: JobDep,
     tasks: Annotated[bool, Query(description="include each evaluation's per-task results")] = False,
 ) -> list[schemas.Evaluation]:
-    found = await evaluation.points(session, job.id, own=True)
+    found = await evaluation_views.points(session, job.id, own=True)
     per_task: dict[str, list[dict[str, Any]]] = {}
     if tasks:
-        per_task = await evaluation.task_rows(session, [p["evaluation_job_id"] for p in found])
+        per_task = await evaluation_views.task_rows(session, [p["evaluation_job_id"] for p in found])
     return [
         schemas.Evaluation(**p, **({"tasks": per_task.get(p["evaluation_job_id"], [])} if tasks else {}))
         for p in found

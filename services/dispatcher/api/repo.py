@@ -16,7 +16,7 @@ from sqlalchemy import Select, String, and_, case, cast, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher import evaluation
+from services.dispatcher import evaluation_views
 from services.dispatcher.api import schemas
 from services.dispatcher.sampling import replacement_groups, zero_variance_groups
 from temper import provenance
@@ -451,7 +451,7 @@ async def job_metrics(
         throughput=throughput,
         staleness=staleness,
         training=await _training(session, job, scored=sum(p.episodes for p in curve)),
-        evaluations=[schemas.EvaluationPoint(**p) for p in await evaluation.points(session, job.id)],
+        evaluations=[schemas.EvaluationPoint(**p) for p in await evaluation_views.points(session, job.id)],
         pass_threshold=pass_threshold,
     )
 

@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from services.dispatcher import evaluation
+from services.dispatcher import evaluation_views
 from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
 from services.dispatcher.api.transcripts import stored_log, transcript
@@ -198,7 +198,7 @@ async def _latest_eval_tasks(session: SessionDep, points: list[Any]) -> dict[str
     if not done:
         return None
     latest = max(done, key=lambda p: (p.version, p.created_at))
-    tasks = (await evaluation.task_rows(session, [latest.evaluation_job_id])).get(
+    tasks = (await evaluation_views.task_rows(session, [latest.evaluation_job_id])).get(
         latest.evaluation_job_id, []
     )
     return {"point": latest, "tasks": tasks, "ks": sorted({k for t in tasks for k in t["pass_at"]}, key=int)}

