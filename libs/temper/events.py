@@ -194,10 +194,13 @@ class PolicyUpdate(Message):
 
 
 class LifecycleEvent(Message):
-    """Events for analytics: job/episode state changes, rewards, policy versions."""
+    """Events for analytics: job/episode state changes, rewards, policy versions, and an
+    evaluation's results (``evaluation``: on the evaluated job, ``version`` the version it
+    evaluated, ``data`` the results: ``temper.evaluation.summary`` with the evaluation's
+    label, job id, task set and split)."""
 
     type: Literal["lifecycle"] = "lifecycle"
-    event: Literal["job.state", "episode.state", "episode.reward", "policy.version"]
+    event: Literal["job.state", "episode.state", "episode.reward", "policy.version", "evaluation"]
     tenant: str | None = None
     state: str | None = None
     reason: str | None = None

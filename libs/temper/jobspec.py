@@ -331,7 +331,7 @@ RL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "schedule": ("episodes_per_iteration", "max_concurrent_episodes", "max_staleness"),
 }  # fmt: skip
-RL_ONLY_TOP = ("environment", "rewards")
+RL_ONLY_TOP = ("environment", "rewards", "evaluation")
 SFT_REFUSAL = "applies to RL jobs only; an sft job runs no episodes (leave it out)"
 
 
@@ -608,6 +608,110 @@ class Tracking(_Spec):
     wandb: WandbTracking | None = None
 
 
+class Split(StrEnum):
+    """Which tasks of a task set (docs/tasks-and-rewards.md, "Held-out tasks"): training jobs
+    draw from ``train`` only; an evaluation names its part."""
+
+    train = "train"
+    held_out = "held_out"
+    all = "all"
+
+
+DEFAULT_PASS_RULE = "default"  # temper.rewards.passed: the verdict of every training pass rate
+REWARD_PASS_RULE = "reward"
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class EvalRule(_Spec):
+    """How an evaluation samples and judges each task: ``samples`` episodes per task, pass@k
+    for each ``k`` of ``pass_at`` (every k <= samples), and what "passed" means."""
+
+    samples: int = Field(1, ge=1, le=256, description="episodes per task")
+    pass_at: list[int] = Field(
+        default_factory=lambda: [1], min_length=1, max_length=16, description="the k of each pass@k"
+    )
+    passed_by: str = Field(
+        DEFAULT_PASS_RULE,
+        max_length=200,
+        description="default (tests_passed, else answer_match, else reward >= 1), reward (the scalar reward), "
+        "or one of the job's reward components; with reward or a component, passed means >= pass_threshold",
+    )
+    pass_threshold: float | None = Field(
+        None, ge=-1e9, le=1e9, description="with passed_by reward or a component; default 1.0"
+    )
+
+    @model_validator(mode="after")
+    def _rule(self) -> EvalRule:
+        ks = self.pass_at
+        if any(k < 1 for k in ks):
+            raise ValueError("pass_at: every k is at least 1")
+        if len(set(ks)) != len(ks):
+            raise ValueError(f"pass_at: {ks} repeats a k")
+        over = [k for k in ks if k > self.samples]
+        if over:
+            raise ValueError(
+                f"pass_at: k={over[0]} exceeds samples ({self.samples}): pass@k needs at least k samples "
+                "per task (raise samples or lower k)"
+            )
+        self.pass_at = sorted(ks)
+        if self.passed_by == DEFAULT_PASS_RULE:
+            if self.pass_threshold is not None:
+                raise ValueError(
+                    "pass_threshold applies with passed_by reward or a reward component (the default rule "
+                    "has its own verdict)"
+                )
+        elif self.pass_threshold is None:
+            self.pass_threshold = 1.0
+        return self
+
+
+class EvaluationSpec(EvalRule):
+    """A training job's periodic evaluation: every ``every_versions``-th policy version (0
+    included) is evaluated by a job of its own (docs/job-spec.md, "evaluation")."""
+
+    every_versions: int = Field(ge=1, le=100000, description="evaluate versions 0, N, 2N, ...")
+    taskset: str | None = Field(
+        None, max_length=200, description="a task set of yours, by id or name; default: tasks.taskset"
+    )
+    split: Split | None = Field(
+        None,
+        description="held_out | train | all; default: held_out of the job's own task set, all of another",
+    )
+    sampling: Sampling | None = Field(None, description="default: policy.sampling")
+    max_concurrent_episodes: int | None = Field(
+        None,
+        ge=1,
+        description="episodes of one evaluation in flight; default: schedule.max_concurrent_episodes",
+    )
+    backend_pool: str | None = Field(
+        None,
+        max_length=200,
+        description="the gateway pool that serves the evaluations; default: policy.backend_pool",
+    )
+    label: str = Field(
+        "eval", pattern=LABEL_PATTERN, description="the name its results are logged under (eval/pass@1, ...)"
+    )
+
+
+class EvaluateSpec(EvalRule):
+    """What an evaluation job evaluates (its own spec carries it; created by a training job's
+    ``evaluation`` or by ``POST /v1/jobs/{id}/evaluations``, never submitted as a job): version
+    ``version`` of job ``job``, or the model directory ``model`` with that job's environment."""
+
+    job: str = Field(max_length=64, description="the job whose version (or whose environment) is evaluated")
+    version: int | None = Field(None, ge=0, description="the version evaluated; None with model")
+    model: str | None = Field(None, max_length=4096, description="a model directory evaluated instead")
+    split: Split = Split.all
+    label: str = Field("eval", pattern=LABEL_PATTERN)
+    periodic: bool = Field(False, description="started by the job's evaluation (else on request)")
+
+    @model_validator(mode="after")
+    def _one_model(self) -> EvaluateSpec:
+        if (self.version is None) == (self.model is None):
+            raise ValueError("an evaluation names a version or a model directory, one of the two")
+        return self
+
+
 HANDLE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/=-]{0,63}$"
 
@@ -634,6 +738,12 @@ class JobSpec(_Spec):
     algorithm: AlgorithmSpec = AlgorithmSpec()
     schedule: Schedule = Schedule()
     tracking: Tracking = Field(default_factory=Tracking, description="experiment tracking (docs/tracking.md)")
+    evaluation: EvaluationSpec | None = Field(
+        None, description="evaluate every N-th policy version on a task set or a split of one"
+    )
+    evaluate: EvaluateSpec | None = Field(
+        None, description="(an evaluation job's own) what it evaluates; set by the server, never submitted"
+    )
 
     @field_validator("handle")
     @classmethod
@@ -653,6 +763,23 @@ class JobSpec(_Spec):
             )
         if not self.rewards:
             raise ValueError("rewards: name at least one reward component")
+        if self.evaluation is not None and self.evaluate is not None:
+            raise ValueError(
+                "evaluation and evaluate: an evaluation job evaluates; it has no evaluation of its own"
+            )
+        for where, rule in (("evaluation", self.evaluation), ("evaluate", self.evaluate)):
+            if rule is not None and rule.passed_by not in (
+                DEFAULT_PASS_RULE,
+                REWARD_PASS_RULE,
+                *self.rewards,
+            ):
+                raise ValueError(
+                    f"{where}.passed_by: {rule.passed_by!r} is not default, reward or one of the job's rewards "
+                    f"({', '.join(sorted(self.rewards))})"
+                )
+        if self.evaluation is not None and self.evaluation.split is None:
+            own = self.evaluation.taskset in (None, self.tasks.taskset)
+            self.evaluation.split = Split.held_out if own else Split.all
         a = self.algorithm
         longest = self.policy.sampling.max_tokens * self.environment.max_turns
         if a.aggregation is Aggregation.seq_sum and a.loss_constant is None:
@@ -679,6 +806,9 @@ class JobSpec(_Spec):
             errors.append("environment")
         if self.rewards != JobSpec.model_fields["rewards"].get_default(call_default_factory=True):
             errors.append("rewards")
+        if self.evaluation is not None or self.evaluate is not None:
+            # an episode needs an environment and rewards, which an sft spec has none of
+            errors.append("evaluation" if self.evaluation is not None else "evaluate")
         if errors:
             raise ValueError(f"{', '.join(errors)}: {SFT_REFUSAL}")
         return self
@@ -744,6 +874,18 @@ def plugin_errors(spec: JobSpec) -> list[tuple[str, str]]:
     return errors
 
 
+EVALUATE_REFUSAL = (
+    "is set by the server on an evaluation job; evaluate a version with POST /v1/jobs/{id}/evaluations "
+    "(temper eval), or give a training job an evaluation section"
+)
+
+
+def submitted_errors(spec: JobSpec) -> list[tuple[str, str]]:
+    """What a submitted spec may not carry: an evaluation job's ``evaluate`` (the server makes
+    those jobs, with the version's checkpoint and the task count it checked)."""
+    return [("evaluate", EVALUATE_REFUSAL)] if spec.evaluate is not None else []
+
+
 def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
     """Validate a spec given as a mapping, or as JSON/YAML text, and the plugins it names."""
     if isinstance(data, bytes | str):
@@ -759,7 +901,7 @@ def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError([(field_path(e["loc"]), message(e)) for e in exc.errors()]) from None
-    errors = plugin_errors(spec)
+    errors = submitted_errors(spec) + plugin_errors(spec)
     if errors:
         raise SpecError(errors)
     return spec

@@ -167,6 +167,21 @@ DISPATCHER_REPLACEMENT_GROUPS = Counter(
     "Groups started by dynamic sampling in place of zero-variance groups the trainer skipped",
     ["job_id"],
 )
+EVALUATIONS_FINISHED = Counter(
+    "temper_evaluations_finished_total",
+    "Evaluation jobs that ended with their results written, by the evaluated job and state",
+    ["job_id", "state"],
+)
+EVALUATION_PASS_AT = Gauge(
+    "temper_evaluation_pass_at",
+    "The newest finished evaluation of a job's versions: the mean pass@k over its tasks",
+    ["job_id", "label", "k"],
+)
+EVALUATION_VERSION = Gauge(
+    "temper_evaluation_version",
+    "The version the newest finished evaluation of a job evaluated",
+    ["job_id", "label"],
+)
 
 
 def zero(metric: MetricWrapperBase, *label_sets: str | tuple[str, ...]) -> None:

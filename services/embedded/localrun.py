@@ -12,6 +12,7 @@ task-set file, and may ask for a supervised warm start of a freshly created poli
         generator: tasksets/make_offset_tasks.py:warm_start_examples
         examples: 16000
         steps: 1000
+      held_out: {fraction: 0.25, seed: 0}            # tasks never trained on, for the job's evaluation
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from temper.jobspec import JobSpec, SpecError, parse_spec
+from temper.tasks.splits import HeldOut
 
 
 class WarmStart(BaseModel):
@@ -70,6 +72,9 @@ class LocalRun(BaseModel):
     build: Build | None = None
     seed: int = 0
     warm_start: WarmStart | None = None
+    held_out: HeldOut | None = Field(
+        None, description="split the task set at upload: {fraction, seed} or {field, values}"
+    )
 
 
 def load(path: Path) -> tuple[JobSpec, LocalRun]:
@@ -103,6 +108,16 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
     if isinstance(init, str) and init.startswith("job:"):
         raise SpecError(
             [("policy.init", "temper run holds no other job to start from; submit the job to temper serve")]
+        )
+    evaluation = doc.get("evaluation")
+    if isinstance(evaluation, dict) and evaluation.get("taskset") is not None:
+        raise SpecError(
+            [
+                (
+                    "evaluation.taskset",
+                    "temper run holds one task set (local.taskset_file): evaluate a split of it",
+                )
+            ]
         )
     return parse_spec(doc), local
 

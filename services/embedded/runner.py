@@ -25,16 +25,18 @@ from transformers import AutoModelForCausalLM
 
 from services.dispatcher.api.repo import create_job, job_metrics
 from services.dispatcher.api.validation import check_template
+from services.dispatcher.evaluation import section_errors
 from services.embedded import localrun
 from services.embedded.components import components, in_one_process
 from services.embedded.report import write_report
 from services.tracker.component import GROUP as TRACKER_GROUP
+from services.trainer.training import JobTrainer
 from temper.bus.inprocess import InProcessBus
-from temper.db import Database, Job, OutboxRow, Tenant
+from temper.db import Database, Job, OutboxRow, PolicyVersion, Tenant
 from temper.db.migrate import upgrade
 from temper.envs import Environment, make_environment
 from temper.events import Topics
-from temper.jobspec import JobSpec
+from temper.jobspec import JobSpec, SpecError
 from temper.lifecycle import JOB_TERMINAL, JobState
 from temper.logs import get_logger, log_event
 from temper.policy import (
@@ -50,6 +52,7 @@ from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Se
 from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 from temper.tasks.models import parse_tasks
 from temper.tasks.service import create_taskset
+from temper.tasks.splits import SplitError
 from temper.training.sft import turn_text, warm_start
 
 log = get_logger("temper.run")
@@ -68,16 +71,30 @@ class RunResult:
 def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
     """One process: SQLite, the in-process bus, a local object store, logs to a file (the
     terminal shows progress), and the gateway serving the run's policy from an
-    in-process engine that batches a whole iteration's requests.
+    in-process engine that batches a whole iteration's requests. A full-weight job with an
+    ``evaluation`` gets a second engine: a version's full weights need an engine of their
+    own, so its evaluations run beside the training instead of after it.
 
     torch's threads are the process's: the engine's decoding and the trainer's steps run
     at once (the next batch is generated while the last one trains), each with half the
     cores (``TEMPER_TRAINER__THREADS`` sets it). With all of them each, two busy thread
     pools on one machine's cores slow both down several times."""
     batch = spec.schedule.max_concurrent_episodes
-    backend = BackendSpec(
-        name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
-    )
+    backends = [
+        BackendSpec(
+            name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
+        )
+    ]
+    if spec.evaluation is not None and spec.algorithm.lora is None:
+        evaluation_batch = spec.evaluation.max_concurrent_episodes or batch
+        backends.append(
+            BackendSpec(
+                name="local-1",
+                kind=BackendKind.local,
+                model_dir=str(run_dir / POLICY_DIR),
+                max_batch=evaluation_batch,
+            )
+        )
     settings = Settings(
         mode=Mode.embedded,
         service="temper-run",
@@ -90,7 +107,7 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
         bus=BusSettings(partitions=max(6, batch)),
         inference=InferenceSettings(
             model_name=spec.policy.model,
-            backends=[backend],
+            backends=backends,
             max_inflight_per_backend=batch,
             checkpoint_cache_dir=str(run_dir / "checkpoints"),
         ),
@@ -180,11 +197,22 @@ async def run(
         )
     else:
         rewards = "no episode was scored"
+    if summary.get("last_eval"):
+        first, last = summary["first_eval"], summary["last_eval"]
+        k = min(last["pass_at"], key=int)
+        rewards += (
+            f"; eval pass@{k} {_fraction(first['pass_at'].get(k))} (v{first['version']}) -> "
+            f"{_fraction(last['pass_at'].get(k))} (v{last['version']})"
+        )
     out.write(
         f"\n{state}: {rewards} in {summary['seconds']:.0f}s\nreport: {run_dir / 'report.html'}\n"
         f"console: temper serve --data-dir {run_dir}\n"
     )
     return RunResult(run_dir, job_id, state, summary)
+
+
+def _fraction(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 TRACKING_WAIT_S = 60.0
@@ -221,14 +249,27 @@ async def _job(session: AsyncSession, job_id: str) -> Job:
 
 
 async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalRun) -> JobSpec:
+    """The task set (split as ``local.held_out`` says) in the run's database; the spec names it.
+    A split that holds out none or all of the tasks, or an ``evaluation`` with no tasks in its
+    split, is refused (:class:`SpecError`) before anything runs."""
     tasks = parse_tasks(local.taskset_file.read_bytes(), filename=local.taskset_file.name)
     async with _db(runtime).session() as session:
         session.add(Tenant(id=TENANT, name="local run", max_concurrent_episodes=1024))
         await session.flush()
-        taskset = await create_taskset(
-            session, runtime.store, TENANT, local.taskset_file.stem, tasks, source=str(local.taskset_file)
-        )
-    return spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
+        try:
+            taskset = await create_taskset(
+                session, runtime.store, TENANT, local.taskset_file.stem, tasks, source=str(local.taskset_file),
+                held_out=local.held_out,
+            )  # fmt: skip
+        except SplitError as exc:
+            raise SpecError([("local.held_out", str(exc))]) from None
+        spec = spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
+        pools = {b.pool for b in runtime.settings.inference.backends}
+        errors = await section_errors(session, spec, tenant_id=TENANT, pools=pools)
+    if errors:
+        raise SpecError([(f, m.replace("(temper tasksets upload --held-out 0.2, or held_out_fraction=0.2)",
+                                       "(local.held_out: {fraction: 0.2})")) for f, m in errors])  # fmt: skip
+    return spec
 
 
 def make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
@@ -335,18 +376,44 @@ def _environment(spec: JobSpec, task: dict[str, Any]) -> Environment:
 
 
 async def _follow(runtime: Runtime, job_id: str, progress: Progress) -> str:
+    """Draw the job's progress until it ended and so did its evaluations: those of every
+    version it published that is due (``evaluation.every_versions``), including a version the
+    trainer publishes after the end (steps not yet checkpointed: it looks for ended jobs
+    every ``JobTrainer.CLOSE_CHECK_S``)."""
     from temper.cli.jobs import progress_lines
 
+    ended_at: float | None = None
     while True:
         async with _db(runtime).session() as session:
             job = await _job(session, job_id)
             metrics = (await job_metrics(session, job=job)).model_dump(mode="json")
             state = job.state
             name = job.name
-            algorithm = (job.spec.get("algorithm") or {}).get("name")
-        shown = {"id": job_id, "name": name, "algorithm": algorithm}
+            spec = JobSpec.model_validate(job.spec)
+            published = set(
+                (
+                    await session.execute(select(PolicyVersion.version).where(PolicyVersion.job_id == job_id))
+                ).scalars()
+            )
+        shown = {"id": job_id, "name": name, "algorithm": spec.algorithm.name.value}
         progress.show(progress_lines(shown, metrics, color=progress.tty))
         if JobState(state) in JOB_TERMINAL:
-            progress.done()
-            return state
+            ended_at = ended_at if ended_at is not None else time.monotonic()
+            settled = (
+                spec.algorithm.checkpoint_every == 1
+                or time.monotonic() - ended_at > JobTrainer.CLOSE_CHECK_S + 1
+            )
+            if settled and not _evaluations_pending(spec, published, metrics["evaluations"]):
+                progress.done()
+                return state
         await asyncio.sleep(1.0)
+
+
+def _evaluations_pending(spec: JobSpec, published: set[int], evaluations: list[dict[str, Any]]) -> bool:
+    """Is an evaluation of the job still to come or to end?"""
+    if spec.evaluation is None:
+        return False
+    every = spec.evaluation.every_versions
+    due = {v for v in published | {0} if v % every == 0}
+    made = {e["version"] for e in evaluations if e["periodic"]}
+    return bool(due - made) or any(JobState(e["state"]) not in JOB_TERMINAL for e in evaluations)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from temper.cli.common import client, number, out
+from temper.cli.evaluations import latest_line
 from temper.client import TemperClient
 from temper.lifecycle import JOB_TERMINAL, EpisodeState
 
@@ -213,12 +214,14 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
         reward = "mean reward – (nothing scored yet)"
     st = m["staleness"]
     stale = st["max"] if st["max"] is not None else (st["in_flight_max"] or 0)
-    return [
+    lines = [
         header,
         f"{bar} {p['fraction'] * 100:5.1f}%  {p['finished']}/{p['episodes_total']} episodes",
         "  " + states,
         f"  {reward}   {m['throughput']['episodes_per_min']:.1f} episodes/min   staleness {stale}/{st['max_staleness']}",
     ]
+    evaluated = latest_line(m)
+    return lines + ([evaluated] if evaluated else [])
 
 
 def watch(

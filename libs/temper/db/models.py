@@ -105,6 +105,10 @@ class TaskSet(Base):
     status: Mapped[str] = mapped_column(String(32), default="pending")
     task_count: Mapped[int] = mapped_column(Integer, default=0)
     storage_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    held_out: Mapped[dict[str, Any] | None] = mapped_column(
+        default=None,
+        doc="how the upload was split (temper.tasks.splits): the rule and the counts; None: no split",
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -128,6 +132,12 @@ class Task(Base):
     validation: Mapped[dict[str, Any] | None] = mapped_column(
         default=None, doc="the last validation's oracle and do-nothing runs (temper.tasks.oracle)"
     )
+    split: Mapped[str] = mapped_column(
+        String(16),
+        default="train",
+        server_default="train",
+        doc="train | held_out, set at upload (temper.tasks.splits); training draws from train only",
+    )
 
 
 class TaskOutcome(Base):
@@ -148,6 +158,69 @@ class TaskOutcome(Base):
     )
     passed: Mapped[bool] = mapped_column(Boolean)
     reward: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Evaluation(Base):
+    """One evaluation: a job of its own (``job_id``, whose spec's ``evaluate`` says what it
+    evaluates) that samples policy version ``version`` of ``source_job_id`` (or the model
+    directory ``model``) on a task set or a split of one, ``samples`` episodes per task. Written
+    when the evaluation job is created; ``summary`` and ``completed_at`` when its last episode
+    finished (with its per-task rows, :class:`EvaluationResult`)."""
+
+    __tablename__ = "evaluations"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    # no foreign key: an evaluation's results outlive nothing they need from the job's row
+    source_job_id: Mapped[str] = mapped_column(String(64), index=True)
+    version: Mapped[int | None] = mapped_column(Integer, default=None, doc="None: a model directory")
+    model: Mapped[str | None] = mapped_column(Text, default=None, doc="the model directory evaluated")
+    checkpoint_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    label: Mapped[str] = mapped_column(String(64), default="eval")
+    periodic: Mapped[bool] = mapped_column(Boolean, default=False, doc="started by the job's evaluation")
+    # one periodic evaluation per job, version and label: "<job>:<version>:<label>"; None on request
+    periodic_key: Mapped[str | None] = mapped_column(String(200), default=None, unique=True)
+    taskset_id: Mapped[str] = mapped_column(String(64))
+    split: Mapped[str] = mapped_column(String(16))
+    samples: Mapped[int] = mapped_column(Integer)
+    pass_at: Mapped[list[Any]] = mapped_column()
+    passed_by: Mapped[str] = mapped_column(String(200), default="default")
+    pass_threshold: Mapped[float | None] = mapped_column(Float, default=None)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(
+        default=None, doc="temper.evaluation.summary over its tasks, written at its end"
+    )
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class EvaluationResult(Base):
+    """One task's results in one evaluation: scored samples, passes, pass@k per k, the mean
+    reward and each component's mean (``temper.evaluation.TaskResult``)."""
+
+    __tablename__ = "evaluation_results"
+    job_id: Mapped[str] = mapped_column(
+        ForeignKey("evaluations.job_id", ondelete="CASCADE"), primary_key=True
+    )
+    task_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    samples: Mapped[int] = mapped_column(Integer)
+    passed: Mapped[int] = mapped_column(Integer)
+    pass_at: Mapped[dict[str, Any]] = mapped_column(doc='{"1": 0.5, "4": 0.9}: k -> pass@k')
+    reward_mean: Mapped[float] = mapped_column(Float)
+    components: Mapped[dict[str, Any]] = mapped_column(default=dict, doc="component -> mean value")
+
+
+class EvaluationOutcome(Base):
+    """One scored evaluation episode's verdict, written once by the dispatcher's scoring
+    transaction (never a :class:`TaskOutcome`: no training pass rate or curriculum counts it)."""
+
+    __tablename__ = "evaluation_outcomes"
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    task_id: Mapped[str] = mapped_column(String(200))
+    policy_version: Mapped[int | None] = mapped_column(Integer, default=None)
+    passed: Mapped[bool] = mapped_column(Boolean)
+    reward: Mapped[float] = mapped_column(Float)
+    components: Mapped[dict[str, Any]] = mapped_column(default=dict, doc="component -> value")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

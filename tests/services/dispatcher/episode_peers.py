@@ -129,6 +129,7 @@ async def seed(
                     spec=extra.get("spec", {"files": {"add.py": "def add(a, b):\n    return a - b\n"}}),
                     meta={},
                     status=extra.get("status", "valid"),
+                    split=extra.get("split", "train"),
                 )
             )
     history = {tid: extra for tid, extra in tasks.items() if extra.get("attempts")}
@@ -176,7 +177,8 @@ class Peers:
     script: Script = code_script
     duplicate: bool = False
     drop: Callable[[Message], bool] = lambda m: False
-    policy_version: int = 0
+    # the version the fake gateway tags each answer with (a function: per request)
+    policy_version: int | Callable[[InferenceRequest], int] = 0
     reward_fn: Callable[[RewardRequest], float] = lambda r: 1.0
     requests: dict[str, list[Message]] = field(default_factory=lambda: defaultdict(list))
     trajectories: list[Message] = field(default_factory=list)
@@ -277,7 +279,9 @@ class Peers:
                 logprobs=[-0.5] * len(tokens),
                 text=text,
                 finish_reason="stop",
-                policy_version=self.policy_version,
+                policy_version=(
+                    self.policy_version(msg) if callable(self.policy_version) else self.policy_version
+                ),
                 backend="fake",
             )
         if isinstance(msg, SandboxRequest):
