@@ -155,6 +155,9 @@ class RewardRequest(Message):
     taskset_id: str | None = None
     submission: dict[str, Any]
     weights: dict[str, float] = {}
+    settings: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="the job's settings of the components given with some"
+    )
     turns_used: int = 0
     max_turns: int = 1
     format_ok: bool = True

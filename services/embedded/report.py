@@ -16,6 +16,7 @@ from services.dispatcher.api.schemas import IterationReward, JobMetrics, Transcr
 from services.dispatcher.api.transcripts import transcript
 from services.dispatcher.console.charts import CHART_CSS, reward_curve_svg
 from temper.db import Episode, Job
+from temper.jobspec import reward_weights
 from temper.storage import ObjectStore
 
 TRANSCRIPTS_SHOWN = 4
@@ -117,7 +118,7 @@ def _components(rewards: dict[str, Any], weights: dict[str, float]) -> str:
 
 
 def _html(job: Job, metrics: JobMetrics, summary: dict[str, Any], transcripts: list[Transcript]) -> str:
-    weights = dict((job.spec or {}).get("rewards") or {})
+    weights = reward_weights((job.spec or {}).get("rewards") or {})
     rows = "".join(
         f"<tr><td>{escape(p.task_id)}</td><td>{p.episodes}</td><td>{p.pass_rate:.2f}</td><td>{p.mean_reward:.3f}</td></tr>"
         for p in metrics.pass_rates

@@ -9,6 +9,7 @@ from __future__ import annotations
 from services.reward_scorer import handlers
 from services.reward_scorer.scoring import SubmissionScorer
 from temper.bus import Consumer
+from temper.rewards.graders import Graders
 from temper.rewards.runner import scoring_sandbox_settings
 from temper.runtime import Runtime
 from temper.sandbox import SandboxManager
@@ -55,7 +56,16 @@ class RewardScorer:
                 store=rt.store,  # task images are pulled from it
             )
             await self.manager.start()
-        self._scoring = SubmissionScorer(rt.db, rt.store, self.manager, concurrency=self.concurrency)
+        settings = rt.settings.reward_scorer
+        graders = Graders(
+            store=rt.store,
+            device=settings.model_device.value,
+            cache_dir=settings.model_cache_dir,
+            max_batch=settings.model_batch,
+        )
+        self._scoring = SubmissionScorer(
+            rt.db, rt.store, self.manager, concurrency=self.concurrency, graders=graders
+        )
         rt.checks["sandbox"] = self._check_sandbox
         self.consumer = await rt.consume_handlers(
             handlers.topics(self._scoring, rt.bus), group=self.group, concurrency=self.concurrency

@@ -19,6 +19,7 @@ class ComponentName(StrEnum):
     turn_penalty = (
         "turn_penalty"  # share of the turn budget used beyond the first turn (weight it negatively)
     )
+    reward_model = "reward_model"  # a reward model's score of the episode's transcript
 
 
 class Submission(BaseModel):

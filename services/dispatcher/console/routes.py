@@ -21,6 +21,7 @@ from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
 from services.dispatcher.api.transcripts import stored_log, transcript
 from services.dispatcher.console.charts import PALETTE, reward_curve_svg, reward_curves_svg, training_charts
+from temper.jobspec import reward_weights
 from temper.lifecycle import JOB_TERMINAL, IllegalTransition
 from temper.tenants import Caller, authenticate
 
@@ -253,7 +254,7 @@ async def episode_page(
         raise PageError(status.HTTP_404_NOT_FOUND, f"There is no episode {episode_id} in this tenant.")
     t = await transcript(session, store, episode)
     job = await repo.get_job(session, tenant_id=caller.tenant.id, job_id=episode.job_id)
-    weights = dict((job.spec or {}).get("rewards") or {}) if job is not None else {}
+    weights = reward_weights((job.spec or {}).get("rewards") or {}) if job is not None else {}
     return page(
         request, "episode.html", caller=caller, t=t, ep=t.episode, components=reward_rows(t.rewards, weights)
     )
