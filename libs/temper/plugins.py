@@ -63,6 +63,7 @@ BUILTINS: dict[Group, dict[str, str]] = {
         "format": "temper.rewards.components:Format",
         "turn_penalty": "temper.rewards.components:TurnPenalty",
         "reward_model": "temper.rewards.reward_model:RewardModel",
+        "judge": "temper.rewards.judge:Judge",
     },
     Group.parsers: {
         "hermes": "temper.envs.tools:parse_hermes",

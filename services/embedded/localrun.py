@@ -12,6 +12,7 @@ task-set file, and may ask for a supervised warm start of a freshly created poli
         generator: tasksets/make_offset_tasks.py:warm_start_examples
         examples: 16000
         steps: 1000
+      before: [judge-sft.yaml]                       # jobs run first, to completion, in this run
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class LocalRun(BaseModel):
     build: Build | None = None
     seed: int = 0
     warm_start: WarmStart | None = None
+    before: list[Path] = Field(
+        default_factory=list,
+        description="spec files (each with its own local: block) of jobs run first, in this run, each to "
+        "completion: e.g. an sft job that trains a judge, which this spec then names as job:<handle>@latest",
+    )
 
 
 def load(path: Path) -> tuple[JobSpec, LocalRun]:
@@ -92,6 +98,7 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
             [("local." + ".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
         ) from None
     local.taskset_file = (path.parent / local.taskset_file).resolve()
+    local.before = [(path.parent / p).resolve() for p in local.before]
     model = (doc.get("policy") or {}).get("model")
     if isinstance(model, str) and (path.parent / model / "config.json").is_file():
         doc["policy"]["model"] = str((path.parent / model).resolve())  # a model directory beside the spec

@@ -84,6 +84,7 @@ class SubmissionScorer:
         self._gate = asyncio.Semaphore(concurrency)
         self._inflight: dict[str, asyncio.Lock] = {}
         self._tasks: OrderedDict[str, TaskSpec] = OrderedDict()
+        self._policies: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._task_cache = task_cache
         self.scored = 0
         self.duplicates = 0
@@ -102,6 +103,18 @@ class SubmissionScorer:
         while len(self._tasks) > self._task_cache:
             self._tasks.popitem(last=False)
         return spec
+
+    async def policy_of(self, job_id: str | None) -> dict[str, Any] | None:
+        """The job spec's ``policy`` block (a judge with ``model: policy`` asks that model), kept per job."""
+        if not job_id:
+            return None
+        if job_id not in self._policies:
+            async with self.db.session() as session:
+                spec = await session.scalar(select(Job.spec).where(Job.id == job_id))
+            self._policies[job_id] = dict((spec or {}).get("policy") or {})
+            while len(self._policies) > self._task_cache:
+                self._policies.popitem(last=False)
+        return self._policies[job_id]
 
     async def transcript(self, request: RewardRequest, task: TaskSpec) -> Transcript:
         """The episode's conversation, from its steps (read only when a component asks)."""
@@ -167,6 +180,7 @@ class SubmissionScorer:
                     task, submission, request.weights or None, turns_used=request.turns_used,
                     max_turns=request.max_turns, format_ok=request.format_ok, settings=request.settings,
                     transcript=functools.partial(self.transcript, request, task), job_id=request.job_id,
+                    policy=await self.policy_of(request.job_id),
                 )  # fmt: skip
         except ScoringError as exc:
             metrics.REWARDS_SCORED.labels(status="error").inc()

@@ -59,6 +59,7 @@ class ScoreContext:
     # it (reward_model, judge); None where the caller has no episode to read it from
     load_transcript: Callable[[], Awaitable[Transcript]] | None = None
     job_id: str | None = None  # the episode's job (a judge asked to grade with the policy serves it)
+    policy: dict[str, Any] | None = None  # the job spec's policy block (model, init, backend_pool)
     graders: Graders | None = None  # the process's models and gateway, for the components that grade with one
     _memo: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from temper import metrics
 from temper.events import RewardComponent
 from temper.rewards.components import Component, ScoreContext, Skip
 from temper.rewards.graders import Graders, ModelNotFound
@@ -98,6 +99,7 @@ class Loaded:
         with torch.no_grad():
             scores = sequence_scores(self.model, rows, self.tok.pad_id, self.device)
         self.forwards += 1
+        metrics.REWARD_MODEL_BATCH.observe(len(rows))
         return [float(v) for v in scores.cpu()]
 
 

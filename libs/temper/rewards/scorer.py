@@ -89,6 +89,7 @@ class Scorer:
         settings: dict[str, dict[str, Any]] | None = None,
         transcript: Callable[[], Awaitable[Transcript]] | None = None,
         job_id: str | None = None,
+        policy: dict[str, Any] | None = None,
     ) -> tuple[float, dict[str, RewardComponent]]:
         """Returns (reward, components). Raises :class:`ScoringError` only when the sandbox
         machinery itself failed for a weighted component.
@@ -97,7 +98,7 @@ class Scorer:
         their own) weighted 0 is not computed unless ``only`` names it: it could not change
         the reward. ``settings``: the job's settings of the components given with some;
         ``transcript``: reads the episode's conversation (components that grade it);
-        ``job_id``: the episode's job."""
+        ``job_id`` and ``policy``: the episode's job and its spec's policy block."""
         sub = submission if isinstance(submission, Submission) else Submission.model_validate(submission)
         weights = dict(weights or DEFAULT_WEIGHTS[task.kind])
         asked = set(only or ())
@@ -108,6 +109,7 @@ class Scorer:
             task=task, submission=sub, runner=self.runner, turns_used=turns_used, max_turns=max_turns,
             format_ok=format_ok, want_timing="efficiency" in names, reference_times=self.reference_times,
             settings=dict(settings or {}), load_transcript=transcript, job_id=job_id, graders=self.graders,
+            policy=policy,
         )  # fmt: skip
         results = await asyncio.gather(*(self._one(name, ctx, weighted=name in weights) for name in names))
         components = dict(zip(names, results, strict=True))
