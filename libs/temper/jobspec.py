@@ -51,6 +51,8 @@ class PolicySpec(_Spec):
         return value
 
 
+BEST_OF = 1
+HANDLE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"  # a job's handle (and the form of its id)
 JOB_REF_PREFIX = "job:"
 JOB_REF = re.compile(r"job:([a-z0-9][a-z0-9._-]{0,99})@(v[0-9]{1,9}|latest)")
 
@@ -71,7 +73,12 @@ class Curriculum(StrEnum):
 
 
 class TaskSampling(_Spec):
-    taskset: str = Field(description="task set id")
+    taskset: str = Field(
+        "",
+        max_length=200,
+        description="task set id or name; an sft job given from_job instead gets the set made from that job's "
+        "episodes here at submission",
+    )
     group_size: int = Field(4, ge=1, le=256, description="samples per task: the GRPO group")
     curriculum: Curriculum = Curriculum.learnable
     seed: int = 0
@@ -80,6 +87,36 @@ class TaskSampling(_Spec):
         max_length=64,
         description="start the curriculum from this job's recorded pass rates (a job of yours on the same task set)",
     )
+    from_job: str | None = Field(
+        None,
+        pattern=HANDLE_PATTERN,
+        description="sft: a finished job of yours (id or handle) whose scored episodes are the data, made into a "
+        "task set of conversations at submission (rejection sampling)",
+    )
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description=f"with from_job: each task's best N episodes by reward (default {BEST_OF})",
+    )
+    min_reward: float | None = Field(
+        None, description="with from_job: only episodes whose reward is at least this (default: any reward)"
+    )
+
+    @model_validator(mode="after")
+    def _data(self) -> TaskSampling:
+        if self.from_job is None:
+            if self.best_of is not None or self.min_reward is not None:
+                raise ValueError(
+                    "best_of and min_reward apply with from_job (an sft job on a job's episodes)"
+                )
+            if not self.taskset:
+                raise ValueError("taskset: a task set id or name is required (or, for an sft job, from_job)")
+        else:  # the task set made from the job's episodes is pinned in taskset at submission
+            self.best_of = self.best_of or BEST_OF
+        if self.min_reward is not None and not math.isfinite(self.min_reward):
+            raise ValueError("min_reward must be a finite number")
+        return self
 
 
 class ActionFormat(StrEnum):
@@ -639,7 +676,6 @@ class Tracking(_Spec):
     wandb: WandbTracking | None = None
 
 
-HANDLE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/=-]{0,63}$"
 
 
@@ -699,6 +735,11 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
+        if self.tasks.from_job is not None and not self.is_sft:
+            raise ValueError(
+                "tasks.from_job: a job's episodes are data for sft jobs (algorithm.name: sft), "
+                f"not {self.algorithm.name}"
+            )
         if self.is_offline:
             return self._sft_consistent()
         if self.schedule.episodes_per_iteration % self.tasks.group_size:

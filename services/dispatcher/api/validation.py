@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher.api.episode_data import taskset_from_episodes
 from services.dispatcher.api.model_refs import init_errors, reward_model_errors
 from services.dispatcher.backends import deployment
 from temper import problems
@@ -302,17 +303,22 @@ async def check_names(
     errors += await init_errors(session, spec=spec, tenant_id=tenant_id, store=store)
     errors += await reward_model_errors(session, spec=spec, tenant_id=tenant_id, store=store)
     errors += model_errors(spec, settings, await deployment(session, settings))
+    # an sft job on another job's episodes: their task set is made now and named in the spec
+    errors += await taskset_from_episodes(session, spec=spec, tenant_id=tenant_id, store=store)
     try:
         # a name stands for the one task set of the tenant with it: the job keeps the id
         spec.tasks.taskset = (await get_taskset(session, spec.tasks.taskset, tenant=tenant_id)).id
     except TaskSetAmbiguous as exc:
         errors.append(("tasks.taskset", str(exc)))
     except TaskSetNotFound:
-        rows = await session.execute(select(TaskSet.id, TaskSet.name).where(TaskSet.tenant_id == tenant_id))
-        known = {ref for row in rows for ref in row}
-        errors.append(
-            ("tasks.taskset", unknown("task set", spec.tasks.taskset, known) + " (an id or a name)")
-        )
+        if spec.tasks.taskset:  # none is named when from_job's set could not be made (its error says why)
+            rows = await session.execute(
+                select(TaskSet.id, TaskSet.name).where(TaskSet.tenant_id == tenant_id)
+            )
+            known = {ref for row in rows for ref in row}
+            errors.append(
+                ("tasks.taskset", unknown("task set", spec.tasks.taskset, known) + " (an id or a name)")
+            )
     prior = spec.tasks.prior_from_job
     if prior is not None:
         job = await session.get(Job, prior)
@@ -326,7 +332,7 @@ async def check_names(
                     f"job {prior} ran on task set {ran_on!r}, not {spec.tasks.taskset!r}",
                 )
             )
-    if not any(path == "tasks.taskset" for path, _ in errors):
+    if spec.tasks.taskset and not any(path == "tasks.taskset" for path, _ in errors):
         errors += await taskset_kind_errors(session, spec=spec)
     errors += await image_errors(session, spec=spec, store=store)
     errors += await limit_errors(session, spec=spec, settings=settings)
