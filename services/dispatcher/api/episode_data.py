@@ -23,7 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api.transcripts import load_trajectory
-from temper.db import Episode, Job, Task
+from temper.db import Episode, Job, Task, TaskSet
 from temper.envs import make_environment
 from temper.envs.tools import call_id
 from temper.episode_steps import read_steps
@@ -45,7 +45,13 @@ async def taskset_from_episodes(
     ``spec.tasks.taskset`` (nothing to do when it names one already: a rerun's stored
     spec); or the problems, for the field."""
     t = spec.tasks
-    if t.from_job is None or t.taskset:
+    if t.from_job is None:
+        return []
+    if t.taskset:  # a rerun's stored spec names the set made from the job; any other set is refused
+        made = await session.get(TaskSet, t.taskset)
+        if made is None or made.tenant_id != tenant_id or made.source != f"episodes:{t.from_job}":
+            return [(FIELD, f"give tasks.from_job or tasks.taskset, not both (the task set {clip(t.taskset)} "
+                            f"was not made from job {clip(t.from_job)}'s episodes)")]  # fmt: skip
         return []
     source = await session.get(Job, t.from_job)
     if source is None or source.tenant_id != tenant_id:

@@ -36,6 +36,11 @@ async def test_the_best_episodes_of_each_task_become_the_sft_data(client, env):
     assert r.status_code == 201, r.text
     tasks = r.json()["spec"]["tasks"]
     assert tasks["from_job"] == "job-finished" and tasks["best_of"] == 2 and tasks["min_reward"] == 0.5
+    # the stored tasks, submitted again (a rerun), train on the same set: nothing new is made
+    pinned = {k: tasks[k] for k in ("taskset", "from_job", "best_of", "min_reward")}
+    again = await client.post("/v1/jobs", json=sft(**pinned))
+    assert again.status_code == 201, again.text
+    assert again.json()["spec"]["tasks"]["taskset"] == tasks["taskset"]
     made = await client.get(f"/v1/tasksets/{tasks['taskset']}")
     assert made.status_code == 200, made.text
     assert made.json()["name"] == "job-finished-best-of-2"
@@ -84,6 +89,7 @@ async def test_the_default_is_each_tasks_best_episode(client, env):
             "a job's episodes are data for sft jobs",
         ),
         (sft(taskset="ts-acme", best_of=2), "best_of and min_reward apply with from_job"),
+        (sft(taskset="ts-acme", from_job="job-finished"), "give tasks.from_job or tasks.taskset, not both"),
     ],
 )
 async def test_what_cannot_be_used_is_refused(client, env, body, message):
