@@ -159,6 +159,8 @@ async def test_a_reward_model_job_learns_a_preference_that_then_scores_held_out_
     assert loaded.forwards <= 2 * math.ceil(80 / 16) + 2, loaded.forwards
     # the digest is the version's files', the same as the fetched directory's
     assert chosen[0][1]["model_sha256"] == tree_digest(directory_files(fetched))
-    # a transcript scored again is served from the cache, with the same value
+    # a transcript scored again is served from the cache, with the same value (the held-out
+    # pairs repeat transcripts, so earlier hits depend on timing: count this one only)
+    hits = component_.cache_hits
     again = await score(held_out[0][0], held_out[0][0])
-    assert again[0] == chosen[0][0] and again[1]["cached"] is True and component_.cache_hits == 1
+    assert again[0] == chosen[0][0] and again[1]["cached"] is True and component_.cache_hits == hits + 1
