@@ -31,10 +31,12 @@ class Topics:
     TRAJECTORIES = "trajectories"
     POLICY_UPDATES = "policy.updates"
     EVENTS = "events"
+    JUDGE_RESULTS = "judge.results"  # the gateway's answers to the reward scorer's judges
 
     ALL = (
         INFERENCE_REQUESTS,
         INFERENCE_RESULTS,
+        JUDGE_RESULTS,
         SANDBOX_REQUESTS,
         SANDBOX_RESULTS,
         REWARD_REQUESTS,
@@ -95,6 +97,11 @@ class InferenceRequest(Message):
     pool: str = Field("default", description="the job's policy.backend_pool")
     prompt_ids: list[int]
     sampling: SamplingParams = SamplingParams()
+    reply_to: Literal["inference.results", "judge.results"] = Field(
+        "inference.results",
+        description="the topic the result goes to: inference.results (the dispatcher's episodes), or "
+        "judge.results (a reward scorer's judge asking)",
+    )
 
 
 class InferenceResult(Message):
@@ -155,6 +162,9 @@ class RewardRequest(Message):
     taskset_id: str | None = None
     submission: dict[str, Any]
     weights: dict[str, float] = {}
+    settings: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="the job's settings of the components given with some"
+    )
     turns_used: int = 0
     max_turns: int = 1
     format_ok: bool = True

@@ -98,6 +98,21 @@ REWARD_COMPONENT_SECONDS = Histogram(
 REWARD_FAILURES = Counter(
     "temper_reward_failures_total", "Reward components that failed", ["component", "reason"]
 )
+REWARD_MODEL_BATCH = Histogram(
+    "temper_reward_model_batch_size",
+    "Transcripts scored by one reward-model forward",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+JUDGE_SECONDS = Histogram(
+    "temper_judge_seconds",
+    "A judge's question, from its send to its answer (or timeout)",
+    buckets=FAST_BUCKETS,
+)
+JUDGE_VERDICTS = Counter(
+    "temper_judge_verdicts_total",
+    "Judge scores by outcome: scored, unparsable (recorded, not rewarded), no_answer, cached",
+    ["outcome"],
+)
 
 # --- inference -------------------------------------------------------------------------
 INFERENCE_REQUESTS = Counter("temper_inference_requests_total", "Generation requests", ["backend", "status"])

@@ -62,6 +62,8 @@ BUILTINS: dict[Group, dict[str, str]] = {
         "answer_match": "temper.rewards.components:AnswerMatch",
         "format": "temper.rewards.components:Format",
         "turn_penalty": "temper.rewards.components:TurnPenalty",
+        "reward_model": "temper.rewards.reward_model:RewardModel",
+        "judge": "temper.rewards.judge:Judge",
     },
     Group.parsers: {
         "hermes": "temper.envs.tools:parse_hermes",

@@ -167,7 +167,7 @@ class Scheduler:
             if job.state != J.running:
                 return
             spec = await self.machine.spec_of(s, job.id)
-            if spec.is_sft:  # no episodes: the trainer steps through the data
+            if spec.is_offline:  # sft, dpo, reward_model: no episodes, the trainer steps through the data
                 await self._sft_progress(s, job, spec)
                 return
             if self.trainer_attached and spec.evaluate is None:
@@ -186,8 +186,9 @@ class Scheduler:
             await self._start_groups(s, job, spec, tenant, counts, replace)
 
     async def _sft_progress(self, s: AsyncSession, job: Job, spec: JobSpec) -> None:
-        """An sft job's iteration is the epoch its latest version reached; it completes
-        once a version holds the last step (services.trainer.supervised)."""
+        """A job without episodes (sft, dpo, reward_model): its iteration is the epoch its
+        latest version reached; it completes once a version holds the last step
+        (services.trainer.supervised)."""
         step = await s.scalar(select(func.max(PolicyVersion.step)).where(PolicyVersion.job_id == job.id))
         conversations = int(
             await s.scalar(select(func.count()).select_from(Task).where(sampleable(spec.tasks.taskset))) or 0
@@ -416,7 +417,7 @@ class Scheduler:
                 s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
             )
             return False
-        waiting = None if spec.is_sft else await backend_wait(s, job, spec)  # sft serves nothing
+        waiting = None if spec.is_offline else await backend_wait(s, job, spec)  # serves nothing
         if waiting is not None:
             if job.state_reason != STUCK_PREFIX + waiting:
                 await mark_job_stuck(s, job.id, waiting)

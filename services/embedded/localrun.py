@@ -13,6 +13,7 @@ task-set file, and may ask for a supervised warm start of a freshly created poli
         examples: 16000
         steps: 1000
       held_out: {fraction: 0.25, seed: 0}            # tasks never trained on, for the job's evaluation
+      before: [judge-sft.yaml]                       # jobs run first, to completion, in this run
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class LocalRun(BaseModel):
     held_out: HeldOut | None = Field(
         None, description="split the task set at upload: {fraction, seed} or {field, values}"
     )
+    before: list[Path] = Field(
+        default_factory=list,
+        description="spec files (each with its own local: block) of jobs run first, in this run, each to "
+        "completion: e.g. an sft job that trains a judge, which this spec then names as job:<handle>@latest",
+    )
 
 
 def load(path: Path) -> tuple[JobSpec, LocalRun]:
@@ -97,6 +103,7 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
             [("local." + ".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
         ) from None
     local.taskset_file = (path.parent / local.taskset_file).resolve()
+    local.before = [(path.parent / p).resolve() for p in local.before]
     model = (doc.get("policy") or {}).get("model")
     if isinstance(model, str) and (path.parent / model / "config.json").is_file():
         doc["policy"]["model"] = str((path.parent / model).resolve())  # a model directory beside the spec

@@ -19,13 +19,21 @@ from services.dispatcher.api.schemas import EvaluationPoint, IterationReward, Jo
 from services.dispatcher.api.transcripts import transcript
 from services.dispatcher.console.charts import CHART_CSS, eval_curve_svg, reward_curve_svg
 from temper.db import Episode, Job
+from temper.jobspec import OFFLINE_DATA, reward_weights
 from temper.storage import ObjectStore
 
 TRANSCRIPTS_SHOWN = 4
+OFFLINE_NAMES = {a.value for a in OFFLINE_DATA}
 
 
 async def write_report(
-    session: AsyncSession, store: ObjectStore, job: Job, run_dir: Path, *, seconds: float
+    session: AsyncSession,
+    store: ObjectStore,
+    job: Job,
+    run_dir: Path,
+    *,
+    seconds: float,
+    before: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     metrics = await job_metrics(session, job=job)
     curve = metrics.reward_curve
@@ -50,11 +58,15 @@ async def write_report(
     if done:  # the held-out pass@1 of the first and the last version evaluated
         summary["first_eval"] = {"version": done[0].version, "pass_at": done[0].pass_at}
         summary["last_eval"] = {"version": done[-1].version, "pass_at": done[-1].pass_at}
-    if (job.spec.get("algorithm") or {}).get("name") == "sft":
+    if (job.spec.get("algorithm") or {}).get("name") in OFFLINE_NAMES:
         # the loss of the first and the last version (each the loss of its last step)
         losses = [v.loss for v in metrics.training.versions if v.loss is not None]
         summary["first_loss"] = losses[0] if losses else None
         summary["last_loss"] = losses[-1] if losses else None
+    if "judge" in (job.spec.get("rewards") or {}):
+        summary["judge"] = await judge_summary(session, job.id)
+    if before:
+        summary["before"] = before
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_reward_curve(curve, run_dir / "reward_curve.png", title=job.name, evaluations=metrics.evaluations)
     episodes = await _sample_episodes(session, job.id)
@@ -64,6 +76,36 @@ async def write_report(
     per_task = tasks.get(latest.evaluation_job_id, []) if latest else []
     (run_dir / "report.html").write_text(_html(job, metrics, summary, transcripts, latest, per_task))
     return summary
+
+
+async def judge_summary(session: AsyncSession, job_id: str) -> dict[str, Any]:
+    """The job's judge verdicts: how many scored, unparsable or unanswered, and on code
+    tasks how often the verdict (value >= 0.5) agreed with the hidden tests passing (what
+    code can check), over the episodes that have both."""
+    rows = (await session.execute(select(Episode.rewards).where(Episode.job_id == job_id))).scalars()
+    scored = unparsable = unanswered = checked = agree = 0
+    for rewards in rows:
+        judge = (rewards or {}).get("judge")
+        if not isinstance(judge, dict):
+            continue
+        if not judge.get("ok", True):
+            if "verdict" in (judge.get("details") or {}):
+                unparsable += 1
+            else:
+                unanswered += 1
+            continue
+        scored += 1
+        tests = (rewards or {}).get("tests_passed")
+        if isinstance(tests, dict) and tests.get("ok", True) and tests.get("value") is not None:
+            checked += 1
+            agree += (judge["value"] >= 0.5) == (tests["value"] == 1.0)
+    return {
+        "scored": scored,
+        "unparsable": unparsable,
+        "unanswered": unanswered,
+        "checked_against_tests": checked,
+        "agreement_with_tests": round(agree / checked, 4) if checked else None,
+    }
 
 
 def plot_reward_curve(
@@ -241,7 +283,7 @@ def _html(
     latest: EvaluationPoint | None = None,
     per_task: list[dict[str, Any]] | None = None,
 ) -> str:
-    weights = dict((job.spec or {}).get("rewards") or {})
+    weights = reward_weights((job.spec or {}).get("rewards") or {})
     rows = "".join(
         f"<tr><td>{escape(p.task_id)}</td><td>{p.episodes}</td><td>{p.pass_rate:.2f}</td><td>{p.mean_reward:.3f}</td></tr>"
         for p in metrics.pass_rates

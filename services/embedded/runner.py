@@ -23,6 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from transformers import AutoModelForCausalLM
 
+from services.dispatcher.api.model_refs import reward_model_errors
 from services.dispatcher.api.repo import create_job, job_metrics
 from services.dispatcher.api.validation import check_template
 from services.dispatcher.evaluation import section_errors
@@ -95,6 +96,15 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
                 max_batch=evaluation_batch,
             )
         )
+    # a judge with a model of its own gets an engine of its own, where the gateway loads it
+    # (the policy's full weights hold theirs)
+    judges = [
+        s for name, s in spec.reward_settings().items() if name == "judge" and s.get("model") != "policy"
+    ]
+    backends += [
+        BackendSpec(name=f"local-{len(backends) + i}", kind=BackendKind.local, max_batch=batch)
+        for i in range(len(judges))
+    ]
     settings = Settings(
         mode=Mode.embedded,
         service="temper-run",
@@ -162,19 +172,28 @@ async def run(
     progress = Progress(out)
     begun = time.perf_counter()
     try:
+        first = [localrun.load(path) for path in local.before]
+        for i, (before_spec, before_local) in enumerate(first):
+            before_spec = await _store_taskset(runtime, before_spec, before_local)
+            policy_dir = f"{before_spec.handle or f'before-{i}'}-v0"
+            first[i] = (await asyncio.to_thread(make_policy, before_spec, before_local, run_dir, progress,
+                                                policy_dir=policy_dir), before_local)  # fmt: skip
         spec = await _store_taskset(runtime, spec, local)
         spec = await asyncio.to_thread(make_policy, spec, local, run_dir, progress)
         async with started(components(runtime)):
             db, store = _db(runtime), runtime.store
             assert store is not None, "the embedded runtime has an object store"
-            async with db.session() as session:
-                tenant = await session.get(Tenant, TENANT)
-                assert tenant is not None, "_store_taskset created the tenant"
-                # the door's template check, as POST /v1/jobs makes it: refused before any episode
-                await check_template(session, spec=spec, store=store)
-                job = await create_job(session, tenant=tenant, spec=spec, store=store)
-                job_id = job.id
-            log_event(log, "job submitted", job_id=job_id)
+            before: list[dict[str, Any]] = []
+            for before_spec, _ in first:
+                before_id = await _submit(runtime, before_spec)
+                before_state = await _follow(runtime, before_id, progress)
+                async with db.session() as session:
+                    before.append(await _brief(session, before_id))
+                if before_state != JobState.completed:
+                    raise RuntimeError(
+                        f"job {before_id} ({before_spec.name}), run before this one, ended {before_state}"
+                    )
+            job_id = await _submit(runtime, spec)
             state = await _follow(runtime, job_id, progress)
             tracking = spec.tracking
             if (tracking.mlflow is not None or tracking.wandb is not None) and not await _tracked(runtime):
@@ -184,12 +203,13 @@ async def run(
             async with db.session() as session:
                 job = await _job(session, job_id)
                 summary = await write_report(
-                    session, store, job, run_dir, seconds=time.perf_counter() - begun
+                    session, store, job, run_dir, seconds=time.perf_counter() - begun, before=before
                 )
     finally:
         await runtime.stop()
     if summary.get("first_loss") is not None:
-        rewards = f"sft loss {summary['first_loss']:.4f} (first version) -> {summary['last_loss']:.4f} (last)"
+        algorithm = (spec.algorithm.name).value
+        rewards = f"{algorithm} loss {summary['first_loss']:.4f} (first version) -> {summary['last_loss']:.4f} (last)"
     elif summary["reward_curve"]:
         rewards = (
             f"mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
@@ -248,14 +268,47 @@ async def _job(session: AsyncSession, job_id: str) -> Job:
     return job
 
 
+async def _submit(runtime: Runtime, spec: JobSpec) -> str:
+    """Submit a job of the run through the door's checks that apply here: its chat template
+    renders what its episodes will, and the jobs it names (job:<job>@v<N> in a reward
+    component's model) are resolved to their versions."""
+    store = runtime.store
+    assert store is not None, "the embedded runtime has an object store"
+    async with _db(runtime).session() as session:
+        tenant = await session.get(Tenant, TENANT)
+        assert tenant is not None, "_store_taskset created the tenant"
+        errors = await reward_model_errors(session, spec=spec, tenant_id=TENANT, store=store)
+        if errors:
+            raise SpecError(errors)
+        # the door's template check, as POST /v1/jobs makes it: refused before any episode
+        await check_template(session, spec=spec, store=store)
+        job = await create_job(session, tenant=tenant, spec=spec, store=store)
+        job_id = job.id
+    log_event(log, "job submitted", job_id=job_id)
+    return job_id
+
+
+async def _brief(session: AsyncSession, job_id: str) -> dict[str, Any]:
+    """What the summary says of a job run before the main one."""
+    job = await _job(session, job_id)
+    versions = (await job_metrics(session, job=job)).training.versions
+    losses = [v.loss for v in versions if v.loss is not None]
+    return {
+        "job_id": job.id, "name": job.name, "handle": job.handle, "state": job.state,
+        "algorithm": (job.spec.get("algorithm") or {}).get("name"), "policy_version": job.policy_version,
+        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+    }  # fmt: skip
+
+
 async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalRun) -> JobSpec:
     """The task set (split as ``local.held_out`` says) in the run's database; the spec names it.
     A split that holds out none or all of the tasks, or an ``evaluation`` with no tasks in its
     split, is refused (:class:`SpecError`) before anything runs."""
     tasks = parse_tasks(local.taskset_file.read_bytes(), filename=local.taskset_file.name)
     async with _db(runtime).session() as session:
-        session.add(Tenant(id=TENANT, name="local run", max_concurrent_episodes=1024))
-        await session.flush()
+        if await session.get(Tenant, TENANT) is None:  # jobs run before this one made it
+            session.add(Tenant(id=TENANT, name="local run", max_concurrent_episodes=1024))
+            await session.flush()
         try:
             taskset = await create_taskset(
                 session, runtime.store, TENANT, local.taskset_file.stem, tasks, source=str(local.taskset_file),
@@ -272,7 +325,14 @@ async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalR
     return spec
 
 
-def make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
+def make_policy(
+    spec: JobSpec,
+    local: localrun.LocalRun,
+    run_dir: Path,
+    progress: Progress,
+    *,
+    policy_dir: str = POLICY_DIR,
+) -> JobSpec:
     """Make the policy, warm it up if the run asks, and save it as version 0; the gateway,
     the trainer and the dispatcher (for its tokenizer) all start from that directory.
 
@@ -318,9 +378,9 @@ def make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress
         )  # fmt: skip
         progress.done()
         log_event(log, "warm start finished", loss=stats.loss, seconds=stats.seconds, tokens=stats.tokens)
-    policy_dir = run_dir / POLICY_DIR
-    save_checkpoint(model, policy_dir, tokenizer=tok, metadata={"version": 0, "source": source})
-    policy = spec.policy.model_copy(update={"init": str(policy_dir)})
+    directory = run_dir / policy_dir
+    save_checkpoint(model, directory, tokenizer=tok, metadata={"version": 0, "source": source})
+    policy = spec.policy.model_copy(update={"init": str(directory)})
     return spec.model_copy(update={"policy": policy})
 
 

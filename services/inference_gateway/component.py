@@ -111,9 +111,9 @@ class Gateway:
             served=self.inference.table.snapshot(),
         )
 
-    async def _send(self, result: InferenceResult) -> None:
+    async def _send(self, result: InferenceResult, topic: str = Topics.INFERENCE_RESULTS) -> None:
         assert self.runtime.bus is not None
-        await self.runtime.bus.send_message(Topics.INFERENCE_RESULTS, result)
+        await self.runtime.bus.send_message(topic, result)
 
     async def stop(self) -> None:
         """Its consumers first, then its loops (before the backends close under them)."""

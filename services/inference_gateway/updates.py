@@ -36,6 +36,7 @@ from services.inference_gateway.weights import Waiting
 from temper.clock import utcnow
 from temper.db import Database, InferenceBackend, Job, PolicyVersion
 from temper.events import PolicyUpdate
+from temper.jobspec import OFFLINE_DATA
 from temper.lifecycle import JOB_TERMINAL
 from temper.logs import log_event
 from temper.policy.placement import backend_info
@@ -44,6 +45,7 @@ from temper.settings import Mode
 
 log = logging.getLogger("services.inference_gateway")
 
+OFFLINE_NAMES = {a.value for a in OFFLINE_DATA}
 ENDED_KEPT = 10_000  # ended jobs remembered, so that their late updates are not loaded
 BLOCKED_CHECK_S = 0.25  # a request that finds no backend asks the database at most this often
 
@@ -143,6 +145,8 @@ class PolicyUpdates:
                 for job in (
                     await s.execute(select(Job).where(Job.state.not_in(list(JOB_TERMINAL))))
                 ).scalars()
+                # a job without episodes (sft, dpo, reward_model) is served nothing
+                if ((job.spec or {}).get("algorithm") or {}).get("name") not in OFFLINE_NAMES
             }
             rows = (
                 await s.execute(

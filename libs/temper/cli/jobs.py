@@ -187,7 +187,7 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
     )
     bar_w = max(10, min(50, width - 30))
     algorithm = job.get("algorithm") or ((job.get("spec") or {}).get("algorithm") or {}).get("name")
-    if algorithm == "sft":  # no episodes: epochs, steps and the loss
+    if algorithm in ("sft", "dpo", "reward_model"):  # no episodes: epochs, steps and the loss
         versions = m["training"]["versions"]
         latest = versions[-1] if versions else None
         fraction = 1.0 if state == "completed" else p["iteration"] / max(p["iterations"], 1)
@@ -196,7 +196,10 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
         step = f"step {latest['step']}" if latest else "step 0"
         return [
             header,
-            "[" + c(GREEN, "█" * done) + "░" * (bar_w - done) + f"] {step}  (sft: epochs, no episodes)",
+            "["
+            + c(GREEN, "█" * done)
+            + "░" * (bar_w - done)
+            + f"] {step}  ({algorithm}: epochs, no episodes)",
             f"  {loss} (the latest version's last step)",
         ]
     done = round(p["fraction"] * bar_w)

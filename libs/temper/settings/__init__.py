@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from temper.settings.inference import InferenceSettings
 from temper.settings.sandbox import SandboxSettings
-from temper.settings.trainer import TrainerSettings
+from temper.settings.trainer import Device, TrainerSettings
 
 # Settings that were removed or moved: still present in the environment, each stops startup
 # with what replaces it (a leftover would otherwise be ignored, an operator's dead knob).
@@ -117,6 +117,16 @@ class ApiSettings(BaseModel):
 class RewardScorerSettings(BaseModel):
     group: str = Field("reward-scorer", description="consumer group of reward.requests, shared by replicas")
     concurrency: int = Field(8, ge=1, description="submissions scored at once by one scorer")
+    model_device: Device = Field(
+        Device.auto, description="where reward models run: auto (a GPU where the process sees one), cpu, cuda"
+    )
+    model_batch: int = Field(
+        16, ge=1, le=1024, description="transcripts one reward-model forward scores at most"
+    )
+    model_cache_dir: Path | None = Field(
+        None,
+        description="where graders' models are fetched from object storage to (None: a temporary directory)",
+    )
 
 
 class DispatcherSettings(BaseModel):

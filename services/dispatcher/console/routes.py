@@ -28,6 +28,7 @@ from services.dispatcher.console.charts import (
     reward_curves_svg,
     training_charts,
 )
+from temper.jobspec import reward_weights
 from temper.lifecycle import JOB_TERMINAL, IllegalTransition
 from temper.tenants import Caller, authenticate
 
@@ -276,7 +277,7 @@ async def episode_page(
         raise PageError(status.HTTP_404_NOT_FOUND, f"There is no episode {episode_id} in this tenant.")
     t = await transcript(session, store, episode)
     job = await repo.get_job(session, tenant_id=caller.tenant.id, job_id=episode.job_id)
-    weights = dict((job.spec or {}).get("rewards") or {}) if job is not None else {}
+    weights = reward_weights((job.spec or {}).get("rewards") or {}) if job is not None else {}
     return page(
         request, "episode.html", caller=caller, t=t, ep=t.episode, components=reward_rows(t.rewards, weights)
     )
