@@ -20,13 +20,15 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher import repo
 from services.dispatcher.episodes import EpisodeMachine, is_current
-from services.dispatcher.trajectories import build_trajectory
+from services.dispatcher.trajectories import build_agent_trajectory, build_trajectory
 from services.dispatcher.turns import observe_step
+from temper.agent_traces import calls_of
 from temper.clock import utcnow
 from temper.db import Episode, Step, rows
 from temper.episode_log import build_episode_log, log_key
 from temper.episode_steps import read_steps_of
 from temper.events import LifecycleEvent, RewardResult, Topics, TrajectoryReady
+from temper.jobspec import AGENT_KIND
 from temper.lifecycle import EpisodeState, complete_step, transition_episode
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
@@ -80,8 +82,13 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
                     await machine.retry_or_fail(session, ep, step, f"reward_error: {msg.error}")
                     continue
                 steps = steps_of[ep.id]
-                tok = machine.tok_of(await machine.spec_of(session, ep.job_id))
-                trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
+                spec = await machine.spec_of(session, ep.job_id)
+                tok = machine.tok_of(spec)
+                if spec.environment.kind == AGENT_KIND:  # its model calls are on record at the gateway
+                    calls = await calls_of(conn, machine.store, ep.id)
+                    trajectory = build_agent_trajectory(ep, steps, calls, msg, tok, finished_at=utcnow())
+                else:
+                    trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
                 key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
                 # The log beside it, in one write: every step's sandbox output, timings and reward.
                 puts.append(machine.store.put(key, trajectory.model_dump_json().encode(), "application/json"))

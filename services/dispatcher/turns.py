@@ -230,7 +230,10 @@ class Turns:
         action: ParsedAction,
         *,
         final_text: str,
+        turns_used: int | None = None,
     ) -> Step:
+        """The reward request of ``ep``; ``turns_used`` defaults to its turns (an agent's
+        run counts its model calls)."""
         format_ok = not ep.format_errors  # over every turn, this one included
         request = RewardRequest(
             job_id=ep.job_id,
@@ -245,7 +248,7 @@ class Turns:
                 session_id=ep.session_id or ep.id,
             ),
             weights=dict(spec.rewards),
-            turns_used=ep.turn + 1,
+            turns_used=ep.turn + 1 if turns_used is None else turns_used,
             max_turns=env.max_turns,
             format_ok=format_ok,
         )

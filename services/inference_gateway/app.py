@@ -12,7 +12,12 @@ from fastapi import FastAPI
 
 from services.inference_gateway.component import Gateway
 from services.inference_gateway.inference import Inference
-from services.inference_gateway.routes import GatewayApp, add_health_routes, add_proxy_routes
+from services.inference_gateway.routes import (
+    GatewayApp,
+    add_agent_routes,
+    add_health_routes,
+    add_proxy_routes,
+)
 from temper.runtime import Runtime, service_app
 from temper.settings import Settings
 
@@ -26,6 +31,7 @@ def create_app(settings: Settings, *, inference: Inference | None = None, **gate
     app.state.gateway = gateway
     app.state.inference = gateway.inference
     add_proxy_routes(app)
+    add_agent_routes(app)
     return app
 
 
