@@ -43,7 +43,7 @@ from services.inference_gateway.router import RequestFailed
 from services.inference_gateway.schemas import ChatBody, ReloadBody
 from services.inference_gateway.traces import TraceEntry
 from services.inference_gateway.weights import Waiting
-from temper import metrics
+from temper import metrics, problems
 from temper.agent_traces import Credential
 from temper.bus.errors import unavailable_dependency
 from temper.events import PolicyUpdate, SamplingParams
@@ -320,42 +320,58 @@ def add_proxy_routes(app: FastAPI) -> None:
         }
 
 
+def _openai_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An error as OpenAI's API writes one (clients show ``error.message``), with ``detail``
+    as the gateway's other routes have it."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
+    body = {
+        "error": {"message": message, "type": kind.get(status, "api_error"), "param": None, "code": status},
+        "detail": message,
+    }
+    return _json(body, status, headers)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.response = _openai_error(status, message, headers)
+
+
 def add_agent_routes(app: FastAPI) -> None:
     """Each agent episode's own OpenAI-compatible base URL, ``/agent/<episode>/v1``
     (``agents.py``; docs/agents.md): chat completions (with tools, ``stream``) and the model
-    list, each call taken only with the episode's key."""
-
-    def proxy(request: Request) -> AgentProxy:
-        agents = getattr(getattr(request.app.state, "gateway", None), "agents", None)
-        if agents is None:
-            raise HTTPException(503, "this gateway serves no agent episodes (it runs without a runtime)")
-        return agents  # type: ignore[no-any-return]
+    list, each call taken only with the episode's key. Errors come in OpenAI's shape."""
 
     async def authorized(request: Request, episode_id: str) -> tuple[AgentProxy, Credential]:
-        agents = proxy(request)
+        agents = getattr(getattr(request.app.state, "gateway", None), "agents", None)
+        if agents is None:
+            raise _Refused(503, "this gateway serves no agent episodes (it runs without a runtime)")
         try:
             return agents, await agents.authorize(episode_id, request.headers.get("authorization"))
         except KeyRefused as exc:
-            raise HTTPException(exc.status, exc.reason) from exc
+            raise _Refused(exc.status, exc.reason) from exc
         except Unavailable as exc:
-            raise HTTPException(503, str(exc)) from exc
+            raise _Refused(503, str(exc)) from exc
 
-    @app.post("/agent/{episode_id}/v1/chat/completions")
-    async def agent_chat(episode_id: str, body: ChatBody, request: Request) -> Response:
+    async def answer(request: Request, episode_id: str) -> Response:
         agents, cred = await authorized(request, episode_id)
+        try:
+            body = ChatBody.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise _Refused(400, problems.message(exc.errors()[0])) from exc
         try:
             answer, job, sampling = await agents.chat(cred, body)
         except BadRequest as exc:
-            raise HTTPException(400, str(exc)) from exc
+            raise _Refused(400, str(exc)) from exc
         except OverBudget as exc:  # a retry cannot help: the client is told not to
-            raise HTTPException(429, str(exc), headers={"x-should-retry": "false"}) from exc
+            raise _Refused(429, str(exc), {"x-should-retry": "false"}) from exc
         except RequestFailed as exc:
-            raise HTTPException(502, f"generation failed: {exc.reason}") from exc
+            raise _Refused(502, f"generation failed: {exc.reason}") from exc
         except Exception as exc:
             outage = unavailable_dependency(exc)
             if outage is None:
                 raise
-            raise HTTPException(503, f"the call was not answered: the {outage} is unavailable") from exc
+            raise _Refused(503, f"the call was not answered: the {outage} is unavailable") from exc
         headers = {
             VERSION_HEADER: str(answer.result.policy_version),
             "X-Temper-Sampling": (
@@ -364,11 +380,19 @@ def add_agent_routes(app: FastAPI) -> None:
         }
         return _chat_response(answer, job.tokenizer, body, headers)
 
+    @app.post("/agent/{episode_id}/v1/chat/completions")
+    async def agent_chat(episode_id: str, request: Request) -> Response:
+        try:
+            return await answer(request, episode_id)
+        except _Refused as exc:
+            return exc.response
+
     @app.get("/agent/{episode_id}/v1/models")
-    async def agent_models(episode_id: str, request: Request) -> dict[str, Any]:
-        agents, cred = await authorized(request, episode_id)
+    async def agent_models(episode_id: str, request: Request) -> Response:
+        try:
+            agents, cred = await authorized(request, episode_id)
+        except _Refused as exc:
+            return exc.response
         name = (await agents.job(cred.job_id)).name
-        return {
-            "object": "list",
-            "data": [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "temper"}],
-        }
+        model = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "temper"}
+        return _json({"object": "list", "data": [model]})
