@@ -12,6 +12,9 @@ task-set file, and may ask for a supervised warm start of a freshly created poli
         generator: tasksets/make_offset_tasks.py:warm_start_examples
         examples: 16000
         steps: 1000
+      # environment.kind agent: the agent's files, and the sandbox image it runs on
+      agent_dir: agent/                              # its files become environment.agent.files
+      image: ~/.cache/temper/images/agent-bookworm.tar.gz   # published in the run's own store
 """
 
 from __future__ import annotations
@@ -70,6 +73,14 @@ class LocalRun(BaseModel):
     build: Build | None = None
     seed: int = 0
     warm_start: WarmStart | None = None
+    agent_dir: Path | None = Field(
+        None, description="kind agent: a directory whose files become environment.agent.files"
+    )
+    image: Path | None = Field(
+        None,
+        description="a sandbox image file (temper images build-debian --output), published in the run's "
+        "store as environment.limits.image",
+    )
 
 
 def load(path: Path) -> tuple[JobSpec, LocalRun]:
@@ -92,6 +103,10 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
             [("local." + ".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
         ) from None
     local.taskset_file = (path.parent / local.taskset_file).resolve()
+    if local.agent_dir is not None:
+        local.agent_dir = (path.parent / local.agent_dir).resolve()
+    if local.image is not None:
+        local.image = (path.parent / local.image.expanduser()).resolve()
     model = (doc.get("policy") or {}).get("model")
     if isinstance(model, str) and (path.parent / model / "config.json").is_file():
         doc["policy"]["model"] = str((path.parent / model).resolve())  # a model directory beside the spec

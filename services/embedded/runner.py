@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -25,16 +26,16 @@ from transformers import AutoModelForCausalLM
 
 from services.dispatcher.api.repo import create_job, job_metrics
 from services.dispatcher.api.validation import check_template
-from services.embedded import localrun
+from services.embedded import agentrun, localrun
 from services.embedded.components import components, in_one_process
 from services.embedded.report import write_report
 from services.tracker.component import GROUP as TRACKER_GROUP
 from temper.bus.inprocess import InProcessBus
 from temper.db import Database, Job, OutboxRow, Tenant
 from temper.db.migrate import upgrade
-from temper.envs import Environment, make_environment
+from temper.envs import Environment, environment_options, make_environment
 from temper.events import Topics
-from temper.jobspec import JobSpec
+from temper.jobspec import AGENT_KIND, JobSpec
 from temper.lifecycle import JOB_TERMINAL, JobState
 from temper.logs import get_logger, log_event
 from temper.policy import (
@@ -46,7 +47,15 @@ from temper.policy import (
     save_checkpoint,
 )
 from temper.runtime import Runtime, started
-from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Settings, StorageSettings
+from temper.settings import (
+    AgentSettings,
+    BusSettings,
+    DatabaseSettings,
+    LogSettings,
+    Mode,
+    Settings,
+    StorageSettings,
+)
 from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 from temper.tasks.models import parse_tasks
 from temper.tasks.service import create_taskset
@@ -65,10 +74,11 @@ class RunResult:
     summary: dict[str, Any]
 
 
-def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
+def embedded_settings(run_dir: Path, spec: JobSpec, *, agent_url: str | None = None) -> Settings:
     """One process: SQLite, the in-process bus, a local object store, logs to a file (the
     terminal shows progress), and the gateway serving the run's policy from an
-    in-process engine that batches a whole iteration's requests."""
+    in-process engine that batches a whole iteration's requests; ``agent_url``: where the
+    gateway's agent base URLs are served (``agentrun.serving_agents``)."""
     batch = spec.schedule.max_concurrent_episodes
     backend = BackendSpec(
         name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
@@ -89,6 +99,7 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
             max_inflight_per_backend=batch,
             checkpoint_cache_dir=str(run_dir / "checkpoints"),
         ),
+        agent=AgentSettings(url=agent_url),
     )
     return in_one_process(settings, scheduler_interval_s=0.1, reaper_interval_s=0.5)
 
@@ -129,7 +140,8 @@ async def run(
     run_dir.mkdir(parents=True, exist_ok=False)
     shutil.copy(spec_path, run_dir / "spec.yaml")
     out.write(f"temper run: {spec.name} -> {run_dir}\n")
-    settings = embedded_settings(run_dir, spec)
+    agent_url = agentrun.agent_url() if spec.environment.kind == AGENT_KIND else None
+    settings = embedded_settings(run_dir, spec, agent_url=agent_url)
     await asyncio.to_thread(upgrade, settings.db.url)
     runtime = Runtime(settings, service="temper-run")
     await runtime.start()
@@ -137,8 +149,14 @@ async def run(
     begun = time.perf_counter()
     try:
         spec = await _store_taskset(runtime, spec, local)
+        if local.agent_dir is not None or local.image is not None:
+            assert runtime.store is not None
+            files = agentrun.agent_files(local.agent_dir) if local.agent_dir is not None else None
+            image = await agentrun.publish_image(runtime.store, local.image) if local.image else None
+            spec = agentrun.with_agent(spec, files=files, image=image)
         spec = await asyncio.to_thread(make_policy, spec, local, run_dir, progress)
-        async with started(components(runtime)):
+        parts = components(runtime)
+        async with started(parts), agentrun.serving_agents(parts, agent_url) if agent_url else nullcontext():
             db, store = _db(runtime), runtime.store
             assert store is not None, "the embedded runtime has an object store"
             async with db.session() as session:
@@ -317,11 +335,7 @@ def _environment(spec: JobSpec, task: dict[str, Any]) -> Environment:
             "prompt": task["prompt"],
             "spec": {"files": task.get("files", {})},
         },
-        max_turns=spec.environment.max_turns,
-        action_format=spec.environment.action_format,
-        system_prompt=spec.environment.system_prompt,
-        tools=spec.environment.tools,
-        tool_role=spec.environment.tool_role,
+        **environment_options(spec.environment),
     )
 
 

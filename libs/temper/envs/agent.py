@@ -4,7 +4,7 @@ The episode is one run of the user's program in the episode's sandbox: the dispa
 starts it with the episode's own OpenAI-compatible base URL and key in its environment,
 the program calls the policy through the gateway as often as it likes (up to
 ``max_turns`` calls), and when it exits the task's graders score the workspace and the
-answer (the last line the program printed). There are no turns for the dispatcher to
+answer (what the program printed last: :func:`answer_of`). There are no turns for the dispatcher to
 parse: the model's tokens are the calls the gateway recorded (``temper.agent_traces``).
 """
 
@@ -18,6 +18,7 @@ from temper.envs.tools import ToolCall, call_id
 from temper.jobspec import AgentSpec
 from temper.limits import NetworkPolicy, split_host_port
 from temper.policy.tokenizer import ChatTokenizer
+from temper.rewards import answers
 
 # What the agent's run may take unless the job or task says otherwise: agents think and
 # call tools for minutes, not the 10 s of one sandbox action.
@@ -39,7 +40,12 @@ def base_url(gateway_url: str, episode_id: str) -> str:
 
 
 def answer_of(stdout: str) -> str | None:
-    """The agent's answer: the last non-empty line it printed (None if it printed nothing)."""
+    """The agent's answer: what it printed last in an explicit form (``\\boxed{...}``,
+    ``#### 42``, ``Answer: 42``: what ``answer_match`` reads), else its last non-empty line
+    of output (None if it printed nothing)."""
+    explicit = answers.extract_answer(stdout, strict=True)
+    if explicit is not None:
+        return explicit
     lines = [line.strip() for line in stdout.splitlines() if line.strip()]
     return lines[-1] if lines else None
 
@@ -47,6 +53,9 @@ def answer_of(stdout: str) -> str | None:
 class AgentEnvironment(Environment):
     kind = "agent"
     runs_agent: ClassVar[bool] = True
+    # The tools a warm start renders its conversations with (``temper run``'s
+    # local.warm_start); the agent sends its own with each call.
+    default_tools: ClassVar[tuple[str, ...]] = ("python",)
 
     def __init__(
         self, task: Any, *, agent: AgentSpec | Mapping[str, Any] | None = None, **options: Any
