@@ -185,6 +185,16 @@ for _name, _file in (
     ("gemma3", "gemma-3-it.jinja"),
 ):
     SHIPPED[f"{_name}-shipped"] = dataclasses.replace(SHIPPED[_name], template=f"shipped/{_file}")
+SHIPPED["qwen3-coder-shipped"] = Shipped(
+    "shipped/qwen3-coder.jinja",
+    specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    extra=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    stops=("<|im_end|>", "<|endoftext|>"),
+    parser="qwen3_coder",
+    call="<tool_call>\n<function=python>\n<parameter=code>\nCODE\n</parameter>\n</function>\n</tool_call>",
+)
 
 
 # --- Mistral's real tokenizer, from the mistral_common wheel --------------------------------------

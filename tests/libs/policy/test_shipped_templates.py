@@ -140,3 +140,57 @@ def test_mistrals_template_would_escape_object_arguments_and_temper_sends_their_
         '[TOOL_CALLS] [{"name": "python", "arguments": {"code": "1"}, "id": "Ab3dE6gH9"}]'
         in tok.render_text(messages, add_generation_prompt=False)
     )
+
+
+# --- Qwen3-Coder's XML calls ----------------------------------------------------------------------
+
+
+def test_qwen3_coder_calls_as_its_template_writes_them_parse_back_with_their_types(tmp_path: Path):
+    """The calls its template renders from OpenAI ``tool_calls`` (a string, an integer, a
+    list, an object, a boolean) read back by the ``qwen3_coder`` parser, the values typed by
+    the tool's schema; a string that looks like a number stays a string."""
+    from temper.envs.tools import ToolCallError, call_content, parse_calls, typed_arguments
+
+    tok = hub_tokenizer("qwen3-coder-shipped", tmp_path)
+    schema = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string"},
+            "line": {"type": "integer"},
+            "tags": {"type": "array"},
+            "patch": {"type": "object"},
+            "dry": {"type": "boolean"},
+            "note": {"type": "string"},
+        },
+    }
+    tool = {
+        "type": "function",
+        "function": {"name": "edit", "description": "Edit a file.", "parameters": schema},
+    }
+    args = {
+        "path": "src/x.py",
+        "line": 3,
+        "tags": ["a", "b"],
+        "patch": {"old": "-", "new": "+"},
+        "dry": True,
+        "note": "42",
+    }
+    call = {"id": "c1", "type": "function", "function": {"name": "edit", "arguments": args}}
+    text = tok.render_text(
+        [
+            {"role": "user", "content": "fix it"},
+            {"role": "assistant", "content": "On it.", "tool_calls": [call]},
+        ],
+        tools=[tool],
+        add_generation_prompt=False,
+    )
+    reply = text.split("<|im_start|>assistant", 1)[1].removesuffix("<|im_end|>\n")
+    assert "<function=edit>\n<parameter=path>\nsrc/x.py\n</parameter>" in reply
+    [parsed] = parse_calls(reply, "qwen3_coder")
+    assert parsed.raw and parsed.arguments["line"] == "3"  # text until the schema types it
+    assert typed_arguments(parsed.arguments, schema) == args
+    assert call_content(reply, "qwen3_coder") == "On it."
+    with pytest.raises(ToolCallError, match="opened but never closed"):
+        parse_calls("<tool_call>\n<function=edit>\n", "qwen3_coder")
+    with pytest.raises(ToolCallError, match="text outside <parameter"):
+        parse_calls("<tool_call>\n<function=edit>\nstray\n</function>\n</tool_call>", "qwen3_coder")
