@@ -186,7 +186,10 @@ class ChatTokenizer:
         ``arguments|tojson|safe`` to plain text, which HTML-escapes that text's quotes
         (``{&#34;name&#34;: ...``). Found by rendering a probe call both ways."""
         call = {"id": "Ab3dE6gH9", "type": "function", "function": {"name": "probe", "arguments": {"k": "v"}}}
-        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        probe: list[Mapping[str, Any]] = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
         try:
             if not _escaped(self._apply(probe, None, False)):
                 return False
