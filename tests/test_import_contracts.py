@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset({
             "jobspec", "trajectory", "lifecycle", "tenants", "retention", "episode_log", "episode_steps", "policy",
             "sandbox", "rewards", "training", "tasks", "envs", "envpkg", "tracking", "provenance", "evaluation",
+            "agent_traces",
         }),
     ),
     ("surfaces", frozenset({"client", "cli"})),

@@ -249,13 +249,47 @@ class ToolSpec(_Spec):
 
 
 PACKAGE_KIND = "package"  # a tenant environment package (temper.envpkg), named by name and version
+AGENT_KIND = "agent"  # a user's agent program in the sandbox, calling the policy through the gateway
+AGENT_FILES_BYTES = 256 << 10
+_AGENT_PATH = re.compile(r"^(?!/)(?!.*\.\.)[A-Za-z0-9_./-]{1,200}$")
+
+
+class AgentSpec(_Spec):
+    """What an agent episode runs (``environment.kind: agent``, docs/agents.md): the user's
+    program, in the episode's sandbox, calling the policy through the episode's own
+    OpenAI-compatible base URL (``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` in its environment)."""
+
+    command: str = Field(
+        min_length=1,
+        max_length=4000,
+        description="the shell command that runs the agent in the workspace; its last line of output is the "
+        "episode's answer",
+    )
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="workspace path -> text: the agent's own files, written over the task's (256 KiB in all)",
+    )
+
+    @field_validator("files")
+    @classmethod
+    def _safe_files(cls, files: dict[str, str]) -> dict[str, str]:
+        for path in files:
+            if not _AGENT_PATH.match(path):
+                raise ValueError(
+                    f"file {path[:80]!r}: a relative path inside the workspace (letters, digits, ._/-)"
+                )
+        size = sum(len(p.encode()) + len(t.encode()) for p, t in files.items())
+        if size > AGENT_FILES_BYTES:
+            raise ValueError(f"the agent's files are {size} bytes; at most {AGENT_FILES_BYTES}")
+        return files
 
 
 class EnvironmentSpec(_Spec):
     kind: str = Field(
         "code",
         description="code | math | shell, an environment an operator installed (temper.environments), "
-        "or package: a tenant environment package named by name and version",
+        "package: a tenant environment package named by name and version, or agent: a program of "
+        "yours that calls the policy through an OpenAI-compatible base URL (environment.agent)",
     )
     name: str | None = Field(None, max_length=64, description="package: the package's name")
     version: str | None = Field(None, max_length=32, description="package: the package's version")
@@ -264,7 +298,10 @@ class EnvironmentSpec(_Spec):
         description="package: what the job runs, pinned from the package by the server when the job is "
         "submitted (anything sent here is replaced)",
     )
-    max_turns: int = Field(4, ge=1, le=100)
+    max_turns: int = Field(
+        4, ge=1, le=100, description="turns of an episode; kind agent: the model calls one agent run may make"
+    )
+    agent: AgentSpec | None = Field(None, description="kind agent: the program the episode runs")
     action_format: str = Field(
         ActionFormat.code_block.value,
         description="code_block | tool_call, or a tool-call parser (hermes, llama3_json, mistral, pythonic, "
@@ -290,11 +327,32 @@ class EnvironmentSpec(_Spec):
             raise ValueError("kind package needs the package's name and version")
         if self.kind != PACKAGE_KIND and (self.name or self.version or self.package):
             raise ValueError("name, version and package apply to kind package only")
+        if self.kind == AGENT_KIND:
+            self._agent_consistent()
+        elif self.agent is not None:
+            raise ValueError("agent applies to kind agent only")
         names = [t.function.name for t in self.tools or []]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"tools: duplicate names {dupes}")
         return self
+
+    def _agent_consistent(self) -> None:
+        """Kind agent: a program to run; the messages and tools are the agent's own, and
+        ``action_format`` names the parser the gateway reads the model's tool calls with."""
+        if self.agent is None:
+            raise ValueError("kind agent needs agent.command (the program the episode runs)")
+        given = [n for n in ("system_prompt", "tools", "tool_role") if getattr(self, n) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: not with kind agent (the agent sends its own messages and tools)"
+            )
+        if self.action_format in (ActionFormat.code_block.value, ActionFormat.tool_call.value):
+            raise ValueError(
+                "kind agent: action_format names the tool-call parser the gateway reads the model's replies "
+                "with (hermes, llama3_json, mistral, pythonic, tool_code, qwen3_coder or a temper.parsers "
+                f"plugin), not {self.action_format}"
+            )
 
 
 class Algorithm(StrEnum):

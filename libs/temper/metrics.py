@@ -123,6 +123,12 @@ INFERENCE_INFLIGHT = Gauge("temper_inference_inflight", "Requests in flight", ["
 INFERENCE_BACKEND_HEALTHY = Gauge(
     "temper_inference_backend_healthy", "1 if a backend is healthy", ["backend"]
 )
+AGENT_CALLS = Counter(
+    "temper_agent_calls_total",
+    "Calls of agent programs to their episodes' base URLs (outcome: answered, refused, over_budget, "
+    "bad_request, failed)",
+    ["outcome"],
+)
 WEIGHT_SWITCH_SECONDS = Histogram(
     "temper_weight_switch_seconds", "Time to switch a backend to new weights", buckets=FAST_BUCKETS
 )

@@ -4,7 +4,9 @@ its key (claim-check).
 
 Tokens are kept exactly as sampled: the conversation is a list of segments, each either
 the environment's text (``prompt``/``observation``, masked out of the loss) or the
-model's own tokens with the logprobs and policy version that produced them.
+model's own tokens with the logprobs and policy version that produced them. Each
+``prompt`` segment starts a sequence of its own (:meth:`Trajectory.samples`): one per
+episode, except where an agent rewrote its history between two model calls.
 """
 
 from __future__ import annotations
@@ -61,11 +63,23 @@ class Trajectory(BaseModel):
 
     def flat(self) -> tuple[list[int], list[bool], list[float]]:
         """All token ids, a mask that is True on the model's own tokens, and the behaviour
-        logprob of each token (0.0 where masked)."""
-        ids: list[int] = []
-        mask: list[bool] = []
-        logprobs: list[float] = []
+        logprob of each token (0.0 where masked), of a trajectory that is one sequence."""
+        samples = self.samples()
+        if len(samples) != 1:
+            raise ValueError(f"the trajectory is {len(samples)} sequences, not one: read samples()")
+        return samples[0]
+
+    def samples(self) -> list[tuple[list[int], list[bool], list[float]]]:
+        """The token sequences the trainer learns from, each as :meth:`flat` gives one: a
+        sequence starts at each ``prompt`` segment. An episode is one sequence when every
+        prompt extended the one before token for token; an agent that rewrote its history
+        between two model calls (``temper.agent_traces``) starts another with the call whose
+        prompt did not."""
+        out: list[tuple[list[int], list[bool], list[float]]] = []
         for seg in self.segments:
+            if seg.role == "prompt" or not out:
+                out.append(([], [], []))
+            ids, mask, logprobs = out[-1]
             ids.extend(seg.token_ids)
             own = seg.role == "model"
             mask.extend([own] * len(seg.token_ids))
@@ -75,4 +89,4 @@ class Trajectory(BaseModel):
                 logprobs.extend(seg.logprobs)
             else:
                 logprobs.extend([0.0] * len(seg.token_ids))
-        return ids, mask, logprobs
+        return out

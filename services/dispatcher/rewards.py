@@ -18,15 +18,16 @@ from dataclasses import dataclass
 
 from services.dispatcher import evaluation, repo
 from services.dispatcher.episodes import EpisodeMachine, is_current
-from services.dispatcher.trajectories import build_trajectory
+from services.dispatcher.trajectories import build_agent_trajectory, build_trajectory
 from services.dispatcher.turns import observe_step
+from temper.agent_traces import calls_of
 from temper.clock import utcnow
 from temper.db import Episode, Step, rows
 from temper.db.core import CoreTx
 from temper.episode_log import build_episode_log, log_key
 from temper.episode_steps import read_steps_of
 from temper.events import LifecycleEvent, RewardResult, Topics, TrajectoryReady
-from temper.jobspec import JobSpec
+from temper.jobspec import AGENT_KIND, JobSpec
 from temper.lifecycle import EpisodeState, complete_step, transition_episode
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
@@ -82,7 +83,11 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
                 steps = steps_of[ep.id]
                 spec = await machine.spec_of(tx, ep.job_id)
                 tok = machine.tok_of(spec)
-                trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
+                if spec.environment.kind == AGENT_KIND:  # its model calls are on record at the gateway
+                    calls = await calls_of(tx, machine.store, ep.id)
+                    trajectory = build_agent_trajectory(ep, steps, calls, msg, tok, finished_at=utcnow())
+                else:
+                    trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
                 key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
                 # The log beside it, in one write: every step's sandbox output, timings and reward.
                 puts.append(machine.store.put(key, trajectory.model_dump_json().encode(), "application/json"))

@@ -14,6 +14,9 @@ task-set file, and may ask for a supervised warm start of a freshly created poli
         steps: 1000
       held_out: {fraction: 0.25, seed: 0}            # tasks never trained on, for the job's evaluation
       before: [judge-sft.yaml]                       # jobs run first, to completion, in this run
+      # environment.kind agent: the agent's files, and the sandbox image it runs on
+      agent_dir: agent/                              # its files become environment.agent.files
+      image: ~/.cache/temper/images/agent-bookworm.tar.gz   # published in the run's own store
 """
 
 from __future__ import annotations
@@ -81,6 +84,14 @@ class LocalRun(BaseModel):
         description="spec files (each with its own local: block) of jobs run first, in this run, each to "
         "completion: e.g. an sft job that trains a judge, which this spec then names as job:<handle>@latest",
     )
+    agent_dir: Path | None = Field(
+        None, description="kind agent: a directory whose files become environment.agent.files"
+    )
+    image: Path | None = Field(
+        None,
+        description="a sandbox image file (temper images build-debian --output), published in the run's "
+        "store as environment.limits.image",
+    )
 
 
 def load(path: Path) -> tuple[JobSpec, LocalRun]:
@@ -104,6 +115,10 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
         ) from None
     local.taskset_file = (path.parent / local.taskset_file).resolve()
     local.before = [(path.parent / p).resolve() for p in local.before]
+    if local.agent_dir is not None:
+        local.agent_dir = (path.parent / local.agent_dir).resolve()
+    if local.image is not None:
+        local.image = (path.parent / local.image.expanduser()).resolve()
     model = (doc.get("policy") or {}).get("model")
     if isinstance(model, str) and (path.parent / model / "config.json").is_file():
         doc["policy"]["model"] = str((path.parent / model).resolve())  # a model directory beside the spec

@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,7 +28,7 @@ from services.dispatcher.api.model_refs import reward_model_errors
 from services.dispatcher.api.repo import create_job, job_metrics
 from services.dispatcher.api.validation import check_template
 from services.dispatcher.evaluation import section_errors
-from services.embedded import localrun
+from services.embedded import agentrun, localrun
 from services.embedded.components import components, in_one_process
 from services.embedded.report import write_report
 from services.tracker.component import GROUP as TRACKER_GROUP
@@ -35,9 +36,9 @@ from services.trainer.training import JobTrainer
 from temper.bus.inprocess import InProcessBus
 from temper.db import Database, Job, OutboxRow, PolicyVersion, Tenant
 from temper.db.migrate import upgrade
-from temper.envs import Environment, make_environment
+from temper.envs import Environment, environment_options, make_environment
 from temper.events import Topics
-from temper.jobspec import JobSpec, SpecError
+from temper.jobspec import AGENT_KIND, JobSpec, SpecError
 from temper.lifecycle import JOB_TERMINAL, JobState
 from temper.logs import get_logger, log_event
 from temper.policy import (
@@ -49,7 +50,15 @@ from temper.policy import (
     save_checkpoint,
 )
 from temper.runtime import Runtime, started
-from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Settings, StorageSettings
+from temper.settings import (
+    AgentSettings,
+    BusSettings,
+    DatabaseSettings,
+    LogSettings,
+    Mode,
+    Settings,
+    StorageSettings,
+)
 from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 from temper.tasks.models import parse_tasks
 from temper.tasks.service import create_taskset
@@ -69,7 +78,7 @@ class RunResult:
     summary: dict[str, Any]
 
 
-def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
+def embedded_settings(run_dir: Path, spec: JobSpec, *, agent_url: str | None = None) -> Settings:
     """One process: SQLite, the in-process bus, a local object store, logs to a file (the
     terminal shows progress), and the gateway serving the run's policy from an
     in-process engine that batches a whole iteration's requests. A full-weight job with an
@@ -79,7 +88,8 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
     torch's threads are the process's: the engine's decoding and the trainer's steps run
     at once (the next batch is generated while the last one trains), each with half the
     cores (``TEMPER_TRAINER__THREADS`` sets it). With all of them each, two busy thread
-    pools on one machine's cores slow both down several times."""
+    pools on one machine's cores slow both down several times. ``agent_url``: where the
+    gateway's agent base URLs are served (``agentrun.serving_agents``)."""
     batch = spec.schedule.max_concurrent_episodes
     backends = [
         BackendSpec(
@@ -121,6 +131,7 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
             max_inflight_per_backend=batch,
             checkpoint_cache_dir=str(run_dir / "checkpoints"),
         ),
+        agent=AgentSettings(url=agent_url),
     )
     threads = settings.trainer.threads or max(1, (os.cpu_count() or 2) // 2)
     settings = settings.model_copy(
@@ -165,7 +176,8 @@ async def run(
     run_dir.mkdir(parents=True, exist_ok=False)
     shutil.copy(spec_path, run_dir / "spec.yaml")
     out.write(f"temper run: {spec.name} -> {run_dir}\n")
-    settings = embedded_settings(run_dir, spec)
+    agent_url = agentrun.agent_url() if spec.environment.kind == AGENT_KIND else None
+    settings = embedded_settings(run_dir, spec, agent_url=agent_url)
     await asyncio.to_thread(upgrade, settings.db.url)
     runtime = Runtime(settings, service="temper-run")
     await runtime.start()
@@ -179,8 +191,14 @@ async def run(
             first[i] = (await asyncio.to_thread(make_policy, before_spec, before_local, run_dir, progress,
                                                 policy_dir=policy_dir), before_local)  # fmt: skip
         spec = await _store_taskset(runtime, spec, local)
+        if local.agent_dir is not None or local.image is not None:
+            assert runtime.store is not None
+            files = agentrun.agent_files(local.agent_dir) if local.agent_dir is not None else None
+            image = await agentrun.publish_image(runtime.store, local.image) if local.image else None
+            spec = agentrun.with_agent(spec, files=files, image=image)
         spec = await asyncio.to_thread(make_policy, spec, local, run_dir, progress)
-        async with started(components(runtime)):
+        parts = components(runtime)
+        async with started(parts), agentrun.serving_agents(parts, agent_url) if agent_url else nullcontext():
             db, store = _db(runtime), runtime.store
             assert store is not None, "the embedded runtime has an object store"
             before: list[dict[str, Any]] = []
@@ -427,11 +445,7 @@ def _environment(spec: JobSpec, task: dict[str, Any]) -> Environment:
             "prompt": task["prompt"],
             "spec": {"files": task.get("files", {})},
         },
-        max_turns=spec.environment.max_turns,
-        action_format=spec.environment.action_format,
-        system_prompt=spec.environment.system_prompt,
-        tools=spec.environment.tools,
-        tool_role=spec.environment.tool_role,
+        **environment_options(spec.environment),
     )
 
 

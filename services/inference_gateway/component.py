@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from services.inference_gateway import handlers
+from services.inference_gateway.agents import AgentProxy
 from services.inference_gateway.flow import RequestFlow
 from services.inference_gateway.inference import Inference
 from services.inference_gateway.updates import PolicyUpdates
@@ -71,6 +72,9 @@ class Gateway:
         self.concurrency = concurrency or max(1, capacity)
         self.flow = RequestFlow(self.inference.has_capacity, interval_s=flow_interval_s)
         self.updates = PolicyUpdates(runtime, self.inference, retries=policy_retries)
+        # each agent episode's base URL (routes.add_agent_routes): the database the updates
+        # read (the runtime's, else the shared one) and the runtime's object store
+        self.agents = AgentProxy(self.inference, database=self.updates.database, store=lambda: runtime.store)
         self.requests: Consumer | None = None
         self.policy: Consumer | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -6,6 +6,8 @@ from temper.db.models import (
     SKIPPED_JOB_ENDED,
     SKIPPED_STALE,
     SKIPPED_ZERO_VARIANCE,
+    AgentCall,
+    AgentKey,
     ApiKey,
     Base,
     Episode,
@@ -25,6 +27,8 @@ from temper.db.models import (
 )
 
 __all__ = [
+    "AgentCall",
+    "AgentKey",
     "ApiKey",
     "Base",
     "Database",

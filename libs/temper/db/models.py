@@ -382,3 +382,44 @@ class OutboxRow(Base):
     claimed_until: Mapped[datetime | None] = mapped_column(
         default=None, doc="the writer relays the row itself until then; other relays leave it"
     )
+
+
+class AgentKey(Base):
+    """The credential of one agent episode (``environment.kind: agent``): the dispatcher
+    issues it in the transaction that starts the episode's agent and hands the key to the
+    agent's sandbox; only its SHA-256 is kept. The gateway's agent proxy takes a call only
+    with the key of the episode named in its URL, before ``expires_at`` and while the
+    episode is acting (``temper.agent_traces``)."""
+
+    __tablename__ = "agent_keys"
+    key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(String(64))
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[datetime] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AgentCall(Base):
+    """One model call an agent episode made through the gateway's proxy, in the order the
+    gateway recorded them (``id``); its body (prompt and sampled ids, logprobs, the policy
+    version, the messages) is a JSON object in object storage at ``body_key``, put before
+    the row is written. Written by the gateway only; the dispatcher builds the episode's
+    trajectory from them (``temper.agent_traces``)."""
+
+    __tablename__ = "agent_calls"
+    __table_args__ = (Index("ix_agent_calls_episode", "episode_id", "attempt", "id"),)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(String(64))
+    attempt: Mapped[int] = mapped_column(Integer, doc="the agent run's attempt (the sandbox step's)")
+    request_id: Mapped[str] = mapped_column(String(80), unique=True)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
+    extends: Mapped[bool] = mapped_column(
+        Boolean, doc="its prompt extends the previous call's prompt and sampled ids token for token"
+    )
+    body_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -178,6 +178,28 @@ class DispatcherSettings(BaseModel):
     )
 
 
+class AgentSettings(BaseModel):
+    """Agent programs run in sandboxes (``environment.kind: agent``, docs/agents.md)
+    (``TEMPER_AGENT__*``), read by the dispatcher and the sandbox worker."""
+
+    url: str | None = Field(
+        None,
+        description="the inference gateway as an agent's sandbox reaches it (http://host:port); each "
+        "episode's base URL is <url>/agent/<episode>/v1. Unset: jobs with environment.kind agent are refused",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.rstrip("/")
+        rest = value.removeprefix("http://")
+        if rest == value or not rest or "/" in rest or ":" not in rest:
+            raise ValueError(f"{value!r} is not http://host:port (the gateway's address, no path)")
+        return value
+
+
 class LogSettings(BaseModel):
     level: str = "INFO"
     json_lines: bool = True
@@ -237,6 +259,7 @@ class Settings(BaseSettings):
     dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
     tracking: TrackingSettings = TrackingSettings()
+    agent: AgentSettings = AgentSettings()
 
     @model_validator(mode="before")
     @classmethod

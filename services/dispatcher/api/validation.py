@@ -336,8 +336,32 @@ async def check_names(
         errors += await taskset_kind_errors(session, spec=spec)
     errors += await image_errors(session, spec=spec, store=store)
     errors += await limit_errors(session, spec=spec, settings=settings)
+    errors += agent_errors(spec, settings)
     if errors:
         raise SpecError(errors)
+
+
+def agent_errors(spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
+    """Kind agent needs the gateway's address as sandboxes reach it, and a sandbox network
+    through which they do (the allowlist, which the episode's run gets the gateway added to)."""
+    from temper.jobspec import AGENT_KIND
+
+    env = spec.environment
+    if env.kind != AGENT_KIND:
+        return []
+    errors = []
+    if settings.agent.url is None:
+        errors.append(
+            ("environment.kind", "kind agent needs the gateway's address for sandboxes: this deployment does "
+             "not set TEMPER_AGENT__URL")
+        )  # fmt: skip
+    network = env.limits.get("network")
+    if network not in (None, "allowlist"):
+        errors.append(
+            ("environment.limits.network", f"an agent reaches the gateway through the allowlist proxy: "
+             f"allowlist (or leave it out), not {network}")
+        )  # fmt: skip
+    return errors
 
 
 async def template_errors(
@@ -349,8 +373,7 @@ async def template_errors(
     and the token-wise continuation with that result. A template that cannot is refused
     now with its own error, under the field whose model gave it, not in the first
     episode. (A model directory that does not load is ``model_errors``' to report.)"""
-    from temper.envs import make_environment
-    from temper.jobspec import PACKAGE_KIND
+    from temper.envs import environment_options, make_environment
     from temper.policy.tokenizer import (
         TemplateError,
         fetch_policy_tokenizer,
@@ -381,17 +404,7 @@ async def template_errors(
     ).first()
     task = dict(row._mapping) if row is not None else {"id": "probe", "kind": env.kind, "prompt": "Probe."}
     try:
-        environment = make_environment(
-            env.kind or str(task["kind"]),
-            task,
-            max_turns=env.max_turns,
-            action_format=env.action_format,
-            limits=env.limits,
-            system_prompt=env.system_prompt,
-            tools=env.tools,
-            tool_role=env.tool_role,
-            **({"package": env.package} if env.kind == PACKAGE_KIND else {}),
-        )
+        environment = make_environment(env.kind or str(task["kind"]), task, **environment_options(env))
     except Exception as exc:  # noqa: BLE001 - names and packages are checked elsewhere
         log.debug("template check skipped: the environment did not build: %s", exc)
         return []

@@ -36,6 +36,7 @@ from temper.jobspec import JobSpec
 from temper.policy.tokenizer import default_tokenizer
 from temper.runtime import Runtime
 from temper.settings import (
+    AgentSettings,
     BusKind,
     BusSettings,
     DatabaseSettings,
@@ -51,7 +52,9 @@ FENCE = "```"
 Script = Callable[[InferenceRequest], str | None]  # None: don't answer (yet)
 
 
-def settings_for(tmp: Path, db_url: str, *, bootstrap: str | None = None, partitions: int = 4) -> Settings:
+def settings_for(
+    tmp: Path, db_url: str, *, bootstrap: str | None = None, partitions: int = 4, agent_url: str | None = None
+) -> Settings:
     bus = (
         BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=partitions)
         if bootstrap
@@ -62,6 +65,7 @@ def settings_for(tmp: Path, db_url: str, *, bootstrap: str | None = None, partit
         bus=bus,
         storage=StorageSettings(kind=StorageKind.local, root=tmp / "objects"),
         data_dir=tmp,
+        agent=AgentSettings(url=agent_url),
     )
 
 
@@ -332,11 +336,15 @@ async def start_harness(
     bootstrap: str | None = None,
     migrate: bool = True,
     peers: dict[str, Any] | None = None,
+    peers_class: type[Peers] | None = None,
+    agent_url: str | None = None,
     **machine: Any,
 ) -> Harness:
     if migrate:
         await asyncio.to_thread(upgrade, db_url)
-    runtime = Runtime(settings_for(tmp, db_url, bootstrap=bootstrap), service="dispatcher")
+    runtime = Runtime(
+        settings_for(tmp, db_url, bootstrap=bootstrap, agent_url=agent_url), service="dispatcher"
+    )
     await runtime.start()
     if bootstrap:  # a shared broker: this test's own consumer groups
         suffix = uuid.uuid4().hex[:8]
@@ -355,7 +363,7 @@ async def start_harness(
                 machine["policy_group"]: [Topics.POLICY_UPDATES],
             },
         )
-    p = Peers(runtime, **(peers or {}))
+    p = (peers_class or Peers)(runtime, **(peers or {}))
     await p.start(group_suffix=f"-{uuid.uuid4().hex[:6]}" if bootstrap else "", bootstrap=bootstrap)
     await dispatcher.start()
     return Harness(runtime, dispatcher, p)

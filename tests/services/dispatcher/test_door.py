@@ -41,7 +41,7 @@ def one_shape(body: dict) -> None:
         (
             {"environment__kind": "browser"},
             "environment.kind",
-            "installed: code (temper), math (temper), shell (temper)",
+            "installed: agent (temper), code (temper), math (temper), shell (temper)",
         ),
         ({"environment__kind": "cod"}, "environment.kind", "did you mean 'code'?"),
         ({"rewards": {"test_passed": 1.0}}, "rewards.test_passed", "did you mean 'tests_passed'?"),

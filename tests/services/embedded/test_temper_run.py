@@ -109,7 +109,10 @@ def test_temper_run_refuses_an_environment_that_is_not_installed(tmp_path, capsy
     path.write_text(yaml.safe_dump(spec))
     assert main(["run", str(path), "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "environment.kind" in err and "installed: code (temper), math (temper), shell (temper)" in err
+    assert (
+        "environment.kind" in err
+        and "installed: agent (temper), code (temper), math (temper), shell (temper)" in err
+    )
 
 
 @pytest.mark.parametrize("betas", [[0.9, 1.0], [0.9], "fast"])
