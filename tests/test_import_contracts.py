@@ -36,7 +36,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "domains",
         frozenset({
             "jobspec", "trajectory", "lifecycle", "tenants", "retention", "episode_log", "episode_steps", "policy",
-            "sandbox", "rewards", "training", "tasks", "envs", "envpkg", "tracking", "provenance",
+            "sandbox", "rewards", "training", "tasks", "envs", "envpkg", "tracking", "provenance", "evaluation",
+            "agent_traces",
         }),
     ),
     ("surfaces", frozenset({"client", "cli"})),

@@ -31,6 +31,7 @@ K8S_VERSION = "1.33.0"
 TOPICS = [
     "inference.requests",
     "inference.results",
+    "judge.results",
     "sandbox.requests",
     "sandbox.results",
     "reward.requests",

@@ -204,6 +204,16 @@ class TemperClient:
         except httpx.TransportError as exc:
             raise ApiError(0, f"cannot reach the dispatcher at {self.url}: {exc}") from None
 
+    def evaluate(self, job: str, **body: Any) -> dict[str, Any]:
+        """Evaluate a version of ``job`` (``version=V``) or a model directory (``model=DIR``) as
+        a job of its own; the other fields as ``POST /v1/jobs/{id}/evaluations`` takes them."""
+        body = {k: v for k, v in body.items() if v is not None}
+        return self._call("POST", f"/v1/jobs/{job}/evaluations", json=body)  # type: ignore[no-any-return]
+
+    def evaluations(self, job: str, *, tasks: bool = False) -> list[dict[str, Any]]:
+        params = {"tasks": "true"} if tasks else {}
+        return self._call("GET", f"/v1/jobs/{job}/evaluations", params=params)  # type: ignore[no-any-return]
+
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")  # type: ignore[no-any-return]
 

@@ -31,10 +31,12 @@ class Topics:
     TRAJECTORIES = "trajectories"
     POLICY_UPDATES = "policy.updates"
     EVENTS = "events"
+    JUDGE_RESULTS = "judge.results"  # the gateway's answers to the reward scorer's judges
 
     ALL = (
         INFERENCE_REQUESTS,
         INFERENCE_RESULTS,
+        JUDGE_RESULTS,
         SANDBOX_REQUESTS,
         SANDBOX_RESULTS,
         REWARD_REQUESTS,
@@ -99,6 +101,11 @@ class InferenceRequest(Message):
         False,
         description="the episode takes partial rollouts: a generation in progress when a new version "
         "is loaded may be interrupted and resumed with its prefix on that version (where the backend can)",
+    )
+    reply_to: Literal["inference.results", "judge.results"] = Field(
+        "inference.results",
+        description="the topic the result goes to: inference.results (the dispatcher's episodes), or "
+        "judge.results (a reward scorer's judge asking)",
     )
 
 
@@ -170,6 +177,9 @@ class RewardRequest(Message):
     taskset_id: str | None = None
     submission: dict[str, Any]
     weights: dict[str, float] = {}
+    settings: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="the job's settings of the components given with some"
+    )
     turns_used: int = 0
     max_turns: int = 1
     format_ok: bool = True
@@ -209,10 +219,13 @@ class PolicyUpdate(Message):
 
 
 class LifecycleEvent(Message):
-    """Events for analytics: job/episode state changes, rewards, policy versions."""
+    """Events for analytics: job/episode state changes, rewards, policy versions, and an
+    evaluation's results (``evaluation``: on the evaluated job, ``version`` the version it
+    evaluated, ``data`` the results: ``temper.evaluation.summary`` with the evaluation's
+    label, job id, task set and split)."""
 
     type: Literal["lifecycle"] = "lifecycle"
-    event: Literal["job.state", "episode.state", "episode.reward", "policy.version"]
+    event: Literal["job.state", "episode.state", "episode.reward", "policy.version", "evaluation"]
     tenant: str | None = None
     state: str | None = None
     reason: str | None = None

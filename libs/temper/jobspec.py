@@ -6,7 +6,9 @@ the offending field (``schedule.iterations: Input should be greater than 0``).
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -49,6 +51,8 @@ class PolicySpec(_Spec):
         return value
 
 
+BEST_OF = 1
+HANDLE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"  # a job's handle (and the form of its id)
 JOB_REF_PREFIX = "job:"
 JOB_REF = re.compile(r"job:([a-z0-9][a-z0-9._-]{0,99})@(v[0-9]{1,9}|latest)")
 
@@ -69,7 +73,12 @@ class Curriculum(StrEnum):
 
 
 class TaskSampling(_Spec):
-    taskset: str = Field(description="task set id")
+    taskset: str = Field(
+        "",
+        max_length=200,
+        description="task set id or name; an sft job given from_job instead gets the set made from that job's "
+        "episodes here at submission",
+    )
     group_size: int = Field(4, ge=1, le=256, description="samples per task: the GRPO group")
     curriculum: Curriculum = Curriculum.learnable
     seed: int = 0
@@ -78,6 +87,36 @@ class TaskSampling(_Spec):
         max_length=64,
         description="start the curriculum from this job's recorded pass rates (a job of yours on the same task set)",
     )
+    from_job: str | None = Field(
+        None,
+        pattern=HANDLE_PATTERN,
+        description="sft: a finished job of yours (id or handle) whose scored episodes are the data, made into a "
+        "task set of conversations at submission (rejection sampling)",
+    )
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description=f"with from_job: each task's best N episodes by reward (default {BEST_OF})",
+    )
+    min_reward: float | None = Field(
+        None, description="with from_job: only episodes whose reward is at least this (default: any reward)"
+    )
+
+    @model_validator(mode="after")
+    def _data(self) -> TaskSampling:
+        if self.from_job is None:
+            if self.best_of is not None or self.min_reward is not None:
+                raise ValueError(
+                    "best_of and min_reward apply with from_job (an sft job on a job's episodes)"
+                )
+            if not self.taskset:
+                raise ValueError("taskset: a task set id or name is required (or, for an sft job, from_job)")
+        else:  # the task set made from the job's episodes is pinned in taskset at submission
+            self.best_of = self.best_of or BEST_OF
+        if self.min_reward is not None and not math.isfinite(self.min_reward):
+            raise ValueError("min_reward must be a finite number")
+        return self
 
 
 class ActionFormat(StrEnum):
@@ -210,6 +249,39 @@ class ToolSpec(_Spec):
 
 
 PACKAGE_KIND = "package"  # a tenant environment package (temper.envpkg), named by name and version
+AGENT_KIND = "agent"  # a user's agent program in the sandbox, calling the policy through the gateway
+AGENT_FILES_BYTES = 256 << 10
+_AGENT_PATH = re.compile(r"^(?!/)(?!.*\.\.)[A-Za-z0-9_./-]{1,200}$")
+
+
+class AgentSpec(_Spec):
+    """What an agent episode runs (``environment.kind: agent``, docs/agents.md): the user's
+    program, in the episode's sandbox, calling the policy through the episode's own
+    OpenAI-compatible base URL (``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` in its environment)."""
+
+    command: str = Field(
+        min_length=1,
+        max_length=4000,
+        description="the shell command that runs the agent in the workspace; its last line of output is the "
+        "episode's answer",
+    )
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="workspace path -> text: the agent's own files, written over the task's (256 KiB in all)",
+    )
+
+    @field_validator("files")
+    @classmethod
+    def _safe_files(cls, files: dict[str, str]) -> dict[str, str]:
+        for path in files:
+            if not _AGENT_PATH.match(path):
+                raise ValueError(
+                    f"file {path[:80]!r}: a relative path inside the workspace (letters, digits, ._/-)"
+                )
+        size = sum(len(p.encode()) + len(t.encode()) for p, t in files.items())
+        if size > AGENT_FILES_BYTES:
+            raise ValueError(f"the agent's files are {size} bytes; at most {AGENT_FILES_BYTES}")
+        return files
 
 
 LISTING_KINDS = frozenset({"code", "shell"})  # their first prompt lists the workspace's files
@@ -219,7 +291,8 @@ class EnvironmentSpec(_Spec):
     kind: str = Field(
         "code",
         description="code | math | shell, an environment an operator installed (temper.environments), "
-        "or package: a tenant environment package named by name and version",
+        "package: a tenant environment package named by name and version, or agent: a program of "
+        "yours that calls the policy through an OpenAI-compatible base URL (environment.agent)",
     )
     name: str | None = Field(None, max_length=64, description="package: the package's name")
     version: str | None = Field(None, max_length=32, description="package: the package's version")
@@ -228,7 +301,10 @@ class EnvironmentSpec(_Spec):
         description="package: what the job runs, pinned from the package by the server when the job is "
         "submitted (anything sent here is replaced)",
     )
-    max_turns: int = Field(4, ge=1, le=100)
+    max_turns: int = Field(
+        4, ge=1, le=100, description="turns of an episode; kind agent: the model calls one agent run may make"
+    )
+    agent: AgentSpec | None = Field(None, description="kind agent: the program the episode runs")
     max_episode_s: float | None = Field(
         None,
         gt=0,
@@ -278,11 +354,32 @@ class EnvironmentSpec(_Spec):
                 f"hide_files applies to the environments that show the workspace in their prompt "
                 f"({', '.join(sorted(LISTING_KINDS))}), not {self.kind!r}"
             )
+        if self.kind == AGENT_KIND:
+            self._agent_consistent()
+        elif self.agent is not None:
+            raise ValueError("agent applies to kind agent only")
         names = [t.function.name for t in self.tools or []]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"tools: duplicate names {dupes}")
         return self
+
+    def _agent_consistent(self) -> None:
+        """Kind agent: a program to run; the messages and tools are the agent's own, and
+        ``action_format`` names the parser the gateway reads the model's tool calls with."""
+        if self.agent is None:
+            raise ValueError("kind agent needs agent.command (the program the episode runs)")
+        given = [n for n in ("system_prompt", "tools", "tool_role") if getattr(self, n) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: not with kind agent (the agent sends its own messages and tools)"
+            )
+        if self.action_format in (ActionFormat.code_block.value, ActionFormat.tool_call.value):
+            raise ValueError(
+                "kind agent: action_format names the tool-call parser the gateway reads the model's replies "
+                "with (hermes, llama3_json, mistral, pythonic, tool_code, qwen3_coder or a temper.parsers "
+                f"plugin), not {self.action_format}"
+            )
 
 
 class Algorithm(StrEnum):
@@ -293,9 +390,14 @@ class Algorithm(StrEnum):
     dapo = "dapo"
     rloo = "rloo"
     sft = "sft"  # supervised fine-tuning on conversations: no rollouts, no rewards
+    dpo = "dpo"  # direct preference optimisation on (chosen, rejected) pairs: no rollouts
+    reward_model = "reward_model"  # a sequence-classification reward model, Bradley-Terry on pairs
 
 
 RL_ALGORITHMS = frozenset({Algorithm.grpo, Algorithm.dr_grpo, Algorithm.dapo, Algorithm.rloo})
+# Jobs that learn from a task set's data as it is, without episodes: the trainer steps
+# through it (services.trainer.supervised); the task kind each one trains on.
+OFFLINE_DATA = {Algorithm.sft: "chat", Algorithm.dpo: "preference", Algorithm.reward_model: "preference"}
 
 
 class Advantage(StrEnum):
@@ -338,15 +440,18 @@ PRESETS: dict[Algorithm, dict[str, Any]] = {
     Algorithm.rloo: {"advantage": Advantage.leave_one_out, "aggregation": Aggregation.token_mean,
                      "overlong": Overlong.keep},
     Algorithm.sft: {},
+    Algorithm.dpo: {},
+    Algorithm.reward_model: {},
 }  # fmt: skip
 REFUSED_ALGORITHMS = {
     "ppo": "ppo needs a value model, which Temper does not train",
-    "dpo": 'dpo is not built yet (docs/training.md, "Supervised fine-tuning")',
 }
 SFT_BATCH_SIZE = 8
+DPO_BETA = 0.1
 
-# What an sft job has no use for (it runs no episodes and scores nothing), as spec paths.
-# Given in an sft spec, each is refused; at the door (the raw document) even at its default.
+# What a job without episodes (sft, dpo, reward_model) has no use for (it runs no episodes
+# and scores nothing), as spec paths. Given in such a spec, each is refused; at the door
+# (the raw document) even at its default.
 RL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "policy": ("sampling",),
     "tasks": ("group_size", "curriculum", "prior_from_job"),
@@ -358,16 +463,17 @@ RL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     ),
     "schedule": ("episodes_per_iteration", "max_concurrent_episodes", "max_staleness", "partial_rollouts"),
 }  # fmt: skip
-RL_ONLY_TOP = ("environment", "rewards")
-SFT_REFUSAL = "applies to RL jobs only; an sft job runs no episodes (leave it out)"
+RL_ONLY_TOP = ("environment", "rewards", "evaluation")
+SFT_REFUSAL = "applies to RL jobs only; an sft, dpo or reward_model job runs no episodes (leave it out)"
 
 
 def rl_only_errors(data: Any) -> list[tuple[str, str]]:
-    """The RL-only fields an sft spec document names (the raw mapping, before defaults)."""
+    """The RL-only fields a spec document of a job without episodes names (the raw mapping,
+    before defaults)."""
     if not isinstance(data, dict):
         return []
     algorithm = data.get("algorithm")
-    if not isinstance(algorithm, dict) or algorithm.get("name") != Algorithm.sft.value:
+    if not isinstance(algorithm, dict) or algorithm.get("name") not in [a.value for a in OFFLINE_DATA]:
         return []
     errors = [(name, SFT_REFUSAL) for name in RL_ONLY_TOP if name in data]
     for section, names in RL_ONLY_FIELDS.items():
@@ -503,7 +609,14 @@ class AlgorithmSpec(_Spec):
         None,
         ge=1,
         le=4096,
-        description=f"sft: conversations in one optimizer batch; default {SFT_BATCH_SIZE}",
+        description=f"sft, dpo, reward_model: conversations (pairs) in one optimizer batch; default {SFT_BATCH_SIZE}",
+    )
+    beta: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description=f"dpo: the temperature of the DPO loss (how far the policy may move from its reference); "
+        f"default {DPO_BETA}",
     )
     checkpoint_every: int = Field(
         1, ge=1, description="optimizer steps between checkpoints / policy versions"
@@ -542,11 +655,21 @@ class AlgorithmSpec(_Spec):
 
     @model_validator(mode="after")
     def _preset(self) -> AlgorithmSpec:
-        if self.name is Algorithm.sft:
+        if self.beta is not None and self.name is not Algorithm.dpo:
+            raise ValueError("beta applies to dpo only")
+        if self.name in OFFLINE_DATA:
             self.batch_size = self.batch_size or SFT_BATCH_SIZE
+            if self.name is Algorithm.dpo:
+                self.beta = self.beta or DPO_BETA
+            if self.name is Algorithm.reward_model and self.lora is not None:
+                raise ValueError(
+                    "lora: a reward_model job trains full weights (LoRA reward models are not built)"
+                )
             return self
         if self.batch_size is not None:
-            raise ValueError("batch_size applies to sft only; an RL step takes groups_per_step groups")
+            raise ValueError(
+                "batch_size applies to sft, dpo and reward_model only; an RL step takes groups_per_step groups"
+            )
         for name, value in PRESETS[self.name].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -570,7 +693,10 @@ class AlgorithmSpec(_Spec):
 
 class Schedule(_Spec):
     iterations: int = Field(
-        10, ge=1, le=100000, description="RL: iterations of episodes; sft: epochs (passes over the data)"
+        10,
+        ge=1,
+        le=100000,
+        description="RL: iterations of episodes; sft, dpo, reward_model: epochs (passes over the data)",
     )
     episodes_per_iteration: int = Field(16, ge=1)
     max_concurrent_episodes: int = Field(16, ge=1)
@@ -644,7 +770,110 @@ class Tracking(_Spec):
     wandb: WandbTracking | None = None
 
 
-HANDLE_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,99}$"
+class Split(StrEnum):
+    """Which tasks of a task set (docs/tasks-and-rewards.md, "Held-out tasks"): training jobs
+    draw from ``train`` only; an evaluation names its part."""
+
+    train = "train"
+    held_out = "held_out"
+    all = "all"
+
+
+DEFAULT_PASS_RULE = "default"  # temper.rewards.passed: the verdict of every training pass rate
+REWARD_PASS_RULE = "reward"
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class EvalRule(_Spec):
+    """How an evaluation samples and judges each task: ``samples`` episodes per task, pass@k
+    for each ``k`` of ``pass_at`` (every k <= samples), and what "passed" means."""
+
+    samples: int = Field(1, ge=1, le=256, description="episodes per task")
+    pass_at: list[int] = Field(
+        default_factory=lambda: [1], min_length=1, max_length=16, description="the k of each pass@k"
+    )
+    passed_by: str = Field(
+        DEFAULT_PASS_RULE,
+        max_length=200,
+        description="default (tests_passed, else answer_match, else reward >= 1), reward (the scalar reward), "
+        "or one of the job's reward components; with reward or a component, passed means >= pass_threshold",
+    )
+    pass_threshold: float | None = Field(
+        None, ge=-1e9, le=1e9, description="with passed_by reward or a component; default 1.0"
+    )
+
+    @model_validator(mode="after")
+    def _rule(self) -> EvalRule:
+        ks = self.pass_at
+        if any(k < 1 for k in ks):
+            raise ValueError("pass_at: every k is at least 1")
+        if len(set(ks)) != len(ks):
+            raise ValueError(f"pass_at: {ks} repeats a k")
+        over = [k for k in ks if k > self.samples]
+        if over:
+            raise ValueError(
+                f"pass_at: k={over[0]} exceeds samples ({self.samples}): pass@k needs at least k samples "
+                "per task (raise samples or lower k)"
+            )
+        self.pass_at = sorted(ks)
+        if self.passed_by == DEFAULT_PASS_RULE:
+            if self.pass_threshold is not None:
+                raise ValueError(
+                    "pass_threshold applies with passed_by reward or a reward component (the default rule "
+                    "has its own verdict)"
+                )
+        elif self.pass_threshold is None:
+            self.pass_threshold = 1.0
+        return self
+
+
+class EvaluationSpec(EvalRule):
+    """A training job's periodic evaluation: every ``every_versions``-th policy version (0
+    included) is evaluated by a job of its own (docs/job-spec.md, "evaluation")."""
+
+    every_versions: int = Field(ge=1, le=100000, description="evaluate versions 0, N, 2N, ...")
+    taskset: str | None = Field(
+        None, max_length=200, description="a task set of yours, by id or name; default: tasks.taskset"
+    )
+    split: Split | None = Field(
+        None,
+        description="held_out | train | all; default: held_out of the job's own task set, all of another",
+    )
+    sampling: Sampling | None = Field(None, description="default: policy.sampling")
+    max_concurrent_episodes: int | None = Field(
+        None,
+        ge=1,
+        description="episodes of one evaluation in flight; default: schedule.max_concurrent_episodes",
+    )
+    backend_pool: str | None = Field(
+        None,
+        max_length=200,
+        description="the gateway pool that serves the evaluations; default: policy.backend_pool",
+    )
+    label: str = Field(
+        "eval", pattern=LABEL_PATTERN, description="the name its results are logged under (eval/pass@1, ...)"
+    )
+
+
+class EvaluateSpec(EvalRule):
+    """What an evaluation job evaluates (its own spec carries it; created by a training job's
+    ``evaluation`` or by ``POST /v1/jobs/{id}/evaluations``, never submitted as a job): version
+    ``version`` of job ``job``, or the model directory ``model`` with that job's environment."""
+
+    job: str = Field(max_length=64, description="the job whose version (or whose environment) is evaluated")
+    version: int | None = Field(None, ge=0, description="the version evaluated; None with model")
+    model: str | None = Field(None, max_length=4096, description="a model directory evaluated instead")
+    split: Split = Split.all
+    label: str = Field("eval", pattern=LABEL_PATTERN)
+    periodic: bool = Field(False, description="started by the job's evaluation (else on request)")
+
+    @model_validator(mode="after")
+    def _one_model(self) -> EvaluateSpec:
+        if (self.version is None) == (self.model is None):
+            raise ValueError("an evaluation names a version or a model directory, one of the two")
+        return self
+
+
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/=-]{0,63}$"
 
 
@@ -663,13 +892,43 @@ class JobSpec(_Spec):
     policy: PolicySpec
     tasks: TaskSampling
     environment: EnvironmentSpec = EnvironmentSpec()
-    rewards: dict[str, float] = Field(
-        default_factory=lambda: {"tests_passed": 1.0},
-        description="reward component -> weight; the scalar reward is their weighted sum",
+    rewards: dict[str, float | dict[str, Any]] = Field(
+        default_factory=lambda: dict[str, float | dict[str, Any]]({"tests_passed": 1.0}),
+        description="reward component -> weight, or -> {weight: ..., <the component's settings>}; the scalar "
+        "reward is the weighted sum",
     )
     algorithm: AlgorithmSpec = AlgorithmSpec()
     schedule: Schedule = Schedule()
     tracking: Tracking = Field(default_factory=Tracking, description="experiment tracking (docs/tracking.md)")
+    evaluation: EvaluationSpec | None = Field(
+        None, description="evaluate every N-th policy version on a task set or a split of one"
+    )
+    evaluate: EvaluateSpec | None = Field(
+        None, description="(an evaluation job's own) what it evaluates; set by the server, never submitted"
+    )
+
+    @field_validator("rewards")
+    @classmethod
+    def _reward_entries(cls, value: dict[str, float | dict[str, Any]]) -> dict[str, float | dict[str, Any]]:
+        """A component's entry is its weight, or a mapping with ``weight`` and its settings
+        (each component checks its own: :func:`plugin_errors`)."""
+        for name, entry in value.items():
+            if isinstance(entry, dict):
+                weight = entry.get("weight")
+                if "weight" not in entry:
+                    raise ValueError(
+                        f"{name}: a component given with settings needs its weight: {{weight: ...}}"
+                    )
+                if (
+                    isinstance(weight, bool)
+                    or not isinstance(weight, int | float)
+                    or not math.isfinite(weight)
+                ):
+                    raise ValueError(f"{name}.weight: a finite number, not {weight!r}")
+                entry["weight"] = float(weight)
+            elif not math.isfinite(entry):
+                raise ValueError(f"{name}: a finite weight, not {entry!r}")
+        return value
 
     @field_validator("handle")
     @classmethod
@@ -680,7 +939,12 @@ class JobSpec(_Spec):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        if self.algorithm.name is Algorithm.sft:
+        if self.tasks.from_job is not None and not self.is_sft:
+            raise ValueError(
+                "tasks.from_job: a job's episodes are data for sft jobs (algorithm.name: sft), "
+                f"not {self.algorithm.name}"
+            )
+        if self.is_offline:
             return self._sft_consistent()
         if self.schedule.episodes_per_iteration % self.tasks.group_size:
             raise ValueError(
@@ -689,6 +953,23 @@ class JobSpec(_Spec):
             )
         if not self.rewards:
             raise ValueError("rewards: name at least one reward component")
+        if self.evaluation is not None and self.evaluate is not None:
+            raise ValueError(
+                "evaluation and evaluate: an evaluation job evaluates; it has no evaluation of its own"
+            )
+        for where, rule in (("evaluation", self.evaluation), ("evaluate", self.evaluate)):
+            if rule is not None and rule.passed_by not in (
+                DEFAULT_PASS_RULE,
+                REWARD_PASS_RULE,
+                *self.rewards,
+            ):
+                raise ValueError(
+                    f"{where}.passed_by: {rule.passed_by!r} is not default, reward or one of the job's rewards "
+                    f"({', '.join(sorted(self.rewards))})"
+                )
+        if self.evaluation is not None and self.evaluation.split is None:
+            own = self.evaluation.taskset in (None, self.tasks.taskset)
+            self.evaluation.split = Split.held_out if own else Split.all
         a = self.algorithm
         longest = self.policy.sampling.max_tokens * self.environment.max_turns
         if a.aggregation is Aggregation.seq_sum and a.loss_constant is None:
@@ -701,7 +982,7 @@ class JobSpec(_Spec):
         return self
 
     def _sft_consistent(self) -> JobSpec:
-        """An sft spec that sets an RL-only field to anything but its default is refused
+        """A spec without episodes (sft, dpo, reward_model) that sets an RL-only field to anything but its default is refused
         (a stored spec holds every default, so only a changed value can be told apart here;
         the door refuses the field at its default too: :func:`rl_only_errors`)."""
         errors = []
@@ -715,13 +996,35 @@ class JobSpec(_Spec):
             errors.append("environment")
         if self.rewards != JobSpec.model_fields["rewards"].get_default(call_default_factory=True):
             errors.append("rewards")
+        if self.evaluation is not None or self.evaluate is not None:
+            # an episode needs an environment and rewards, which an sft spec has none of
+            errors.append("evaluation" if self.evaluation is not None else "evaluate")
         if errors:
             raise ValueError(f"{', '.join(errors)}: {SFT_REFUSAL}")
         return self
 
+    def reward_weights(self) -> dict[str, float]:
+        """Component -> weight (:func:`reward_weights` of ``rewards``)."""
+        return reward_weights(self.rewards)
+
+    def reward_settings(self) -> dict[str, dict[str, Any]]:
+        """Component -> its settings, for the components given with some."""
+        return reward_settings(self.rewards)
+
     @property
     def is_sft(self) -> bool:
         return self.algorithm.name is Algorithm.sft
+
+    @property
+    def is_offline(self) -> bool:
+        """A job without episodes (sft, dpo, reward_model): the trainer steps through its
+        task set's data; :meth:`sft_steps` and :meth:`sft_batch` say which item when."""
+        return self.algorithm.name in OFFLINE_DATA
+
+    @property
+    def data_kind(self) -> str | None:
+        """The task kind a job without episodes trains on (chat, preference); None for RL."""
+        return OFFLINE_DATA.get(self.algorithm.name)
 
     def sft_steps(self, conversations: int) -> tuple[int, int]:
         """(optimizer steps per epoch, steps in all) of an sft job on ``conversations``:
@@ -744,6 +1047,21 @@ class JobSpec(_Spec):
         return order[k * size : (k + 1) * size]
 
 
+def reward_weights(rewards: Mapping[str, Any]) -> dict[str, float]:
+    """Each component's weight in a spec's ``rewards`` (stored or parsed): the number
+    itself, or the ``weight`` of a component given with settings."""
+    return {name: float(e["weight"] if isinstance(e, Mapping) else e) for name, e in rewards.items()}
+
+
+def reward_settings(rewards: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The settings of each component given as ``{weight: ..., ...}`` (without the weight)."""
+    return {
+        name: {k: v for k, v in e.items() if k != "weight"}
+        for name, e in rewards.items()
+        if isinstance(e, Mapping)
+    }
+
+
 class SpecError(ValueError):
     """A spec that does not validate; ``errors`` lists (field path, message)."""
 
@@ -762,7 +1080,7 @@ def plugin_errors(spec: JobSpec) -> list[tuple[str, str]]:
     of ``POST /v1/jobs``), so an unimplemented value is refused, never accepted and
     failing later."""
     errors: list[tuple[str, str]] = []
-    if spec.is_sft:  # no environment, parser or reward runs
+    if spec.is_offline:  # no environment, parser or reward runs
         return errors
     env = spec.environment
     if env.kind == PACKAGE_KIND:  # the package's own names are checked when it is uploaded and pinned
@@ -774,10 +1092,38 @@ def plugin_errors(spec: JobSpec) -> list[tuple[str, str]]:
         message = plugins.unknown_message(plugins.Group.parsers, fmt, also=OWN_FORMATS)
         errors.append(("environment.action_format", message))
     rewards = plugins.installed(plugins.Group.rewards)
+    settings = spec.reward_settings()
     for name in spec.rewards:
         if name not in rewards:
             errors.append((f"rewards.{name[:80]}", plugins.unknown_message(plugins.Group.rewards, name)))
+        else:  # a component whose settings are required is refused without them too
+            errors += _settings_errors(name, settings.get(name, {}))
     return errors
+
+
+EVALUATE_REFUSAL = (
+    "is set by the server on an evaluation job; evaluate a version with POST /v1/jobs/{id}/evaluations "
+    "(temper eval), or give a training job an evaluation section"
+)
+
+
+def submitted_errors(spec: JobSpec) -> list[tuple[str, str]]:
+    """What a submitted spec may not carry: an evaluation job's ``evaluate`` (the server makes
+    those jobs, with the version's checkpoint and the task count it checked)."""
+    return [("evaluate", EVALUATE_REFUSAL)] if spec.evaluate is not None else []
+
+
+def _settings_errors(name: str, given: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the component ``name`` says of the settings ``given`` for it (its own schema:
+    :meth:`temper.rewards.Component.settings_errors`; unknown settings are refused)."""
+    from temper.rewards.components import NotAComponent, component_of
+
+    try:
+        component = component_of(name, plugins.load(plugins.Group.rewards, name))
+    except (plugins.PluginError, NotAComponent) as exc:
+        return [(f"rewards.{name}", str(exc))]
+    return [(f"rewards.{name}.{path}" if path else f"rewards.{name}", msg)
+            for path, msg in component.settings_errors(given)]  # fmt: skip
 
 
 def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
@@ -795,7 +1141,7 @@ def parse_spec(data: dict[str, Any] | str | bytes) -> JobSpec:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError([(field_path(e["loc"]), message(e)) for e in exc.errors()]) from None
-    errors = plugin_errors(spec)
+    errors = submitted_errors(spec) + plugin_errors(spec)
     if errors:
         raise SpecError(errors)
     return spec

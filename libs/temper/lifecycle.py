@@ -91,7 +91,7 @@ JOB_TRANSITIONS: dict[JobState, Rule] = {
 EPISODE_TRANSITIONS: dict[EpisodeState, Rule] = {
     # from awaiting_action itself: a malformed action is answered with an observation, no sandbox step
     E.awaiting_action: _rule(E.pending, E.acting, E.awaiting_action),
-    E.acting: _rule(E.awaiting_action),
+    E.acting: _rule(E.pending, E.awaiting_action),  # pending: an agent episode starts by running its agent
     E.scoring: _rule(E.awaiting_action, E.acting),
     E.scored: _rule(E.scoring),
     E.trained: _rule(E.scored),

@@ -103,6 +103,21 @@ REWARD_COMPONENT_SECONDS = Histogram(
 REWARD_FAILURES = Counter(
     "temper_reward_failures_total", "Reward components that failed", ["component", "reason"]
 )
+REWARD_MODEL_BATCH = Histogram(
+    "temper_reward_model_batch_size",
+    "Transcripts scored by one reward-model forward",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+)
+JUDGE_SECONDS = Histogram(
+    "temper_judge_seconds",
+    "A judge's question, from its send to its answer (or timeout)",
+    buckets=FAST_BUCKETS,
+)
+JUDGE_VERDICTS = Counter(
+    "temper_judge_verdicts_total",
+    "Judge scores by outcome: scored, unparsable (recorded, not rewarded), no_answer, cached",
+    ["outcome"],
+)
 
 # --- inference -------------------------------------------------------------------------
 INFERENCE_REQUESTS = Counter("temper_inference_requests_total", "Generation requests", ["backend", "status"])
@@ -112,6 +127,12 @@ INFERENCE_SECONDS = Histogram(
 INFERENCE_INFLIGHT = Gauge("temper_inference_inflight", "Requests in flight", ["backend"])
 INFERENCE_BACKEND_HEALTHY = Gauge(
     "temper_inference_backend_healthy", "1 if a backend is healthy", ["backend"]
+)
+AGENT_CALLS = Counter(
+    "temper_agent_calls_total",
+    "Calls of agent programs to their episodes' base URLs (outcome: answered, refused, over_budget, "
+    "bad_request, failed)",
+    ["outcome"],
 )
 WEIGHT_SWITCH_SECONDS = Histogram(
     "temper_weight_switch_seconds", "Time to switch a backend to new weights", buckets=FAST_BUCKETS
@@ -188,6 +209,21 @@ DISPATCHER_REPLACEMENT_GROUPS = Counter(
     "temper_dispatcher_replacement_groups_total",
     "Groups started by dynamic sampling in place of zero-variance groups the trainer skipped",
     ["job_id"],
+)
+EVALUATIONS_FINISHED = Counter(
+    "temper_evaluations_finished_total",
+    "Evaluation jobs that ended with their results written, by the evaluated job and state",
+    ["job_id", "state"],
+)
+EVALUATION_PASS_AT = Gauge(
+    "temper_evaluation_pass_at",
+    "The newest finished evaluation of a job's versions: the mean pass@k over its tasks",
+    ["job_id", "label", "k"],
+)
+EVALUATION_VERSION = Gauge(
+    "temper_evaluation_version",
+    "The version the newest finished evaluation of a job evaluated",
+    ["job_id", "label"],
 )
 
 

@@ -53,6 +53,7 @@ BUILTINS: dict[Group, dict[str, str]] = {
         "code": "temper.envs.code:CodeEnvironment",
         "math": "temper.envs.math:MathEnvironment",
         "shell": "temper.envs.shell:ShellEnvironment",
+        "agent": "temper.envs.agent:AgentEnvironment",
     },
     Group.rewards: {
         "tests_passed": "temper.rewards.components:TestsPassed",
@@ -62,6 +63,8 @@ BUILTINS: dict[Group, dict[str, str]] = {
         "answer_match": "temper.rewards.components:AnswerMatch",
         "format": "temper.rewards.components:Format",
         "turn_penalty": "temper.rewards.components:TurnPenalty",
+        "reward_model": "temper.rewards.reward_model:RewardModel",
+        "judge": "temper.rewards.judge:Judge",
     },
     Group.parsers: {
         "hermes": "temper.envs.tools:parse_hermes",
@@ -69,6 +72,7 @@ BUILTINS: dict[Group, dict[str, str]] = {
         "mistral": "temper.envs.tools:parse_mistral",
         "pythonic": "temper.envs.tools:parse_pythonic",
         "tool_code": "temper.envs.tools:parse_tool_code",
+        "qwen3_coder": "temper.envs.tools:parse_qwen3_coder",
     },
     Group.tools: {},  # Temper's own tools are the built-ins (temper.jobspec.BuiltinTool)
 }

@@ -23,6 +23,12 @@ def one_line(text: str, *, limit: int = MAX_MESSAGE) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def clip(value: object, limit: int = 80) -> str:
+    """``repr`` of a value, cut so an error never echoes a huge input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def message(error: Mapping[str, Any]) -> str:
     """One pydantic error's message, without the library's prefix, on one line."""
     text = str(error.get("msg", ""))

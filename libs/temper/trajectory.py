@@ -8,6 +8,8 @@ model's own tokens with the logprobs and the policy version that produced each o
 (``token_versions``). With partial rollouts (``schedule.partial_rollouts``) one episode,
 even one turn, can hold tokens of several versions; the trainer takes each token's own
 behaviour logprob and counts staleness per token (docs/training.md, "Partial rollouts").
+Each ``prompt`` segment starts a sequence of its own (:meth:`Trajectory.samples`): one per
+episode, except where an agent rewrote its history between two model calls.
 
 Schema versions: 1 had one ``policy_version`` per segment; 2 adds ``token_versions`` (a
 version-1 segment reads as every token being its ``policy_version``'s).
@@ -109,13 +111,35 @@ class Trajectory(BaseModel):
         """The version of each token of :meth:`flat`'s ids (:data:`NOT_SAMPLED` where masked)."""
         return [v for s in self.segments for v in s.versions()]
 
+    def sample_versions(self) -> list[list[int]]:
+        """The version of each token of each sequence of :meth:`samples` (:data:`NOT_SAMPLED`
+        where masked)."""
+        out: list[list[int]] = []
+        for seg in self.segments:
+            if seg.role == "prompt" or not out:
+                out.append([])
+            out[-1].extend(seg.versions())
+        return out
+
     def flat(self) -> tuple[list[int], list[bool], list[float]]:
         """All token ids, a mask that is True on the model's own tokens, and the behaviour
-        logprob of each token (0.0 where masked)."""
-        ids: list[int] = []
-        mask: list[bool] = []
-        logprobs: list[float] = []
+        logprob of each token (0.0 where masked), of a trajectory that is one sequence."""
+        samples = self.samples()
+        if len(samples) != 1:
+            raise ValueError(f"the trajectory is {len(samples)} sequences, not one: read samples()")
+        return samples[0]
+
+    def samples(self) -> list[tuple[list[int], list[bool], list[float]]]:
+        """The token sequences the trainer learns from, each as :meth:`flat` gives one: a
+        sequence starts at each ``prompt`` segment. An episode is one sequence when every
+        prompt extended the one before token for token; an agent that rewrote its history
+        between two model calls (``temper.agent_traces``) starts another with the call whose
+        prompt did not."""
+        out: list[tuple[list[int], list[bool], list[float]]] = []
         for seg in self.segments:
+            if seg.role == "prompt" or not out:
+                out.append(([], [], []))
+            ids, mask, logprobs = out[-1]
             ids.extend(seg.token_ids)
             own = seg.role == "model"
             mask.extend([own] * len(seg.token_ids))
@@ -125,4 +149,4 @@ class Trajectory(BaseModel):
                 logprobs.extend(seg.logprobs)
             else:
                 logprobs.extend([0.0] * len(seg.token_ids))
-        return ids, mask, logprobs
+        return out

@@ -17,7 +17,16 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.dispatcher.api import checkpoints, episodes, export, job_log, jobs, schemas, tenants
+from services.dispatcher.api import (
+    checkpoints,
+    episodes,
+    evaluations,
+    export,
+    job_log,
+    jobs,
+    schemas,
+    tenants,
+)
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.deps import current_tenant
 from services.dispatcher.api.environments import make_router as make_environment_router
@@ -73,6 +82,7 @@ def create_app(
     app.include_router(tenants.router)
     app.include_router(export.router)
     app.include_router(checkpoints.router)
+    app.include_router(evaluations.router)
     # Embedded mode validates task sets in this process: no Celery worker, no Redis.
     enqueue: Enqueue = (
         InProcessValidation(runtime).enqueue

@@ -81,7 +81,12 @@ class Dispatcher:
         s = self.settings
         self.relay = OutboxRelay(rt.db, rt.bus, keep_published_s=rt.settings.db.outbox_keep_published_s)
         self.machine = EpisodeMachine(
-            rt.db, rt.store, s, transaction=self.relay.transaction, core=self.relay.core
+            rt.db,
+            rt.store,
+            s,
+            transaction=self.relay.transaction,
+            core=self.relay.core,
+            agent_url=rt.settings.agent.url,
         )
         self.batches = ResultBatches(self.machine)
         self.leadership = Leadership(rt.db)

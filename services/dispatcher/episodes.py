@@ -31,15 +31,15 @@ from typing import Any
 from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher import deadlines, leases, repo
+from services.dispatcher import agents, deadlines, leases, repo
 from services.dispatcher.turns import Turns
 from temper import faults, metrics
 from temper.clock import utcnow
 from temper.db import Database, Episode, Job, Step, Task, rows
 from temper.db.core import CoreTx, core_of
-from temper.envs import Environment, make_environment
+from temper.envs import AgentEnvironment, Environment, environment_options, make_environment
 from temper.events import InferenceResult, Message, SandboxResult
-from temper.jobspec import PACKAGE_KIND, JobSpec
+from temper.jobspec import JobSpec
 from temper.lifecycle import STEP_WAITING, EpisodeState, fail_step, transition_episode
 from temper.logs import log_context, log_event
 from temper.policy.tokenizer import ChatTokenizer, TemplateError, fetch_policy_tokenizer, policy_tokenizer
@@ -59,6 +59,9 @@ _TASK = select(*(Task.__table__.c[c] for c in TASK_COLUMNS)).where(
 )
 
 
+NO_AGENT_URL = "TEMPER_AGENT__URL is not set on the dispatcher: an agent's sandbox has no gateway to call"
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
@@ -68,7 +71,13 @@ def init_metrics() -> None:
     counts), step kind and expired-lease kind exports 0 from the start (metrics.zero says why)."""
     kinds = list(STEP_FOR_STATE.values())
     metrics.zero(metrics.EPISODE_TRANSITIONS, *E)
-    metrics.zero(metrics.EPISODE_FAILURES, "lease_expired", "template_error", *(f"{k}_error" for k in kinds))
+    metrics.zero(
+        metrics.EPISODE_FAILURES,
+        "lease_expired",
+        "template_error",
+        "agent_error",
+        *(f"{k}_error" for k in kinds),
+    )
     metrics.zero(metrics.TURN_SECONDS, *kinds)
     metrics.zero(metrics.STEP_LEASES_EXPIRED, *kinds, "trajectory")  # trajectory: the scheduler's
 
@@ -123,8 +132,10 @@ class EpisodeMachine:
         tokenizer: ChatTokenizer | None = None,
         transaction: Callable[[], AbstractAsyncContextManager[AsyncSession]] | None = None,
         core: Callable[[], AbstractAsyncContextManager[CoreTx]] | None = None,
+        agent_url: str | None = None,
     ) -> None:
         init_metrics()
+        self.agent_url = agent_url  # the gateway as agents' sandboxes reach it (TEMPER_AGENT__URL)
         self.db = db
         self.store = store
         self.settings = settings
@@ -229,15 +240,8 @@ class EpisodeMachine:
         return make_environment(
             env.kind or task.kind,
             task,
-            max_turns=env.max_turns,
-            action_format=env.action_format,
-            limits=env.limits,
             max_observation_chars=self.settings.max_observation_chars,
-            system_prompt=env.system_prompt,
-            tools=env.tools,
-            tool_role=env.tool_role,
-            **({"package": env.package} if env.kind == PACKAGE_KIND else {}),
-            **({"hide_files": env.hide_files} if env.hide_files else {}),
+            **environment_options(env),
         )
 
     def ignore(self, why: str, message: Message) -> None:
@@ -303,7 +307,18 @@ class EpisodeMachine:
             created_at=now,
             updated_at=now,
         )
-        request = self.turns.inference_request(ep, spec, self.first_prompt(spec, task), turn=0)
+        env = self.environment(spec, task)
+        if isinstance(env, AgentEnvironment):  # its agent runs, and calls the policy itself
+            if self.agent_url is None:
+                transition_episode(session, ep, E.failed, reason=f"agent_error: {NO_AGENT_URL}")
+                rows.stage(session, ep)
+                self.on_finished()
+                return ep
+            step = agents.start_run(self.turns, session, ep, spec, env, gateway_url=self.agent_url)
+            rows.stage(session, ep, step)
+            return ep
+        prompt = self.first_prompt(spec, task)
+        request = self.turns.inference_request(ep, spec, prompt, turn=0)
         step = self.turns.issue(session, ep, "inference", request)
         transition_episode(session, ep, E.awaiting_action)
         rows.stage(session, ep, step)
@@ -359,7 +374,11 @@ class EpisodeMachine:
         spec = await self.spec_of(tx, ep.job_id)
         env = self.environment(spec, await self.task_of(tx, ep.task_id))
         try:
-            if isinstance(msg, SandboxResult):
+            if isinstance(msg, SandboxResult) and isinstance(env, AgentEnvironment):
+                issued = await agents.take_run(self.turns, tx, ep, step, msg, spec, env)
+                if issued is None:  # it made no model call: failed
+                    self.on_finished()
+            elif isinstance(msg, SandboxResult):
                 assert inference is not None
                 issued = self.turns.take_sandbox(tx, ep, step, inference, msg, spec, env)
             else:

@@ -16,16 +16,18 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.dispatcher import repo
+from services.dispatcher import evaluation, repo
 from services.dispatcher.episodes import EpisodeMachine, is_current
-from services.dispatcher.trajectories import build_trajectory
+from services.dispatcher.trajectories import build_agent_trajectory, build_trajectory
 from services.dispatcher.turns import observe_step
+from temper.agent_traces import calls_of
 from temper.clock import utcnow
 from temper.db import Episode, Step, rows
 from temper.db.core import CoreTx
 from temper.episode_log import build_episode_log, log_key
 from temper.episode_steps import read_steps_of
 from temper.events import LifecycleEvent, RewardResult, Topics, TrajectoryReady
+from temper.jobspec import AGENT_KIND, JobSpec
 from temper.lifecycle import EpisodeState, complete_step, transition_episode
 from temper.logs import log_context, log_event
 from temper.outbox import enqueue
@@ -50,6 +52,7 @@ class _Scored:
     msg: RewardResult
     key: str
     trajectory: Trajectory
+    spec: JobSpec
 
 
 async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) -> None:
@@ -78,8 +81,13 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
                     await machine.retry_or_fail(tx, ep, step, f"reward_error: {msg.error}")
                     continue
                 steps = steps_of[ep.id]
-                tok = machine.tok_of(await machine.spec_of(tx, ep.job_id))
-                trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
+                spec = await machine.spec_of(tx, ep.job_id)
+                tok = machine.tok_of(spec)
+                if spec.environment.kind == AGENT_KIND:  # its model calls are on record at the gateway
+                    calls = await calls_of(tx, machine.store, ep.id)
+                    trajectory = build_agent_trajectory(ep, steps, calls, msg, tok, finished_at=utcnow())
+                else:
+                    trajectory = build_trajectory(ep, steps, msg, tok, finished_at=utcnow())
                 key = object_key(ep.tenant_id, ep.job_id, "trajectories", f"{ep.id}.json")
                 # The log beside it, in one write: every step's sandbox output, timings and reward.
                 puts.append(machine.store.put(key, trajectory.model_dump_json().encode(), "application/json"))
@@ -89,7 +97,7 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
                         log_key(ep.tenant_id, ep.job_id, ep.id), log_bytes, "application/x-ndjson"
                     )
                 )
-                scored.append(_Scored(msg, key, trajectory))
+                scored.append(_Scored(msg, key, trajectory, spec))
     if not scored:
         return
     await asyncio.gather(*puts)
@@ -113,8 +121,17 @@ async def on_rewards(machine: EpisodeMachine, messages: Sequence[RewardResult]) 
 
 def _score(tx: CoreTx, ep: Episode, step: Step, item: _Scored) -> None:
     """Record the reward, move the episode to ``scored``, write ``TrajectoryReady``, the
-    ``episode.reward`` event and the task's outcome."""
+    ``episode.reward`` event and the task's outcome. An evaluation job's episode writes its
+    evaluation verdict instead of the last two (``evaluation.py``): it is never trained on and
+    no training pass rate counts it."""
     msg, key, trajectory = item.msg, item.key, item.trajectory
+    verdict = evaluation.outcome(ep, item.spec, msg, trajectory) if item.spec.evaluate is not None else None
+    if isinstance(verdict, str):  # sampled by another version than the one it evaluates
+        complete_step(step, {"reward": msg.reward, "components": {}})
+        transition_episode(tx, ep, E.failed, reason=verdict)
+        rows.stage(tx, ep, step)
+        log_event(log, "episode failed", logging.WARNING, reason=verdict)
+        return
     components = {k: v.model_dump(mode="json") for k, v in msg.components.items()}
     complete_step(step, {"reward": msg.reward, "components": components})
     observe_step(step)
@@ -142,6 +159,12 @@ def _score(tx: CoreTx, ep: Episode, step: Step, item: _Scored) -> None:
             },
         ),
     )
+    if verdict is not None:
+        rows.stage(tx, ep, step, verdict)
+        log_event(
+            log, "evaluation episode scored", reward=msg.reward, passed=verdict.passed, turns=ep.turn + 1
+        )
+        return
     enqueue(
         tx,
         Topics.TRAJECTORIES,

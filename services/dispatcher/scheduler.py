@@ -19,7 +19,7 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher import repo
+from services.dispatcher import evaluation, repo
 from services.dispatcher.episodes import ACTIVE, EpisodeMachine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
@@ -167,23 +167,28 @@ class Scheduler:
             if job.state != J.running:
                 return
             spec = await self.machine.spec_of(s, job.id)
-            if spec.is_sft:  # no episodes: the trainer steps through the data
+            if spec.is_offline:  # sft, dpo, reward_model: no episodes, the trainer steps through the data
                 await self._sft_progress(s, job, spec)
                 return
-            if self.trainer_attached:
+            if self.trainer_attached and spec.evaluate is None:
                 await self.mark_trained(s, job.id)
                 await self.resend_trajectories(s, job.id)
+            if spec.evaluation is not None:  # evaluation jobs of the versions due (evaluation.py)
+                await evaluation.start_due(s, job, spec, store=self.machine.store)
             counts = await repo.episode_counts(s, job.id)
             metrics.EPISODES_ACTIVE.labels(job.id).set(counts.active)
             await self._advance_iteration(s, job, spec, counts)
             replace = await self._replacements_due(s, job, spec, counts)
             if await self._complete_if_done(s, job, spec, counts, replace):
                 return
+            if spec.evaluate is not None and await evaluation.not_served(s, job, spec):
+                return  # no episode before the gateway serves the version it evaluates
             await self._start_groups(s, job, spec, tenant, counts, replace)
 
     async def _sft_progress(self, s: AsyncSession, job: Job, spec: JobSpec) -> None:
-        """An sft job's iteration is the epoch its latest version reached; it completes
-        once a version holds the last step (services.trainer.supervised)."""
+        """A job without episodes (sft, dpo, reward_model): its iteration is the epoch its
+        latest version reached; it completes once a version holds the last step
+        (services.trainer.supervised)."""
         step = await s.scalar(select(func.max(PolicyVersion.step)).where(PolicyVersion.job_id == job.id))
         conversations = int(
             await s.scalar(select(func.count()).select_from(Task).where(sampleable(spec.tasks.taskset))) or 0
@@ -247,12 +252,14 @@ class Scheduler:
         own = sum(min(n, per_iteration) for n in counts.started.values())
         if own < per_iteration * spec.schedule.iterations or done != total or replace:
             return False
+        if spec.evaluate is not None:  # its results, from its episodes' verdicts
+            await evaluation.finish(s, job, spec)
         if counts.failed == total:  # nothing to learn from: a failure, said with its causes
             reasons = "; ".join(f"{n} x {r}" for r, n in await repo.failure_reasons(s, job.id))
             await transition_job(s, job, J.failed, reason=f"every episode failed ({total}): {reasons}"[:1000])
             log_event(log, "job failed", reason="every episode failed", episodes=total)
             return True
-        if self.wait_for_training and not await self._training_done(s, job, spec):
+        if self.wait_for_training and spec.evaluate is None and not await self._training_done(s, job, spec):
             return True
         await transition_job(s, job, J.completed)
         metrics.EPISODES_ACTIVE.labels(job.id).set(0)
@@ -302,7 +309,10 @@ class Scheduler:
             )
             return
         used = await repo.tasks_of_iteration(s, job.id, job.iteration)
-        version = await self.current_version(s, job)
+        if spec.evaluate is not None:  # sampled by exactly the version it evaluates
+            version = evaluation.behaviour_version(spec)
+        else:
+            version = await self.current_version(s, job)
         budget = MAX_STARTS_PER_PASS
         while need > 0 and room >= min(group_size, cap):
             if budget <= 0:
@@ -328,6 +338,8 @@ class Scheduler:
                     group_id=group_id,
                     iteration=job.iteration,
                     behaviour_version=version,
+                    # an evaluation is sampled by exactly the version it evaluates
+                    partial_rollouts=False if spec.evaluate is not None else None,
                 )
             started[job.iteration] += size
             need -= size
@@ -364,7 +376,7 @@ class Scheduler:
         query = (
             select(Task.id, func.coalesce(totals.c.attempts, 0), func.coalesce(totals.c.passes, 0))
             .outerjoin(totals, totals.c.task_id == Task.id)
-            .where(sampleable(spec.tasks.taskset))
+            .where(sampleable(spec.tasks.taskset, evaluation.split_of(spec)))
             .order_by(Task.id)
         )
         return [
@@ -398,14 +410,16 @@ class Scheduler:
             await transition_job(s, job, J.failed, reason=f"invalid spec: {where}: {first['msg']}")
             return False
         sampleable_count = await s.scalar(
-            select(func.count()).select_from(Task).where(sampleable(spec.tasks.taskset))
+            select(func.count())
+            .select_from(Task)
+            .where(sampleable(spec.tasks.taskset, evaluation.split_of(spec)))
         )
         if not sampleable_count:
             await transition_job(
                 s, job, J.failed, reason=f"task set {spec.tasks.taskset} has no task to sample"
             )
             return False
-        waiting = None if spec.is_sft else await backend_wait(s, job, spec)  # sft serves nothing
+        waiting = None if spec.is_offline else await backend_wait(s, job, spec)  # serves nothing
         if waiting is not None:
             if job.state_reason != STUCK_PREFIX + waiting:
                 await mark_job_stuck(s, job.id, waiting)
@@ -524,13 +538,19 @@ class Scheduler:
         """A new policy version only reads here: the trainer wrote ``Job.policy_version``, the
         ledger and the ``policy.version`` event in the transaction that sent ``msg``. What it
         trained is marked ``trained`` now rather than at the next tick."""
-        if not self.trainer_attached or not msg.job_id:
+        if not msg.job_id:
             return
         async with self.machine.tx() as s:
             # the job's lock, as in schedule_job: one marker of its episodes at a time
-            query = select(Job.id).where(Job.id == msg.job_id, Job.state == J.running)
+            query = select(Job).where(Job.id == msg.job_id, Job.state.in_([J.running, J.completed]))
             if not self.machine.db.is_sqlite:
                 query = query.with_for_update()
-            if await s.scalar(query) is not None:
+            job = (await s.execute(query)).scalar_one_or_none()
+            if job is None:
+                return
+            spec = await self.machine.spec_of(s, job.id)
+            if spec.evaluation is not None:  # a version published after the job completed is due too
+                await evaluation.start_due(s, job, spec, store=self.machine.store)
+            if self.trainer_attached and job.state == J.running and spec.evaluate is None:
                 await self.mark_trained(s, msg.job_id)
                 await self.resend_trajectories(s, msg.job_id)

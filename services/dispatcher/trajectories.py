@@ -1,8 +1,12 @@
-"""From an episode's step rows to its :class:`temper.trajectory.Trajectory`.
+"""From an episode's step rows (or, for an agent episode, its recorded model calls) to its
+:class:`temper.trajectory.Trajectory`.
 
 Token exactness comes from how prompts are built: the prompt of turn t+1 is the prompt
 of turn t, then the ids the model sampled, then the observation ids. So the segments
-are cut from the stored prompts, never re-tokenised.
+are cut from the stored prompts, never re-tokenised. An agent's calls are cut the same
+way where each prompt extends the one before (the gateway extends a conversation token
+for token); a call whose prompt does not (the agent rewrote its history) starts a
+sequence of its own, its whole prompt a new ``prompt`` segment.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
+from temper.agent_traces import CallRecord
 from temper.db import Episode, Step
 from temper.events import RewardResult
 from temper.lifecycle import StepState
@@ -103,4 +108,82 @@ def build_trajectory(
         },
         timings=timings,
         ended_by=(ep.timings or {}).get("ended_by"),
+    )
+
+
+def build_agent_trajectory(
+    ep: Episode,
+    steps: Sequence[Step],
+    calls: Sequence[CallRecord],
+    reward: RewardResult,
+    tok: ChatTokenizer,
+    *,
+    finished_at: datetime,
+) -> Trajectory:
+    """The trajectory of an agent episode from its model calls, in the order the gateway
+    recorded them: the ids and logprobs the gateway sampled, cut at each prompt's
+    extension, a new sequence at each prompt that does not extend the one before."""
+    segments: list[Segment] = []
+    turns: list[TurnRecord] = []
+    covered: list[int] = []  # the last call's prompt and sampled ids
+    for i, call in enumerate(calls):
+        prompt = call.prompt_ids
+        if covered and prompt[: len(covered)] == covered:
+            new = prompt[len(covered) :]
+            if new:
+                text = tok.decode(new, skip_special=False)
+                segments.append(Segment(role="observation", token_ids=new, text=text))
+                turns[-1].observation = text
+        else:
+            segments.append(
+                Segment(role="prompt", token_ids=prompt, text=tok.decode(prompt, skip_special=False))
+            )
+        segments.append(
+            Segment(
+                role="model",
+                token_ids=call.token_ids,
+                logprobs=call.logprobs,
+                policy_version=call.policy_version,
+                text=call.text,
+            )
+        )
+        covered = [*prompt, *call.token_ids]
+        turns.append(
+            TurnRecord(
+                turn=i,
+                action_text=call.text,
+                action={"tool_calls": call.reply.get("tool_calls") or [], "extends": call.extends},
+                policy_version=call.policy_version,
+            )
+        )
+    run = next((s for s in steps if s.kind == "sandbox"), None)
+    exec_result = ((run.result or {}).get("exec") or {}) if run is not None else {}
+    if turns:  # how the agent's run ended goes with its last call
+        turns[-1].exit_code = exec_result.get("exit_code")
+        turns[-1].kill_reason = exec_result.get("kill_reason")
+    reward_step = next((s for s in steps if s.kind == "reward"), None)
+    started = float((ep.timings or {}).get("started_at") or finished_at.timestamp())
+    timings = {
+        "total_s": round(finished_at.timestamp() - started, 6),
+        "sandbox_s": _seconds(run) or 0.0,
+        "scoring_s": round(finished_at.timestamp() - reward_step.created_at.timestamp(), 6)
+        if reward_step is not None and reward_step.created_at is not None
+        else 0.0,
+    }
+    return Trajectory(
+        job_id=ep.job_id,
+        episode_id=ep.id,
+        task_id=ep.task_id,
+        group_id=ep.group_id,
+        iteration=ep.iteration,
+        segments=segments,
+        turns=turns,
+        reward=reward.reward,
+        rewards={
+            "components": {k: v.model_dump(mode="json") for k, v in reward.components.items()},
+            "format_ok": not ep.format_errors,
+            "calls": len(calls),
+            "sequences": sum(1 for s in segments if s.role == "prompt"),
+        },
+        timings=timings,
     )

@@ -299,9 +299,11 @@ class Turns:
         *,
         final_text: str,
         files: dict[str, str] | None = None,
+        turns_used: int | None = None,
     ) -> Step:
         """Ask for the episode's reward; ``files``: the workspace it ended with, when no
-        session holds it (:func:`lone_write`)."""
+        session holds it (:func:`lone_write`); ``turns_used`` defaults to its turns (an
+        agent's run counts its model calls)."""
         format_ok = not ep.format_errors  # over every turn, this one included
         submission = env.submission(
             action if action.kind != "invalid" else None,
@@ -318,8 +320,9 @@ class Turns:
             task_id=ep.task_id,
             taskset_id=env.task.meta.get("task_set_id") or spec.tasks.taskset,
             submission=submission,
-            weights=dict(spec.rewards),
-            turns_used=ep.turn + 1,
+            weights=spec.reward_weights(),
+            settings=spec.reward_settings(),
+            turns_used=ep.turn + 1 if turns_used is None else turns_used,
             max_turns=env.max_turns,
             format_ok=format_ok,
         )

@@ -12,6 +12,11 @@ task-set file, and may ask for a supervised warm start of a freshly created poli
         generator: tasksets/make_offset_tasks.py:warm_start_examples
         examples: 16000
         steps: 1000
+      held_out: {fraction: 0.25, seed: 0}            # tasks never trained on, for the job's evaluation
+      before: [judge-sft.yaml]                       # jobs run first, to completion, in this run
+      # environment.kind agent: the agent's files, and the sandbox image it runs on
+      agent_dir: agent/                              # its files become environment.agent.files
+      image: ~/.cache/temper/images/agent-bookworm.tar.gz   # published in the run's own store
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from temper.jobspec import JobSpec, SpecError, parse_spec
+from temper.tasks.splits import HeldOut
 
 
 class WarmStart(BaseModel):
@@ -70,6 +76,22 @@ class LocalRun(BaseModel):
     build: Build | None = None
     seed: int = 0
     warm_start: WarmStart | None = None
+    held_out: HeldOut | None = Field(
+        None, description="split the task set at upload: {fraction, seed} or {field, values}"
+    )
+    before: list[Path] = Field(
+        default_factory=list,
+        description="spec files (each with its own local: block) of jobs run first, in this run, each to "
+        "completion: e.g. an sft job that trains a judge, which this spec then names as job:<handle>@latest",
+    )
+    agent_dir: Path | None = Field(
+        None, description="kind agent: a directory whose files become environment.agent.files"
+    )
+    image: Path | None = Field(
+        None,
+        description="a sandbox image file (temper images build-debian --output), published in the run's "
+        "store as environment.limits.image",
+    )
 
 
 def load(path: Path) -> tuple[JobSpec, LocalRun]:
@@ -92,6 +114,11 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
             [("local." + ".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
         ) from None
     local.taskset_file = (path.parent / local.taskset_file).resolve()
+    local.before = [(path.parent / p).resolve() for p in local.before]
+    if local.agent_dir is not None:
+        local.agent_dir = (path.parent / local.agent_dir).resolve()
+    if local.image is not None:
+        local.image = (path.parent / local.image.expanduser()).resolve()
     model = (doc.get("policy") or {}).get("model")
     if isinstance(model, str) and (path.parent / model / "config.json").is_file():
         doc["policy"]["model"] = str((path.parent / model).resolve())  # a model directory beside the spec
@@ -103,6 +130,16 @@ def load(path: Path) -> tuple[JobSpec, LocalRun]:
     if isinstance(init, str) and init.startswith("job:"):
         raise SpecError(
             [("policy.init", "temper run holds no other job to start from; submit the job to temper serve")]
+        )
+    evaluation = doc.get("evaluation")
+    if isinstance(evaluation, dict) and evaluation.get("taskset") is not None:
+        raise SpecError(
+            [
+                (
+                    "evaluation.taskset",
+                    "temper run holds one task set (local.taskset_file): evaluate a split of it",
+                )
+            ]
         )
     return parse_spec(doc), local
 

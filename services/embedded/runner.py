@@ -14,6 +14,7 @@ import shutil
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -23,18 +24,21 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from transformers import AutoModelForCausalLM
 
+from services.dispatcher.api.model_refs import reward_model_errors
 from services.dispatcher.api.repo import create_job, job_metrics
 from services.dispatcher.api.validation import check_template
-from services.embedded import localrun
+from services.dispatcher.evaluation import section_errors
+from services.embedded import agentrun, localrun
 from services.embedded.components import components, in_one_process
 from services.embedded.report import write_report
 from services.tracker.component import GROUP as TRACKER_GROUP
+from services.trainer.training import JobTrainer
 from temper.bus.inprocess import InProcessBus
-from temper.db import Database, Job, OutboxRow, Tenant
+from temper.db import Database, Job, OutboxRow, PolicyVersion, Tenant
 from temper.db.migrate import upgrade
-from temper.envs import Environment, make_environment
+from temper.envs import Environment, environment_options, make_environment
 from temper.events import Topics
-from temper.jobspec import JobSpec
+from temper.jobspec import AGENT_KIND, JobSpec, SpecError
 from temper.lifecycle import JOB_TERMINAL, JobState
 from temper.logs import get_logger, log_event
 from temper.policy import (
@@ -46,10 +50,19 @@ from temper.policy import (
     save_checkpoint,
 )
 from temper.runtime import Runtime, started
-from temper.settings import BusSettings, DatabaseSettings, LogSettings, Mode, Settings, StorageSettings
+from temper.settings import (
+    AgentSettings,
+    BusSettings,
+    DatabaseSettings,
+    LogSettings,
+    Mode,
+    Settings,
+    StorageSettings,
+)
 from temper.settings.inference import BackendKind, BackendSpec, InferenceSettings
 from temper.tasks.models import parse_tasks
 from temper.tasks.service import create_taskset
+from temper.tasks.splits import SplitError
 from temper.training.sft import turn_text, warm_start
 
 log = get_logger("temper.run")
@@ -65,19 +78,43 @@ class RunResult:
     summary: dict[str, Any]
 
 
-def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
+def embedded_settings(run_dir: Path, spec: JobSpec, *, agent_url: str | None = None) -> Settings:
     """One process: SQLite, the in-process bus, a local object store, logs to a file (the
     terminal shows progress), and the gateway serving the run's policy from an
-    in-process engine that batches a whole iteration's requests.
+    in-process engine that batches a whole iteration's requests. A full-weight job with an
+    ``evaluation`` gets a second engine: a version's full weights need an engine of their
+    own, so its evaluations run beside the training instead of after it.
 
     torch's threads are the process's: the engine's decoding and the trainer's steps run
     at once (the next batch is generated while the last one trains), each with half the
     cores (``TEMPER_TRAINER__THREADS`` sets it). With all of them each, two busy thread
-    pools on one machine's cores slow both down several times."""
+    pools on one machine's cores slow both down several times. ``agent_url``: where the
+    gateway's agent base URLs are served (``agentrun.serving_agents``)."""
     batch = spec.schedule.max_concurrent_episodes
-    backend = BackendSpec(
-        name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
-    )
+    backends = [
+        BackendSpec(
+            name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
+        )
+    ]
+    if spec.evaluation is not None and spec.algorithm.lora is None:
+        evaluation_batch = spec.evaluation.max_concurrent_episodes or batch
+        backends.append(
+            BackendSpec(
+                name="local-1",
+                kind=BackendKind.local,
+                model_dir=str(run_dir / POLICY_DIR),
+                max_batch=evaluation_batch,
+            )
+        )
+    # a judge with a model of its own gets an engine of its own, where the gateway loads it
+    # (the policy's full weights hold theirs)
+    judges = [
+        s for name, s in spec.reward_settings().items() if name == "judge" and s.get("model") != "policy"
+    ]
+    backends += [
+        BackendSpec(name=f"local-{len(backends) + i}", kind=BackendKind.local, max_batch=batch)
+        for i in range(len(judges))
+    ]
     settings = Settings(
         mode=Mode.embedded,
         service="temper-run",
@@ -90,10 +127,11 @@ def embedded_settings(run_dir: Path, spec: JobSpec) -> Settings:
         bus=BusSettings(partitions=max(6, batch)),
         inference=InferenceSettings(
             model_name=spec.policy.model,
-            backends=[backend],
+            backends=backends,
             max_inflight_per_backend=batch,
             checkpoint_cache_dir=str(run_dir / "checkpoints"),
         ),
+        agent=AgentSettings(url=agent_url),
     )
     threads = settings.trainer.threads or max(1, (os.cpu_count() or 2) // 2)
     settings = settings.model_copy(
@@ -138,26 +176,42 @@ async def run(
     run_dir.mkdir(parents=True, exist_ok=False)
     shutil.copy(spec_path, run_dir / "spec.yaml")
     out.write(f"temper run: {spec.name} -> {run_dir}\n")
-    settings = embedded_settings(run_dir, spec)
+    agent_url = agentrun.agent_url() if spec.environment.kind == AGENT_KIND else None
+    settings = embedded_settings(run_dir, spec, agent_url=agent_url)
     await asyncio.to_thread(upgrade, settings.db.url)
     runtime = Runtime(settings, service="temper-run")
     await runtime.start()
     progress = Progress(out)
     begun = time.perf_counter()
     try:
+        first = [localrun.load(path) for path in local.before]
+        for i, (before_spec, before_local) in enumerate(first):
+            before_spec = await _store_taskset(runtime, before_spec, before_local)
+            policy_dir = f"{before_spec.handle or f'before-{i}'}-v0"
+            first[i] = (await asyncio.to_thread(make_policy, before_spec, before_local, run_dir, progress,
+                                                policy_dir=policy_dir), before_local)  # fmt: skip
         spec = await _store_taskset(runtime, spec, local)
+        if local.agent_dir is not None or local.image is not None:
+            assert runtime.store is not None
+            files = agentrun.agent_files(local.agent_dir) if local.agent_dir is not None else None
+            image = await agentrun.publish_image(runtime.store, local.image) if local.image else None
+            spec = agentrun.with_agent(spec, files=files, image=image)
         spec = await asyncio.to_thread(make_policy, spec, local, run_dir, progress)
-        async with started(components(runtime)):
+        parts = components(runtime)
+        async with started(parts), agentrun.serving_agents(parts, agent_url) if agent_url else nullcontext():
             db, store = _db(runtime), runtime.store
             assert store is not None, "the embedded runtime has an object store"
-            async with db.session() as session:
-                tenant = await session.get(Tenant, TENANT)
-                assert tenant is not None, "_store_taskset created the tenant"
-                # the door's template check, as POST /v1/jobs makes it: refused before any episode
-                await check_template(session, spec=spec, store=store)
-                job = await create_job(session, tenant=tenant, spec=spec, store=store)
-                job_id = job.id
-            log_event(log, "job submitted", job_id=job_id)
+            before: list[dict[str, Any]] = []
+            for before_spec, _ in first:
+                before_id = await _submit(runtime, before_spec)
+                before_state = await _follow(runtime, before_id, progress)
+                async with db.session() as session:
+                    before.append(await _brief(session, before_id))
+                if before_state != JobState.completed:
+                    raise RuntimeError(
+                        f"job {before_id} ({before_spec.name}), run before this one, ended {before_state}"
+                    )
+            job_id = await _submit(runtime, spec)
             state = await _follow(runtime, job_id, progress)
             tracking = spec.tracking
             if (tracking.mlflow is not None or tracking.wandb is not None) and not await _tracked(runtime):
@@ -167,12 +221,13 @@ async def run(
             async with db.session() as session:
                 job = await _job(session, job_id)
                 summary = await write_report(
-                    session, store, job, run_dir, seconds=time.perf_counter() - begun
+                    session, store, job, run_dir, seconds=time.perf_counter() - begun, before=before
                 )
     finally:
         await runtime.stop()
     if summary.get("first_loss") is not None:
-        rewards = f"sft loss {summary['first_loss']:.4f} (first version) -> {summary['last_loss']:.4f} (last)"
+        algorithm = (spec.algorithm.name).value
+        rewards = f"{algorithm} loss {summary['first_loss']:.4f} (first version) -> {summary['last_loss']:.4f} (last)"
     elif summary["reward_curve"]:
         rewards = (
             f"mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
@@ -180,11 +235,22 @@ async def run(
         )
     else:
         rewards = "no episode was scored"
+    if summary.get("last_eval"):
+        first, last = summary["first_eval"], summary["last_eval"]
+        k = min(last["pass_at"], key=int)
+        rewards += (
+            f"; eval pass@{k} {_fraction(first['pass_at'].get(k))} (v{first['version']}) -> "
+            f"{_fraction(last['pass_at'].get(k))} (v{last['version']})"
+        )
     out.write(
         f"\n{state}: {rewards} in {summary['seconds']:.0f}s\nreport: {run_dir / 'report.html'}\n"
         f"console: temper serve --data-dir {run_dir}\n"
     )
     return RunResult(run_dir, job_id, state, summary)
+
+
+def _fraction(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 TRACKING_WAIT_S = 60.0
@@ -220,18 +286,71 @@ async def _job(session: AsyncSession, job_id: str) -> Job:
     return job
 
 
+async def _submit(runtime: Runtime, spec: JobSpec) -> str:
+    """Submit a job of the run through the door's checks that apply here: its chat template
+    renders what its episodes will, and the jobs it names (job:<job>@v<N> in a reward
+    component's model) are resolved to their versions."""
+    store = runtime.store
+    assert store is not None, "the embedded runtime has an object store"
+    async with _db(runtime).session() as session:
+        tenant = await session.get(Tenant, TENANT)
+        assert tenant is not None, "_store_taskset created the tenant"
+        errors = await reward_model_errors(session, spec=spec, tenant_id=TENANT, store=store)
+        if errors:
+            raise SpecError(errors)
+        # the door's template check, as POST /v1/jobs makes it: refused before any episode
+        await check_template(session, spec=spec, store=store)
+        job = await create_job(session, tenant=tenant, spec=spec, store=store)
+        job_id = job.id
+    log_event(log, "job submitted", job_id=job_id)
+    return job_id
+
+
+async def _brief(session: AsyncSession, job_id: str) -> dict[str, Any]:
+    """What the summary says of a job run before the main one."""
+    job = await _job(session, job_id)
+    versions = (await job_metrics(session, job=job)).training.versions
+    losses = [v.loss for v in versions if v.loss is not None]
+    return {
+        "job_id": job.id, "name": job.name, "handle": job.handle, "state": job.state,
+        "algorithm": (job.spec.get("algorithm") or {}).get("name"), "policy_version": job.policy_version,
+        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+    }  # fmt: skip
+
+
 async def _store_taskset(runtime: Runtime, spec: JobSpec, local: localrun.LocalRun) -> JobSpec:
+    """The task set (split as ``local.held_out`` says) in the run's database; the spec names it.
+    A split that holds out none or all of the tasks, or an ``evaluation`` with no tasks in its
+    split, is refused (:class:`SpecError`) before anything runs."""
     tasks = parse_tasks(local.taskset_file.read_bytes(), filename=local.taskset_file.name)
     async with _db(runtime).session() as session:
-        session.add(Tenant(id=TENANT, name="local run", max_concurrent_episodes=1024))
-        await session.flush()
-        taskset = await create_taskset(
-            session, runtime.store, TENANT, local.taskset_file.stem, tasks, source=str(local.taskset_file)
-        )
-    return spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
+        if await session.get(Tenant, TENANT) is None:  # jobs run before this one made it
+            session.add(Tenant(id=TENANT, name="local run", max_concurrent_episodes=1024))
+            await session.flush()
+        try:
+            taskset = await create_taskset(
+                session, runtime.store, TENANT, local.taskset_file.stem, tasks, source=str(local.taskset_file),
+                held_out=local.held_out,
+            )  # fmt: skip
+        except SplitError as exc:
+            raise SpecError([("local.held_out", str(exc))]) from None
+        spec = spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": taskset.id})})
+        pools = {b.pool for b in runtime.settings.inference.backends}
+        errors = await section_errors(session, spec, tenant_id=TENANT, pools=pools)
+    if errors:
+        raise SpecError([(f, m.replace("(temper tasksets upload --held-out 0.2, or held_out_fraction=0.2)",
+                                       "(local.held_out: {fraction: 0.2})")) for f, m in errors])  # fmt: skip
+    return spec
 
 
-def make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress: Progress) -> JobSpec:
+def make_policy(
+    spec: JobSpec,
+    local: localrun.LocalRun,
+    run_dir: Path,
+    progress: Progress,
+    *,
+    policy_dir: str = POLICY_DIR,
+) -> JobSpec:
     """Make the policy, warm it up if the run asks, and save it as version 0; the gateway,
     the trainer and the dispatcher (for its tokenizer) all start from that directory.
 
@@ -277,9 +396,9 @@ def make_policy(spec: JobSpec, local: localrun.LocalRun, run_dir: Path, progress
         )  # fmt: skip
         progress.done()
         log_event(log, "warm start finished", loss=stats.loss, seconds=stats.seconds, tokens=stats.tokens)
-    policy_dir = run_dir / POLICY_DIR
-    save_checkpoint(model, policy_dir, tokenizer=tok, metadata={"version": 0, "source": source})
-    policy = spec.policy.model_copy(update={"init": str(policy_dir)})
+    directory = run_dir / policy_dir
+    save_checkpoint(model, directory, tokenizer=tok, metadata={"version": 0, "source": source})
+    policy = spec.policy.model_copy(update={"init": str(directory)})
     return spec.model_copy(update={"policy": policy})
 
 
@@ -326,28 +445,49 @@ def _environment(spec: JobSpec, task: dict[str, Any]) -> Environment:
             "prompt": task["prompt"],
             "spec": {"files": task.get("files", {})},
         },
-        max_turns=spec.environment.max_turns,
-        action_format=spec.environment.action_format,
-        system_prompt=spec.environment.system_prompt,
-        tools=spec.environment.tools,
-        tool_role=spec.environment.tool_role,
-        **({"hide_files": spec.environment.hide_files} if spec.environment.hide_files else {}),
+        **environment_options(spec.environment),
     )
 
 
 async def _follow(runtime: Runtime, job_id: str, progress: Progress) -> str:
+    """Draw the job's progress until it ended and so did its evaluations: those of every
+    version it published that is due (``evaluation.every_versions``), including a version the
+    trainer publishes after the end (steps not yet checkpointed: it looks for ended jobs
+    every ``JobTrainer.CLOSE_CHECK_S``)."""
     from temper.cli.jobs import progress_lines
 
+    ended_at: float | None = None
     while True:
         async with _db(runtime).session() as session:
             job = await _job(session, job_id)
             metrics = (await job_metrics(session, job=job)).model_dump(mode="json")
             state = job.state
             name = job.name
-            algorithm = (job.spec.get("algorithm") or {}).get("name")
-        shown = {"id": job_id, "name": name, "algorithm": algorithm}
+            spec = JobSpec.model_validate(job.spec)
+            published = set(
+                (
+                    await session.execute(select(PolicyVersion.version).where(PolicyVersion.job_id == job_id))
+                ).scalars()
+            )
+        shown = {"id": job_id, "name": name, "algorithm": spec.algorithm.name.value}
         progress.show(progress_lines(shown, metrics, color=progress.tty))
         if JobState(state) in JOB_TERMINAL:
-            progress.done()
-            return state
+            ended_at = ended_at if ended_at is not None else time.monotonic()
+            settled = (
+                spec.algorithm.checkpoint_every == 1
+                or time.monotonic() - ended_at > JobTrainer.CLOSE_CHECK_S + 1
+            )
+            if settled and not _evaluations_pending(spec, published, metrics["evaluations"]):
+                progress.done()
+                return state
         await asyncio.sleep(1.0)
+
+
+def _evaluations_pending(spec: JobSpec, published: set[int], evaluations: list[dict[str, Any]]) -> bool:
+    """Is an evaluation of the job still to come or to end?"""
+    if spec.evaluation is None:
+        return False
+    every = spec.evaluation.every_versions
+    due = {v for v in published | {0} if v % every == 0}
+    made = {e["version"] for e in evaluations if e["periodic"]}
+    return bool(due - made) or any(JobState(e["state"]) not in JOB_TERMINAL for e in evaluations)

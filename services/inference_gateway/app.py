@@ -6,13 +6,20 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI
 
+from services.inference_gateway.agents import AgentProxy
 from services.inference_gateway.component import Gateway
 from services.inference_gateway.inference import Inference
-from services.inference_gateway.routes import GatewayApp, add_health_routes, add_proxy_routes
+from services.inference_gateway.routes import (
+    GatewayApp,
+    add_agent_routes,
+    add_health_routes,
+    add_proxy_routes,
+)
 from temper.runtime import Runtime, service_app
 from temper.settings import Settings
 
@@ -26,12 +33,14 @@ def create_app(settings: Settings, *, inference: Inference | None = None, **gate
     app.state.gateway = gateway
     app.state.inference = gateway.inference
     add_proxy_routes(app)
+    add_agent_routes(app)
     return app
 
 
-def proxy_app(inference: Inference) -> FastAPI:
+def proxy_app(inference: Inference, *, agents: AgentProxy | None = None) -> FastAPI:
     """The proxy alone around an :class:`Inference`, without bus or runtime (tests, tools). Its
-    ``/health`` is 503 when every backend is down and lists those that are."""
+    ``/health`` is 503 when every backend is down and lists those that are. With ``agents``,
+    it serves agent episodes' base URLs too."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -45,4 +54,7 @@ def proxy_app(inference: Inference) -> FastAPI:
     app.state.inference = inference
     add_health_routes(app)
     add_proxy_routes(app)
+    if agents is not None:
+        app.state.gateway = SimpleNamespace(agents=agents)
+        add_agent_routes(app)
     return app

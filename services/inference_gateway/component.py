@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from services.inference_gateway import handlers
+from services.inference_gateway.agents import AgentProxy
 from services.inference_gateway.flow import RequestFlow
 from services.inference_gateway.inference import Inference
 from services.inference_gateway.updates import PolicyUpdates
@@ -71,6 +72,9 @@ class Gateway:
         self.concurrency = concurrency or max(1, capacity)
         self.flow = RequestFlow(self.inference.has_capacity, interval_s=flow_interval_s)
         self.updates = PolicyUpdates(runtime, self.inference, retries=policy_retries)
+        # each agent episode's base URL (routes.add_agent_routes): the database the updates
+        # read (the runtime's, else the shared one) and the runtime's object store
+        self.agents = AgentProxy(self.inference, database=self.updates.database, store=lambda: runtime.store)
         self.requests: Consumer | None = None
         self.policy: Consumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -111,9 +115,9 @@ class Gateway:
             served=self.inference.table.snapshot(),
         )
 
-    async def _send(self, result: InferenceResult) -> None:
+    async def _send(self, result: InferenceResult, topic: str = Topics.INFERENCE_RESULTS) -> None:
         assert self.runtime.bus is not None
-        await self.runtime.bus.send_message(Topics.INFERENCE_RESULTS, result)
+        await self.runtime.bus.send_message(topic, result)
 
     async def stop(self) -> None:
         """Its consumers first, then its loops (before the backends close under them)."""

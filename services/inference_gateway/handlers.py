@@ -21,12 +21,13 @@ Handlers = dict[str, Callable[[Any], Awaitable[None]]]
 
 
 def request_topics(
-    inference: Inference, flow: RequestFlow, send: Callable[[InferenceResult], Awaitable[None]]
+    inference: Inference, flow: RequestFlow, send: Callable[[InferenceResult, str], Awaitable[None]]
 ) -> Handlers:
     """``inference.requests`` (group ``inference-gateway``, shared by all replicas): each
-    request is generated and answered with one result on ``inference.results``, keyed by
-    the episode and carrying the request's job, episode, turn and attempt plus the policy
-    version. A request that fails after the router's retry budget is answered with
+    request is generated and answered with one result on the topic it names (``reply_to``:
+    ``inference.results`` for the dispatcher's episodes, ``judge.results`` for a reward
+    scorer's judge), keyed by the episode and carrying the request's job, episode, turn and
+    attempt plus the policy version. A request that fails after the router's retry budget is answered with
     ``error`` set, never dropped. The offset is committed only after the result was sent,
     so a crash redelivers the request and it is generated again (generation is
     stateless); the second result has the same key and envelope and the dispatcher keeps
@@ -42,7 +43,7 @@ def request_topics(
             if not work.done():
                 work.cancel()
             flow.changed.set()
-        await send(result)
+        await send(result, message.reply_to)
         if result.error is None:
             inference.answered += 1
         else:

@@ -6,6 +6,9 @@ A call with an ``X-Temper-Episode`` header is attributed to that episode: its to
 trace is recorded, its routing is sticky, and (chat) its conversation is extended
 token-wise across turns. ``GET /v1/traces/{episode}`` reads the trace back. The routes read
 the :class:`Inference` from ``app.state.inference``.
+
+``/agent/<episode>/v1/...`` is each agent episode's own base URL (``add_agent_routes``,
+``agents.py``): calls with the episode's key, recorded durably before they are answered.
 """
 
 from __future__ import annotations
@@ -19,22 +22,32 @@ from typing import Annotated, Any
 import pydantic_core
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from services.inference_gateway.agents import AgentProxy, KeyRefused, OverBudget, Unavailable
 from services.inference_gateway.backends import GenerateRequest
+from services.inference_gateway.chat import (
+    BadRequest,
+    ChatAnswer,
+    completion,
+    read_tool_calls,
+    refused_fields,
+    stream,
+)
 from services.inference_gateway.cpu_server.runner import GenOutput
 from services.inference_gateway.cpu_server.schemas import VERSION_HEADER, CompletionBody, completion_response
 from services.inference_gateway.inference import Inference
 from services.inference_gateway.router import RequestFailed
 from services.inference_gateway.schemas import ChatBody, ReloadBody
-from services.inference_gateway.tool_calls import parse_tool_calls
 from services.inference_gateway.traces import TraceEntry
 from services.inference_gateway.weights import Waiting
-from temper import metrics
+from temper import metrics, problems
+from temper.agent_traces import Credential
+from temper.bus.errors import unavailable_dependency
 from temper.events import PolicyUpdate, SamplingParams
-from temper.policy import assistant_stop_ids
+from temper.policy import ChatTokenizer, assistant_stop_ids
 
 EPISODE_HEADER = "X-Temper-Episode"
 
@@ -81,6 +94,17 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 def _error(status: int, detail: str) -> Response:
     return _json({"detail": detail}, status)
+
+
+def _chat_response(
+    answer: ChatAnswer, tok: ChatTokenizer, body: ChatBody, headers: dict[str, str]
+) -> Response:
+    """The answer whole, or as server-sent events when the call asked for ``stream``."""
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        chunks = stream(answer, tok, logprobs=body.logprobs, include_usage=include_usage)
+        return StreamingResponse(iter(list(chunks)), media_type="text/event-stream", headers=headers)
+    return _json(completion(answer, tok, logprobs=body.logprobs), 200, headers)
 
 
 async def get_inference(request: Request) -> Inference:
@@ -222,9 +246,10 @@ def add_proxy_routes(app: FastAPI) -> None:
         app.fast_routes = {"/v1/completions": completions}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, svc: InferenceDep, episode: EpisodeHeader = None) -> JSONResponse:
-        if body.stream:
-            raise HTTPException(400, "stream=true is not supported by the gateway")
+    async def chat(body: ChatBody, svc: InferenceDep, episode: EpisodeHeader = None) -> Response:
+        refused = refused_fields(body)
+        if refused:
+            raise HTTPException(400, refused)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             prompt_ids = svc.sessions.prompt_ids(episode, messages, tools=body.tools)
@@ -241,10 +266,16 @@ def add_proxy_routes(app: FastAPI) -> None:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         res = await _run(svc, GenerateRequest(prompt_ids, sampling, episode_id=episode, request_id=rid))
         content, tool_calls = res.text, list[dict[str, Any]]()
-        if body.tools:
-            content, tool_calls = parse_tool_calls(res.text, body.tool_parser or svc.settings.tool_parser)
+        if body.tools and body.tool_choice != "none":
+            parser = str(body.tool_parser or svc.settings.tool_parser)
+            content, tool_calls = read_tool_calls(
+                svc.tokenizer, res, parser, parallel=body.parallel_tool_calls is not False, tools=body.tools
+            )
+        answer = ChatAnswer(rid, body.model or svc.settings.model_name, res, content, tool_calls)
         if episode:
-            svc.sessions.remember(episode, messages, res.prompt_ids, res.text, res.token_ids)
+            svc.sessions.remember(
+                episode, messages, res.prompt_ids, answer.message(), res.token_ids, body.tools
+            )
             await svc.traces.record(
                 TraceEntry(
                     episode_id=episode,
@@ -259,59 +290,7 @@ def add_proxy_routes(app: FastAPI) -> None:
                     messages=messages,
                 )
             )
-        tok = svc.tokenizer
-        content_lp = None
-        if body.logprobs:
-            content_lp = {
-                "content": [
-                    {
-                        "token": f"token_id:{t}",
-                        "logprob": lp,
-                        "bytes": list(tok.token_str(t).encode()),
-                        "top_logprobs": [],
-                    }
-                    for t, lp in zip(res.token_ids, res.logprobs, strict=True)
-                ]
-            }
-        n_prompt, n_out = len(res.prompt_ids), len(res.token_ids)
-        data = {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.model or svc.settings.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": content,
-                        "refusal": None,
-                        "annotations": None,
-                        "audio": None,
-                        "function_call": None,
-                        "tool_calls": tool_calls,
-                        "reasoning_content": None,
-                    },
-                    "logprobs": content_lp,
-                    "finish_reason": "tool_calls" if tool_calls else res.finish_reason,
-                    "stop_reason": res.stop_reason,
-                    "token_ids": res.token_ids,
-                }
-            ],
-            "service_tier": None,
-            "system_fingerprint": None,
-            "usage": {
-                "prompt_tokens": n_prompt,
-                "total_tokens": n_prompt + n_out,
-                "completion_tokens": n_out,
-                "prompt_tokens_details": None,
-            },
-            "prompt_logprobs": None,
-            "prompt_token_ids": res.prompt_ids,
-            "kv_transfer_params": None,
-            "policy_version": res.policy_version,
-        }
-        return JSONResponse(data, headers={VERSION_HEADER: str(res.policy_version)})
+        return _chat_response(answer, svc.tokenizer, body, {VERSION_HEADER: str(res.policy_version)})
 
     @app.get("/v1/traces/{episode_id}")
     async def traces(episode_id: str, svc: InferenceDep) -> dict[str, Any]:
@@ -339,3 +318,81 @@ def add_proxy_routes(app: FastAPI) -> None:
             "policy_version": svc.confirmed(body.job_id),
             "switch_ms": {k: v * 1000 for k, v in times.items()},
         }
+
+
+def _openai_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    """An error as OpenAI's API writes one (clients show ``error.message``), with ``detail``
+    as the gateway's other routes have it."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
+    body = {
+        "error": {"message": message, "type": kind.get(status, "api_error"), "param": None, "code": status},
+        "detail": message,
+    }
+    return _json(body, status, headers)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.response = _openai_error(status, message, headers)
+
+
+def add_agent_routes(app: FastAPI) -> None:
+    """Each agent episode's own OpenAI-compatible base URL, ``/agent/<episode>/v1``
+    (``agents.py``; docs/agents.md): chat completions (with tools, ``stream``) and the model
+    list, each call taken only with the episode's key. Errors come in OpenAI's shape."""
+
+    async def authorized(request: Request, episode_id: str) -> tuple[AgentProxy, Credential]:
+        agents = getattr(getattr(request.app.state, "gateway", None), "agents", None)
+        if agents is None:
+            raise _Refused(503, "this gateway serves no agent episodes (it runs without a runtime)")
+        try:
+            return agents, await agents.authorize(episode_id, request.headers.get("authorization"))
+        except KeyRefused as exc:
+            raise _Refused(exc.status, exc.reason) from exc
+        except Unavailable as exc:
+            raise _Refused(503, str(exc)) from exc
+
+    async def answer(request: Request, episode_id: str) -> Response:
+        agents, cred = await authorized(request, episode_id)
+        try:
+            body = ChatBody.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise _Refused(400, problems.message(exc.errors()[0])) from exc
+        try:
+            answer, job, sampling = await agents.chat(cred, body)
+        except BadRequest as exc:
+            raise _Refused(400, str(exc)) from exc
+        except OverBudget as exc:  # a retry cannot help: the client is told not to
+            raise _Refused(429, str(exc), {"x-should-retry": "false"}) from exc
+        except RequestFailed as exc:
+            raise _Refused(502, f"generation failed: {exc.reason}") from exc
+        except Exception as exc:
+            outage = unavailable_dependency(exc)
+            if outage is None:
+                raise
+            raise _Refused(503, f"the call was not answered: the {outage} is unavailable") from exc
+        headers = {
+            VERSION_HEADER: str(answer.result.policy_version),
+            "X-Temper-Sampling": (
+                f"temperature={sampling.temperature}; top_p={sampling.top_p}; max_tokens={sampling.max_tokens}"
+            ),
+        }
+        return _chat_response(answer, job.tokenizer, body, headers)
+
+    @app.post("/agent/{episode_id}/v1/chat/completions")
+    async def agent_chat(episode_id: str, request: Request) -> Response:
+        try:
+            return await answer(request, episode_id)
+        except _Refused as exc:
+            return exc.response
+
+    @app.get("/agent/{episode_id}/v1/models")
+    async def agent_models(episode_id: str, request: Request) -> Response:
+        try:
+            agents, cred = await authorized(request, episode_id)
+        except _Refused as exc:
+            return exc.response
+        name = (await agents.job(cred.job_id)).name
+        model = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "temper"}
+        return _json({"object": "list", "data": [model]})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from temper.settings.inference import ToolParser
 
@@ -17,6 +17,21 @@ class ChatMessage(BaseModel):
     content: str | None = ""
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        """OpenAI's content parts (``[{"type": "text", "text": ...}]``) as their text; a
+        part of another type (an image) is refused by name."""
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part of type {kind!r}: the gateway takes text parts only")
+            texts.append(part["text"])
+        return "".join(texts)
 
 
 class ChatBody(BaseModel):
@@ -34,8 +49,18 @@ class ChatBody(BaseModel):
     tools: list[dict[str, Any]] | None = Field(
         None, description="OpenAI function schemas, passed to the chat template"
     )
-    tool_choice: str | dict[str, Any] | None = None  # accepted; the model decides ("auto")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="auto or none (the model decides; no call can be forced)"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: only the reply's first call")
     tool_parser: ToolParser | None = Field(None, description="overrides the gateway's tool_parser setting")
+    stream_options: dict[str, Any] | None = Field(None, description="include_usage: a last chunk with usage")
+    n: int = Field(1, ge=1, description="1 only")
+    presence_penalty: float | None = Field(None, description="0 or unset only")
+    frequency_penalty: float | None = Field(None, description="0 or unset only")
+    logit_bias: dict[str, float] | None = Field(None, description="empty or unset only")
+    top_logprobs: int | None = Field(None, ge=0, description="0 or unset only")
+    response_format: dict[str, Any] | None = Field(None, description="text only")
 
 
 class ReloadBody(BaseModel):

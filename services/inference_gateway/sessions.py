@@ -5,29 +5,39 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from temper.policy import ChatTokenizer, encode_chat, extend_chat
 
 
+@dataclass
+class _Session:
+    seen: list[dict[str, Any]]  # the messages the ids stand for, normalised
+    ids: list[int]  # the last prompt and the ids sampled after it
+    tools: list[dict[str, Any]] | None
+
+
 class ChatSessions:
     """Per-episode conversation state, so each turn extends the previous ids token-wise.
 
-    A session remembers the messages it has seen (including the assistant replies it
-    produced) and the exact ids behind them. When the next call's messages start with
-    those, only the new messages are encoded and appended; otherwise the conversation is
-    encoded afresh (and the session restarts).
+    A session remembers the messages it has seen (including the assistant reply it
+    answered, as the client sends it back: its content and its ``tool_calls``), the tools
+    they were rendered with, and the exact ids behind them. When the next call's messages
+    start with those and its tools are the same, only the new messages are encoded and
+    appended to the ids; otherwise the conversation is encoded afresh (and the session
+    restarts). The ids the model sampled are never re-tokenised on the extending path.
     """
 
     def __init__(self, tokenizer: ChatTokenizer, max_sessions: int = 10_000) -> None:
         self.tok = tokenizer
         self.max_sessions = max_sessions
-        self._s: OrderedDict[str, tuple[list[dict[str, Any]], list[int]]] = OrderedDict()
+        self._s: OrderedDict[str, _Session] = OrderedDict()
         self.extended = 0
         self.encoded = 0
 
     @staticmethod
-    def _norm(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def normalise(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Role, content, (assistant) tool calls with their ids and their arguments as
         objects, the form chat templates render (OpenAI clients send arguments as JSON
         strings), and a tool message's ``tool_call_id`` and ``name`` (Mistral's templates
@@ -57,35 +67,45 @@ class ChatSessions:
             out.append(msg)
         return out
 
+    def has(self, key: str) -> bool:
+        return key in self._s
+
+    def prompt(
+        self, key: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[list[int], bool]:
+        """The prompt ids of ``messages`` and whether they extend the session ``key``'s ids
+        token for token (else the conversation was encoded afresh)."""
+        msgs = self.normalise(messages)
+        session = self._s.get(key) if key else None
+        if session is not None and session.tools == (tools or None):
+            seen = session.seen
+            if len(msgs) > len(seen) and msgs[: len(seen)] == seen:
+                self.extended += 1
+                return extend_chat(self.tok, session.ids, msgs[len(seen) :], tools=tools), True
+        self.encoded += 1
+        return encode_chat(self.tok, msgs, tools=tools), False
+
     def prompt_ids(
         self,
         episode_id: str | None,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        msgs = self._norm(messages)
-        if episode_id and episode_id in self._s:
-            seen, ids = self._s[episode_id]
-            if len(msgs) > len(seen) and msgs[: len(seen)] == seen:
-                self.extended += 1
-                return extend_chat(self.tok, ids, msgs[len(seen) :], tools=tools)
-        self.encoded += 1
-        return encode_chat(self.tok, msgs, tools=tools)
+        return self.prompt(episode_id, messages, tools)[0]
 
     def remember(
         self,
-        episode_id: str,
+        key: str,
         messages: list[dict[str, Any]],
         prompt_ids: list[int],
-        reply_text: str,
+        reply: dict[str, Any],
         reply_ids: list[int],
-        tool_calls: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
-        reply: dict[str, Any] = {"role": "assistant", "content": reply_text}
-        if tool_calls:
-            reply["tool_calls"] = tool_calls
-        seen = [*self._norm(messages), *self._norm([reply])]
-        self._s[episode_id] = (seen, [*prompt_ids, *reply_ids])
-        self._s.move_to_end(episode_id)
+        """After a call: ``messages`` and the assistant ``reply`` answered to them (as the
+        client will send it back) stand for ``prompt_ids`` and the sampled ``reply_ids``."""
+        seen = [*self.normalise(messages), *self.normalise([reply])]
+        self._s[key] = _Session(seen, [*prompt_ids, *reply_ids], tools or None)
+        self._s.move_to_end(key)
         while len(self._s) > self.max_sessions:
             self._s.popitem(last=False)

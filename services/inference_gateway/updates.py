@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy import update as sql_update
@@ -35,6 +36,7 @@ from services.inference_gateway.weights import Waiting
 from temper.clock import utcnow
 from temper.db import Database, InferenceBackend, Job, PolicyVersion
 from temper.events import PolicyUpdate
+from temper.jobspec import OFFLINE_DATA
 from temper.lifecycle import JOB_TERMINAL
 from temper.logs import log_event
 from temper.policy.placement import backend_info
@@ -43,6 +45,7 @@ from temper.settings import Mode
 
 log = logging.getLogger("services.inference_gateway")
 
+OFFLINE_NAMES = {a.value for a in OFFLINE_DATA}
 ENDED_KEPT = 10_000  # ended jobs remembered, so that their late updates are not loaded
 BLOCKED_CHECK_S = 0.25  # a request that finds no backend asks the database at most this often
 
@@ -142,6 +145,8 @@ class PolicyUpdates:
                 for job in (
                     await s.execute(select(Job).where(Job.state.not_in(list(JOB_TERMINAL))))
                 ).scalars()
+                # a job without episodes (sft, dpo, reward_model) is served nothing
+                if ((job.spec or {}).get("algorithm") or {}).get("name") not in OFFLINE_NAMES
             }
             rows = (
                 await s.execute(
@@ -152,36 +157,27 @@ class PolicyUpdates:
             ).scalars()
             newest = {row.job_id: row for row in rows}  # the last row of a job is its newest
         for job in jobs.values():
-            self._note_model(job)
+            model = model_of(job.spec)
+            if model is not None:
+                self.inference.jobs.setdefault(job.id, model)
         ordered = sorted(newest.values(), key=lambda r: (r.created_at, r.version))
         return [
             PolicyUpdate(job_id=r.job_id, version=r.version, checkpoint_key=r.checkpoint_key, step=r.step)
             for r in ordered
         ]
 
-    def _note_model(self, job: Job) -> None:
-        """Route ``job`` by the model its spec starts from (unless its requests said already)."""
-        policy = (job.spec or {}).get("policy") or {}
-        if policy.get("model"):
-            self.inference.jobs.setdefault(
-                job.id,
-                JobModel(
-                    base=policy.get("init") or policy["model"], pool=policy.get("backend_pool", "default")
-                ),
-            )
-
-    async def know_model(self, job_id: str) -> None:
-        """Before a version of ``job_id`` is loaded: the job's model, from the database when
-        neither its requests nor the start-up read gave it. An update the policy group
-        redelivers to a restarted gateway can come before both; without the model, a LoRA
-        version would go on backends serving another base."""
+    async def know_job(self, job: str) -> None:
+        """Note ``job``'s model and pool from its spec in the database when no request of it has
+        told them yet: an evaluation job's version comes before its first request, and its
+        weights must go where its model and pool are served."""
         db = self.database()
-        if not job_id or job_id in self.inference.jobs or db is None:
+        if not job or job in self.inference.jobs or db is None:
             return
         async with db.session() as s:
-            job = await s.get(Job, job_id)
-        if job is not None:
-            self._note_model(job)
+            spec = await s.scalar(select(Job.spec).where(Job.id == job))
+        model = model_of(spec)
+        if model is not None:
+            self.inference.jobs.setdefault(job, model)
 
     async def ended_jobs(self) -> set[str]:
         """Of the jobs something is loaded or wanted for, those the database says ended (a
@@ -284,7 +280,7 @@ class PolicyUpdates:
         job = update.job_id or ""
         for attempt in range(1, self.retries + 1):
             try:
-                await self.know_model(job)
+                await self.know_job(job)
                 times = await self.inference.apply_update(update)
             except asyncio.CancelledError:
                 raise
@@ -341,3 +337,11 @@ class PolicyUpdates:
                 log_event(log, "a job's backends are behind its version; loading it", jobs=behind)
             if behind or self.waiting:
                 self._ready.set()
+
+
+def model_of(spec: dict[str, Any] | None) -> JobModel | None:
+    """What a stored job spec is served with: the model it starts from and its pool."""
+    policy = (spec or {}).get("policy") or {}
+    if not policy.get("model"):
+        return None
+    return JobModel(base=policy.get("init") or policy["model"], pool=policy.get("backend_pool", "default"))

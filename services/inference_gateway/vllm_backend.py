@@ -151,13 +151,14 @@ class VLLMBackend(Backend):
                     f"{self.name}: reload_mode=lora needs a LoRA version from the registry; {path} is not one "
                     "(train with algorithm.lora, or set TEMPER_INFERENCE__VLLM_RELOAD_MODE=full)",
                 )
-            await self._load_adapter(manifest.job_id, version, Path(path))
+            # the job it is loaded for: an evaluation job serves another job's version as its own
+            await self._load_adapter(job_id or manifest.job_id, version, Path(path))
         else:
             if manifest is not None and manifest.kind != "full":
                 raise BackendError(
                     ErrorKind.client, f"{self.name}: reload_mode=full cannot load a LoRA version"
                 )
-            job = manifest.job_id if manifest is not None else (job_id or "")
+            job = job_id or (manifest.job_id if manifest is not None else "")
             if self.owner is not None and self.owner[0] != job:
                 raise BackendError(
                     ErrorKind.not_served, f"{self.name}: holds job {self.owner[0]!r}'s full weights"

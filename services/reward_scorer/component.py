@@ -1,14 +1,18 @@
 """The reward scorer as a component on the shared :class:`temper.runtime.Runtime`: its own
 sandbox manager (fresh sandboxes for scoring, never an agent's), the
 :class:`services.reward_scorer.scoring.SubmissionScorer` on it, and the ``reward.requests``
-consumer. ``stop()`` stops the consumer before the sandboxes go, so no score is cut off
-half-way by its own shutdown."""
+consumer, and the ``judge.results`` consumer of its judges (:mod:`services.reward_scorer.judging`).
+``stop()`` stops the consumers before the sandboxes go, so no score is cut off half-way by
+its own shutdown."""
 
 from __future__ import annotations
 
 from services.reward_scorer import handlers
+from services.reward_scorer.judging import JudgeClient
 from services.reward_scorer.scoring import SubmissionScorer
 from temper.bus import Consumer
+from temper.events import Topics
+from temper.rewards.graders import Graders
 from temper.rewards.runner import scoring_sandbox_settings
 from temper.runtime import Runtime
 from temper.sandbox import SandboxManager
@@ -36,6 +40,8 @@ class RewardScorer:
         self._own_manager = manager is None
         self._scoring: SubmissionScorer | None = None
         self.consumer: Consumer | None = None
+        self.judge_consumer: Consumer | None = None
+        self.judges: JudgeClient | None = None
 
     @property
     def scoring(self) -> SubmissionScorer:
@@ -55,16 +61,33 @@ class RewardScorer:
                 store=rt.store,  # task images are pulled from it
             )
             await self.manager.start()
-        self._scoring = SubmissionScorer(rt.db, rt.store, self.manager, concurrency=self.concurrency)
+        settings = rt.settings.reward_scorer
+        self.judges = JudgeClient(rt.bus)
+        graders = Graders(
+            store=rt.store,
+            device=settings.model_device.value,
+            cache_dir=settings.model_cache_dir,
+            max_batch=settings.model_batch,
+            ask=self.judges.ask,
+        )
+        self._scoring = SubmissionScorer(
+            rt.db, rt.store, self.manager, concurrency=self.concurrency, graders=graders
+        )
         rt.checks["sandbox"] = self._check_sandbox
+        # the gateway's answers to this replica's judges: a group of its own, from the topic's end
+        await rt.bus.start_group_at_end(self.judges.group, [Topics.JUDGE_RESULTS])
+        self.judge_consumer = await rt.consume_handlers(
+            handlers.judge_topics(self.judges), group=self.judges.group
+        )
         self.consumer = await rt.consume_handlers(
             handlers.topics(self._scoring, rt.bus), group=self.group, concurrency=self.concurrency
         )
 
     async def stop(self) -> None:
-        if self.consumer is not None:
-            await self.consumer.stop()
-            self.consumer = None
+        for consumer in (self.consumer, self.judge_consumer):
+            if consumer is not None:
+                await consumer.stop()
+        self.consumer = self.judge_consumer = None
         if self.manager is not None and self._own_manager:
             await self.manager.close()
 

@@ -12,6 +12,7 @@ the episode solved its task is recorded by the dispatcher when it takes the resu
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import tarfile
@@ -19,13 +20,19 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from sqlalchemy import select
+
 from temper import faults, metrics
-from temper.db import Database
+from temper.db import Database, Episode, Job
 from temper.envpkg import grader as envpkg_grader
+from temper.episode_steps import read_steps
 from temper.events import RewardRequest, RewardResult
 from temper.logs import log_event
-from temper.rewards import Scorer, ScoringError
+from temper.rewards import Scorer, ScoringError, Skip
+from temper.rewards import transcript as transcripts
+from temper.rewards.graders import Graders
 from temper.rewards.models import load_submission
+from temper.rewards.transcript import Transcript
 from temper.sandbox import SandboxManager
 from temper.storage import NotFound, ObjectStore
 from temper.storage.base import check_key
@@ -67,15 +74,17 @@ class SubmissionScorer:
         *,
         concurrency: int,
         task_cache: int = 2048,
+        graders: Graders | None = None,
     ) -> None:
         init_metrics()
         self.db = db
         self._store = store
         self.manager = manager
-        self.scorer = Scorer(manager)
+        self.scorer = Scorer(manager, graders=graders or Graders(store=store))
         self._gate = asyncio.Semaphore(concurrency)
         self._inflight: dict[str, asyncio.Lock] = {}
         self._tasks: OrderedDict[str, TaskSpec] = OrderedDict()
+        self._policies: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._task_cache = task_cache
         self.scored = 0
         self.duplicates = 0
@@ -94,6 +103,31 @@ class SubmissionScorer:
         while len(self._tasks) > self._task_cache:
             self._tasks.popitem(last=False)
         return spec
+
+    async def policy_of(self, job_id: str | None) -> dict[str, Any] | None:
+        """The job spec's ``policy`` block (a judge with ``model: policy`` asks that model), kept per job."""
+        if not job_id:
+            return None
+        if job_id not in self._policies:
+            async with self.db.session() as session:
+                spec = await session.scalar(select(Job.spec).where(Job.id == job_id))
+            self._policies[job_id] = dict((spec or {}).get("policy") or {})
+            while len(self._policies) > self._task_cache:
+                self._policies.popitem(last=False)
+        return self._policies[job_id]
+
+    async def transcript(self, request: RewardRequest, task: TaskSpec) -> Transcript:
+        """The episode's conversation, from its steps (read only when a component asks)."""
+        if not request.episode_id:
+            raise Skip("the request names no episode to read a transcript from")
+        async with self.db.session() as session:
+            episode = await session.get(Episode, request.episode_id)
+            if episode is None:
+                raise Skip(f"no episode {request.episode_id} to read a transcript from")
+            job_spec = await session.scalar(select(Job.spec).where(Job.id == episode.job_id))
+            steps = await read_steps(session, self.store, episode)
+        tool_role = ((job_spec or {}).get("environment") or {}).get("tool_role") or "tool"
+        return transcripts.from_steps(task.prompt, steps, tool_role=tool_role)
 
     async def result_for(self, request: RewardRequest) -> RewardResult:
         """The result of ``request``: the stored one for a redelivery, else a new score,
@@ -145,7 +179,9 @@ class SubmissionScorer:
                 submission = await load_submission(request.submission, self.store)
                 reward, components = await self.scorer.score(
                     task, submission, request.weights or None, turns_used=request.turns_used,
-                    max_turns=request.max_turns, format_ok=request.format_ok,
+                    max_turns=request.max_turns, format_ok=request.format_ok, settings=request.settings,
+                    transcript=functools.partial(self.transcript, request, task), job_id=request.job_id,
+                    policy=await self.policy_of(request.job_id),
                 )  # fmt: skip
         except ScoringError as exc:
             metrics.REWARDS_SCORED.labels(status="error").inc()

@@ -21,6 +21,18 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK = "sandbox_worker"  # the component's entry in runtime.checks (and /health)
 
 
+def with_gateway(sandbox: SandboxSettings, agent_url: str | None) -> SandboxSettings:
+    """``sandbox`` whose allowlist proxy may reach the gateway agents call
+    (``TEMPER_AGENT__URL``) even where it resolves to a private address: an agent's sandbox
+    lists it (``temper.envs.agent``); nothing else private is let through."""
+    if agent_url is None:
+        return sandbox
+    target = agent_url.removeprefix("http://")
+    if target in sandbox.egress_private_targets:
+        return sandbox
+    return sandbox.model_copy(update={"egress_private_targets": [*sandbox.egress_private_targets, target]})
+
+
 class SandboxWorkerComponent:
     """The sandbox worker component: ``sandbox.requests`` in, ``sandbox.results`` out.
 
@@ -43,7 +55,7 @@ class SandboxWorkerComponent:
     ) -> None:
         self.runtime = runtime
         s = runtime.settings
-        sandbox = sandbox or s.sandbox
+        sandbox = with_gateway(sandbox or s.sandbox, s.agent.url)
         self.worker = SandboxWorker(sandbox, distributed=s.mode is Mode.distributed, worker_id=worker_id)
         self.group = group or sandbox.group
         self.consumer: Any = None

@@ -54,9 +54,10 @@ class TrainingJob:
     next_publish_at: float = 0.0
     mismatch_reason: str | None = None  # the canary's reason on the job, while it holds
     closed_checked_at: float = 0.0  # monotonic time the incomplete groups were last looked up
-    # an sft job's data (services.trainer.supervised): each conversation's ids and trained mask
-    conversations: list[tuple[list[int], list[bool]]] | None = None
-    sft_error: str | None = None  # why this sft job cannot train (shown as its stuck reason)
+    # the data of a job without episodes (services.trainer.supervised.encode_tasks): sft, each
+    # conversation's ids and trained mask; dpo and reward_model, pairs of those
+    conversations: list[Any] | None = None
+    sft_error: str | None = None  # why such a job cannot train (shown as its stuck reason)
 
     def holds(self, episode_id: str) -> bool:
         return any(b.episode_id == episode_id for g in (*self.groups.values(), *self.ready) for b in g)

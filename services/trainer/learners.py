@@ -26,7 +26,7 @@ from temper.policy import (
 )
 from temper.settings.trainer import TrainerSettings
 from temper.storage import ObjectStore
-from temper.training import Learner, LearnerConfig
+from temper.training import Learner, LearnerConfig, reward_model
 from temper.training.distributed import DCP_DIR, agree, shard
 from temper.training.lora import SharedBase
 
@@ -128,6 +128,8 @@ async def build_learner(
             bases[name] = shared  # once it holds an adapter
         else:
             model = await initial_model(spec, settings, store, model_factory)
+            if config.reward_model:  # the initial policy's body under a score head
+                model = await asyncio.to_thread(reward_model.from_causal_lm, model)
             learner = await asyncio.to_thread(Learner, model, config, device=device)
         has_state = (
             sharded and key is not None and registry.is_manifest_key(key) and await _has_state(store, key)

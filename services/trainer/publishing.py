@@ -1,7 +1,8 @@
 """Publishing a job's trained steps as its next policy version: the files first (the
 registry's layout, every rank's shard under torchrun), then one transaction with the
 ``policy_versions`` row, the ledger's steps, the job's ``policy_version`` and the
-``policy.updates`` and ``policy.version`` messages through the outbox. A publish that
+``policy.updates`` (not for jobs without episodes, which nothing serves) and
+``policy.version`` messages through the outbox. A publish that
 fails (object store or database down) is retried by the trainer's loop with backoff;
 meanwhile the job says why (``stuck: ...``) and ``/health`` answers 503."""
 
@@ -71,11 +72,12 @@ async def publish(
             .where(Job.id == job.job_id, Job.policy_version < version)
             .values(policy_version=version)
         )
-        enqueue(
-            s,
-            Topics.POLICY_UPDATES,
-            PolicyUpdate(job_id=job.job_id, version=version, checkpoint_key=key, step=learner.step_count),
-        )
+        if not job.spec.is_offline:  # a job without episodes (sft, dpo, reward_model) is served nothing
+            enqueue(
+                s,
+                Topics.POLICY_UPDATES,
+                PolicyUpdate(job_id=job.job_id, version=version, checkpoint_key=key, step=learner.step_count),
+            )
         enqueue(
             s,
             Topics.EVENTS,

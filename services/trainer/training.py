@@ -406,7 +406,7 @@ class JobTrainer:
                 try:
                     job.conversations = await self._sft_data(job.spec)
                 except Exception as exc:  # noqa: BLE001 - the job says why; the trainer goes on
-                    job.sft_error = f"sft data: {exc}"[:500]
+                    job.sft_error = f"{job.spec.algorithm.name} data: {exc}"[:500]
                     await publishing.set_stuck_reason(self.db, job_id, job.sft_error)
                     log_event(log, "sft job cannot train", logging.ERROR, error=job.sft_error)
                     return False
@@ -415,11 +415,12 @@ class JobTrainer:
             if job.learner.step_count >= total:
                 return False
             batch = [job.conversations[i] for i in job.spec.sft_batch(n, job.learner.step_count)]
-            stats = await asyncio.to_thread(job.learner.step_conversations, batch)
+            stats = await asyncio.to_thread(supervised.step_of(job.spec, job.learner), batch)
             job.seconds_since_checkpoint += stats.seconds
             if not stats.updated:  # a non-finite gradient: the same batch would come again
                 job.sft_error = (
-                    f"sft step {stats.step + 1}: the gradient is not finite (grad norm {stats.grad_norm})"
+                    f"{job.spec.algorithm.name} step {stats.step + 1}: the gradient is not finite "
+                    f"(grad norm {stats.grad_norm})"
                 )
                 await publishing.set_stuck_reason(self.db, job_id, job.sft_error)
                 return False
@@ -441,8 +442,8 @@ class JobTrainer:
         tok = policy_tokenizer(spec.policy.model, spec.policy.init)
         rows = await supervised.conversations(self.db, spec)
         if not rows:
-            raise ValueError(f"task set {spec.tasks.taskset} has no conversation to train on")
-        return await asyncio.to_thread(supervised.encode_tasks, tok, rows)
+            raise ValueError(f"task set {spec.tasks.taskset} has no {spec.data_kind} task to train on")
+        return await asyncio.to_thread(supervised.encode_tasks, tok, rows, spec)
 
     @property
     def _tokenizer_cache(self) -> str:

@@ -21,6 +21,7 @@ def shrunk(tmp_path: Path, **policy) -> Path:
     spec["tasks"]["group_size"] = 4
     spec["schedule"].update(iterations=2, episodes_per_iteration=8, max_concurrent_episodes=8)
     spec["algorithm"]["groups_per_step"] = 2
+    spec["evaluation"].update(samples=1, pass_at=[1])  # v0 on the held-out words, once each
     spec["policy"].update(policy)
     local = spec["local"]
     local["taskset_file"] = str(ROOT / "examples" / local["taskset_file"])

@@ -45,6 +45,7 @@ def small_spec(tmp_path: Path) -> Path:
     sampling = doc["policy"].setdefault("sampling", {})
     sampling["max_tokens"] = max(128, sampling.get("max_tokens", 0))  # room for a whole solution
     doc["algorithm"].update(groups_per_step=1, checkpoint_every=1)
+    doc.pop("evaluation", None)  # training in processes; evaluation: tests/services/dispatcher, embedded
     doc["schedule"] = {
         "iterations": ITERATIONS,
         "episodes_per_iteration": GROUPS * GROUP_SIZE,

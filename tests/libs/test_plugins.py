@@ -35,8 +35,9 @@ def test_builtins_are_found_by_name_and_unknown_names_list_what_is_installed():
     assert make_environment("shell", {"id": "t", "prompt": "p"}).kind == "shell"
     with pytest.raises(UnknownEnvironment) as err:
         make_environment("chess", {"id": "t", "prompt": "p"})
-    assert "unknown environment kind 'chess'; installed: code (temper), math (temper), shell (temper)" in str(
-        err.value
+    assert (
+        "unknown environment kind 'chess'; installed: agent (temper), code (temper), math (temper), shell (temper)"
+        in str(err.value)
     )
     with pytest.raises(SpecError) as spec_err:
         parse_spec({**BASE, "environment": {"kind": "shel"}, "rewards": {"test_passed": 1.0}})
@@ -182,13 +183,20 @@ def test_temper_admin_plugins_lists_what_is_installed(tmp_path, capsys):
         text = capsys.readouterr().out
         assert main(["admin", "plugins", "--json"]) == 0
         table = json.loads(capsys.readouterr().out)
-    assert "temper.environments\n  code " in text and "temper.envs.code:CodeEnvironment" in text
+    assert "temper.environments\n  agent " in text and "temper.envs.code:CodeEnvironment" in text
     assert table["temper.environments"]["wordcount"] == {
         "dist": "temper-wordcount",
         "target": "temper_wordcount:WordCountEnvironment",
     }
     assert table["temper.rewards"]["close_count"]["dist"] == "temper-wordcount"
-    assert set(table["temper.parsers"]) == {"hermes", "llama3_json", "mistral", "pythonic", "tool_code"}
+    assert set(table["temper.parsers"]) == {
+        "hermes",
+        "llama3_json",
+        "mistral",
+        "pythonic",
+        "tool_code",
+        "qwen3_coder",
+    }
     assert table["temper.tools"] == {}
 
 

@@ -115,7 +115,7 @@ def test_a_wandb_run_writes_only_what_it_lacks():
         ("rollout/reward_mean", 0.25, 11, 0), ("rollout/episodes", 4.0, 11, 0),  # one changed
         ("train/loss", 0.4, 12, 2), ("train/kl", 0.1, 12, 2),
         ("train/loss", 0.3, 13, 2),  # the later point of a key wins
-        ("eval/x", 1.0, 14, 2),  # no step axis: not written
+        ("other/x", 1.0, 14, 2),  # no step axis: not written
     ])  # fmt: skip
     assert rows == [("iteration", 0, {"rollout/episodes": 4.0}, 11),
                     ("policy_version", 2, {"train/loss": 0.3, "train/kl": 0.1}, 13)]  # fmt: skip

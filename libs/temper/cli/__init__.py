@@ -3,6 +3,7 @@
     temper submit|jobs|watch|transcript|pause|resume|cancel ...  jobs (:mod:`temper.cli.jobs`)
     temper admin create-tenant|plugins ...                        administration (jobs too)
     temper episodes|metrics|logs|export|checkpoints|compare ...   results (:mod:`temper.cli.results`)
+    temper eval|evals ...                                         evaluations (:mod:`temper.cli.evaluations`)
     temper tasksets ... / temper rescore ...                      task sets and rewards (:mod:`temper.cli.tasksets`)
     temper images ...                                             task images (:mod:`temper.cli.images`)
     temper environments ...                                       tenant packages (:mod:`temper.cli.environments`)
@@ -19,7 +20,7 @@ import contextlib
 import os
 import sys
 
-from temper.cli import environments, images, jobs, results, tasksets
+from temper.cli import environments, evaluations, images, jobs, results, tasksets
 from temper.cli.common import AddCommands
 from temper.client import ApiError
 
@@ -30,8 +31,9 @@ def build_parser(*extensions: AddCommands) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="temper", description="Temper: RL post-training for LLM agents")
     _global_flags(parser, default=None)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_commands in (jobs.add_commands, results.add_commands, tasksets.add_commands,
-                         images.add_commands, environments.add_commands, *extensions):  # fmt: skip
+    for add_commands in (jobs.add_commands, results.add_commands, evaluations.add_commands,
+                         tasksets.add_commands, images.add_commands, environments.add_commands,
+                         *extensions):  # fmt: skip
         add_commands(sub)
     for command in _every_subcommand(parser):  # temper jobs --url U works as temper --url U jobs
         _global_flags(command, default=argparse.SUPPRESS)

@@ -15,6 +15,7 @@ from temper.sandbox.images import (
     build_debian,
     build_dockerfile,
     check_published,
+    digest_of,
     flatten_oci,
     publish,
 )
@@ -38,9 +39,22 @@ async def _publish(blob: bytes, source: dict[str, Any]) -> str:
 
 def cmd_build_debian(args: argparse.Namespace) -> int:
     packages = [p for p in (args.packages or "").split(",") if p]
+    install = [p for p in (args.install or "").split(",") if p]
     sys.stderr.write(f"building Debian {args.release} with {packages or 'python3 only'} (mmdebstrap)...\n")
-    blob = build_debian(args.release, packages, mirror=args.mirror)
-    digest = asyncio.run(_publish(blob, {"debian": args.release, "packages": ["python3", *packages]}))
+    wheels = Path(args.wheels) if args.wheels else None
+    blob = build_debian(args.release, packages, mirror=args.mirror, wheels=wheels, install=install)
+    if args.output:  # a file, for `temper run`'s local.image: published into each run's own store
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_bytes(blob)
+        sys.stderr.write(f"wrote {len(blob) / 1e6:.1f} MB to {args.output}\n")
+        sys.stdout.write(digest_of(blob) + "\n")
+        return 0
+    source = {
+        "debian": args.release,
+        "packages": ["python3", *packages],
+        **({"python": install} if install else {}),
+    }
+    digest = asyncio.run(_publish(blob, source))
     sys.stderr.write(f"published {len(blob) / 1e6:.1f} MB\n")
     sys.stdout.write(digest + "\n")
     return 0
@@ -91,6 +105,11 @@ def add_commands(sub: Any) -> None:
     p.add_argument("release", help="e.g. bookworm")
     p.add_argument("--packages", help="comma-separated Debian packages (python3 is always added)")
     p.add_argument("--mirror", help="a Debian mirror URL (default: mmdebstrap's)")
+    p.add_argument("--wheels", help="a directory of wheels built on this host, for --install")
+    p.add_argument(
+        "--install", help="comma-separated Python packages pip installs in the image from --wheels only"
+    )
+    p.add_argument("--output", help="write the image to this file instead of publishing it")
     p.set_defaults(func=_guard(cmd_build_debian))
     p = im_sub.add_parser(
         "import-oci", help="an OCI archive (docker save / OCI layout tar), flattened and published"

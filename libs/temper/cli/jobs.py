@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from temper.cli.common import client, number, out
+from temper.cli.evaluations import latest_line
 from temper.client import TemperClient
 from temper.lifecycle import JOB_TERMINAL, EpisodeState
 
@@ -186,7 +187,7 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
     )
     bar_w = max(10, min(50, width - 30))
     algorithm = job.get("algorithm") or ((job.get("spec") or {}).get("algorithm") or {}).get("name")
-    if algorithm == "sft":  # no episodes: epochs, steps and the loss
+    if algorithm in ("sft", "dpo", "reward_model"):  # no episodes: epochs, steps and the loss
         versions = m["training"]["versions"]
         latest = versions[-1] if versions else None
         fraction = 1.0 if state == "completed" else p["iteration"] / max(p["iterations"], 1)
@@ -195,7 +196,10 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
         step = f"step {latest['step']}" if latest else "step 0"
         return [
             header,
-            "[" + c(GREEN, "█" * done) + "░" * (bar_w - done) + f"] {step}  (sft: epochs, no episodes)",
+            "["
+            + c(GREEN, "█" * done)
+            + "░" * (bar_w - done)
+            + f"] {step}  ({algorithm}: epochs, no episodes)",
             f"  {loss} (the latest version's last step)",
         ]
     done = round(p["fraction"] * bar_w)
@@ -213,12 +217,14 @@ def progress_lines(job: dict[str, Any], m: dict[str, Any], *, color: bool, width
         reward = "mean reward – (nothing scored yet)"
     st = m["staleness"]
     stale = st["max"] if st["max"] is not None else (st["in_flight_max"] or 0)
-    return [
+    lines = [
         header,
         f"{bar} {p['fraction'] * 100:5.1f}%  {p['finished']}/{p['episodes_total']} episodes",
         "  " + states,
         f"  {reward}   {m['throughput']['episodes_per_min']:.1f} episodes/min   staleness {stale}/{st['max_staleness']}",
     ]
+    evaluated = latest_line(m)
+    return lines + ([evaluated] if evaluated else [])
 
 
 def watch(

@@ -4,8 +4,9 @@
     temper metrics JOB [--json]                                    progress, reward per iteration, pass rates
     temper logs EPISODE                                            an episode's stored log (JSON lines)
     temper export JOB [--format jsonl|parquet] [-o FILE]           trajectories: tokens, logprobs, rewards, versions
+    temper export JOB --evaluations [-o FILE]                      its evaluations: pass@k per version and task
     temper checkpoints JOB [--download V [-o FILE]]                policy versions, and their weights
-    temper compare JOB JOB [...]                                   reward curves side by side
+    temper compare JOB JOB [...]                                   reward curves and eval pass@k side by side
 
 Iterations and turns are counted from 1, as the console counts them.
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from temper.cli import evaluations
 from temper.cli.common import client, out
 from temper.cli.jobs import progress_lines
 from temper.client import ApiError
@@ -109,6 +111,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         ]
         for line in table(["task", "episodes", "passed", "pass rate", "mean reward"], rows):
             out("  " + line)
+    for line in evaluations.metrics_lines(m):
+        out(line)
     return 0
 
 
@@ -176,6 +180,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.evaluations:  # the job's evaluations with their per-task results, one per line
+        path = Path(args.output or f"{args.job}-evaluations.jsonl")
+        with client(args) as api:
+            found = api.evaluations(args.job, tasks=True)
+        path.write_text("".join(json.dumps(e) + "\n" for e in found))
+        sys.stderr.write(f"wrote {path} ({len(found)} evaluations)\n")
+        return 0
     path = Path(args.output or f"{args.job}-trajectories.{args.format}")
     with client(args) as api:
         nxt = api.export(args.job, path, format=args.format, after=args.after, limit=args.limit)
@@ -270,7 +281,7 @@ def compare_lines(jobs: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> 
         curve_rows = [[str(i + 1), *(_reward(c.get(i)) for c in by_job)] for i in iterations]
         lines += ["", "mean reward per iteration"]
         lines += ["  " + line for line in table(["iteration", *(j["id"] for j in jobs)], curve_rows)]
-    return lines
+    return lines + evaluations.compare_lines(jobs, metrics)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -317,6 +328,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("-o", "--output", help="file to write (default JOB-trajectories.FORMAT)")
     p.add_argument("--after", help="start after this episode id (the next page)")
     p.add_argument("--limit", type=int, help="at most this many trajectories")
+    p.add_argument(
+        "--evaluations", action="store_true",
+        help="the job's evaluations (pass@k per version, per task) as JSON lines instead",
+    )  # fmt: skip
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(

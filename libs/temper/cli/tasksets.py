@@ -60,13 +60,44 @@ def cmd_upload(args: argparse.Namespace) -> int:
     with client(args) as api:
         view = api._call(
             "POST", "/v1/tasksets", content=path.read_bytes(), headers={"content-type": ctype},
-            params={"name": args.name or path.stem, "validate": str(not args.no_validate).lower()},
+            params={"name": args.name or path.stem, "validate": str(not args.no_validate).lower(),
+                    **held_out_params(args)},
         )  # fmt: skip
         sys.stdout.write(view["id"] + "\n")
-        sys.stderr.write(f"uploaded {view['task_count']} tasks as {view['id']}; {validation_line(view)}\n")
+        sys.stderr.write(
+            f"uploaded {view['task_count']} tasks as {view['id']}{held_out_words(view)}; {validation_line(view)}\n"
+        )
         if args.wait and view.get("validation", {}).get("queued"):
             wait_for_validation(api, view["id"])
     return 0
+
+
+def held_out_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The upload's split (docs/tasks-and-rewards.md, "Held-out tasks") as query parameters."""
+    out: dict[str, Any] = {}
+    if args.held_out is not None:
+        out.update(held_out_fraction=args.held_out, held_out_seed=args.held_out_seed)
+    if args.held_out_field is not None:
+        out.update(held_out_field=args.held_out_field, held_out_values=args.held_out_values or "")
+    return out
+
+
+def held_out_words(view: dict[str, Any]) -> str:
+    split = view.get("held_out")
+    return f" ({split['held_out']} held out)" if split else ""
+
+
+def add_split_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--held-out", type=float, metavar="FRACTION",
+        help="hold out this share of the tasks (chosen by --held-out-seed): never trained on, for evaluation",
+    )  # fmt: skip
+    p.add_argument("--held-out-seed", type=int, default=0, help="the seed of --held-out's choice")
+    p.add_argument(
+        "--held-out-field", metavar="FIELD",
+        help="hold out the tasks whose metadata FIELD is one of --held-out-values",
+    )  # fmt: skip
+    p.add_argument("--held-out-values", metavar="V1,V2", help="comma-separated values of --held-out-field")
 
 
 def validation_line(view: dict[str, Any]) -> str:
@@ -146,11 +177,13 @@ def cmd_import(args: argparse.Namespace) -> int:
         view = api._call(
             "POST", "/v1/tasksets", content=dump_jsonl(tasks).encode(),
             headers={"content-type": "application/x-ndjson"},
-            params={"name": name, "validate": str(not args.no_validate).lower(), "source": f"import:{args.format}"},
+            params={"name": name, "validate": str(not args.no_validate).lower(), "source": f"import:{args.format}",
+                    **held_out_params(args)},
         )  # fmt: skip
         sys.stdout.write(view["id"] + "\n")
         sys.stderr.write(
-            f"imported {view['task_count']} {args.format} tasks as {view['id']}; {validation_line(view)}\n"
+            f"imported {view['task_count']} {args.format} tasks as {view['id']}{held_out_words(view)}; "
+            f"{validation_line(view)}\n"
         )
         if args.wait and view.get("validation", {}).get("queued"):
             view = wait_for_validation(api, view["id"])
@@ -273,6 +306,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--name")
     p.add_argument("--no-validate", action="store_true")
     p.add_argument("--wait", action="store_true", help="show validation progress until it ends")
+    add_split_arguments(p)
     p.set_defaults(func=cmd_upload)
     p = ts_sub.add_parser(
         "import", help="import HumanEval, MBPP, GSM8K, Temper or Harbor tasks from local files"
@@ -288,6 +322,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--name")
     p.add_argument("--no-validate", action="store_true")
     p.add_argument("--wait", action="store_true", help="wait for validation and print its table")
+    add_split_arguments(p)
     p.set_defaults(func=cmd_import)
     p = ts_sub.add_parser("list", help="task sets of your tenant")
     p.set_defaults(func=cmd_list)

@@ -105,6 +105,10 @@ class TaskSet(Base):
     status: Mapped[str] = mapped_column(String(32), default="pending")
     task_count: Mapped[int] = mapped_column(Integer, default=0)
     storage_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    held_out: Mapped[dict[str, Any] | None] = mapped_column(
+        default=None,
+        doc="how the upload was split (temper.tasks.splits): the rule and the counts; None: no split",
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -128,6 +132,12 @@ class Task(Base):
     validation: Mapped[dict[str, Any] | None] = mapped_column(
         default=None, doc="the last validation's oracle and do-nothing runs (temper.tasks.oracle)"
     )
+    split: Mapped[str] = mapped_column(
+        String(16),
+        default="train",
+        server_default="train",
+        doc="train | held_out, set at upload (temper.tasks.splits); training draws from train only",
+    )
 
 
 class TaskOutcome(Base):
@@ -148,6 +158,69 @@ class TaskOutcome(Base):
     )
     passed: Mapped[bool] = mapped_column(Boolean)
     reward: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Evaluation(Base):
+    """One evaluation: a job of its own (``job_id``, whose spec's ``evaluate`` says what it
+    evaluates) that samples policy version ``version`` of ``source_job_id`` (or the model
+    directory ``model``) on a task set or a split of one, ``samples`` episodes per task. Written
+    when the evaluation job is created; ``summary`` and ``completed_at`` when its last episode
+    finished (with its per-task rows, :class:`EvaluationResult`)."""
+
+    __tablename__ = "evaluations"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64), index=True)
+    # no foreign key: an evaluation's results outlive nothing they need from the job's row
+    source_job_id: Mapped[str] = mapped_column(String(64), index=True)
+    version: Mapped[int | None] = mapped_column(Integer, default=None, doc="None: a model directory")
+    model: Mapped[str | None] = mapped_column(Text, default=None, doc="the model directory evaluated")
+    checkpoint_key: Mapped[str | None] = mapped_column(String(512), default=None)
+    label: Mapped[str] = mapped_column(String(64), default="eval")
+    periodic: Mapped[bool] = mapped_column(Boolean, default=False, doc="started by the job's evaluation")
+    # one periodic evaluation per job, version and label: "<job>:<version>:<label>"; None on request
+    periodic_key: Mapped[str | None] = mapped_column(String(200), default=None, unique=True)
+    taskset_id: Mapped[str] = mapped_column(String(64))
+    split: Mapped[str] = mapped_column(String(16))
+    samples: Mapped[int] = mapped_column(Integer)
+    pass_at: Mapped[list[Any]] = mapped_column()
+    passed_by: Mapped[str] = mapped_column(String(200), default="default")
+    pass_threshold: Mapped[float | None] = mapped_column(Float, default=None)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(
+        default=None, doc="temper.evaluation.summary over its tasks, written at its end"
+    )
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class EvaluationResult(Base):
+    """One task's results in one evaluation: scored samples, passes, pass@k per k, the mean
+    reward and each component's mean (``temper.evaluation.TaskResult``)."""
+
+    __tablename__ = "evaluation_results"
+    job_id: Mapped[str] = mapped_column(
+        ForeignKey("evaluations.job_id", ondelete="CASCADE"), primary_key=True
+    )
+    task_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    samples: Mapped[int] = mapped_column(Integer)
+    passed: Mapped[int] = mapped_column(Integer)
+    pass_at: Mapped[dict[str, Any]] = mapped_column(doc='{"1": 0.5, "4": 0.9}: k -> pass@k')
+    reward_mean: Mapped[float] = mapped_column(Float)
+    components: Mapped[dict[str, Any]] = mapped_column(default=dict, doc="component -> mean value")
+
+
+class EvaluationOutcome(Base):
+    """One scored evaluation episode's verdict, written once by the dispatcher's scoring
+    transaction (never a :class:`TaskOutcome`: no training pass rate or curriculum counts it)."""
+
+    __tablename__ = "evaluation_outcomes"
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    task_id: Mapped[str] = mapped_column(String(200))
+    policy_version: Mapped[int | None] = mapped_column(Integer, default=None)
+    passed: Mapped[bool] = mapped_column(Boolean)
+    reward: Mapped[float] = mapped_column(Float)
+    components: Mapped[dict[str, Any]] = mapped_column(default=dict, doc="component -> value")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -315,3 +388,44 @@ class OutboxRow(Base):
     claimed_until: Mapped[datetime | None] = mapped_column(
         default=None, doc="the writer relays the row itself until then; other relays leave it"
     )
+
+
+class AgentKey(Base):
+    """The credential of one agent episode (``environment.kind: agent``): the dispatcher
+    issues it in the transaction that starts the episode's agent and hands the key to the
+    agent's sandbox; only its SHA-256 is kept. The gateway's agent proxy takes a call only
+    with the key of the episode named in its URL, before ``expires_at`` and while the
+    episode is acting (``temper.agent_traces``)."""
+
+    __tablename__ = "agent_keys"
+    key_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(String(64))
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[datetime] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AgentCall(Base):
+    """One model call an agent episode made through the gateway's proxy, in the order the
+    gateway recorded them (``id``); its body (prompt and sampled ids, logprobs, the policy
+    version, the messages) is a JSON object in object storage at ``body_key``, put before
+    the row is written. Written by the gateway only; the dispatcher builds the episode's
+    trajectory from them (``temper.agent_traces``)."""
+
+    __tablename__ = "agent_calls"
+    __table_args__ = (Index("ix_agent_calls_episode", "episode_id", "attempt", "id"),)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"))
+    job_id: Mapped[str] = mapped_column(String(64))
+    attempt: Mapped[int] = mapped_column(Integer, doc="the agent run's attempt (the sandbox step's)")
+    request_id: Mapped[str] = mapped_column(String(80), unique=True)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String(32), default=None)
+    extends: Mapped[bool] = mapped_column(
+        Boolean, doc="its prompt extends the previous call's prompt and sampled ids token for token"
+    )
+    body_key: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from temper import plugins
+from temper.envs.agent import AgentEnvironment
 from temper.envs.base import (
     ActionFormat,
     Environment,
@@ -24,7 +25,7 @@ from temper.envs.code import CodeEnvironment
 from temper.envs.math import MathEnvironment, extract_answer
 from temper.envs.package import PackageEnvironment
 from temper.envs.shell import ShellEnvironment
-from temper.jobspec import PACKAGE_KIND
+from temper.jobspec import AGENT_KIND, PACKAGE_KIND, EnvironmentSpec
 
 
 class UnknownEnvironment(ValueError):
@@ -57,8 +58,29 @@ def make_environment(kind: str, task: Any, **options: Any) -> Environment:
     return environment_class(kind)(task, **options)
 
 
+def environment_options(env: EnvironmentSpec) -> dict[str, Any]:
+    """:func:`make_environment`'s options for a job's ``environment`` section (a package's
+    pinned contents, an agent's program)."""
+    options: dict[str, Any] = {
+        "max_turns": env.max_turns,
+        "action_format": env.action_format,
+        "limits": env.limits,
+        "system_prompt": env.system_prompt,
+        "tools": env.tools,
+        "tool_role": env.tool_role,
+    }
+    if env.kind == PACKAGE_KIND:
+        options["package"] = env.package
+    if env.kind == AGENT_KIND:
+        options["agent"] = env.agent
+    if env.hide_files:
+        options["hide_files"] = env.hide_files
+    return options
+
+
 __all__ = [
     "ActionFormat",
+    "AgentEnvironment",
     "CodeEnvironment",
     "EnvKind",
     "Environment",
@@ -70,6 +92,7 @@ __all__ = [
     "UnknownEnvironment",
     "environment_class",
     "environment_kinds",
+    "environment_options",
     "extract_answer",
     "make_environment",
     "render_result",

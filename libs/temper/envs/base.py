@@ -162,6 +162,9 @@ class Environment(ABC):
 
     kind: ClassVar[str]
     observation_role: ClassVar[str] = "tool"
+    # True for an environment whose episode is one run of an agent program that calls the
+    # policy itself (temper.envs.agent): the dispatcher starts it instead of asking for turns.
+    runs_agent: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -350,9 +353,13 @@ class Environment(ABC):
         the episode once they ran (calls after the submit are ignored, and the last
         observation says so). Each call keeps the model's id, or gets one made from the
         turn's text (the same text, the same ids)."""
+        table = tool_table(self.tools)
         try:
-            calls = [c.with_id(text, i) for i, c in enumerate(parse_calls(text, self.action_format))]
-            commands = [call_action(c, tool_table(self.tools)) for c in calls]
+            calls = [
+                c.with_id(text, i).typed(table[c.name].function.parameters if c.name in table else None)
+                for i, c in enumerate(parse_calls(text, self.action_format))
+            ]
+            commands = [call_action(c, table) for c in calls]
         except ToolCallError as exc:
             return ParsedAction.invalid(str(exc))
         if not commands:

@@ -9,7 +9,9 @@ Hermes); ``llama3_json`` reads a turn that is a JSON object ``{"name": ...,
 also ``[TOOL_CALLS]name[ARGS]{...}`` of later Mistral tokenizers); ``pythonic`` reads a
 turn that is a Python list of calls, ``[f(a=1), g()]`` (Llama 3.2, Gemma 3 as vLLM serves
 it); ``tool_code`` reads the calls in ````` ```tool_code ````` blocks (Gemma's own
-function-calling format). A malformed call, an unknown tool or arguments that do not fit
+function-calling format); ``qwen3_coder`` reads Qwen3-Coder's XML calls,
+``<tool_call><function=name><parameter=p>value</parameter></function></tool_call>``, whose
+values the tool's schema types. A malformed call, an unknown tool or arguments that do not fit
 the schema is a :class:`ToolCallError`; the environment turns it into an observation.
 
 Every call has an id (``ToolCall.id``: the model's own where it wrote one, as Mistral's
@@ -66,10 +68,20 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
     id: str | None = None  # the model's own id (Mistral), when it wrote a usable one
+    # The arguments are the text the model wrote for each (Qwen3-Coder's XML): their types
+    # come from the tool's schema (typed_arguments).
+    raw: bool = False
 
     def with_id(self, seed: str, index: int) -> ToolCall:
         """This call with its id: the model's, else :func:`call_id` of ``seed`` and ``index``."""
-        return self if self.id else ToolCall(self.name, self.arguments, call_id(seed, index))
+        return self if self.id else ToolCall(self.name, self.arguments, call_id(seed, index), self.raw)
+
+    def typed(self, schema: Mapping[str, Any] | None) -> ToolCall:
+        """This call with its arguments of the types ``schema`` (the function's parameters)
+        gives them, where the model wrote them as text (:attr:`raw`)."""
+        if not self.raw:
+            return self
+        return ToolCall(self.name, typed_arguments(self.arguments, schema or {}), self.id)
 
     def openai(self, index: int, *, seed: str = "") -> dict[str, Any]:
         """The call as an OpenAI ``tool_calls`` entry (arguments as a JSON string)."""
@@ -295,9 +307,93 @@ def parse_tool_code(text: str) -> list[ToolCall]:
     return calls
 
 
+# --- Qwen3-Coder: XML calls ------------------------------------------------------------------------
+
+_QWEN3_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_QWEN3_FUNCTION = re.compile(r"^\s*<function=([^>\n]*)>(.*?)</function>\s*$", re.S)
+_QWEN3_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
+
+
+def parse_qwen3_coder(text: str) -> list[ToolCall]:
+    """Qwen3-Coder's calls, every ``<tool_call>`` of the turn in order, each one function
+    with its parameters as text (its chat template writes each value on lines of its own)::
+
+        <tool_call>
+        <function=name>
+        <parameter=path>
+        src/x.py
+        </parameter>
+        </function>
+        </tool_call>
+
+    The values stay text (:attr:`ToolCall.raw`); the tool's schema types them where the call
+    is checked (an integer parameter's ``3`` becomes 3, an object's JSON an object). An
+    unclosed call, a call without exactly one function, or text outside the parameters is
+    an error."""
+    bodies = _QWEN3_CALL.findall(text)
+    if "<tool_call>" in _QWEN3_CALL.sub("", text):
+        raise ToolCallError("a <tool_call> was opened but never closed with </tool_call>")
+    calls = []
+    for i, body in enumerate(bodies, 1):
+        m = _QWEN3_FUNCTION.match(body)
+        if m is None:
+            raise ToolCallError(f"tool call {i} must hold one <function=name>...</function>")
+        name, inner = m.group(1).strip(), m.group(2)
+        if not _NAME.match(name):
+            raise ToolCallError(f"tool call {i}: {name[:40]!r} is not a tool name")
+        args: dict[str, Any] = {}
+        for param, value in _QWEN3_PARAMETER.findall(inner):
+            key = param.strip()
+            if not key or key in args:
+                raise ToolCallError(f"tool call {i} ({name}): parameter {key!r} is empty or given twice")
+            args[key] = value.removeprefix("\n").removesuffix("\n")
+        if _QWEN3_PARAMETER.sub("", inner).strip():
+            raise ToolCallError(f"tool call {i} ({name}): text outside <parameter=...>...</parameter>")
+        calls.append(ToolCall(name, args, raw=True))
+    return calls
+
+
+def typed_arguments(args: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """Text arguments with the types ``schema``'s properties give them: integers, numbers,
+    booleans (``true``/``false``), null, and objects and arrays written as JSON (or as a
+    Python literal); a value that does not read as its type stays text, for the schema
+    check to name. Parameters the schema does not describe stay text."""
+    props = schema.get("properties") or {}
+    out: dict[str, Any] = {}
+    for name, value in args.items():
+        kind = (props.get(name) or {}).get("type") if isinstance(props.get(name), Mapping) else None
+        out[name] = _typed(value, kind) if isinstance(value, str) else value
+    return out
+
+
+def _typed(value: str, kind: Any) -> Any:
+    kinds = [kind] if isinstance(kind, str) else list(kind or [])
+    text = value.strip()
+    for k in kinds:
+        if k == "string":
+            return value
+        if k == "integer" and re.fullmatch(r"-?\d+", text):
+            return int(text)
+        if k == "number" and re.fullmatch(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", text):
+            return float(text) if any(c in text for c in ".eE") else int(text)
+        if k == "boolean" and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if k == "null" and text in ("null", "None"):
+            return None
+        if k in ("object", "array"):
+            for read in (json.loads, ast.literal_eval):
+                try:
+                    parsed = read(text)
+                except (ValueError, SyntaxError, RecursionError, MemoryError):
+                    continue
+                if isinstance(parsed, dict if k == "object" else list):
+                    return parsed
+    return value
+
+
 def call_content(text: str, parser: str) -> str:
     """The assistant's text of a turn whose calls ``parser`` read: the turn without them."""
-    if parser == "hermes":
+    if parser in ("hermes", "qwen3_coder"):
         return _HERMES.sub("", text).strip()
     if parser == "tool_code":
         return _TOOL_CODE.sub("", text).strip()
@@ -378,6 +474,7 @@ def call_action(call: ToolCall, tools: Mapping[str, ToolSpec]) -> dict[str, Any]
     spec = tools.get(call.name)
     if spec is None:
         raise ToolCallError(f"unknown tool {call.name!r}; available: {', '.join(sorted(tools))}")
+    call = call.typed(spec.function.parameters)
     errors = schema_errors(call.arguments, spec.function.parameters)
     if errors:
         raise ToolCallError(f"{call.name}: " + "; ".join(errors))
@@ -418,7 +515,9 @@ __all__ = [
     "parse_llama3_json",
     "parse_mistral",
     "parse_pythonic",
+    "parse_qwen3_coder",
     "parse_tool_code",
     "schema_errors",
     "tool_table",
+    "typed_arguments",
 ]

@@ -157,6 +157,16 @@ class ChatTokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
+        if self.arguments_as_text:
+            messages = _text_arguments(messages)
+        return self._apply(messages, tools, add_generation_prompt)
+
+    def _apply(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
         try:
             text = self.hf.apply_chat_template(
                 [dict(m) for m in messages],
@@ -167,6 +177,25 @@ class ChatTokenizer:
         except Exception as exc:  # jinja raises its own types; the message is what matters
             raise TemplateError(f"the chat template failed: {exc}") from exc
         return str(text)
+
+    @cached_property
+    def arguments_as_text(self) -> bool:
+        """Whether the template wants a tool call's arguments as their JSON text, not as an
+        object. Most render an object with ``| tojson`` (Qwen's, Llama's); Mistral's own
+        templates (mistral-common's) put the text in as it is and, given an object, join
+        ``arguments|tojson|safe`` to plain text, which HTML-escapes that text's quotes
+        (``{&#34;name&#34;: ...``). Found by rendering a probe call both ways."""
+        call = {"id": "Ab3dE6gH9", "type": "function", "function": {"name": "probe", "arguments": {"k": "v"}}}
+        probe: list[Mapping[str, Any]] = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+        try:
+            if not _escaped(self._apply(probe, None, False)):
+                return False
+            return not _escaped(self._apply(_text_arguments(probe), None, False))
+        except TemplateError:
+            return False
 
     def render(
         self,
@@ -236,6 +265,27 @@ class ChatTokenizer:
     ) -> list[int]:
         """What follows the sampled ids: the end of the turn, ``messages``, the next assistant header."""
         return [*self.close_turn(sampled), *self.messages_ids(messages, tools=tools)]
+
+
+def _escaped(text: str) -> bool:
+    return "&#34;" in text or "&quot;" in text
+
+
+def _text_arguments(messages: Sequence[Message]) -> list[Message]:
+    """``messages`` with each tool call's object arguments as their JSON text."""
+    out: list[Message] = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            texts = []
+            for c in calls:
+                fn = dict(c.get("function") or {})
+                if not isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = json.dumps(fn.get("arguments") or {})
+                texts.append({**c, "function": fn})
+            m = {**m, "tool_calls": texts}
+        out.append(m)
+    return out
 
 
 # --- the CPU presets' byte tokenizer ---------------------------------------------------------------

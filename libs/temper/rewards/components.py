@@ -21,13 +21,18 @@ import reprlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ValidationError
 
 from temper.events import RewardComponent
 from temper.limits import LanguageName
+from temper.problems import field_path, message
 from temper.rewards.answers import DEFAULT_REL_TOL, answers_match, extract_answer
+from temper.rewards.graders import Graders
 from temper.rewards.models import CandidateRun, ComponentName, Submission
 from temper.rewards.runner import ScoringError, TestRunner
+from temper.rewards.transcript import Transcript
 from temper.tasks.models import TaskKind, TaskSpec
 
 CODE_KINDS = (TaskKind.code, TaskKind.shell)
@@ -49,7 +54,21 @@ class ScoreContext:
     format_ok: bool = True
     want_timing: bool = False
     reference_times: dict[str, float] | None = None  # shared cache: task tests hash -> seconds
+    # the job's settings of the components given with some (rewards: {name: {weight, ...}})
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the episode as a conversation (temper.rewards.transcript), for the components that read
+    # it (reward_model, judge); None where the caller has no episode to read it from
+    load_transcript: Callable[[], Awaitable[Transcript]] | None = None
+    job_id: str | None = None  # the episode's job (a judge asked to grade with the policy serves it)
+    policy: dict[str, Any] | None = None  # the job spec's policy block (model, init, backend_pool)
+    graders: Graders | None = None  # the process's models and gateway, for the components that grade with one
     _memo: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
+
+    async def transcript(self) -> Transcript:
+        """The episode's conversation, read once per score."""
+        if self.load_transcript is None:
+            raise Skip("no transcript of the episode is available to this scorer")
+        return await self._once("transcript", self.load_transcript)  # type: ignore[no-any-return]
 
     async def _once(self, key: str, make: Callable[[], Awaitable[Any]]) -> Any:
         if key not in self._memo:
@@ -136,9 +155,32 @@ class Component(ABC):
     name: str
     kinds: tuple[TaskKind, ...] = (TaskKind.code, TaskKind.math, TaskKind.shell)
     expensive: bool = False  # computed only when a job weights it
+    # The settings a job may give it beside its weight (``rewards: {name: {weight: 1, ...}}``):
+    # a pydantic model that forbids unknown fields; None: the component takes none.
+    settings_model: ClassVar[type[BaseModel] | None] = None
 
     def applies(self, task: TaskSpec) -> bool:
         return task.kind in self.kinds
+
+    def settings_errors(self, given: dict[str, Any]) -> list[tuple[str, str]]:
+        """(field path, message) for each problem of the settings ``given`` (without the weight)."""
+        if self.settings_model is None:
+            if given:
+                return [
+                    ("", f"{self.name} takes no settings besides weight (given: {', '.join(sorted(given))})")
+                ]
+            return []
+        try:
+            self.settings_model.model_validate(given)
+        except ValidationError as exc:
+            return [(field_path(e["loc"]), message(e)) for e in exc.errors()]
+        return []
+
+    def settings(self, ctx: ScoreContext) -> Any:
+        """This component's settings in ``ctx`` (validated; the defaults when none were given)."""
+        if self.settings_model is None:
+            return None
+        return self.settings_model.model_validate(ctx.settings.get(self.name, {}))
 
     async def compute(self, ctx: ScoreContext) -> RewardComponent:
         if not self.applies(ctx.task):

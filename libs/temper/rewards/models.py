@@ -23,6 +23,8 @@ class ComponentName(StrEnum):
     turn_penalty = (
         "turn_penalty"  # share of the turn budget used beyond the first turn (weight it negatively)
     )
+    reward_model = "reward_model"  # a reward model's score of the episode's transcript
+    judge = "judge"  # a language model's verdict on the transcript against a rubric (RLAIF)
 
 
 class Submission(BaseModel):

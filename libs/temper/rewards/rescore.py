@@ -19,6 +19,7 @@ from temper.events import RewardComponent
 from temper.rewards.components import Component
 from temper.rewards.models import Submission, load_submission
 from temper.rewards.scorer import Scorer, combine
+from temper.rewards.transcript import Transcript, from_trajectory
 from temper.storage import NotFound, ObjectStore, object_key
 from temper.tasks.models import TaskSpec
 from temper.trajectory import Trajectory
@@ -68,9 +69,13 @@ async def rescore_job(
     weights: dict[str, float],
     load_task: Any,
     verifiers: dict[str, Component] | None = None,
+    settings: dict[str, dict[str, Any]] | None = None,
+    tool_role: str = "tool",
 ) -> list[Rescored]:
     """Re-score every stored trajectory of a job. ``load_task(task_id)`` is an async
-    callable returning the :class:`TaskSpec`."""
+    callable returning the :class:`TaskSpec`. ``settings``: those of the components given
+    with some (a reward model, a judge), which read the episode's transcript, rebuilt from
+    the trajectory (:func:`temper.rewards.transcript.from_trajectory`)."""
     if verifiers:
         scorer.components.update(verifiers)
     prefix = object_key(tenant, job_id, "trajectories") + "/"
@@ -95,11 +100,17 @@ async def rescore_job(
         ]
         components = {n: c for n, c in previous.items() if n not in rerun}
         if rerun:
+
+            async def transcript(task: TaskSpec = task, traj: Trajectory = traj) -> Transcript:
+                return from_trajectory(task.prompt, traj, tool_role=tool_role)
+
             _, fresh = await scorer.score(
                 task, submission, {n: weights[n] for n in rerun}, only=rerun,
                 turns_used=request.get("turns_used", len(traj.turns) or 1),
                 max_turns=request.get("max_turns", max(len(traj.turns), 1)),
                 format_ok=request.get("format_ok", True),
+                settings={**request.get("settings", {}), **(settings or {})}, transcript=transcript,
+                job_id=job_id,
             )  # fmt: skip
             components.update(fresh)
         reward, missing = combine(weights, components)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from temper import metrics, plugins
 from temper.events import RewardComponent
 from temper.rewards.components import Component, NotAComponent, ScoreContext, component_of
+from temper.rewards.graders import Graders
 from temper.rewards.models import ComponentName, Submission
 from temper.rewards.runner import ScoringError, TestRunner
+from temper.rewards.transcript import Transcript
 from temper.sandbox import SandboxManager
 from temper.tasks.models import TaskKind, TaskSpec
 
@@ -52,8 +55,15 @@ class Scorer:
     (Temper's own included) on first use; ``overrides`` replace a component's verifier
     (re-scoring with a new verifier) or add new ones by name."""
 
-    def __init__(self, manager: SandboxManager, *, overrides: dict[str, Component] | None = None) -> None:
+    def __init__(
+        self,
+        manager: SandboxManager,
+        *,
+        overrides: dict[str, Component] | None = None,
+        graders: Graders | None = None,
+    ) -> None:
         self.runner = TestRunner(manager)
+        self.graders = graders or Graders()
         self.components: dict[str, Component] = dict(overrides or {})
         self.reference_times: dict[str, float] = {}
 
@@ -76,12 +86,19 @@ class Scorer:
         max_turns: int = 1,
         format_ok: bool = True,
         only: list[str] | None = None,
+        settings: dict[str, dict[str, Any]] | None = None,
+        transcript: Callable[[], Awaitable[Transcript]] | None = None,
+        job_id: str | None = None,
+        policy: dict[str, Any] | None = None,
     ) -> tuple[float, dict[str, RewardComponent]]:
         """Returns (reward, components). Raises :class:`ScoringError` only when the sandbox
         machinery itself failed for a weighted component.
 
-        An expensive component (coverage, efficiency: runs of their own) weighted 0 is not
-        computed unless ``only`` names it: it could not change the reward."""
+        An expensive component (coverage, efficiency, a reward model or judge: runs of
+        their own) weighted 0 is not computed unless ``only`` names it: it could not change
+        the reward. ``settings``: the job's settings of the components given with some;
+        ``transcript``: reads the episode's conversation (components that grade it);
+        ``job_id`` and ``policy``: the episode's job and its spec's policy block."""
         sub = submission if isinstance(submission, Submission) else Submission.model_validate(submission)
         weights = dict(weights or DEFAULT_WEIGHTS[task.kind])
         asked = set(only or ())
@@ -91,6 +108,8 @@ class Scorer:
         ctx = ScoreContext(
             task=task, submission=sub, runner=self.runner, turns_used=turns_used, max_turns=max_turns,
             format_ok=format_ok, want_timing="efficiency" in names, reference_times=self.reference_times,
+            settings=dict(settings or {}), load_transcript=transcript, job_id=job_id, graders=self.graders,
+            policy=policy,
         )  # fmt: skip
         results = await asyncio.gather(*(self._one(name, ctx, weighted=name in weights) for name in names))
         components = dict(zip(names, results, strict=True))

@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -92,17 +93,47 @@ def build_debian(
     *,
     mirror: str | None = None,
     timeout_s: float = 900,
+    wheels: Path | None = None,
+    install: Iterable[str] = (),
 ) -> bytes:
     """A minbase Debian root filesystem with ``packages`` (python3 is always added: the
     sandbox's agent needs it), as a gzip'd tar. Documentation, man pages and locales are
-    left out. Needs ``mmdebstrap`` and root (or user namespaces for ``--mode=unshare``)."""
+    left out. Needs ``mmdebstrap`` and root (or user namespaces for ``--mode=unshare``).
+
+    ``wheels`` and ``install``: Python packages for the image's own python3 (an agent's
+    client library, say), installed in the image by its pip (Debian's ``python3-pip``,
+    added) from the wheels in ``wheels`` only (``--no-index``: the image never reaches a
+    package registry; build the wheels on the host, ``scripts/agent_image.sh``). They land
+    in ``/usr/local/lib/python3.X/dist-packages``; the wheels themselves are not kept."""
     exe = shutil.which("mmdebstrap")
     if exe is None:
         raise ImageError("mmdebstrap not found: apt-get install mmdebstrap (scripts/setup_system.sh)")
-    pkgs = sorted({"python3", *packages})
+    names = sorted(set(install))
+    if names and wheels is None:
+        raise ImageError("install names Python packages but no wheels directory holds them")
+    pkgs = sorted({"python3", *packages, *(["python3-pip"] if names else [])})
     for p in pkgs:
         if not re.match(r"^[a-z0-9][a-z0-9+.-]*$", p):
             raise ImageError(f"invalid Debian package name {p!r}")
+    for n in names:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*(==[A-Za-z0-9._+!-]+)?$", n):
+            raise ImageError(f"invalid Python package {n!r} (a name, or name==version)")
+    hooks: list[str] = []
+    if names:
+        assert wheels is not None
+        found = sorted(Path(wheels).glob("*.whl"))
+        if not found:
+            raise ImageError(f"no wheels in {wheels}")
+        pip = (
+            'chroot "$1" python3 -m pip install --no-index --no-cache-dir --break-system-packages '
+            f"--find-links /tmp/temper-wheels {' '.join(names)}"
+        )
+        hooks = [
+            'mkdir -p "$1/tmp/temper-wheels"',
+            f"copy-in {' '.join(shlex.quote(str(w)) for w in found)} /tmp/temper-wheels",
+            pip,
+            'rm -rf "$1/tmp/temper-wheels"',
+        ]
     with tempfile.TemporaryDirectory(prefix="temper-image-") as tmp:
         out = Path(tmp) / "rootfs.tar"
         argv = [
@@ -112,6 +143,7 @@ def build_debian(
             "--dpkgopt=path-exclude=/usr/share/locale/*",
             "--dpkgopt=path-exclude=/usr/share/doc/*",
             "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+            *(f"--customize-hook={h}" for h in hooks),
             release, str(out),  # mmdebstrap's own cleanup removes apt's lists and caches
         ]  # fmt: skip
         if mirror:

@@ -266,6 +266,7 @@ class SandboxManager:
             backend=self.backend, cgroups=self.cgroups, limits=limits, workspace_root=self.root,
             run_as=run_as, sandbox_id=sandbox_id, spawner=self.spawner, image=image,
             egress_allow_private=self.settings.egress_allow_private, zygote=zygote,
+            egress_private_targets=self.settings.egress_private_targets,
         )  # fmt: skip
 
     async def _destroy(self, sb: Sandbox) -> None:

@@ -8,7 +8,8 @@ tunnelled) or a plain-HTTP request in absolute form (``GET http://host:port/path
 The target must be on the sandbox's list; the name is resolved here and the connection
 goes to the address resolved (no second lookup for a rebinding name to change), and an
 address in a loopback, private, link-local or reserved range is refused unless the
-operator allows it. Every refusal is logged and counted; the client gets a 403.
+operator allows it (all of them, or the platform's own targets such as the gateway that
+agents call: ``TEMPER_SANDBOX__EGRESS_PRIVATE_TARGETS``). Every refusal is logged and counted; the client gets a 403.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 from temper import metrics
@@ -46,11 +48,22 @@ def _blocked(address: str) -> bool:
 
 
 class EgressProxy:
-    def __init__(self, path: Path, allow: list[str], *, sandbox_id: str, allow_private: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        allow: list[str],
+        *,
+        sandbox_id: str,
+        allow_private: bool = False,
+        private_targets: Sequence[str] = (),
+    ) -> None:
         self.path = path
         self.allow = {split_host_port(entry) for entry in allow}
         self.sandbox_id = sandbox_id
         self.allow_private = allow_private
+        # listed targets the operator's own platform serves (the gateway agents call): reached
+        # even where they resolve to private addresses
+        self.private_targets = {split_host_port(entry) for entry in private_targets}
         self.refused = 0
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -130,7 +143,8 @@ class EgressProxy:
         addresses = [str(info[4][0]) for info in infos]
         if not addresses:
             raise Refused(f"{host} has no address")
-        if not self.allow_private and any(_blocked(a) for a in addresses):
+        private_ok = self.allow_private or (host, port) in self.private_targets
+        if not private_ok and any(_blocked(a) for a in addresses):
             raise Refused(
                 f"{host} resolves to a loopback/private/link-local address "
                 "(TEMPER_SANDBOX__EGRESS_ALLOW_PRIVATE)"

@@ -21,6 +21,7 @@ import signal
 import struct
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +155,7 @@ class Sandbox:
         image: Image | None = None,
         egress_allow_private: bool = False,
         zygote: bool = False,
+        egress_private_targets: Sequence[str] = (),
     ) -> None:
         self.id = sandbox_id or uuid.uuid4().hex[:16]
         # A zygote runs each action in namespaces of its own on a fresh workspace (run_fresh);
@@ -161,6 +163,7 @@ class Sandbox:
         self.zygote = zygote
         self.workspace_root = workspace_root
         self.egress_allow_private = egress_allow_private
+        self.egress_private_targets = list(egress_private_targets)
         self.proxy: EgressProxy | None = None
         # Sessions (ids inside the sandbox's pid namespace) of the services and the proxy
         # forwarder: their processes survive the end of an action.
@@ -198,6 +201,7 @@ class Sandbox:
                 self.proxy = EgressProxy(
                     self.workspace_root / f"{self.id}.proxy", self.limits.allow,
                     sandbox_id=self.id, allow_private=self.egress_allow_private,
+                    private_targets=self.egress_private_targets,
                 )  # fmt: skip
                 await self.proxy.start()
             await self._spawn()

@@ -21,7 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from temper.settings.inference import InferenceSettings
 from temper.settings.sandbox import SandboxSettings
-from temper.settings.trainer import TrainerSettings
+from temper.settings.trainer import Device, TrainerSettings
 
 # Settings that were removed or moved: still present in the environment, each stops startup
 # with what replaces it (a leftover would otherwise be ignored, an operator's dead knob).
@@ -117,6 +117,16 @@ class ApiSettings(BaseModel):
 class RewardScorerSettings(BaseModel):
     group: str = Field("reward-scorer", description="consumer group of reward.requests, shared by replicas")
     concurrency: int = Field(8, ge=1, description="submissions scored at once by one scorer")
+    model_device: Device = Field(
+        Device.auto, description="where reward models run: auto (a GPU where the process sees one), cpu, cuda"
+    )
+    model_batch: int = Field(
+        16, ge=1, le=1024, description="transcripts one reward-model forward scores at most"
+    )
+    model_cache_dir: Path | None = Field(
+        None,
+        description="where graders' models are fetched from object storage to (None: a temporary directory)",
+    )
 
 
 class DispatcherSettings(BaseModel):
@@ -166,6 +176,28 @@ class DispatcherSettings(BaseModel):
         description="model names the gateway serves beyond its model_name and backends' models; "
         "a job naming another model is refused at submission",
     )
+
+
+class AgentSettings(BaseModel):
+    """Agent programs run in sandboxes (``environment.kind: agent``, docs/agents.md)
+    (``TEMPER_AGENT__*``), read by the dispatcher and the sandbox worker."""
+
+    url: str | None = Field(
+        None,
+        description="the inference gateway as an agent's sandbox reaches it (http://host:port); each "
+        "episode's base URL is <url>/agent/<episode>/v1. Unset: jobs with environment.kind agent are refused",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.rstrip("/")
+        rest = value.removeprefix("http://")
+        if rest == value or not rest or "/" in rest or ":" not in rest:
+            raise ValueError(f"{value!r} is not http://host:port (the gateway's address, no path)")
+        return value
 
 
 class LogSettings(BaseModel):
@@ -227,6 +259,7 @@ class Settings(BaseSettings):
     dispatcher: DispatcherSettings = DispatcherSettings()
     retention: RetentionSettings = RetentionSettings()
     tracking: TrackingSettings = TrackingSettings()
+    agent: AgentSettings = AgentSettings()
 
     @model_validator(mode="before")
     @classmethod

@@ -35,6 +35,7 @@ class ToolParser(StrEnum):
     mistral = "mistral"  # [TOOL_CALLS] [{"name": ..., "arguments": ...}] (Mistral)
     pythonic = "pythonic"  # [f(a=1), g()] (Llama 3.2, Gemma 3 as vLLM serves it)
     tool_code = "tool_code"  # ```tool_code\nf(a=1)\n``` (Gemma)
+    qwen3_coder = "qwen3_coder"  # <tool_call><function=f><parameter=a>1</parameter></function></tool_call>
 
 
 class BackendSpec(BaseModel):

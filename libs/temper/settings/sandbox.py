@@ -108,6 +108,12 @@ class SandboxSettings(BaseModel):
         description="let the allowlist proxy connect to loopback, private and link-local addresses "
         "(off: a listed name that resolves to one is refused)",
     )
+    egress_private_targets: list[str] = Field(
+        default_factory=list,
+        description="host:port entries the allowlist proxy connects to even where they resolve to private "
+        "addresses, when a sandbox lists them: the platform's own services (the sandbox worker adds "
+        "TEMPER_AGENT__URL's gateway)",
+    )
     snapshot_prefix: str = "sandbox-snapshots"
     image_cache: Path = Field(
         Path(".temper/images"),

@@ -125,3 +125,62 @@ def prompt_of(messages: list[ChatMessage]) -> str:
     """What a listing shows for a conversation: its first user message (else its first)."""
     first = next((m for m in messages if m.role == "user"), messages[0])
     return (first.content or "(no content)")[:2000]
+
+
+def _same(a: ChatMessage, b: ChatMessage) -> bool:
+    return a.template_message() == b.template_message()
+
+
+def check_preference(
+    messages: list[ChatMessage] | None, chosen: list[ChatMessage] | None, rejected: list[ChatMessage] | None
+) -> tuple[list[ChatMessage], list[ChatMessage], list[ChatMessage]]:
+    """A preference pair as (prompt, chosen, rejected): ``messages`` is the prompt, and
+    ``chosen``/``rejected`` its two continuations, each starting with an assistant turn and
+    ending with one (TRL's explicit-prompt form). Without ``messages`` the two are whole
+    conversations and the prompt is the messages they share from the start (the implicit
+    form); they are stored split."""
+    if chosen is None or rejected is None:
+        raise ValueError("a preference task needs chosen and rejected")
+    if messages is None:
+        n = 0
+        while n < min(len(chosen), len(rejected)) and _same(chosen[n], rejected[n]):
+            n += 1
+        if n == 0:
+            raise ValueError(
+                "chosen and rejected share no first message: give the prompt as messages, or start both with it"
+            )
+        if n in (len(chosen), len(rejected)):
+            raise ValueError("chosen and rejected are the same conversation, or one only extends the other")
+        if chosen[n].role != "assistant" or rejected[n].role != "assistant":
+            raise ValueError(
+                f"chosen and rejected first differ at message {n}, which is not an assistant turn in both; "
+                "they must first differ in what the assistant says"
+            )
+        messages, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    if not messages:
+        raise ValueError("messages: a preference pair needs a prompt (at least one message)")
+    if messages[-1].role == "assistant":
+        raise ValueError(
+            f"messages.{len(messages) - 1}: the prompt ends before an assistant turn (this one is assistant)"
+        )
+    marked = [i for i, m in enumerate(messages) if m.train is not None or m.weight is not None]
+    if marked:
+        raise ValueError(
+            f"messages.{marked[0]}: the prompt is not trained; train and weight apply to chosen and rejected"
+        )
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        if not side:
+            raise ValueError(
+                f"{name}: empty (the two continuations must differ, each with an assistant turn)"
+            )
+        if side[0].role != "assistant":
+            raise ValueError(
+                f"{name}.0: a continuation starts with an assistant turn (this one is {side[0].role})"
+            )
+        try:
+            check_conversation([*messages, *side])
+        except ValueError as exc:
+            raise ValueError(f"{name} (after the {len(messages)} prompt messages): {exc}") from None
+    if len(chosen) == len(rejected) and all(_same(a, b) for a, b in zip(chosen, rejected, strict=True)):
+        raise ValueError("chosen and rejected are the same continuation")
+    return messages, chosen, rejected

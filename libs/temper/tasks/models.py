@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from temper.limits import LanguageName, SandboxLimits
-from temper.tasks.chat import ChatMessage, ChatTool, check_conversation, prompt_of
+from temper.tasks.chat import ChatMessage, ChatTool, check_conversation, check_preference, prompt_of
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:=-]{0,150}$")
 
@@ -45,6 +45,8 @@ class TaskKind(StrEnum):
     math = "math"  # give an answer; it is compared with the known one
     shell = "shell"  # act on a workspace with commands; hidden Python tests check the result
     chat = "chat"  # a conversation to learn from (sft jobs): messages, optional tools; no tests
+    # a preferred and a dispreferred continuation of one conversation (reward_model and dpo jobs)
+    preference = "preference"
 
 
 class TaskStatus(StrEnum):
@@ -95,7 +97,15 @@ class TaskSpec(BaseModel):
     messages: list[ChatMessage] | None = Field(
         None, description="chat: the conversation (OpenAI chat format; train or weight per assistant turn)"
     )
-    tools: list[ChatTool] | None = Field(None, description="chat: OpenAI function schemas the template shows")
+    tools: list[ChatTool] | None = Field(
+        None, description="chat, preference: OpenAI function schemas the template shows"
+    )
+    chosen: list[ChatMessage] | None = Field(
+        None, description="preference: the preferred continuation of messages (its assistant turns)"
+    )
+    rejected: list[ChatMessage] | None = Field(
+        None, description="preference: the dispreferred continuation of messages"
+    )
     metadata: TaskMeta = TaskMeta()
     limits: SandboxLimits | None = Field(
         None, description="sandbox limits for this task's episodes and scoring"
@@ -120,8 +130,9 @@ class TaskSpec(BaseModel):
     @classmethod
     def _chat_prompt(cls, data: Any) -> Any:
         # a conversation's prompt (what listings show) is its first user message
-        if isinstance(data, dict) and data.get("kind") == TaskKind.chat.value and not data.get("prompt"):
-            messages = data.get("messages")
+        conversational = (TaskKind.chat.value, TaskKind.preference.value)
+        if isinstance(data, dict) and data.get("kind") in conversational and not data.get("prompt"):
+            messages = data.get("messages") or data.get("chosen")
             if isinstance(messages, list) and messages:
                 try:
                     data = {**data, "prompt": prompt_of([ChatMessage.model_validate(m) for m in messages])}
@@ -150,14 +161,23 @@ class TaskSpec(BaseModel):
     @model_validator(mode="after")
     def _complete(self) -> TaskSpec:
         chat_only = [f for f in ("tools",) if getattr(self, f) is not None]
-        if self.kind is TaskKind.chat:
-            if self.messages is None:
-                raise ValueError("a chat task needs messages")
-            check_conversation(self.messages)
+        if self.kind in (TaskKind.chat, TaskKind.preference):
+            if self.kind is TaskKind.chat:
+                if self.messages is None:
+                    raise ValueError("a chat task needs messages")
+                if self.chosen is not None or self.rejected is not None:
+                    raise ValueError("chosen and rejected apply to preference tasks only (this one is chat)")
+                check_conversation(self.messages)
+            else:
+                self.messages, self.chosen, self.rejected = check_preference(
+                    self.messages, self.chosen, self.rejected
+                )
             given = [f for f in ("tests", "solution", "oracle", "answer", "entry_point") if getattr(self, f)]
             if given or self.files:
-                raise ValueError(f"a chat task has no {', '.join(given or ['files'])} (it is not run)")
+                raise ValueError(f"a {self.kind} task has no {', '.join(given or ['files'])} (it is not run)")
             return self
+        if self.chosen is not None or self.rejected is not None:
+            raise ValueError(f"chosen and rejected apply to preference tasks only (this one is {self.kind})")
         if self.messages is not None or chat_only:
             raise ValueError(f"messages and tools apply to chat tasks only (this one is {self.kind})")
         if self.language is not LanguageName.python:
@@ -180,13 +200,13 @@ class TaskSpec(BaseModel):
     # --- hashes used for duplicate detection ------------------------------------------
     @property
     def prompt_hash(self) -> str:
-        if self.kind is TaskKind.chat:  # a duplicate conversation is the same one, whole
-            return sha256("chat:" + json.dumps(self.spec_dict(), sort_keys=True))
+        if self.kind in (TaskKind.chat, TaskKind.preference):  # a duplicate is the same one, whole
+            return sha256(f"{self.kind}:" + json.dumps(self.spec_dict(), sort_keys=True))
         return sha256(normalise_prompt(self.prompt))
 
     @property
     def tests_hash(self) -> str:
-        if self.kind is TaskKind.chat:
+        if self.kind in (TaskKind.chat, TaskKind.preference):
             return ""
         if self.kind is TaskKind.math:
             return sha256("answer:" + (self.answer or "").strip())
@@ -272,9 +292,11 @@ def parse_tasks(data: str | bytes, *, filename: str = "") -> list[TaskSpec]:
         if not isinstance(raw, dict):
             errors.append((line, "(task)", "a task must be a JSON object"))
             continue
-        if "messages" in raw and "kind" not in raw:  # an OpenAI fine-tuning line
+        if "chosen" in raw and "rejected" in raw and "kind" not in raw:  # a preference pair
+            raw = {"kind": TaskKind.preference.value, **raw}
+        elif "messages" in raw and "kind" not in raw:  # an OpenAI fine-tuning line
             raw = {"kind": TaskKind.chat.value, **raw}
-        if raw.get("kind") == TaskKind.chat.value and "id" not in raw:
+        if raw.get("kind") in (TaskKind.chat.value, TaskKind.preference.value) and "id" not in raw:
             raw = {"id": f"line-{line}", **raw}
         try:
             task = TaskSpec.model_validate(raw)

@@ -21,6 +21,7 @@ from temper.db.models import Task, TaskOutcome, TaskSet
 from temper.storage import ObjectStore
 from temper.storage.base import check_key
 from temper.tasks.models import TaskSpec, TaskStatus, dump_jsonl
+from temper.tasks.splits import HeldOut, TaskSplit, held_out_ids, record_of
 
 MIN_ATTEMPTS_FOR_DIFFICULTY = 1
 
@@ -56,9 +57,13 @@ async def create_taskset(
     *,
     source: str = "",
     taskset_id: str | None = None,
+    held_out: HeldOut | None = None,
 ) -> TaskSet:
     """Store a parsed task set: its file in the object store, its rows in the session's
-    transaction (status ``pending`` until validated)."""
+    transaction (status ``pending`` until validated). ``held_out`` splits it
+    (:mod:`temper.tasks.splits`; :class:`~temper.tasks.splits.SplitError` before anything is
+    stored when the rule holds out none or all)."""
+    held = held_out_ids(tasks, held_out) if held_out is not None else set()
     ts_id = taskset_id or f"ts-{uuid.uuid4().hex[:12]}"
     key = taskset_storage_key(tenant, ts_id)
     if store is not None:
@@ -66,6 +71,7 @@ async def create_taskset(
     row = TaskSet(
         id=ts_id, tenant_id=tenant, name=name, source=source, status="pending", task_count=len(tasks),
         storage_key=key if store is not None else None,
+        held_out=record_of(held_out, len(tasks), len(held)) if held_out is not None else None,
     )  # fmt: skip
     session.add(row)
     await session.flush()
@@ -84,6 +90,7 @@ async def create_taskset(
                 status_reasons=[],
                 prompt_hash=task.prompt_hash,
                 tests_hash=task.tests_hash,
+                split=str(TaskSplit.held_out if task.id in held else TaskSplit.train),
             )  # fmt: skip
         )
     await session.flush()
@@ -145,16 +152,24 @@ async def status_counts(session: AsyncSession, taskset_id: str) -> dict[str, int
     return {status: n for status, n in rows.all()}
 
 
-def sampleable(taskset_id: str) -> ColumnElement[bool]:
+SPLIT_ALL = "all"  # an evaluation of every task of a set, whatever its part
+
+
+def sampleable(taskset_id: str, split: str = TaskSplit.train) -> ColumnElement[bool]:
     """Which tasks of a set an episode may be given: every task not marked invalid
-    (pending ones too, so a set can be used before its validation finishes). The one
-    definition: :func:`sampleable_tasks` and the dispatcher's scheduler use it."""
-    return and_(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid))
+    (pending ones too, so a set can be used before its validation finishes) of the part
+    ``split``: ``train`` (the default: every training path, so a held-out task never reaches
+    a training episode), ``held_out``, or ``all`` (an evaluation of the whole set). The one
+    definition: :func:`sampleable_tasks`, the dispatcher's scheduler and the sft trainer use it."""
+    valid = and_(Task.task_set_id == taskset_id, Task.status != str(TaskStatus.invalid))
+    return valid if split == SPLIT_ALL else and_(valid, Task.split == str(split))
 
 
-async def sampleable_tasks(session: AsyncSession, taskset_id: str) -> list[Task]:
+async def sampleable_tasks(
+    session: AsyncSession, taskset_id: str, split: str = TaskSplit.train
+) -> list[Task]:
     """The tasks of a set an episode may be given (:func:`sampleable`), by key."""
-    rows = await session.scalars(select(Task).where(sampleable(taskset_id)).order_by(Task.key))
+    rows = await session.scalars(select(Task).where(sampleable(taskset_id, split)).order_by(Task.key))
     return list(rows)
 
 
@@ -321,6 +336,7 @@ def taskset_view(row: TaskSet, counts: dict[str, int] | None = None) -> dict[str
         "status": row.status,
         "task_count": row.task_count,
         "storage_key": row.storage_key,
+        "held_out": row.held_out,
         "created_at": row.created_at.isoformat() if row.created_at else None,
         **({"counts": counts} if counts is not None else {}),
     }
@@ -335,6 +351,7 @@ def task_view(row: Task, totals: tuple[int, int] = (0, 0)) -> dict[str, Any]:
         "key": row.key,
         "kind": row.kind,
         "status": row.status,
+        "split": row.split,
         "reasons": row.status_reasons,
         "attempts": attempts,
         "passes": passes,

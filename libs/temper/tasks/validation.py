@@ -180,7 +180,7 @@ async def validate_taskset(
         async with gate:
             runs: dict[str, Any] | None = None
             try:
-                if spec.kind is TaskKind.chat:
+                if spec.kind in (TaskKind.chat, TaskKind.preference):
                     reasons = []  # a conversation's format, checked at upload, is all there is to check
                 else:
                     reasons = await check_task(scorer.runner, spec)

@@ -15,9 +15,9 @@ from temper.tracking.params import Scalar
 
 Point = tuple[str, float, int, int]  # key, value, timestamp ms, step
 
-# the axis each point's step counts along, by the key's prefix: train/* per policy version,
-# rollout/* per iteration (W&B plots each family against its own step metric)
-STEP_AXES = (("train/", "policy_version"), ("rollout/", "iteration"))
+# the axis each point's step counts along, by the key's prefix: train/* and eval/* per policy
+# version, rollout/* per iteration (W&B plots each family against its own step metric)
+STEP_AXES = (("train/", "policy_version"), ("eval/", "policy_version"), ("rollout/", "iteration"))
 
 
 def axis_of(key: str) -> str:

@@ -9,6 +9,7 @@ job's spec names (:class:`temper.tracking.mlflow.MlflowSink`,
 | first event of the job | a run (MLflow: found again by its ``temper.job_id`` tag; W&B: id = the job's id), its tags (tenant, job id and name, Temper's version), the resolved spec and the job's provenance (``provenance.*``) as params (:func:`temper.tracking.params.flatten`, secrets redacted) |
 | ``policy.version`` | every number the trainer published with the version (``train/loss``, ``train/kl``, ``train/entropy``, ``train/grad_norm``, ``train/clip_fraction``, ``train/learning_rate``, ``train/tokens``, ...), step = version |
 | ``episode.reward`` | the iteration's reward so far from the database: ``rollout/reward_mean``, ``rollout/reward_std``, ``rollout/episodes``, step = iteration |
+| ``evaluation`` | an evaluation's results of a version: ``eval/pass_at_<k>`` for each k, ``eval/reward_mean``, ``eval/episodes``, ``eval/<component>`` (each reward component's mean), under ``eval/<label>/`` for a label other than ``eval``; step = the version evaluated |
 | ``job.state`` | tags ``temper.state`` and ``temper.state_reason``, the run's status; at an end, every iteration's reward again, as the database holds it then |
 
 Every point's timestamp is its event's ``occurred_at``: a redelivered event logs the same
@@ -28,7 +29,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from temper.clock import utcnow
-from temper.db import Database, Episode, Job, PolicyVersion
+from temper.db import Database, Episode, Evaluation, Job, PolicyVersion
 from temper.events import LifecycleEvent
 from temper.jobspec import Tracking
 from temper.lifecycle import JOB_TERMINAL
@@ -84,6 +85,26 @@ async def iteration_rewards(
     return {
         it: (n, float(mean), math.sqrt(max(0.0, float(sq) - float(mean) ** 2))) for it, n, mean, sq in rows
     }
+
+
+def eval_points(version: int, label: str, results: dict[str, Any], ts: int) -> list[Point]:
+    """An evaluation's results of ``version`` (``temper.evaluation.summary``) at step = version:
+    ``eval/pass_at_<k>`` (MLflow's metric names allow no ``@``), ``eval/reward_mean``,
+    ``eval/episodes`` and ``eval/<component>``; ``eval/<label>/...`` for another label."""
+    prefix = "eval/" if label == "eval" else f"eval/{label}/"
+    values: dict[str, Any] = {
+        **{f"pass_at_{k}": v for k, v in (results.get("pass_at") or {}).items()},
+        "reward_mean": results.get("reward_mean"),
+        "episodes": results.get("episodes"),
+        **{
+            f"{name}": v for name, v in (results.get("components") or {}).items() if name not in ("episodes",)
+        },
+    }
+    return [
+        (prefix + key, float(v), ts, version)
+        for key, v in sorted(values.items())
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    ]
 
 
 def reward_points(stats: dict[int, tuple[int, float, float]], ts: int) -> list[Point]:
@@ -161,6 +182,13 @@ class Tracker:
         ts = _ms(event)
         if event.event == "policy.version" and event.version is not None:
             return Update(version_points(event), {}, None, ts)
+        if event.event == "evaluation" and event.version is not None:  # a model directory's has no step
+            return Update(
+                eval_points(event.version, str(event.data.get("label") or "eval"), event.data, ts),
+                {},
+                None,
+                ts,
+            )
         if event.event == "episode.reward" and isinstance(event.data.get("iteration"), int):
             stats = await iteration_rewards(self.db, job.id, event.data["iteration"])
             return Update(reward_points(stats, ts), {}, None, ts)
@@ -174,8 +202,9 @@ class Tracker:
 
     async def history(self, job: TrackedJob) -> list[Point]:
         """Every point the database holds for the job now: each version's numbers (at the
-        version's time) and each iteration's reward. A system that may have missed some (W&B,
-        the first time a process sees the job) logs those it lacks."""
+        version's time), each finished evaluation's results (at its end) and each iteration's
+        reward. A system that may have missed some (W&B, the first time a process sees the job)
+        logs those it lacks."""
         async with self.db.session() as s:
             versions = (
                 await s.execute(
@@ -184,10 +213,23 @@ class Tracker:
                     .order_by(PolicyVersion.version)
                 )
             ).all()
+            evaluations = (
+                await s.execute(
+                    select(Evaluation.version, Evaluation.label, Evaluation.summary, Evaluation.completed_at)
+                    .where(
+                        Evaluation.source_job_id == job.id,
+                        Evaluation.version.is_not(None),
+                        Evaluation.completed_at.is_not(None),
+                    )
+                    .order_by(Evaluation.completed_at)
+                )
+            ).all()
         points: list[Point] = []
         for version, metrics, created in versions:
             if version > 0 and metrics:
                 points += train_points(version, metrics, int(created.timestamp() * 1000))
+        for version, label, summary, completed in evaluations:
+            points += eval_points(version, label, summary or {}, int(completed.timestamp() * 1000))
         now = int(utcnow().timestamp() * 1000)
         return points + reward_points(await iteration_rewards(self.db, job.id), now)
 

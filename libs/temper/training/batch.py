@@ -83,17 +83,19 @@ def samples_from_groups(
     skip_zero_variance: bool = True,
     objective: Objective | None = None,
 ) -> tuple[list[Sample], int]:
-    """One :class:`Sample` per trajectory with its advantage (``objective.advantage``, after
-    any overlong penalty on the reward); returns the samples and how many groups were
-    dropped for zero reward variance (of the rewards as trained on, penalties included).
-    ``eps`` is used when no ``objective`` is given."""
+    """One :class:`Sample` per token sequence of each trajectory (one, except an agent's
+    whose history was rewritten: ``Trajectory.samples``), each with its trajectory's
+    advantage (``objective.advantage``, after any overlong penalty on the reward, counted
+    over all its sequences); returns the samples and how many groups were dropped for zero
+    reward variance (of the rewards as trained on, penalties included). ``eps`` is used
+    when no ``objective`` is given."""
     obj = objective or Objective(adv_eps=eps)
     samples: list[Sample] = []
     skipped = 0
     for group in groups:
-        flat = [t.flat() for t in group]
+        flat = [t.samples() for t in group]
         rewards = [t.reward for t in group]
-        lengths = [sum(mask) for _, mask, _ in flat]
+        lengths = [sum(sum(mask) for _, mask, _ in seqs) for seqs in flat]
         if obj.overlong is Overlong.penalty:
             rewards = [
                 r + overlong_penalty(n, obj.overlong_max_tokens, obj.overlong_buffer)
@@ -103,21 +105,22 @@ def samples_from_groups(
             skipped += 1
             continue
         advs = advantages(rewards, obj.advantage, obj.adv_eps)
-        for traj, (ids, mask, logprobs), adv, n in zip(group, flat, advs, lengths, strict=True):
-            samples.append(
-                Sample(
-                    ids,
-                    mask,
-                    logprobs,
-                    adv,
-                    traj.reward,
-                    traj.behaviour_version,
-                    traj.episode_id,
-                    traj.group_id,
-                    filtered=obj.overlong is Overlong.filter and n >= obj.overlong_max_tokens,
-                    versions=traj.flat_versions(),
+        for traj, seqs, adv, n in zip(group, flat, advs, lengths, strict=True):
+            for (ids, mask, logprobs), versions in zip(seqs, traj.sample_versions(), strict=True):
+                samples.append(
+                    Sample(
+                        ids,
+                        mask,
+                        logprobs,
+                        adv,
+                        traj.reward,
+                        traj.behaviour_version,
+                        traj.episode_id,
+                        traj.group_id,
+                        filtered=obj.overlong is Overlong.filter and n >= obj.overlong_max_tokens,
+                        versions=versions,
+                    )
                 )
-            )
     return samples, skipped
 
 

@@ -203,9 +203,12 @@ class LearnerConfig:
     # supervised fine-tuning (algorithm.name sft): the loss is the token-mean negative
     # log-likelihood of the masked tokens; no advantage, ratio, reference or canary
     sft: bool = False
-    # DPO (temper.training.dpo; not yet a job: algorithm.name dpo is refused): beta, and a
-    # frozen reference as the KL term's (a copy of the initial weights, or the adapter off)
+    # DPO (temper.training.dpo; algorithm.name dpo): beta, and a frozen reference as the KL
+    # term's (a copy of the initial weights, or the adapter off)
     dpo_beta: float | None = None
+    # a reward model (algorithm.name reward_model; temper.training.reward_model): the model is
+    # a sequence classifier with one output, trained by the Bradley-Terry loss on pairs
+    reward_model: bool = False
 
     def objective(self) -> Objective:
         return Objective(
@@ -231,7 +234,7 @@ class LearnerConfig:
         """The job's algorithm settings plus the trainer process's own knobs."""
         s = settings or TrainerSettings.model_validate({})
         a = algorithm
-        if a.name is Algorithm.sft:
+        if a.name in (Algorithm.sft, Algorithm.dpo, Algorithm.reward_model):
             return cls(
                 learning_rate=a.learning_rate,
                 max_grad_norm=a.max_grad_norm,
@@ -241,7 +244,9 @@ class LearnerConfig:
                 gradient_checkpointing=a.gradient_checkpointing,
                 memory_limit_gb=s.memory_limit_gb,
                 lora=a.lora,
-                sft=True,
+                sft=a.name is Algorithm.sft,
+                dpo_beta=a.beta if a.name is Algorithm.dpo else None,
+                reward_model=a.name is Algorithm.reward_model,
             )
         if a.aggregation is Aggregation.seq_sum and a.loss_constant is None:
             raise ValueError("aggregation seq_sum needs algorithm.loss_constant")
@@ -330,6 +335,9 @@ class StepStats:
     # (1 without a correction) and the share of tokens whose rho passed the cap
     correction_weight_mean: float = 1.0
     correction_capped_fraction: float = 0.0
+    # pairs (dpo, reward_model): the share of pairs the model ranked right before the step
+    # (dpo: the implicit reward beta * (log-ratio chosen - log-ratio rejected) > 0)
+    pair_accuracy: float = 0.0
 
     def as_dict(self, *, with_staleness: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -540,7 +548,7 @@ class Learner:
             return stats
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
-        tokens, batches = 0, 0
+        tokens, batches, right, margins = 0, 0, 0, 0.0
         for mb in pair_micro_batches(pairs, self.config.micro_batch_tokens):
             rows = [Sample(ids, mask, [0.0] * len(ids), 0.0, 0.0) for pair in mb for ids, mask in pair]
             b = collate([self._truncate(r) for r in rows], self.pad_id, self.device)
@@ -560,6 +568,9 @@ class Learner:
             loss = dpo_loss(seq[0::2], seq[1::2], ref_seq[0::2], ref_seq[1::2], beta).sum() / len(pairs)
             loss.backward()
             stats.loss += float(loss.detach())
+            implicit = (seq[0::2] - ref_seq[0::2]) - (seq[1::2] - ref_seq[1::2])
+            right += int((implicit.detach() > 0).sum())
+            margins += float(beta * implicit.detach().sum())
             tokens += b.tokens
             batches += 1
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -576,8 +587,68 @@ class Learner:
             tokens,
             batches,
         )
+        stats.pg_loss = stats.loss
+        stats.reward_mean = margins / len(pairs)
+        stats.pair_accuracy = right / len(pairs)
         stats.learning_rate = float(self.optimizer.param_groups[0]["lr"])
         stats.seconds = time.perf_counter() - started
+        return stats
+
+    def step_preferences(self, pairs: Sequence[tuple[list[int], list[int]]]) -> StepStats:
+        """One reward-model step on (chosen, rejected) id sequences
+        (:func:`temper.training.reward_model.encode`): the Bradley-Terry loss
+        (:func:`~temper.training.reward_model.bradley_terry_loss`) averaged over the pairs.
+        A pair's two rows share a micro-batch. ``reward_mean`` is the mean margin
+        ``r_chosen - r_rejected`` and ``pair_accuracy`` the share of pairs the model ranked
+        right, both before the step."""
+        from temper.training.dpo import pair_micro_batches
+        from temper.training.reward_model import bradley_terry_loss, sequence_scores
+
+        if not self.config.reward_model:
+            raise ValueError("step_preferences is the reward-model step; this learner trains a policy")
+        started = time.perf_counter()
+        stats = StepStats(step=self.step_count, version=self.version, updated=False, samples=2 * len(pairs))
+        if not pairs:
+            return stats
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        tokens, batches, right, margins = 0, 0, 0, 0.0
+        limit = self.max_len
+        encoded: list[tuple[tuple[list[int], list[bool]], tuple[list[int], list[bool]]]] = [
+            ((c[-limit:] if limit else c, []), (r[-limit:] if limit else r, [])) for c, r in pairs
+        ]
+        for mb in pair_micro_batches(encoded, self.config.micro_batch_tokens):
+            rows = [ids for pair in mb for ids, _ in pair]
+            with self._autocast():
+                scores = sequence_scores(self.model, rows, self.pad_id, self.device)
+            margin = scores[0::2] - scores[1::2]
+            loss = bradley_terry_loss(scores[0::2], scores[1::2]).sum() / len(pairs)
+            loss.backward()
+            stats.loss += float(loss.detach())
+            right += int((margin > 0).sum())
+            margins += float(margin.detach().sum())
+            tokens += sum(len(r) for r in rows)
+            batches += 1
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.weights_at_version = False
+            self.step_count += 1
+            stats.updated = True
+        self.optimizer.zero_grad(set_to_none=True)
+        stats.step, stats.grad_norm, stats.tokens, stats.micro_batches = (
+            self.step_count,
+            grad_norm,
+            tokens,
+            batches,
+        )
+        stats.pg_loss = stats.loss
+        stats.reward_mean = margins / len(pairs)
+        stats.pair_accuracy = right / len(pairs)
+        stats.learning_rate = float(self.optimizer.param_groups[0]["lr"])
+        stats.seconds = time.perf_counter() - started
+        stats.tokens_per_s = tokens / stats.seconds if stats.seconds > 0 else 0.0
         return stats
 
     @on_adapter

@@ -10,15 +10,17 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.dispatcher import evaluation
 from services.dispatcher.api import repo, schemas
 from services.dispatcher.api.auth import bearer_scheme
 from services.dispatcher.api.bodies import MAX_SPEC_BYTES, read_limited, too_large
 from services.dispatcher.api.deps import CurrentTenant, RuntimeDep, SessionDep
 from services.dispatcher.api.validation import check_names, check_template, load_document, strict_spec
+from services.dispatcher.backends import deployment
 from temper import problems
 from temper.db import Job
 from temper.envpkg import service as envpkg
-from temper.jobspec import TAG_PATTERN, JobSpec, SpecError
+from temper.jobspec import TAG_PATTERN, JobSpec, SpecError, submitted_errors
 from temper.lifecycle import IllegalTransition, JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(bearer_scheme)])
@@ -123,6 +125,18 @@ async def job_or_404(session: SessionDep, tenant: CurrentTenant, job_id: str) ->
 JobDep = Annotated[Job, Depends(job_or_404)]
 
 
+async def check_evaluation(session: SessionDep, *, spec: JobSpec, runtime: Any, tenant_id: str) -> None:
+    """A submitted spec carries no ``evaluate`` (the server makes evaluation jobs), and its
+    ``evaluation`` section names a task set of the tenant with tasks in its split, and a pool
+    this deployment has."""
+    errors = submitted_errors(spec)
+    backends = await deployment(session, runtime.settings)
+    pools = {b.pool for b in backends} if backends else None
+    errors += await evaluation.section_errors(session, spec, tenant_id=tenant_id, pools=pools)
+    if errors:
+        raise SpecError(errors)
+
+
 def job_detail(job: Job) -> schemas.Job:
     return schemas.Job(**repo.job_summary(job), spec=job.spec, provenance=job.provenance)
 
@@ -152,6 +166,7 @@ async def submit_job(
         await check_names(
             session, spec=spec, settings=runtime.settings, tenant_id=tenant.id, store=runtime.store
         )
+        await check_evaluation(session, spec=spec, runtime=runtime, tenant_id=tenant.id)
         await envpkg.pin(runtime.store, tenant_id=tenant.id, spec=spec)
         await check_template(session, spec=spec, store=runtime.store)
         job = await repo.create_job(session, tenant=tenant, spec=spec, store=runtime.store)
@@ -193,6 +208,7 @@ async def rerun_job(
         await check_names(
             session, spec=spec, settings=runtime.settings, tenant_id=tenant.id, store=runtime.store
         )
+        await check_evaluation(session, spec=spec, runtime=runtime, tenant_id=tenant.id)
         await envpkg.pin(runtime.store, tenant_id=tenant.id, spec=spec)
         await check_template(session, spec=spec, store=runtime.store)
         new = await repo.create_job(session, tenant=tenant, spec=spec, store=runtime.store, rerun_of=job.id)

@@ -16,6 +16,7 @@ from sqlalchemy import Select, String, and_, case, cast, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher import evaluation_views
 from services.dispatcher.api import schemas
 from services.dispatcher.sampling import replacement_groups, zero_variance_groups
 from temper import provenance
@@ -238,10 +239,18 @@ def job_summary(job: Job) -> dict[str, Any]:
         "iterations": int(spec.get("schedule", {}).get("iterations", 0)),
         "policy_version": job.policy_version,
         "taskset": str(spec.get("tasks", {}).get("taskset", "")),
+        "evaluates": _evaluates(spec.get("evaluate")),
         "created_at": job.created_at,
         "updated_at": job.updated_at,
         "finished_at": job.finished_at,
     }
+
+
+def _evaluates(evaluate: Any) -> dict[str, Any] | None:
+    """What an evaluation job evaluates, from its spec's ``evaluate`` (None for a training job)."""
+    if not isinstance(evaluate, dict):
+        return None
+    return {k: evaluate.get(k) for k in ("job", "version", "model", "label", "split", "periodic")}
 
 
 # --- episodes -------------------------------------------------------------------------
@@ -442,6 +451,7 @@ async def job_metrics(
         throughput=throughput,
         staleness=staleness,
         training=await _training(session, job, scored=sum(p.episodes for p in curve)),
+        evaluations=[schemas.EvaluationPoint(**p) for p in await evaluation_views.points(session, job.id)],
         pass_threshold=pass_threshold,
     )
 

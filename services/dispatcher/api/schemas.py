@@ -7,7 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from temper.jobspec import HANDLE_PATTERN, TAG_PATTERN
+from temper.jobspec import HANDLE_PATTERN, LABEL_PATTERN, TAG_PATTERN, EvalRule, Split
+from temper.jobspec import Sampling as SamplingSpec
 
 PASS_THRESHOLD = (
     "without it, an episode passed as recorded when it was scored (temper.rewards.passed: its "
@@ -52,6 +53,11 @@ class JobSummary(_Out):
     iterations: int = Field(description="iterations the spec asks for")
     policy_version: int
     taskset: str
+    evaluates: dict[str, Any] | None = Field(
+        None,
+        description="an evaluation job: what it evaluates (`job`, `version` or `model`, `label`, `split`); "
+        "null for a training job",
+    )
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None = None
@@ -266,7 +272,74 @@ class JobMetrics(BaseModel):
     throughput: Throughput
     staleness: Staleness
     training: Training
+    evaluations: list[EvaluationPoint] = Field(
+        [], description="the job's evaluations, by version (docs/job-spec.md, evaluation)"
+    )
     pass_threshold: float | None = Field(description=PASS_THRESHOLD)
+
+
+# --- evaluations ----------------------------------------------------------------------
+
+
+class EvaluationRequest(EvalRule):
+    """``POST /v1/jobs/{id}/evaluations``: evaluate one of the job's versions, or a model
+    directory with the job's environment and rewards, as a job of its own. ``samples``,
+    ``pass_at``, ``passed_by`` and ``pass_threshold`` as in a spec's ``evaluation``."""
+
+    version: int | None = Field(
+        None, ge=0, description="a version the job published (0: its initial weights)"
+    )
+    model: str | None = Field(None, max_length=4096, description="a model directory instead of a version")
+    taskset: str | None = Field(None, max_length=200, description="a task set of yours; default: the job's")
+    split: Split | None = Field(
+        None, description="held_out | train | all; default: held_out of the job's task set, all of another"
+    )
+    sampling: SamplingSpec | None = Field(None, description="default: the job's policy.sampling")
+    max_concurrent_episodes: int | None = Field(None, ge=1, description="default: the job's")
+    backend_pool: str | None = Field(
+        None, max_length=200, description="default: the job's policy.backend_pool"
+    )
+    label: str = Field("eval", pattern=LABEL_PATTERN, description="the name its results are logged under")
+
+
+class EvaluationTask(BaseModel):
+    task_id: str
+    samples: int = Field(description="scored episodes of the task")
+    passed: int
+    pass_at: dict[str, float] = Field(description="k -> pass@k (unbiased estimator), for each k <= samples")
+    reward_mean: float
+    components: dict[str, float] = Field(description="each reward component's mean")
+
+
+class EvaluationPoint(BaseModel):
+    """One evaluation of a job's version: where it stands and its results."""
+
+    evaluation_job_id: str = Field(description="the evaluation's own job (its episodes, transcripts)")
+    state: str = Field(description="the evaluation job's state")
+    state_reason: str | None = None
+    source_job_id: str = Field(description="the job evaluated (or whose environment evaluated a model)")
+    version: int | None = Field(description="the version evaluated; null for a model directory")
+    model: str | None = None
+    label: str
+    periodic: bool = Field(description="made by the job's evaluation section (else on request)")
+    taskset: str
+    split: str
+    samples: int = Field(description="episodes per task")
+    pass_at: dict[str, float | None] = Field(
+        {}, description="k -> the mean pass@k over the tasks that have k scored samples; {} until it ends"
+    )
+    reward_mean: float | None = None
+    components: dict[str, float] = {}
+    summary: dict[str, Any] | None = Field(None, description="temper.evaluation.summary, once it ended")
+    created_at: datetime
+    completed_at: datetime | None = None
+
+
+class Evaluation(EvaluationPoint):
+    ks: list[int] = Field(description="the k of each pass@k")
+    passed_by: str
+    pass_threshold: float | None = None
+    tasks: list[EvaluationTask] | None = Field(None, description="per task, with ?tasks=true")
 
 
 # --- tenants and keys -----------------------------------------------------------------
@@ -370,3 +443,6 @@ class UpdateTenant(BaseModel):
 class CreateKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field("", max_length=200)
+
+
+JobMetrics.model_rebuild()

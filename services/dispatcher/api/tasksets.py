@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api.bodies import MAX_TASKSET_BYTES, read_limited
@@ -25,6 +26,7 @@ from temper.db import TaskSet
 from temper.runtime import Runtime
 from temper.tasks import service
 from temper.tasks.models import TaskFormatError, TaskSpec, parse_tasks
+from temper.tasks.splits import HeldOut, SplitError
 
 # Queues validation and returns a job id: a blocking call (run in a thread: Celery) or a
 # coroutine function (run on the loop: the in-process validation of embedded mode).
@@ -87,8 +89,19 @@ def make_router(
         name: str = Query("taskset", min_length=1, max_length=200),
         validate: bool = Query(True, description="queue the validation pipeline"),
         source: str = Query("upload", max_length=200, description="where the tasks came from"),
+        held_out_fraction: float | None = Query(
+            None, gt=0, lt=1, description="hold out this share of the tasks, chosen by held_out_seed"
+        ),
+        held_out_seed: int = Query(0, ge=0, le=2**63 - 1, description="the seed of a split by fraction"),
+        held_out_field: str | None = Query(
+            None,
+            max_length=64,
+            description="hold out the tasks whose metadata field is one of held_out_values",
+        ),
+        held_out_values: str | None = Query(None, max_length=2000, description="comma-separated values"),
     ) -> Any:
         tenant_id = tenant_id_of(tenant)
+        held_out = _held_out_rule(held_out_fraction, held_out_seed, held_out_field, held_out_values)
         body = await read_limited(request, MAX_TASKSET_BYTES, "the task set")
         try:
             tasks = _parse_body(body, request.headers.get("content-type", ""))
@@ -96,7 +109,12 @@ def make_router(
             return exc.response()  # type: ignore[return-value]
         assert runtime.db is not None
         async with runtime.db.session() as session:
-            row = await service.create_taskset(session, runtime.store, tenant_id, name, tasks, source=source)
+            try:
+                row = await service.create_taskset(
+                    session, runtime.store, tenant_id, name, tasks, source=source, held_out=held_out
+                )
+            except SplitError as exc:
+                raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from None
             view = service.taskset_view(row, {"pending": len(tasks)})
         view["validation"] = await _enqueue(enqueue, row.id) if validate else {"queued": False}
         return view
@@ -164,6 +182,25 @@ def make_router(
         return {"id": taskset_id, "validation": result}
 
     return router
+
+
+def _held_out_rule(
+    fraction: float | None, seed: int, field: str | None, values: str | None
+) -> HeldOut | None:
+    """The upload's split (``temper.tasks.splits``) from its query parameters, or None; a 422
+    naming what is wrong."""
+    if fraction is None and field is None and values is None:
+        return None
+    listed = [v.strip() for v in (values or "").split(",") if v.strip()]
+    try:
+        return HeldOut(fraction=fraction, seed=seed, field=field, values=listed)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT, f"held-out split: {where + ': ' if where else ''}{message}"
+        ) from None
 
 
 async def _taskset(session: AsyncSession, ref: str, tenant: Any) -> TaskSet:

@@ -34,11 +34,14 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from services.dispatcher.api.episode_data import taskset_from_episodes
+from services.dispatcher.api.model_refs import init_errors, reward_model_errors
 from services.dispatcher.backends import deployment
 from temper import problems
-from temper.db import Job, PolicyVersion, Task, TaskSet
-from temper.jobspec import JobSpec, SpecError, job_reference, plugin_errors, rl_only_errors
+from temper.db import Job, Task, TaskSet
+from temper.jobspec import OFFLINE_DATA, JobSpec, SpecError, plugin_errors, rl_only_errors
 from temper.policy.placement import BackendInfo, missing_model_files, need_of, serve_error
+from temper.problems import clip
 from temper.provenance import local_dir
 from temper.settings import Settings
 from temper.tasks.service import TaskSetAmbiguous, TaskSetNotFound, get_taskset
@@ -49,13 +52,6 @@ MAX_DEPTH = 32  # the spec's own nesting is 5; tool parameter schemas need a few
 MAX_NODES = 100_000
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_LISTED = 20  # allowed values named in one message
-MAX_ECHO = 80  # characters of a user's value repeated in an error message
-
-
-def clip(value: object, limit: int = MAX_ECHO) -> str:
-    """``repr`` of a value, cut so an error never echoes a huge input back."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 # --- the document -------------------------------------------------------------------------
@@ -195,8 +191,9 @@ def model_errors(spec: JobSpec, settings: Settings, backends: list[BackendInfo])
                 )
         elif field == "policy.model" and ref is not None and ref not in models:
             errors.append((field, unknown("model", ref, models) + " (or a model directory)"))
-    if errors or not backends or spec.is_sft:
-        # no backend list: this dispatcher cannot tell what the gateway serves; sft serves nothing
+    if errors or not backends or spec.is_offline:
+        # no backend list: this dispatcher cannot tell what the gateway serves; a job without
+        # episodes (sft, dpo, reward_model) is served nothing
         return errors
     p = spec.policy
     need = need_of("", model=p.model, init=p.init, pool=p.backend_pool, lora=spec.algorithm.lora is not None)
@@ -269,98 +266,30 @@ async def limit_errors(session: AsyncSession, *, spec: JobSpec, settings: Settin
     return list(errors)
 
 
-async def init_errors(
-    session: AsyncSession, *, spec: JobSpec, tenant_id: str, store: Any
-) -> list[tuple[str, str]]:
-    """``policy.init`` naming another job's version (``job:<job>@v<N>``, or ``@latest``):
-    the job is the tenant's, the version is published and holds full weights, the job
-    trained the same ``policy.model``, and the tokenizer this job would render with is the
-    one the version was trained with. The spec then names the version's prefix in object
-    storage (pinned: ``@latest`` is the latest at submission), which the trainer, the
-    gateway and the dispatcher load as any model directory there. A key under another
-    tenant's prefix is refused."""
-    init = spec.policy.init
-    if init is None:
-        return []
-    if init.startswith("tenants/") and not init.startswith(f"tenants/{tenant_id}/"):
-        return [("policy.init", "names another tenant's objects; name a job of yours as job:<job>@v<N>")]
-    ref = job_reference(init)
-    if ref is None:
-        return []
-    job_ref, number = ref
-    source = await session.get(Job, job_ref)
-    if source is None or source.tenant_id != tenant_id:
-        source = await session.scalar(select(Job).where(Job.tenant_id == tenant_id, Job.handle == job_ref))
-    if source is None:
-        return [("policy.init", f"no job of yours has the id or handle {clip(job_ref)}")]
-    query = select(PolicyVersion).where(PolicyVersion.job_id == source.id)
-    query = query.where(PolicyVersion.version == number) if number is not None else query
-    row = await session.scalar(query.order_by(PolicyVersion.version.desc()).limit(1))
-    if row is None:
-        what = f"no version v{number}" if number is not None else "no version yet"
-        return [("policy.init", f"job {source.id} has published {what}")]
-    trained_on = (source.spec.get("policy") or {}).get("model")
-    if trained_on != spec.policy.model:
-        return [
-            (
-                "policy.init",
-                f"v{row.version} of job {source.id} was trained from model {trained_on!r}, "
-                f"not policy.model {spec.policy.model!r}",
-            )
-        ]
-    if store is None:
-        return [("policy.init", "no object store is configured to read the version from")]
-    from temper import registry
-
-    try:
-        manifest = await registry.read_manifest(store, row.checkpoint_key)
-    except registry.CorruptVersion as exc:
-        return [("policy.init", str(exc))]
-    if manifest.kind != "full":
-        return [
-            (
-                "policy.init",
-                f"v{row.version} of job {source.id} is a LoRA adapter; a job starts only from full weights "
-                "(train the sft job without algorithm.lora)",
-            )
-        ]
-    own = local_dir(spec.policy.model)
-    entry = manifest.files.get("tokenizer.json")
-    if own is not None and (own / "tokenizer.json").is_file() and entry is not None:
-        import hashlib
-
-        if hashlib.sha256((own / "tokenizer.json").read_bytes()).hexdigest() != entry.sha256:
-            return [
-                (
-                    "policy.init",
-                    f"v{row.version} of job {source.id} was trained with another tokenizer than "
-                    f"policy.model's ({spec.policy.model})",
-                )
-            ]
-    spec.policy.init = registry.prefix_of(row.checkpoint_key)
-    return []
-
-
 async def taskset_kind_errors(session: AsyncSession, *, spec: JobSpec) -> list[tuple[str, str]]:
-    """An sft job trains on a task set of conversations (kind chat); an RL job runs episodes
-    on tasks that are not conversations."""
+    """A job without episodes trains on its kind of data (sft: chat tasks; dpo and
+    reward_model: preference tasks); an RL job runs episodes on tasks that are neither."""
     kinds = set(
         (
             await session.execute(select(Task.kind).where(Task.task_set_id == spec.tasks.taskset).distinct())
         ).scalars()
     )
-    if spec.is_sft and kinds - {"chat"}:
+    wanted = spec.data_kind
+    if wanted is not None and kinds - {wanted}:
         return [
             (
                 "tasks.taskset",
-                f"an sft job trains on chat tasks; this task set has {', '.join(sorted(kinds - {'chat'}))} tasks",
+                f"a {spec.algorithm.name} job trains on {wanted} tasks; this task set has "
+                f"{', '.join(sorted(kinds - {wanted}))} tasks",
             )
         ]
-    if not spec.is_sft and "chat" in kinds:
+    data = kinds & set(OFFLINE_DATA.values())
+    if wanted is None and data:
         return [
             (
                 "tasks.taskset",
-                "chat tasks are data for sft jobs (algorithm.name: sft); an RL job runs code, math or shell tasks",
+                f"{' and '.join(sorted(data))} tasks are data for jobs without episodes (chat: sft; preference: "
+                "dpo, reward_model); an RL job runs code, math or shell tasks",
             )
         ]
     return []
@@ -372,18 +301,24 @@ async def check_names(
     """Every name the spec references, checked against this deployment; all problems at once."""
     errors = plugin_errors(spec)
     errors += await init_errors(session, spec=spec, tenant_id=tenant_id, store=store)
+    errors += await reward_model_errors(session, spec=spec, tenant_id=tenant_id, store=store)
     errors += model_errors(spec, settings, await deployment(session, settings))
+    # an sft job on another job's episodes: their task set is made now and named in the spec
+    errors += await taskset_from_episodes(session, spec=spec, tenant_id=tenant_id, store=store)
     try:
         # a name stands for the one task set of the tenant with it: the job keeps the id
         spec.tasks.taskset = (await get_taskset(session, spec.tasks.taskset, tenant=tenant_id)).id
     except TaskSetAmbiguous as exc:
         errors.append(("tasks.taskset", str(exc)))
     except TaskSetNotFound:
-        rows = await session.execute(select(TaskSet.id, TaskSet.name).where(TaskSet.tenant_id == tenant_id))
-        known = {ref for row in rows for ref in row}
-        errors.append(
-            ("tasks.taskset", unknown("task set", spec.tasks.taskset, known) + " (an id or a name)")
-        )
+        if spec.tasks.taskset:  # none is named when from_job's set could not be made (its error says why)
+            rows = await session.execute(
+                select(TaskSet.id, TaskSet.name).where(TaskSet.tenant_id == tenant_id)
+            )
+            known = {ref for row in rows for ref in row}
+            errors.append(
+                ("tasks.taskset", unknown("task set", spec.tasks.taskset, known) + " (an id or a name)")
+            )
     prior = spec.tasks.prior_from_job
     if prior is not None:
         job = await session.get(Job, prior)
@@ -397,12 +332,36 @@ async def check_names(
                     f"job {prior} ran on task set {ran_on!r}, not {spec.tasks.taskset!r}",
                 )
             )
-    if not any(path == "tasks.taskset" for path, _ in errors):
+    if spec.tasks.taskset and not any(path == "tasks.taskset" for path, _ in errors):
         errors += await taskset_kind_errors(session, spec=spec)
     errors += await image_errors(session, spec=spec, store=store)
     errors += await limit_errors(session, spec=spec, settings=settings)
+    errors += agent_errors(spec, settings)
     if errors:
         raise SpecError(errors)
+
+
+def agent_errors(spec: JobSpec, settings: Settings) -> list[tuple[str, str]]:
+    """Kind agent needs the gateway's address as sandboxes reach it, and a sandbox network
+    through which they do (the allowlist, which the episode's run gets the gateway added to)."""
+    from temper.jobspec import AGENT_KIND
+
+    env = spec.environment
+    if env.kind != AGENT_KIND:
+        return []
+    errors = []
+    if settings.agent.url is None:
+        errors.append(
+            ("environment.kind", "kind agent needs the gateway's address for sandboxes: this deployment does "
+             "not set TEMPER_AGENT__URL")
+        )  # fmt: skip
+    network = env.limits.get("network")
+    if network not in (None, "allowlist"):
+        errors.append(
+            ("environment.limits.network", f"an agent reaches the gateway through the allowlist proxy: "
+             f"allowlist (or leave it out), not {network}")
+        )  # fmt: skip
+    return errors
 
 
 async def template_errors(
@@ -414,8 +373,7 @@ async def template_errors(
     and the token-wise continuation with that result. A template that cannot is refused
     now with its own error, under the field whose model gave it, not in the first
     episode. (A model directory that does not load is ``model_errors``' to report.)"""
-    from temper.envs import make_environment
-    from temper.jobspec import PACKAGE_KIND
+    from temper.envs import environment_options, make_environment
     from temper.policy.tokenizer import (
         TemplateError,
         fetch_policy_tokenizer,
@@ -446,17 +404,7 @@ async def template_errors(
     ).first()
     task = dict(row._mapping) if row is not None else {"id": "probe", "kind": env.kind, "prompt": "Probe."}
     try:
-        environment = make_environment(
-            env.kind or str(task["kind"]),
-            task,
-            max_turns=env.max_turns,
-            action_format=env.action_format,
-            limits=env.limits,
-            system_prompt=env.system_prompt,
-            tools=env.tools,
-            tool_role=env.tool_role,
-            **({"package": env.package} if env.kind == PACKAGE_KIND else {}),
-        )
+        environment = make_environment(env.kind or str(task["kind"]), task, **environment_options(env))
     except Exception as exc:  # noqa: BLE001 - names and packages are checked elsewhere
         log.debug("template check skipped: the environment did not build: %s", exc)
         return []

@@ -20,6 +20,8 @@ svg.chart .tick, svg.chart .axis { fill: #6b7280; font-size: 11px; }
 svg.chart .band { fill: rgba(47, 111, 222, .15); stroke: none; }
 svg.chart .mean { fill: none; stroke: #2f6fde; stroke-width: 2; }
 svg.chart .point { fill: #2f6fde; }
+svg.chart .series { fill: none; stroke-width: 2; }
+svg.chart .legend-label { font-size: 12px; fill: #222; }
 svg.chart.empty text { fill: #6b7280; }
 """
 
@@ -253,3 +255,63 @@ def training_charts(versions: Sequence[Any]) -> list[Markup]:
         )
         for field, label in TRAINING_CHARTS
     ]
+
+
+def eval_curve_svg(points: Sequence[Any], *, width: int = 680, height: int = 260) -> Markup:
+    """pass@k per policy version of the job's finished evaluations of one label (``points``:
+    ``schemas.EvaluationPoint``), a line per k (:data:`PALETTE` in the order of k), on a 0..1
+    axis; each point's tooltip has its mean reward and scored episodes."""
+    done = [p for p in points if p.version is not None and p.state == "completed" and p.pass_at]
+    labels = sorted({p.label for p in done})
+    done = [p for p in done if labels and p.label == labels[0]]
+    ks = sorted({k for p in done for k in p.pass_at}, key=int)
+    if not done:
+        return Markup(
+            f'<svg id="eval-curve" class="chart empty" viewBox="0 0 {width} 80" role="img" '
+            'aria-label="evaluation curve"><text x="12" y="44">No finished evaluation yet.</text></svg>'
+        )
+    left, right, top, bottom = 52, 16, 14 + 16 * len(ks), 34
+    w, h = width - left - right, height - top - bottom
+    x0, x1 = min(p.version for p in done), max(p.version for p in done)
+
+    def sx(x: float) -> float:
+        return left + (w / 2 if x1 == x0 else (x - x0) / (x1 - x0) * w)
+
+    def sy(y: float) -> float:
+        return top + h - y * h
+
+    parts = [
+        f'<svg id="eval-curve" class="chart" viewBox="0 0 {width} {height}" role="img" '
+        f'aria-label="pass@k per policy version" data-points="{len(done)}" data-label="{escape(labels[0])}">'
+    ]
+    for t in (0.0, 0.25, 0.5, 0.75, 1.0):
+        y = sy(t)
+        parts.append(f'<line class="grid" x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}"/>')
+        parts.append(f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+    for v in _x_ticks(x0, x1):
+        parts.append(
+            f'<text class="tick" x="{sx(v):.1f}" y="{top + h + 18}" text-anchor="middle">v{v}</text>'
+        )
+    parts.append(
+        f'<text class="axis" x="{left + w / 2:.1f}" y="{height - 2}" text-anchor="middle">policy version</text>'
+    )
+    for i, k in enumerate(ks):
+        color = PALETTE[i % len(PALETTE)]
+        have = sorted((p.version, p.pass_at[k], p) for p in done if p.pass_at.get(k) is not None)
+        line = " ".join(f"{sx(v):.1f},{sy(y):.1f}" for v, y, _ in have)
+        parts.append(f'<polyline class="series" data-k="{k}" stroke="{color}" points="{line}"/>')
+        for v, y, p in have:
+            reward = "–" if p.reward_mean is None else f"{p.reward_mean:.3f}"
+            tip = escape(
+                f"v{v}: pass@{k} {y:.3f} ({p.label}, {p.taskset}:{p.split}, mean reward {reward}, "
+                f"{(p.summary or {}).get('episodes', 0)} episodes)"
+            )
+            parts.append(
+                f'<circle class="point" style="fill: {color}" cx="{sx(v):.1f}" cy="{sy(y):.1f}" r="3">'
+                f"<title>{tip}</title></circle>"
+            )
+        y = 12 + 16 * i
+        parts.append(f'<rect x="{left}" y="{y - 9}" width="10" height="10" fill="{color}"/>')
+        parts.append(f'<text class="legend-label" x="{left + 16}" y="{y}">pass@{escape(k)}</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))

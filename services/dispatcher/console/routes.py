@@ -17,10 +17,18 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from services.dispatcher import evaluation_views
 from services.dispatcher.api import repo
 from services.dispatcher.api.deps import SessionDep, StoreDep
 from services.dispatcher.api.transcripts import stored_log, transcript
-from services.dispatcher.console.charts import PALETTE, reward_curve_svg, reward_curves_svg, training_charts
+from services.dispatcher.console.charts import (
+    PALETTE,
+    eval_curve_svg,
+    reward_curve_svg,
+    reward_curves_svg,
+    training_charts,
+)
+from temper.jobspec import reward_weights
 from temper.lifecycle import JOB_TERMINAL, IllegalTransition
 from temper.tenants import Caller, authenticate
 
@@ -176,10 +184,25 @@ async def _live_context(session: SessionDep, job: Any) -> dict[str, Any]:
         "job": repo.job_summary(job),
         "m": metrics,
         "chart": reward_curve_svg(metrics.reward_curve),
+        "eval_chart": eval_curve_svg(metrics.evaluations) if metrics.evaluations else None,
+        "eval_tasks": await _latest_eval_tasks(session, metrics.evaluations),
+        "eval_ks": sorted({k for p in metrics.evaluations for k in p.pass_at}, key=int),
         "training_charts": training_charts(metrics.training.versions),
         "live": job.state not in JOB_TERMINAL,
         "refresh_s": REFRESH_S,
     }
+
+
+async def _latest_eval_tasks(session: SessionDep, points: list[Any]) -> dict[str, Any] | None:
+    """The newest finished evaluation of a version (by version), with its per-task results."""
+    done = [p for p in points if p.state == "completed" and p.version is not None]
+    if not done:
+        return None
+    latest = max(done, key=lambda p: (p.version, p.created_at))
+    tasks = (await evaluation_views.task_rows(session, [latest.evaluation_job_id])).get(
+        latest.evaluation_job_id, []
+    )
+    return {"point": latest, "tasks": tasks, "ks": sorted({k for t in tasks for k in t["pass_at"]}, key=int)}
 
 
 @router.get("/jobs/{job_id}")
@@ -210,6 +233,7 @@ async def job_page(
         "job.html",
         caller=caller,
         spec=job.spec,
+        provenance=job.provenance,
         episodes=episodes.rows,
         episodes_total=episodes.total,
         next_cursor=episodes.next_cursor,
@@ -253,7 +277,7 @@ async def episode_page(
         raise PageError(status.HTTP_404_NOT_FOUND, f"There is no episode {episode_id} in this tenant.")
     t = await transcript(session, store, episode)
     job = await repo.get_job(session, tenant_id=caller.tenant.id, job_id=episode.job_id)
-    weights = dict((job.spec or {}).get("rewards") or {}) if job is not None else {}
+    weights = reward_weights((job.spec or {}).get("rewards") or {}) if job is not None else {}
     return page(
         request, "episode.html", caller=caller, t=t, ep=t.episode, components=reward_rows(t.rewards, weights)
     )

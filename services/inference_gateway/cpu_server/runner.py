@@ -196,12 +196,13 @@ class ModelRunner:
 
     # --- loading ----------------------------------------------------------------------------
     def load_weights(self, path: str | Path, version: int, job_id: str | None = None) -> float:
-        """Load ``version`` of a job; returns the switch time in seconds. A version
-        directory from the registry (with its manifest) is checked first and names its job:
-        a LoRA version becomes the job's adapter, a full one the job's weights in place of
-        the base. Anything else (a safetensors file, a model directory) is ``job_id``'s full
-        weights. :class:`NotServed` when another job holds the runner or (full weights)
-        adapters are served on its base; nothing changes then."""
+        """Load ``version`` for job ``job_id``; returns the switch time in seconds. A version
+        directory from the registry (with its manifest) is checked first: a LoRA version
+        becomes ``job_id``'s adapter, a full one ``job_id``'s weights in place of the base
+        (without a ``job_id``, the job the manifest names; an evaluation job loads another
+        job's version under its own id). Anything else (a safetensors file, a model
+        directory) is ``job_id``'s full weights. :class:`NotServed` when another job holds
+        the runner or (full weights) adapters are served on its base; nothing changes then."""
         t0 = time.perf_counter()
         p = Path(path)
         job = job_id or ""
@@ -209,7 +210,7 @@ class ModelRunner:
             manifest = verify_directory(p)  # CorruptVersion: refused, nothing changes
             if manifest.version != version:
                 raise CorruptVersion(f"{p} holds version {manifest.version}, not {version}")
-            job = manifest.job_id
+            job = job or manifest.job_id
             if manifest.kind == "lora":
                 self.load_adapter(p, job_id=job, version=version)
                 return time.perf_counter() - t0

@@ -28,7 +28,9 @@ def code(**kw) -> CodeEnvironment:
 
 
 def test_unknown_kind_names_the_choices():
-    with pytest.raises(UnknownEnvironment, match=r"installed: code \(temper\), math \(temper\), shell"):
+    with pytest.raises(
+        UnknownEnvironment, match=r"installed: agent \(temper\), code \(temper\), math \(temper\), shell"
+    ):
         make_environment("chess", TASK)
 
 

@@ -6,6 +6,7 @@ with :meth:`temper.policy.ChatTokenizer.load`, the code a downloaded model goes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,4 +165,83 @@ def save_as_on_a_hub(tok: ChatTokenizer, directory: Path) -> Path:
 def hub_tokenizer(name: str, directory: Path) -> ChatTokenizer:
     """:func:`tokenizer` saved as on a hub and loaded back from ``directory``."""
     save_as_on_a_hub(tokenizer(name), directory)
+    return ChatTokenizer.load(directory)
+
+
+# --- templates as the models ship them (templates/shipped/, SOURCES.json) ------------------------
+
+SHIPPED_DIR = TEMPLATES / "shipped"
+
+
+def shipped_text(name: str) -> str:
+    return (SHIPPED_DIR / name).read_text()
+
+
+# The hand-written shapes above run again on the shipped bytes (the parametrised tests of
+# test_real_templates.py take every entry): the same tokens, calls and settings.
+for _name, _file in (
+    ("qwen2.5", "qwen2.5-instruct.jinja"),
+    ("llama3.1", "llama-3.1-instruct.jinja"),
+    ("gemma3", "gemma-3-it.jinja"),
+):
+    SHIPPED[f"{_name}-shipped"] = dataclasses.replace(SHIPPED[_name], template=f"shipped/{_file}")
+SHIPPED["qwen3-coder-shipped"] = Shipped(
+    "shipped/qwen3-coder.jinja",
+    specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    extra=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    stops=("<|im_end|>", "<|endoftext|>"),
+    parser="qwen3_coder",
+    call="<tool_call>\n<function=python>\n<parameter=code>\nCODE\n</parameter>\n</function>\n</tool_call>",
+)
+
+
+# --- Mistral's real tokenizer, from the mistral_common wheel --------------------------------------
+
+MISTRAL_V3 = "mistral_instruct_tokenizer_240323.model.v3"  # Mistral-7B-Instruct-v0.3's tokenizer.model.v3
+
+
+def mistral_common_file(name: str) -> Path:
+    import mistral_common
+
+    return Path(mistral_common.__file__).parent / "data" / name
+
+
+def mistral_v3_tokenizer(directory: Path, template: str = "mistral-v3-spm.jinja") -> ChatTokenizer:
+    """Mistral's v3 SentencePiece tokenizer as shipped in ``mistral_common`` (32,768 pieces,
+    its control tokens), converted to a fast tokenizer (the vocabulary read from the model
+    file by transformers' ``SentencePieceExtractor``, merges in the order of the pieces'
+    scores as SentencePiece applies them; byte fallback; a ``▁`` before the text, as
+    SentencePiece's dummy prefix), saved with ``template`` inside ``tokenizer_config.json``
+    as on a hub and loaded back with ``ChatTokenizer.load``. One difference from
+    SentencePiece is left: text that starts with a space gets no second ``▁``
+    (SentencePiece: ``" x"`` is ``▁ ▁x``); chat text never starts so, as the templates write
+    their spaces after the control tokens (the episode test below checks a whole episode)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor, generate_merges
+
+    extractor = SentencePieceExtractor(str(mistral_common_file(MISTRAL_V3)))
+    found = extractor.extract(models.BPE)
+    # SentencePiece merges by piece score: the merges in that order
+    merges = generate_merges(found["vocab"], {p.piece: p.score for p in extractor.proto.pieces})
+    tok = Tokenizer(
+        models.BPE(vocab=found["vocab"], merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    )
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    tok.add_special_tokens(found["additional_special_tokens"])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = (
+        shipped_text(template) if template.endswith("-spm.jinja") else (TEMPLATES / template).read_text()
+    )
+    save_as_on_a_hub(ChatTokenizer(hf), directory)
     return ChatTokenizer.load(directory)

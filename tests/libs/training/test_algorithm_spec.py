@@ -64,7 +64,10 @@ def test_the_learner_gets_every_part():
             {"name": "ppo"},
             "ppo needs a value model, which Temper does not train; allowed: grpo, dr_grpo, dapo, rloo",
         ),
-        ({"name": "reinforce"}, "Input should be 'grpo', 'dr_grpo', 'dapo', 'rloo' or 'sft'"),
+        (
+            {"name": "reinforce"},
+            "Input should be 'grpo', 'dr_grpo', 'dapo', 'rloo', 'sft', 'dpo' or 'reward_model'",
+        ),
         ({"kl_coef": 0.1, "kl_estimator": "none"}, "kl_coef > 0 needs a kl_estimator"),
         (
             {"dynamic_sampling": True, "skip_zero_variance": False},

@@ -102,10 +102,17 @@ def test_under_lora_the_reference_is_the_adapter_off_and_the_loss_falls():
     assert numpy_dpo(learner.model, base) == pytest.approx(losses[-1], abs=0.05)
 
 
-def test_dpo_is_refused_as_a_job():
-    from temper.jobspec import SpecError, parse_spec
+def test_a_dpo_job_spec_gives_the_learner_its_beta_and_a_reference():
+    from temper.jobspec import parse_spec
 
-    with pytest.raises(SpecError, match="dpo is not built yet"):
-        parse_spec(
-            {"name": "d", "policy": {"model": "m"}, "tasks": {"taskset": "t"}, "algorithm": {"name": "dpo"}}
-        )
+    spec = parse_spec(
+        {"name": "d", "policy": {"model": "m"}, "tasks": {"taskset": "t"},
+         "algorithm": {"name": "dpo", "beta": 0.3, "learning_rate": 1e-3}}
+    )  # fmt: skip
+    config = LearnerConfig.from_spec(spec.algorithm)
+    assert config.dpo_beta == 0.3 and not config.sft and not config.reward_model
+    learner = Learner(create_model("tiny", seed=0), config, device="cpu")
+    assert learner.reference is not None  # the frozen copy DPO's margin is taken against
+    stats = learner.step_pairs(PAIRS)
+    assert stats.updated and stats.loss == pytest.approx(math.log(2), abs=1e-6)  # policy == reference
+    assert stats.pg_loss == stats.loss and stats.pair_accuracy == 0.0  # no margin yet: none ranked right

@@ -1,5 +1,6 @@
-"""The sft job spec: RL-only fields refused (at the door even at their default, on every
-validation when changed), batch_size and epochs, the job-version syntax of policy.init."""
+"""The specs of jobs without episodes (sft, dpo, reward_model): RL-only fields refused (at
+the door even at their default, on every validation when changed), batch_size and
+epochs, dpo's beta, the job-version syntax of policy.init."""
 
 from __future__ import annotations
 
@@ -47,10 +48,16 @@ def test_an_sft_spec_takes_batch_size_and_epochs_and_survives_its_stored_form():
         ({"policy": {"model": "m", "sampling": {"temperature": 0.5}}}, "policy.sampling"),
     ],
 )
-def test_rl_only_fields_are_refused_for_sft(fields, path):
+@pytest.mark.parametrize("algorithm", ["sft", "dpo", "reward_model"])
+def test_rl_only_fields_are_refused_for_jobs_without_episodes(fields, path, algorithm):
+    if "algorithm" in fields:
+        fields = {**fields, "algorithm": {**fields["algorithm"], "name": algorithm}}
+    else:
+        fields = {**fields, "algorithm": {"name": algorithm}}
     with pytest.raises(SpecError) as exc:
         parse_spec(doc(**fields))
-    assert (path, "applies to RL jobs only; an sft job runs no episodes (leave it out)") in exc.value.errors
+    refusal = "applies to RL jobs only; an sft, dpo or reward_model job runs no episodes (leave it out)"
+    assert (path, refusal) in exc.value.errors
 
 
 def test_a_stored_sft_spec_with_a_changed_rl_field_is_refused_on_validation():
@@ -60,11 +67,21 @@ def test_a_stored_sft_spec_with_a_changed_rl_field_is_refused_on_validation():
         JobSpec.model_validate(stored)
 
 
-def test_batch_size_is_sft_only_and_dpo_is_not_built():
-    with pytest.raises(SpecError, match="batch_size applies to sft only"):
+def test_batch_size_and_beta_belong_to_their_algorithms():
+    with pytest.raises(SpecError, match="batch_size applies to sft, dpo and reward_model only"):
         parse_spec(doc(algorithm={"name": "grpo", "batch_size": 4}))
-    with pytest.raises(SpecError, match="dpo is not built yet"):
-        parse_spec(doc(algorithm={"name": "dpo"}))
+    dpo = parse_spec(doc(algorithm={"name": "dpo", "batch_size": 4}))
+    assert dpo.is_offline and not dpo.is_sft and dpo.algorithm.beta == 0.1 and dpo.data_kind == "preference"
+    assert parse_spec(doc(algorithm={"name": "dpo", "beta": 0.5})).algorithm.beta == 0.5
+    for name in ("sft", "reward_model", "grpo"):
+        with pytest.raises(SpecError, match="beta applies to dpo only"):
+            parse_spec(doc(algorithm={"name": name, "beta": 0.5}))
+    rm = parse_spec(doc(algorithm={"name": "reward_model"}))
+    assert rm.data_kind == "preference" and rm.algorithm.batch_size == 8
+    with pytest.raises(SpecError, match="a reward_model job trains full weights"):
+        parse_spec(doc(algorithm={"name": "reward_model", "lora": {"rank": 4}}))
+    with pytest.raises(SpecError, match="ppo needs a value model"):
+        parse_spec(doc(algorithm={"name": "ppo"}))
 
 
 def test_the_job_version_syntax_of_policy_init():

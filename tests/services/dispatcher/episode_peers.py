@@ -36,6 +36,7 @@ from temper.jobspec import JobSpec
 from temper.policy.tokenizer import default_tokenizer
 from temper.runtime import Runtime
 from temper.settings import (
+    AgentSettings,
     BusKind,
     BusSettings,
     DatabaseSettings,
@@ -51,7 +52,9 @@ FENCE = "```"
 Script = Callable[[InferenceRequest], str | None]  # None: don't answer (yet)
 
 
-def settings_for(tmp: Path, db_url: str, *, bootstrap: str | None = None, partitions: int = 4) -> Settings:
+def settings_for(
+    tmp: Path, db_url: str, *, bootstrap: str | None = None, partitions: int = 4, agent_url: str | None = None
+) -> Settings:
     bus = (
         BusSettings(kind=BusKind.kafka, bootstrap=bootstrap, partitions=partitions)
         if bootstrap
@@ -62,6 +65,7 @@ def settings_for(tmp: Path, db_url: str, *, bootstrap: str | None = None, partit
         bus=bus,
         storage=StorageSettings(kind=StorageKind.local, root=tmp / "objects"),
         data_dir=tmp,
+        agent=AgentSettings(url=agent_url),
     )
 
 
@@ -129,6 +133,7 @@ async def seed(
                     spec=extra.get("spec", {"files": {"add.py": "def add(a, b):\n    return a - b\n"}}),
                     meta={},
                     status=extra.get("status", "valid"),
+                    split=extra.get("split", "train"),
                 )
             )
     history = {tid: extra for tid, extra in tasks.items() if extra.get("attempts")}
@@ -176,7 +181,8 @@ class Peers:
     script: Script = code_script
     duplicate: bool = False
     drop: Callable[[Message], bool] = lambda m: False
-    policy_version: int = 0
+    # the version the fake gateway tags each answer with (a function: per request)
+    policy_version: int | Callable[[InferenceRequest], int] = 0
     reward_fn: Callable[[RewardRequest], float] = lambda r: 1.0
     requests: dict[str, list[Message]] = field(default_factory=lambda: defaultdict(list))
     trajectories: list[Message] = field(default_factory=list)
@@ -281,7 +287,9 @@ class Peers:
                 token_versions=versions,
                 text=text,
                 finish_reason="stop",
-                policy_version=versions[-1] if versions else self.policy_version,
+                policy_version=versions[-1]
+                if versions
+                else (self.policy_version(msg) if callable(self.policy_version) else self.policy_version),
                 backend="fake",
             )
         if isinstance(msg, SandboxRequest):
@@ -332,11 +340,15 @@ async def start_harness(
     bootstrap: str | None = None,
     migrate: bool = True,
     peers: dict[str, Any] | None = None,
+    peers_class: type[Peers] | None = None,
+    agent_url: str | None = None,
     **machine: Any,
 ) -> Harness:
     if migrate:
         await asyncio.to_thread(upgrade, db_url)
-    runtime = Runtime(settings_for(tmp, db_url, bootstrap=bootstrap), service="dispatcher")
+    runtime = Runtime(
+        settings_for(tmp, db_url, bootstrap=bootstrap, agent_url=agent_url), service="dispatcher"
+    )
     await runtime.start()
     if bootstrap:  # a shared broker: this test's own consumer groups
         suffix = uuid.uuid4().hex[:8]
@@ -355,7 +367,7 @@ async def start_harness(
                 machine["policy_group"]: [Topics.POLICY_UPDATES],
             },
         )
-    p = Peers(runtime, **(peers or {}))
+    p = (peers_class or Peers)(runtime, **(peers or {}))
     await p.start(group_suffix=f"-{uuid.uuid4().hex[:6]}" if bootstrap else "", bootstrap=bootstrap)
     await dispatcher.start()
     return Harness(runtime, dispatcher, p)

@@ -41,7 +41,7 @@ def one_shape(body: dict) -> None:
         (
             {"environment__kind": "browser"},
             "environment.kind",
-            "installed: code (temper), math (temper), shell (temper)",
+            "installed: agent (temper), code (temper), math (temper), shell (temper)",
         ),
         ({"environment__kind": "cod"}, "environment.kind", "did you mean 'code'?"),
         ({"rewards": {"test_passed": 1.0}}, "rewards.test_passed", "did you mean 'tests_passed'?"),
@@ -50,7 +50,7 @@ def one_shape(body: dict) -> None:
         ({"tasks__taskset": "ts-acm"}, "tasks.taskset", "did you mean 'ts-acme'?"),
         ({"tasks__taskset": "adder"}, "tasks.taskset", "did you mean 'adders'?"),  # by name too
         ({"tasks__taskset": "theirs"}, "tasks.taskset", "unknown task set 'theirs'"),  # another tenant's name
-        ({"algorithm__name": "dpo"}, "algorithm.name", ""),
+        ({"algorithm__name": "ppo"}, "algorithm.name", "ppo"),  # not built (dpo is a job now)
         ({"schedule__iterations": "5"}, "schedule.iterations", "valid integer"),
         ({"algorithm__skip_zero_variance": "yes"}, "algorithm.skip_zero_variance", "valid boolean"),
         ({"policy__sampling__temperature": "0.7"}, "policy.sampling.temperature", "valid number"),

@@ -20,6 +20,7 @@ def small_spec(tmp_path: Path) -> Path:
     spec["tasks"]["group_size"] = 4
     spec["schedule"].update(iterations=2, episodes_per_iteration=8, max_concurrent_episodes=8)
     spec["algorithm"]["groups_per_step"] = 2
+    spec["evaluation"].update(every_versions=2, samples=2, pass_at=[1, 2])
     local = spec["local"]
     local["taskset_file"] = str(ROOT / "examples" / local["taskset_file"])
     file, _, func = local["warm_start"]["generator"].partition(":")
@@ -59,15 +60,36 @@ def test_temper_run_completes_and_writes_the_report(tmp_path, capsys):
     )
     # the real reward scorer and the dispatcher both saw every episode: each counts once
     with sqlite3.connect(run / "temper.db") as conn:
+        job = conn.execute("SELECT DISTINCT source_job_id FROM evaluations").fetchone()[0]
         outcomes = conn.execute("SELECT count(*), count(DISTINCT episode_id) FROM task_outcomes").fetchone()
-        scored = conn.execute("SELECT count(*) FROM episodes WHERE state IN ('scored', 'trained')").fetchone()
-    assert outcomes == (16, 16) and scored == (16,)
+        scored = conn.execute(
+            "SELECT count(*) FROM episodes WHERE job_id = ? AND state IN ('scored', 'trained')", (job,)
+        ).fetchone()
+        held = {r[0] for r in conn.execute("SELECT id FROM tasks WHERE split = 'held_out'")}
+        trained_on = {r[0] for r in conn.execute("SELECT task_id FROM episodes WHERE job_id = ?", (job,))}
+        evaluated = conn.execute(
+            "SELECT e.version, count(o.episode_id), group_concat(DISTINCT o.task_id) FROM evaluations e "
+            "JOIN evaluation_outcomes o ON o.job_id = e.job_id GROUP BY e.job_id ORDER BY e.version"
+        ).fetchall()
+        behaviour = conn.execute(
+            "SELECT DISTINCT ep.behaviour_version, e.version FROM episodes ep JOIN evaluations e ON e.job_id = ep.job_id"
+        ).fetchall()
+    assert outcomes == (16, 16) and scored == (16,)  # evaluation episodes are no training outcome
+    # 3 of the 9 tasks held out: never trained on; each due version (v0, v2) evaluated on them, 2 samples each
+    assert len(held) == 3 and not held & trained_on
+    assert [v for v, _, _ in evaluated] == list(range(0, summary["policy_version"] + 1, 2))
+    assert all(n == 6 and set(tasks.split(",")) == held for _, n, tasks in evaluated), evaluated
+    assert all(b == v for b, v in behaviour), behaviour
+    assert [e["version"] for e in summary["evaluations"]] == [v for v, _, _ in evaluated]
+    assert all(set(e["pass_at"]) == {"1", "2"} for e in summary["evaluations"])
     png = (run / "reward_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
     html = (run / "report.html").read_text()
     # (40 warm-start steps teach little, so what the model wrote is not checked here;
     # tests/services/dispatcher/test_console_real_job.py trains long enough to check it)
     assert 'id="reward-curve"' in html and "reward vector" in html and "<h4>turn 1</h4>" in html
+    assert 'id="eval-curve"' in html and "<h2>Provenance</h2>" in html and "Per task at v" in html
+    assert "eval pass@1" in err, "the run's last line has the evaluation"
     assert "mean reward" in err, "progress was shown"
 
 
@@ -87,7 +109,10 @@ def test_temper_run_refuses_an_environment_that_is_not_installed(tmp_path, capsy
     path.write_text(yaml.safe_dump(spec))
     assert main(["run", str(path), "--runs-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "environment.kind" in err and "installed: code (temper), math (temper), shell (temper)" in err
+    assert (
+        "environment.kind" in err
+        and "installed: agent (temper), code (temper), math (temper), shell (temper)" in err
+    )
 
 
 @pytest.mark.parametrize("betas", [[0.9, 1.0], [0.9], "fast"])

@@ -8,7 +8,13 @@ import asyncio
 import pytest
 import torch
 
-from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner, SamplingParams, build_runner
+from services.inference_gateway.cpu_server.runner import (
+    GenRequest,
+    ModelRunner,
+    NotServed,
+    SamplingParams,
+    build_runner,
+)
 from temper import registry
 from temper.jobspec import LoraSpec
 from temper.policy import create_model, default_tokenizer, encode_chat, token_logprobs
@@ -189,3 +195,34 @@ async def test_an_adapter_that_fails_to_load_leaves_the_runner_as_it_was(tmp_pat
         assert out.logprobs == pytest.approx(
             own_logprobs(create_model(seed=0), PROMPT, out.token_ids), abs=1e-4
         )
+
+
+async def test_a_version_is_loaded_for_the_job_named_and_leaves_its_own_jobs_weights_alone(tmp_path):
+    """An evaluation job serves another job's version as its own: the version loads under the
+    job the gateway names, so the job that trained it keeps its newer adapter (or, with full
+    weights, its backend)."""
+    store = LocalStore(tmp_path / "objects")
+    old, new = adapter_learner(1), adapter_learner(2)
+    engine = ModelRunner(create_model(seed=0), TOK)
+    engine.load_weights(await publish(store, new, "job-a", 4, tmp_path / "a4"), 4)
+    engine.load_weights(await publish(store, old, "job-a", 2, tmp_path / "a2"), 2, job_id="job-eval")
+    assert engine.holding().adapters == {"job-a": 4, "job-eval": 2}
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    outs = engine.generate(
+        [GenRequest(PROMPT, params, job_id="job-a"), GenRequest(PROMPT, params, job_id="job-eval")]
+    )
+    assert [(o.adapter, o.policy_version) for o in outs] == [("job-a-v4", 4), ("job-eval-v2", 2)]
+    for out, model in zip(outs, (new.model, old.model), strict=True):
+        assert out.logprobs == pytest.approx(own_logprobs(model, PROMPT, out.token_ids), abs=1e-4)
+    # full weights: the runner is owned by the job named, not by the one that trained them
+    full_learner = Learner(create_model(seed=5), LearnerConfig(), device="cpu")
+    key = await full_learner.publish_version(
+        store, registry.version_prefix("t", "job-b", 3), job_id="job-b", version=3, base_model="tiny"
+    )
+    await registry.fetch_version(store, key, tmp_path / "b3")
+    other = ModelRunner(create_model(seed=0), TOK)
+    other.load_weights(tmp_path / "b3", 3, job_id="job-eval-b")
+    assert (other.holding().owner, other.holding().version) == ("job-eval-b", 3)
+    with pytest.raises(NotServed, match="holds job 'job-eval-b'"):  # no job named: the manifest's, refused
+        other.load_weights(tmp_path / "b3", 3)
+    assert other.holding().owner == "job-eval-b"

@@ -97,3 +97,19 @@ async def test_tools_reach_the_template_and_calls_extend_the_conversation(gatewa
         "/v1/chat/completions", json={**body, "messages": [*msgs, {"role": "assistant", "tool_calls": [bad]}]}
     )
     assert r3.status_code == 400 and "not JSON" in r3.json()["detail"]
+
+
+def test_qwen3_coder_calls_come_back_with_the_types_of_the_requests_tools():
+    text = "Editing.\n<tool_call>\n<function=edit>\n<parameter=line>\n7\n</parameter>\n<parameter=path>\na.py\n</parameter>\n</function>\n</tool_call>"
+    schema = {"type": "object", "properties": {"line": {"type": "integer"}, "path": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "edit", "parameters": schema}}]
+    content, calls = parse_tool_calls(text, "qwen3_coder", tools=tools)
+    assert content == "Editing." and json.loads(calls[0]["function"]["arguments"]) == {
+        "line": 7,
+        "path": "a.py",
+    }
+    # without the schema the values stay the text the model wrote
+    assert json.loads(parse_tool_calls(text, "qwen3_coder")[1][0]["function"]["arguments"]) == {
+        "line": "7",
+        "path": "a.py",
+    }

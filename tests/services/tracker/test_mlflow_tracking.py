@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from services.tracker.component import TrackerComponent
 from temper import __version__
-from temper.db import Episode, Job, PolicyVersion, Tenant
+from temper.db import Episode, Evaluation, Job, PolicyVersion, Tenant
 from temper.db.migrate import upgrade
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec
@@ -47,6 +47,52 @@ PROVENANCE = {
     "taskset": {"id": "ts-1", "name": "adders", "tasks": 2, "sha256": "b" * 64},
 }  # fmt: skip
 ITERATIONS, PER_ITERATION, VERSIONS = 3, 4, 3
+EVAL_KEYS = ("pass_at_1", "pass_at_4", "reward_mean", "episodes", "tests_passed")
+
+
+def evaluated(version: int, rng: random.Random) -> tuple[list[Any], LifecycleEvent]:
+    """An evaluation of ``version`` as the dispatcher leaves it (its job, its row with the
+    results) and the ``evaluation`` event it sends for the evaluated job."""
+    from temper.clock import utcnow
+
+    eval_job = f"job-eval-v{version}"
+    summary = {"tasks": 4, "tasks_scored": 4, "episodes": 16, "failed_episodes": 0, "passed": 7,
+               "pass_at": {"1": round(rng.random(), 6), "4": round(rng.random(), 6)},
+               "reward_mean": round(rng.random(), 6), "components": {"tests_passed": round(rng.random(), 6)}}  # fmt: skip
+    rows = [
+        Job(id=eval_job, tenant_id=TENANT, name=f"tracked job: eval v{version}", spec={}, state="completed"),
+        Evaluation(
+            job_id=eval_job,
+            tenant_id=TENANT,
+            source_job_id=JOB,
+            version=version,
+            label="eval",
+            periodic=True,
+            taskset_id="ts-1",
+            split="held_out",
+            samples=4,
+            pass_at=[1, 4],
+            summary=summary,
+            completed_at=utcnow(),
+        ),  # fmt: skip
+    ]
+    event = LifecycleEvent(event="evaluation", job_id=JOB, tenant=TENANT, version=version,
+                           data={**summary, "label": "eval", "evaluation_job_id": eval_job})  # fmt: skip
+    return rows, event
+
+
+async def add_in_order(s: Any, rows: list[Any]) -> None:
+    """Rows whose foreign keys point at the ones before them (no ORM relationship orders them)."""
+    for row in rows:
+        s.add(row)
+        await s.flush()
+
+
+def eval_values(summary: dict[str, Any]) -> dict[str, float]:
+    """What an evaluation's summary logs, by key (temper.tracking.tracker.eval_points)."""
+    return {"pass_at_1": summary["pass_at"]["1"], "pass_at_4": summary["pass_at"]["4"],
+            "reward_mean": summary["reward_mean"], "episodes": float(summary["episodes"]),
+            "tests_passed": summary["components"]["tests_passed"]}  # fmt: skip
 
 
 def spec(uri: str, experiment: str) -> dict[str, Any]:
@@ -72,6 +118,9 @@ async def seed(runtime: Runtime, uri: str, experiment: str) -> list[LifecycleEve
         s.add(Job(id=JOB, tenant_id=TENANT, name="tracked job", spec=spec(uri, experiment), state="running",
                   provenance=PROVENANCE))  # fmt: skip
         await s.flush()
+        rows, event = evaluated(0, rng)  # version 0, the initial weights
+        await add_in_order(s, rows)
+        events.append(event)
         for it in range(ITERATIONS):
             for n in range(PER_ITERATION):
                 reward = round(rng.random(), 6)
@@ -94,6 +143,9 @@ async def seed(runtime: Runtime, uri: str, experiment: str) -> list[LifecycleEve
                                 metrics=summary))  # fmt: skip
             events.append(LifecycleEvent(event="policy.version", job_id=JOB, tenant=TENANT, version=version,
                                          data=summary))  # fmt: skip
+            rows, event = evaluated(version, rng)
+            await add_in_order(s, rows)
+            events.append(event)
     events.append(LifecycleEvent(event="job.state", job_id=JOB, tenant=TENANT, state="completed"))
     return events
 
@@ -149,6 +201,9 @@ async def check_run(runtime: Runtime, client: MlflowClient, run: dict[str, Any],
         assert job is not None
         versions = (await s.execute(select(PolicyVersion).where(PolicyVersion.job_id == JOB))).scalars().all()
         episodes = (await s.execute(select(Episode).where(Episode.job_id == JOB))).scalars().all()
+        evaluations = (
+            (await s.execute(select(Evaluation).where(Evaluation.source_job_id == JOB))).scalars().all()
+        )
     info, data = run["info"], run["data"]
     assert info["status"] == "FINISHED" and info["run_name"] == "tracked job"
     # the one run of the job in its experiment
@@ -180,6 +235,13 @@ async def check_run(runtime: Runtime, client: MlflowClient, run: dict[str, Any],
         history = await client.metric_history(info["run_id"], f"train/{key}")
         got = sorted((int(m["step"]), m["value"]) for m in history)
         assert got == sorted((v.version, float(v.metrics[key])) for v in versions), key
+
+    # each evaluation's results at step = the version it evaluated, once
+    assert len(evaluations) == VERSIONS + 1
+    for key in EVAL_KEYS:
+        history = await client.metric_history(info["run_id"], f"eval/{key}")
+        got = sorted((int(m["step"]), m["value"]) for m in history)
+        assert got == sorted((e.version, eval_values(e.summary)[key]) for e in evaluations), key
 
     for it in range(ITERATIONS):
         rewards = [e.reward for e in episodes if e.iteration == it and e.reward is not None]

@@ -60,12 +60,21 @@ def test_temper_run_logs_the_job_to_mlflow_and_wandb(tmp_path, capsys, mlflow_se
     assert "tracking: not every event" not in err
 
     with sqlite3.connect(tmp_path / "runs" / "tracked" / "temper.db") as conn:
+        # the job, not its evaluation jobs (jobs of their own, never tracked themselves)
         job_id, tenant, name, stored, state, recorded = conn.execute(
-            "SELECT id, tenant_id, name, spec, state, provenance FROM jobs"
+            "SELECT id, tenant_id, name, spec, state, provenance FROM jobs "
+            "WHERE id NOT IN (SELECT job_id FROM evaluations)"
         ).fetchone()
-        versions = conn.execute("SELECT version, metrics FROM policy_versions ORDER BY version").fetchall()
+        versions = conn.execute(
+            "SELECT version, metrics FROM policy_versions WHERE job_id = ? ORDER BY version", (job_id,)
+        ).fetchall()
         rewards = conn.execute(
-            "SELECT iteration, reward FROM episodes WHERE state IN ('scored', 'trained') AND reward IS NOT NULL"
+            "SELECT iteration, reward FROM episodes WHERE job_id = ? AND state IN ('scored', 'trained') "
+            "AND reward IS NOT NULL",
+            (job_id,),
+        ).fetchall()
+        evaluated = conn.execute(
+            "SELECT version, summary FROM evaluations WHERE source_job_id = ? ORDER BY version", (job_id,)
         ).fetchall()
     assert state == "completed" and len(versions) >= 2, versions
     run, history = asyncio.run(read_run(mlflow_server.uri, "temper-run", job_id))
@@ -83,6 +92,16 @@ def test_temper_run_logs_the_job_to_mlflow_and_wandb(tmp_path, capsys, mlflow_se
     for key in NUMBERS:
         got = sorted((int(m["step"]), m["value"]) for m in history[f"train/{key}"])
         assert got == [(v, float(json.loads(m)[key])) for v, m in versions], key
+    # each evaluation of a version (v0, v2, ...: the small spec's every_versions) at its version
+    assert [v for v, _ in evaluated] == list(range(0, max(v for v, _ in versions) + 1, 2)), evaluated
+    for key in ("pass_at_1", "pass_at_2", "reward_mean"):
+        got = sorted((int(m["step"]), m["value"]) for m in history[f"eval/{key}"])
+        want = []
+        for v, summary in evaluated:
+            results = json.loads(summary)
+            value = results["pass_at"][key[-1]] if key.startswith("pass_at") else results[key]
+            want.append((v, float(value)))
+        assert got == want, key
     for it in sorted({i for i, _ in rewards}):
         values = [r for i, r in rewards if i == it]
         mean = sum(values) / len(values)
@@ -111,7 +130,7 @@ def test_temper_run_logs_the_job_to_mlflow_and_wandb(tmp_path, capsys, mlflow_se
                       "temper.job_name": name, "temper.version": __version__}  # fmt: skip
     rows = wandb_history(records)
     for v, m in versions:
-        [row] = [row for row in rows if row.get("policy_version") == v]
+        [row] = [row for row in rows if row.get("policy_version") == v and "train/loss" in row]
         for key in NUMBERS:
             assert row[f"train/{key}"] == float(json.loads(m)[key]), (v, key)
             # and MLflow holds the same number

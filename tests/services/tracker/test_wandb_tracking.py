@@ -22,7 +22,7 @@ from sqlalchemy import select
 from services.tracker.component import GROUP, TrackerComponent
 from temper import __version__
 from temper.bus import InProcessBus
-from temper.db import Episode, Job, PolicyVersion, Tenant
+from temper.db import Episode, Evaluation, Job, PolicyVersion, Tenant
 from temper.events import LifecycleEvent, Topics
 from temper.jobspec import JobSpec
 from temper.runtime import Runtime
@@ -32,12 +32,16 @@ from temper.tracking.tracker import provenance_params
 from temper.tracking.wandb_offline import history
 from temper.training.learner import StepStats
 from tests.services.tracker.test_mlflow_tracking import (
+    EVAL_KEYS,
     ITERATIONS,
     JOB,
     PER_ITERATION,
     PROVENANCE,
     TENANT,
     VERSIONS,
+    add_in_order,
+    eval_values,
+    evaluated,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -91,6 +95,7 @@ async def steps(runtime: Runtime) -> list[Step]:
             )
         )
     out: list[Step] = [([], LifecycleEvent(event="job.state", job_id=JOB, tenant=TENANT, state="running"))]
+    out.append(evaluated(0, rng))  # version 0, the initial weights
     for it in range(ITERATIONS):
         for n in range(PER_ITERATION):
             reward = round(rng.random(), 6)
@@ -112,6 +117,7 @@ async def steps(runtime: Runtime) -> list[Step]:
         )
         out.append(([row], LifecycleEvent(event="policy.version", job_id=JOB, tenant=TENANT, version=version,
                                           data=summary)))  # fmt: skip
+        out.append(evaluated(version, rng))
     out.append(([], LifecycleEvent(event="job.state", job_id=JOB, tenant=TENANT, state="completed")))
     return out
 
@@ -122,7 +128,7 @@ async def play(runtime: Runtime, played: list[Step], *, write: bool = True) -> N
     for rows, event in played:
         if write and rows:
             async with runtime.db.session() as s:
-                s.add_all(rows)
+                await add_in_order(s, rows)
         await send_and_wait(runtime, [event])
 
 
@@ -171,6 +177,9 @@ async def check_run(
         assert job is not None
         versions = (await s.execute(select(PolicyVersion).where(PolicyVersion.job_id == JOB))).scalars().all()
         episodes = (await s.execute(select(Episode).where(Episode.job_id == JOB))).scalars().all()
+        evaluations = (
+            (await s.execute(select(Evaluation).where(Evaluation.source_job_id == JOB))).scalars().all()
+        )
     paths = files(tmp_path)
     assert paths, "the job has no .wandb file"
     assert all(p.parent.parent == tmp_path / "wandb-runs" / TENANT / "wandb" for p in paths)
@@ -191,6 +200,7 @@ async def check_run(
         metrics = {r["metric"].get("glob_name") or r["metric"]["name"]: r["metric"] for r in records
                    if r["type"] == "metric"}  # fmt: skip
         assert metrics["train/*"]["step_metric"] == "policy_version"
+        assert metrics["eval/*"]["step_metric"] == "policy_version"
         assert metrics["rollout/*"]["step_metric"] == "iteration"
 
     rows = [row for records in per_file for row in history(records)]
@@ -202,8 +212,9 @@ async def check_run(
     }
     assert {"loss", "kl", "entropy", "grad_norm", "clip_fraction", "learning_rate", "tokens"} <= numeric
     sent = {e.version: e for e in events if e.event == "policy.version"}
+    train_rows = [row for row in rows if any(k.startswith("train/") for k in row)]
     for v in versions:
-        version_rows = [row for row in rows if row.get("policy_version") == v.version]
+        version_rows = [row for row in train_rows if row.get("policy_version") == v.version]
         assert len(version_rows) == 1, (v.version, version_rows)  # each version once, whatever came twice
         row = version_rows[0]
         assert {k: row[k] for k in row if k.startswith("train/")} == {
@@ -213,7 +224,17 @@ async def check_run(
         if not from_events:
             stamps.add(int(v.created_at.timestamp() * 1000))
         assert round(row["_timestamp"] * 1000) in stamps, (v.version, row["_timestamp"], stamps)
-    assert len({row["policy_version"] for row in rows if "policy_version" in row}) == VERSIONS
+    assert len({row["policy_version"] for row in train_rows}) == VERSIONS
+    # each evaluation's results once, at policy_version = the version it evaluated (in a row of
+    # their own when logged from the event, beside the version's train/* when read from the database)
+    eval_rows = [row for row in rows if any(k.startswith("eval/") for k in row)]
+    assert sorted(row["policy_version"] for row in eval_rows) == sorted(e.version for e in evaluations)
+    assert len(evaluations) == VERSIONS + 1
+    for e in evaluations:
+        (row,) = [row for row in eval_rows if row["policy_version"] == e.version]
+        assert {k: row[k] for k in row if k.startswith("eval/")} == {
+            f"eval/{k}": eval_values(e.summary)[k] for k in EVAL_KEYS
+        }
 
     for it in range(ITERATIONS):
         rewards = [e.reward for e in episodes if e.iteration == it and e.reward is not None]
@@ -288,17 +309,19 @@ async def test_a_restarted_tracker_resumes_the_run(tmp_path):
 
 @pytest.mark.parametrize("grace_s", [10.0, GRACE_S])
 async def test_the_last_version_after_the_end_is_in_the_run(tmp_path, grace_s):
-    """The trainer publishes its last version once the job completed: within the grace it goes
-    in the run still open; after it, the run is resumed (a second file) and ended again."""
+    """The trainer publishes its last version once the job completed, and its evaluation ends
+    later still: within the grace they go in the run still open; after it, the run is resumed
+    (a second file) and ended again."""
     runtime, tracker = await started(tmp_path, grace_s)
     try:
         played = await steps(runtime)
-        *before, last_version, end = played
+        *before, last_version, its_evaluation, end = played
         assert last_version[1].event == "policy.version" and end[1].state == "completed"
+        assert its_evaluation[1].event == "evaluation"
         await play(runtime, [*before, end])
         if grace_s == GRACE_S:
             await ended(tmp_path)
-        await play(runtime, [last_version])
+        await play(runtime, [last_version, its_evaluation])  # and its evaluation, later still
         await ended(tmp_path)
         per_file = await check_run(runtime, tmp_path, [event for _, event in played])
         assert len(per_file) == (1 if grace_s > GRACE_S else 2)
@@ -315,7 +338,7 @@ async def test_a_tracker_that_missed_the_events_completes_the_run_from_the_datab
         played = await steps(runtime)
         assert runtime.db is not None
         async with runtime.db.session() as s:
-            s.add_all([row for rows, _ in played for row in rows])
+            await add_in_order(s, [row for rows, _ in played for row in rows])
         await play(runtime, [played[-1]])  # only the job's end
         await ended(tmp_path)
         await check_run(runtime, tmp_path, [event for _, event in played], from_events=False)

@@ -114,7 +114,8 @@ async def test_a_sharded_trainer_refuses_an_sft_job_with_a_reason(settings):
             reason = (await s.get(Job, "job-sft")).state_reason
         assert (
             reason
-            == "stuck: sft jobs are not built for a sharded trainer (torchrun); run a single-process trainer for them"
+            == "stuck: sft, dpo and reward_model jobs are not built for a sharded trainer (torchrun); run a "
+            "single-process trainer for them"
         )
     finally:
         await db.dispose()

@@ -3,9 +3,9 @@ partial rollouts (an evaluation episode keeps it off), the wall-clock deadline i
 environment.max_episode_s gives it, and the tokens its model sampled
 (environment.max_episode_tokens)
 
-Revision ID: 0011_partial_rollouts
-Revises: 0010_job_provenance
-Create Date: 2026-12-04 23:00:00
+Revision ID: 0013_partial_rollouts
+Revises: 0012_agent_traces
+Create Date: 2026-12-05 03:15:00
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0011_partial_rollouts"
-down_revision = "0010_job_provenance"
+revision = "0013_partial_rollouts"
+down_revision = "0012_agent_traces"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,98 @@
+"""Writes judge-conversations.jsonl, the data of examples/judge-sft.yaml: a judge learns to
+grade the offset tasks' answers (examples/tasksets/make_offset_tasks.py) the way their
+hidden tests do, so that examples/judge-job.yaml can train a policy on its verdicts alone.
+
+Each line is one conversation: the rubric of judge-job.yaml with an answer filled in (what
+the judge component sends, ``temper.rewards.judge.render_rubric``), and the grade,
+``Score: 1`` when the answer's code passes the task's hidden tests and ``Score: 0`` when
+it does not. The answers are the sloppy teacher's (the right implementation half of the
+time here), some with a character dropped, doubled or replaced; every grade comes from
+running the code against the tests, not from knowing which implementation was picked.
+
+    python examples/tasksets/make_judge_conversations.py
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+import types
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from make_offset_tasks import TEST_INPUTS, warm_start_examples  # noqa: E402
+
+# judge-job.yaml's rubric, word for word (tests/examples/test_judge_example.py checks it)
+RUBRIC = "Will this answer pass the hidden tests?\n{reply}\nGrade:"
+CONVERSATIONS = 800
+CORRUPTED = 0.25  # share of answers with one character dropped, doubled or replaced
+
+
+def corrupt(reply: str, rng: random.Random) -> str:
+    """One random edit inside the code block (its first line, the fence, stays)."""
+    start = reply.index("\n") + 1
+    at = rng.randrange(start, len(reply) - 3)
+    edit = rng.choice(("drop", "double", "replace"))
+    if edit == "drop":
+        return reply[:at] + reply[at + 1 :]
+    if edit == "double":
+        return reply[:at] + reply[at] + reply[at:]
+    return reply[:at] + rng.choice("xK+()1 .:_") + reply[at + 1 :]
+
+
+def passes(reply: str, k: int) -> bool:
+    """The hidden tests' verdict on the answer's code, as the scorer reads it (the last fenced
+    block), with constants.py holding K = k."""
+    blocks = re.findall(r"```(?:python)?[^\n]*\n(.*?)```", reply, re.S)
+    if not blocks:
+        return False
+    constants = types.ModuleType("constants")
+    constants.K = k  # type: ignore[attr-defined]
+    saved = sys.modules.get("constants")
+    sys.modules["constants"] = constants
+    try:
+        namespace: dict = {}
+        exec(compile(blocks[-1], "solution.py", "exec"), namespace)  # noqa: S102 - the generator's own text
+        f = namespace["f"]
+        return all(f(x) == x + k for x in TEST_INPUTS)
+    except Exception:  # noqa: BLE001 - any failure of the code is a failing answer
+        return False
+    finally:
+        if saved is None:
+            sys.modules.pop("constants", None)
+        else:
+            sys.modules["constants"] = saved
+
+
+def conversations(n: int = CONVERSATIONS, seed: int = 1) -> list[dict]:
+    from temper.rewards.judge import render_rubric
+
+    rng = random.Random(seed)
+    lines = []
+    for task, reply in warm_start_examples(n, p_correct=0.5, seed=seed):
+        if rng.random() < CORRUPTED:
+            reply = corrupt(reply, rng)
+        k = int(task["files"]["constants.py"].split("=")[1])
+        grade = 1 if passes(reply, k) else 0
+        question = render_rubric(RUBRIC, transcript="", task=task["prompt"], reply=reply)
+        lines.append(
+            {
+                "messages": [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": f"Score: {grade}"},
+                ]
+            }
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    path = HERE / "judge-conversations.jsonl"
+    lines = conversations()
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    passed = sum(line["messages"][1]["content"] == "Score: 1" for line in lines)
+    print(f"wrote {path}: {len(lines)} conversations, {passed} graded 1")  # noqa: T201
