@@ -374,6 +374,11 @@ class EnvironmentSpec(_Spec):
             raise ValueError(
                 f"{', '.join(given)}: not with kind agent (the agent sends its own messages and tools)"
             )
+        budgets = [n for n in ("max_episode_s", "max_episode_tokens") if getattr(self, n) is not None]
+        if budgets:
+            raise ValueError(
+                f"{', '.join(budgets)}: not with kind agent (its run is bounded by limits.wall_s and max_turns)"
+            )
         if self.action_format in (ActionFormat.code_block.value, ActionFormat.tool_call.value):
             raise ValueError(
                 "kind agent: action_format names the tool-call parser the gateway reads the model's replies "

@@ -192,3 +192,31 @@ def test_max_staleness_bounds_the_oldest_token_of_a_trajectory() -> None:
     dropped = job.sweep(now=0.0, group_timeout_s=60.0)
     assert [(sorted(b.episode_id for b in g), why) for g, why in dropped] == [(["a1", "a2"], SKIP_STALE)]
     assert [[b.episode_id for b in g] for g in job.ready] == [["b1", "b2"]]
+
+
+def test_a_trajectory_of_two_sequences_keeps_each_tokens_version() -> None:
+    """An agent that rewrote its history between two model calls gives two sequences
+    (``Trajectory.samples``); each sample carries the versions of its own tokens."""
+    from temper.training.batch import samples_from_groups
+
+    def episode(i: int, reward: float) -> Trajectory:
+        return Trajectory(
+            job_id="j",
+            episode_id=f"e{i}",
+            task_id="t",
+            group_id="g",
+            reward=reward,
+            segments=[
+                Segment(role="prompt", token_ids=[1, 2]),
+                Segment(role="model", token_ids=[3, 4], logprobs=[-0.1, -0.2], token_versions=[0, 0]),
+                Segment(role="prompt", token_ids=[5]),  # a rewritten history: a second sequence
+                Segment(role="model", token_ids=[6, 7, 8], logprobs=[-0.3] * 3, token_versions=[0, 1, 1]),
+            ],
+        )
+
+    samples, skipped = samples_from_groups([[episode(0, 1.0), episode(1, 0.0)]])
+    assert skipped == 0 and len(samples) == 4
+    first, second = samples[0], samples[1]
+    assert first.ids == [1, 2, 3, 4] and first.versions == [NOT_SAMPLED, NOT_SAMPLED, 0, 0]
+    assert second.ids == [5, 6, 7, 8] and second.versions == [NOT_SAMPLED, 0, 1, 1]
+    assert second.model_versions() == [0, 1, 1] and second.behaviour_version == 0
