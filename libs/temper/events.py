@@ -97,6 +97,11 @@ class InferenceRequest(Message):
     pool: str = Field("default", description="the job's policy.backend_pool")
     prompt_ids: list[int]
     sampling: SamplingParams = SamplingParams()
+    partial_rollout: bool = Field(
+        False,
+        description="the episode takes partial rollouts: a generation in progress when a new version "
+        "is loaded may be interrupted and resumed with its prefix on that version (where the backend can)",
+    )
     reply_to: Literal["inference.results", "judge.results"] = Field(
         "inference.results",
         description="the topic the result goes to: inference.results (the dispatcher's episodes), or "
@@ -109,9 +114,13 @@ class InferenceResult(Message):
     kind: str | None = "inference"
     token_ids: list[int] = []
     logprobs: list[float] = []
+    token_versions: list[int] = Field(
+        default_factory=list,
+        description="the policy version that sampled each token (empty: every token is policy_version's)",
+    )
     text: str = ""
     finish_reason: str | None = None
-    policy_version: int = 0
+    policy_version: int = Field(0, description="the version that sampled the last token")
     backend: str | None = None
     error: str | None = None
 
@@ -130,6 +139,12 @@ class SandboxRequest(Message):
         None, description="where to restore the session from if this worker lacks it"
     )
     snapshot_after: bool = True
+    keep_s: float | None = Field(
+        None,
+        ge=0,
+        description="keep the session at least this long after this step, idle or not: the time the episode "
+        "may still need it (until its deadline); None: the worker's idle expiry alone",
+    )
     files: dict[str, str] = Field(
         default_factory=dict,
         description="the task's starting files: written into the workspace when the session is created "

@@ -284,6 +284,9 @@ class AgentSpec(_Spec):
         return files
 
 
+LISTING_KINDS = frozenset({"code", "shell"})  # their first prompt lists the workspace's files
+
+
 class EnvironmentSpec(_Spec):
     kind: str = Field(
         "code",
@@ -302,6 +305,19 @@ class EnvironmentSpec(_Spec):
         4, ge=1, le=100, description="turns of an episode; kind agent: the model calls one agent run may make"
     )
     agent: AgentSpec | None = Field(None, description="kind agent: the program the episode runs")
+    max_episode_s: float | None = Field(
+        None,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="an episode's wall-clock budget from its start; reached, the episode ends and is scored "
+        "with what it left (ended_by: max_episode_s); its sandbox session lives at least that long",
+    )
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens the model may sample over all of an episode's turns (each turn's max_tokens is "
+        "at most what is left); spent, the episode ends and is scored (ended_by: max_episode_tokens)",
+    )
     action_format: str = Field(
         ActionFormat.code_block.value,
         description="code_block | tool_call, or a tool-call parser (hermes, llama3_json, mistral, pythonic, "
@@ -320,6 +336,12 @@ class EnvironmentSpec(_Spec):
         description="the role of the messages that carry tool results: tool (OpenAI's, with tool_call_id), or "
         "user for chat templates without a tool role (Gemma 3); default: the environment's own (tool)",
     )
+    hide_files: list[str] = Field(
+        default_factory=list,
+        max_length=32,
+        description="code and shell: glob patterns (fnmatch) of workspace files the first prompt names "
+        "without their content (the agent runs or reads them); the others are shown whole",
+    )
 
     @model_validator(mode="after")
     def _unique_tools(self) -> EnvironmentSpec:
@@ -327,6 +349,11 @@ class EnvironmentSpec(_Spec):
             raise ValueError("kind package needs the package's name and version")
         if self.kind != PACKAGE_KIND and (self.name or self.version or self.package):
             raise ValueError("name, version and package apply to kind package only")
+        if self.hide_files and self.kind not in LISTING_KINDS:
+            raise ValueError(
+                f"hide_files applies to the environments that show the workspace in their prompt "
+                f"({', '.join(sorted(LISTING_KINDS))}), not {self.kind!r}"
+            )
         if self.kind == AGENT_KIND:
             self._agent_consistent()
         elif self.agent is not None:
@@ -346,6 +373,11 @@ class EnvironmentSpec(_Spec):
         if given:
             raise ValueError(
                 f"{', '.join(given)}: not with kind agent (the agent sends its own messages and tools)"
+            )
+        budgets = [n for n in ("max_episode_s", "max_episode_tokens") if getattr(self, n) is not None]
+        if budgets:
+            raise ValueError(
+                f"{', '.join(budgets)}: not with kind agent (its run is bounded by limits.wall_s and max_turns)"
             )
         if self.action_format in (ActionFormat.code_block.value, ActionFormat.tool_call.value):
             raise ValueError(
@@ -434,7 +466,7 @@ RL_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
         "groups_per_step", "skip_zero_variance", "dynamic_sampling", "max_replacement_groups",
         "mismatch", "correction",
     ),
-    "schedule": ("episodes_per_iteration", "max_concurrent_episodes", "max_staleness"),
+    "schedule": ("episodes_per_iteration", "max_concurrent_episodes", "max_staleness", "partial_rollouts"),
 }  # fmt: skip
 RL_ONLY_TOP = ("environment", "rewards", "evaluation")
 SFT_REFUSAL = "applies to RL jobs only; an sft, dpo or reward_model job runs no episodes (leave it out)"
@@ -673,7 +705,16 @@ class Schedule(_Spec):
     )
     episodes_per_iteration: int = Field(16, ge=1)
     max_concurrent_episodes: int = Field(16, ge=1)
-    max_staleness: int = Field(1, ge=0, description="how many policy versions behind a trajectory may be")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="how many policy versions behind the trainer a trajectory's oldest token may be",
+    )
+    partial_rollouts: bool = Field(
+        False,
+        description="a generation in progress when the job's next version is loaded is interrupted and "
+        "resumed with its prefix on that version (CPU engine; docs/training.md, Partial rollouts)",
+    )
 
 
 class MlflowTracking(_Spec):

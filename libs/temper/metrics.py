@@ -67,6 +67,11 @@ SANDBOX_EXEC_SECONDS = Histogram(
     "temper_sandbox_exec_seconds", "Time of one sandbox action", buckets=FAST_BUCKETS
 )
 SANDBOX_KILLS = Counter("temper_sandbox_kills_total", "Sandbox actions killed", ["reason"])
+SANDBOX_KEPT_EVICTED = Counter(
+    "temper_sandbox_kept_sessions_evicted_total",
+    "Sessions destroyed to make room while still kept for an episode (every session held was kept): "
+    "the episode's next step restores its workspace from its snapshot",
+)
 SANDBOX_FRESH_RUNS = Counter(
     "temper_sandbox_fresh_runs_total",
     "One-shot runs, by where they ran: zygote (fresh namespaces) or sandbox (a sandbox of their own)",
@@ -167,6 +172,23 @@ TRAINER_STALENESS = Histogram(
     "temper_trainer_staleness",
     "Policy versions between behaviour and trained policy",
     buckets=(0, 1, 2, 3, 4, 8, 16),
+)
+INFERENCE_INTERRUPTIONS = Counter(
+    "temper_inference_interruptions_total",
+    "Generations a new policy version interrupted and that went on from their prefix on it "
+    "(partial rollouts, CPU engine)",
+)
+TRAINER_TOKEN_STALENESS = Gauge(
+    "temper_trainer_token_staleness",
+    "The last step's model tokens: versions between the trained policy and the one that sampled each "
+    "token, mean and max",
+    ["job_id", "stat"],
+)
+TRAINER_MULTI_VERSION_SHARE = Gauge(
+    "temper_trainer_multi_version_share",
+    "The last step's share of trajectories whose tokens came from two or more policy versions "
+    "(partial rollouts)",
+    ["job_id"],
 )
 TRAINER_PUBLISH_FAILING = Gauge(
     "temper_trainer_publish_failing",

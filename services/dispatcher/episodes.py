@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher import agents, leases, repo
+from services.dispatcher import agents, deadlines, leases, repo
 from services.dispatcher.turns import Turns
 from temper import faults, metrics
 from temper.clock import utcnow
@@ -89,6 +89,8 @@ def _inference_error(msg: InferenceResult) -> str | None:
         return msg.error
     if len(msg.logprobs) != len(msg.token_ids):
         return f"{len(msg.logprobs)} logprobs for {len(msg.token_ids)} tokens"
+    if msg.token_versions and len(msg.token_versions) != len(msg.token_ids):
+        return f"{len(msg.token_versions)} token versions for {len(msg.token_ids)} tokens"
     return None
 
 
@@ -266,10 +268,13 @@ class EpisodeMachine:
         iteration: int,
         episode_id: str | None = None,
         behaviour_version: int | None = None,
+        partial_rollouts: bool | None = None,
     ) -> Episode:
         """A pending episode that asks for its first action, staged in the caller's
         transaction (:meth:`tx` writes it). Its behaviour version is the job's current
-        one (the scheduler says which; else ``job.policy_version``)."""
+        one (the scheduler says which; else ``job.policy_version``). ``partial_rollouts``:
+        its own switch, the job's ``schedule.partial_rollouts`` unless given (an
+        evaluation episode passes False: it is sampled by the version it evaluates)."""
         episode_id = episode_id or new_id()
         now = utcnow()
         ep = rows.new(
@@ -296,6 +301,9 @@ class EpisodeMachine:
             sandbox_cpu_s=0.0,
             sandbox_memory_gb_s=0.0,
             inference_tokens=0,
+            partial_rollouts=spec.schedule.partial_rollouts if partial_rollouts is None else partial_rollouts,
+            deadline_at=deadlines.deadline_of(spec, now),
+            model_tokens=0,
             created_at=now,
             updated_at=now,
         )
@@ -396,11 +404,25 @@ class EpisodeMachine:
 
     # --- leases --------------------------------------------------------------------------------
     async def reap_expired(self, limit: int = 200) -> int:
-        """Retry (or fail) every step whose lease expired; returns how many."""
-        reaped = await leases.reap_expired(self.core_tx, self.settings, limit)
+        """Retry (or fail) every step whose lease expired, or end the episodes whose deadline
+        it was (:meth:`end_at_deadline`); returns how many."""
+        reaped = await leases.reap_expired(
+            self.core_tx, self.settings, limit, on_deadline=self.end_at_deadline
+        )
         if reaped:
             self.on_finished()  # some may have failed
         return reaped
+
+    async def end_at_deadline(self, tx: CoreTx, ep: Episode, step: Step) -> Step:
+        """``ep`` reached its ``max_episode_s`` while ``step`` (an inference or sandbox step)
+        was out: the step is given up (a late result is ignored), and the episode is scored
+        with what it left. Returns the reward step."""
+        fail_step(step)
+        spec = await self.spec_of(tx, ep.job_id)
+        env = self.environment(spec, await self.task_of(tx, ep.task_id))
+        log_event(log, "episode reached its deadline", kind=step.kind, turn=ep.turn)
+        # the answered step's result is not read here: the episode is scored on its workspace
+        return self.turns.end_early(tx, ep, spec, env, None, deadlines.MAX_EPISODE_S)
 
     def describe(self) -> dict[str, Any]:
         return {"ignored_results": self.ignored}

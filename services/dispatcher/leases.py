@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 
@@ -35,6 +35,11 @@ REQUEST_TYPES: dict[str, type[Message]] = {
     "sandbox": SandboxRequest,
     "reward": RewardRequest,
 }
+
+
+def past_deadline(ep: Episode) -> bool:
+    """The episode's ``max_episode_s`` deadline has passed (``services.dispatcher.deadlines``)."""
+    return ep.deadline_at is not None and utcnow() >= ep.deadline_at
 
 
 def lease_until(settings: DispatcherSettings, kind: str, extra_s: float = 0.0) -> datetime:
@@ -73,13 +78,20 @@ async def retry_or_fail(
     return False
 
 
+OnDeadline = Callable[[CoreTx, Episode, Step], Awaitable[Step]]
+
+
 async def reap_expired(
     transaction: Callable[[], AbstractAsyncContextManager[CoreTx]],
     settings: DispatcherSettings,
     limit: int = 200,
+    *,
+    on_deadline: OnDeadline | None = None,
 ) -> int:
     """Retry (or fail) every step whose lease expired, in one transaction; returns how
-    many. Another replica's reaper skips the episodes this one locked."""
+    many. A step of an episode past its deadline (its lease ends there) is not retried:
+    ``on_deadline`` ends the episode and returns the step it issues. Another replica's
+    reaper skips the episodes this one locked."""
     async with transaction() as tx:
         ids = await repo.expired_episodes(tx, utcnow(), limit)
         metrics.EPISODES_STUCK.set(len(ids))
@@ -92,6 +104,9 @@ async def reap_expired(
                 metrics.STEP_LEASES_EXPIRED.labels(kind).inc()
                 if step is None:  # cannot happen unless rows were edited by hand
                     transition_episode(tx, ep, E.failed, reason=f"lease_expired: no {kind} step")
+                    continue
+                if on_deadline is not None and kind != "reward" and past_deadline(ep):
+                    touched.append(await on_deadline(tx, ep, step))
                     continue
                 await retry_or_fail(tx, settings, ep, step, f"lease_expired: {kind} step of turn {ep.turn}")
         await rows.write(tx, touched)

@@ -338,6 +338,8 @@ class Scheduler:
                     group_id=group_id,
                     iteration=job.iteration,
                     behaviour_version=version,
+                    # an evaluation is sampled by exactly the version it evaluates
+                    partial_rollouts=False if spec.evaluate is not None else None,
                 )
             started[job.iteration] += size
             need -= size

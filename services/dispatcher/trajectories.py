@@ -52,6 +52,9 @@ def build_trajectory(
                 role="model",
                 token_ids=sampled,
                 logprobs=result.get("logprobs", []),
+                # a step recorded before per-token versions: every token is the result's version
+                token_versions=result.get("token_versions")
+                or [result.get("policy_version") or 0] * len(sampled),
                 policy_version=result.get("policy_version"),
                 text=result.get("text", ""),
             )
@@ -104,6 +107,7 @@ def build_trajectory(
             "format_ok": not ep.format_errors,
         },
         timings=timings,
+        ended_by=(ep.timings or {}).get("ended_by"),
     )
 
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Callable
+from typing import Any
 
+from services.dispatcher import deadlines
 from services.dispatcher.fairshare import inference_tokens, sandbox_cpu_s, sandbox_memory_gb_s
 from services.dispatcher.leases import TOPIC_FOR_KIND, lease_until
 from temper import metrics
+from temper.clock import utcnow
 from temper.db import Episode, Step, rows
 from temper.db.core import CoreTx
 from temper.db.rows import HasInfo
@@ -34,6 +37,7 @@ from temper.lifecycle import EpisodeState, complete_step, new_step, transition_e
 from temper.outbox import enqueue
 from temper.policy.tokenizer import ChatTokenizer, assistant_stop_ids
 from temper.settings import DispatcherSettings
+from temper.trajectory import token_versions
 
 E = EpisodeState
 
@@ -86,7 +90,7 @@ class Turns:
     def issue(self, tx: HasInfo, ep: Episode, kind: str, message: Message, *, extra_s: float = 0.0) -> Step:
         """A new step (attempt 0) and its command; the episode waits on it. The step is new:
         the caller writes it."""
-        lease = lease_until(self.settings, kind, extra_s)
+        lease = deadlines.lease_end(ep, kind, lease_until(self.settings, kind, extra_s))
         step = new_step(
             episode_id=ep.id,
             turn=message.turn or 0,
@@ -113,12 +117,13 @@ class Turns:
             pool=spec.policy.backend_pool,
             prompt_ids=prompt_ids,
             sampling=SamplingParams(
-                max_tokens=s.max_tokens,
+                max_tokens=deadlines.max_tokens(ep, spec),
                 temperature=s.temperature,
                 top_p=s.top_p,
                 stop=list(s.stop),
                 stop_token_ids=assistant_stop_ids(self.tok_of(spec)),
             ),
+            partial_rollout=bool(ep.partial_rollouts),
         )
 
     async def take_inference(
@@ -134,15 +139,18 @@ class Turns:
         """Record the awaited inference result on ``step`` (asked with a prompt of
         ``prompt_tokens``); returns the step it issues."""
         ep.inference_tokens = (ep.inference_tokens or 0) + inference_tokens(prompt_tokens, msg)
+        ep.model_tokens = (ep.model_tokens or 0) + len(msg.token_ids)
         tok = self.tok_of(spec)
         text = msg.text or tok.decode(msg.token_ids)
         # parsers read the reply with its special tokens (Mistral's [TOOL_CALLS] is one)
         action = env.parse(tok.parse_text(msg.token_ids, text), turn=step.turn)
+        versions = token_versions(msg)
         complete_step(
             step,
             {
                 "token_ids": msg.token_ids,
                 "logprobs": msg.logprobs,
+                "token_versions": versions,
                 "text": text,
                 "finish_reason": msg.finish_reason,
                 "policy_version": msg.policy_version,
@@ -152,9 +160,12 @@ class Turns:
             },
         )
         observe_step(step)
-        if ep.behaviour_version is None or msg.policy_version < ep.behaviour_version:
-            ep.behaviour_version = msg.policy_version
+        oldest = min(versions, default=msg.policy_version)
+        if ep.behaviour_version is None or oldest < ep.behaviour_version:
+            ep.behaviour_version = oldest
         turn = step.turn
+        if action.kind == "sandbox" and (why := deadlines.reached(ep, spec, utcnow(), inference_next=False)):
+            return self.end_early(tx, ep, spec, env, step.result, why)
         if action.kind == "sandbox":
             assert action.command is not None
             files = lone_write(env, action, turn)
@@ -175,6 +186,7 @@ class Turns:
                 snapshot_key=ep.snapshot_key,
                 files=env.setup_files() if ep.snapshot_key is None else {},
                 setup=env.setup_actions() if ep.snapshot_key is None else [],
+                keep_s=deadlines.session_keep_s(ep, self.settings, utcnow()),
             )
             # The lease covers the actions' own wall-clock limits on top of the hop.
             actions = 1 + len(action.more or [])
@@ -248,18 +260,34 @@ class Turns:
             *sampled,
             *env.observation_ids(self.tok_of(spec), sampled, observations, calls=calls),
         ]
+        if why := deadlines.reached(ep, spec, utcnow(), inference_next=True):
+            return self.end_early(tx, ep, spec, env, inference.result, why)
         if len(prompt) + spec.policy.sampling.max_tokens > self.settings.max_context_tokens:
             # Out of context: score what there is.
-            action = ParsedAction.from_dict((inference.result or {}).get("action", {"kind": "invalid"}))
             ep.timings = {**ep.timings, "context_full": True}
-            return self.issue_reward(
-                tx, ep, spec, env, action, final_text=(inference.result or {}).get("text", "")
-            )
+            return self.end_early(tx, ep, spec, env, inference.result, "context_full")
         issued = self.issue(
             tx, ep, "inference", self.inference_request(ep, spec, prompt, turn=inference.turn + 1)
         )
         transition_episode(tx, ep, E.awaiting_action)
         return issued
+
+    def end_early(
+        self,
+        tx: HasInfo,
+        ep: Episode,
+        spec: JobSpec,
+        env: Environment,
+        result: dict[str, Any] | None,
+        why: str,
+    ) -> Step:
+        """End the episode before its agent did (a budget of ``deadlines.py``, or the context
+        is full) and score what it left (``result``: its last inference result, if one is at
+        hand); ``why`` goes on its trajectory as ``ended_by``."""
+        ep.timings = {**ep.timings, "ended_by": why}
+        result = result or {}
+        action = ParsedAction.from_dict(result.get("action", {"kind": "invalid"}))
+        return self.issue_reward(tx, ep, spec, env, action, final_text=result.get("text", ""))
 
     def issue_reward(
         self,

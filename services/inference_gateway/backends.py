@@ -62,6 +62,9 @@ class GenerateRequest:
     # answer with the version their runner really used.
     version: int = 0
     adapter: str | None = None
+    # the episode takes partial rollouts: a backend that can (the CPU runner) interrupts the
+    # generation when the job's next version is loaded and resumes it there with its prefix
+    partial_rollout: bool = False
 
 
 @dataclass
@@ -97,8 +100,16 @@ class BackendResult:
     text: str
     finish_reason: str | None
     stop_reason: int | str | None
-    policy_version: int
+    policy_version: int  # the version that sampled the last token
     backend: str = ""
+    # the version that sampled each token; empty: every token is ``policy_version``'s
+    token_versions: list[int] = field(default_factory=list)
+
+    def versions(self) -> list[int]:
+        """The version of each token (``token_versions``, else ``policy_version`` for all)."""
+        return (
+            list(self.token_versions) if self.token_versions else [self.policy_version] * len(self.token_ids)
+        )
 
 
 def parse_token_id(token: str) -> int:
@@ -347,12 +358,21 @@ class CpuServerBackend(Backend):
         body = self.completion_body(req, model=self.model_name)
         if req.job_id:
             body["job_id"] = req.job_id  # the server runs the job's own weights
+        if req.partial_rollout:
+            body["partial_rollout"] = True
         data = await self.post("/v1/completions", body)
         fields = parse_completion(data, req.prompt_ids)
         version = data.get("policy_version")
         if version is None:
             raise BackendError(ErrorKind.protocol, f"{self.name}: the answer names no policy_version")
-        return BackendResult(**fields, policy_version=int(version), backend=self.name)
+        versions = [int(v) for v in (data.get("choices") or [{}])[0].get("token_versions") or []]
+        if versions and len(versions) != len(fields["token_ids"]):
+            raise BackendError(
+                ErrorKind.protocol, f"{len(fields['token_ids'])} token ids but {len(versions)} token versions"
+            )
+        return BackendResult(
+            **fields, policy_version=int(version), backend=self.name, token_versions=versions
+        )
 
     async def load_weights(
         self, *, version: int, path: Path | None = None, key: str | None = None, job_id: str | None = None

@@ -162,6 +162,7 @@ class Inference:
             episode_id=request.episode_id,
             request_id=str(request.id),
             job_id=request.job_id,
+            partial_rollout=request.partial_rollout,
         )
         try:
             res = await self.generate(req, model)
@@ -175,6 +176,7 @@ class Inference:
             **envelope,
             token_ids=res.token_ids,
             logprobs=res.logprobs,
+            token_versions=res.versions(),
             text=res.text,
             finish_reason=res.finish_reason,
             policy_version=res.policy_version,

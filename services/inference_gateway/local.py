@@ -89,7 +89,9 @@ class LocalBackend(Backend):
             ignore_eos=req.ignore_eos,
         )
         try:
-            out = await sched.submit(GenRequest(list(ids), params, job_id=req.job_id))
+            out = await sched.submit(
+                GenRequest(list(ids), params, job_id=req.job_id, partial_rollout=req.partial_rollout)
+            )
         except asyncio.CancelledError:
             raise
         except NotServed as exc:
@@ -105,6 +107,7 @@ class LocalBackend(Backend):
             stop_reason=out.stop_reason,
             policy_version=out.policy_version,
             backend=self.name,
+            token_versions=out.token_versions,
         )
 
     async def load_weights(

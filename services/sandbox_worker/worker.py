@@ -272,10 +272,14 @@ class SandboxWorker:
                 error = await self._open_session(request, limits)
                 if error is not None:
                     return self._result(request, error=error)
+            if request.keep_s is not None:  # kept until the episode's deadline, whatever it waits on
+                self.manager.keep(sid, request.keep_s)
             result = (await self.manager.act(sid, action)).model_dump(mode="json")
             await faults.hold("sandbox.act", episode_id=request.episode_id, turn=request.turn)
             more_results = [(await self.manager.act(sid, a)).model_dump(mode="json") for a in more or []]
             acted = (result, more_results)
+        if request.keep_s is not None:  # from the step's end
+            self.manager.keep(sid, request.keep_s)
         snapshot_key = None
         if request.snapshot_after and self.store is not None:
             turn = request.turn or 0

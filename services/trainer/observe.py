@@ -38,6 +38,9 @@ def observe_step(job_id: str, stats: StepStats) -> None:
     metrics.TRAINER_TOKENS_PER_SECOND.labels(job_id).set(stats.tokens_per_s)
     for s in stats.staleness:
         metrics.TRAINER_STALENESS.observe(s)
+    metrics.TRAINER_TOKEN_STALENESS.labels(job_id, "mean").set(stats.token_staleness_mean)
+    metrics.TRAINER_TOKEN_STALENESS.labels(job_id, "max").set(stats.token_staleness_max)
+    metrics.TRAINER_MULTI_VERSION_SHARE.labels(job_id).set(stats.multi_version_share)
 
 
 def observe_canary(job_id: str, stats: StepStats) -> None:

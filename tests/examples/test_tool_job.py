@@ -54,12 +54,20 @@ def test_the_tool_job_runs_on_a_chatml_qwen2_built_in_the_run(tmp_path, capsys):
     assert "&lt;|im_start|&gt;system" in prompt and "&quot;name&quot;: &quot;python&quot;" in prompt
 
 
+def config_dtype(directory: Path) -> str:
+    return json.loads((directory / "config.json").read_text())["dtype"]
+
+
 def test_a_llama_directory_with_its_own_template_runs_unchanged(tmp_path, capsys):
+    import torch
+
     from temper.policy.build import build_model_dir, train_tokenizer
 
     corpus = [f"What is {a} * {b}? {a * b}" for a in range(12, 40) for b in range(12, 20)]
     tok = train_tokenizer(corpus, template="llama3", vocab_size=400)
-    model_dir = build_model_dir(tmp_path / "llama-tiny", "llama", tok, max_shard_size="200KB")
+    model_dir = build_model_dir(
+        tmp_path / "llama-tiny", "llama", tok, max_shard_size="200KB", dtype=torch.bfloat16
+    )
     spec = yaml.safe_load(shrunk(tmp_path, model=str(model_dir)).read_text())
     spec["environment"]["action_format"] = "llama3_json"
     spec["local"].pop("build")
@@ -71,3 +79,5 @@ def test_a_llama_directory_with_its_own_template_runs_unchanged(tmp_path, capsys
     config = json.loads((run_dir / "policy-v0" / "config.json").read_text())
     assert config["model_type"] == "llama"
     assert "&lt;|start_header_id|&gt;system" in first_prompt(run_dir)
+    # a bf16 directory stays bf16 in policy-v0 (the trainer's versions: tests/libs/policy/test_model_dtype.py)
+    assert config_dtype(model_dir) == config_dtype(run_dir / "policy-v0") == "bfloat16"

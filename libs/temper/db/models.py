@@ -289,6 +289,12 @@ class Episode(Base):
     # peak memory x wall time of each sandbox action, summed
     sandbox_memory_gb_s: Mapped[float] = mapped_column(Float, default=0.0)
     inference_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # its own switch (a job's schedule.partial_rollouts; an evaluation episode keeps it off):
+    # its generations may be interrupted and resumed on a newer version
+    partial_rollouts: Mapped[bool] = mapped_column(Boolean, default=False)
+    # environment.max_episode_s from its start; environment.max_episode_tokens counts model_tokens
+    deadline_at: Mapped[datetime | None] = mapped_column(default=None)
+    model_tokens: Mapped[int] = mapped_column(Integer, default=0, doc="tokens its model sampled")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

@@ -73,6 +73,8 @@ def environment_options(env: EnvironmentSpec) -> dict[str, Any]:
         options["package"] = env.package
     if env.kind == AGENT_KIND:
         options["agent"] = env.agent
+    if env.hide_files:
+        options["hide_files"] = env.hide_files
     return options
 
 

@@ -3,6 +3,8 @@ sandbox session over several turns, then submits the workspace for scoring."""
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from temper.envs.base import (
@@ -52,12 +54,22 @@ class CodeEnvironment(Environment):
             f"Change the files so the task is solved, test your work, then submit. {turns}\n{how}"
         )
 
+    def __init__(self, task: Any, *, hide_files: Sequence[str] = (), **options: Any) -> None:
+        super().__init__(task, **options)
+        self.hide_files = tuple(hide_files)  # environment.hide_files: named, content not shown
+
+    def hidden(self, path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.hide_files)
+
     def user_prompt(self) -> str:
         files = self.setup_files()
         if not files:
             return self.task.prompt
         shown, budget = [], self.max_listing_chars
         for path, content in sorted(files.items()):
+            if self.hidden(path):
+                shown.append(f"--- {path} (not shown)")
+                continue
             body = truncate_middle(content, min(self.max_file_chars, max(200, budget)))
             budget -= len(body)
             shown.append(f"--- {path}\n{body}")

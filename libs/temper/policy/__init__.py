@@ -3,7 +3,8 @@
 - tokenizer: :class:`ChatTokenizer` (a fast tokenizer with its chat template and stop ids),
   :func:`byte_tokenizer` (the CPU presets'), :func:`encode_chat`, :func:`extend_chat`
 - model: :func:`load_model` (any Hugging Face causal LM directory), :func:`create_model`
-  (CPU presets), :func:`save_checkpoint`, :func:`load_weights`
+  (CPU presets), :func:`save_checkpoint` (in the dtype the model was stored in,
+  :func:`stored_dtype`), :func:`load_weights`
 - logprobs: :func:`token_logprobs` (the same function for generation checks and training)
 
 Names are imported lazily, so ``temper.settings.inference`` (read by ``temper.settings``) does
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # the same names, typed for mypy (at run time they load on fi
         read_metadata,
         save_checkpoint,
         save_weights,
+        stored_dtype,
         token_logprobs,
     )
     from temper.policy.tokenizer import (
@@ -57,6 +59,7 @@ _MODEL = (
     "read_metadata",
     "save_checkpoint",
     "save_weights",
+    "stored_dtype",
     "token_logprobs",
 )
 _TOKENIZER = (

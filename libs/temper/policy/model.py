@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from temper.policy.tokenizer import ChatTokenizer, default_tokenizer
 
+STORED_DTYPE = "temper_stored_dtype"  # set on a loaded model: the dtype its directory stores
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -94,6 +95,24 @@ def create_model(
     return model.eval()
 
 
+def stored_dtype(source: torch.nn.Module | str | Path) -> torch.dtype:
+    """The dtype a model's weights are stored in: a model directory's (its config's
+    ``dtype``, or the older ``torch_dtype``; float32 when it names none), or, for a model,
+    the one its directory had when it was loaded (:func:`load_model` keeps it on the model,
+    which computes in float32), else its parameters'."""
+    if isinstance(source, torch.nn.Module):
+        kept = getattr(source, STORED_DTYPE, None)
+        if isinstance(kept, torch.dtype):
+            return kept
+        return next(source.parameters()).dtype
+    config = json.loads((Path(source) / CONFIG_FILE).read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{source}: {CONFIG_FILE} names dtype {name!r}, not a floating-point torch dtype")
+    return dtype
+
+
 def save_checkpoint(
     model: torch.nn.Module,
     directory: str | Path,
@@ -102,11 +121,15 @@ def save_checkpoint(
     metadata: dict[str, Any] | None = None,
     max_shard_size: str | int = "5GB",
     state_dict: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write a Hugging Face model directory: config, safetensors weights (sharded with an
     index above ``max_shard_size``), generation config (its eos ids are the tokenizer's
     stop ids) and the tokenizer with its chat template (+ ``temper.json``). ``state_dict``:
-    the weights to write instead of the model's own (a sharded model's, gathered)."""
+    the weights to write instead of the model's own (a sharded model's, gathered).
+    ``dtype``: the dtype the weights are stored in, by default the model's
+    :func:`stored_dtype` (a bf16 directory loaded to train in float32 is written back in
+    bf16), and the config says so."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tok = tokenizer or default_tokenizer()
@@ -114,7 +137,17 @@ def save_checkpoint(
     if gen is not None:
         gen.eos_token_id = list(tok.stop_ids)
         gen.pad_token_id = tok.pad_id
+    dtype = dtype or stored_dtype(model)
+    weights = state_dict if state_dict is not None else model.state_dict()
+    if any(t.is_floating_point() and t.dtype != dtype for t in weights.values()):
+        state_dict = {k: t.to(dtype) if t.is_floating_point() else t for k, t in weights.items()}
     model.save_pretrained(str(d), max_shard_size=max_shard_size, state_dict=state_dict)  # type: ignore[operator]
+    config_path = d / CONFIG_FILE
+    config = json.loads(config_path.read_text())
+    if config.get("dtype") != str(dtype).removeprefix("torch."):
+        # save_pretrained writes the parameters' dtype, not the one the weights were written in
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tok.save(d)
     if metadata:
         (d / META_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
@@ -177,8 +210,7 @@ def load_model(
     d = Path(directory)
     if not is_model_dir(d):
         raise FileNotFoundError(f"{d} is not a model directory (no {CONFIG_FILE})")
-    model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, dtype=dtype)
-    return model.eval(), ChatTokenizer.load(d)
+    return load_causal_lm(d, dtype=dtype), ChatTokenizer.load(d)
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:
@@ -298,5 +330,8 @@ def pad_batch(
 
 
 def load_causal_lm(directory: str | Path, *, dtype: torch.dtype | str = torch.float32) -> torch.nn.Module:
-    """The model alone (no tokenizer needed), e.g. for the trainer."""
-    return AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=dtype).eval()
+    """The model alone (no tokenizer needed), e.g. for the trainer. It remembers the dtype
+    its directory stores (:func:`stored_dtype`), which :func:`save_checkpoint` writes back."""
+    model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=dtype).eval()
+    setattr(model, STORED_DTYPE, stored_dtype(directory))
+    return model

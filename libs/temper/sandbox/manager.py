@@ -1,7 +1,8 @@
 """Sessions and the warm pool.
 
 A session is a sandbox that lives across actions (create → act, act, … → destroy) and
-is destroyed after ``idle_expiry_s`` without use. The pool keeps ``pool_size`` sandboxes
+is destroyed after ``idle_expiry_s`` without use, never before the time its caller asked
+it be kept (:meth:`SandboxManager.keep`: an episode's session until the episode's deadline). The pool keeps ``pool_size`` sandboxes
 started (namespaces set up, agent ready) with the default limits, so acquiring one costs
 a pop and a few cgroup writes. A sandbox is never handed out twice: once released it is
 destroyed and the pool refilled in the background.
@@ -128,6 +129,7 @@ class SandboxManager:
         self.cgroups: CgroupManager | None = None
         self.root = Path(settings.workspace_root).absolute() / f"w{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.sessions: dict[str, Sandbox] = {}
+        self.kept: dict[str, float] = {}  # session -> monotonic time it is kept until (keep)
         self._pool: deque[Sandbox] = deque()
         self._in_use: set[Sandbox] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -571,6 +573,13 @@ class SandboxManager:
         self._update_gauges()
         return sid
 
+    def keep(self, session_id: str, seconds: float) -> None:
+        """Keep the session at least ``seconds`` from now, idle or not (the longest of every
+        call's; a later idle expiry still applies)."""
+        until = time.monotonic() + seconds
+        if session_id in self.sessions and until > self.kept.get(session_id, 0.0):
+            self.kept[session_id] = until
+
     def get(self, session_id: str) -> Sandbox:
         try:
             return self.sessions[session_id]
@@ -584,6 +593,7 @@ class SandboxManager:
         """End a session; with ``wait=False`` the teardown (kill, cgroup, unmount) runs in
         the background and the caller goes on (``close()`` still waits for it)."""
         sb = self.sessions.pop(session_id, None)
+        self.kept.pop(session_id, None)
         if sb is None:
             raise SessionNotFound(session_id)
         self._update_gauges()
@@ -635,16 +645,28 @@ class SandboxManager:
         return sid
 
     async def _expire(self, *, force_oldest: bool = False) -> None:
+        """Destroy the sessions idle past ``idle_expiry_s`` and not kept (:meth:`keep`).
+        ``force_oldest`` (a new session and ``max_sessions`` held): if none is idle, the
+        least recently used one not kept, else the least recently used of all (counted in
+        ``temper_sandbox_kept_sessions_evicted_total``; its episode's next step restores its
+        workspace from the step's snapshot)."""
         now = time.monotonic()
-        idle = [sid for sid, sb in self.sessions.items() if now - sb.last_used > self.settings.idle_expiry_s]
+        free = [sid for sid in self.sessions if self.kept.get(sid, 0.0) <= now]
+        idle = [sid for sid in free if now - self.sessions[sid].last_used > self.settings.idle_expiry_s]
         if force_oldest and not idle and self.sessions:
-            idle = [min(self.sessions, key=lambda s: self.sessions[s].last_used)]
+            pool = free or list(self.sessions)
+            idle = [min(pool, key=lambda s: self.sessions[s].last_used)]
+            if not free:
+                metrics.SANDBOX_KEPT_EVICTED.inc()
+                log.warning("sandbox session %s evicted while kept: all %d sessions are kept", idle[0],
+                            len(self.sessions))  # fmt: skip
         for sid in idle:
             sb = self.sessions.get(sid)
             if sb is None or sb._lock.locked():
                 continue
             log.info("sandbox session %s expired", sid)
             self.sessions.pop(sid, None)
+            self.kept.pop(sid, None)
             await self._destroy(sb)
         self._update_gauges()
 

@@ -1,22 +1,22 @@
 """From trajectories to padded tensors.
 
 A :class:`Sample` is one trajectory flattened: every token id, a mask that is True on
-the model's own tokens, the behaviour logprob of each token, the sample's advantage
-and the per-token weight its aggregation gives it (set by the learner for the whole
-batch). :func:`micro_batches` packs samples of similar length under a padded-token
+the model's own tokens, the behaviour logprob of each token and the policy version that
+sampled it (a partial rollout holds several), the sample's advantage and the per-token
+weight its aggregation gives it (set by the learner for the whole batch). :func:`micro_batches` packs samples of similar length under a padded-token
 budget; :func:`collate` right-pads one micro-batch into tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from temper.jobspec import Overlong
 from temper.training.grpo import Objective, advantages, is_zero_variance, overlong_penalty
-from temper.trajectory import Trajectory
+from temper.trajectory import NOT_SAMPLED, Trajectory
 
 
 @dataclass
@@ -31,10 +31,25 @@ class Sample:
     group_id: str = ""
     filtered: bool = False  # an overlong response under ``overlong: filter``: no loss
     weight: float = 0.0  # per-token loss weight (temper.training.grpo.sample_weights)
+    # the version that sampled each token (NOT_SAMPLED where masked); empty: every model
+    # token is ``behaviour_version``'s
+    versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not (len(self.ids) == len(self.mask) == len(self.behaviour_logprobs)):
             raise ValueError("ids, mask and behaviour_logprobs must have the same length")
+        if self.versions and len(self.versions) != len(self.ids):
+            raise ValueError("versions must have one entry per token")
+
+    def token_versions(self) -> list[int]:
+        """The version that sampled each token, :data:`NOT_SAMPLED` where masked."""
+        if self.versions:
+            return self.versions
+        return [self.behaviour_version if m else NOT_SAMPLED for m in self.mask]
+
+    def model_versions(self) -> list[int]:
+        """The version of each model token (the mask's True positions), in order."""
+        return [v for v, m in zip(self.token_versions(), self.mask, strict=True) if m]
 
     @property
     def model_tokens(self) -> int:
@@ -54,6 +69,7 @@ class Batch:
     behaviour_logprobs: torch.Tensor  # [B, T] float32, 0 where masked
     advantages: torch.Tensor  # [B] float32
     weights: torch.Tensor  # [B] float32: per-token loss weight of each row
+    token_versions: torch.Tensor  # [B, T] long: the version that sampled each token, NOT_SAMPLED elsewhere
 
     @property
     def tokens(self) -> int:
@@ -90,7 +106,7 @@ def samples_from_groups(
             continue
         advs = advantages(rewards, obj.advantage, obj.adv_eps)
         for traj, seqs, adv, n in zip(group, flat, advs, lengths, strict=True):
-            for ids, mask, logprobs in seqs:
+            for (ids, mask, logprobs), versions in zip(seqs, traj.sample_versions(), strict=True):
                 samples.append(
                     Sample(
                         ids,
@@ -102,6 +118,7 @@ def samples_from_groups(
                         traj.episode_id,
                         traj.group_id,
                         filtered=obj.overlong is Overlong.filter and n >= obj.overlong_max_tokens,
+                        versions=versions,
                     )
                 )
     return samples, skipped
@@ -134,12 +151,14 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device | str =
     attn = torch.zeros((n, width), dtype=torch.long)
     comp = torch.zeros((n, width), dtype=torch.bool)
     old = torch.zeros((n, width), dtype=torch.float32)
+    versions = torch.full((n, width), NOT_SAMPLED, dtype=torch.long)
     for i, s in enumerate(samples):
         k = len(s.ids)
         ids[i, :k] = torch.tensor(s.ids, dtype=torch.long)
         attn[i, :k] = 1
         comp[i, :k] = torch.tensor(s.mask, dtype=torch.bool)
         old[i, :k] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
+        versions[i, :k] = torch.tensor(s.token_versions(), dtype=torch.long)
         if s.filtered:
             comp[i] = False
     # The first token has no context, so it can never be scored (token_logprobs gives 0 there).
@@ -147,5 +166,11 @@ def collate(samples: Sequence[Sample], pad_id: int, device: torch.device | str =
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     weights = torch.tensor([s.weight for s in samples], dtype=torch.float32)
     return Batch(
-        ids.to(device), attn.to(device), comp.to(device), old.to(device), adv.to(device), weights.to(device)
+        ids.to(device),
+        attn.to(device),
+        comp.to(device),
+        old.to(device),
+        adv.to(device),
+        weights.to(device),
+        versions.to(device),
     )

@@ -1,7 +1,8 @@
 """The logprob canary: the behaviour logprobs an inference engine reported, against the
 trainer's own recomputation of the same tokens under the same weights.
 
-For a token sampled by the version the learner holds *and* before the learner changed
+For a token sampled by the version the learner holds (each token's own version: with
+partial rollouts one trajectory holds tokens of several) *and* before the learner changed
 those weights (the first optimizer step after the version was published or loaded), the
 two are the same number up to engine noise: the ratio of the policy-gradient loss is 1.
 A gap past that noise means the engine served other weights than the version it named,
@@ -54,13 +55,15 @@ def compare(
     recomputed: torch.Tensor,
     behaviour: torch.Tensor,
     mask: torch.Tensor,
-    rows: torch.Tensor,
+    sampled_here: torch.Tensor,
     *,
     tolerance: float,
 ) -> Mismatch:
     """``recomputed``/``behaviour``: ``[B, T]`` logprobs; ``mask``: ``[B, T]`` the model's own
-    tokens; ``rows``: ``[B]`` the rows sampled by the weights ``recomputed`` came from."""
-    m = mask.bool() & rows.bool().unsqueeze(1)
+    tokens; ``sampled_here``: ``[B, T]`` the tokens sampled by the weights ``recomputed``
+    came from (or ``[B]``: whole rows)."""
+    here = sampled_here.bool()
+    m = mask.bool() & (here if here.dim() == 2 else here.unsqueeze(1))
     if not bool(m.any()):
         return Mismatch()
     gap = (recomputed.detach().float() - behaviour.float()).abs()[m]

@@ -311,9 +311,16 @@ class StepStats:
     micro_batches: int = 0
     seconds: float = 0.0
     tokens_per_s: float = 0.0
+    # per sample: versions between this step's and its oldest token's (what max_staleness bounds)
     staleness: list[int] = field(default_factory=list)
     staleness_mean: float = 0.0
     staleness_max: int = 0
+    # per model token: versions between this step's and the one that sampled the token
+    token_staleness_mean: float = 0.0
+    token_staleness_max: int = 0
+    # samples whose tokens came from two or more versions (partial rollouts), and their share
+    multi_version_samples: int = 0
+    multi_version_share: float = 0.0
     # the logprob canary: tokens sampled by this version before this step changed the weights,
     # their |recomputed - behaviour| (mean, max), the share past the tolerance, and whether the
     # batch failed (more than max_share past it); refused: the step was not taken, and why
@@ -667,6 +674,13 @@ class Learner:
             stats.staleness = [self.version - s.behaviour_version for s in samples]
             stats.staleness_mean = sum(stats.staleness) / len(stats.staleness)
             stats.staleness_max = max(stats.staleness)
+            per_sample = [s.model_versions() for s in samples]
+            lags = [self.version - v for versions in per_sample for v in versions]
+            if lags:
+                stats.token_staleness_mean = sum(lags) / len(lags)
+                stats.token_staleness_max = max(lags)
+            stats.multi_version_samples = sum(len(set(versions)) > 1 for versions in per_sample)
+            stats.multi_version_share = stats.multi_version_samples / len(samples)
         # token 0 of a sample has no context and is never scored (see collate)
         normalizer = sum(s.scored_tokens for s in samples)
         if normalizer == 0:
@@ -813,13 +827,13 @@ class Learner:
                             self.model, b.input_ids, b.attention_mask, b.completion_mask
                         )
             if canary:
-                rows = torch.tensor([s.behaviour_version == self.version for s in mb], device=self.device)
+                # every token this version sampled, whatever the versions of its neighbours
                 acc.mismatch.add(
                     compare(
                         logprobs,
                         b.behaviour_logprobs,
                         b.completion_mask,
-                        rows,
+                        b.token_versions == self.version,
                         tolerance=self.config.mismatch_tolerance,
                     )
                 )
@@ -902,6 +916,7 @@ class Learner:
             s.episode_id,
             s.group_id,
             filtered=s.filtered,
+            versions=s.versions[:k],
         )
 
     @on_adapter

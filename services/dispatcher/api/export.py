@@ -1,8 +1,8 @@
 """Getting results out: a job's trajectories in bulk (JSON lines, streamed; or Parquet);
 its policy versions are :mod:`services.dispatcher.api.checkpoints`.
 
-A trajectory record is the stored trajectory (token ids and behaviour logprobs per
-segment, each segment's policy version, turns, reward and reward components) plus the
+A trajectory record is the stored trajectory (token ids, behaviour logprobs and the
+policy version of each token per segment, turns, reward and reward components) plus the
 episode's ``state`` and ``behaviour_version``. Records come in episode id order; ``limit``
 and ``after`` page through them, and a page that stopped at ``limit`` names the next
 ``after`` in the ``X-Next-After`` header.
@@ -108,6 +108,7 @@ def parquet_bytes(rows: list[dict[str, Any]]) -> bytes:
             ("role", pa.string()),
             ("token_ids", pa.list_(pa.int64())),
             ("logprobs", pa.list_(pa.float64())),
+            ("token_versions", pa.list_(pa.int64())),
             ("policy_version", pa.int64()),
             ("text", pa.string()),
         ]
@@ -123,6 +124,7 @@ def parquet_bytes(rows: list[dict[str, Any]]) -> bytes:
             ("state", pa.string()),
             ("behaviour_version", pa.int64()),
             ("reward", pa.float64()),
+            ("ended_by", pa.string()),
             ("segments", pa.list_(segment)),
             ("rewards", pa.string()),
             ("turns", pa.string()),

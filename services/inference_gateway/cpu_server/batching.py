@@ -20,6 +20,7 @@ from services.inference_gateway.cpu_server.runner import (
     NotServed,
     Stopped,
 )
+from temper import metrics
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class _Change:
 
     call: Callable[[], float]
     fut: asyncio.Future[float]
+    job: str | None = None  # a reload: the job whose next version it loads
 
 
 class BatchScheduler:
@@ -50,6 +52,12 @@ class BatchScheduler:
     output names that version. A request whose job is no longer served here fails with
     :class:`NotServed`. :meth:`stop` abandons the running rows at their next token
     (:class:`Stopped`).
+
+    Partial rollouts: while a reload of job J waits, the running rows of job J whose
+    request takes partial rollouts (``GenRequest.partial_rollout``) are cut at their next
+    token and set aside with what they sampled; the reload runs once no row runs (the
+    other rows finish first, as above), and the rows set aside go on first, from their
+    prefixes, on the weights served then. Each token names the version that sampled it.
     """
 
     def __init__(self, runner: ModelRunner, *, max_batch: int = 16, window_ms: float = 3.0) -> None:
@@ -59,6 +67,7 @@ class BatchScheduler:
         self._cv = threading.Condition()
         self._waiting: deque[_Pending] = deque()
         self._changes: deque[_Change] = deque()
+        self._aside: list[Row] = []  # partial rollouts cut for a reload, to go on after it (this thread's)
         self._closing = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -66,6 +75,7 @@ class BatchScheduler:
         self.batches = 0  # prefills: groups of requests that started decoding together
         self.inflight = 0
         self.rows = 0  # rows decoding now
+        self.interruptions = 0  # partial rollouts cut for a new version (that went on on it)
 
     async def start(self) -> None:
         if self._thread is None:
@@ -112,7 +122,7 @@ class BatchScheduler:
             self.inflight -= 1
 
     async def reload(self, path: str | Path, version: int, job_id: str | None = None) -> float:
-        return await self._change(lambda: self.runner.load_weights(path, version, job_id))
+        return await self._change(lambda: self.runner.load_weights(path, version, job_id), job=job_id or "")
 
     async def load_base(self, directory: str | Path | None, name: str) -> float:
         return await self._change(lambda: self.runner.load_base(directory, name))
@@ -120,7 +130,7 @@ class BatchScheduler:
     async def release(self, job_id: str) -> float:
         return await self._change(lambda: self.runner.release(job_id))
 
-    async def _change(self, call: Callable[[], float]) -> float:
+    async def _change(self, call: Callable[[], float], job: str | None = None) -> float:
         if self._thread is None:  # not started (or stopped): nothing decodes
 
             def alone() -> float:
@@ -130,7 +140,7 @@ class BatchScheduler:
             return await asyncio.to_thread(alone)
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         with self._cv:
-            self._changes.append(_Change(call, fut))
+            self._changes.append(_Change(call, fut, job))
             self._cv.notify_all()
         return await fut
 
@@ -157,7 +167,13 @@ class BatchScheduler:
         try:
             while True:
                 with self._cv:
-                    while not self._closing and batch is None and not self._waiting and not self._changes:
+                    while (
+                        not self._closing
+                        and batch is None
+                        and not self._aside
+                        and not self._waiting
+                        and not self._changes
+                    ):
                         self._cv.wait()
                     if self._closing:
                         raise Stopped("the model runner is stopping")
@@ -165,16 +181,25 @@ class BatchScheduler:
                         change = self._changes.popleft()
                     else:
                         change = None
-                    if batch is None and change is None and len(self._waiting) < self.max_batch:
+                    if (
+                        batch is None
+                        and change is None
+                        and not self._aside
+                        and len(self._waiting) < self.max_batch
+                    ):
                         # an idle runner: others arriving with this request start with it
                         self._cv.wait(self.window_s)
                         if self._closing:
                             raise Stopped("the model runner is stopping")
-                    joining = [] if (self._changes or change is not None) else self._take(batch)
+                    changing = bool(self._changes) or change is not None
+                    reloading = {c.job for c in self._changes if c.job is not None}
+                    joining = [] if changing else self._take(batch)
                 if change is not None:
                     self._run_change(change)
                     continue
-                if joining:
+                if reloading and batch is not None:
+                    batch = self._cut(batch, reloading)
+                if joining or (not changing and self._aside and (batch is None or batch.can_join)):
                     batch = self._join(batch, joining)
                 if batch is not None:
                     batch = self._advance(batch)
@@ -191,7 +216,7 @@ class BatchScheduler:
         of them only when the running batch can take rows in (else when it is done)."""
         if batch is not None and not batch.can_join:
             return []
-        room = self.max_batch - (len(batch.rows) if batch is not None else 0)
+        room = self.max_batch - (len(batch.rows) if batch is not None else 0) - len(self._aside)
         taken: list[_Pending] = []
         while self._waiting and len(taken) < room:
             p = self._waiting.popleft()
@@ -207,10 +232,46 @@ class BatchScheduler:
         else:
             self._settle(change.fut, result)
 
-    def _join(self, batch: Decoding | None, joining: list[_Pending]) -> Decoding | None:
-        """Prefill the requests taken and put them in the running batch. One that cannot be
-        served here now fails alone; a prefill that fails fails its own requests."""
+    def _cut(self, batch: Decoding, jobs: set[str]) -> Decoding | None:
+        """Set aside the partial rollouts of ``jobs`` (whose next version waits to load)."""
+        cut = [r for r in batch.rows if r.req.partial_rollout and (r.req.job_id or "") in jobs]
+        if not cut:
+            return batch
+        batch.remove(cut)
+        self._aside.extend(cut)
+        log.info(
+            "%d partial rollouts of jobs %s cut for their next version (at %s tokens)",
+            len(cut), ", ".join(sorted(jobs)), ", ".join(str(len(r.ids)) for r in cut),
+        )  # fmt: skip
+        self.rows = len(batch.rows)
+        return batch if batch.rows else None
+
+    def _resume(self) -> list[Row]:
+        """The rows set aside, on the weights now served to their jobs (one whose job is not
+        served here any more fails alone)."""
         rows: list[Row] = []
+        aside, self._aside = self._aside, []
+        for r in aside:
+            if r.ticket.fut.done():  # its caller gave up
+                continue
+            try:
+                adapter, version = self.runner.served(r.req.job_id)
+            except NotServed as exc:
+                self._settle(
+                    r.ticket.fut, exc=NotServed(f"job {r.req.job_id!r} is not served here now: {exc}")
+                )
+                continue
+            r.resume_on(version, adapter)
+            self.interruptions += 1
+            metrics.INFERENCE_INTERRUPTIONS.inc()
+            rows.append(r)
+        return rows
+
+    def _join(self, batch: Decoding | None, joining: list[_Pending]) -> Decoding | None:
+        """Prefill the rows set aside (first) and the requests taken, and put them in the
+        running batch. A request that cannot be served here now fails alone; a prefill
+        that fails fails its own requests."""
+        rows: list[Row] = self._resume()
         for p in joining:
             try:
                 row = self.runner.row(p.req, ticket=p)
@@ -245,7 +306,8 @@ class BatchScheduler:
             raise
         except Exception as exc:  # noqa: BLE001 - a failed step fails its rows, not the server
             log.exception("decoding step failed")
-            self._fail(batch, exc)
+            for r in batch.rows:
+                self._settle(r.ticket.fut, exc=exc)
             self.rows = 0
             return None
         for r in done:
@@ -254,9 +316,8 @@ class BatchScheduler:
         return batch if batch.rows else None
 
     def _fail(self, batch: Decoding | None, exc: BaseException) -> None:
-        if batch is None:
-            return
+        rows, self._aside = [*(batch.rows if batch is not None else []), *self._aside], []
         if isinstance(exc, Stopped):
             exc = Stopped("the model runner stopped during this generation")
-        for r in batch.rows:
+        for r in rows:
             self._settle(r.ticket.fut, exc=exc)

@@ -14,6 +14,12 @@ batch, or when they joined it. The logprob reported for a sampled token is the r
 model distribution's (log-softmax of the logits, before temperature and top-p), as vLLM V1
 reports by default (``logprobs_mode=raw_logprobs``); ``temper.policy.token_logprobs``
 recomputes exactly this from a forward pass.
+
+A row of a partial-rollout request (``GenRequest.partial_rollout``) can leave the batch
+before it is done (the scheduler cuts it when its job's next version waits to load) and
+go on later from its prefix: its next prefill reads its prompt and the tokens it sampled
+(:attr:`Row.context`), on the weights served then. Every token records the version that
+sampled it (``Row.versions``, ``GenOutput.token_versions``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class GenRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     job_id: str | None = None  # picks the job's adapter; none loaded: the base weights
+    partial_rollout: bool = False  # may be cut by the job's next version and go on on it
 
 
 @dataclass
@@ -56,8 +63,10 @@ class GenOutput:
     text: str
     finish_reason: str  # "stop" | "length"
     stop_reason: int | str | None
-    policy_version: int
+    policy_version: int  # the version that sampled the last token
     adapter: str | None = None  # the LoRA adapter that produced it; None: the base weights
+    token_versions: list[int] = field(default_factory=list)  # the version that sampled each token
+    interruptions: int = 0  # times a new version cut it (partial rollouts)
 
 
 class Row:
@@ -82,6 +91,8 @@ class Row:
         self.budget = max(0, min(self.p.max_tokens, max_len - len(req.prompt_ids)))
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []  # the version that sampled each token
+        self.interruptions = 0  # times it was cut for a new version (and went on on it)
         self.text = ""
         self.finish: str | None = None if self.budget > 0 else "length"
         self.stop_reason: int | str | None = None
@@ -90,9 +101,21 @@ class Row:
         self.tok = tok
         self.ticket = ticket
 
+    @property
+    def context(self) -> list[int]:
+        """What the model reads before the row's next token: its prompt and the tokens it
+        sampled so far (a row that goes on after a cut is prefilled with these)."""
+        return [*self.req.prompt_ids, *self.ids]
+
+    def resume_on(self, version: int, adapter: str | None) -> None:
+        """The row was cut (:attr:`interruptions`) and goes on on these weights."""
+        self.interruptions += 1
+        self.version, self.adapter = version, adapter
+
     def push(self, token: int, logprob: float) -> None:
         self.ids.append(token)
         self.logprobs.append(logprob)
+        self.versions.append(self.version)
         if token in self.stop_ids:
             self.finish, self.stop_reason = "stop", token
         elif token in self.eos_ids:
@@ -118,6 +141,8 @@ class Row:
             stop_reason=self.stop_reason,
             policy_version=self.version,
             adapter=self.adapter,
+            token_versions=list(self.versions),
+            interruptions=self.interruptions,
         )
 
 
@@ -167,7 +192,7 @@ class Decoding:
     position of each row's last token and the logits of each row's next token."""
 
     def __init__(self, model: torch.nn.Module, base: torch.nn.Module, rows: list[Row], pad_id: int) -> None:
-        """The prefill: ``rows``' prompts through ``model`` (``base`` is the model without
+        """The prefill: ``rows``' prompts (and the tokens a row that was cut had sampled) through ``model`` (``base`` is the model without
         PEFT's layers; a row's adapter applies when they differ)."""
         for r in rows:
             if not r.req.prompt_ids:
@@ -177,7 +202,7 @@ class Decoding:
         self.pad_id = pad_id
         self.rows = rows
         dev = next(base.parameters()).device
-        ids, mask = pad_batch([r.req.prompt_ids for r in rows], pad_id, left=True)
+        ids, mask = pad_batch([r.context for r in rows], pad_id, left=True)
         self.mask = mask.to(dev)
         logits, self.cache = forward(
             model, ids.to(dev), self.mask, use_cache=True, adapter_names=self._names()
@@ -235,6 +260,11 @@ class Decoding:
             )  # fmt: skip
             self.last = logits[:, -1].float().cpu()
         return done
+
+    def remove(self, rows: list[Row]) -> None:
+        """``rows`` leave the batch before they are done (they may go on in another one)."""
+        gone = {id(r) for r in rows}
+        self._select([i for i, r in enumerate(self.rows) if id(r) not in gone])
 
     def _select(self, keep: list[int]) -> None:
         """Keep only these rows, and cut the columns on the left that none of them uses."""

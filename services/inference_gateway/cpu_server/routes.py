@@ -120,7 +120,12 @@ def add_routes(
         try:
             outs = list(
                 await asyncio.gather(
-                    *(scheduler.submit(GenRequest(p, params, job_id=body.job_id)) for p in prompts)
+                    *(
+                        scheduler.submit(
+                            GenRequest(p, params, job_id=body.job_id, partial_rollout=body.partial_rollout)
+                        )
+                        for p in prompts
+                    )
                 )
             )
         except NotServed as exc:

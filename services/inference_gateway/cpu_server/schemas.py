@@ -37,6 +37,11 @@ class CompletionBody(BaseModel):
         None,
         description="Temper's: the job whose weights run it (its adapter, its full weights, or the base)",
     )
+    partial_rollout: bool = Field(
+        False,
+        description="Temper's: the job's next version interrupts this generation, which goes on from its "
+        "prefix on that version (each choice's token_versions say which version sampled each token)",
+    )
 
 
 class LoadWeightsBody(BaseModel):
@@ -95,6 +100,7 @@ def completion_response(
                 "token_ids": o.token_ids if body.return_token_ids else None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": o.prompt_ids if body.return_token_ids else None,
+                "token_versions": o.token_versions,  # Temper's: the version of each token
             }
         )
     n_prompt = sum(len(o.prompt_ids) for o in outs)

@@ -43,6 +43,26 @@ def test_first_prompt_shows_the_files_and_is_chat_encoded():
     assert text.startswith("<|bos|><|system|>") and text.endswith("<|assistant|>")
 
 
+def test_hidden_files_are_named_without_their_content():
+    task = {**TASK, "spec": {"files": {"add.py": "def add(a, b):\n    return a - b\n",
+                                       "test_add.py": "assert add(1, 2) == 3\n"}}}  # fmt: skip
+    shown = make_environment("code", task).user_prompt()
+    assert "--- test_add.py\nassert add(1, 2) == 3" in shown
+    hidden = make_environment("code", task, hide_files=["test_*"]).user_prompt()
+    assert "--- test_add.py (not shown)" in hidden and "assert add" not in hidden
+    assert "--- add.py\ndef add(a, b):" in hidden
+    shell = make_environment("shell", task, hide_files=["*.py"]).user_prompt()
+    assert "return a - b" not in shell and "--- add.py (not shown)" in shell
+
+    from pydantic import ValidationError
+
+    from temper.jobspec import EnvironmentSpec
+
+    assert EnvironmentSpec(kind="shell", hide_files=["test_*"]).hide_files == ["test_*"]
+    with pytest.raises(ValidationError, match="hide_files applies to .*code, shell.*not 'math'"):
+        EnvironmentSpec(kind="math", hide_files=["secret.py"])
+
+
 def test_a_job_can_replace_or_drop_the_system_prompt():
     assert [m["role"] for m in code().first_messages()] == ["system", "user"]
     assert code(system_prompt="Be brief.").first_messages()[0] == {"role": "system", "content": "Be brief."}

@@ -191,6 +191,8 @@ class Peers:
     hold: bool = False
     job_prefix: str = ""  # on a shared Kafka, answer only this test's jobs
     delay_s: float = 0.0  # model "thinking" time per inference request
+    # the version of each token of an answer (a partial rollout's span), else policy_version for all
+    token_versions: Callable[[InferenceRequest, int], list[int]] | None = None
     # what each sandbox action reports beside its output (cpu_s, peak_memory_mb, wall_s:
     # what a tenant's quotas count)
     sandbox_reports: dict[str, float] = field(default_factory=dict)
@@ -277,15 +279,17 @@ class Peers:
             if text is None:
                 return None
             tokens = [*TOK.encode(text), TOK.stop_ids[0]]
+            versions = self.token_versions(msg, len(tokens)) if self.token_versions else []
             return InferenceResult(
                 **ids,
                 token_ids=tokens,
                 logprobs=[-0.5] * len(tokens),
+                token_versions=versions,
                 text=text,
                 finish_reason="stop",
-                policy_version=(
-                    self.policy_version(msg) if callable(self.policy_version) else self.policy_version
-                ),
+                policy_version=versions[-1]
+                if versions
+                else (self.policy_version(msg) if callable(self.policy_version) else self.policy_version),
                 backend="fake",
             )
         if isinstance(msg, SandboxRequest):

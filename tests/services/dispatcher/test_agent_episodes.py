@@ -195,6 +195,14 @@ def test_the_agent_spec_is_checked_at_validation():
         ),
         ({"kind": "code", "agent": AGENT}, "agent applies to kind agent only"),
         (
+            {"kind": "agent", "action_format": "hermes", "agent": AGENT, "max_episode_tokens": 100},
+            "max_episode_tokens: not with kind agent",
+        ),
+        (
+            {"kind": "agent", "action_format": "hermes", "agent": AGENT, "max_episode_s": 60},
+            "max_episode_s: not with kind agent",
+        ),
+        (
             {
                 "kind": "agent",
                 "action_format": "hermes",

@@ -48,6 +48,9 @@ async def test_jsonl_export_round_trips_the_trajectories(client, env, seeded):
         assert line["state"] in ("scored", "trained") and "behaviour_version" in line
         model = [s for s in line["segments"] if s["role"] == "model"]
         assert model and all(len(s["logprobs"]) == len(s["token_ids"]) for s in model)
+        # each token names the version that sampled it, beside its logprob
+        assert all(len(s["token_versions"]) == len(s["token_ids"]) for s in model)
+        assert all(set(s["token_versions"]) <= {s["policy_version"]} for s in model)
 
 
 async def test_jsonl_export_pages(client, seeded):
