@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -175,7 +176,26 @@ def _terminate_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
+@dataclass
+class Running:
+    """The services of one run, up: the client (bootstrap key), the spec pinned to the
+    uploaded task set and policy, the database, the processes."""
+
+    run_dir: Path
+    database_url: str
+    spec: JobSpec
+    api: TemperClient
+    stack: Stack
+    progress: Any
+    started: float
+    env: dict[str, str]
+
+
+@contextlib.contextmanager
+def running(args: argparse.Namespace, out: TextIO = sys.stderr) -> Iterator[Running]:
+    """Steps 1-5 up to the submission: the database, the policy, the services healthy, the
+    task set uploaded; on leaving, every process stopped (step 7). More than one job may
+    be submitted while inside (tests/integration/test_sft_then_rl.py)."""
     from services.embedded.runner import Progress, make_policy
 
     spec_path = Path(args.spec)
@@ -245,8 +265,6 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
 
     previous = signal.signal(signal.SIGTERM, _terminate_on_sigterm)
     api: TemperClient | None = None
-    job_id = ""
-    state = "not submitted"
     try:
         out.write("starting the services\n")
         stack.start(env)
@@ -256,16 +274,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
         # the bootstrap tenant's quota must not cap the job's own concurrency
         quota = max(64, spec.schedule.max_concurrent_episodes)
         api._call("PATCH", "/v1/tenants/default", json={"max_concurrent_episodes": quota})
-        job = api.submit(spec.model_dump(mode="json", exclude_none=True))
-        job_id = job["id"]
-        out.write(f"job {job_id} submitted to {dispatcher.url}\n")
-        state = _follow(api, stack, job_id, progress, timeout_s=args.timeout)
-    except KeyboardInterrupt:
-        out.write("\ninterrupted: cancelling the job and stopping the services\n")
-        if api is not None and job_id:
-            with contextlib.suppress(ApiError, httpx.HTTPError):
-                api.cancel(job_id)
-        raise
+        yield Running(run_dir, database_url, spec, api, stack, progress, started, env_stack)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if api is not None:
@@ -273,13 +282,30 @@ def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
         stack.stop()
         if not str(workspaces).startswith(str(run_dir)):
             shutil.rmtree(workspaces, ignore_errors=True)
-    summary = asyncio.run(_report(database_url, env_stack, job_id, run_dir, time.perf_counter() - started))
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stderr) -> StackResult:
+    job_id = ""
+    state = "not submitted"
+    with running(args, out) as r:
+        try:
+            job = r.api.submit(r.spec.model_dump(mode="json", exclude_none=True))
+            job_id = job["id"]
+            out.write(f"job {job_id} submitted to {r.stack.services[-1].url}\n")
+            state = follow(r, job_id, timeout_s=args.timeout)
+        except KeyboardInterrupt:
+            out.write("\ninterrupted: cancelling the job and stopping the services\n")
+            if job_id:
+                with contextlib.suppress(ApiError, httpx.HTTPError):
+                    r.api.cancel(job_id)
+            raise
+    summary = asyncio.run(_report(r.database_url, r.env, job_id, r.run_dir, time.perf_counter() - r.started))
     out.write(
         f"\n{state}: mean reward {summary['first_mean_reward']:.3f} (first iteration) -> "
         f"{summary['last_mean_reward']:.3f} (last), policy v{summary['policy_version']}, {summary['seconds']:.0f}s\n"
-        f"report: {run_dir / 'report.html'}\nlogs: {run_dir}/<service>.log\n"
+        f"report: {r.run_dir / 'report.html'}\nlogs: {r.run_dir}/<service>.log\n"
     )
-    return StackResult(run_dir, job_id, state, summary, database_url)
+    return StackResult(r.run_dir, job_id, state, summary, r.database_url)
 
 
 def _submit_taskset(api: TemperClient, spec: JobSpec, local: localrun.LocalRun) -> JobSpec:
@@ -292,13 +318,15 @@ def _submit_taskset(api: TemperClient, spec: JobSpec, local: localrun.LocalRun) 
     return spec.model_copy(update={"tasks": spec.tasks.model_copy(update={"taskset": view["id"]})})
 
 
-def _follow(api: TemperClient, stack: Stack, job_id: str, progress: Any, *, timeout_s: float) -> str:
+def follow(r: Running, job_id: str, *, timeout_s: float) -> str:
+    """Draw the job's progress until it ends; its final state."""
     from temper.cli.jobs import progress_lines
     from temper.lifecycle import JOB_TERMINAL
 
+    api, progress = r.api, r.progress
     deadline = time.monotonic() + timeout_s
     while True:
-        stack.check_alive()
+        r.stack.check_alive()
         job = api.job(job_id)
         metrics = api.metrics(job_id)
         width = shutil.get_terminal_size((80, 20)).columns
