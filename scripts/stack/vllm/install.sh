@@ -76,9 +76,11 @@ EOF
   cp "$fixed" "$sp/$LORA_FILE"
   rm -rf "$sp/$(dirname "$LORA_FILE")/__pycache__"
 
-  # The kernels load on these CPUs (vllm._C), and the stamp comes last.
-  "$ENV_DIR/bin/python" -c 'import vllm, vllm._C' >>"$piplog" 2>&1 \
-    || { tail_log "$piplog"; die "vllm: 'import vllm, vllm._C' failed in $ENV_DIR; see $piplog"; }
+  # The kernels this CPU runs load (AVX-512 or AVX2 build, as vLLM picks), and the stamp comes last.
+  local kernels
+  kernels=$("$ENV_DIR/bin/python" "$HERE/kernels_check.py" 2>>"$piplog") \
+    || { tail_log "$piplog"; die "vllm: its kernels failed to load in $ENV_DIR; see $piplog"; }
+  log "vllm: kernels $kernels load on this CPU"
   echo "$KEY" >"$STAMP"
   local old
   for old in "$VLLM_ROOT"/env-*; do
