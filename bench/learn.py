@@ -226,6 +226,11 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(known) if len(known) == len(values) and known else None
 
 
+def _rounds(values: list[float | None]) -> str:
+    """Each round's figure, as one string: bench results are flat objects of scalars."""
+    return ", ".join("null" if v is None else str(round(v, 3)) for v in values)
+
+
 def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for side in SIDES:
@@ -237,8 +242,8 @@ def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         to = [ratio(r["temper"]["seconds_to_0_75"], r[other]["seconds_to_0_75"]) for r in rounds]
         result[f"samples_per_s_over_{other}"] = None if median(per) is None else round(median(per), 3)  # type: ignore[arg-type]
         result[f"seconds_to_0_75_over_{other}"] = None if median(to) is None else round(median(to), 3)  # type: ignore[arg-type]
-        result[f"rounds_samples_per_s_over_{other}"] = [None if v is None else round(v, 3) for v in per]
-        result[f"rounds_seconds_to_0_75_over_{other}"] = [None if v is None else round(v, 3) for v in to]
+        result[f"rounds_samples_per_s_over_{other}"] = _rounds(per)
+        result[f"rounds_seconds_to_0_75_over_{other}"] = _rounds(to)
     return result
 
 

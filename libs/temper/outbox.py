@@ -257,9 +257,11 @@ class OutboxRelay:
         metrics.OUTBOX_PENDING.set(count or 0)
         return count or 0
 
-    async def run(self) -> None:
-        """Publish forever; errors are logged and retried, never fatal."""
-        while True:
+    async def run(self, until: asyncio.Event | None = None) -> None:
+        """Publish until ``until`` is set (forever without one); errors are logged and
+        retried, never fatal. Setting ``until`` (then :meth:`notify`) ends the loop after its
+        current pass, so no query is cancelled half-way."""
+        while until is None or not until.is_set():
             try:
                 published = await self.publish_pending()
                 if time.monotonic() - self._pruned_at >= self.prune_every_s:

@@ -35,6 +35,10 @@ from temper.tenants import ensure_bootstrap_key
 
 log = logging.getLogger("temper.dispatcher")
 WAKE_GATHER_S = 0.02
+# How long stop() lets each loop finish its pass before cancelling it. Cancelling a pass in
+# the middle of an asyncpg query could leave the task waiting on the query's cancellation
+# for minutes (seen: the scheduler's tick, 1 stop in 20 in tests/services/dispatcher/test_fair_share.py).
+STOP_GRACE_S = 30.0
 
 
 class BootstrapKey:
@@ -71,6 +75,8 @@ class Dispatcher:
         self.leadership: Leadership | None = None
         self._consumers: list[Consumer] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()  # set by stop(): the loops end after their pass
+        self._wake: asyncio.Event | None = None
 
     async def start(self) -> None:
         rt = self.runtime
@@ -79,6 +85,7 @@ class Dispatcher:
                 "Dispatcher needs a started Runtime with a database, a bus and an object store"
             )
         s = self.settings
+        self._stopping.clear()
         self.relay = OutboxRelay(rt.db, rt.bus, keep_published_s=rt.settings.db.outbox_keep_published_s)
         self.machine = EpisodeMachine(
             rt.db,
@@ -99,7 +106,7 @@ class Dispatcher:
         )
         # Loops on the runtime (a crash shows in /health); stop() cancels them before the
         # final outbox flush, so the relay is not sending while the flush does.
-        self._tasks.append(rt.spawn(self.relay.run(), "dispatcher-outbox-relay"))
+        self._tasks.append(rt.spawn(self.relay.run(until=self._stopping), "dispatcher-outbox-relay"))
         self._consumers.append(
             await rt.consume_handlers(
                 handlers.result_topics(self.batches),
@@ -113,7 +120,7 @@ class Dispatcher:
         )
         # The scheduler runs when an episode of this replica finished (its slot is free) and
         # otherwise every scheduler_interval_s (new jobs, other replicas' episodes).
-        wake = asyncio.Event()
+        wake = self._wake = asyncio.Event()
         self.machine.on_finished = wake.set
         self._tasks.append(
             rt.spawn(
@@ -156,8 +163,8 @@ class Dispatcher:
         *,
         wake: asyncio.Event | None = None,
     ) -> None:
-        """Run ``fn`` every ``interval_s``, or as soon as ``wake`` is set."""
-        while True:
+        """Run ``fn`` every ``interval_s``, or as soon as ``wake`` is set, until stop()."""
+        while not self._stopping.is_set():
             if wake is not None:
                 wake.clear()
             try:
@@ -166,15 +173,13 @@ class Dispatcher:
                 raise
             except Exception as exc:  # noqa: BLE001 - a db blip must not stop the loop
                 log_event(log, f"{name} pass failed", logging.WARNING, error=repr(exc))
-            if wake is None:
-                await asyncio.sleep(interval_s)
-                continue
             try:
-                await asyncio.wait_for(wake.wait(), interval_s)
+                await asyncio.wait_for((wake or self._stopping).wait(), interval_s)
             except TimeoutError:
                 continue
-            # the episodes finishing in the next moment go in the same pass
-            await asyncio.sleep(min(WAKE_GATHER_S, interval_s))
+            if wake is not None and not self._stopping.is_set():
+                # the episodes finishing in the next moment go in the same pass
+                await asyncio.sleep(min(WAKE_GATHER_S, interval_s))
 
     async def _check(self) -> None:
         for task in self._tasks:
@@ -187,8 +192,17 @@ class Dispatcher:
         self._consumers.clear()
         if self.batches is not None:
             await self.batches.close()
-        for task in self._tasks:
-            task.cancel()
+        # the loops end after their current pass; one still running after the grace is cancelled
+        self._stopping.set()
+        if self._wake is not None:
+            self._wake.set()
+        if self.relay is not None:
+            self.relay.notify()
+        if self._tasks:
+            _, late = await asyncio.wait(self._tasks, timeout=STOP_GRACE_S)
+            for task in late:
+                log_event(log, "loop still running at stop: cancelled", logging.WARNING, task=task.get_name())
+                task.cancel()
         for task in self._tasks:
             try:
                 await task

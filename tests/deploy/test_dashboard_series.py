@@ -73,7 +73,8 @@ from temper.events import Topics
 init_job_metrics(JOB, 0)                # a job's learner loaded
 # its first step (the StepStats fields observe_step reads; the real class needs torch)
 observe_step(JOB, SimpleNamespace(
-    loss=0.5, reward_mean=0.5, reward_std=0.1, kl=0.0, clip_fraction=0.0, tokens_per_s=9.0, staleness=[0]
+    loss=0.5, reward_mean=0.5, reward_std=0.1, kl=0.0, clip_fraction=0.0, tokens_per_s=9.0, staleness=[0],
+    token_staleness_mean=0.0, token_staleness_max=0, multi_version_share=0.0,
 ))
 asyncio.run(subscribe([Topics.TRAJECTORIES], "trainer"))
 """,

@@ -46,6 +46,7 @@ from services.inference_gateway.checkpoints import fetch_model
 from services.reward_scorer.scoring import record_key
 from temper import registry
 from temper.db import Database, Episode, Job, PolicyVersion, Step
+from temper.db.core import SessionTx
 from temper.episode_steps import read_steps_of
 from temper.events import RewardComponent
 from temper.jobspec import JobSpec
@@ -223,8 +224,7 @@ async def _load(db: Database, store: ObjectStore, job_id: str) -> _Job:
             v.version: v
             for v in (await s.execute(select(PolicyVersion).where(PolicyVersion.job_id == job_id))).scalars()
         }
-        conn = await s.connection()
-        steps = await read_steps_of(conn, store, episodes)
+        steps = await read_steps_of(await SessionTx.of(s), store, episodes)
     return _Job(row, JobSpec.model_validate(row.spec), episodes, steps, versions)
 
 

@@ -128,7 +128,7 @@ def test_parsers_are_validated_by_name():
     with pytest.raises(
         SpecError,
         match=r"installed: code_block, tool_call, hermes \(temper\), llama3_json \(temper\), "
-        r"mistral \(temper\), pythonic \(temper\), tool_code \(temper\)",
+        r"mistral \(temper\), pythonic \(temper\), qwen3_coder \(temper\), tool_code \(temper\)",
     ):
         parse_spec({**base, "environment": {"action_format": "qwen3_xml"}})
     for name in ("mistral", "pythonic", "tool_code"):

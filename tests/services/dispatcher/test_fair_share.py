@@ -41,8 +41,9 @@ ADMITTED = 90  # episodes admitted before the shares are counted
 
 
 def one_turn(req: InferenceRequest) -> str:
-    """Write the fix and submit: one inference, one sandbox and one reward step per episode."""
-    return f"{FENCE}python add.py\ndef add(a, b):\n    return a + b\n{FENCE}\nsubmit"
+    """Run a command and submit: one inference, one sandbox and one reward step per episode
+    (a lone file write and submit would skip the sandbox: its file rides on the reward request)."""
+    return f"{FENCE}bash\nprintf 'def add(a, b):\\n    return a + b\\n' > add.py\n{FENCE}\nsubmit"
 
 
 async def tenant_with_job(db: Database, name: str, *, weight: float = 1.0, **spec: object) -> str:

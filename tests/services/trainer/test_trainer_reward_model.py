@@ -120,10 +120,15 @@ async def test_a_reward_model_job_learns_a_preference_that_then_scores_held_out_
         await stop(runtime, component)
     assert [(v.version, v.step) for v in versions] == [(n, 20 * n) for n in range(1, 15)]
     assert updates is None  # nothing serves a reward model: no policy.updates
-    first, last = versions[0].metrics, versions[-1].metrics
+    first = versions[0].metrics
     # the score head starts at zero: every pair at log 2 on the first step
     assert first["loss"] < math.log(2) + 0.05
-    assert last["loss"] < 0.3 and last["pair_accuracy"] > first["pair_accuracy"], (first, last)
+    # a version's figures are its last batch's (8 pairs): noisy, so the last four together
+    curve = [(v.step, round(v.metrics["loss"], 3), v.metrics["pair_accuracy"]) for v in versions]
+    late = [v.metrics for v in versions[-4:]]
+    late_loss = sum(m["loss"] for m in late) / len(late)
+    late_accuracy = sum(m["pair_accuracy"] for m in late) / len(late)
+    assert late_loss < 0.45 and late_accuracy > first["pair_accuracy"] + 0.3, curve
 
     # the published version is a reward model directory that loads on its own
     key = versions[-1].checkpoint_key
