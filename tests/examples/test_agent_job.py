@@ -55,6 +55,9 @@ def shrunk(tmp_path: Path, image: Path) -> Path:
     spec["tasks"]["group_size"] = 4
     spec["schedule"].update(iterations=2, episodes_per_iteration=8, max_concurrent_episodes=8)
     spec["algorithm"]["groups_per_step"] = 1
+    # four groups of four from a barely warm policy can all score alike; the trainer still
+    # steps on them, so the check below is on what it trained from, not on reward variance
+    spec["algorithm"]["skip_zero_variance"] = False
     local = spec["local"]
     local["taskset_file"] = str(ROOT / "examples" / local["taskset_file"])
     local["agent_dir"] = str(ROOT / "examples" / local["agent_dir"])

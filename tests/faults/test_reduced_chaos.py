@@ -17,7 +17,9 @@ import pytest
 
 from tests.faults.chaos import Chaos
 
-pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.s3, pytest.mark.slow]
+# long: out of `make test` until its one unexplained failure in two runs (2026-12-05, after the
+# content checks were fixed) is understood; `make chaos-reduced` and `make test-long` run it
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.s3, pytest.mark.slow, pytest.mark.long]
 
 
 @pytest.mark.timeout(600)
