@@ -8,7 +8,6 @@ install check follows ``CpuPlatform.import_kernels`` instead of importing ``_C``
 import importlib
 
 import torch
-
 import vllm  # noqa: F401  (the package itself imports on any x86-64)
 
 if torch.cpu._is_avx512_supported():
