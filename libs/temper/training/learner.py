@@ -573,6 +573,24 @@ class Learner:
             margins += float(beta * implicit.detach().sum())
             tokens += b.tokens
             batches += 1
+        self._finish_pair_step(
+            stats, started, len(pairs), right=right, margins=margins, tokens=tokens, batches=batches
+        )
+        return stats
+
+    def _finish_pair_step(
+        self,
+        stats: StepStats,
+        started: float,
+        pairs: int,
+        *,
+        right: int,
+        margins: float,
+        tokens: int,
+        batches: int,
+    ) -> None:
+        """The end of a DPO or reward-model step: clip, step (when the gradient is finite),
+        and the step's figures over its ``pairs``."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         if math.isfinite(grad_norm):
@@ -588,11 +606,10 @@ class Learner:
             batches,
         )
         stats.pg_loss = stats.loss
-        stats.reward_mean = margins / len(pairs)
-        stats.pair_accuracy = right / len(pairs)
+        stats.reward_mean = margins / pairs
+        stats.pair_accuracy = right / pairs
         stats.learning_rate = float(self.optimizer.param_groups[0]["lr"])
         stats.seconds = time.perf_counter() - started
-        return stats
 
     def step_preferences(self, pairs: Sequence[tuple[list[int], list[int]]]) -> StepStats:
         """One reward-model step on (chosen, rejected) id sequences
@@ -629,25 +646,9 @@ class Learner:
             margins += float(margin.detach().sum())
             tokens += sum(len(r) for r in rows)
             batches += 1
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-            self.weights_at_version = False
-            self.step_count += 1
-            stats.updated = True
-        self.optimizer.zero_grad(set_to_none=True)
-        stats.step, stats.grad_norm, stats.tokens, stats.micro_batches = (
-            self.step_count,
-            grad_norm,
-            tokens,
-            batches,
+        self._finish_pair_step(
+            stats, started, len(pairs), right=right, margins=margins, tokens=tokens, batches=batches
         )
-        stats.pg_loss = stats.loss
-        stats.reward_mean = margins / len(pairs)
-        stats.pair_accuracy = right / len(pairs)
-        stats.learning_rate = float(self.optimizer.param_groups[0]["lr"])
-        stats.seconds = time.perf_counter() - started
         stats.tokens_per_s = tokens / stats.seconds if stats.seconds > 0 else 0.0
         return stats
 
