@@ -4,7 +4,9 @@ backend it can take (``temper.policy.placement``)."""
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from typing import Any
+
+from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.backends import gateway_backends
@@ -14,13 +16,12 @@ from temper.lifecycle import JobState
 from temper.policy.placement import Need, need_of, wait_reason
 
 
-async def served_version(s: AsyncSession, job_id: str) -> int:
+def served_version_query(job_id: str) -> Select[Any]:
     """The newest version of the job every backend serving it confirmed (the gateway writes
     ``served_at`` on the row), 0 before any."""
-    query = select(func.max(PolicyVersion.version)).where(
+    return select(func.coalesce(func.max(PolicyVersion.version), 0)).where(
         PolicyVersion.job_id == job_id, PolicyVersion.served_at.is_not(None)
     )
-    return int(await s.scalar(query) or 0)
 
 
 async def backend_wait(s: AsyncSession, job: Job, spec: JobSpec) -> str | None:

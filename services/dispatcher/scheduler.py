@@ -13,9 +13,10 @@ import math
 import random
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import Select, and_, func, or_, select
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -23,7 +24,7 @@ from services.dispatcher import evaluation, repo
 from services.dispatcher.episodes import ACTIVE, EpisodeMachine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
-from services.dispatcher.placement import backend_wait, served_version
+from services.dispatcher.placement import backend_wait, served_version_query
 from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
 from temper import metrics
 from temper.clock import utcnow
@@ -433,7 +434,11 @@ class Scheduler:
     # --- staleness and training ----------------------------------------------------------------
     async def _untrained_groups(self, s: AsyncSession, job_id: str, before_iteration: int) -> int:
         """Groups of earlier iterations that the trainer has yet to step on (not trained or skipped)."""
-        query = (
+        return int(await s.scalar(self._untrained_groups_query(job_id, before_iteration)) or 0)
+
+    @staticmethod
+    def _untrained_groups_query(job_id: str, before_iteration: int) -> Select[Any]:
+        return (
             select(func.count(func.distinct(Episode.group_id)))
             .select_from(Episode)
             .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
@@ -447,7 +452,20 @@ class Scheduler:
                 ),
             )
         )
-        return int(await s.scalar(query) or 0)
+
+    async def _gate_inputs(self, s: AsyncSession, job_id: str, iteration: int) -> tuple[int, int, int]:
+        """The job's policy version, the groups the trainer has yet to step on ahead of
+        ``iteration``, and the version the gateway serves, read in one statement. The
+        trainer writes its ledger rows and the version in one transaction; read by separate
+        statements, a commit between them gave the gate the new ledger with the old version
+        (SQLite reads outside a snapshot), and it opened an iteration the bound held."""
+        query = select(
+            Job.policy_version,
+            self._untrained_groups_query(job_id, iteration).scalar_subquery(),
+            served_version_query(job_id).scalar_subquery(),
+        ).where(Job.id == job_id)
+        version, untrained, served = (await s.execute(query)).one()
+        return int(version), int(untrained or 0), int(served or 0)
 
     async def _fresh_enough(self, s: AsyncSession, job: Job, spec: JobSpec, iteration: int) -> bool:
         """May episodes of ``iteration`` start? They are generated on at least the version the
@@ -463,11 +481,12 @@ class Scheduler:
         step, waiting would deadlock, so the gate opens."""
         if not self.trainer_attached:
             return True
-        untrained = await self._untrained_groups(s, job.id, iteration)
-        served = await served_version(s, job.id)
-        if trained_at(spec, job.policy_version, untrained) - served <= spec.schedule.max_staleness:
+        version, untrained, served = await self._gate_inputs(s, job.id, iteration)
+        if version != job.policy_version:  # the trainer committed one since this pass read the job
+            return False  # the next pass decides on it
+        if trained_at(spec, version, untrained) - served <= spec.schedule.max_staleness:
             return True
-        return served >= job.policy_version and untrained < spec.algorithm.groups_per_step
+        return served >= version and untrained < spec.algorithm.groups_per_step
 
     async def _training_done(self, s: AsyncSession, job: Job, spec: JobSpec) -> bool:
         """The trainer has read every scored episode and cannot step again without more."""
