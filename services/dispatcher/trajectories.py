@@ -83,30 +83,15 @@ def build_trajectory(
                 timings=timing,
             )
         )
-    reward_step = by_kind.get((ep.turn, "reward"))
-    started = float((ep.timings or {}).get("started_at") or finished_at.timestamp())
-    timings = {
-        "total_s": round(finished_at.timestamp() - started, 6),
-        "inference_s": round(totals["inference_s"], 6),
-        "sandbox_s": round(totals["sandbox_s"], 6),
-        "scoring_s": round(finished_at.timestamp() - reward_step.created_at.timestamp(), 6)
-        if reward_step is not None and reward_step.created_at is not None
-        else 0.0,
-    }
-    return Trajectory(
-        job_id=ep.job_id,
-        episode_id=ep.id,
-        task_id=ep.task_id,
-        group_id=ep.group_id,
-        iteration=ep.iteration,
-        segments=segments,
-        turns=turns,
-        reward=reward.reward,
-        rewards={
-            "components": {k: v.model_dump(mode="json") for k, v in reward.components.items()},
-            "format_ok": not ep.format_errors,
-        },
-        timings=timings,
+    timings = {"inference_s": round(totals["inference_s"], 6), "sandbox_s": round(totals["sandbox_s"], 6)}
+    return _assemble(
+        ep,
+        segments,
+        turns,
+        reward,
+        timings,
+        reward_step=by_kind.get((ep.turn, "reward")),
+        finished_at=finished_at,
         ended_by=(ep.timings or {}).get("ended_by"),
     )
 
@@ -161,15 +146,38 @@ def build_agent_trajectory(
     if turns:  # how the agent's run ended goes with its last call
         turns[-1].exit_code = exec_result.get("exit_code")
         turns[-1].kill_reason = exec_result.get("kill_reason")
-    reward_step = next((s for s in steps if s.kind == "reward"), None)
+    return _assemble(
+        ep,
+        segments,
+        turns,
+        reward,
+        {"sandbox_s": _seconds(run) or 0.0},
+        reward_step=next((s for s in steps if s.kind == "reward"), None),
+        finished_at=finished_at,
+        calls=len(calls),
+        sequences=sum(1 for s in segments if s.role == "prompt"),
+    )
+
+
+def _assemble(
+    ep: Episode,
+    segments: list[Segment],
+    turns: list[TurnRecord],
+    reward: RewardResult,
+    timings: dict[str, float],
+    *,
+    reward_step: Step | None,
+    finished_at: datetime,
+    ended_by: str | None = None,
+    **counts: int,
+) -> Trajectory:
+    """The trajectory of either kind of episode: its segments and turns, the reward with
+    its components (and the kind's own ``counts``), and the episode's times, measured to
+    ``finished_at``."""
     started = float((ep.timings or {}).get("started_at") or finished_at.timestamp())
-    timings = {
-        "total_s": round(finished_at.timestamp() - started, 6),
-        "sandbox_s": _seconds(run) or 0.0,
-        "scoring_s": round(finished_at.timestamp() - reward_step.created_at.timestamp(), 6)
-        if reward_step is not None and reward_step.created_at is not None
-        else 0.0,
-    }
+    scoring_s = 0.0
+    if reward_step is not None and reward_step.created_at is not None:
+        scoring_s = round(finished_at.timestamp() - reward_step.created_at.timestamp(), 6)
     return Trajectory(
         job_id=ep.job_id,
         episode_id=ep.id,
@@ -182,8 +190,8 @@ def build_agent_trajectory(
         rewards={
             "components": {k: v.model_dump(mode="json") for k, v in reward.components.items()},
             "format_ok": not ep.format_errors,
-            "calls": len(calls),
-            "sequences": sum(1 for s in segments if s.role == "prompt"),
+            **counts,
         },
-        timings=timings,
+        timings={"total_s": round(finished_at.timestamp() - started, 6), **timings, "scoring_s": scoring_s},
+        ended_by=ended_by,
     )
