@@ -9,26 +9,24 @@ job after a crash continues exactly where the last leader stopped.
 from __future__ import annotations
 
 import logging
-import math
 import random
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import Select, and_, func, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from services.dispatcher import evaluation, repo
+from services.dispatcher import evaluation, repo, staleness
 from services.dispatcher.episodes import ACTIVE, EpisodeMachine, new_id
 from services.dispatcher.fairshare import QUOTA_REASON, FleetShare, has_quota, quota_exceeded, tenant_usage
 from services.dispatcher.leader import Leadership
-from services.dispatcher.placement import backend_wait, served_version_query
+from services.dispatcher.placement import backend_wait
 from services.dispatcher.sampling import replacement_groups, replacements_due, zero_variance_groups
 from temper import metrics
 from temper.clock import utcnow
-from temper.db import Episode, Job, PolicyVersion, Task, Tenant, TrainedTrajectory, rows
+from temper.db import Episode, Job, PolicyVersion, Task, Tenant, rows
 from temper.events import PolicyUpdate, Topics, TrajectoryReady
 from temper.jobspec import Curriculum, JobSpec
 from temper.lifecycle import (
@@ -61,16 +59,6 @@ def task_weight(attempts: int, passes: int, curriculum: Curriculum) -> float:
         return LEARNABLE_WEIGHT
     rate = passes / attempts
     return LEARNABLE_WEIGHT if 0.0 < rate < 1.0 else SETTLED_WEIGHT
-
-
-def trained_at(spec: JobSpec, version: int, untrained_groups: int) -> int:
-    """The trainer's version when it steps on the last group of an iteration started now:
-    ``version`` (its newest) plus one for every ``groups_per_step x checkpoint_every`` groups
-    ahead of that group (the ``untrained_groups`` of earlier iterations, then the
-    iteration's own)."""
-    own = math.ceil(spec.schedule.episodes_per_iteration / spec.tasks.group_size)
-    per_version = spec.algorithm.groups_per_step * spec.algorithm.checkpoint_every
-    return version + (untrained_groups + own - 1) // per_version
 
 
 def init_job_metrics(job_id: str) -> None:
@@ -260,7 +248,11 @@ class Scheduler:
             await transition_job(s, job, J.failed, reason=f"every episode failed ({total}): {reasons}"[:1000])
             log_event(log, "job failed", reason="every episode failed", episodes=total)
             return True
-        if self.wait_for_training and spec.evaluate is None and not await self._training_done(s, job, spec):
+        if (
+            self.wait_for_training
+            and spec.evaluate is None
+            and not await staleness.training_done(s, job, spec)
+        ):
             return True
         await transition_job(s, job, J.completed)
         metrics.EPISODES_ACTIVE.labels(job.id).set(0)
@@ -432,77 +424,10 @@ class Scheduler:
         return True
 
     # --- staleness and training ----------------------------------------------------------------
-    async def _untrained_groups(self, s: AsyncSession, job_id: str, before_iteration: int) -> int:
-        """Groups of earlier iterations that the trainer has yet to step on (not trained or skipped)."""
-        return int(await s.scalar(self._untrained_groups_query(job_id, before_iteration)) or 0)
-
-    @staticmethod
-    def _untrained_groups_query(job_id: str, before_iteration: int) -> Select[Any]:
-        return (
-            select(func.count(func.distinct(Episode.group_id)))
-            .select_from(Episode)
-            .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
-            .where(
-                Episode.job_id == job_id,
-                Episode.iteration < before_iteration,
-                Episode.state.not_in([E.trained, E.failed, E.cancelled]),
-                or_(
-                    TrainedTrajectory.episode_id.is_(None),
-                    and_(TrainedTrajectory.step.is_(None), TrainedTrajectory.skipped.is_(None)),
-                ),
-            )
-        )
-
-    async def _gate_inputs(self, s: AsyncSession, job_id: str, iteration: int) -> tuple[int, int, int]:
-        """The job's policy version, the groups the trainer has yet to step on ahead of
-        ``iteration``, and the version the gateway serves, read in one statement. The
-        trainer writes its ledger rows and the version in one transaction; read by separate
-        statements, a commit between them gave the gate the new ledger with the old version
-        (SQLite reads outside a snapshot), and it opened an iteration the bound held."""
-        query = select(
-            Job.policy_version,
-            self._untrained_groups_query(job_id, iteration).scalar_subquery(),
-            served_version_query(job_id).scalar_subquery(),
-        ).where(Job.id == job_id)
-        version, untrained, served = (await s.execute(query)).one()
-        return int(version), int(untrained or 0), int(served or 0)
-
     async def _fresh_enough(self, s: AsyncSession, job: Job, spec: JobSpec, iteration: int) -> bool:
-        """May episodes of ``iteration`` start? They are generated on at least the version the
-        gateway serves the job now (confirmed by its backends, :func:`served_version`; not the
-        trainer's newest, which the gateway may not have loaded yet), and trained once the
-        trainer has stepped through the groups still ahead of them: from the trainer's own
-        progress, at its version now plus one version per ``groups_per_step x
-        checkpoint_every`` groups ahead (:func:`trained_at`). The gap must stay within
-        ``max_staleness``, or the trainer would drop them as stale. (Counting versions from
-        the iteration number instead held every iteration until the one before had trained
-        once a group was skipped: skipped groups make fewer steps than iterations.) If the
-        gateway serves the trainer's version and the trainer holds too few groups to make a
-        step, waiting would deadlock, so the gate opens."""
-        if not self.trainer_attached:
-            return True
-        version, untrained, served = await self._gate_inputs(s, job.id, iteration)
-        if version != job.policy_version:  # the trainer committed one since this pass read the job
-            return False  # the next pass decides on it
-        if trained_at(spec, version, untrained) - served <= spec.schedule.max_staleness:
-            return True
-        return served >= version and untrained < spec.algorithm.groups_per_step
-
-    async def _training_done(self, s: AsyncSession, job: Job, spec: JobSpec) -> bool:
-        """The trainer has read every scored episode and cannot step again without more."""
-        unseen = await s.scalar(
-            select(func.count())
-            .select_from(Episode)
-            .outerjoin(TrainedTrajectory, TrainedTrajectory.episode_id == Episode.id)
-            .where(
-                Episode.job_id == job.id, Episode.state == E.scored, TrainedTrajectory.episode_id.is_(None)
-            )
-        )
-        if unseen:
-            return False
-        return (
-            await self._untrained_groups(s, job.id, spec.schedule.iterations) < spec.algorithm.groups_per_step
-        )
+        """May episodes of ``iteration`` start (:func:`staleness.fresh_enough`)? Always when
+        no trainer reads this dispatcher's trajectories."""
+        return not self.trainer_attached or await staleness.fresh_enough(s, job, spec, iteration)
 
     async def mark_trained(self, s: AsyncSession, job_id: str, limit: int = 1000) -> int:
         """Scored episodes the trainer stepped on become ``trained``."""

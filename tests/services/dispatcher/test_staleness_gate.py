@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from services.dispatcher.scheduler import Scheduler, trained_at
+from services.dispatcher.scheduler import Scheduler
+from services.dispatcher.staleness import trained_at
 from temper.clock import utcnow
 from temper.db import Episode, Job, PolicyVersion, TrainedTrajectory
 from temper.jobspec import JobSpec
