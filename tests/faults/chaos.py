@@ -229,16 +229,19 @@ class Chaos:
 
         self.stack.wait(what, check, self.timeout, every_s=every_s)
 
-    def mid_iteration(self) -> None:
-        """Until each job of the group has a version out and episodes in flight."""
+    def mid_iteration(self) -> int:
+        """Until each job of the group has a version out and episodes in flight; the steps in
+        flight then (read again later, they could all have finished in between)."""
+        busy: list[int] = []
 
         def mid(facts: dict[str, Facts]) -> bool:
-            busy = sum(f.leased for f in facts.values())
-            return busy > 0 and any(
+            busy[:] = [sum(f.leased for f in facts.values())]
+            return busy[0] > 0 and any(
                 f.job.policy_version >= 1 and f.job.state == "running" for f in facts.values()
             )
 
         self._until("a version out and episodes in flight", mid)
+        return busy[0]
 
     def in_flight(self) -> int:
         """Steps of the group whose results are awaited now."""
@@ -347,23 +350,23 @@ class Chaos:
         return recovery
 
     def restart_kafka(self) -> Recovery:
-        self.mid_iteration()
         assert self.kafka is not None, "the shared broker is not restarted: use private_kafka"
-        work, t0 = self.in_flight(), time.monotonic()
+        work = self.mid_iteration()
+        t0 = time.monotonic()
         self.kafka.stop()
         time.sleep(5)
         self.kafka.start()
         return self._back(t0, work)
 
     def restart_postgres(self) -> Recovery:
-        self.mid_iteration()
-        work, t0 = self.in_flight(), time.monotonic()
+        work = self.mid_iteration()
+        t0 = time.monotonic()
         self.pg.restart(down_s=5)
         return self._back(t0, work)
 
     def restart_object_store(self) -> Recovery:
-        self.mid_iteration()
-        work, t0 = self.in_flight(), time.monotonic()
+        work = self.mid_iteration()
+        t0 = time.monotonic()
         self.s3.stop()
         time.sleep(5)
         self.s3.start()
