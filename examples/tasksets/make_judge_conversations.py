@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import sys
 import types
 from pathlib import Path
@@ -26,29 +25,47 @@ sys.path.insert(0, str(HERE))
 
 from make_offset_tasks import TEST_INPUTS, warm_start_examples  # noqa: E402
 
-# judge-job.yaml's rubric, word for word (tests/examples/test_judge_example.py checks it)
+# judge-job.yaml's rubric, word for word (tests/examples/test_judge_data.py checks it)
 RUBRIC = "Will this answer pass the hidden tests?\n{reply}\nGrade:"
 CONVERSATIONS = 800
 CORRUPTED = 0.25  # share of answers with one character dropped, doubled or replaced
 
 
 def corrupt(reply: str, rng: random.Random) -> str:
-    """One random edit inside the code block (its first line, the fence, stays)."""
-    start = reply.index("\n") + 1
-    at = rng.randrange(start, len(reply) - 3)
+    """One random edit anywhere in the reply: the fence line with its path and the closing
+    fence count as much as the code (a policy that mangles ``solution.py`` writes no
+    solution, and a judge that never saw that happen grades it as the code reads)."""
+    at = rng.randrange(0, len(reply))
     edit = rng.choice(("drop", "double", "replace"))
     if edit == "drop":
         return reply[:at] + reply[at + 1 :]
     if edit == "double":
         return reply[:at] + reply[at] + reply[at:]
-    return reply[:at] + rng.choice("xK+()1 .:_") + reply[at + 1 :]
+    return reply[:at] + rng.choice("xK+()1 .:_`p") + reply[at + 1 :]
+
+
+def written_solution(reply: str) -> str | None:
+    """What the job's code environment writes to solution.py from this reply in its one
+    turn (``temper.envs.code``: the first block that acts runs; a block without the path
+    runs as a script and writes nothing), or None."""
+    from temper.envs import make_environment
+
+    action = make_environment("code", {"id": "judge", "prompt": ""}, max_turns=1).parse(reply, turn=0)
+    command = action.command or {}
+    if (
+        action.kind != "sandbox"
+        or command.get("kind") != "write_file"
+        or command.get("path") != "solution.py"
+    ):
+        return None
+    return str(command["content"])
 
 
 def passes(reply: str, k: int) -> bool:
-    """The hidden tests' verdict on the answer's code, as the scorer reads it (the last fenced
-    block), with constants.py holding K = k."""
-    blocks = re.findall(r"```(?:python)?[^\n]*\n(.*?)```", reply, re.S)
-    if not blocks:
+    """The hidden tests' verdict on the reply, as the job reaches it: the code the
+    environment writes to solution.py, with constants.py holding K = k."""
+    code = written_solution(reply)
+    if code is None:
         return False
     constants = types.ModuleType("constants")
     constants.K = k  # type: ignore[attr-defined]
@@ -56,7 +73,7 @@ def passes(reply: str, k: int) -> bool:
     sys.modules["constants"] = constants
     try:
         namespace: dict = {}
-        exec(compile(blocks[-1], "solution.py", "exec"), namespace)  # noqa: S102 - the generator's own text
+        exec(compile(code, "solution.py", "exec"), namespace)  # noqa: S102 - the generator's own text
         f = namespace["f"]
         return all(f(x) == x + k for x in TEST_INPUTS)
     except Exception:  # noqa: BLE001 - any failure of the code is a failing answer
