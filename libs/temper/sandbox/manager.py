@@ -201,8 +201,15 @@ class SandboxManager:
             except (OSError, SandboxError) as e:
                 log.warning("sandbox spawner unavailable (%s): sandboxes are forked from the worker", e)
                 await spawner.stop()
+            except BaseException:  # cancelled while it started: its process must not outlive us
+                await spawner.stop()
+                raise
         self.started = True
-        await self.refill()
+        try:
+            await self.refill()
+        except BaseException:  # the caller never gets a manager to close: the spawner and pool go now
+            await self.close()
+            raise
         self._reaper = asyncio.create_task(self._reap_idle())
 
     async def close(self) -> None:

@@ -45,6 +45,14 @@ class InProcessValidation:
         try:
             counts = await validate_taskset(self.runtime.db, Scorer(manager), taskset_id)
         finally:
-            await manager.close()
-            self.running.pop(taskset_id, None)
+            # the service's stop cancels a validation in flight: the manager still closes to
+            # the end (its sandboxes and spawner process), or they outlive the event loop
+            closing = asyncio.ensure_future(manager.close())
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError:
+                await closing
+                raise
+            finally:
+                self.running.pop(taskset_id, None)
         log_event(log, "task set validated in process", taskset_id=taskset_id, counts=counts)
