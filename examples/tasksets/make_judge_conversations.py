@@ -5,9 +5,10 @@ hidden tests do, so that examples/judge-job.yaml can train a policy on its verdi
 Each line is one conversation: the rubric of judge-job.yaml with an answer filled in (what
 the judge component sends, ``temper.rewards.judge.render_rubric``), and the grade,
 ``Score: 1`` when the answer's code passes the task's hidden tests and ``Score: 0`` when
-it does not. The answers are the sloppy teacher's (the right implementation half of the
-time here), some with a character dropped, doubled or replaced; every grade comes from
-running the code against the tests, not from knowing which implementation was picked.
+it does not. The answers are the sloppy teacher's (the right implementation 60 % of the
+time here), half of them with one or two characters dropped, doubled, replaced or inserted
+anywhere; every grade comes from running the code against the tests, not from knowing
+which implementation was picked.
 
     python examples/tasksets/make_judge_conversations.py
 """
@@ -27,8 +28,11 @@ from make_offset_tasks import TEST_INPUTS, warm_start_examples  # noqa: E402
 
 # judge-job.yaml's rubric, word for word (tests/examples/test_judge_data.py checks it)
 RUBRIC = "Will this answer pass the hidden tests?\n{reply}\nGrade:"
-CONVERSATIONS = 800
-CORRUPTED = 0.25  # share of answers with one character dropped, doubled or replaced
+CONVERSATIONS = 4000
+CORRUPTED = 0.5  # share of answers with a character dropped, doubled, replaced or inserted
+# A judge trained on answers edited with a few symbols only was fooled by the policy's
+# misspelt keywords (``reeurn x + K``, ``from conintans import K``): edits use letters too.
+EDIT_CHARS = "abcdefghijklmnopqrstuvwxyzK+()1 .:_`"
 
 
 def corrupt(reply: str, rng: random.Random) -> str:
@@ -36,12 +40,14 @@ def corrupt(reply: str, rng: random.Random) -> str:
     fence count as much as the code (a policy that mangles ``solution.py`` writes no
     solution, and a judge that never saw that happen grades it as the code reads)."""
     at = rng.randrange(0, len(reply))
-    edit = rng.choice(("drop", "double", "replace"))
+    edit = rng.choice(("drop", "double", "replace", "insert"))
     if edit == "drop":
         return reply[:at] + reply[at + 1 :]
     if edit == "double":
         return reply[:at] + reply[at] + reply[at:]
-    return reply[:at] + rng.choice("xK+()1 .:_`p") + reply[at + 1 :]
+    if edit == "insert":
+        return reply[:at] + rng.choice(EDIT_CHARS) + reply[at:]
+    return reply[:at] + rng.choice(EDIT_CHARS) + reply[at + 1 :]
 
 
 def written_solution(reply: str) -> str | None:
@@ -90,9 +96,10 @@ def conversations(n: int = CONVERSATIONS, seed: int = 1) -> list[dict]:
 
     rng = random.Random(seed)
     lines = []
-    for task, reply in warm_start_examples(n, p_correct=0.5, seed=seed):
+    for task, reply in warm_start_examples(n, p_correct=0.6, seed=seed):
         if rng.random() < CORRUPTED:
-            reply = corrupt(reply, rng)
+            for _ in range(1 if rng.random() < 0.8 else 2):
+                reply = corrupt(reply, rng)
         k = int(task["files"]["constants.py"].split("=")[1])
         grade = 1 if passes(reply, k) else 0
         question = render_rubric(RUBRIC, transcript="", task=task["prompt"], reply=reply)
