@@ -607,6 +607,21 @@ class FaultStack:
     def logs(self, chars: int = 3000) -> str:
         return "\n".join(f"--- {n} ---\n{s.tail(chars)}" for n, s in self.services.items())
 
+    def job_trace(self, job_id: str, lines: int = 12) -> str:
+        """Why a job may have stopped: which of its versions the gateway confirmed serving
+        (the staleness gate waits on that) and each service's last log lines naming it (the
+        tails of :meth:`logs` are often all another job's)."""
+        served = asyncio.run(_served(self.database_url, job_id))
+        out = [f"--- job {job_id}: versions and who confirmed serving them: {served}"]
+        for name, service in self.services.items():
+            try:
+                text = service.log_path.read_text(errors="replace")
+            except OSError:
+                continue
+            mine = [line[:400] for line in text.splitlines() if job_id in line][-lines:]
+            out.append(f"--- {name}, lines naming {job_id} ---\n" + "\n".join(mine))
+        return "\n".join(out)
+
     # --- reading the truth back -------------------------------------------------------------
     def facts(self, job_id: str | None = None) -> Facts:
         """What the database says of this run's job (or of another job of the run)."""
@@ -655,7 +670,7 @@ class FaultStack:
             f = self.facts(job_id)
             raise FaultError(
                 f"{exc}; episodes {dict(f.by_state())}, versions {f.versions}, "
-                f"reason {f.job.state_reason!r}\n{self.logs()}"
+                f"reason {f.job.state_reason!r}\n{self.job_trace(job_id)}\n{self.logs()}"
             ) from None
         if self.job_state(job_id) == "completed":
             self.settle(job_id=job_id)
@@ -786,6 +801,21 @@ async def _admin(url: str, sql: str, ignore_exists: bool = False) -> None:
             raise
     finally:
         await conn.close()
+
+
+async def _served(url: str, job_id: str) -> dict[int, list[str] | None]:
+    from temper.db import Database
+    from temper.settings import DatabaseSettings
+
+    db = Database(DatabaseSettings(url=url))
+    try:
+        async with db.session() as s:
+            rows = await s.execute(
+                select(PolicyVersion.version, PolicyVersion.served_by).where(PolicyVersion.job_id == job_id)
+            )
+            return {int(v): by for v, by in rows}
+    finally:
+        await db.dispose()
 
 
 async def _facts(url: str, job_id: str) -> Facts:
