@@ -42,14 +42,13 @@ class SupervisedJobs:
         self._sft_running: list[str] = []  # the running sft jobs this process owns
         self._tok_dir: str | None = None
 
-    async def job(self, job_id: str) -> TrainingJob:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # JobTrainer's, which this half calls
 
-    async def _publish(self, job: TrainingJob, stats: StepStats | None) -> int | None:
-        raise NotImplementedError
+        async def job(self, job_id: str) -> TrainingJob: ...
 
-    def _observe(self, job: TrainingJob, stats: StepStats) -> None:
-        raise NotImplementedError
+        async def _publish(self, job: TrainingJob, stats: StepStats | None) -> int | None: ...
+
+        def _observe(self, job: TrainingJob, stats: StepStats) -> None: ...
 
     SFT_CHECK_S = 1.0  # how often the running sft jobs are looked up
 
