@@ -8,7 +8,9 @@
 - A version that cannot be loaded now (a job's full weights and no free backend) waits,
   and is tried again whenever a job ends or a backend reports a change.
 - Once every backend serving a job confirmed a version, its ``policy_versions`` row gets
-  ``served_at`` and ``served_by``: the dispatcher starts iterations on that.
+  ``served_at`` and ``served_by``: the dispatcher starts iterations on that. A write that
+  fails (the database restarting) is tried again by the watch until it lands: a loaded
+  version is confirmed once, and without its row the job would wait forever.
 - The current policy at start: before it takes a request, a gateway reads the running jobs
   and the newest published version of each from the database, so a restarted replica
   never serves version 0 (or whatever its policy group would replay) while the trainer is
@@ -62,6 +64,7 @@ class PolicyUpdates:
         self.waiting: dict[str, str] = {}  # job -> why its version cannot be loaded now
         self.ended: OrderedDict[str, None] = OrderedDict()  # jobs released: a late update is ignored
         self._failures: dict[tuple[str, int], int] = {}
+        self.unrecorded: dict[str, tuple[int, list[str]]] = {}  # job -> confirmed, row not written
         self._ready = asyncio.Event()
         self._db: Database | None = None
         self._own_db = False
@@ -123,7 +126,10 @@ class PolicyUpdates:
                     )
                     .values(served_at=utcnow(), served_by=backends)
                 )
-        except Exception as exc:  # noqa: BLE001 - the gate waits; the next confirmation writes it
+        except Exception as exc:  # noqa: BLE001 - the watch writes it again
+            kept = self.unrecorded.get(job)
+            if kept is None or kept[0] <= version:
+                self.unrecorded[job] = (version, backends)
             log_event(
                 log,
                 "cannot record a served version",
@@ -132,6 +138,22 @@ class PolicyUpdates:
                 version=version,
                 error=repr(exc),
             )
+            return
+        kept = self.unrecorded.get(job)
+        if kept is not None and kept[0] <= version:
+            del self.unrecorded[job]
+            if kept[0] == version:
+                log_event(log, "served version recorded after a failed write", job_id=job, version=version)
+
+    async def record_unrecorded(self) -> None:
+        """Write again the confirmed versions whose rows a failed write left without
+        ``served_at`` (an older version of a job is still written: its row is what tells the
+        dispatcher the gateway got there)."""
+        for job, (version, backends) in list(self.unrecorded.items()):
+            if job in self.ended:
+                self.unrecorded.pop(job, None)
+                continue
+            await self.record_served(job, version, backends)
 
     async def current_policies(self) -> list[PolicyUpdate]:
         """The newest published version of every job that is not finished, oldest first;
@@ -332,6 +354,7 @@ class PolicyUpdates:
             await asyncio.sleep(interval)
             await self.inference.weights.refresh()
             await self.release_ended()
+            await self.record_unrecorded()
             behind = sorted(j for j, u in self.wanted.items() if self.behind(u) and j not in self.waiting)
             if behind:
                 log_event(log, "a job's backends are behind its version; loading it", jobs=behind)

@@ -248,3 +248,69 @@ async def test_a_lora_version_read_before_its_job_goes_only_where_the_jobs_base_
     finally:
         await svc.stop()
         await rt.stop()
+
+
+async def test_a_served_version_whose_row_write_failed_is_written_by_the_watch(tmp_path):
+    """The gateway confirms a loaded version once. When the write of ``served_at`` fails (the
+    database restarting), the dispatcher's gate waits on that row; it waited forever because
+    nothing wrote it again (a reduced-chaos job stopped after its first iteration). The
+    watch's next pass writes it."""
+    from sqlalchemy import select
+
+    from services.inference_gateway.updates import PolicyUpdates
+    from temper.db import Job, PolicyVersion, Tenant
+    from temper.db.migrate import upgrade
+    from temper.runtime import Runtime
+    from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings
+
+    url = f"sqlite+aiosqlite:///{tmp_path}/temper.db"
+    await asyncio.to_thread(upgrade, url)
+    rt = Runtime(
+        Settings(
+            bus=BusSettings(kind=BusKind.inprocess),
+            storage=StorageSettings(kind=StorageKind.local, root=tmp_path / "objects"),
+            db=DatabaseSettings(url=url),
+            data_dir=tmp_path,
+        ),
+        service="inference-gateway",
+    )
+    await rt.start()
+    assert rt.db is not None and isinstance(rt.store, LocalStore)
+    db = rt.db
+    key, _ = await publish_full(rt.store, tmp_path, "job-w", 1, seed=5)
+    async with db.session() as s:
+        s.add(Tenant(id="t", name="T"))
+    async with db.session() as s:
+        s.add(Job(id="job-w", tenant_id="t", name="w", spec={"policy": {"model": "tiny"}}, state="running"))
+    async with db.session() as s:
+        s.add(PolicyVersion(job_id="job-w", version=1, checkpoint_key=key, step=1))
+
+    async def served() -> tuple[object, object]:
+        async with db.session() as s:
+            row = (await s.execute(select(PolicyVersion.served_at, PolicyVersion.served_by))).one()
+        return row.served_at, row.served_by
+
+    svc = inference(tmp_path, rt.store, backends=1)
+    await svc.start()
+    updates = PolicyUpdates(rt, svc)
+    real_session = db.session
+    try:
+        def refused():
+            raise ConnectionRefusedError("the database is restarting")
+
+        await updates.know_job("job-w")  # read before the database goes: only the write fails
+        db.session = refused  # type: ignore[method-assign]
+        await updates._apply_one(PolicyUpdate(job_id="job-w", version=1, checkpoint_key=key, step=1))
+        db.session = real_session  # type: ignore[method-assign]
+        assert svc.confirmed("job-w") == 1
+        assert await served() == (None, None)
+        assert updates.unrecorded == {"job-w": (1, ["local-0"])}
+
+        await updates.record_unrecorded()  # what the watch does each pass
+        served_at, served_by = await served()
+        assert served_at is not None and served_by == ["local-0"]
+        assert updates.unrecorded == {}
+    finally:
+        db.session = real_session  # type: ignore[method-assign]
+        await svc.stop()
+        await rt.stop()
