@@ -49,7 +49,7 @@ from temper.policy import (
     load_model,
     save_checkpoint,
 )
-from temper.runtime import Runtime, started
+from temper.runtime import Runtime, StartupError, started
 from temper.settings import (
     AgentSettings,
     BusSettings,
@@ -173,7 +173,9 @@ async def run(
     spec, local = localrun.load(spec_path)
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:4]
     run_dir = (runs_dir / run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=False)
+    if run_dir.exists():  # a run's database and objects are never mixed with another's
+        raise StartupError(f"the run directory {run_dir} exists already; give another --run-id")
+    run_dir.mkdir(parents=True)
     shutil.copy(spec_path, run_dir / "spec.yaml")
     out.write(f"temper run: {spec.name} -> {run_dir}\n")
     agent_url = agentrun.agent_url() if spec.environment.kind == AGENT_KIND else None

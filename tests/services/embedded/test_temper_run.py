@@ -102,6 +102,15 @@ def test_temper_run_names_a_bad_field(tmp_path, capsys):
     assert "schedule.iterations" in capsys.readouterr().err
 
 
+def test_temper_run_refuses_a_run_directory_that_exists(tmp_path, capsys):
+    (tmp_path / "runs" / "taken").mkdir(parents=True)
+    (tmp_path / "runs" / "taken" / "temper.db").write_bytes(b"another run's")
+    spec = ROOT / "examples" / "code-job.yaml"
+    assert main(["run", str(spec), "--runs-dir", str(tmp_path / "runs"), "--run-id", "taken"]) == 2
+    assert "exists already; give another --run-id" in capsys.readouterr().err
+    assert (tmp_path / "runs" / "taken" / "temper.db").read_bytes() == b"another run's"
+
+
 def test_temper_run_refuses_an_environment_that_is_not_installed(tmp_path, capsys):
     spec = yaml.safe_load((ROOT / "examples" / "code-job.yaml").read_text())
     spec["environment"]["kind"] = "browser"
