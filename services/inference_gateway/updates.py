@@ -7,6 +7,10 @@
   is ignored. Another job's versions never count.
 - A version that cannot be loaded now (a job's full weights and no free backend) waits,
   and is tried again whenever a job ends or a backend reports a change.
+- A version whose load failed (its checkpoint unreadable: the object store refusing) stays
+  wanted and is tried again by the watch, at growing intervals (``RETRY_MAX_S`` at most):
+  the dispatcher waits for it before the job's next iteration, so no newer version would
+  come to replace it, and dropping it stopped the job for good.
 - Once every backend serving a job confirmed a version, its ``policy_versions`` row gets
   ``served_at`` and ``served_by``: the dispatcher starts iterations on that. A write that
   fails (the database restarting) is tried again by the watch until it lands: a loaded
@@ -50,6 +54,8 @@ log = logging.getLogger("services.inference_gateway")
 OFFLINE_NAMES = {a.value for a in OFFLINE_DATA}
 ENDED_KEPT = 10_000  # ended jobs remembered, so that their late updates are not loaded
 BLOCKED_CHECK_S = 0.25  # a request that finds no backend asks the database at most this often
+RETRY_FIRST_S = 2.0  # a failed version is tried again after this, doubled each failed round
+RETRY_MAX_S = 60.0
 
 
 class PolicyUpdates:
@@ -63,7 +69,7 @@ class PolicyUpdates:
         self.wanted: dict[str, PolicyUpdate] = {}  # job -> its newest version
         self.waiting: dict[str, str] = {}  # job -> why its version cannot be loaded now
         self.ended: OrderedDict[str, None] = OrderedDict()  # jobs released: a late update is ignored
-        self._failures: dict[tuple[str, int], int] = {}
+        self.retry_at: dict[str, tuple[float, float]] = {}  # job -> (when, interval) of a failed load
         self.unrecorded: dict[str, tuple[int, list[str]]] = {}  # job -> confirmed, row not written
         self._ready = asyncio.Event()
         self._db: Database | None = None
@@ -222,6 +228,7 @@ class PolicyUpdates:
         for job in sorted(ended):
             self.wanted.pop(job, None)
             self.waiting.pop(job, None)
+            self.retry_at.pop(job, None)
             self.ended[job] = None
             while len(self.ended) > ENDED_KEPT:
                 self.ended.popitem(last=False)
@@ -255,6 +262,7 @@ class PolicyUpdates:
         if current is None and not self.behind(message):
             return  # already served (or older): idempotent
         self.wanted[job] = message
+        self.retry_at.pop(job, None)  # a newer version is tried at once
         self._ready.set()
 
     async def load_current(self, attempts: int = 3) -> None:
@@ -293,9 +301,16 @@ class PolicyUpdates:
             await self.apply_wanted()
 
     async def apply_wanted(self) -> None:
+        now = time.monotonic()
         for job, update in list(self.wanted.items()):
+            if job in self.retry_at and self.retry_at[job][0] > now:
+                continue  # failed lately: the watch tries it again when its time comes
             if self.wanted.get(job) is update and self.behind(update):
                 await self._apply_one(update)
+
+    def retry_due(self) -> bool:
+        now = time.monotonic()
+        return any(when <= now for when, _ in self.retry_at.values())
 
     async def _apply_one(self, update: PolicyUpdate) -> None:
         """Apply one job's wanted version, retried; a newer one queued meanwhile wins."""
@@ -330,12 +345,22 @@ class PolicyUpdates:
                 )
                 if newer or attempt == self.retries:
                     self.update_errors += 1
-                    if self.wanted.get(job) is update:
-                        del self.wanted[job]  # it keeps serving what it has; a newer version comes back
+                    if not newer:  # kept: it serves what it has until this loads or a newer comes
+                        interval = min(RETRY_MAX_S, self.retry_at.get(job, (0.0, RETRY_FIRST_S / 2))[1] * 2)
+                        self.retry_at[job] = (time.monotonic() + interval, interval)
+                        log_event(
+                            log,
+                            "policy version tried again later",
+                            logging.WARNING,
+                            job_id=job,
+                            version=update.version,
+                            retry_in_s=interval,
+                        )
                     return
                 await asyncio.sleep(0.5 * attempt)
                 continue
             self.waiting.pop(job, None)
+            self.retry_at.pop(job, None)
             self.updates_applied += 1
             log_event(
                 log,
@@ -355,10 +380,14 @@ class PolicyUpdates:
             await self.inference.weights.refresh()
             await self.release_ended()
             await self.record_unrecorded()
-            behind = sorted(j for j, u in self.wanted.items() if self.behind(u) and j not in self.waiting)
+            behind = sorted(
+                j
+                for j, u in self.wanted.items()
+                if self.behind(u) and j not in self.waiting and j not in self.retry_at
+            )
             if behind:
                 log_event(log, "a job's backends are behind its version; loading it", jobs=behind)
-            if behind or self.waiting:
+            if behind or self.waiting or self.retry_due():
                 self._ready.set()
 
 

@@ -105,7 +105,7 @@ async def test_embedded_gateway_without_backends_serves_from_a_local_engine(tmp_
 
 
 async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path) -> None:  # noqa: ANN001
-    rt, gw, results = await started(tmp_path)
+    rt, gw, results = await started(tmp_path, health_interval_s=0.5)
     try:
         store = rt.store
         for v, seed in ((1, 11), (2, 12)):
@@ -139,6 +139,14 @@ async def test_policy_updates_are_applied_newest_first_and_tag_results(tmp_path)
         )
         await wait_until(lambda: gw.updates.update_errors == 1)
         assert gw.inference.confirmed("job") == 2
+        # it stays wanted and the watch tries it again: once the checkpoint can be read (an
+        # object store back from refusing), version 3 is served. Dropping it left a job whose
+        # next iteration waits on version 3 stopped for good (a reduced-chaos run).
+        assert gw.updates.wanted["job"].version == 3 and "job" in gw.updates.retry_at
+        path = save_weights(create_model(seed=13), tmp_path / "w3.safetensors")
+        await store.put("tenants/t/jobs/job/checkpoints/missing.safetensors", path.read_bytes())
+        await wait_until(lambda: gw.inference.confirmed("job") == 3)
+        assert gw.updates.retry_at == {} and gw.updates.update_errors == 1
     finally:
         await gw.stop()
         await rt.stop()

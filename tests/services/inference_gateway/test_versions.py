@@ -295,6 +295,7 @@ async def test_a_served_version_whose_row_write_failed_is_written_by_the_watch(t
     updates = PolicyUpdates(rt, svc)
     real_session = db.session
     try:
+
         def refused():
             raise ConnectionRefusedError("the database is restarting")
 
