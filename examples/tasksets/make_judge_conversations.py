@@ -5,12 +5,20 @@ hidden tests do, so that examples/judge-job.yaml can train a policy on its verdi
 Each line is one conversation: the rubric of judge-job.yaml with an answer filled in (what
 the judge component sends, ``temper.rewards.judge.render_rubric``), and the grade,
 ``Score: 1`` when the answer's code passes the task's hidden tests and ``Score: 0`` when
-it does not. The answers are the sloppy teacher's (the right implementation 60 % of the
-time here), half of them with one or two characters dropped, doubled, replaced or inserted
-anywhere; every grade comes from running the code against the tests, not from knowing
-which implementation was picked.
+it does not. Every grade comes from running the code against the tests, not from knowing
+how the answer was made. The answers:
+
+- 4000 of the sloppy teacher's (the right implementation 60 % of the time here), half of
+  them with one or two characters dropped, doubled, replaced or inserted anywhere;
+- the answers policies wrote in three earlier runs of judge-job.yaml
+  (``judge-policy-answers.jsonl``: each answer and its task's K), which is where a judge
+  trained on the teacher's alone was wrong: an RL policy finds the misspellings a judge
+  passes and writes more of them (``x rurn x + K``). Collecting a judge's data from the
+  policies it is used on, round after round, is how reward models are kept ahead of the
+  policy; the runs' own verdicts are not used, the tests grade them again here.
 
     python examples/tasksets/make_judge_conversations.py
+    python examples/tasksets/make_judge_conversations.py --policy-answers-from RUN_DIR...
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from make_offset_tasks import TEST_INPUTS, warm_start_examples  # noqa: E402
 # judge-job.yaml's rubric, word for word (tests/examples/test_judge_data.py checks it)
 RUBRIC = "Will this answer pass the hidden tests?\n{reply}\nGrade:"
 CONVERSATIONS = 4000
+POLICY_ANSWERS = HERE / "judge-policy-answers.jsonl"
 CORRUPTED = 0.5  # share of answers with a character dropped, doubled, replaced or inserted
 # A judge trained on answers edited with a few symbols only was fooled by the policy's
 # misspelt keywords (``reeurn x + K``, ``from conintans import K``): edits use letters too.
@@ -91,30 +100,88 @@ def passes(reply: str, k: int) -> bool:
             sys.modules["constants"] = saved
 
 
-def conversations(n: int = CONVERSATIONS, seed: int = 1) -> list[dict]:
+def graded(reply: str, k: int) -> dict:
     from temper.rewards.judge import render_rubric
 
+    question = render_rubric(RUBRIC, transcript="", task="", reply=reply)
+    grade = 1 if passes(reply, k) else 0
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": f"Score: {grade}"},
+        ]
+    }
+
+
+def teacher_answers(n: int, seed: int) -> list[tuple[str, int]]:
     rng = random.Random(seed)
-    lines = []
+    answers = []
     for task, reply in warm_start_examples(n, p_correct=0.6, seed=seed):
         if rng.random() < CORRUPTED:
             for _ in range(1 if rng.random() < 0.8 else 2):
                 reply = corrupt(reply, rng)
-        k = int(task["files"]["constants.py"].split("=")[1])
-        grade = 1 if passes(reply, k) else 0
-        question = render_rubric(RUBRIC, transcript="", task=task["prompt"], reply=reply)
-        lines.append(
-            {
-                "messages": [
-                    {"role": "user", "content": question},
-                    {"role": "assistant", "content": f"Score: {grade}"},
-                ]
-            }
-        )
-    return lines
+        answers.append((reply, int(task["files"]["constants.py"].split("=")[1])))
+    return answers
+
+
+def policy_answers() -> list[tuple[str, int]]:
+    lines = POLICY_ANSWERS.read_text().splitlines()
+    return [(row["reply"], row["k"]) for row in map(json.loads, lines)]
+
+
+def conversations(n: int = CONVERSATIONS, seed: int = 1, *, with_policy_answers: bool = True) -> list[dict]:
+    answers = teacher_answers(n, seed) + (policy_answers() if with_policy_answers else [])
+    random.Random(seed).shuffle(answers)  # one epoch mixes both kinds in every batch
+    return [graded(reply, k) for reply, k in answers]
+
+
+def answers_of_runs(run_dirs: list[Path]) -> list[dict]:
+    """Each episode's answer in finished ``temper run`` directories of judge-job.yaml, with
+    its task's K (from the run's database and objects; in the order the episodes ran)."""
+    import asyncio
+
+    from sqlalchemy import select
+
+    from temper.db import Database, Episode
+    from temper.settings import DatabaseSettings
+    from temper.storage import LocalStore
+    from temper.trajectory import Trajectory
+
+    constants = {
+        t["id"]: int(t["files"]["constants.py"].split("=")[1])
+        for t in map(json.loads, (HERE / "offset.jsonl").read_text().splitlines())
+    }
+
+    async def one(run: Path) -> list[dict]:
+        db = Database(DatabaseSettings(url=f"sqlite+aiosqlite:///{run / 'temper.db'}"))
+        store = LocalStore(run / "objects")
+        try:
+            async with db.session() as s:
+                query = (
+                    select(Episode)
+                    .where(Episode.trajectory_key.is_not(None))
+                    .order_by(Episode.created_at, Episode.id)
+                )
+                episodes = list((await s.execute(query)).scalars())
+            rows = []
+            for e in episodes:
+                trajectory = Trajectory.model_validate_json(await store.get(e.trajectory_key))
+                rows.append(
+                    {"reply": trajectory.turns[0].action_text, "k": constants[e.task_id.split(":", 1)[1]]}
+                )
+            return rows
+        finally:
+            await db.dispose()
+
+    return [row for run in run_dirs for row in asyncio.run(one(run))]
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--policy-answers-from"]:
+        rows = answers_of_runs([Path(d) for d in sys.argv[2:]])
+        POLICY_ANSWERS.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        print(f"wrote {POLICY_ANSWERS}: {len(rows)} answers")  # noqa: T201
+        sys.exit(0)
     path = HERE / "judge-conversations.jsonl"
     lines = conversations()
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -42,3 +42,15 @@ def test_the_committed_conversations_are_what_the_generator_writes():
     assert committed == judge_data.conversations()
     grades = [c["messages"][1]["content"] for c in committed]
     assert set(grades) == {"Score: 0", "Score: 1"} and 0.3 < grades.count("Score: 1") / len(grades) < 0.6
+
+
+def test_the_policy_answers_are_graded_by_the_tests_not_by_the_runs_that_wrote_them():
+    answers = judge_data.policy_answers()
+    assert len(answers) == 4320 and all(1 <= k <= 9 for _, k in answers)
+    # the misspelling an RL policy found a teacher-only judge passing is among them, failing
+    fooled = [reply for reply, _ in answers if "x rurn x + K" in reply]
+    assert fooled and not any(judge_data.passes(reply, 3) for reply in fooled)
+    graded = judge_data.conversations(n=0)
+    assert len(graded) == len(answers)
+    truth = sorted(str(judge_data.passes(reply, k)) for reply, k in answers)
+    assert sorted(str(c["messages"][1]["content"] == "Score: 1") for c in graded) == truth
