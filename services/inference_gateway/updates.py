@@ -55,7 +55,7 @@ OFFLINE_NAMES = {a.value for a in OFFLINE_DATA}
 ENDED_KEPT = 10_000  # ended jobs remembered, so that their late updates are not loaded
 BLOCKED_CHECK_S = 0.25  # a request that finds no backend asks the database at most this often
 RETRY_FIRST_S = 2.0  # a failed version is tried again after this, doubled each failed round
-RETRY_MAX_S = 60.0
+RETRY_MAX_S = 15.0  # a job waits on it: a store back from refusing is seen within this
 
 
 class PolicyUpdates:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -69,9 +71,12 @@ class SandboxWorker:
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._running = 0
         self._recent: OrderedDict[tuple[str, int, int], asyncio.Future[SandboxResult]] = OrderedDict()
-        # Steps whose actions ran and whose snapshot did not follow (its upload failed): a
-        # retry takes the snapshot, it does not run the actions on the workspace they changed.
-        self._acted: OrderedDict[tuple[str, int, int], tuple[dict[str, Any], list[dict[str, Any]]]] = (
+        # The results of the actions each step ran in a session this worker holds, by
+        # (episode, turn, the actions): a retry of the step, the same attempt (the snapshot's
+        # upload failed) or a later one (the dispatcher sent it again when no result came),
+        # takes the snapshot and answers with them; it never runs the actions again on the
+        # workspace they changed (a later attempt did, while the object store was full).
+        self._acted: OrderedDict[tuple[str, int, str], tuple[dict[str, Any], list[dict[str, Any]]]] = (
             OrderedDict()
         )
         # Called with ``full`` each time a slot is taken or freed (the consumer's backpressure).
@@ -265,8 +270,8 @@ class SandboxWorker:
             if sid in self.manager.sessions:
                 await self.manager.destroy_session(sid, wait=False)
             return self._result(request)
-        key = step_key(request)
-        acted = self._acted.pop(key, None) if sid in self.manager.sessions else None
+        key = acted_key(request)
+        acted = self._acted.get(key) if sid in self.manager.sessions else None
         if acted is None:  # the actions have not run in this session yet
             if sid not in self.manager.sessions:
                 error = await self._open_session(request, limits)
@@ -278,19 +283,16 @@ class SandboxWorker:
             await faults.hold("sandbox.act", episode_id=request.episode_id, turn=request.turn)
             more_results = [(await self.manager.act(sid, a)).model_dump(mode="json") for a in more or []]
             acted = (result, more_results)
+            self._acted[key] = acted
+            while len(self._acted) > IDEMPOTENCY_CACHE:
+                self._acted.popitem(last=False)
         if request.keep_s is not None:  # from the step's end
             self.manager.keep(sid, request.keep_s)
         snapshot_key = None
         if request.snapshot_after and self.store is not None:
             turn = request.turn or 0
             snapshot_key = f"{self.settings.snapshot_prefix}/{sid}/turn-{turn:06d}-a{request.attempt}.tar.gz"
-            try:
-                await self.manager.snapshot(sid, snapshot_key)
-            except BaseException:
-                self._acted[key] = acted
-                while len(self._acted) > IDEMPOTENCY_CACHE:
-                    self._acted.popitem(last=False)
-                raise
+            await self.manager.snapshot(sid, snapshot_key)
         return self._result(request, result=acted[0], more_results=acted[1], snapshot_key=snapshot_key)
 
     async def _open_session(self, request: SandboxRequest, limits: SandboxLimits | None) -> str | None:
@@ -334,6 +336,17 @@ class SandboxWorker:
 def step_key(request: SandboxRequest) -> tuple[str, int, int]:
     """What makes a step one: (episode, turn, attempt)."""
     return (request.episode_id or request.session_id, request.turn or 0, request.attempt)
+
+
+def acted_key(request: SandboxRequest) -> tuple[str, int, str]:
+    """What makes the actions of a step one, whatever the attempt: (episode, turn, the
+    actions themselves, so a different action at that turn is never taken for them)."""
+    actions = json.dumps([request.action, *request.more_actions], sort_keys=True, default=str)
+    return (
+        request.episode_id or request.session_id,
+        request.turn or 0,
+        hashlib.sha256(actions.encode()).hexdigest(),
+    )
 
 
 def command_result(result: ExecResult) -> CommandRunResult:

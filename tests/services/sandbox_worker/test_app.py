@@ -215,6 +215,39 @@ async def test_a_step_retried_after_its_snapshot_failed_does_not_run_its_action_
         await w.close()
 
 
+async def test_a_later_attempt_of_a_step_whose_actions_ran_does_not_run_them_again(root, tmp_path) -> None:
+    """The bus gave up on a step whose snapshot could not be uploaded (the object store full
+    for longer than its retries), and the dispatcher sent the step again as a new attempt to
+    the worker holding the session. The actions ran again on the workspace their first run
+    had changed, and the turn saw a workspace no snapshot held (a reduced-chaos run while the
+    disk was full). The new attempt answers with the first run's results and its snapshot
+    holds the workspace the actions left once; a different action at that turn still runs."""
+    store = RefusingOnce(tmp_path / "objects")
+    w = make_worker(root, store)
+    await w.start()
+    try:
+        req = SandboxRequest(
+            episode_id="ep-1", turn=0, attempt=0, session_id="ep-1",
+            action={"kind": "run_command", "command": "echo $RANDOM >> log; wc -l < log"},
+        )  # fmt: skip
+        with pytest.raises(ConnectionRefusedError):
+            await w.handle(req)
+        later = await w.handle(req.model_copy(update={"attempt": 1}))
+        assert later.error is None and later.attempt == 1
+        assert later.result["stdout"] == "1\n", "the action ran again"
+        log = files_from_snapshot(await store.get(later.snapshot_key))["log"]
+        assert len(log.splitlines()) == 1 and later.snapshot_key.endswith("-a1.tar.gz")
+        # a result that never reached the dispatcher: its next attempt gets the same answer
+        again = await w.handle(req.model_copy(update={"attempt": 2}))
+        assert (again.result, again.attempt) == (later.result, 2)
+        other = await w.handle(
+            req.model_copy(update={"attempt": 3, "action": {"kind": "run_command", "command": "wc -l < log"}})
+        )
+        assert other.result["stdout"] == "1\n"
+    finally:
+        await w.close()
+
+
 async def test_bad_input_is_a_4xx_on_every_route_never_a_5xx(client, worker) -> None:
     """Finding 5: non-finite numbers, invalid storage keys and unknown image digests were
     answered with 500, a duplicate session id with 503."""
