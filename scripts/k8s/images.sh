@@ -12,7 +12,9 @@ source "$(dirname "$0")/common.sh"
 OUT="$K8S_CACHE/images"
 mkdir -p "$OUT"
 
-have_image() { ctr_ images ls -q 2>/dev/null | grep -qx "$1"; }
+# grep reads the whole list: `grep -q` stops at the first match, ctr dies of SIGPIPE on the
+# rest, and pipefail made a registered image look missing (a cold run failed on it).
+have_image() { ctr_ images ls -q 2>/dev/null | grep -x "$1" >/dev/null; }
 static_image() {  # static_image NAME TARFILE oci_image.py-args...
   local name=$1 tarball=$OUT/$2; shift 2
   have_image "$name" && return 0
