@@ -78,6 +78,27 @@ def inference(tmp: Path, store: LocalStore, backends: int) -> Inference:
     return Inference(cfg, store=store, backends=local, tokenizer=TOK)
 
 
+async def embedded_runtime(tmp: Path):  # noqa: ANN201 - a started temper.runtime.Runtime
+    """A gateway's runtime on a migrated SQLite database, the in-process bus and a local store."""
+    from temper.db.migrate import upgrade
+    from temper.runtime import Runtime
+    from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings
+
+    url = f"sqlite+aiosqlite:///{tmp}/temper.db"
+    await asyncio.to_thread(upgrade, url)
+    rt = Runtime(
+        Settings(
+            bus=BusSettings(kind=BusKind.inprocess),
+            storage=StorageSettings(kind=StorageKind.local, root=tmp / "objects"),
+            db=DatabaseSettings(url=url),
+            data_dir=tmp,
+        ),
+        service="inference-gateway",
+    )
+    await rt.start()
+    return rt
+
+
 async def test_the_issues_case_a_second_full_weight_job_never_gets_the_first_ones_weights(tmp_path):
     """Job A reloads its full weights at version 5, then job B publishes its version 1, on a
     gateway with one backend: B's requests are not answered with A's weights nor tagged
@@ -208,22 +229,8 @@ async def test_a_lora_version_read_before_its_job_goes_only_where_the_jobs_base_
     and answers with the adapter's weights; it went on both backends at their own base."""
     from services.inference_gateway.updates import PolicyUpdates
     from temper.db import Job, Tenant
-    from temper.db.migrate import upgrade
-    from temper.runtime import Runtime
-    from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings
 
-    url = f"sqlite+aiosqlite:///{tmp_path}/temper.db"
-    await asyncio.to_thread(upgrade, url)
-    rt = Runtime(
-        Settings(
-            bus=BusSettings(kind=BusKind.inprocess),
-            storage=StorageSettings(kind=StorageKind.local, root=tmp_path / "objects"),
-            db=DatabaseSettings(url=url),
-            data_dir=tmp_path,
-        ),
-        service="inference-gateway",
-    )
-    await rt.start()
+    rt = await embedded_runtime(tmp_path)
     assert rt.db is not None and isinstance(rt.store, LocalStore)
     store = rt.store
     base = save_checkpoint(create_model(seed=0), tmp_path / "base", tokenizer=TOK)
@@ -259,22 +266,8 @@ async def test_a_served_version_whose_row_write_failed_is_written_by_the_watch(t
 
     from services.inference_gateway.updates import PolicyUpdates
     from temper.db import Job, PolicyVersion, Tenant
-    from temper.db.migrate import upgrade
-    from temper.runtime import Runtime
-    from temper.settings import BusKind, BusSettings, DatabaseSettings, Settings, StorageKind, StorageSettings
 
-    url = f"sqlite+aiosqlite:///{tmp_path}/temper.db"
-    await asyncio.to_thread(upgrade, url)
-    rt = Runtime(
-        Settings(
-            bus=BusSettings(kind=BusKind.inprocess),
-            storage=StorageSettings(kind=StorageKind.local, root=tmp_path / "objects"),
-            db=DatabaseSettings(url=url),
-            data_dir=tmp_path,
-        ),
-        service="inference-gateway",
-    )
-    await rt.start()
+    rt = await embedded_runtime(tmp_path)
     assert rt.db is not None and isinstance(rt.store, LocalStore)
     db = rt.db
     key, _ = await publish_full(rt.store, tmp_path, "job-w", 1, seed=5)
