@@ -273,10 +273,7 @@ async def _versions_and_logprobs(job: _Job, store: ObjectStore, weights: Weights
             if not manifests_ok.get(version, False):
                 bad.update((ep.id, turn) for turn, _, _ in turns)
                 continue
-            model = await weights.of(job, version)
-            with torch.no_grad():
-                input_ids = torch.tensor([ids])
-                recomputed = token_logprobs(model, input_ids, completion_mask=torch.tensor([mask]))[0]
+            recomputed = await _recompute(weights, job, version, ids, mask)
             for turn, start, end in turns:
                 own = torch.tensor([versions[i] == version for i in range(start, end)])
                 m = compare(
@@ -296,6 +293,46 @@ async def _versions_and_logprobs(job: _Job, store: ObjectStore, weights: Weights
                         "sampled by other weights than its version's"
                     )
     out.mislabelled = bad
+    return out
+
+
+async def _recompute(
+    weights: Weights, job: _Job, version: int, ids: list[int], mask: list[int]
+) -> torch.Tensor:
+    """Each token's logprob under ``version``'s weights (``[T]``)."""
+    model = await weights.of(job, version)
+    with torch.no_grad():
+        return token_logprobs(model, torch.tensor([ids]), completion_mask=torch.tensor([mask]))[0]
+
+
+async def version_gaps(
+    db_url: str, store: ObjectStore, job_id: str, turns: dict[tuple[str, int], tuple[int, int]]
+) -> dict[tuple[str, int], torch.Tensor]:
+    """For each (episode, turn) -> (version a, version b) of a stored trajectory, |Δ| between
+    the turn's token logprobs under a's weights and under b's: how far apart the two labels
+    are on what was sampled (near 0 where a step changed nothing those tokens depend on,
+    and no logprob check can tell the two apart)."""
+    db = Database(DatabaseSettings(url=db_url))
+    cache = Path(tempfile.mkdtemp(prefix="temper-content-"))
+    out: dict[tuple[str, int], torch.Tensor] = {}
+    try:
+        job = await _load(db, store, job_id)
+        weights = Weights(store, cache)
+        for ep in job.episodes:
+            wanted = {turn: pair for (episode, turn), pair in turns.items() if episode == ep.id}
+            if not wanted or not ep.trajectory_key:
+                continue
+            trajectory = Trajectory.model_validate_json(await store.get(ep.trajectory_key))
+            ids, mask, _ = trajectory.flat()
+            labels = {v for pair in wanted.values() for v in pair}
+            under = {v: await _recompute(weights, job, v, ids, mask) for v in labels}
+            for turn, start, end in model_turns(trajectory):
+                if turn in wanted:
+                    a, b = wanted[turn]
+                    out[(ep.id, turn)] = (under[a][start:end] - under[b][start:end]).abs()
+    finally:
+        await db.dispose()
+        shutil.rmtree(cache, ignore_errors=True)
     return out
 
 
