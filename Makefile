@@ -141,7 +141,7 @@ bench-learn: setup
 chaos: setup stack-up
 	$(PY) bench/chaos.py $(ARGS)
 
-# The reduced chaos set (one group of three jobs, five faults in sequence, content checks; about 3 minutes); `make test-long` runs it too.
+# The reduced chaos set (one group of three jobs, five faults in sequence, content checks; about 3 minutes), alone; `make test` runs it too.
 chaos-reduced: setup stack-up
 	$(PY) -m pytest -q -p no:cacheprovider -s tests/faults/test_reduced_chaos.py $(ARGS)
 
