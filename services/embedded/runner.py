@@ -33,6 +33,7 @@ from services.embedded.components import components, in_one_process
 from services.embedded.report import write_report
 from services.tracker.component import GROUP as TRACKER_GROUP
 from services.trainer.training import JobTrainer
+from temper import cores
 from temper.bus.inprocess import InProcessBus
 from temper.db import Database, Job, OutboxRow, PolicyVersion, Tenant
 from temper.db.migrate import upgrade
@@ -86,9 +87,12 @@ def embedded_settings(run_dir: Path, spec: JobSpec, *, agent_url: str | None = N
     own, so its evaluations run beside the training instead of after it.
 
     torch's threads are the process's: the engine's decoding and the trainer's steps run
-    at once (the next batch is generated while the last one trains), each with half the
-    cores (``TEMPER_TRAINER__THREADS`` sets it). With all of them each, two busy thread
-    pools on one machine's cores slow both down several times. ``agent_url``: where the
+    at once (the next batch is generated while the last one trains). With all the cores
+    each, two busy thread pools on one machine's cores slow both down several times, so
+    :func:`run` shares them (``temper.cores``): each loop gets every core while it computes
+    alone and half while both do. ``TEMPER_TRAINER__THREADS`` fixes the trainer's count
+    instead (and the engine's: the threads it starts take the process's), as before the
+    share; this function's default, half the cores, is what the share starts from. ``agent_url``: where the
     gateway's agent base URLs are served (``agentrun.serving_agents``)."""
     batch = spec.schedule.max_concurrent_episodes
     backends = [
@@ -180,6 +184,8 @@ async def run(
     out.write(f"temper run: {spec.name} -> {run_dir}\n")
     agent_url = agentrun.agent_url() if spec.environment.kind == AGENT_KIND else None
     settings = embedded_settings(run_dir, spec, agent_url=agent_url)
+    if THREADS_ENV not in os.environ:
+        cores.share(os.cpu_count() or 1)
     await asyncio.to_thread(upgrade, settings.db.url)
     runtime = Runtime(settings, service="temper-run")
     await runtime.start()
@@ -227,6 +233,7 @@ async def run(
                 )
     finally:
         await runtime.stop()
+        cores.unshare()
     if summary.get("first_loss") is not None:
         algorithm = (spec.algorithm.name).value
         rewards = f"{algorithm} loss {summary['first_loss']:.4f} (first version) -> {summary['last_loss']:.4f} (last)"
@@ -256,6 +263,7 @@ def _fraction(value: float | None) -> str:
 
 
 TRACKING_WAIT_S = 60.0
+THREADS_ENV = "TEMPER_TRAINER__THREADS"  # a fixed count: no core share
 
 
 async def _tracked(runtime: Runtime, timeout_s: float = TRACKING_WAIT_S) -> bool:

@@ -62,7 +62,7 @@ from services.trainer.mismatch import record_canary
 from services.trainer.observe import init_job_metrics, observe_step
 from services.trainer.ranks import Ranks
 from services.trainer.supervised_jobs import SupervisedJobs
-from temper import faults, metrics
+from temper import cores, faults, metrics
 from temper.bus import Poison
 from temper.db import Database, Job, PolicyVersion, TrainedTrajectory
 from temper.events import TrajectoryReady
@@ -348,7 +348,7 @@ class JobTrainer(SupervisedJobs):
                 async with self.ranks.turn("step", args):
                     stats = await asyncio.to_thread(job.learner.step, groups)
             else:
-                stats = await asyncio.to_thread(job.learner.step, groups)
+                stats = await asyncio.to_thread(cores.run_busy, "trainer", job.learner.step, groups)
         except Exception as exc:  # noqa: BLE001 - any failure of this batch
             if self.ranks.sharded:
                 # the ranks may have parted mid-step (one rank's share failed): start them again

@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from temper import cores
 from temper.jobspec import (
     Advantage,
     Aggregation,
@@ -802,6 +803,7 @@ class Learner:
         if self.loss_scale != 1.0:
             batches = self._same_count_on_every_rank(batches)
         for mb in batches:
+            cores.fit()  # the engine may have started or stopped since the last micro-batch
             b = collate(mb, self.pad_id, self.device)
             # measured on every step; differentiated only for the bonus
             entropy: list[torch.Tensor] = []

@@ -20,7 +20,7 @@ from services.inference_gateway.cpu_server.runner import (
     NotServed,
     Stopped,
 )
-from temper import metrics
+from temper import cores, metrics
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class BatchScheduler:
         self.inflight = 0
         self.rows = 0  # rows decoding now
         self.interruptions = 0  # partial rollouts cut for a new version (that went on on it)
+        self._role = f"engine-{id(self):x}"  # in the process's core share (temper.cores)
 
     async def start(self) -> None:
         if self._thread is None:
@@ -199,10 +200,15 @@ class BatchScheduler:
                     continue
                 if reloading and batch is not None:
                     batch = self._cut(batch, reloading)
-                if joining or (not changing and self._aside and (batch is None or batch.can_join)):
+                starting = joining or (not changing and self._aside and (batch is None or batch.can_join))
+                cores.set_busy(self._role, bool(starting) or batch is not None)
+                cores.fit()  # every core while the trainer waits, half while it steps
+                if starting:
                     batch = self._join(batch, joining)
                 if batch is not None:
                     batch = self._advance(batch)
+                if batch is None:
+                    cores.set_busy(self._role, False)
         except Stopped as exc:
             self._fail(batch, exc)
         except BaseException as exc:  # noqa: BLE001 - the thread ends; its callers are told
@@ -210,6 +216,7 @@ class BatchScheduler:
             self._fail(batch, exc)
         finally:
             self.rows = 0
+            cores.set_busy(self._role, False)
 
     def _take(self, batch: Decoding | None) -> list[_Pending]:
         """Requests to start now (called with the condition held): up to the room left, all
