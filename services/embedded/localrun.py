@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -91,6 +91,12 @@ class LocalRun(BaseModel):
         None,
         description="a sandbox image file (temper images build-debian --output), published in the run's "
         "store as environment.limits.image",
+    )
+    engine: Literal["in_process", "process"] = Field(
+        "in_process",
+        description="where the policy's CPU engine runs: in the run's process, or in a child process "
+        "(the CPU model server over the loopback), whose decoding then does not wait on the services "
+        "for the interpreter's lock (services/embedded/engine_process.py)",
     )
 
 

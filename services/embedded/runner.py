@@ -30,6 +30,7 @@ from services.dispatcher.api.validation import check_template
 from services.dispatcher.evaluation import section_errors
 from services.embedded import agentrun, localrun
 from services.embedded.components import components, in_one_process
+from services.embedded.engine_process import EngineProcess, free_port
 from services.embedded.report import write_report
 from services.tracker.component import GROUP as TRACKER_GROUP
 from services.trainer.training import JobTrainer
@@ -79,7 +80,9 @@ class RunResult:
     summary: dict[str, Any]
 
 
-def embedded_settings(run_dir: Path, spec: JobSpec, *, agent_url: str | None = None) -> Settings:
+def embedded_settings(
+    run_dir: Path, spec: JobSpec, *, agent_url: str | None = None, engine_url: str | None = None
+) -> Settings:
     """One process: SQLite, the in-process bus, a local object store, logs to a file (the
     terminal shows progress), and the gateway serving the run's policy from an
     in-process engine that batches a whole iteration's requests. A full-weight job with an
@@ -92,14 +95,19 @@ def embedded_settings(run_dir: Path, spec: JobSpec, *, agent_url: str | None = N
     :func:`run` shares them (``temper.cores``): each loop gets every core while it computes
     alone and half while both do. ``TEMPER_TRAINER__THREADS`` fixes the trainer's count
     instead (and the engine's: the threads it starts take the process's), as before the
-    share; this function's default, half the cores, is what the share starts from. ``agent_url``: where the
-    gateway's agent base URLs are served (``agentrun.serving_agents``)."""
+    share; this function's default, half the cores, is what the share starts from.
+    ``agent_url``: where the gateway's agent base URLs are served
+    (``agentrun.serving_agents``). ``engine_url``: the policy's engine is the CPU model
+    server there (``local.engine: process``, :mod:`services.embedded.engine_process`), not
+    an in-process one."""
     batch = spec.schedule.max_concurrent_episodes
-    backends = [
-        BackendSpec(
+    if engine_url is None:
+        policy = BackendSpec(
             name="local-0", kind=BackendKind.local, model_dir=str(run_dir / POLICY_DIR), max_batch=batch
         )
-    ]
+    else:
+        policy = BackendSpec(name="local-0", kind=BackendKind.cpu_server, url=engine_url)
+    backends = [policy]
     if spec.evaluation is not None and spec.algorithm.lora is None:
         evaluation_batch = spec.evaluation.max_concurrent_episodes or batch
         backends.append(
@@ -183,7 +191,16 @@ async def run(
     shutil.copy(spec_path, run_dir / "spec.yaml")
     out.write(f"temper run: {spec.name} -> {run_dir}\n")
     agent_url = agentrun.agent_url() if spec.environment.kind == AGENT_KIND else None
-    settings = embedded_settings(run_dir, spec, agent_url=agent_url)
+    engine = None
+    if local.engine == "process":
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        engine = EngineProcess(
+            run_dir, run_dir / POLICY_DIR, port=free_port(), max_batch=spec.schedule.max_concurrent_episodes,
+            threads=threads,
+        )  # fmt: skip
+    settings = embedded_settings(
+        run_dir, spec, agent_url=agent_url, engine_url=engine.url if engine else None
+    )
     if THREADS_ENV not in os.environ:
         cores.share(os.cpu_count() or 1)
     await asyncio.to_thread(upgrade, settings.db.url)
@@ -205,6 +222,8 @@ async def run(
             image = await agentrun.publish_image(runtime.store, local.image) if local.image else None
             spec = agentrun.with_agent(spec, files=files, image=image)
         spec = await asyncio.to_thread(make_policy, spec, local, run_dir, progress)
+        if engine is not None:
+            await asyncio.to_thread(engine.start)
         parts = components(runtime)
         async with started(parts), agentrun.serving_agents(parts, agent_url) if agent_url else nullcontext():
             db, store = _db(runtime), runtime.store
@@ -234,6 +253,8 @@ async def run(
     finally:
         await runtime.stop()
         cores.unshare()
+        if engine is not None:
+            await asyncio.to_thread(engine.stop)
     if summary.get("first_loss") is not None:
         algorithm = (spec.algorithm.name).value
         rewards = f"{algorithm} loss {summary['first_loss']:.4f} (first version) -> {summary['last_loss']:.4f} (last)"
