@@ -10,7 +10,8 @@ from the run's checkpoint cache, every answer names its version.
 
 The child dies with the run: it is stopped when the run ends (terminated, then killed),
 and the kernel sends it SIGTERM if the run's process dies first (``PR_SET_PDEATHSIG``).
-Its output goes to ``engine.log`` in the run directory.
+Its output goes to ``engine.log`` in the run directory. ``scripts/run_processes.sh``
+(the services as processes) starts it the same way for ``local.engine: process``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -33,12 +34,6 @@ START_TIMEOUT_S = 120.0
 PR_SET_PDEATHSIG = 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -46,8 +41,20 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 class EngineProcess:
     """``python -m services.inference_gateway.cpu_server`` for one run's policy."""
 
-    def __init__(self, run_dir: Path, model_dir: Path, *, port: int, max_batch: int, threads: int) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        model_dir: Path,
+        *,
+        port: int,
+        max_batch: int,
+        threads: int,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``env``: the child's settings over this process's environment (where its object
+        store is: the gateway hands it each version's local path, the store is the fallback)."""
         self.run_dir = run_dir
+        self.env = dict(env or {})
         self.model_dir = model_dir
         self.port = port
         self.max_batch = max_batch
@@ -69,12 +76,7 @@ class EngineProcess:
             "--model-dir", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             "--max-batch", str(self.max_batch), "--threads", str(self.threads),
         ]  # fmt: skip
-        env = {
-            **os.environ,
-            "TEMPER_DATA_DIR": str(self.run_dir),
-            "TEMPER_STORAGE__KIND": "local",
-            "TEMPER_STORAGE__ROOT": str(self.run_dir / "objects"),
-        }
+        env = {**os.environ, **self.env}
         root = Path(__file__).resolve().parents[2]  # `services` imports from the checkout
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
         with self.log_path.open("ab") as log:

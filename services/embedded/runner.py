@@ -30,8 +30,9 @@ from services.dispatcher.api.validation import check_template
 from services.dispatcher.evaluation import section_errors
 from services.embedded import agentrun, localrun
 from services.embedded.components import components, in_one_process
-from services.embedded.engine_process import EngineProcess, free_port
+from services.embedded.engine_process import EngineProcess
 from services.embedded.report import write_report
+from services.launcher.resources import free_port
 from services.tracker.component import GROUP as TRACKER_GROUP
 from services.trainer.training import JobTrainer
 from temper import cores
@@ -196,7 +197,8 @@ async def run(
         threads = max(1, (os.cpu_count() or 2) // 2)
         engine = EngineProcess(
             run_dir, run_dir / POLICY_DIR, port=free_port(), max_batch=spec.schedule.max_concurrent_episodes,
-            threads=threads,
+            threads=threads, env={"TEMPER_DATA_DIR": str(run_dir), "TEMPER_STORAGE__KIND": "local",
+                                  "TEMPER_STORAGE__ROOT": str(run_dir / "objects")},
         )  # fmt: skip
     settings = embedded_settings(
         run_dir, spec, agent_url=agent_url, engine_url=engine.url if engine else None

@@ -44,6 +44,7 @@ from typing import Any, TextIO
 import httpx
 
 from services.embedded import localrun
+from services.embedded.engine_process import EngineProcess
 from services.launcher.resources import (
     ROOT,
     StackError,
@@ -256,6 +257,17 @@ def running(args: argparse.Namespace, out: TextIO = sys.stderr) -> Iterator[Runn
     )
     if args.trainer_threads:
         env["TEMPER_TRAINER__THREADS"] = str(args.trainer_threads)
+    engine = None
+    if local.engine == "process":  # the engine a process of its own, beside the gateway's
+        threads = args.trainer_threads or max(1, (os.cpu_count() or 2) // 2)
+        engine = EngineProcess(
+            run_dir, policy_dir, port=free_port(), max_batch=batch, threads=threads, env=env
+        )
+        out.write(f"engine: {engine.url} (log {engine.log_path})\n")
+        engine.start()
+        env["TEMPER_INFERENCE__BACKENDS"] = json.dumps(
+            [{"name": "local-0", "kind": "cpu_server", "url": engine.url}]
+        )
 
     stack = Stack()
     for name, default_port in SERVICES:
@@ -280,6 +292,8 @@ def running(args: argparse.Namespace, out: TextIO = sys.stderr) -> Iterator[Runn
         if api is not None:
             api.close()
         stack.stop()
+        if engine is not None:
+            engine.stop()
         if not str(workspaces).startswith(str(run_dir)):
             shutil.rmtree(workspaces, ignore_errors=True)
 

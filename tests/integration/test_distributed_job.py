@@ -127,6 +127,7 @@ def test_the_example_job_runs_to_completion_on_the_real_stack(
     assert {"first_mean_reward", "last_mean_reward"} <= summary.keys()
     assert (result.run_dir / "reward_curve.png").stat().st_size > 0
     assert (result.run_dir / "report.html").exists()
-    # each service ran as its own process and logged to the run directory
-    assert set(logs) == {f"{name}.log" for name, _ in stack.SERVICES}
+    # each service ran as its own process and logged to the run directory, and so did the
+    # engine (the example's local.engine: process), which the gateway served every version on
+    assert set(logs) == {f"{name}.log" for name, _ in stack.SERVICES} | {"engine.log"}
     assert "policy version switched" in logs["inference_gateway.log"]

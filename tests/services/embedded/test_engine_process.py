@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from services.embedded import runner
-from services.embedded.engine_process import EngineProcess, free_port
+from services.embedded.engine_process import EngineProcess
+from services.launcher.resources import free_port
 from temper.runtime import StartupError
 from temper.storage import LocalStore
 from tests.faults import content
