@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSITIONS = {"services.embedded", "services.launcher", "services.cli"}
 SANDBOX_FORBIDDEN = ("temper.rewards", "temper.envs")
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("core", frozenset({"clock", "events", "settings", "limits", "metrics", "logs", "problems", "faults"})),
+    ("core", frozenset({"clock", "events", "settings", "limits", "metrics", "logs", "problems", "faults", "cores"})),
     ("infrastructure", frozenset({"db", "bus", "storage", "outbox", "registry", "plugins", "runtime", "celery_queue"})),
     (
         "domains",
