@@ -216,3 +216,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"FAILED: no passing integration test for {', '.join(_missing_integration())}", red=True
         )
+
+
+@pytest.fixture
+def torch_threads_restored():
+    """torch's thread count of this thread as it was, and no core share (temper.cores), after the test."""
+    import torch
+
+    from temper import cores
+
+    before = torch.get_num_threads()
+    yield
+    cores.unshare()
+    torch.set_num_threads(before)

@@ -19,12 +19,18 @@ one loop per process and keep ``torch.set_num_threads`` as their settings give i
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def half() -> int:
+    """Half the machine's cores (at least one): what each of two busy loops gets."""
+    return max(1, (os.cpu_count() or 2) // 2)
 
 
 class CoreShare:

@@ -146,7 +146,7 @@ def embedded_settings(
         ),
         agent=AgentSettings(url=agent_url),
     )
-    threads = settings.trainer.threads or max(1, (os.cpu_count() or 2) // 2)
+    threads = settings.trainer.threads or cores.half()
     settings = settings.model_copy(
         update={"trainer": settings.trainer.model_copy(update={"threads": threads})}
     )
@@ -194,15 +194,19 @@ async def run(
     agent_url = agentrun.agent_url() if spec.environment.kind == AGENT_KIND else None
     engine = None
     if local.engine == "process":
-        threads = max(1, (os.cpu_count() or 2) // 2)
+        batch = spec.schedule.max_concurrent_episodes
         engine = EngineProcess(
-            run_dir, run_dir / POLICY_DIR, port=free_port(), max_batch=spec.schedule.max_concurrent_episodes,
-            threads=threads, env={"TEMPER_DATA_DIR": str(run_dir), "TEMPER_STORAGE__KIND": "local",
-                                  "TEMPER_STORAGE__ROOT": str(run_dir / "objects")},
-        )  # fmt: skip
+            run_dir, run_dir / POLICY_DIR, port=free_port(), max_batch=batch, threads=cores.half()
+        )
     settings = embedded_settings(
         run_dir, spec, agent_url=agent_url, engine_url=engine.url if engine else None
     )
+    if engine is not None:  # the child's store and data directory are the run's
+        engine.env.update(
+            TEMPER_DATA_DIR=str(settings.data_dir),
+            TEMPER_STORAGE__KIND=str(settings.storage.kind),
+            TEMPER_STORAGE__ROOT=str(settings.storage.root),
+        )
     if THREADS_ENV not in os.environ:
         cores.share(os.cpu_count() or 1)
     await asyncio.to_thread(upgrade, settings.db.url)

@@ -59,6 +59,7 @@ from services.launcher.resources import (
     storage_settings,
     upload_files,
 )
+from temper import cores
 from temper.client import ApiError, TemperClient
 from temper.jobspec import JobSpec, SpecError
 from temper.tenants import new_key
@@ -259,7 +260,7 @@ def running(args: argparse.Namespace, out: TextIO = sys.stderr) -> Iterator[Runn
         env["TEMPER_TRAINER__THREADS"] = str(args.trainer_threads)
     engine = None
     if local.engine == "process":  # the engine a process of its own, beside the gateway's
-        threads = args.trainer_threads or max(1, (os.cpu_count() or 2) // 2)
+        threads = args.trainer_threads or cores.half()
         engine = EngineProcess(
             run_dir, policy_dir, port=free_port(), max_batch=batch, threads=threads, env=env
         )

@@ -11,13 +11,7 @@ import torch
 from temper import cores
 from temper.cores import CoreShare
 
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    before = torch.get_num_threads()
-    yield
-    cores.unshare()
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_threads_restored")
 
 
 def in_thread(call):

@@ -15,17 +15,9 @@ from services.inference_gateway.cpu_server.runner import GenRequest, ModelRunner
 from temper import cores
 from temper.policy import create_model, default_tokenizer, encode_chat
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("torch_threads_restored")]
 
 TOK = default_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    before = torch.get_num_threads()
-    yield
-    cores.unshare()
-    torch.set_num_threads(before)
 
 
 async def test_the_engine_decodes_on_every_core_alone_and_on_half_beside_the_trainer() -> None:
