@@ -50,6 +50,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -506,6 +507,7 @@ async def run_job(
             .join(Episode, Episode.id == Step.episode_id)
             .where(Episode.job_id == job_id)
         )
+        parts_of_turn = await turn_parts(s, job_id)
     wall = (last - submitted).total_seconds() if last is not None else time.perf_counter() - t0
     gaps = [
         (b.created_at - a.created_at).total_seconds() * 1000
@@ -520,7 +522,37 @@ async def run_job(
         "gaps_ms": gaps,
         "turns": scored * max_turns,
         "parts_cpu_s": parts,
+        "turn_parts_ms": parts_of_turn,
     }
+
+
+async def turn_parts(s, job_id: str) -> dict[str, list[float]]:  # noqa: ANN001 - a session
+    """Where a turn's wall time goes, from its step rows (one clock: the peers run on this
+    machine): ``to_policy`` from writing the inference step to the policy's answer (commit,
+    publish, a Kafka hop, the stub), ``from_policy`` from that answer to the dispatcher
+    recording it (a hop, the consumer, the batch's transaction), ``sandbox`` the sandbox
+    step's whole round, ``to_next`` from the sandbox step's end to the next inference step."""
+    found = (
+        await s.execute(
+            select(Step.episode_id, Step.turn, Step.kind, Step.created_at, Step.completed_at, Step.result)
+            .join(Episode, Episode.id == Step.episode_id)
+            .where(Episode.job_id == job_id, Step.kind.in_(("inference", "sandbox")))
+        )
+    ).all()
+    steps = {(r.episode_id, r.turn, r.kind): r for r in found}
+    out: dict[str, list[float]] = {"to_policy": [], "from_policy": [], "sandbox": [], "to_next": []}
+    for (episode, turn, kind), inf in steps.items():
+        sandbox = steps.get((episode, turn, "sandbox"))
+        following = steps.get((episode, turn + 1, "inference"))
+        if kind != "inference" or sandbox is None or following is None or inf.completed_at is None:
+            continue
+        answered = datetime.fromisoformat((inf.result or {})["answered_at"])
+        ms = lambda a, b: (b - a).total_seconds() * 1000  # noqa: E731
+        out["to_policy"].append(ms(inf.created_at, answered))
+        out["from_policy"].append(ms(answered, inf.completed_at))
+        out["sandbox"].append(ms(sandbox.created_at, sandbox.completed_at))
+        out["to_next"].append(ms(sandbox.completed_at, following.created_at))
+    return out
 
 
 @dataclass
@@ -730,6 +762,9 @@ async def measure(args: argparse.Namespace) -> dict:
         ping_after = await kafka_roundtrip(runtime, args.pings, suffix + "b")
     pings = ping + ping_after
     gaps = latency["gaps_ms"]
+    parts_of_turn = {
+        f"turn_{name}_p50_ms": round(pct(values, 0.5), 2) for name, values in latency["turn_parts_ms"].items()
+    }
     turns = max(1, throughput["turns"])
     parts = throughput["parts_cpu_s"]
     return {
@@ -754,6 +789,7 @@ async def measure(args: argparse.Namespace) -> dict:
         "peers_cpu_ms_per_turn": round(parts["peers"] * 1000 / turns, 2),
         "partitions": args.partitions,
         "scheduler_interval_s": args.scheduler_interval_s,
+        **parts_of_turn,
     }
 
 

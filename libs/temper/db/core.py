@@ -23,7 +23,6 @@ Either way the statements, the row type (``temper.db.rows``) and the rules over 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -35,6 +34,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.sql import ClauseElement, ColumnElement
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
+
+from temper.db import jsontext
 
 Row = tuple[Any, ...]
 Params = Mapping[str, Any]
@@ -322,7 +323,7 @@ async def init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec(
         "json",
         encoder=str.encode,
-        decoder=lambda data: json.loads(data.decode()),
+        decoder=jsontext.loads,
         schema="pg_catalog",
         format="binary",
     )

@@ -13,6 +13,7 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from temper.db import jsontext
 from temper.db.core import CoreTx, DriverTx, SessionTx, Statements, init_connection, reset_connection
 from temper.db.rows import write_staged
 from temper.settings import DatabaseSettings
@@ -39,7 +40,7 @@ class Database:
 
     def __init__(self, settings: DatabaseSettings) -> None:
         self.url = settings.url
-        kwargs: dict = {"echo": settings.echo}
+        kwargs: dict = {"echo": settings.echo, "json_serializer": jsontext.dumps, "json_deserializer": jsontext.loads}
         if settings.is_sqlite:
             self._ensure_sqlite_dir(settings.url)
             kwargs["connect_args"] = {"timeout": 30}
