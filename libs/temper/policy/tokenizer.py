@@ -127,10 +127,39 @@ class ChatTokenizer:
     # --- text ----------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Text to ids, without adding special tokens (templates write their own)."""
+        backend = self._plain_backend()
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        backend = self._plain_backend()
+        if backend is not None:
+            return backend.decode(list(ids), skip_special_tokens=skip_special)
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special))
+
+    @cached_property
+    def _backend(self) -> Tokenizer | None:
+        """The Rust tokenizer under a fast Hugging Face tokenizer whose wrapper only passes
+        encode and decode on to it (no special tokens split, no clean-up of decoded spaces);
+        else None. Called directly it gives the same ids and text without the wrapper's work
+        per call (about 60 µs an encode, 30 µs a decode; the dispatcher makes several a turn)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if not isinstance(backend, Tokenizer):
+            return None
+        if getattr(self.hf, "split_special_tokens", False) or getattr(self.hf, "clean_up_tokenization_spaces", False):
+            return None
+        return backend
+
+    def _plain_backend(self) -> Tokenizer | None:
+        """:attr:`_backend` while it has no padding or truncation set (a batch call of the
+        wrapper may leave them on it) and does not split special tokens."""
+        backend = self._backend
+        if backend is None or backend.padding is not None or backend.truncation is not None:
+            return None
+        if backend.encode_special_tokens:
+            return None
+        return backend
 
     def parse_text(self, ids: Sequence[int], text: str | None = None) -> str:
         """What tool-call parsers read of a sampled reply: its ids decoded with their special

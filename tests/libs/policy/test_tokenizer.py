@@ -60,3 +60,25 @@ def test_chat_is_extended_token_wise_and_equals_the_whole_rendering() -> None:
 def test_unknown_role_is_refused_by_the_template() -> None:
     with pytest.raises(TemplateError, match="narrator"):
         encode_chat(byte_tokenizer(), [{"role": "narrator", "content": "x"}])
+
+
+SPECIAL_TEXTS = [*TEXTS, "<|im_start|>user\nhi<|im_end|>\n", "[INST] x [/INST]<start_of_turn>", "a<|end|>b  c\n\n  d", " leading and trailing "]
+
+
+@pytest.mark.parametrize("name", ["byte", "qwen2.5", "llama3.1", "mistral-v0.3", "gemma3"])
+def test_encode_and_decode_give_what_the_hugging_face_wrapper_gives(name: str) -> None:
+    """The direct calls to the Rust tokenizer (ChatTokenizer._backend) agree with the
+    wrapper's, special tokens and all, and the wrapper is used where they might not."""
+    from tests.libs.policy.real_templates import tokenizer
+
+    tok = byte_tokenizer() if name == "byte" else tokenizer("qwen2.5")
+    assert tok._plain_backend() is not None
+    for text in SPECIAL_TEXTS:
+        ids = tok.encode(text)
+        assert ids == list(tok.hf(text, add_special_tokens=False)["input_ids"])
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+    # a batch call with padding leaves it on the backend: then the wrapper encodes
+    tok.hf(["a", "abc"], padding=True)
+    assert tok._plain_backend() is None
+    assert tok.encode("abc") == list(tok.hf("abc", add_special_tokens=False)["input_ids"])
