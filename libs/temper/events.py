@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from temper.clock import utcnow
@@ -266,8 +267,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 def decode(data: bytes) -> Message:
     """Parse a message from the wire; :class:`BadMessage` names what is wrong."""
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = orjson.loads(data)  # a third of json's time on a result; strict JSON (no NaN)
+    except orjson.JSONDecodeError as exc:  # invalid UTF-8 too
         raise BadMessage(f"not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise BadMessage("not a JSON object")

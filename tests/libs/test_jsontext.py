@@ -16,7 +16,7 @@ def test_values_read_back_as_json_reads_them() -> None:
     value = {
         "token_ids": [0, 1, 50_000],
         "logprobs": [-0.125, -3.5e-08, 0.0],
-        "text": "naïve ✓ \n\t\"quoted\"",
+        "text": 'naïve ✓ \n\t"quoted"',
         "nested": {"a": [None, True, False, {"b": []}]},
         "state": Colour.red,
         "big": 2**70,  # past 64 bits: json writes it

@@ -84,6 +84,8 @@ def test_a_bad_value_names_the_environment_variable(monkeypatch):
     ("raw", "match"),
     [
         (b"not json", "not JSON"),
+        (b'{"type": "\xff"}', "not JSON"),  # not UTF-8
+        (b'{"type": "inference.result", "logprobs": [NaN]}', "not JSON"),  # NaN is not JSON
         (b"[1, 2]", "not a JSON object"),
         (b'{"type": "mystery"}', "unknown message type 'mystery'"),
         (b'{"type": "inference.result", "schema_version": 99}', "newer than this reader"),

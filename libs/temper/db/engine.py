@@ -40,7 +40,11 @@ class Database:
 
     def __init__(self, settings: DatabaseSettings) -> None:
         self.url = settings.url
-        kwargs: dict = {"echo": settings.echo, "json_serializer": jsontext.dumps, "json_deserializer": jsontext.loads}
+        kwargs: dict = {
+            "echo": settings.echo,
+            "json_serializer": jsontext.dumps,
+            "json_deserializer": jsontext.loads,
+        }
         if settings.is_sqlite:
             self._ensure_sqlite_dir(settings.url)
             kwargs["connect_args"] = {"timeout": 30}

@@ -147,7 +147,9 @@ class ChatTokenizer:
         backend = getattr(self.hf, "backend_tokenizer", None)
         if not isinstance(backend, Tokenizer):
             return None
-        if getattr(self.hf, "split_special_tokens", False) or getattr(self.hf, "clean_up_tokenization_spaces", False):
+        if getattr(self.hf, "split_special_tokens", False) or getattr(
+            self.hf, "clean_up_tokenization_spaces", False
+        ):
             return None
         return backend
 

@@ -62,7 +62,13 @@ def test_unknown_role_is_refused_by_the_template() -> None:
         encode_chat(byte_tokenizer(), [{"role": "narrator", "content": "x"}])
 
 
-SPECIAL_TEXTS = [*TEXTS, "<|im_start|>user\nhi<|im_end|>\n", "[INST] x [/INST]<start_of_turn>", "a<|end|>b  c\n\n  d", " leading and trailing "]
+SPECIAL_TEXTS = [
+    *TEXTS,
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "[INST] x [/INST]<start_of_turn>",
+    "a<|end|>b  c\n\n  d",
+    " leading and trailing ",
+]
 
 
 @pytest.mark.parametrize("name", ["byte", "qwen2.5", "llama3.1", "mistral-v0.3", "gemma3"])
