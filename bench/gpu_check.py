@@ -806,7 +806,7 @@ def record(path: Path, figures: dict[str, Any]) -> None:
 
 # What temper's training library imports that a GPU machine's image lacks (with their
 # own dependencies, the wheels of scripts/gpu_wheels.sh)
-CARRIED = ("pydantic", "pydantic_settings", "minio")
+CARRIED = ("pydantic", "pydantic_settings", "orjson", "minio")
 
 
 def missing_packages() -> list[str]:

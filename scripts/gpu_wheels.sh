@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Wheels of what Temper's training library imports and a GPU machine's own image lacks
 # (it has torch, transformers, peft, safetensors, tokenizers, numpy, urllib3, certifi; not
-# pydantic or minio, which temper.jobspec, temper.trajectory and temper.storage import),
+# pydantic, orjson or minio, which temper.jobspec, temper.trajectory (through temper.events)
+# and temper.storage import),
 # at requirements.lock's versions, for that machine's Python 3.12 on x86-64, into
 # .gpu-wheels/ (git-ignored, about 6 MB). Carry that folder to the machine; `make
 # gpu-check` installs them into a folder of their own there (docs/training.md, "The GPU check").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAMES=(pydantic pydantic-core annotated-types typing-inspection pydantic-settings python-dotenv
-       minio argon2-cffi argon2-cffi-bindings cffi pycparser pycryptodome)
+       orjson minio argon2-cffi argon2-cffi-bindings cffi pycparser pycryptodome)
 PY=${PY:-.venv/bin/python}
 pins=()
 for name in "${NAMES[@]}"; do
