@@ -547,12 +547,15 @@ async def turn_parts(s, job_id: str) -> dict[str, list[float]]:  # noqa: ANN001 
         if kind != "inference" or sandbox is None or following is None or inf.completed_at is None:
             continue
         answered = datetime.fromisoformat((inf.result or {})["answered_at"])
-        ms = lambda a, b: (b - a).total_seconds() * 1000  # noqa: E731
-        out["to_policy"].append(ms(inf.created_at, answered))
-        out["from_policy"].append(ms(answered, inf.completed_at))
-        out["sandbox"].append(ms(sandbox.created_at, sandbox.completed_at))
-        out["to_next"].append(ms(sandbox.completed_at, following.created_at))
+        out["to_policy"].append(_ms(inf.created_at, answered))
+        out["from_policy"].append(_ms(answered, inf.completed_at))
+        out["sandbox"].append(_ms(sandbox.created_at, sandbox.completed_at))
+        out["to_next"].append(_ms(sandbox.completed_at, following.created_at))
     return out
+
+
+def _ms(start: datetime, end: datetime) -> float:
+    return (end - start).total_seconds() * 1000
 
 
 @dataclass
