@@ -2,24 +2,32 @@
 
 Each task's workspace holds a module of two functions (``labels.py``: ``currency()`` and
 ``price(x)``, say) where the first returns the wrong literal, and its tests
-(``test_labels.py``), a plain script that prints each failure the way pytest does
-(``FAILED test_labels.py::test_currency - assert 'USD' == 'EUR'``). The first prompt shows
-the module but only names the tests (``environment.hide_files: ["test_*"]``), so the literal
-the tests want is written nowhere the policy can read before it runs them: each family has
-six literals, the bug is one of them and the fix one of the five others, so an agent that
-edits without reading the failure is right one time in five. The hidden tests call the
+(``test_labels.py``), a plain script that prints each failure with the assertion's message
+(``FAILED test_labels.py::test_currency - currency() should return 'EUR'``). The first
+prompt only names the module and its tests (``environment.hide_files: ["*.py"]``), so the
+literal the tests want is written nowhere the policy can read before it runs them: each
+family has six literals, the bug is one of them and the fix another, so an agent that edits
+without reading the failure is right about one time in six. The hidden tests call the
 second function on other inputs; only the right literal passes them.
 
 What the policy has to do, over four turns: run the tests, read the failure, edit the file
 (``edit``: replace a line, here line 2, the getter's ``return``), run the tests again,
-submit. The warm-start data
-(:func:`warm_start_examples`) comes from a sloppy teacher: with probability ``p_careful``
-it does exactly that; otherwise it edits first, guessing one of the five literals, runs the
-tests and submits whatever they say. A ``reading`` share shows a run of the tests and its
-failure as context and trains only the edit that follows it (how to read a failure: the
-literal after ``==``). So the policy starts out reading the failure when it
-has one, but running the tests first only about ``p_careful`` of the time; reinforcement
-learning has to make running them first the habit (or going on after a failed guess).
+submit. The warm-start data (:func:`warm_start_examples`) comes from a sloppy teacher: with
+probability ``p_careful`` it does exactly that; otherwise it edits first, guessing one of
+the five literals, runs the tests and submits whatever they say. A ``reading`` share shows
+a run of the tests and its failure as context and trains only the edit that follows it (how
+to read a failure: copy the literal it names). So the policy starts out reading the failure
+when it has one, but running the tests first only about ``p_careful`` of the time;
+reinforcement learning has to make running them first the habit (or going on after a
+failed guess).
+
+Two choices make the copying learnable by a 2-layer model in a few minutes of warm start
+(measured: with the module shown, or the failure printing both literals, or the edit's
+path before its text, the warm-started policy copied the right literal no more often than
+chance after 1,600 steps): the failure names one literal, and the edit's arguments put
+``text`` before ``path``, so the literal the edit writes sits the same number of tokens
+after the one the failure printed in every task.
+
 Run ``python examples/tasksets/make_debug_tasks.py`` to rewrite ``debug-bugs.jsonl``.
 """
 
@@ -68,7 +76,9 @@ GETTER_LINE = 2  # the line of the module that returns the literal
 
 
 def module_source(f: Family, literal: str) -> str:
-    return f"def {f.getter}():\n    return {literal!r}\n\n\ndef {f.use}({f.arg}):\n    return {f.body}\n"
+    """The module, in the double quotes a formatter writes (the failure prints ``repr``s)."""
+    body = f.body.replace("'", '"')
+    return f'def {f.getter}():\n    return "{literal}"\n\n\ndef {f.use}({f.arg}):\n    return {body}\n'
 
 
 def _value(f: Family, literal: str, call: str) -> object:
@@ -91,7 +101,7 @@ def main():
         got = eval(call)
         if got != want:
             failed += 1
-            print("FAILED %s::%s - assert %r == %r" % (__file__.split("/")[-1], name, got, want))
+            print("FAILED %s::%s - %s should return %r" % (__file__.split("/")[-1], name, call, want))
     print("%d failed" % failed if failed else "%d passed" % len(CASES))
     raise SystemExit(1 if failed else 0)
 
@@ -114,7 +124,7 @@ def test_output(f: Family, right: str, present: str) -> str:
         got = _value(f, present, call)
         if got != want:
             failed += 1
-            lines.append(f"FAILED test_{f.module}.py::{name} - assert {got!r} == {want!r}")
+            lines.append(f"FAILED test_{f.module}.py::{name} - {call} should return {want!r}")
     lines.append(f"{failed} failed" if failed else f"{len(cases(f, right))} passed")
     return "\n".join(lines)
 
@@ -159,7 +169,9 @@ def run_tests() -> str:
 
 def edit(f: Family, literal: str) -> str:
     """Line 2 of the module, returning ``literal``."""
-    return call("edit", path=f"{f.module}.py", line=GETTER_LINE, text=f"    return {literal!r}")
+    # the line's text before the path: the literal then sits the same number of tokens
+    # after the failure that names it in every task (a tiny model copies by position)
+    return call("edit", line=GETTER_LINE, text=f"    return {literal!r}", path=f"{f.module}.py")
 
 
 def observed(exit_code: int, stdout: str, wall_s: float) -> str:
@@ -177,7 +189,7 @@ def edited(f: Family, rng: random.Random) -> str:
 
 
 def warm_start_examples(
-    n: int, *, p_careful: float = 0.25, reading: float = 0.4, seed: int = 0
+    n: int, *, p_careful: float = 0.25, reading: float = 0.6, seed: int = 0
 ) -> list[tuple[dict, object]]:
     """(task, turns) pairs from the sloppy teacher (see the module's docstring); a turn given
     as ``{"content": ..., "train": False}`` is context, not trained."""
