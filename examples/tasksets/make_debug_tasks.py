@@ -22,9 +22,10 @@ reinforcement learning has to make running them first the habit (or going on aft
 failed guess).
 
 Two choices make the copying learnable by a 2-layer model in a few minutes of warm start
-(measured: with the module shown, or the failure printing both literals, or the edit's
-path before its text, the warm-started policy copied the right literal no more often than
-chance after 1,600 steps): the failure names one literal, and the edit's arguments put
+(measured: with the module shown and the failure printing both literals, or with the
+edit's path before its text, the warm-started policy copied the right literal no more often
+than chance after 1,600 steps of 16; as here, 0.43 of the time after 2,400 of 8, against
+about 0.17 by chance): the failure names one literal, and the edit's arguments put
 ``text`` before ``path``, so the literal the edit writes sits the same number of tokens
 after the one the failure printed in every task.
 
@@ -55,21 +56,21 @@ class Family(NamedTuple):
 
 
 FAMILIES = (
-    Family("labels", "currency", "price", "x", "'%.2f %s' % (x, currency())",
+    Family("labels", "currency", "price", "x", '"%.2f %s" % (x, currency())',
            ("USD", "EUR", "GBP", "JPY", "CHF", "CAD"), ("7", "0.5")),
-    Family("greet", "greeting", "greet", "name", "greeting() + ', ' + name + '!'",
+    Family("greet", "greeting", "greet", "name", 'greeting() + ", " + name + "!"',
            ("Hello", "Howdy", "Hi", "Hey", "Welcome", "Greetings"), ("'bob'", "'eve'")),
-    Family("units", "unit", "weight", "n", "'%d %s' % (n, unit())",
+    Family("units", "unit", "weight", "n", '"%d %s" % (n, unit())',
            ("kg", "lb", "g", "oz", "ton", "mg"), ("12", "40")),
-    Family("paths", "sep", "join", "a", "a + sep() + 'b'",
+    Family("paths", "sep", "join", "a", 'a + sep() + "b"',
            ("/", ":", ";", "|", "-", "+"), ("'usr'", "'tmp'")),
-    Family("status", "done_word", "report", "n", "'%d tasks %s' % (n, done_word())",
+    Family("status", "done_word", "report", "n", '"%d tasks %s" % (n, done_word())',
            ("done", "finished", "complete", "ready", "closed", "ok"), ("5", "9")),
-    Family("colors", "default_color", "paint", "item", "item + ' is ' + default_color()",
+    Family("colors", "default_color", "paint", "item", 'item + " is " + default_color()',
            ("red", "blue", "green", "black", "white", "gray"), ("'wall'", "'door'")),
-    Family("levels", "level", "log_line", "msg", "'[' + level() + '] ' + msg",
+    Family("levels", "level", "log_line", "msg", '"[" + level() + "] " + msg',
            ("INFO", "WARN", "ERROR", "DEBUG", "TRACE", "FATAL"), ("'down'", "'busy'")),
-    Family("days", "first_day", "week", "n", "first_day() + ' +' + str(n)",
+    Family("days", "first_day", "week", "n", 'first_day() + " +" + str(n)',
            ("Mon", "Tue", "Wed", "Thu", "Fri", "Sun"), ("3", "6")),
 )  # fmt: skip
 GETTER_LINE = 2  # the line of the module that returns the literal
@@ -77,8 +78,7 @@ GETTER_LINE = 2  # the line of the module that returns the literal
 
 def module_source(f: Family, literal: str) -> str:
     """The module, in the double quotes a formatter writes (the failure prints ``repr``s)."""
-    body = f.body.replace("'", '"')
-    return f'def {f.getter}():\n    return "{literal}"\n\n\ndef {f.use}({f.arg}):\n    return {body}\n'
+    return f'def {f.getter}():\n    return "{literal}"\n\n\ndef {f.use}({f.arg}):\n    return {f.body}\n'
 
 
 def _value(f: Family, literal: str, call: str) -> object:
