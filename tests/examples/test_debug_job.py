@@ -45,7 +45,7 @@ def test_the_debug_job_runs_its_tools_in_the_sandbox_with_partial_rollouts(tmp_p
     trajectories = [Trajectory.model_validate_json(p.read_text()) for p in found]
     assert len(trajectories) == 16  # two iterations of eight episodes
     prompt = trajectories[0].segments[0].text
-    named = re.search(r"--- (\w+)\.py \(not shown\)", prompt)
+    named = re.search(r"--- (?!test_)(\w+)\.py \(not shown\)", prompt)  # listed in name order
     assert named is not None, prompt[:2000]
     assert f"--- test_{named.group(1)}.py (not shown)" in prompt
     assert "def " not in prompt and "CASES" not in prompt, (
