@@ -52,6 +52,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 # BENCH_CODE=DIR measures the checkout in DIR (its libs and services) with this script;
@@ -219,6 +220,16 @@ class StackSampler:
         Path(path).write_text(json.dumps(doc, indent=1))
 
 
+def run_loop(main: Any) -> Any:
+    """``main`` on the event loop the measured checkout's services run on
+    (``temper.eventloop``; a checkout from before it existed ran asyncio's own)."""
+    try:
+        from temper import eventloop
+    except ImportError:
+        return asyncio.run(main)
+    return eventloop.run(main)
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -317,7 +328,7 @@ def run_peers(
         await peers.stop()
         await bus.stop()
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 def run_replica(
@@ -399,7 +410,7 @@ def run_replica(
         write(final=True)
         await runtime.stop()
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 def _rss_mb(pid: int) -> float:
@@ -990,7 +1001,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "dispatch.json"))
     args = parser.parse_args()
-    result = asyncio.run(measure(args)) if args.single else compare(args)
+    result = run_loop(measure(args)) if args.single else compare(args)
     if not args.single:
         print(table(result))  # noqa: T201
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

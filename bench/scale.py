@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 import asyncpg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from bench.dispatch import Bench, bench_stack, metric_table, pct, replica_stats, spec  # noqa: E402
+from bench.dispatch import Bench, bench_stack, metric_table, pct, replica_stats, run_loop, spec  # noqa: E402
 from temper import metrics  # noqa: E402
 from temper.db import Episode, Job, Step  # noqa: E402
 from temper.lifecycle import EpisodeState as E  # noqa: E402
@@ -381,7 +381,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "scale.json"))
     args = parser.parse_args()
-    result = asyncio.run(run(args))
+    result = run_loop(run(args))
     print(table(result))  # noqa: T201
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

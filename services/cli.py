@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 from typing import Any
 
 from temper import cli as client_cli
+from temper import eventloop
 from temper.jobspec import SpecError
 from temper.runtime import StartupError
 
@@ -22,7 +22,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from services.embedded import runner  # the five services in this process: import only when asked
 
     try:
-        result = asyncio.run(runner.run(Path(args.spec), runs_dir=Path(args.runs_dir), run_id=args.run_id))
+        result = eventloop.run(runner.run(Path(args.spec), runs_dir=Path(args.runs_dir), run_id=args.run_id))
     except SpecError as exc:
         sys.stderr.write("error: the spec does not validate:\n")
         for field, message in exc.errors:
@@ -38,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from services.embedded import serve  # every service in this process: import only when asked
 
     try:
-        asyncio.run(serve.serve(Path(args.data_dir), host=args.host, port=args.port, out=sys.stdout))
+        eventloop.run(serve.serve(Path(args.data_dir), host=args.host, port=args.port, out=sys.stdout))
     except StartupError as exc:
         sys.stderr.write(f"temper serve: {exc}\n")
         return 2

@@ -10,7 +10,7 @@ stays allowed as long as it respects the contracts) and every
   ``services.launcher`` and the ``temper`` command ``services.cli``) are the exceptions;
 - the sandbox library (``temper.sandbox``) never imports ``temper.rewards`` or ``temper.envs``;
 - inside the library, every room (``temper.<name>``) sits in one layer and imports only its
-  own layer and those below (:data:`LAYERS`, bottom first): core (the clock, events,
+  own layer and those below (:data:`LAYERS`, bottom first): core (the clock, the event loop, events,
   settings, the limits vocabulary, metrics and logging) < infrastructure (database, bus,
   object store, outbox, registry, plugins, the runtime) < domains < surfaces (the client
   and the CLI). A room in no layer fails the test, so a new one is placed on purpose;
@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSITIONS = {"services.embedded", "services.launcher", "services.cli"}
 SANDBOX_FORBIDDEN = ("temper.rewards", "temper.envs")
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("core", frozenset({"clock", "events", "settings", "limits", "metrics", "logs", "problems", "faults", "cores"})),
+    ("core", frozenset({
+        "clock", "eventloop", "events", "settings", "limits", "metrics", "logs", "problems", "faults", "cores",
+    })),
     ("infrastructure", frozenset({"db", "bus", "storage", "outbox", "registry", "plugins", "runtime", "celery_queue"})),
     (
         "domains",

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from temper import metrics, problems
+from temper import eventloop, metrics, problems
 from temper.bus import Bus, BusUnavailable, Consumer, Record, make_bus
 from temper.db import Database, DatabaseUnavailable
 from temper.db.migrate import NotMigrated, check_migrated
@@ -386,7 +386,7 @@ def run_service(app_factory: Callable[[Settings], FastAPI], service: str, defaul
 
     try:
         settings = load_settings(service=service)
-        asyncio.run(serve(app_factory(settings), settings))
+        eventloop.run(serve(app_factory(settings), settings))
     except StartupError as exc:
         sys.stderr.write(f"{service}: {exc}\n")
         raise SystemExit(2) from None

@@ -14,6 +14,7 @@ import torch
 
 from services.trainer.learners import build_learner
 from services.trainer.ranks import Ranks
+from temper import eventloop
 from temper.jobspec import JobSpec
 from temper.logs import configure_logging, log_event
 from temper.runtime import load_settings
@@ -71,4 +72,4 @@ async def follow(settings: Settings) -> None:
 def main() -> None:
     settings = load_settings(service="trainer")
     configure_logging("trainer", settings.log.level, settings.log.json_lines, settings.log.file)
-    asyncio.run(follow(settings))
+    eventloop.run(follow(settings))
