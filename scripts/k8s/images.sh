@@ -54,8 +54,12 @@ temper_images() {
     local src=${pair%%=*} dst=${pair#*=}
     local id; id=$(docker image inspect -f '{{.Id}}' "$src")
     if have_image "$dst" && [ "$(cat "$OUT/${src//[:\/]/_}.id" 2>/dev/null)" = "$id" ]; then continue; fi
+    local before; before=$(docker image inspect -f '{{.Id}}' "$dst" 2>/dev/null || true)
     docker tag "$src" "$dst"
     docker save "$dst" | ctr_ images import - >/dev/null
+    # The image this name held is untagged now: a rebuilt Temper image left 7 GB behind per
+    # run, and a warm rerun filled the disk. Removed unless something else still names it.
+    if [ -n "$before" ] && [ "$before" != "$id" ]; then docker rmi "$before" >/dev/null 2>&1 || true; fi
     echo "$id" > "$OUT/${src//[:\/]/_}.id"
     log "image $dst: imported from Docker's $src"
   done

@@ -148,8 +148,10 @@ maxPods: 60
 # The root filesystem here reports ~12.6% free: below the default eviction and image-GC
 # thresholds, which would evict every pod (shared/FACTS.md).
 evictionHard: {"memory.available": "200Mi", "nodefs.available": "1%", "imagefs.available": "1%", "nodefs.inodesFree": "1%"}
-imageGCHighThresholdPercent: 99
-imageGCLowThresholdPercent: 98
+# Image GC off (100): no registry can give back an image it removes. A warm rerun that
+# filled the disk lost KEDA's, busybox's and mc's images to it, and their pods never started.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
 failSwapOn: false
 serializeImagePulls: false
 YAML
