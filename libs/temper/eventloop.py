@@ -1,10 +1,9 @@
 """The event loop Temper's long-running processes run on.
 
 Services (``python -m services.<name>``), ``temper run``, ``temper serve`` and the trainer's
-follower run on uvloop, libuv's loop: the loop uvicorn itself picks when it is installed,
-and the one asyncpg is written for. On the dispatcher's hot path it costs less CPU per
-await, callback and socket write than the standard library's selector loop
-(`make bench-dispatch` measures both). ``TEMPER_EVENT_LOOP=asyncio`` runs the standard
+follower run on uvloop, libuv's loop: the loop uvicorn itself picks when it is installed.
+A dispatcher turn costs less CPU on it than on the standard library's selector loop
+(`make bench-dispatch`, 4.45 -> 3.82 ms measured). ``TEMPER_EVENT_LOOP=asyncio`` runs the standard
 library's loop instead (for a debugger or a profiler that expects it); any other value
 is refused.
 """
