@@ -28,7 +28,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for field, message in exc.errors:
             sys.stderr.write(f"  {field}: {message}\n")
         return 2
-    except StartupError as exc:
+    except (StartupError, eventloop.UnknownEventLoop) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
     return 0 if result.state == "completed" else 1
@@ -39,7 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         eventloop.run(serve.serve(Path(args.data_dir), host=args.host, port=args.port, out=sys.stdout))
-    except StartupError as exc:
+    except (StartupError, eventloop.UnknownEventLoop) as exc:
         sys.stderr.write(f"temper serve: {exc}\n")
         return 2
     except KeyboardInterrupt:

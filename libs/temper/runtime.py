@@ -387,7 +387,7 @@ def run_service(app_factory: Callable[[Settings], FastAPI], service: str, defaul
     try:
         settings = load_settings(service=service)
         eventloop.run(serve(app_factory(settings), settings))
-    except StartupError as exc:
+    except (StartupError, eventloop.UnknownEventLoop) as exc:
         sys.stderr.write(f"{service}: {exc}\n")
         raise SystemExit(2) from None
     exit_after_stop()

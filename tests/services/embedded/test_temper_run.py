@@ -111,6 +111,14 @@ def test_temper_run_refuses_a_run_directory_that_exists(tmp_path, capsys):
     assert (tmp_path / "runs" / "taken" / "temper.db").read_bytes() == b"another run's"
 
 
+def test_temper_run_names_an_unknown_event_loop_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TEMPER_EVENT_LOOP", "trio")
+    spec = ROOT / "examples" / "code-job.yaml"
+    assert main(["run", str(spec), "--runs-dir", str(tmp_path / "runs"), "--run-id", "loop"]) == 2
+    assert capsys.readouterr().err == "error: TEMPER_EVENT_LOOP='trio': expected one of uvloop, asyncio\n"
+    assert not (tmp_path / "runs" / "loop").exists()  # refused before anything ran
+
+
 def test_temper_run_refuses_an_environment_that_is_not_installed(tmp_path, capsys):
     spec = yaml.safe_load((ROOT / "examples" / "code-job.yaml").read_text())
     spec["environment"]["kind"] = "browser"
