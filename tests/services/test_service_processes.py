@@ -144,7 +144,14 @@ async def publish_policy_update(bootstrap: str, job: str) -> None:
         ({"TEMPER_SANDBOX__POOLSIZE": "3"}, "TEMPER_SANDBOX__POOLSIZE names no setting ('poolsize' is not"),
         ({"TEMPER_EVENT_LOOP": "trio"}, "TEMPER_EVENT_LOOP='trio': expected one of uvloop, asyncio"),
     ],
-    ids=["unreachable-broker", "unreachable-database", "unsupported-database-url", "retired", "unknown", "loop"],
+    ids=[
+        "unreachable-broker",
+        "unreachable-database",
+        "unsupported-database-url",
+        "retired",
+        "unknown",
+        "loop",
+    ],
 )
 def test_bad_settings_give_one_clear_line_naming_the_setting(overrides, expected, tmp_path):
     # Embedded settings with the Kafka bus: every other component is local (the SQLite
