@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export TEMPER_CACHE_DIR ?= $(HOME)/.cache/temper
 
 .PHONY: gpu-check help setup setup-run lock system stack-up stack-down stack-status test test-long test-unit run serve run-stack lint schemas \
-        check-deploy compose-build compose-test k8s-up k8s-down k8s-status k8s-test fuzz bench bench-sandbox bench-sandboxfusion bench-rewards bench-gateway bench-dispatch bench-trainer bench-mismatch bench-learn chaos chaos-reduced
+        check-deploy compose-build compose-test k8s-up k8s-down k8s-status k8s-test fuzz bench bench-sandbox bench-sandboxfusion bench-rewards bench-gateway bench-dispatch bench-scale bench-sessions bench-trainer bench-mismatch bench-learn chaos chaos-reduced
 
 help:
 	@echo "make run          set up and run the example RL job end to end (embedded mode)"
@@ -22,6 +22,7 @@ help:
 	@echo "make chaos        kill every service while it holds work, restart the servers; check what was trained: bench/results/chaos.json"
 	@echo "make bench        every benchmark (bench-sandbox, -rewards, -gateway, -dispatch, -trainer)"
 	@echo "make bench-sandboxfusion  /run_code beside a running SandboxFusion (SANDBOXFUSION_URL=...)"
+	@echo "make bench-sessions  memory a live sandbox session holds: bench/results/sessions.json"
 	@echo "make bench-learn  the example job against TRL's GRPOTrainer, same policy, prompts, reward: bench/results/learn.json"
 	@echo "make gpu-check    on a GPU node, its own python3: learner MFU and memory, engine, FSDP (bench/results/gpu.json)"
 
@@ -126,6 +127,10 @@ bench-dispatch: setup stack-up
 
 bench-scale: setup stack-up
 	$(PY) bench/scale.py $(ARGS)
+
+# Memory a live sandbox session holds (the sandbox worker's share of a waiting episode).
+bench-sessions: setup
+	$(PY) bench/sessions.py $(ARGS)
 
 bench-trainer: setup
 	$(PY) bench/trainer.py
