@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "libs"), str(ROOT)]
 
+from bench.dispatch import pct  # noqa: E402
+from bench.scale import rss_mb  # noqa: E402
 from temper.sandbox import Action, SandboxManager, SandboxSettings  # noqa: E402
 
 
@@ -43,13 +45,6 @@ def mem_available_kb() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1])
     raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def descendants(root: int) -> list[int]:
@@ -84,11 +79,6 @@ def pss_kb(pids: list[int]) -> int:
     return total
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 async def measure(n: int) -> dict:
     me = os.getpid()
     with tempfile.TemporaryDirectory(prefix="temper-bench-sessions-", ignore_cleanup_errors=True) as root:
@@ -99,7 +89,7 @@ async def measure(n: int) -> dict:
         await manager.start()
         try:
             await asyncio.sleep(1)  # the fork server settles
-            base_avail, base_rss = mem_available_kb(), rss_kb(me)
+            base_avail, base_rss_mb = mem_available_kb(), rss_mb(me)
             base_pids = set(descendants(me))
             base_pss = pss_kb(list(base_pids))
             sessions: list[str] = []
@@ -121,7 +111,7 @@ async def measure(n: int) -> dict:
                     (pss_kb(pids) + pss_kb(list(base_pids)) - base_pss) / n, 1
                 ),
                 "processes_per_session": round(len(pids) / n, 2),
-                "worker_rss_kb_per_session": round((rss_kb(me) - base_rss) / n, 1),
+                "worker_rss_kb_per_session": round((rss_mb(me) - base_rss_mb) * 1024 / n, 1),
                 "open_ms": round(statistics.median(open_ms), 1),
                 "open_ms_p99": round(pct(open_ms, 0.99), 1),
                 "cgroups": manager.get(sessions[0]).cgroup is not None,
