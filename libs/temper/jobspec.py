@@ -336,6 +336,12 @@ class EnvironmentSpec(_Spec):
         description="the role of the messages that carry tool results: tool (OpenAI's, with tool_call_id), or "
         "user for chat templates without a tool role (Gemma 3); default: the environment's own (tool)",
     )
+    tools_in_prompt: Literal["full", "names"] | None = Field(
+        None,
+        description="function-calling formats: what the chat template is given of each tool: full (its OpenAI "
+        "schema: name, description, parameters) or names (the name only: a much shorter prompt, for a policy "
+        "that learned the tools' arguments elsewhere, e.g. in a warm start); default full",
+    )
     hide_files: list[str] = Field(
         default_factory=list,
         max_length=32,
@@ -354,6 +360,11 @@ class EnvironmentSpec(_Spec):
                 f"hide_files applies to the environments that show the workspace in their prompt "
                 f"({', '.join(sorted(LISTING_KINDS))}), not {self.kind!r}"
             )
+        if self.tools_in_prompt is not None and self.action_format in OWN_FORMATS:
+            raise ValueError(
+                f"tools_in_prompt applies to function-calling formats (the chat template renders the tools); "
+                f"action_format {self.action_format} describes them in the environment's own instructions"
+            )
         if self.kind == AGENT_KIND:
             self._agent_consistent()
         elif self.agent is not None:
@@ -369,7 +380,7 @@ class EnvironmentSpec(_Spec):
         ``action_format`` names the parser the gateway reads the model's tool calls with."""
         if self.agent is None:
             raise ValueError("kind agent needs agent.command (the program the episode runs)")
-        given = [n for n in ("system_prompt", "tools", "tool_role") if getattr(self, n) is not None]
+        given = [n for n in ("system_prompt", "tools", "tool_role", "tools_in_prompt") if getattr(self, n) is not None]
         if given:
             raise ValueError(
                 f"{', '.join(given)}: not with kind agent (the agent sends its own messages and tools)"

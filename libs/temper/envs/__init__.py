@@ -68,6 +68,7 @@ def environment_options(env: EnvironmentSpec) -> dict[str, Any]:
         "system_prompt": env.system_prompt,
         "tools": env.tools,
         "tool_role": env.tool_role,
+        "tools_in_prompt": env.tools_in_prompt,
     }
     if env.kind == PACKAGE_KIND:
         options["package"] = env.package

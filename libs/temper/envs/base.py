@@ -177,12 +177,15 @@ class Environment(ABC):
         system_prompt: str | None = None,
         tools: Sequence[ToolSpec | Mapping[str, Any]] | None = None,
         tool_role: str | None = None,
+        tools_in_prompt: str | None = None,
     ) -> None:
         self.task = TaskView.of(task)
         # ``environment.tool_role``: the role of the messages that carry tool results
         # (``user`` for templates without a tool role); else the environment's own
         self.tool_role: str = tool_role or self.observation_role
         self.custom_system_prompt = system_prompt
+        # ``environment.tools_in_prompt``: ``names`` gives the template each tool's name only
+        self.tools_in_prompt = tools_in_prompt or "full"
         self.max_turns = max(1, max_turns)
         self.action_format = str(action_format)
         self.limits = {**dict(self.task.spec.get("limits") or {}), **dict(limits or {})}
@@ -197,8 +200,13 @@ class Environment(ABC):
         return self.action_format not in OWN_FORMATS
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:
-        """The OpenAI function schemas the chat template renders (function-calling formats only)."""
-        return [t.openai_schema() for t in self.tools] if self.calls_functions else None
+        """The OpenAI function schemas the chat template renders (function-calling formats
+        only): whole, or with ``tools_in_prompt: names`` the name alone."""
+        if not self.calls_functions:
+            return None
+        if self.tools_in_prompt == "names":
+            return [{"type": "function", "function": {"name": t.function.name}} for t in self.tools]
+        return [t.openai_schema() for t in self.tools]
 
     # --- the first prompt ---------------------------------------------------------------------
     @abstractmethod

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.dispatcher.api.transcripts import load_trajectory
 from temper.db import Episode, Job, Task, TaskSet
-from temper.envs import make_environment
+from temper.envs import environment_options, make_environment
 from temper.envs.tools import call_id
 from temper.episode_steps import read_steps
 from temper.jobspec import OFFLINE_DATA, JobSpec
@@ -103,10 +103,7 @@ async def _conversation(
 ) -> TaskSpec | None:
     """The episode as a chat task, or None when it holds no reply."""
     env_spec = spec.environment
-    env = make_environment(
-        env_spec.kind or task.kind, task, max_turns=env_spec.max_turns, action_format=env_spec.action_format,
-        system_prompt=env_spec.system_prompt, tools=env_spec.tools, tool_role=env_spec.tool_role,
-    )  # fmt: skip
+    env = make_environment(env_spec.kind or task.kind, task, **environment_options(env_spec))
     trajectory = await load_trajectory(store, ep.trajectory_key) if ep.trajectory_key and store else None
     if trajectory is not None and trajectory.turns:
         said = transcripts.from_trajectory("", trajectory, tool_role=env.tool_role)

@@ -240,3 +240,35 @@ def test_the_shell_environment_with_tool_calls():
         '<tool_call>{"name": "write_file", "arguments": {"path": "a", "content": ""}}</tool_call>', turn=0
     )
     assert call.kind == "invalid" and "unknown tool 'write_file'" in (call.error or "")
+
+
+def test_tools_in_prompt_names_gives_the_template_each_tools_name_only():
+    from pydantic import ValidationError
+
+    from temper.envs import environment_options
+    from temper.jobspec import EnvironmentSpec
+
+    spec = EnvironmentSpec(kind="code", action_format="hermes", tools_in_prompt="names")
+    env = make_environment("code", TASK, **environment_options(spec))
+    full = code(action_format="hermes")
+    assert env.tool_schemas() == [
+        {"type": "function", "function": {"name": t.function.name}} for t in full.tools
+    ]
+    names = [t["function"]["name"] for t in env.tool_schemas()]
+    assert names == ["bash", "python", "write_file", "read_file", "submit"]
+    tok = default_tokenizer()
+    short, whole = env.first_prompt_ids(tok), full.first_prompt_ids(tok)
+    described = full.tools[0].function.description
+    assert described and described in tok.decode(whole) and described not in tok.decode(short)
+    assert '"name": "write_file"' in tok.decode(short) and len(short) < len(whole) * 0.7
+    env.check_template(tok)  # the door renders what the episodes will
+    # the model's calls are still parsed against the whole tool: its arguments and command
+    action = env.parse('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>', turn=0)
+    assert action.kind == "sandbox" and action.format_ok and action.calls[0]["function"]["name"] == "bash"
+
+    with pytest.raises(ValidationError, match="tools_in_prompt applies to function-calling formats"):
+        EnvironmentSpec(kind="code", action_format="code_block", tools_in_prompt="names")
+    with pytest.raises(ValidationError, match="tools_in_prompt: not with kind agent"):
+        EnvironmentSpec(kind="agent", action_format="hermes", tools_in_prompt="names", agent={"command": "true"})
+    with pytest.raises(ValidationError, match="tools_in_prompt"):
+        EnvironmentSpec(kind="code", action_format="hermes", tools_in_prompt="short")
