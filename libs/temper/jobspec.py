@@ -380,7 +380,11 @@ class EnvironmentSpec(_Spec):
         ``action_format`` names the parser the gateway reads the model's tool calls with."""
         if self.agent is None:
             raise ValueError("kind agent needs agent.command (the program the episode runs)")
-        given = [n for n in ("system_prompt", "tools", "tool_role", "tools_in_prompt") if getattr(self, n) is not None]
+        given = [
+            n
+            for n in ("system_prompt", "tools", "tool_role", "tools_in_prompt")
+            if getattr(self, n) is not None
+        ]
         if given:
             raise ValueError(
                 f"{', '.join(given)}: not with kind agent (the agent sends its own messages and tools)"

@@ -269,6 +269,8 @@ def test_tools_in_prompt_names_gives_the_template_each_tools_name_only():
     with pytest.raises(ValidationError, match="tools_in_prompt applies to function-calling formats"):
         EnvironmentSpec(kind="code", action_format="code_block", tools_in_prompt="names")
     with pytest.raises(ValidationError, match="tools_in_prompt: not with kind agent"):
-        EnvironmentSpec(kind="agent", action_format="hermes", tools_in_prompt="names", agent={"command": "true"})
+        EnvironmentSpec(
+            kind="agent", action_format="hermes", tools_in_prompt="names", agent={"command": "true"}
+        )
     with pytest.raises(ValidationError, match="tools_in_prompt"):
         EnvironmentSpec(kind="code", action_format="hermes", tools_in_prompt="short")
