@@ -27,7 +27,14 @@ edit's path before its text, the warm-started policy copied the right literal no
 than chance after 1,600 steps of 16; as here, 0.43 of the time after 2,400 of 8, against
 about 0.17 by chance): the failure names one literal, and the edit's arguments put
 ``text`` before ``path``, so the literal the edit writes sits the same number of tokens
-after the one the failure printed in every task.
+after the one the failure printed in every task. Copying a word (`` '``, ``EUR``, ``'``
+as three tokens) still needs an induction step that a 2-layer, 64-wide model forms at a
+seed-dependent moment; a warm start that is mostly reading (``reading`` 0.9, nine tenths
+of the examples train the copy) at a learning rate of 0.008 brings it early (measured
+2026-12-06, teacher-forced on 96 held-out failures: seed 1 copies 0.70 after 1,000 steps,
+seed 2 0.80 after 2,000, seed 0 still at chance after 2,000; seed 1 with only one of the
+two changes copies 0.29-0.31 after 5,000 steps, the punctuation family alone, and with
+neither stays at chance through 3,500).
 
 Run ``python examples/tasksets/make_debug_tasks.py`` to rewrite ``debug-bugs.jsonl``.
 """
@@ -189,7 +196,7 @@ def edited(f: Family, rng: random.Random) -> str:
 
 
 def warm_start_examples(
-    n: int, *, p_careful: float = 0.25, reading: float = 0.6, seed: int = 0
+    n: int, *, p_careful: float = 0.25, reading: float = 0.9, seed: int = 0
 ) -> list[tuple[dict, object]]:
     """(task, turns) pairs from the sloppy teacher (see the module's docstring); a turn given
     as ``{"content": ..., "train": False}`` is context, not trained."""
