@@ -80,6 +80,9 @@ def derived_spec(policy: Path, work: Path, iterations: int) -> Path:
     doc["schedule"]["iterations"] = iterations
     local = doc["local"]
     local.pop("warm_start", None)
+    # TRL's side evaluates nothing between its steps: the example's periodic evaluation of
+    # held-out tasks would be extra work on the same two cores, so this side leaves it out
+    doc.pop("evaluation", None)
     local["taskset_file"] = str((EXAMPLE.parent / local["taskset_file"]).resolve())
     path = work / "code-job.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -123,10 +126,16 @@ def temper_run(spec: Path, work: Path, run_id: str, *, profile: Path | None = No
 def temper_side(run_dir: Path) -> dict[str, Any]:
     """Batches (iterations), RL time and what was trained, from the run's database."""
     db = sqlite3.connect(run_dir / "temper.db")
-    start = _t(db.execute("select min(created_at) from episodes").fetchone()[0])
+    # the job that learns: an evaluation job (spec.evaluate) is not a batch of training samples
+    ((job_id,),) = db.execute(
+        "select id from jobs where json_extract(spec, '$.evaluate') is null"
+    ).fetchall()
+    start = _t(db.execute("select min(created_at) from episodes where job_id = ?", (job_id,)).fetchone()[0])
     rows = db.execute(
         "select e.iteration, e.reward, max(s.completed_at) from episodes e join steps s"
-        " on s.episode_id = e.id and s.kind = 'reward' where e.reward is not null group by e.id"
+        " on s.episode_id = e.id and s.kind = 'reward' where e.reward is not null and e.job_id = ?"
+        " group by e.id",
+        (job_id,),
     ).fetchall()
     by_iteration: dict[int, list[tuple[float, float]]] = {}
     for iteration, reward, at in rows:
@@ -139,10 +148,18 @@ def temper_side(run_dir: Path) -> dict[str, Any]:
         }
         for _, eps in sorted(by_iteration.items())
     ]
-    versions = [_t(v) for (v,) in db.execute("select created_at from policy_versions order by version")]
+    versions = [
+        _t(v)
+        for (v,) in db.execute(
+            "select created_at from policy_versions where job_id = ? order by version", (job_id,)
+        )
+    ]
     end = max([*versions, *(start + b["rewards_at"] for b in batches)])
     skipped = dict(
-        db.execute("select coalesce(skipped, 'trained'), count(*) from trained_trajectories group by 1")
+        db.execute(
+            "select coalesce(skipped, 'trained'), count(*) from trained_trajectories where job_id = ? group by 1",
+            (job_id,),
+        )
     )
     return {
         "batches": batches,

@@ -86,6 +86,9 @@ async def _insert_claimed(tx: CoreTx, rows: list[OutboxRow], until: datetime) ->
 
 
 class OutboxRelay:
+    # After a pass that found nothing, the sweep waits this long unless notify() wakes it.
+    IDLE_WAIT_S = 0.25
+
     def __init__(
         self,
         db: Database,
@@ -279,7 +282,7 @@ class OutboxRelay:
                 self._down.clear()
             if published < self.batch:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), self.idle_sleep_s if published else 0.25)
+                    await asyncio.wait_for(self._wake.wait(), self.idle_sleep_s if published else self.IDLE_WAIT_S)
                 except TimeoutError:
                     pass
                 self._wake.clear()

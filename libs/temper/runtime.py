@@ -68,7 +68,19 @@ class Runtime:
     store: ObjectStore | None = None
     # Extra health checks a service adds (name -> coroutine that raises when unhealthy).
     checks: dict[str, Callable[[], Awaitable[None]]] = field(default_factory=dict)
+    # The outbox relays running in this process (their notify). A service that writes
+    # outbox rows without a relay of its own (the trainer beside the dispatcher in one
+    # process) calls notify_outbox(), so its commands go out now, not at the next sweep.
+    outbox_relays: list[Callable[[], None]] = field(default_factory=list)
+    # Called once this process's gateway recorded that it serves a new policy version: a
+    # scheduler in the same process runs now (its staleness gate waits on that version).
+    version_served: list[Callable[[], None]] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def notify_outbox(self) -> None:
+        """Tell this process's outbox relays that rows were just committed."""
+        for notify in self.outbox_relays:
+            notify()
 
     async def start(self) -> None:
         log_settings = self.settings.log

@@ -87,6 +87,7 @@ class Dispatcher:
         s = self.settings
         self._stopping.clear()
         self.relay = OutboxRelay(rt.db, rt.bus, keep_published_s=rt.settings.db.outbox_keep_published_s)
+        rt.outbox_relays.append(self.relay.notify)
         self.machine = EpisodeMachine(
             rt.db,
             rt.store,
@@ -118,10 +119,12 @@ class Dispatcher:
         self._consumers.append(
             await rt.consume_handlers(handlers.policy_topics(self.scheduler), group=s.policy_group)
         )
-        # The scheduler runs when an episode of this replica finished (its slot is free) and
-        # otherwise every scheduler_interval_s (new jobs, other replicas' episodes).
+        # The scheduler runs when an episode of this replica finished (its slot is free), when
+        # a gateway in this process serves a new version, and otherwise every
+        # scheduler_interval_s (new jobs, other replicas' episodes).
         wake = self._wake = asyncio.Event()
         self.machine.on_finished = wake.set
+        rt.version_served.append(wake.set)
         self._tasks.append(
             rt.spawn(
                 self._every(s.scheduler_interval_s, self.scheduler.tick, "scheduler", wake=wake),
@@ -195,6 +198,8 @@ class Dispatcher:
         # the loops end after their current pass; one still running after the grace is cancelled
         self._stopping.set()
         if self._wake is not None:
+            if self._wake.set in self.runtime.version_served:
+                self.runtime.version_served.remove(self._wake.set)
             self._wake.set()
         if self.relay is not None:
             self.relay.notify()
@@ -210,6 +215,8 @@ class Dispatcher:
                 pass
         self._tasks.clear()
         if self.relay is not None:
+            if self.relay.notify in self.runtime.outbox_relays:
+                self.runtime.outbox_relays.remove(self.relay.notify)
             # What was committed but not yet sent goes out now rather than at the next start.
             try:
                 while await self.relay.publish_pending():

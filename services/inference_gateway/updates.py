@@ -145,6 +145,8 @@ class PolicyUpdates:
                 error=repr(exc),
             )
             return
+        for wake in self.runtime.version_served:
+            wake()
         kept = self.unrecorded.get(job)
         if kept is not None and kept[0] <= version:
             del self.unrecorded[job]

@@ -59,7 +59,7 @@ class Trainer:
             rt.spawn(self.relay.run(), "outbox-relay")
         training = self._training = JobTrainer(
             rt.db, rt.store, self.settings, ranks=Ranks.from_env(), model_factory=self.model_factory,
-            on_step=self.on_step, notify_outbox=self.relay.notify if self.relay is not None else None,
+            on_step=self.on_step, notify_outbox=self.relay.notify if self.relay is not None else rt.notify_outbox,
         )  # fmt: skip
         await training.start_ranks()
         await training.recover()

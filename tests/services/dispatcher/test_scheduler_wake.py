@@ -67,3 +67,41 @@ async def test_the_scheduler_is_woken_by_a_capped_pass_and_by_finished_episodes(
         assert Counter(e.state for e in await episodes_of(h.db, job)) == {"scored": 6}
     finally:
         await h.stop()
+
+
+async def test_the_scheduler_is_woken_when_this_processs_gateway_serves_a_new_version(
+    tmp_path, database_url, monkeypatch
+):
+    """The staleness gate opens an iteration on the version the gateway serves; in one
+    process the gateway says so through ``Runtime.version_served`` and the scheduler runs
+    then, not at its next interval (60 s here). The dispatcher takes its wake (and its relay's
+notify, ``Runtime.outbox_relays``) back when it stops."""
+    ticks: list[float] = []
+    tick = scheduler.Scheduler.tick
+
+    async def counted(self) -> None:  # type: ignore[no-untyped-def]
+        ticks.append(asyncio.get_running_loop().time())
+        await tick(self)
+
+    monkeypatch.setattr(scheduler.Scheduler, "tick", counted)
+    h = await start_harness(tmp_path, database_url, scheduler_interval_s=60.0)
+    try:
+        # its wake and its outbox relay's, for the services beside it in this process
+        assert len(h.runtime.version_served) == 1 and len(h.runtime.outbox_relays) == 1
+
+        async def first_pass() -> bool:
+            return len(ticks) >= 1
+
+        await wait_for(first_pass, limit_s=20, what="the scheduler's first pass")
+        await asyncio.sleep(0.5)
+        before = len(ticks)
+        for wake in h.runtime.version_served:
+            wake()
+
+        async def woken() -> bool:
+            return len(ticks) > before
+
+        await wait_for(woken, limit_s=20, what="a pass after the served version")
+    finally:
+        await h.stop()
+    assert h.runtime.version_served == [] and h.runtime.outbox_relays == []

@@ -287,6 +287,9 @@ async def test_a_served_version_whose_row_write_failed_is_written_by_the_watch(t
     await svc.start()
     updates = PolicyUpdates(rt, svc)
     real_session = db.session
+    # a scheduler in this process is woken once the row says the version is served, not before
+    wakes: list[int] = []
+    rt.version_served.append(lambda: wakes.append(1))
     try:
 
         def refused():
@@ -299,11 +302,13 @@ async def test_a_served_version_whose_row_write_failed_is_written_by_the_watch(t
         assert svc.confirmed("job-w") == 1
         assert await served() == (None, None)
         assert updates.unrecorded == {"job-w": (1, ["local-0"])}
+        assert wakes == []
 
         await updates.record_unrecorded()  # what the watch does each pass
         served_at, served_by = await served()
         assert served_at is not None and served_by == ["local-0"]
         assert updates.unrecorded == {}
+        assert wakes == [1]
     finally:
         db.session = real_session  # type: ignore[method-assign]
         await svc.stop()

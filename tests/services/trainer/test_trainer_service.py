@@ -632,3 +632,43 @@ async def test_a_cancelled_jobs_groups_are_trained_at_once_not_after_the_group_t
         assert [v for v, _ in await versions(runtime, "job-c")] == [1, 2, 3, 4]  # whole, half, running, late
     finally:
         await stop(runtime, component)
+
+
+async def test_a_trainer_without_its_own_relay_has_the_processes_relay_send_its_versions_at_once(
+    settings, monkeypatch
+):
+    """In one process (``temper run``) the trainer runs no relay: the dispatcher's relay
+    sends the trainer's policy updates. It used to find them on its idle sweep, up to
+    0.25 s after each version, and the staleness gate held the next iteration that long.
+    The trainer now tells the process's relays (``Runtime.notify_outbox``). Here the relay
+    sleeps 60 s when idle: the update arrives within 20 s only if it was woken."""
+    from temper.outbox import OutboxRelay
+
+    monkeypatch.setattr(OutboxRelay, "IDLE_WAIT_S", 60.0)
+    runtime, component = await start(settings, run_relay=False)
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        assert component.relay is None
+        relay = OutboxRelay(runtime.db, runtime.bus)
+        runtime.outbox_relays.append(relay.notify)
+        runtime.spawn(relay.run(), "the-process-relay")
+        await add_job(runtime.db, "job-r", job_spec(group_size=4, groups_per_step=1, checkpoint_every=1))
+        updates: list[PolicyUpdate] = []
+
+        async def collect(record) -> None:
+            updates.append(PolicyUpdate.model_validate_json(record.value))
+
+        await runtime.bus.subscribe([Topics.POLICY_UPDATES], "test-gateway", collect)
+        await asyncio.sleep(0.5)  # the relay's first pass found nothing: it sleeps now
+        f = TrajectoryFactory("job-r")
+        made = f.group("g1", [1, 0, 0, 1])
+        await store_all(runtime.store, made)
+        await send_all(runtime.bus, made)
+
+        async def one_update() -> bool:
+            return len(updates) == 1
+
+        await wait_for(one_update, within=20.0, what="the policy update, sent by the woken relay")
+        assert (updates[0].job_id, updates[0].version) == ("job-r", 1)
+    finally:
+        await stop(runtime, component)
