@@ -12,8 +12,8 @@ released, so a sample finds them where they work) and its CPU clock
 (``time.pthread_getcpuclockid``), and charges the CPU it used since the last sample to
 the part its stack is in. In both, the innermost frame of a known file decides
 (``PARTS``: SQLAlchemy under the scheduler is the database, the scheduler's own code is
-the scheduler). The processes the run starts (sandboxes, zygotes, the harness's runs)
-are read from ``/proc`` through ``psutil`` every half second. Only what falls between the job's first episode and its
+the scheduler). The processes the run starts (the engine's, apart; sandboxes, zygotes, the
+harness's runs) are read from ``/proc`` through ``psutil`` every half second. Only what falls between the job's first episode and its
 last trained version counts (the window ``bench/learn.py`` calls the RL time).
 
     python bench/learn_profile.py SPEC RUNS_DIR RUN_ID OUT.json [--interval-ms 5]
@@ -60,6 +60,9 @@ PARTS: list[tuple[str, tuple[str, ...]]] = [
     ("progress display, report", ("services/embedded/", "temper/cli/")),
 ]  # fmt: skip
 IDLE = ("selectors.py", "threading.py", "queue.py")
+# The policy's engine in a child process (local.engine: process): its CPU is generation.
+ENGINE_MODULE = "services.inference_gateway.cpu_server"
+ENGINE_PART = "generation (the engine's process)"
 
 
 SHARED = ("database", "logs, metrics", "object store", "in-process bus, outbox")
@@ -169,7 +172,8 @@ class Sampler:
         self.interval_s = interval_s
         self.loop = loop
         self.ticks: list[tuple[float, dict[str, float]]] = []
-        self.children: list[tuple[float, float]] = []  # (time, cumulative CPU of every child)
+        # (time, cumulative CPU of the engine's process, of every other child)
+        self.children: list[tuple[float, float, float]] = []
         self._stop = threading.Event()
         self._clocks: dict[int, float] = {}
         self._loop_seen: dict[str, float] = {}
@@ -217,36 +221,46 @@ class Sampler:
             self.ticks.append((now, dict(used)))
             if now >= next_children:
                 next_children = now + 0.5
-                self.children.append((now, self._children_cpu(proc)))
+                self.children.append((now, *self._children_cpu(proc)))
 
     @staticmethod
-    def _children_cpu(proc: psutil.Process) -> float:
-        """CPU used so far by every process this one started: the live ones (with what
-        they reaped of their own children) and those already reaped here."""
+    def _children_cpu(proc: psutil.Process) -> tuple[float, float]:
+        """CPU used so far by the processes this one started: the engine's (``local.engine:
+        process``: the policy's generation), and every other (sandboxes, the harness's runs:
+        the live ones with what they reaped of their own children, and those reaped here)."""
         own = os.times()
-        total = own.children_user + own.children_system
+        engine, others = 0.0, own.children_user + own.children_system
         for child in proc.children(recursive=True):
             try:
                 t = child.cpu_times()
+                is_engine = ENGINE_MODULE in " ".join(child.cmdline())
             except psutil.Error:  # gone meanwhile: its parent has reaped it, or will
                 continue
-            total += t.user + t.system + t.children_user + t.children_system
-        return total
+            used = t.user + t.system + t.children_user + t.children_system
+            if is_engine:
+                engine += used
+            else:
+                others += used
+        return engine, others
 
 
 def window(
-    ticks: list[tuple[float, dict[str, float]]], children: list[tuple[float, float]], start: float, end: float
+    ticks: list[tuple[float, dict[str, float]]],
+    children: list[tuple[float, float, float]],
+    start: float,
+    end: float,
 ) -> dict[str, float]:
-    """CPU seconds by part between two unix times; ``sandbox and scoring processes`` is the
-    CPU of the child processes over the same window."""
+    """CPU seconds by part between two unix times; the engine's process and the other child
+    processes (sandboxes, scoring) over the same window."""
     total: dict[str, float] = defaultdict(float)
     for t, used in ticks:
         if start <= t <= end:
             for part, s in used.items():
                 total[part] += s
-    inside = [c for t, c in children if start <= t <= end]
+    inside = [(engine, others) for t, engine, others in children if start <= t <= end]
     if len(inside) >= 2:
-        total["sandbox and scoring processes"] = inside[-1] - inside[0]
+        total[ENGINE_PART] = inside[-1][0] - inside[0][0]
+        total["sandbox and scoring processes"] = inside[-1][1] - inside[0][1]
     return dict(total)
 
 
