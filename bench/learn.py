@@ -127,9 +127,7 @@ def temper_side(run_dir: Path) -> dict[str, Any]:
     """Batches (iterations), RL time and what was trained, from the run's database."""
     db = sqlite3.connect(run_dir / "temper.db")
     # the job that learns: an evaluation job (spec.evaluate) is not a batch of training samples
-    ((job_id,),) = db.execute(
-        "select id from jobs where json_extract(spec, '$.evaluate') is null"
-    ).fetchall()
+    ((job_id,),) = db.execute("select id from jobs where json_extract(spec, '$.evaluate') is null").fetchall()
     start = _t(db.execute("select min(created_at) from episodes where job_id = ?", (job_id,)).fetchone()[0])
     rows = db.execute(
         "select e.iteration, e.reward, max(s.completed_at) from episodes e join steps s"
@@ -385,7 +383,9 @@ def main() -> None:
         }
     )
     if args.profile:
-        for part, seconds in profile(spec, work)["cpu_s"].items():
+        profiled = profile(spec, work)
+        result["profile_rl_s"] = round(profiled["rl_s"], 1)  # the profiled run's own (the profiler slows it)
+        for part, seconds in profiled["cpu_s"].items():
             result[f"profile_cpu_s_{slug(part)}"] = round(seconds, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

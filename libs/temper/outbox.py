@@ -282,7 +282,9 @@ class OutboxRelay:
                 self._down.clear()
             if published < self.batch:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), self.idle_sleep_s if published else self.IDLE_WAIT_S)
+                    await asyncio.wait_for(
+                        self._wake.wait(), self.idle_sleep_s if published else self.IDLE_WAIT_S
+                    )
                 except TimeoutError:
                     pass
                 self._wake.clear()

@@ -74,8 +74,8 @@ async def test_the_scheduler_is_woken_when_this_processs_gateway_serves_a_new_ve
 ):
     """The staleness gate opens an iteration on the version the gateway serves; in one
     process the gateway says so through ``Runtime.version_served`` and the scheduler runs
-    then, not at its next interval (60 s here). The dispatcher takes its wake (and its relay's
-notify, ``Runtime.outbox_relays``) back when it stops."""
+    then, not at its next interval (60 s here). The dispatcher takes its wake (and its
+    relay's notify, ``Runtime.outbox_relays``) back when it stops."""
     ticks: list[float] = []
     tick = scheduler.Scheduler.tick
 
