@@ -82,6 +82,11 @@ class Runtime:
         for notify in self.outbox_relays:
             notify()
 
+    def notify_version_served(self) -> None:
+        """Tell this process's schedulers that its gateway serves a new policy version."""
+        for wake in self.version_served:
+            wake()
+
     async def start(self) -> None:
         log_settings = self.settings.log
         configure_logging(self.service, log_settings.level, log_settings.json_lines, log_settings.file)

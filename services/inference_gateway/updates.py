@@ -145,8 +145,7 @@ class PolicyUpdates:
                 error=repr(exc),
             )
             return
-        for wake in self.runtime.version_served:
-            wake()
+        self.runtime.notify_version_served()
         kept = self.unrecorded.get(job)
         if kept is not None and kept[0] <= version:
             del self.unrecorded[job]

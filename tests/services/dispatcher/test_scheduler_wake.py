@@ -95,8 +95,7 @@ async def test_the_scheduler_is_woken_when_this_processs_gateway_serves_a_new_ve
         await wait_for(first_pass, limit_s=20, what="the scheduler's first pass")
         await asyncio.sleep(0.5)
         before = len(ticks)
-        for wake in h.runtime.version_served:
-            wake()
+        h.runtime.notify_version_served()
 
         async def woken() -> bool:
             return len(ticks) > before
