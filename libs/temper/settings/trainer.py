@@ -31,6 +31,11 @@ class TrainerSettings(BaseModel):
     micro_batch_tokens: int = Field(
         8192, ge=64, description="padded tokens per forward/backward pass; gradients accumulate across passes"
     )
+    share_prompts: bool = Field(
+        True,
+        description="an RL step runs each group's shared prompt through the model once per micro-batch "
+        "(the same logprobs and gradient, less compute); off: every sample runs whole",
+    )
     memory_limit_gb: float | None = Field(
         None,
         gt=0,

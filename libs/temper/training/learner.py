@@ -77,6 +77,7 @@ from temper.training.memory import (
     model_shape,
     size,
 )
+from temper.training.prompts import can_share, prompt_micro_batches, shared_prompt_logprobs
 from temper.trajectory import Trajectory
 
 OPTIMIZER_FORMAT = "temper-adamw-v1"
@@ -191,6 +192,7 @@ class LearnerConfig:
     overlong_max_tokens: int = 0
     overlong_buffer: int = 0
     gradient_checkpointing: bool = False
+    share_prompts: bool = True  # run each group's prompt once per micro-batch (temper.training.prompts)
     memory_limit_gb: float | None = None  # default: the CUDA device's memory; none on CPU
     lora: LoraSpec | None = None  # train a LoRA adapter; None: every weight
     # the logprob canary (temper.training.canary; the spec's algorithm.mismatch)
@@ -273,6 +275,7 @@ class LearnerConfig:
             micro_batch_tokens=a.max_tokens_per_microbatch or s.micro_batch_tokens,
             bf16=s.bf16 if a.precision is None else a.precision is Precision.bf16,
             gradient_checkpointing=a.gradient_checkpointing,
+            share_prompts=s.share_prompts,
             memory_limit_gb=s.memory_limit_gb,
             lora=a.lora,
             mismatch_tolerance=a.mismatch.tolerance,
@@ -799,7 +802,11 @@ class Learner:
         acc = Accumulated()
         # the weights that sampled this version's tokens (sft data was sampled by none)
         canary = acc.canary = self.weights_at_version and not self.config.sft
-        batches = micro_batches(samples, self.config.micro_batch_tokens)
+        share = self._shares_prompts()
+        if share:
+            batches = prompt_micro_batches(samples, self.config.micro_batch_tokens)
+        else:
+            batches = micro_batches(samples, self.config.micro_batch_tokens)
         if self.loss_scale != 1.0:
             batches = self._same_count_on_every_rank(batches)
         for mb in batches:
@@ -809,7 +816,9 @@ class Learner:
             entropy: list[torch.Tensor] = []
             bonus = bool(obj.entropy_coef)
             with self._autocast():
-                if self.full_forward:  # a sharded model is called as a whole (its root gathers the head)
+                if share:
+                    logprobs = shared_prompt_logprobs(self.model, mb, b, self.pad_id, entropy, bonus)
+                elif self.full_forward:  # a sharded model is called as a whole (its root gathers the head)
                     logprobs = token_logprobs(
                         self.model, b.input_ids, b.attention_mask, b.completion_mask,
                         entropy=entropy, entropy_grad=bonus,
@@ -876,6 +885,19 @@ class Learner:
             acc.tokens += b.tokens
         acc.micro_batches = len(batches)
         return acc
+
+    def _shares_prompts(self) -> bool:
+        """Whether an RL step runs each group's prompt once (``temper.training.prompts``):
+        on one device, not under gradient checkpointing (which drops the cache it needs),
+        for a model whose decoder takes a cache."""
+        return (
+            self.config.share_prompts
+            and not self.config.sft
+            and self.world == 1
+            and not self.full_forward
+            and not self.config.gradient_checkpointing
+            and can_share(self.model)
+        )
 
     def _sft_backward(
         self, acc: Accumulated, logprobs: torch.Tensor, b: Any, entropy: torch.Tensor | None

@@ -202,13 +202,31 @@ class Decoding:
         self.pad_id = pad_id
         self.rows = rows
         dev = next(base.parameters()).device
-        ids, mask = pad_batch([r.context for r in rows], pad_id, left=True)
-        self.mask = mask.to(dev)
+        # A group's samples come with one prompt: each distinct (context, adapter) runs
+        # once and its cache is copied to the rows that share it.
+        names = self._names()
+        distinct: dict[tuple[tuple[int, ...], str], int] = {}
+        of_row = [
+            distinct.setdefault((tuple(r.context), names[i] if names else ""), len(distinct))
+            for i, r in enumerate(rows)
+        ]
+        ids, mask = pad_batch([list(c) for c, _ in distinct], pad_id, left=True)
+        mask = mask.to(dev)
         logits, self.cache = forward(
-            model, ids.to(dev), self.mask, use_cache=True, adapter_names=self._names()
+            model,
+            ids.to(dev),
+            mask,
+            use_cache=True,
+            adapter_names=[a for _, a in distinct] if names else None,
         )
+        last = logits[:, -1]
+        if len(distinct) < len(rows):
+            idx = torch.tensor(of_row, dtype=torch.long, device=dev)
+            self.cache.batch_select_indices(idx)
+            mask, last = mask.index_select(0, idx), last.index_select(0, idx)
+        self.mask = mask
         self.pos = (self.mask.sum(-1, keepdim=True) - 1).clamp(min=0)
-        self.last = logits[:, -1].float().cpu()  # sampling runs on the CPU with each row's own generator
+        self.last = last.float().cpu()  # sampling runs on the CPU with each row's own generator
 
     def _names(self) -> list[str] | None:
         return [r.adapter or BASE_ADAPTER for r in self.rows] if self.peft else None

@@ -51,6 +51,31 @@ def test_same_seed_same_tokens_alone_and_inside_a_batch(engine: ModelRunner) -> 
     assert other_seed.token_ids != alone.token_ids
 
 
+def test_a_group_sharing_a_prompt_is_prefilled_once_and_samples_as_each_would_alone(
+    engine: ModelRunner, monkeypatch
+) -> None:
+    import services.inference_gateway.cpu_server.decoding as decoding
+
+    group = [req("the same task", max_tokens=10, seed=s, temperature=1.0) for s in (1, 2, 3, 4)]
+    other = req("another task, longer", max_tokens=8, seed=9, temperature=1.0)
+    alone = [engine.generate([r])[0] for r in (*group, other)]
+    prefilled: list[int] = []
+    plain_forward = decoding.forward
+
+    def counting(model, ids, *args, **kw):  # noqa: ANN001, ANN002, ANN003
+        if kw.get("cache") is None:
+            prefilled.append(ids.shape[0])
+        return plain_forward(model, ids, *args, **kw)
+
+    monkeypatch.setattr(decoding, "forward", counting)
+    together = engine.generate([group[0], group[1], other, group[2], group[3]])
+    assert prefilled == [2], "one prefill row per distinct prompt"
+    for got, want in zip(together, [alone[0], alone[1], alone[4], alone[2], alone[3]], strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert len({tuple(o.token_ids) for o in together[:2] + together[3:]}) > 1, "the rows sampled apart"
+
+
 def test_sampled_logprobs_equal_a_forward_pass(engine: ModelRunner) -> None:
     outs = engine.generate(
         [req("abc", max_tokens=10, seed=1), req("a much longer prompt", max_tokens=10, seed=2)]
