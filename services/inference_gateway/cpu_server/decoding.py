@@ -225,6 +225,10 @@ class Decoding:
             self.cache.batch_select_indices(idx)
             mask, last = mask.index_select(0, idx), last.index_select(0, idx)
         self.mask = mask
+        # a plain growing cache under SDPA takes a boolean 4-D mask as it is (a sliding
+        # window's or eager attention's masks are the model's to build)
+        config = getattr(model, "config", None)
+        self._mask_as_is = self.can_join and getattr(config, "_attn_implementation", None) == "sdpa"
         self.pos = (self.mask.sum(-1, keepdim=True) - 1).clamp(min=0)
         self.last = last.float().cpu()  # sampling runs on the CPU with each row's own generator
 
@@ -272,8 +276,11 @@ class Decoding:
             )
             self.pos = self.pos + 1
             nxt = torch.tensor(tokens, dtype=torch.long, device=dev).unsqueeze(1)
+            # one new token a row: its mask is the row's columns, so the model need not build
+            # a [B, 1, 1, T] mask from the 2-D one at every token (a tenth of a decode step)
+            attention = self.mask[:, None, None, :].bool() if self._mask_as_is else self.mask
             logits, self.cache = forward(
-                self.model, nxt, self.mask, position_ids=self.pos, cache=self.cache, use_cache=True,
+                self.model, nxt, attention, position_ids=self.pos, cache=self.cache, use_cache=True,
                 adapter_names=self._names(),
             )  # fmt: skip
             self.last = logits[:, -1].float().cpu()
