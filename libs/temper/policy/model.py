@@ -223,7 +223,7 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
 _FORWARD_CACHE_ARG: dict[type, str] = {}
 
 
-def _cache_arg(model: torch.nn.Module) -> str:
+def cache_arg(model: torch.nn.Module) -> str:
     """``cache`` in recent transformers, ``past_key_values`` before."""
     cls = type(model)
     if cls not in _FORWARD_CACHE_ARG:
@@ -260,11 +260,11 @@ def forward(
         "use_cache": use_cache,
     }
     if cache is not None:
-        kwargs[_cache_arg(model)] = cache
+        kwargs[cache_arg(model)] = cache
     if adapter_names is not None:
         kwargs["adapter_names"] = adapter_names
     out = model(**kwargs)
-    name = "cache" if _cache_arg(model) == "cache" else "past_key_values"
+    name = cache_arg(model)
     new_cache = getattr(out, name, None)
     return out.logits.float(), new_cache
 

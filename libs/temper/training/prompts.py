@@ -16,13 +16,12 @@ such a micro-batch, in the same layout as :func:`temper.training.batch.collate`.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from temper.policy.model import position_ids_from_mask
+from temper.policy.model import cache_arg, position_ids_from_mask
 from temper.training.batch import Batch, Sample
 
 
@@ -40,55 +39,45 @@ def prompt_groups(samples: Sequence[Sample]) -> list[list[Sample]]:
     return list(groups.values())
 
 
-def _cost(parts: Sequence[Sequence[Sample]]) -> int:
-    """Padded tokens of a micro-batch of prompt groups: each prompt once, each sample's rest."""
-    prompt = max(prompt_length(p[0]) for p in parts)
-    rest = max(len(s.ids) - prompt_length(s) for p in parts for s in p)
-    return len(parts) * prompt + sum(len(p) for p in parts) * rest
-
-
 def prompt_micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[Sample]]:
-    """Whole prompt groups packed into micro-batches whose padded tokens (:func:`_cost`)
-    stay within ``token_budget``; a group that alone exceeds it is cut into parts (each
-    runs its prompt once), and a single sample over it goes alone."""
-    parts: list[list[Sample]] = []
+    """Whole prompt groups packed into micro-batches whose padded tokens (each part's
+    prompt once, each sample's own tokens) stay within ``token_budget``; a group that alone
+    exceeds it is cut into parts (each runs its prompt once), and a single sample over it
+    goes alone."""
+    parts: list[tuple[list[Sample], int, int]] = []  # samples, prompt length, longest own part
     for group in prompt_groups(samples):
-        group = sorted(group, key=lambda s: len(s.ids), reverse=True)
+        width = prompt_length(group[0])
         current: list[Sample] = []
-        for s in group:
-            if current and _cost([[*current, s]]) > token_budget:
-                parts.append(current)
-                current = []
+        rest = 0
+        for s in sorted(group, key=lambda s: len(s.ids), reverse=True):
+            own = len(s.ids) - width
+            if current and width + (len(current) + 1) * max(rest, own) > token_budget:
+                parts.append((current, width, rest))
+                current, rest = [], 0
             current.append(s)
-        parts.append(current)
-    parts.sort(key=lambda p: max(len(s.ids) for s in p), reverse=True)
+            rest = max(rest, own)
+        parts.append((current, width, rest))
+    parts.sort(key=lambda p: p[1] + p[2], reverse=True)
     out: list[list[Sample]] = []
-    batch: list[list[Sample]] = []
-    for part in parts:
-        if batch and _cost([*batch, part]) > token_budget:
-            out.append([s for p in batch for s in p])
-            batch = []
-        batch.append(part)
+    batch: list[Sample] = []
+    prompts = width = rest = 0
+    for part, w, r in parts:
+        if batch and (prompts + 1) * max(width, w) + (len(batch) + len(part)) * max(rest, r) > token_budget:
+            out.append(batch)
+            batch, prompts, width, rest = [], 0, 0, 0
+        batch += part
+        prompts += 1
+        width, rest = max(width, w), max(rest, r)
     if batch:
-        out.append([s for p in batch for s in p])
+        out.append(batch)
     return out
 
 
-_TAKES_CACHE: dict[type, bool] = {}
-
-
-def _takes_cache(decoder: torch.nn.Module) -> bool:
-    cls = type(decoder)
-    if cls not in _TAKES_CACHE:
-        _TAKES_CACHE[cls] = "cache" in inspect.signature(cls.forward).parameters
-    return _TAKES_CACHE[cls]
-
-
 def can_share(model: torch.nn.Module) -> bool:
-    """Whether ``model`` has a decoder that takes a key/value cache and a separate output layer."""
+    """Whether ``model`` has a separate decoder (which takes a key/value cache) and output layer."""
     decoder = getattr(model, "get_decoder", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
-    return decoder is not None and head is not None and _takes_cache(decoder)
+    return decoder is not None and head is not None
 
 
 def shared_prompt_logprobs(
@@ -105,12 +94,10 @@ def shared_prompt_logprobs(
     decoder: Any = getattr(model, "get_decoder")()  # noqa: B009 - a Module attribute mypy reads as a Tensor
     head: Any = getattr(model, "get_output_embeddings")()  # noqa: B009
     device = b.input_ids.device
-    keys: dict[tuple[int, ...], int] = {}
-    of_row: list[int] = []
-    for s in samples:
-        of_row.append(keys.setdefault(tuple(s.ids[: prompt_length(s)]), len(keys)))
-    prompts = list(keys)
     lengths = [prompt_length(s) for s in samples]
+    keys: dict[tuple[int, ...], int] = {}
+    of_row = [keys.setdefault(tuple(s.ids[:n]), len(keys)) for s, n in zip(samples, lengths, strict=True)]
+    prompts = list(keys)
     width = max(len(p) for p in prompts)
     rest = max(1, max(len(s.ids) - n for s, n in zip(samples, lengths, strict=True)))
     # the prompts, right-padded: run once, their keys and values then chosen per row
@@ -124,7 +111,8 @@ def shared_prompt_logprobs(
         input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids_from_mask(p_mask), use_cache=True
     )
     rows = torch.tensor(of_row, dtype=torch.long, device=device)
-    kv = first.cache
+    name = cache_arg(decoder)  # the cache's keyword, and its output's name
+    kv = getattr(first, name)
     kv.batch_select_indices(rows)
     # each row's own tokens after its prompt, at the positions they have in the sample
     s_ids = torch.full((len(samples), rest), pad_id, dtype=torch.long)
@@ -140,8 +128,8 @@ def shared_prompt_logprobs(
         input_ids=s_ids,
         attention_mask=torch.cat([p_mask[rows], s_mask], dim=1),
         position_ids=positions,
-        cache=kv,
         use_cache=True,
+        **{name: kv},
     ).last_hidden_state
     hidden = torch.cat([first.last_hidden_state.flatten(0, 1), second.flatten(0, 1)])
     am = b.attention_mask.bool()
@@ -159,7 +147,7 @@ def shared_prompt_logprobs(
     picked = logp.gather(-1, b.input_ids[:, 1:][scored].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(b.input_ids.shape, dtype=picked.dtype, device=device)
     if entropy is not None:
-        from temper.training.learner import policy_entropy
+        from temper.training.learner import policy_entropy  # here: the learner imports this module
 
         entropy.append(
             torch.zeros_like(out).index_put((index[0], index[1] + 1), policy_entropy(logp, entropy_grad))
