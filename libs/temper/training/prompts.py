@@ -5,8 +5,8 @@ first one), and on the example job the prompt is two thirds of every sample's to
 step that shares it runs the decoder on each distinct prompt once, keeps its keys and
 values, and runs each sample's own tokens (the model's and any later observations) on
 top of them: the logprobs and the gradient are the plain forward's, up to float rounding
-(``tests/libs/training/test_prompts.py`` compares both), for about half the step's CPU on
-the example (docs/training.md, Learning speed against TRL).
+(``tests/libs/training/test_prompts.py`` compares both), for about 40 % less of the step's
+CPU on the example (docs/training.md, Learning speed against TRL).
 
 :func:`prompt_micro_batches` packs whole prompt groups under the padded-token budget (a
 group too large for it is cut into parts that each run the prompt once), and
