@@ -21,6 +21,7 @@ from temper.envs.tools import (
     builtin_tools,
     call_action,
     call_id,
+    is_workspace_file,
     parse_calls,
     tool_table,
 )
@@ -112,7 +113,6 @@ _SUBMIT_LINE = re.compile(
 
 PYTHON_LANGS = frozenset({"python", "py", "python3"})
 SHELL_LANGS = frozenset({"bash", "sh", "shell", "console", "zsh"})
-SAFE_PATH = re.compile(r"^(?!/)(?!.*\.\.)[A-Za-z0-9_./-]{1,200}$")
 
 
 @dataclass(frozen=True)
@@ -450,7 +450,7 @@ class Environment(ABC):
             return ParsedAction("sandbox", command={"kind": "run_command", "command": cmd})
         if name == "write_file":
             path, content = args.get("path"), args.get("content")
-            if not isinstance(path, str) or not SAFE_PATH.match(path):
+            if not isinstance(path, str) or not is_workspace_file(path):
                 return ParsedAction.invalid('write_file needs a relative "path" inside the workspace')
             if not isinstance(content, str):
                 return ParsedAction.invalid('write_file needs a string "content"')

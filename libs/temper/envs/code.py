@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 
 from temper.envs.base import (
     PYTHON_LANGS,
-    SAFE_PATH,
     SHELL_LANGS,
     ActionFormat,
     Environment,
@@ -20,6 +19,7 @@ from temper.envs.base import (
     truncate_middle,
     wants_submit,
 )
+from temper.envs.tools import is_workspace_file
 
 CODE_TOOLS = {
     "python": '{"code": "..."} runs Python',
@@ -93,7 +93,7 @@ class CodeEnvironment(Environment):
         actionable = []
         for b in blocks:
             if b.path is not None:
-                if not SAFE_PATH.match(b.path):
+                if not is_workspace_file(b.path):
                     return ParsedAction.invalid(
                         f"cannot write {b.path!r}: use a relative path inside the workspace"
                     )

@@ -35,7 +35,18 @@ from temper import plugins
 from temper.jobspec import BUILTIN_TOOLS, BuiltinTool, ToolSpec
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-SAFE_PATH = re.compile(r"^(?!/)(?!.*\.\.)[A-Za-z0-9_./-]{1,200}$")
+_PATH_CHARS = re.compile(r"[A-Za-z0-9_./-]{1,200}")
+
+
+def is_workspace_file(path: str) -> bool:
+    """Whether a model may name ``path`` as a file to write or read: relative, inside the
+    workspace (no ``..``) and a file's name: no empty component and not ending in ``.``
+    (``.``, ``a/`` and ``a/.`` are directories; a write to one would fail only where the
+    file lands, which for a lone write is the scorer, after the episode)."""
+    if not _PATH_CHARS.fullmatch(path) or path.startswith("/") or ".." in path:
+        return False
+    parts = path.split("/")
+    return "" not in parts and parts[-1] != "."
 
 
 class ToolCallError(ValueError):
@@ -491,7 +502,7 @@ def call_action(call: ToolCall, tools: Mapping[str, ToolSpec]) -> dict[str, Any]
     if run is BuiltinTool.bash:
         return {"kind": "run_command", "command": str(a.get("command", ""))}
     path = str(a.get("path", ""))
-    if not SAFE_PATH.match(path):
+    if not is_workspace_file(path):
         raise ToolCallError(f"{call.name}: path {path!r} must be relative and inside the workspace")
     if run is BuiltinTool.write_file:
         return {"kind": "write_file", "path": path, "content": str(a.get("content", ""))}

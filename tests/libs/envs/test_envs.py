@@ -99,6 +99,11 @@ def test_submit_alone_and_the_word_in_prose():
     assert code().parse("I will submit once the tests pass.", turn=1).kind == "invalid"
 
 
+def test_a_path_through_the_current_directory_is_a_file_to_write():
+    action = code().parse(f"{FENCE}python ./src/a.py\nx = 1\n{FENCE}", turn=0)
+    assert action.command == {"kind": "write_file", "path": "./src/a.py", "content": "x = 1\n"}
+
+
 def test_extra_blocks_are_noted_not_run():
     action = code().parse(f"{FENCE}bash\nls\n{FENCE}\n{FENCE}bash\npwd\n{FENCE}", turn=0)
     assert action.command == {"kind": "run_command", "command": "ls\n"} and "first block" in (
@@ -114,6 +119,12 @@ def test_extra_blocks_are_noted_not_run():
         (f"{FENCE}\nls\n{FENCE}", "needs a language"),
         (f"{FENCE}python ../etc/passwd\nx\n{FENCE}", "relative path"),
         (f"{FENCE}python /abs.py\nx\n{FENCE}", "relative path"),
+        # directories, not files: a lone write of one would fail only in the scorer (a
+        # sampled reply of the example's warm-started policy did this)
+        (f"{FENCE}oorn .\npolnbtionoy\nfroyys(x):\n{FENCE}", "cannot write '.'"),
+        (f"{FENCE}python src/\nx\n{FENCE}", "relative path"),
+        (f"{FENCE}python src/.\nx\n{FENCE}", "relative path"),
+        (f"{FENCE}python src//a.py\nx\n{FENCE}", "relative path"),
     ],
 )
 def test_malformed_output_is_an_invalid_action_not_an_exception(text, error):
@@ -132,6 +143,8 @@ def test_tool_calls():
         '<tool>{"name": "write_file", "arguments": {"path": "a.py", "content": "x"}}</tool>', turn=0
     )
     assert w.command == {"kind": "write_file", "path": "a.py", "content": "x"}
+    dot = env.parse('<tool>{"name": "write_file", "arguments": {"path": ".", "content": "x"}}</tool>', turn=0)
+    assert dot.kind == "invalid" and "relative" in (dot.error or "")
     assert env.parse('<tool>{"name": "submit"}</tool>', turn=0).kind == "submit"
     for bad, why in [
         ("<tool>{nope}</tool>", "not valid JSON"),

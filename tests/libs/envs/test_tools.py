@@ -89,6 +89,10 @@ def test_several_calls_get_one_observation_each_and_a_submit_ends_the_turn():
             '<tool_call>{"name": "write_file", "arguments": {"path": "/etc/x", "content": ""}}</tool_call>',
             "inside",
         ),
+        (
+            '<tool_call>{"name": "write_file", "arguments": {"path": "src/", "content": ""}}</tool_call>',
+            "path 'src/' must be relative",
+        ),
         ('<tool_call>["bash"]</tool_call>', 'with a string "name"'),
     ],
 )

@@ -99,11 +99,20 @@ async def test_a_contended_fleet_admits_episodes_two_to_one_by_weight(tmp_path, 
         await h.stop()
     ratio = per_job[heavy] / per_job[light]
     assert abs(ratio - 2.0) <= 0.2, f"admitted {per_job}: {ratio:.2f}, wanted 2:1 within 10 %"
-    # the work each fleet was given follows the same shares
+    # The work each fleet was given follows the admissions exactly: a request only for an
+    # admitted episode of the job it names, and one for every episode that was scored. (A
+    # ratio of request counts would be off by the episodes in flight when the peers stopped.)
+    db = Database(DatabaseSettings(url=database_url))
+    try:
+        episodes = {job: await episodes_of(db, job) for job in (light, heavy)}
+    finally:
+        await db.dispose()
     for kind in ("inference", "sandbox"):
-        sent = Counter(m.job_id for m in h.peers.requests[kind])
-        fleet_ratio = sent[heavy] / sent[light]
-        assert abs(fleet_ratio - 2.0) <= 0.2, f"{kind} requests {dict(sent)}: {fleet_ratio:.2f}"
+        for job, rows in episodes.items():
+            sent = {m.episode_id for m in h.peers.requests[kind] if m.job_id == job}
+            assert sent <= {e.id for e in rows}, f"{kind} requests for episodes {job} never admitted"
+            scored = {e.id for e in rows if e.state == "scored"}
+            assert scored and scored <= sent, f"{kind}: scored episodes of {job} with no request"
     assert max(in_flight_seen) <= FLEET, in_flight_seen
 
 

@@ -41,7 +41,7 @@ def test_temper_run_completes_and_writes_the_report(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["state"] == "completed"
     assert [c["iteration"] for c in summary["reward_curve"]] == [0, 1]
-    assert all(c["episodes"] == 8 for c in summary["reward_curve"])
+    assert all(c["episodes"] == 8 for c in summary["reward_curve"]), (summary["reward_curve"], err[-3000:])
     assert {"first_mean_reward", "last_mean_reward"} <= summary.keys()
     # the trainer's own numbers per version (entropy measured), or why it trained nothing: 40
     # warm-start steps often leave every group at reward 0, and such groups are skipped (a
@@ -81,7 +81,7 @@ def test_temper_run_completes_and_writes_the_report(tmp_path, capsys):
     assert all(n == 6 and set(tasks.split(",")) == held for _, n, tasks in evaluated), evaluated
     assert all(b == v for b, v in behaviour), behaviour
     assert [e["version"] for e in summary["evaluations"]] == [v for v, _, _ in evaluated]
-    assert all(set(e["pass_at"]) == {"1", "2"} for e in summary["evaluations"])
+    assert all(set(e["pass_at"]) == {"1", "2"} for e in summary["evaluations"]), summary["evaluations"]
     png = (run / "reward_curve.png").read_bytes()
     assert png.startswith(b"\x89PNG")
     html = (run / "report.html").read_text()
