@@ -74,10 +74,22 @@ def lone_write(env: Environment, action: ParsedAction, turn: int) -> dict[str, s
         return None
     path = posixpath.normpath(str(command.get("path") or ""))  # as a snapshot names it
     files = {posixpath.normpath(p): text for p, text in env.setup_files().items()}
+    if _collides(path, files):
+        return None  # the sandbox's write fails and the model reads why, as with any failed write
     files[path] = str(command.get("content") or "")
     if sum(len(text.encode()) for text in files.values()) > LONE_WRITE_MAX_BYTES:
         return None
     return files
+
+
+def _collides(path: str, files: dict[str, str]) -> bool:
+    """Whether writing ``path`` over ``files`` would fail: a directory of one of them
+    (``src`` beside ``src/a.py``), or below one of them (``a.py/b``). The scorer writes a
+    lone write's files itself, and a write it cannot make is no reward, so such a write
+    takes a session, where it fails as the model's own error."""
+    parents = {posixpath.dirname(p) for p in files}
+    below = {path[:i] for i, ch in enumerate(path) if ch == "/"}
+    return any(path == d or d.startswith(path + "/") for d in parents if d) or bool(below & files.keys())
 
 
 class Turns:

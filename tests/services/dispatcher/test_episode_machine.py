@@ -429,6 +429,9 @@ async def test_a_lone_write_that_ends_the_episode_is_scored_without_a_session(tm
     scripts = {
         "write": f"{FENCE}python ./add.py\ndef add(a, b):\n    return a + b\n{FENCE}",
         "command": f"{FENCE}bash\nls\n{FENCE}",
+        # below a starting file: the scorer could not write it (the sandbox's write fails
+        # and says so; without a session the episode would fail in scoring)
+        "collide": f"{FENCE}python add.py/x.py\nx = 1\n{FENCE}",
     }
     h = await start_harness(
         tmp_path, database_url, peers={"script": lambda r: scripts[r.job_id.split("-")[0]]}
@@ -447,10 +450,11 @@ async def test_a_lone_write_that_ends_the_episode_is_scored_without_a_session(tm
         }
         write = await submit_job(h.db, job_spec(**one_turn), job_id="write-1")
         command = await submit_job(h.db, job_spec(**one_turn), job_id="command-1")
+        collide = await submit_job(h.db, job_spec(**one_turn), job_id="collide-1")
         two_turns = await submit_job(
             h.db, job_spec(**{**one_turn, "environment__max_turns": 2}), job_id="write-2"
         )
-        for job in (write, command, two_turns):
+        for job in (write, command, two_turns, collide):
             await wait_for(lambda job=job: _is(h.db, job, "completed"), what=f"{job} completed")
         by_job = {m.job_id: m for m in h.peers.requests["reward"] if m.job_id != two_turns}
         assert by_job[write].submission["files"] == {
@@ -462,7 +466,10 @@ async def test_a_lone_write_that_ends_the_episode_is_scored_without_a_session(tm
         assert ep.timings.get("scored_without_session") is True
         assert [(s.turn, s.kind) for s in await steps_of(h.db, ep.id)] == [(0, "inference"), (0, "reward")]
         sandboxed = {m.job_id for m in h.peers.requests["sandbox"]}
-        assert sandboxed == {command, two_turns}, "a command, and a write with turns left, run in a session"
+        assert sandboxed == {command, two_turns, collide}, (
+            "a command, a write with turns left or one the scorer cannot make, run in a session"
+        )
+        assert [e.state for e in await episodes_of(h.db, collide)] == ["scored"]
         assert "files" not in by_job[command].submission
     finally:
         await h.stop()
