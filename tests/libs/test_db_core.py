@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import Table, bindparam, select
+from sqlalchemy import Table, bindparam, event, select
 
 from temper.db import Database, Episode, Job, OutboxRow, Step, Tenant, rows
 from temper.db.core import DriverTx, SessionTx, one_of
@@ -116,6 +116,12 @@ async def test_outbox_rows_get_ascending_ids_in_order(database: Database) -> Non
     assert isinstance(table, Table)
     names = frozenset({"topic", "key", "payload", "created_at", "claimed_until"})
     now = datetime.now(UTC)
+    inserts: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:  # noqa: ANN001
+        inserts.extend([statement] if statement.startswith("INSERT") else [])
+
+    event.listen(database.engine.sync_engine, "before_cursor_execute", count)
     async with database.core() as tx:
         ids = await tx.insert_many(
             table,
@@ -134,6 +140,8 @@ async def test_outbox_rows_get_ascending_ids_in_order(database: Database) -> Non
     async with database.session() as s:
         found = {r.id: (r.topic, r.payload) for r in (await s.execute(select(OutboxRow))).scalars()}
     assert [found[i] for (i,) in ids] == [(f"t{i}", bytes([i])) for i in range(5)]
+    # one statement for the five rows where SQLAlchemy runs it (asyncpg's are not counted)
+    assert len(inserts) == (0 if isinstance(tx, DriverTx) else 1), inserts
 
 
 @pytest.mark.postgres

@@ -78,7 +78,7 @@ def _auto_key(table: Table, names: frozenset[str]) -> list[Any]:
 class SessionTx(CoreTx):
     """Core statements through SQLAlchemy, on a session's (or a connection's) transaction."""
 
-    _INSERTS: dict[tuple[str, frozenset[str]], Any] = {}
+    _INSERTS: dict[tuple[str, frozenset[str], bool], Any] = {}
 
     def __init__(self, conn: AsyncConnection, info: dict[str, Any]) -> None:
         self.conn = conn
@@ -101,16 +101,24 @@ class SessionTx(CoreTx):
     async def insert_many(
         self, table: Table, names: frozenset[str], values: list[dict[str, Any]]
     ) -> list[Row]:
-        key = (table.name, names)
+        # SQLAlchemy's sort_by_parameter_order runs one INSERT a row on SQLite. SQLite gives
+        # each new row an integer key one above the largest, in VALUES order (Postgres's
+        # sequence does the same: the driver path sorts too), so there the sorted keys of
+        # one multi-row INSERT are the parameters' order.
+        sqlite = self.dialect == "sqlite"
+        key = (table.name, names, sqlite)
         stmt = self._INSERTS.get(key)
         if stmt is None:
             auto = _auto_key(table, names)
             stmt = insert(table)
             if auto:
-                stmt = stmt.returning(*auto, sort_by_parameter_order=True)
+                stmt = stmt.returning(*auto, sort_by_parameter_order=not sqlite)
             self._INSERTS[key] = stmt
         result = await self.conn.execute(stmt, values)
-        return [tuple(r) for r in result] if stmt._returning else []  # noqa: SLF001 - built here
+        if not stmt._returning:  # noqa: SLF001 - built here
+            return []
+        found = [tuple(r) for r in result]
+        return sorted(found) if sqlite else found
 
 
 # --- Postgres: the statements on asyncpg ---------------------------------------------------------
