@@ -12,7 +12,11 @@ from temper.settings import BusKind, Settings, StorageKind
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_embedded_is_the_default_and_picks_local_parts():
+def test_embedded_is_the_default_and_picks_local_parts(monkeypatch):
+    import os
+
+    for name in [n for n in os.environ if n.startswith("TEMPER_")]:  # a shell that sourced .stack/env
+        monkeypatch.delenv(name)
     s = Settings()
     assert (s.bus.kind, s.storage.kind) == (BusKind.inprocess, StorageKind.local)
     assert s.db.is_sqlite
