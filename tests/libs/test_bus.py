@@ -310,6 +310,65 @@ async def test_kafka_offers_a_batch_the_first_record_of_each_key_and_the_rest_go
 
 
 @pytest.mark.kafka
+async def test_kafka_workers_go_on_while_a_commit_is_in_flight_and_a_member_hands_over_what_it_handled(
+    kafka_bootstrap, unique: str
+):
+    """One committer commits every partition's handled offsets in one request; no worker
+    waits for it. A member that loses partitions commits what it handled before they go."""
+    bus = KafkaBus(bootstrap=kafka_bootstrap, partitions=3)
+    await bus.start()
+    topic, group = f"t-commit-{unique}", f"g-{unique}"
+    await bus.create_topics([topic], partitions=3)
+    first: list[tuple[int, bytes]] = []
+    second: list[tuple[int, bytes]] = []
+
+    async def handle_first(record: Record) -> None:
+        first.append((record.partition, record.value))
+
+    async def handle_second(record: Record) -> None:
+        second.append((record.partition, record.value))
+
+    try:
+        member = await bus.subscribe([topic], group, handle_first)
+        inner = member._consumer  # type: ignore[attr-defined]
+        real_commit = inner.commit
+        gate = asyncio.Event()
+        requests: list[dict[int, int]] = []
+
+        async def commit(offsets) -> None:  # noqa: ANN001 - aiokafka's offsets
+            requests.append({tp.partition: meta.offset for tp, meta in offsets.items()})
+            if len(requests) == 1:
+                await gate.wait()  # the broker is slow to answer the first commit
+            await real_commit(offsets)
+
+        inner.commit = commit
+        await bus.send(topic, b"first", key="k-first")
+        await wait_for(lambda: len(requests) == 1)
+        for i in range(30):
+            await bus.send(topic, str(i).encode(), key=f"k{i}")
+        await wait_for(lambda: len(first) == 31)  # handled while the first commit waits
+        assert len(requests) == 1, "no worker commits on its own"
+        ends = {p: sum(1 for q, _ in first if q == p) for p in {q for q, _ in first}}
+        assert len(ends) == 3, "the keys cover the three partitions"
+
+        # A second member joins: the first loses partitions, with the first commit still stuck.
+        await bus.subscribe([topic], group, handle_second)
+        await asyncio.sleep(1)
+        gate.set()
+        await wait_for(lambda: requests[-1] == ends)
+        assert len(requests) == 2, "the next commit took every partition's batches in one request"
+        for i in range(30, 60):
+            await bus.send(topic, str(i).encode(), key=f"k{i}")
+        await wait_for(lambda: len(first) + len(second) == 61)
+        await asyncio.sleep(0.5)
+        assert second, "the second member got partitions"
+        values = sorted(int(v) for _, v in first + second if v != b"first")
+        assert values == list(range(60)), "every message handled once: none again after the handover"
+    finally:
+        await bus.stop()
+
+
+@pytest.mark.kafka
 async def test_kafka_namespaces_keep_deployments_on_one_cluster_apart(kafka_bootstrap, unique: str):
     staging = KafkaBus(
         bootstrap=kafka_bootstrap,

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -193,7 +194,10 @@ class KafkaConsumer(Consumer):
     slow record holds back its own partition and nothing else. Within a batch, records
     of one key are handled in order and records of different keys side by side, up to
     ``concurrency`` at once over all partitions (with ``concurrency`` 1, strictly in
-    partition order). A worker commits after each batch it handled. A partition whose
+    partition order). A worker notes each batch it handled and goes on to the next; one
+    committer task commits what the workers noted, every partition in one request (while a
+    commit is in flight, later batches wait for the next one), so a busy partition never
+    waits on the broker and the broker sees one commit for many batches. A partition whose
     worker falls ``MAX_QUEUED_BATCHES`` behind is paused at the broker until it catches up.
 
     With a ``batch_handler``, a fetched batch's first record of each key (when there are
@@ -223,6 +227,10 @@ class KafkaConsumer(Consumer):
         self._paused = False
         self._task: asyncio.Task[None] | None = None
         self._workers: dict[TopicPartition, _PartitionWorker] = {}
+        self._uncommitted: dict[TopicPartition, int] = {}  # handled up to here, not committed yet
+        self._commit_wanted = asyncio.Event()
+        self._commit_lock = asyncio.Lock()
+        self._committer: asyncio.Task[None] | None = None
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=bus.bootstrap,
             group_id=bus.broker_name(group),
@@ -243,6 +251,7 @@ class KafkaConsumer(Consumer):
             raise self.bus._unavailable(exc) from None
         self._consumer.subscribe([self.bus.broker_name(t) for t in self.topics], listener=_Revoke(self))
         self._task = asyncio.create_task(self._run(), name=f"kafka-consumer-{self.group}")
+        self._committer = asyncio.create_task(self._commit_loop(), name=f"kafka-committer-{self.group}")
 
     def pause(self) -> None:
         self._paused = True
@@ -287,9 +296,8 @@ class KafkaConsumer(Consumer):
                     self._consumer.pause(tp)
 
     async def _handle(self, worker: _PartitionWorker, records: list[ConsumerRecord]) -> None:
-        """Handle a partition's batch, then commit once: a crash before the commit
-        redelivers the batch (handlers are idempotent), and one commit per batch instead
-        of per record keeps a busy partition from waiting on the broker.
+        """Handle a partition's batch, then note it for the committer: a crash before the
+        commit redelivers the batch (handlers are idempotent).
 
         Records of one key are handled in order; with ``concurrency`` above 1, records of
         different keys in the batch are handled at the same time."""
@@ -340,7 +348,8 @@ class KafkaConsumer(Consumer):
                 await asyncio.sleep(1)
         done = records[-1].offset + 1 if unhandled is None else unhandled
         if done > records[0].offset:
-            await self._commit(tp, done)
+            self._uncommitted[tp] = max(done, self._uncommitted.get(tp, 0))
+            self._commit_wanted.set()
         # Undo a backlog pause (never the pause() of the subscriber).
         if not self._paused and not self._backlogged(tp) and tp in self._consumer.assignment():
             self._consumer.resume(tp)
@@ -384,9 +393,30 @@ class KafkaConsumer(Consumer):
         handled.update(rec.offset for rec in first)
         return rest
 
-    async def _commit(self, tp: TopicPartition, offset: int) -> None:
+    async def _commit_loop(self) -> None:
+        while True:
+            await self._commit_wanted.wait()
+            self._commit_wanted.clear()
+            try:
+                await self._commit()
+            except Exception as exc:  # noqa: BLE001 - the committer must outlive one bad commit
+                log_event(log, "commit failed", logging.WARNING, group=self.group, error=repr(exc))
+
+    async def _commit(self, partitions: Iterable[TopicPartition] | None = None) -> None:
+        """Commit what was handled, of ``partitions`` (default: every partition), in one request."""
+        async with self._commit_lock:
+            wanted = list(self._uncommitted) if partitions is None else partitions
+            offsets = {tp: self._uncommitted[tp] for tp in wanted if tp in self._uncommitted}
+            if offsets and await self._commit_offsets(offsets):
+                for tp, offset in offsets.items():
+                    if self._uncommitted.get(tp) == offset:  # not handled further meanwhile
+                        del self._uncommitted[tp]
+
+    async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> bool:
+        """False where the offsets are to be committed again (the broker did not take them)."""
+        names = sorted({self.bus.plain_name(tp.topic) for tp in offsets})
         try:
-            await self._consumer.commit({tp: OffsetAndMetadata(offset, "")})
+            await self._consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in offsets.items()})
         except CommitFailedError as exc:
             # The partition moved to another member during a rebalance: it redelivers from
             # the last commit, which is at-least-once.
@@ -394,22 +424,24 @@ class KafkaConsumer(Consumer):
                 log,
                 "commit refused after rebalance",
                 logging.WARNING,
-                topic=self.bus.plain_name(tp.topic),
+                topic=",".join(names),
                 error=str(exc),
             )
-            return
+            return True
         except KafkaError as exc:
-            # Commits are cumulative: the next batch's commit covers this one.
+            # Kept: the next commit (of any partition's batch) takes them again.
             log_event(
                 log,
                 "commit failed",
                 logging.WARNING,
-                topic=self.bus.plain_name(tp.topic),
+                topic=",".join(names),
                 group=self.group,
                 error=repr(exc),
             )
-            return
-        self._update_lag(tp, offset)
+            return False
+        for tp, offset in offsets.items():
+            self._update_lag(tp, offset)
+        return True
 
     def _rewind(self, worker: _PartitionWorker, offset: int) -> None:
         """Fetch the partition again from ``offset``; what was queued after it is dropped."""
@@ -425,12 +457,18 @@ class KafkaConsumer(Consumer):
             )
 
     async def _stop_workers(self, partitions: Iterable[TopicPartition]) -> None:
-        """Let each worker finish (and commit) the record in hand; drop what is queued."""
-        workers = [self._workers.pop(tp) for tp in list(partitions) if tp in self._workers]
+        """Let each worker finish the record in hand and commit what they handled (the
+        partitions' next owner starts there); drop what is queued."""
+        partitions = list(partitions)
+        workers = [self._workers.pop(tp) for tp in partitions if tp in self._workers]
         await asyncio.gather(*(w.finish() for w in workers))
+        await self._commit(partitions)
+        for tp in partitions:  # not committed (the broker refused): the next owner redelivers
+            self._uncommitted.pop(tp, None)
 
     async def stop(self) -> None:
-        """Leave the group; a record being handled now is not committed and goes to another member."""
+        """Leave the group; a record being handled now is not committed and goes to another
+        member (what was handled is committed, if the broker answers within a second)."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -441,6 +479,14 @@ class KafkaConsumer(Consumer):
         for worker in list(self._workers.values()):
             await worker.cancel()
         self._workers.clear()
+        if self._committer is not None:
+            self._committer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._committer
+            self._committer = None
+        with contextlib.suppress(TimeoutError, KafkaError, OSError):
+            await asyncio.wait_for(self._commit(), 1.0)
+        self._uncommitted.clear()  # the broker did not answer: the next owner redelivers
         await self._consumer.stop()
         if self in self.bus._consumers:
             self.bus._consumers.remove(self)
