@@ -405,6 +405,9 @@ class KafkaConsumer(Consumer):
     async def _commit(self, partitions: Iterable[TopicPartition] | None = None) -> None:
         """Commit what was handled, of ``partitions`` (default: every partition), in one request."""
         async with self._commit_lock:
+            assigned = self._consumer.assignment()
+            for tp in [tp for tp in self._uncommitted if tp not in assigned]:
+                del self._uncommitted[tp]  # gone without a revocation: its next owner redelivers
             wanted = list(self._uncommitted) if partitions is None else partitions
             offsets = {tp: self._uncommitted[tp] for tp in wanted if tp in self._uncommitted}
             if offsets and await self._commit_offsets(offsets):
