@@ -417,7 +417,6 @@ class KafkaConsumer(Consumer):
 
     async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> bool:
         """False where the offsets are to be committed again (the broker did not take them)."""
-        names = sorted({self.bus.plain_name(tp.topic) for tp in offsets})
         try:
             await self._consumer.commit({tp: OffsetAndMetadata(offset, "") for tp, offset in offsets.items()})
         except CommitFailedError as exc:
@@ -427,7 +426,7 @@ class KafkaConsumer(Consumer):
                 log,
                 "commit refused after rebalance",
                 logging.WARNING,
-                topic=",".join(names),
+                topic=self._topic_names(offsets),
                 error=str(exc),
             )
             return True
@@ -437,7 +436,7 @@ class KafkaConsumer(Consumer):
                 log,
                 "commit failed",
                 logging.WARNING,
-                topic=",".join(names),
+                topic=self._topic_names(offsets),
                 group=self.group,
                 error=repr(exc),
             )
@@ -445,6 +444,9 @@ class KafkaConsumer(Consumer):
         for tp, offset in offsets.items():
             self._update_lag(tp, offset)
         return True
+
+    def _topic_names(self, offsets: dict[TopicPartition, int]) -> str:
+        return ",".join(sorted({self.bus.plain_name(tp.topic) for tp in offsets}))
 
     def _rewind(self, worker: _PartitionWorker, offset: int) -> None:
         """Fetch the partition again from ``offset``; what was queued after it is dropped."""
