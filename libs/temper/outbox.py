@@ -85,6 +85,17 @@ async def _insert_claimed(tx: CoreTx, rows: list[OutboxRow], until: datetime) ->
         row.claimed_until = until
 
 
+def _stage_claimed(tx: CoreTx, rows: list[OutboxRow], until: datetime) -> None:
+    """Stage ``rows`` claimed by this relay until ``until``, to be written with the
+    transaction's other rows (``temper.db.rows.write`` inserts them in one statement, in
+    the order they were enqueued, so the sweep's id order is the enqueue order)."""
+    created = utcnow()
+    for row in rows:
+        row.created_at = created
+        row.claimed_until = until
+    rows_of_db.stage(tx, *rows)
+
+
 class OutboxRelay:
     # After a pass that found nothing, the sweep waits this long unless notify() wakes it.
     IDLE_WAIT_S = 0.25
@@ -141,19 +152,19 @@ class OutboxRelay:
 
     @asynccontextmanager
     async def core(self) -> AsyncIterator[CoreTx]:
-        """:meth:`transaction` for Core statements only (``Database.core``)."""
-        ids: set[int] = set()
-        try:
-            async with self.db.core() as tx:
-                tx.info[_RELAYED] = True
-                yield tx
-                rows: list[OutboxRow] = tx.info.pop(_ROWS, [])
-                if rows:
-                    ids = await self._claim(tx, rows)
-        except BaseException:
-            self._claimed -= ids
-            raise
+        """:meth:`transaction` for Core statements only (``Database.core``). Its rows are
+        staged claimed, so they are written with the transaction's other rows (on Postgres
+        in the same statement); the sweep cannot see them before the commit, and after it
+        their claim keeps it off them."""
+        async with self.db.core() as tx:
+            tx.info[_RELAYED] = True
+            yield tx
+            rows: list[OutboxRow] = tx.info.pop(_ROWS, [])
+            if rows:
+                _stage_claimed(tx, rows, utcnow() + timedelta(seconds=self.claim_s))
         if rows:
+            ids = {r.id for r in rows}
+            self._claimed |= ids
             await self._publish_committed(rows, ids)
 
     async def _claim(self, tx: CoreTx, rows: list[OutboxRow]) -> set[int]:

@@ -144,6 +144,75 @@ async def test_outbox_rows_get_ascending_ids_in_order(database: Database) -> Non
     assert len(inserts) == (0 if isinstance(tx, DriverTx) else 1), inserts
 
 
+async def test_a_transactions_writes_go_together_and_read_back_right(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inserts into two tables and updates of two tables (one of them in two sets of
+    columns) from one ``rows.write``: on Postgres one statement, whose keys come back to
+    the right rows in their order; every value reads back as written, the episode's
+    onupdate included, and columns nobody set are left alone."""
+    import asyncpg
+
+    await _seed(database)
+    async with database.core() as tx:
+        old = [
+            new_step(episode_id="e", turn=t, kind="inference", request={"t": t}, lease_expires_at=None)
+            for t in range(2)
+        ]
+        await rows.write(tx, old)
+    async with database.session() as s:
+        before = (await s.get(Episode, "e")).updated_at  # type: ignore[union-attr]
+    sent: list[str] = []
+    for name in ("fetch", "execute", "executemany"):
+        original = getattr(asyncpg.Connection, name)
+
+        def counted(self, query, *args, _original=original, **kwargs):  # noqa: ANN001, ANN202
+            sent.append(query)
+            return _original(self, query, *args, **kwargs)
+
+        monkeypatch.setattr(asyncpg.Connection, name, counted)
+    now = datetime.now(UTC)
+    async with database.core() as tx:
+        ((*values,),) = await tx.rows(_EPISODE, {"id": "e"})
+        ep = rows.loaded(Episode, dict(zip(rows.columns(Episode), values, strict=True)))
+        got = await tx.rows(_STEPS_OF, {"episode_id": "e"})
+        first, second = (rows.loaded(Step, dict(zip(rows.columns(Step), r, strict=True))) for r in got)
+        ep.turn, ep.rewards = 3, {"x": {"value": 0.5}}
+        first.result, first.state = {"text": "done"}, "done"  # two sets of columns on one table
+        second.attempt = 2
+        made = [
+            new_step(episode_id="e", turn=t, kind="sandbox", request={"n": t}, lease_expires_at=now)
+            for t in (7, 8, 9)
+        ]
+        out = [
+            rows.new(OutboxRow, topic=f"t{i}", key="k", payload=bytes([i]), created_at=now) for i in range(4)
+        ]
+        sent.clear()
+        await rows.write(tx, [ep, first, *made, *out, second])
+        writes = list(sent)
+    if not database.is_sqlite:
+        assert len(writes) == 1 and writes[0].startswith("WITH "), writes
+    assert [s.id for s in made] == sorted(s.id for s in made) and made[0].id > old[1].id
+    assert [o.id for o in out] == sorted(o.id for o in out)
+    async with database.session() as s:
+        back = {r.id: r for r in (await s.execute(select(Step))).scalars()}
+        assert [(back[m.id].turn, back[m.id].request, back[m.id].lease_expires_at) for m in made] == [
+            (t, {"n": t}, now) for t in (7, 8, 9)
+        ]
+        assert (back[first.id].result, back[first.id].state, back[first.id].attempt) == (
+            {"text": "done"},
+            "done",
+            0,
+        )
+        assert (back[second.id].result, back[second.id].state, back[second.id].attempt) == (None, "leased", 2)
+        boxed = {r.id: (r.topic, r.payload) for r in (await s.execute(select(OutboxRow))).scalars()}
+        assert [boxed[o.id] for o in out] == [(f"t{i}", bytes([i])) for i in range(4)]
+        after = await s.get(Episode, "e")
+        assert after is not None
+        assert (after.turn, after.rewards, after.state) == (3, {"x": {"value": 0.5}}, "acting")
+        assert after.updated_at > before
+
+
 @pytest.mark.postgres
 async def test_the_driver_refuses_an_expanding_in(postgres_database_url: str) -> None:
     import asyncio

@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import asyncpg
-from sqlalchemy import Table, insert, or_
+from sqlalchemy import Table, bindparam, insert, or_, update
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.sql import ClauseElement, ColumnElement
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.dml import Update
 
 from temper.db import jsontext
 
@@ -63,6 +64,41 @@ class CoreTx:
         statement; returns each row's autoincrement primary key, in the order of
         ``values``, when the table has one the rows lack (else an empty list)."""
         raise NotImplementedError
+
+    async def write_many(self, inserts: Sequence[Rows], updates: Sequence[Rows]) -> list[list[Row]]:
+        """Insert the rows of ``inserts`` (as :meth:`insert_many`, in the order given) and
+        update those of ``updates`` (each row holds its table's primary key and the
+        columns ``names``, which it sets); returns each insert's keys. Here a statement per
+        table and set of columns; on the driver all of them are one statement."""
+        keys = [await self.insert_many(table, names, values) for table, names, values in inserts]
+        for table, names, values in updates:
+            (pk,) = table.primary_key.columns
+            await self.run(
+                update_of(table, names),
+                [{"row_pk": v[pk.key], **{f"set_{n}": v[n] for n in names}} for v in values],
+            )
+        return keys
+
+
+# A table, a set of column keys, and rows holding them (``CoreTx.write_many``).
+Rows = tuple[Table, frozenset[str], list[dict[str, Any]]]
+_UPDATES: dict[tuple[str, frozenset[str]], Update] = {}
+
+
+def update_of(table: Table, names: frozenset[str]) -> Update:
+    """``UPDATE table SET <names> WHERE <primary key> = :row_pk``, built once per set
+    (its values bound as ``set_<name>``)."""
+    key = (table.name, names)
+    stmt = _UPDATES.get(key)
+    if stmt is None:
+        (pk,) = table.primary_key.columns
+        stmt = (
+            update(table)
+            .where(pk == bindparam("row_pk"))
+            .values({table.c[c]: bindparam(f"set_{c}", type_=table.c[c].type) for c in sorted(names)})
+        )
+        _UPDATES[key] = stmt
+    return stmt
 
 
 def one_of(column: ColumnElement[Any], values: Sequence[Any]) -> ColumnElement[bool]:
@@ -214,11 +250,19 @@ def _compile(stmt: Executable, compiled: SQLCompiler, dialect: Dialect, oids: Se
 
 
 @dataclass(frozen=True)
-class _BulkInsert:
-    """``INSERT INTO t (cols) SELECT ... FROM unnest($1::type[], ...)``: one statement for
-    any number of rows, RETURNING the autoincrement key in the rows' order (the rows are
-    inserted in the order of ``WITH ORDINALITY``, so the sequence hands out ascending keys
-    in that order, which is how SQLAlchemy's own ``sort_by_parameter_order`` sorts them)."""
+class _BulkPart:
+    """One table's rows as arrays, one per column, numbered from ``$first``:
+
+    - an insert, ``INSERT INTO t (cols) SELECT ... FROM unnest($1::type[], ...) WITH
+      ORDINALITY ... ORDER BY n``, RETURNING the autoincrement key in the rows' order (the
+      rows are inserted in the order of ``WITH ORDINALITY``, so the sequence hands out
+      ascending keys in that order, which is how SQLAlchemy's own
+      ``sort_by_parameter_order`` sorts them);
+    - an update, ``UPDATE t SET c = u.c ... FROM unnest($1::pk_type[], ...) AS u WHERE
+      t.pk = u.pk``: each row's columns set by its primary key.
+
+    Columns the rows lack that have a Python-side default (``default=`` for an insert,
+    ``onupdate=`` for an update) are filled in as SQLAlchemy fills them."""
 
     sql: str
     columns: tuple[str, ...]  # the value columns, in array order
@@ -226,32 +270,89 @@ class _BulkInsert:
     binds: tuple[Processor, ...]
     returning: bool
 
+    def arrays(self, values: list[dict[str, Any]]) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        for column, process in zip(self.columns, self.binds, strict=True):
+            default = self.defaults.get(column)
+            column_values = [v[column] for v in values] if default is None else [default() for _ in values]
+            out.append([process(x) for x in column_values] if process is not None else column_values)
+        return out
 
-def _bulk_insert(table: Table, names: frozenset[str], dialect: Dialect) -> _BulkInsert:
-    auto = _auto_key(table, names)
-    columns: list[str] = []
+
+def _bulk_part(
+    table: Table, names: frozenset[str], dialect: Dialect, *, insert: bool, first: int = 1
+) -> _BulkPart:
+    auto = _auto_key(table, names) if insert else []
+    pk = None if insert else next(iter(table.primary_key.columns))
+    columns: list[str] = [] if pk is None else [pk.key]  # an update finds its rows by the first array
     defaults: dict[str, Callable[[], Any]] = {}
     for column in table.columns:
+        default = column.default if insert else column.onupdate
+        if column is pk:
+            continue
         if column.key in names:
             columns.append(column.key)
-        elif column in auto or column.default is None:
+        elif column in auto or default is None:
             continue
-        else:  # filled in from its Python-side default, as SQLAlchemy's INSERT does
+        else:  # filled in from its Python-side default, as SQLAlchemy's INSERT and UPDATE do
             columns.append(column.key)
-            defaults[column.key] = _default_of(column, onupdate=False)
+            defaults[column.key] = _default_of(column, onupdate=not insert)
+    q = dialect.identifier_preparer
     arrays = ", ".join(
-        f"${i + 1}::{table.c[c].type.compile(dialect=dialect)}[]" for i, c in enumerate(columns)
+        f"${first + i}::{table.c[c].type.compile(dialect=dialect)}[]" for i, c in enumerate(columns)
     )
-    quoted = ", ".join(dialect.identifier_preparer.quote(table.c[c].name) for c in columns)
-    aliases = ", ".join(f"c{i}" for i in range(len(columns)))
-    sql = (
-        f"INSERT INTO {dialect.identifier_preparer.format_table(table)} ({quoted}) "
-        f"SELECT {aliases} FROM unnest({arrays}) WITH ORDINALITY AS u({aliases}, n) ORDER BY n"
-    )
-    if auto:
-        sql += " RETURNING " + ", ".join(dialect.identifier_preparer.quote(c.name) for c in auto)
+    aliases = [f"c{i}" for i in range(len(columns))]
+    target = q.format_table(table)
+    if insert:
+        quoted = ", ".join(q.quote(table.c[c].name) for c in columns)
+        sql = (
+            f"INSERT INTO {target} ({quoted}) SELECT {', '.join(aliases)} "
+            f"FROM unnest({arrays}) WITH ORDINALITY AS u({', '.join(aliases)}, n) ORDER BY n"
+        )
+        if auto:
+            sql += " RETURNING " + ", ".join(q.quote(c.name) for c in auto)
+    else:
+        assert pk is not None
+        sets = ", ".join(
+            f"{q.quote(table.c[c].name)} = u.{a}" for c, a in zip(columns[1:], aliases[1:], strict=True)
+        )
+        sql = (
+            f"UPDATE {target} SET {sets} FROM unnest({arrays}) AS u({', '.join(aliases)}) "
+            f"WHERE {target}.{q.quote(pk.name)} = u.c0"
+        )
     binds = tuple(table.c[c].type.dialect_impl(dialect).bind_processor(dialect) for c in columns)
-    return _BulkInsert(sql, tuple(columns), defaults, binds, bool(auto))
+    return _BulkPart(sql, tuple(columns), defaults, binds, bool(auto))
+
+
+@dataclass(frozen=True)
+class _Combined:
+    """Several bulk parts as one statement: each a data-modifying ``WITH`` query, which
+    Postgres runs once and to completion whether or not the main query reads it; the main
+    query gives the inserted keys, each tagged with its insert. One round trip for every
+    write of a transaction (``CoreTx.write_many``)."""
+
+    sql: str
+    inserts: tuple[_BulkPart, ...]
+    updates: tuple[_BulkPart, ...]
+
+
+def _combined(
+    inserts: Sequence[tuple[Table, frozenset[str]]],
+    updates: Sequence[tuple[Table, frozenset[str]]],
+    dialect: Dialect,
+) -> _Combined:
+    parts: list[str] = []
+    built: list[list[_BulkPart]] = [[], []]
+    first = 1
+    for kind, group in enumerate((inserts, updates)):
+        for table, names in group:
+            part = _bulk_part(table, names, dialect, insert=kind == 0, first=first)
+            first += len(part.columns)
+            built[kind].append(part)
+            parts.append(f"w{len(parts)} AS ({part.sql})")
+    keyed = [f"SELECT {i}, * FROM w{i}" for i, part in enumerate(built[0]) if part.returning]
+    main = " UNION ALL ".join(keyed) if keyed else "SELECT 0 WHERE false"
+    return _Combined(f"WITH {', '.join(parts)} {main}", tuple(built[0]), tuple(built[1]))
 
 
 class Statements:
@@ -261,7 +362,8 @@ class Statements:
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
         self._compiled: dict[int, _Compiled] = {}
-        self._inserts: dict[tuple[str, frozenset[str]], _BulkInsert] = {}
+        self._inserts: dict[tuple[str, frozenset[str]], _BulkPart] = {}
+        self._combined: dict[tuple[tuple[tuple[str, frozenset[str]], ...], ...], _Combined] = {}
 
     async def compiled(self, stmt: Executable, conn: asyncpg.Connection) -> _Compiled:
         found = self._compiled.get(id(stmt))
@@ -275,11 +377,20 @@ class Statements:
             found = self._compiled[id(stmt)] = _compile(stmt, compiled, self.dialect, oids)
         return found
 
-    def bulk_insert(self, table: Table, names: frozenset[str]) -> _BulkInsert:
+    def bulk_insert(self, table: Table, names: frozenset[str]) -> _BulkPart:
         key = (table.name, names)
         found = self._inserts.get(key)
         if found is None:
-            found = self._inserts[key] = _bulk_insert(table, names, self.dialect)
+            found = self._inserts[key] = _bulk_part(table, names, self.dialect, insert=True)
+        return found
+
+    def combined(self, inserts: Sequence[Rows], updates: Sequence[Rows]) -> _Combined:
+        key = (tuple((t.name, n) for t, n, _ in inserts), tuple((t.name, n) for t, n, _ in updates))
+        found = self._combined.get(key)
+        if found is None:
+            found = self._combined[key] = _combined(
+                [(t, n) for t, n, _ in inserts], [(t, n) for t, n, _ in updates], self.dialect
+            )
         return found
 
 
@@ -307,15 +418,24 @@ class DriverTx(CoreTx):
         self, table: Table, names: frozenset[str], values: list[dict[str, Any]]
     ) -> list[Row]:
         bulk = self.statements.bulk_insert(table, names)
-        arrays: list[list[Any]] = []
-        for column, process in zip(bulk.columns, bulk.binds, strict=True):
-            default = bulk.defaults.get(column)
-            column_values = [v[column] if default is None else default() for v in values]
-            arrays.append([process(x) for x in column_values] if process is not None else column_values)
         if not bulk.returning:
-            await self.conn.execute(bulk.sql, *arrays)
+            await self.conn.execute(bulk.sql, *bulk.arrays(values))
             return []
-        return sorted(tuple(r) for r in await self.conn.fetch(bulk.sql, *arrays))
+        return sorted(tuple(r) for r in await self.conn.fetch(bulk.sql, *bulk.arrays(values)))
+
+    async def write_many(self, inserts: Sequence[Rows], updates: Sequence[Rows]) -> list[list[Row]]:
+        if len(inserts) + len(updates) < 2:
+            return await super().write_many(inserts, updates)
+        combined = self.statements.combined(inserts, updates)
+        args: list[list[Any]] = []
+        for part, (_, _, values) in zip(
+            (*combined.inserts, *combined.updates), (*inserts, *updates), strict=True
+        ):
+            args.extend(part.arrays(values))
+        keys: list[list[Row]] = [[] for _ in inserts]
+        for record in await self.conn.fetch(combined.sql, *args):
+            keys[record[0]].append(tuple(record[1:]))
+        return [sorted(k) for k in keys]
 
 
 async def reset_connection(conn: asyncpg.Connection) -> None:

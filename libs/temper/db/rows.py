@@ -17,7 +17,8 @@ read.
 - :func:`write` inserts the new ones and updates the changed columns of the loaded ones
   in the caller's transaction: one statement per table and set of columns, executed for
   every row of the set at once, so a batch of results costs about as many statements as
-  one. After it the rows count as written (nothing changed, none new). :func:`stage`
+  one (on Postgres all of them are one statement: ``CoreTx.write_many``). After it the
+  rows count as written (nothing changed, none new). :func:`stage`
   leaves rows on a session for :func:`write_staged`, which the dispatcher's transactions
   run before they commit.
 """
@@ -27,11 +28,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
-from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy import Table, bindparam, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import InstanceState, Mapper, configure_mappers
 from sqlalchemy.orm.attributes import instance_state
-from sqlalchemy.sql.dml import Update
 
 from temper.db.core import CoreTx, SessionTx
 from temper.db.models import Base
@@ -166,24 +166,6 @@ async def write_staged(tx: CoreTx | AsyncSession) -> None:
         await write(await SessionTx.of(tx) if isinstance(tx, AsyncSession) else tx, staged)
 
 
-_UPDATES: dict[tuple[str, frozenset[str]], Update] = {}
-
-
-def _update_of(table: Table, names: frozenset[str]) -> Update:
-    """``UPDATE table SET <names> WHERE <primary key> = :row_pk``, built once per set."""
-    key = (table.name, names)
-    stmt = _UPDATES.get(key)
-    if stmt is None:
-        (pk,) = table.primary_key.columns
-        stmt = (
-            update(table)
-            .where(pk == bindparam("row_pk"))
-            .values({table.c[c]: bindparam(f"set_{c}", type_=table.c[c].type) for c in sorted(names)})
-        )
-        _UPDATES[key] = stmt
-    return stmt
-
-
 def _grouped(changes: list[tuple[Base, dict[str, Any]]]) -> list[tuple[frozenset[str], list[Base]]]:
     """Rows of one table by the columns to write: every changed row that has every column
     any of them changed loaded is written with that union (its other values are the ones
@@ -217,26 +199,40 @@ async def write(tx: CoreTx, rows: Iterable[Base | None]) -> None:
         elif state.committed_state:
             updates.setdefault(table, []).append((obj, changed(obj)))
     order = _table_order()
-    for table in sorted(inserts, key=order.__getitem__):
-        for names, objs in inserts[table].items():
-            params = [{n: instance_state(o).dict[n] for n in names} for o in objs]
-            returned = await tx.insert_many(table, names, params)
-            auto = [c.key for c in table.primary_key.columns if c.key not in names] if returned else []
-            for i, obj in enumerate(objs):
-                state = instance_state(obj)
-                if returned:
-                    state.dict.update(zip(auto, returned[i], strict=True))
-                state.committed_state.clear()
-                state.key = type(obj).__mapper__.identity_key_from_primary_key(
-                    tuple(state.dict[k] for k in _pk(type(obj)))
-                )
-    for table, changes in updates.items():
-        (pk,) = table.primary_key.columns
-        for names, objs in _grouped(changes):
-            params = []
-            for obj in objs:
-                values = instance_state(obj).dict
-                params.append({"row_pk": values[pk.key], **{f"set_{n}": values[n] for n in names}})
-            await tx.run(_update_of(table, names), params)
-            for obj in objs:
-                instance_state(obj).committed_state.clear()
+    new_rows = [
+        (table, names, objs)
+        for table in sorted(inserts, key=order.__getitem__)
+        for names, objs in inserts[table].items()
+    ]
+    changed_rows = [
+        (table, names, objs) for table, changes in updates.items() for names, objs in _grouped(changes)
+    ]
+    returned = await tx.write_many(
+        [
+            (table, names, [{n: instance_state(o).dict[n] for n in names} for o in objs])
+            for table, names, objs in new_rows
+        ],
+        [
+            (table, names, [_with_key(table, instance_state(o).dict, names) for o in objs])
+            for table, names, objs in changed_rows
+        ],
+    )
+    for (table, names, objs), keys in zip(new_rows, returned, strict=True):
+        auto = [c.key for c in table.primary_key.columns if c.key not in names] if keys else []
+        for i, obj in enumerate(objs):
+            state = instance_state(obj)
+            if keys:
+                state.dict.update(zip(auto, keys[i], strict=True))
+            state.committed_state.clear()
+            state.key = type(obj).__mapper__.identity_key_from_primary_key(
+                tuple(state.dict[k] for k in _pk(type(obj)))
+            )
+    for _, _, objs in changed_rows:
+        for obj in objs:
+            instance_state(obj).committed_state.clear()
+
+
+def _with_key(table: Table, values: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    """A changed row's ``names`` and its primary key, as ``CoreTx.write_many`` updates it."""
+    (pk,) = table.primary_key.columns
+    return {pk.key: values[pk.key], **{n: values[n] for n in names}}
