@@ -213,6 +213,7 @@ async def tenant_active_episodes(s: AsyncSession, tenant_id: str, active: Sequen
 
 
 async def tasks_of_iteration(s: AsyncSession, job_id: str, iteration: int) -> set[str]:
-    """Tasks the iteration's episodes were given (a task is not repeated while others remain)."""
-    query = select(Episode.task_id).where(Episode.job_id == job_id, Episode.iteration == iteration)
+    """Tasks the iteration's episodes were given (a task is not repeated while others remain).
+    Distinct in the query: a pass reads a row per task, not one per episode started."""
+    query = select(Episode.task_id).where(Episode.job_id == job_id, Episode.iteration == iteration).distinct()
     return set((await s.execute(query)).scalars())
