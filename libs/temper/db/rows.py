@@ -194,7 +194,7 @@ async def write(tx: CoreTx, rows: Iterable[Base | None]) -> None:
         table = _table(type(obj))
         state = instance_state(obj)
         if state.key is None:
-            names = frozenset(n for n in state.dict if n in table.c)
+            names = frozenset(state.dict.keys() & _keys(type(obj)))  # its columns (state holds others too)
             inserts.setdefault(table, {}).setdefault(names, []).append(obj)
         elif state.committed_state:
             updates.setdefault(table, []).append((obj, changed(obj)))
