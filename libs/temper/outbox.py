@@ -27,10 +27,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, delete, func, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -40,7 +40,7 @@ from temper.bus.errors import unavailable_dependency
 from temper.clock import utcnow
 from temper.db import Database, OutboxRow
 from temper.db import rows as rows_of_db
-from temper.db.core import CoreTx, SessionTx
+from temper.db.core import CoreTx
 from temper.db.rows import HasInfo
 from temper.events import Message
 from temper.logs import dependency_failed, dependency_recovered, log_event
@@ -65,35 +65,6 @@ def enqueue(tx: HasInfo, topic: str, message: Message) -> None:
         else:
             rows_of_db.stage(tx, row)
     tx.info.setdefault(_ROWS, []).append(row)
-
-
-_OUTBOX = cast(Table, OutboxRow.__table__)
-_CLAIMED_COLUMNS = frozenset({"topic", "key", "payload", "created_at", "claimed_until"})
-
-
-async def _insert_claimed(tx: CoreTx, rows: list[OutboxRow], until: datetime) -> None:
-    """Write ``rows`` claimed by this relay until ``until`` in one statement, giving each
-    its id in the order they were enqueued (so the sweep's id order is the enqueue order)."""
-    created = utcnow()
-    values = [
-        {"topic": r.topic, "key": r.key, "payload": r.payload, "created_at": created, "claimed_until": until}
-        for r in rows
-    ]
-    for row, (row_id,) in zip(rows, await tx.insert_many(_OUTBOX, _CLAIMED_COLUMNS, values), strict=True):
-        row.id = row_id
-        row.created_at = created
-        row.claimed_until = until
-
-
-def _stage_claimed(tx: CoreTx, rows: list[OutboxRow], until: datetime) -> None:
-    """Stage ``rows`` claimed by this relay until ``until``, to be written with the
-    transaction's other rows (``temper.db.rows.write`` inserts them in one statement, in
-    the order they were enqueued, so the sweep's id order is the enqueue order)."""
-    created = utcnow()
-    for row in rows:
-        row.created_at = created
-        row.claimed_until = until
-    rows_of_db.stage(tx, *rows)
 
 
 class OutboxRelay:
@@ -136,46 +107,41 @@ class OutboxRelay:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
         """An ORM session's transaction whose outbox rows are published as soon as it commits."""
-        ids: set[int] = set()
-        try:
-            async with self.db.session() as session:
-                session.info[_RELAYED] = True
-                yield session
-                rows: list[OutboxRow] = session.info.pop(_ROWS, [])
-                if rows:
-                    ids = await self._claim(await SessionTx.of(session), rows)
-        except BaseException:
-            self._claimed -= ids
-            raise
-        if rows:
-            await self._publish_committed(rows, ids)
+        async with self.db.session() as session:
+            session.info[_RELAYED] = True
+            yield session
+            rows: list[OutboxRow] = session.info.pop(_ROWS, [])
+            self._stage_claimed(session, rows)
+        await self._publish_committed(rows)
 
     @asynccontextmanager
     async def core(self) -> AsyncIterator[CoreTx]:
-        """:meth:`transaction` for Core statements only (``Database.core``). Its rows are
-        staged claimed, so they are written with the transaction's other rows (on Postgres
-        in the same statement); the sweep cannot see them before the commit, and after it
-        their claim keeps it off them."""
+        """:meth:`transaction` for Core statements only (``Database.core``)."""
         async with self.db.core() as tx:
             tx.info[_RELAYED] = True
             yield tx
             rows: list[OutboxRow] = tx.info.pop(_ROWS, [])
-            if rows:
-                _stage_claimed(tx, rows, utcnow() + timedelta(seconds=self.claim_s))
-        if rows:
-            ids = {r.id for r in rows}
-            self._claimed |= ids
-            await self._publish_committed(rows, ids)
+            self._stage_claimed(tx, rows)
+        await self._publish_committed(rows)
 
-    async def _claim(self, tx: CoreTx, rows: list[OutboxRow]) -> set[int]:
-        """Insert ``rows`` claimed, before the commit makes them visible, so the sweep
-        never sees them unclaimed."""
-        await _insert_claimed(tx, rows, utcnow() + timedelta(seconds=self.claim_s))
+    def _stage_claimed(self, tx: HasInfo, rows: list[OutboxRow]) -> None:
+        """Stage ``rows`` claimed by this relay for ``claim_s``, to be written with the
+        transaction's other rows before it commits (``temper.db.rows.write``: in one
+        statement, in the order they were enqueued, so the sweep's id order is the enqueue
+        order; on Postgres together with every other write of the transaction). The sweep
+        cannot see them before the commit, and after it their claim keeps it off them."""
+        created = utcnow()
+        until = created + timedelta(seconds=self.claim_s)
+        for row in rows:
+            row.created_at = created
+            row.claimed_until = until
+        rows_of_db.stage(tx, *rows)
+
+    async def _publish_committed(self, rows: Sequence[OutboxRow]) -> None:
+        if not rows:
+            return
         ids = {r.id for r in rows}
         self._claimed |= ids
-        return ids
-
-    async def _publish_committed(self, rows: Sequence[OutboxRow], ids: set[int]) -> None:
         try:
             await self._send(rows)
         except Exception as exc:  # noqa: BLE001 - the rows are committed: the sweep sends them
