@@ -26,9 +26,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.engine import CursorResult
@@ -47,15 +47,16 @@ from temper.logs import dependency_failed, dependency_recovered, log_event
 
 log = logging.getLogger("temper.outbox")
 
+Tx = TypeVar("Tx", AsyncSession, CoreTx)  # a relay's transaction: an ORM session or Core
 # The rows a session added to the outbox, for the fast path (session.info is per session).
 _ROWS = "temper.outbox.rows"
-# Set on a relay's transaction(): its rows are inserted by the relay, not the session.
+# Set on a relay's transaction(): the relay stages its rows claimed, not enqueue().
 _RELAYED = "temper.outbox.relayed"
 
 
 def enqueue(tx: HasInfo, topic: str, message: Message) -> None:
     """Add ``message`` to the outbox inside the caller's transaction (an ORM session or a
-    ``temper.db.core.CoreTx``). In a relay's transaction the relay inserts it (claimed)
+    ``temper.db.core.CoreTx``). In a relay's transaction the relay stages it claimed
     before the commit; in any other the row is written with the transaction's own rows
     (a session flushes it; a ``CoreTx`` writes what is staged on it)."""
     row = rows_of_db.new(OutboxRow, topic=topic, key=message.key(), payload=message.to_bytes())
@@ -104,20 +105,17 @@ class OutboxRelay:
         """Tell the relay that rows were just committed (skips the idle sleep)."""
         self._wake.set()
 
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[AsyncSession]:
+    def transaction(self) -> AbstractAsyncContextManager[AsyncSession]:
         """An ORM session's transaction whose outbox rows are published as soon as it commits."""
-        async with self.db.session() as session:
-            session.info[_RELAYED] = True
-            yield session
-            rows: list[OutboxRow] = session.info.pop(_ROWS, [])
-            self._stage_claimed(session, rows)
-        await self._publish_committed(rows)
+        return self._relayed(self.db.session())
+
+    def core(self) -> AbstractAsyncContextManager[CoreTx]:
+        """:meth:`transaction` for Core statements only (``Database.core``)."""
+        return self._relayed(self.db.core())
 
     @asynccontextmanager
-    async def core(self) -> AsyncIterator[CoreTx]:
-        """:meth:`transaction` for Core statements only (``Database.core``)."""
-        async with self.db.core() as tx:
+    async def _relayed(self, opened: AbstractAsyncContextManager[Tx]) -> AsyncIterator[Tx]:
+        async with opened as tx:
             tx.info[_RELAYED] = True
             yield tx
             rows: list[OutboxRow] = tx.info.pop(_ROWS, [])
