@@ -350,6 +350,7 @@ def _combined(
             first += len(part.columns)
             built[kind].append(part)
             parts.append(f"w{len(parts)} AS ({part.sql})")
+    # the inserts are the first parts, so insert i is w<i>; its keys come back tagged i
     keyed = [f"SELECT {i}, * FROM w{i}" for i, part in enumerate(built[0]) if part.returning]
     main = " UNION ALL ".join(keyed) if keyed else "SELECT 0 WHERE false"
     return _Combined(f"WITH {', '.join(parts)} {main}", tuple(built[0]), tuple(built[1]))

@@ -213,7 +213,7 @@ async def write(tx: CoreTx, rows: Iterable[Base | None]) -> None:
             for table, names, objs in new_rows
         ],
         [
-            (table, names, [_with_key(table, instance_state(o).dict, names) for o in objs])
+            (table, names, [_with_key(_pk(type(objs[0])), instance_state(o).dict, names) for o in objs])
             for table, names, objs in changed_rows
         ],
     )
@@ -232,7 +232,7 @@ async def write(tx: CoreTx, rows: Iterable[Base | None]) -> None:
             instance_state(obj).committed_state.clear()
 
 
-def _with_key(table: Table, values: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+def _with_key(pk: tuple[str, ...], values: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
     """A changed row's ``names`` and its primary key, as ``CoreTx.write_many`` updates it."""
-    (pk,) = table.primary_key.columns
-    return {pk.key: values[pk.key], **{n: values[n] for n in names}}
+    (key,) = pk
+    return {key: values[key], **{n: values[n] for n in names}}
