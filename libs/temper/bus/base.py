@@ -231,3 +231,100 @@ class Delivery:
         await self.bus.send(dlq, record.value, key=record.key, headers=headers)
         metrics.BUS_DEAD_LETTERS.labels(record.topic).inc()
         log_event(log, "message dead-lettered", logging.ERROR, topic=record.topic, dlq=dlq, error=repr(error))
+
+
+async def handle_records(
+    records: list[Record],
+    delivery: Delivery,
+    slots: asyncio.Semaphore,
+    *,
+    by_key: bool,
+    batch_handler: BatchHandler | None,
+    go_on: Callable[[], bool],
+    keep_trying: Callable[[], bool],
+) -> tuple[set[int], bool]:
+    """Handle records fetched from one partition; returns the offsets handled and whether a
+    record failed past the bus's own retries (then the rest of its key was not tried).
+
+    ``by_key``: records of one key in order and records of different keys side by side,
+    each holding one of ``slots`` while it runs; otherwise all of them in order. With a
+    ``batch_handler``, the first record of each key goes to it in one call first (when
+    there are two keys or more); what it takes is handled, and if it declines or raises,
+    every record goes through ``delivery`` alone. ``go_on`` is asked before each record
+    (a revoked partition or a paused consumer stops early); ``keep_trying`` is given to
+    :meth:`Delivery.run`. Both buses hand their batches here, so the embedded mode handles
+    a partition's records as Kafka's consumer does."""
+    handled: set[int] = set()
+    rest = records
+    if batch_handler is not None and go_on():
+        rest = await _offer_batch(records, delivery.group, slots, batch_handler, handled)
+    chains: dict[str | None, list[Record]] = {}
+    for rec in rest:
+        chains.setdefault(rec.key if by_key else None, []).append(rec)
+    failed = False
+
+    async def run_chain(chain: list[Record]) -> None:
+        nonlocal failed
+        for rec in chain:
+            if failed or not go_on():
+                return
+            try:
+                async with slots:
+                    await delivery.run(rec, keep_trying=keep_trying)
+            except DependencyWait:
+                return  # left for the partition's next owner
+            except Exception as exc:  # noqa: BLE001 - e.g. the dead-letter send failed: fetch it again later
+                log_event(
+                    log,
+                    "record not handled; fetching it again",
+                    logging.WARNING,
+                    topic=rec.topic,
+                    partition=rec.partition,
+                    offset=rec.offset,
+                    group=delivery.group,
+                    error=repr(exc),
+                )
+                failed = True
+                return
+            handled.add(rec.offset)
+
+    await asyncio.gather(*(run_chain(chain) for chain in chains.values()))
+    return handled, failed
+
+
+async def _offer_batch(
+    records: list[Record], group: str, slots: asyncio.Semaphore, batch_handler: BatchHandler, handled: set[int]
+) -> list[Record]:
+    """Offer the first record of each key to ``batch_handler`` in one call (when there are
+    two keys or more); adds what it took to ``handled`` and returns the records left for
+    the handler, in order: all of them if it declined or raised."""
+    first: list[Record] = []
+    rest: list[Record] = []
+    keys: set[str] = set()
+    for rec in records:
+        if rec.key is None or rec.key in keys:
+            rest.append(rec)
+        else:
+            keys.add(rec.key)
+            first.append(rec)
+    if len(first) < 2:
+        return records
+    try:
+        async with slots:
+            if not await batch_handler(first):
+                return records
+    except Exception as exc:  # noqa: BLE001 - nothing was taken: one by one, with the usual retries
+        log_event(
+            log,
+            "batch not handled; handling its records one by one",
+            logging.INFO,
+            topic=first[0].topic,
+            partition=first[0].partition,
+            records=len(first),
+            group=group,
+            error=repr(exc),
+        )
+        return records
+    metrics.BUS_CONSUMED.labels(first[0].topic, group).inc(len(first))
+    handled.update(rec.offset for rec in first)
+    return rest

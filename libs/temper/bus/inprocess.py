@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from aiokafka.partitioner import DefaultPartitioner
 
 from temper import metrics
-from temper.bus.base import BatchHandler, Bus, Consumer, Delivery, DependencyWait, Handler, Record
+from temper.bus.base import BatchHandler, Bus, Consumer, Delivery, Handler, Record, handle_records
 from temper.events import Message, Topics
 
 TopicPartition = tuple[str, int]
@@ -85,14 +86,14 @@ class InProcessBus(Bus):
         handler: Handler,
         *,
         concurrency: int = 1,
-        batch_handler: BatchHandler | None = None,  # records are handled one at a time here
+        batch_handler: BatchHandler | None = None,
     ) -> Consumer:
         topics = tuple(topics)
         missing = [t for t in topics if t not in self.topics]
         if missing:
             raise KeyError(f"topics {missing} do not exist; create them with create_topics()")
         g = self._groups.setdefault(group, _Group(group))
-        member = InProcessConsumer(self, g, topics, handler, concurrency)
+        member = InProcessConsumer(self, g, topics, handler, concurrency, batch_handler)
         g.members.append(member)
         await self._rebalance(g)
         member.start()
@@ -126,19 +127,36 @@ class InProcessBus(Bus):
 
 
 class InProcessConsumer(Consumer):
+    """A group member that handles each assigned partition in a task of its own, as
+    :class:`temper.bus.kafka.KafkaConsumer` does: a partition's records waiting now are its
+    next batch, handled by :func:`handle_records` (records of one key in order, of
+    different keys side by side up to ``concurrency``, the batch handler first), then
+    committed. A slow record holds back its own partition's next batch and nothing else."""
+
+    MAX_BATCH = 100  # records a partition's batch takes at most (Kafka's fetch takes as many)
+
     def __init__(
-        self, bus: InProcessBus, group: _Group, topics: tuple[str, ...], handler: Handler, concurrency: int
+        self,
+        bus: InProcessBus,
+        group: _Group,
+        topics: tuple[str, ...],
+        handler: Handler,
+        concurrency: int,
+        batch_handler: BatchHandler | None = None,
     ) -> None:
         self.bus = bus
         self._group = group
         self.group = group.name
         self.topics = topics
         self.delivery = Delivery(bus, group.name, handler, self.topics)
+        self.batch_handler = batch_handler
         self.concurrency = max(1, concurrency)
+        self._slots = asyncio.Semaphore(self.concurrency)
         self.assigned: set[TopicPartition] = set()
-        self.positions: dict[TopicPartition, int] = {}
+        self.positions: dict[TopicPartition, int] = {}  # where each partition's next batch starts
         self._paused = False
         self._task: asyncio.Task[None] | None = None
+        self._workers: dict[TopicPartition, asyncio.Task[None]] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"consumer-{self.group}")
@@ -163,42 +181,67 @@ class InProcessConsumer(Consumer):
             self.bus._changed.notify_all()
 
     def _ready(self) -> list[TopicPartition]:
+        """Assigned partitions with records waiting and no task handling them."""
         if self._paused:
             return []
-        return [tp for tp in sorted(self.assigned) if self.positions[tp] < len(self.bus.topics[tp[0]][tp[1]])]
+        return [
+            tp
+            for tp in sorted(self.assigned)
+            if self.positions[tp] < len(self.bus.topics[tp[0]][tp[1]])
+            and (tp not in self._workers or self._workers[tp].done())
+        ]
 
     async def _run(self) -> None:
         while True:
             async with self.bus._changed:
                 await self.bus._changed.wait_for(lambda: bool(self._ready()))
-            ready = self._ready()
-            for i in range(0, len(ready), self.concurrency):
-                await asyncio.gather(*(self._drain(tp) for tp in ready[i : i + self.concurrency]))
+            for tp in self._ready():
+                self._workers[tp] = asyncio.create_task(
+                    self._drain(tp), name=f"consumer-{self.group}-{tp[0]}-{tp[1]}"
+                )
 
     async def _drain(self, tp: TopicPartition) -> None:
+        """Handle ``tp``'s batches until it is caught up, paused or moved to another member."""
         generation = self._group.generation
         log = self.bus.topics[tp[0]][tp[1]]
-        while not self._paused and tp in self.assigned and self.positions[tp] < len(log):
-            record = log[self.positions[tp]]
-            try:
-                await self.delivery.run(record, keep_trying=lambda: tp in self.assigned)
-            except DependencyWait:
-                return  # revoked while waiting for a dependency: the next owner takes the record
-            if self._group.generation != generation and tp not in self.assigned:
-                return  # revoked while handling: like Kafka, the commit is refused and the record redelivered
-            self.positions[tp] = record.offset + 1
-            self._group.committed[tp] = record.offset + 1
+
+        def mine() -> bool:
+            return tp in self.assigned
+
+        while not self._paused and mine() and self.positions[tp] < len(log):
+            start = self.positions[tp]
+            records = log[start : start + self.MAX_BATCH]
+            self.positions[tp] = records[-1].offset + 1
+            handled, failed = await handle_records(
+                records,
+                self.delivery,
+                self._slots,
+                by_key=self.concurrency > 1,
+                batch_handler=self.batch_handler,
+                go_on=lambda: mine() and not self._paused,
+                keep_trying=mine,
+            )
+            if self._group.generation != generation and not mine():
+                return  # revoked while handling: like Kafka, the commit is refused and the records redelivered
+            unhandled = next((rec.offset for rec in records if rec.offset not in handled), None)
+            done = records[-1].offset + 1 if unhandled is None else unhandled
+            if unhandled is not None:  # paused or failed: the next batch starts there
+                self.positions[tp] = unhandled
+            self._group.committed[tp] = max(done, self._group.committed.get(tp, 0))
             metrics.BUS_CONSUMER_LAG.labels(tp[0], self.group).set(self.bus.lag(tp[0], self.group))
+            if failed:
+                await asyncio.sleep(1)
 
     async def stop(self) -> None:
         """Leave the group; a record being handled now is not committed and goes to another member."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        tasks = [t for t in (self._task, *self._workers.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._task = None
+        self._workers.clear()
         if self in self._group.members:
             self._group.members.remove(self)
             await self.bus._rebalance(self._group)

@@ -17,7 +17,16 @@ from aiokafka.errors import CommitFailedError, KafkaError, TopicAlreadyExistsErr
 from aiokafka.structs import OffsetAndMetadata
 
 from temper import metrics
-from temper.bus.base import BatchHandler, Bus, BusUnavailable, Consumer, Delivery, Handler, Record
+from temper.bus.base import (
+    BatchHandler,
+    Bus,
+    BusUnavailable,
+    Consumer,
+    Delivery,
+    Handler,
+    Record,
+    handle_records,
+)
 from temper.bus.errors import KAFKA
 from temper.events import Message, Topics
 from temper.logs import dependency_down, dependency_failed, dependency_recovered, log_event
@@ -296,49 +305,20 @@ class KafkaConsumer(Consumer):
                     self._consumer.pause(tp)
 
     async def _handle(self, worker: _PartitionWorker, records: list[ConsumerRecord]) -> None:
-        """Handle a partition's batch, then note it for the committer: a crash before the
-        commit redelivers the batch (handlers are idempotent).
-
-        Records of one key are handled in order; with ``concurrency`` above 1, records of
-        different keys in the batch are handled at the same time."""
+        """Handle a partition's batch (:func:`handle_records`), then note it for the
+        committer: a crash before the commit redelivers the batch (handlers are idempotent)."""
         tp = worker.tp
-        handled: set[int] = set()
-        rest = records
-        if self.batch_handler is not None and not worker.finishing and not self._paused:
-            rest = await self._handle_batch(tp, records, handled)
-        chains: dict[bytes | None, list[ConsumerRecord]] = {}
-        for rec in rest:
-            chains.setdefault(rec.key if self.concurrency > 1 else None, []).append(rec)
-        failed = False
-
-        async def run_chain(chain: list[ConsumerRecord]) -> None:
-            nonlocal failed
-            for rec in chain:
-                # Stop early when the partition moves to another member, or on pause().
-                if worker.finishing or self._paused or failed:
-                    return
-                try:
-                    async with self._slots:
-                        await self.delivery.run(
-                            _record(rec, self.bus.plain_name(rec.topic)),
-                            keep_trying=lambda: not worker.finishing and self._task is not None,
-                        )
-                except Exception as exc:  # noqa: BLE001 - e.g. the dead-letter send failed: fetch it again later
-                    log_event(
-                        log,
-                        "record not handled; fetching it again",
-                        logging.WARNING,
-                        topic=self.bus.plain_name(tp.topic),
-                        partition=tp.partition,
-                        offset=rec.offset,
-                        group=self.group,
-                        error=repr(exc),
-                    )
-                    failed = True
-                    return
-                handled.add(rec.offset)
-
-        await asyncio.gather(*(run_chain(chain) for chain in chains.values()))
+        topic = self.bus.plain_name(tp.topic)
+        handled, failed = await handle_records(
+            [_record(rec, topic) for rec in records],
+            self.delivery,
+            self._slots,
+            by_key=self.concurrency > 1,
+            batch_handler=None if worker.finishing or self._paused else self.batch_handler,
+            # stop early when the partition moves to another member, or on pause()
+            go_on=lambda: not worker.finishing and not self._paused,
+            keep_trying=lambda: not worker.finishing and self._task is not None,
+        )
         unhandled = next((rec.offset for rec in records if rec.offset not in handled), None)
         if unhandled is not None and not worker.finishing:
             # Paused or failed: fetch the partition again from the first record not handled
@@ -353,45 +333,6 @@ class KafkaConsumer(Consumer):
         # Undo a backlog pause (never the pause() of the subscriber).
         if not self._paused and not self._backlogged(tp) and tp in self._consumer.assignment():
             self._consumer.resume(tp)
-
-    async def _handle_batch(
-        self, tp: TopicPartition, records: list[ConsumerRecord], handled: set[int]
-    ) -> list[ConsumerRecord]:
-        """Offer the first record of each key to the batch handler in one call (when there
-        are two keys or more); adds what it took to ``handled`` and returns the records
-        left for the handler, in order: all of them if it raised."""
-        assert self.batch_handler is not None
-        first: list[ConsumerRecord] = []
-        rest: list[ConsumerRecord] = []
-        keys: set[bytes | None] = set()
-        for rec in records:
-            if rec.key is None or rec.key in keys:
-                rest.append(rec)
-            else:
-                keys.add(rec.key)
-                first.append(rec)
-        if len(first) < 2:
-            return records
-        topic = self.bus.plain_name(tp.topic)
-        try:
-            async with self._slots:
-                if not await self.batch_handler([_record(rec, topic) for rec in first]):
-                    return records
-        except Exception as exc:  # noqa: BLE001 - nothing was taken: one by one, with the usual retries
-            log_event(
-                log,
-                "batch not handled; handling its records one by one",
-                logging.INFO,
-                topic=topic,
-                partition=tp.partition,
-                records=len(first),
-                group=self.group,
-                error=repr(exc),
-            )
-            return records
-        metrics.BUS_CONSUMED.labels(topic, self.group).inc(len(first))
-        handled.update(rec.offset for rec in first)
-        return rest
 
     async def _commit_loop(self) -> None:
         while True:
