@@ -293,7 +293,11 @@ async def handle_records(
 
 
 async def _offer_batch(
-    records: list[Record], group: str, slots: asyncio.Semaphore, batch_handler: BatchHandler, handled: set[int]
+    records: list[Record],
+    group: str,
+    slots: asyncio.Semaphore,
+    batch_handler: BatchHandler,
+    handled: set[int],
 ) -> list[Record]:
     """Offer the first record of each key to ``batch_handler`` in one call (when there are
     two keys or more); adds what it took to ``handled`` and returns the records left for
