@@ -67,7 +67,11 @@ async def collect(rt: Runtime, episodes: set[str], n: int) -> list[RewardResult]
 
 async def test_scores_code_and_math_and_never_scores_a_redelivery_twice(runtime, scoring_manager):
     ts = runtime.taskset_id
-    scorer = RewardScorer(runtime, manager=scoring_manager, concurrency=4)
+    # a group of its own from the topic's end: the suite's other jobs share the real
+    # broker's topics, and what they left unconsumed in the default group is not this test's
+    group = f"reward-scorer-{uuid.uuid4().hex[:8]}"
+    await runtime.bus.start_group_at_end(group, [Topics.REWARD_REQUESTS])
+    scorer = RewardScorer(runtime, manager=scoring_manager, concurrency=4, group=group)
     await scorer.start()
     ep1, ep2 = f"e-{uuid.uuid4().hex[:8]}", f"e-{uuid.uuid4().hex[:8]}"
     got, done, consumer = await collect(runtime, {ep1, ep2}, 3)
