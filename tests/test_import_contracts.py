@@ -32,6 +32,7 @@ SANDBOX_FORBIDDEN = ("temper.rewards", "temper.envs")
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("core", frozenset({
         "clock", "eventloop", "events", "settings", "limits", "metrics", "logs", "problems", "faults", "cores",
+        "group_commit",
     })),
     ("infrastructure", frozenset({"db", "bus", "storage", "outbox", "registry", "plugins", "runtime", "celery_queue"})),
     (

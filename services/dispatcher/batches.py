@@ -4,60 +4,42 @@ Each partition of a result topic has its own worker, and each hands its results 
 dispatcher on its own: alone, or a fetched batch's first record of each key. At 64
 episodes in flight that is batches of one to four, and the cost of a transaction
 (begin, the locking query, one write per table, the outbox insert, commit, the Kafka
-send) is paid for each. :class:`ResultBatches` lets the workers' calls that arrive while
-a transaction runs wait and go through the next one together, up to ``max_batch``
-results, with at most ``parallel`` transactions at a time (group commit).
-
-What each caller sees is what it would see alone: its call returns once the transaction
-that took its results committed. If a merged transaction fails, each caller's results
-run again on their own (``EpisodeMachine.on_results`` of just them), so a message that
-makes a transaction fail fails only its own call, which the bus retries or dead-letters
-as before, and an outage reaches every caller as the outage it is.
-
-Results of one episode never meet in one transaction: a partition hands its records of
-one key over one at a time, and a call whose episode is already in the next batch waits
-for the batch after it.
+send) is paid for each. :class:`ResultBatches` puts each kind of result through a
+:class:`temper.group_commit.GroupCommit` keyed by episode (results of one episode never
+meet in one transaction), up to ``max_batch`` results, with at most ``parallel``
+transactions at a time over the three kinds. A merged transaction that fails runs each
+caller's results again on their own (``EpisodeMachine.on_results`` of just them), so a
+message that makes a transaction fail fails only its own call, which the bus retries or
+dead-letters as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from services.dispatcher import rewards
 from services.dispatcher.episodes import EpisodeMachine
 from temper.events import InferenceResult, RewardResult, SandboxResult
+from temper.group_commit import GroupCommit
 
 Result = InferenceResult | SandboxResult | RewardResult
-
-
-@dataclass
-class _Call:
-    messages: list[Result]
-    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class ResultBatches:
     def __init__(self, machine: EpisodeMachine, *, max_batch: int = 256, parallel: int = 2) -> None:
         self.machine = machine
         self.max_batch = max_batch
-        self._slots = asyncio.Semaphore(parallel)
-        self._queues: dict[type, list[_Call]] = {InferenceResult: [], SandboxResult: [], RewardResult: []}
-        self._draining: set[type] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        slots = asyncio.Semaphore(parallel)
+        self._by_kind: dict[type, GroupCommit[Result]] = {
+            kind: GroupCommit(self._handle, key=_episode, max_batch=max_batch, slots=slots)
+            for kind in (InferenceResult, SandboxResult, RewardResult)
+        }
 
     async def take(self, messages: Sequence[Result]) -> None:
         """Take ``messages`` (of one kind, distinct episodes) with whatever else is waiting."""
-        if not messages:
-            return
-        kind = type(messages[0])
-        call = _Call(list(messages))
-        self._queues[kind].append(call)
-        if kind not in self._draining:
-            self._draining.add(kind)
-            self._spawn(self._drain(kind))
-        await call.done
+        if messages:
+            await self._by_kind[type(messages[0])].take(messages)
 
     async def _handle(self, messages: list[Result]) -> None:
         """One transaction (rewards: one pair) for ``messages``, all of one kind."""
@@ -68,66 +50,9 @@ class ResultBatches:
 
     async def close(self) -> None:
         """Wait for the transactions under way (the consumers have stopped handing over)."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for group in self._by_kind.values():
+            await group.close()
 
-    def _spawn(self, coro) -> None:  # noqa: ANN001 - a coroutine
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
-    async def _drain(self, kind: type) -> None:
-        queue = self._queues[kind]
-        try:
-            while queue:
-                await self._slots.acquire()
-                batch: list[_Call] = []
-                episodes: set[str | None] = set()
-                size = 0
-                rest: list[_Call] = []
-                for call in queue:
-                    ids = {m.episode_id for m in call.messages}
-                    if batch and (ids & episodes or size + len(call.messages) > self.max_batch):
-                        rest.append(call)
-                        continue
-                    batch.append(call)
-                    episodes |= ids
-                    size += len(call.messages)
-                queue[:] = rest
-                self._spawn(self._run(batch))
-        finally:
-            self._draining.discard(kind)
-
-    async def _run(self, batch: list[_Call]) -> None:
-        try:
-            try:
-                await self._handle([m for call in batch for m in call.messages])
-            except Exception:  # noqa: BLE001 - each call again on its own, below
-                if len(batch) == 1:
-                    raise
-                for call in batch:
-                    await self._alone(call)
-            else:
-                for call in batch:
-                    if not call.done.done():
-                        call.done.set_result(None)
-        except BaseException as exc:
-            for call in batch:
-                if not call.done.done():
-                    call.done.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self._slots.release()
-
-    async def _alone(self, call: _Call) -> None:
-        # a caller cancelled while it waited (a consumer stopping) has a done future: its
-        # results still run (taking a result is idempotent), the future is left alone
-        try:
-            await self._handle(call.messages)
-        except Exception as exc:  # noqa: BLE001 - the caller's own error, raised in its call
-            if not call.done.done():
-                call.done.set_exception(exc)
-        else:
-            if not call.done.done():
-                call.done.set_result(None)
+def _episode(message: Result) -> str | None:
+    return message.episode_id

@@ -22,6 +22,7 @@ from temper.settings.trainer import TrainerSettings
 from temper.training import StepStats
 
 log = logging.getLogger("temper.trainer")
+RECEIVE_CONCURRENCY = 64  # trajectories handed over at once, at most
 
 
 class Trainer:
@@ -64,7 +65,11 @@ class Trainer:
         await training.start_ranks()
         await training.recover()
         rt.checks["trainer"] = training.check
-        self.consumer = await rt.consume_handlers(handlers.topics(training), group=training.group)
+        # trajectories of different episodes side by side, so that those handed over at
+        # once share a ledger transaction (services.trainer.receipts)
+        self.consumer = await rt.consume_handlers(
+            handlers.topics(training), group=training.group, concurrency=RECEIVE_CONCURRENCY
+        )
         rt.spawn(training.run(), "trainer-loop")
         log_event(log, "trainer started", group=training.group, device=str(training.device),
                   jobs=sorted(training.jobs), ranks=training.ranks.world)  # fmt: skip
@@ -74,4 +79,5 @@ class Trainer:
             await self.consumer.stop()
             self.consumer = None
         if self._training is not None:
+            await self._training.receipts.close()
             await asyncio.to_thread(self._training.ranks.stop)

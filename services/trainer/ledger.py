@@ -44,6 +44,25 @@ async def add_row(db: Database, row: TrainedTrajectory) -> bool:
     return True
 
 
+async def add_rows(db: Database, rows: list[TrainedTrajectory]) -> bool:
+    """Write ledger rows in one transaction; False (none written) if an episode has one already."""
+    try:
+        async with db.session() as s:
+            s.add_all(rows)
+    except IntegrityError:
+        return False
+    return True
+
+
+async def with_rows(db: Database, episode_ids: list[str]) -> set[str]:
+    """Of ``episode_ids``, those already buffered, trained on or skipped."""
+    async with db.session() as s:
+        found = await s.scalars(
+            select(TrainedTrajectory.episode_id).where(TrainedTrajectory.episode_id.in_(episode_ids))
+        )
+        return set(found)
+
+
 async def has_row(db: Database, episode_id: str) -> bool:
     """Whether the episode is already buffered, trained on or skipped."""
     async with db.session() as s:

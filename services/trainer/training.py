@@ -61,10 +61,11 @@ from services.trainer.ledger import (
 from services.trainer.mismatch import record_canary
 from services.trainer.observe import init_job_metrics, observe_step
 from services.trainer.ranks import Ranks
+from services.trainer.receipts import Receipts, UnknownJob
 from services.trainer.supervised_jobs import SupervisedJobs
 from temper import cores, faults, metrics
 from temper.bus import Poison
-from temper.db import Database, Job, PolicyVersion, TrainedTrajectory
+from temper.db import Database, Job, PolicyVersion
 from temper.events import TrajectoryReady
 from temper.jobspec import JobSpec
 from temper.lifecycle import JobState
@@ -76,10 +77,6 @@ from temper.training.lora import SharedBase
 from temper.trajectory import Trajectory
 
 log = logging.getLogger("temper.trainer")
-
-
-class UnknownJob(Poison):
-    """A trajectory of a job this database does not hold."""
 
 
 class JobTrainer(SupervisedJobs):
@@ -118,6 +115,10 @@ class JobTrainer(SupervisedJobs):
         # base models under LoRA jobs' adapters, by base_key (not under torchrun)
         self.bases: dict[str, SharedBase] = {}
         SupervisedJobs.__init__(self)
+        self.receipts = Receipts(
+            db, store, settings, jobs=self.jobs, closed_jobs=self._closed_jobs,
+            foreign_jobs=self._foreign_jobs, load_job=self.job, wake=self._wake,
+        )  # fmt: skip
 
     @property
     def group(self) -> str:
@@ -160,66 +161,10 @@ class JobTrainer(SupervisedJobs):
     # --- receiving ----------------------------------------------------------------------
 
     async def receive(self, message: TrajectoryReady) -> None:
-        """Buffer one trajectory durably (a ledger row) and wake the training loop.
-        A redelivered message is a no-op."""
-        if self.settings.job_id and message.job_id != self.settings.job_id:
-            return
-        if not message.job_id or not message.episode_id:
-            raise Poison("trajectory.ready without job_id or episode_id")
-        if message.job_id in self._closed_jobs:
-            await self._record_after_end(message)
-            return
-        try:
-            job = await self.job(message.job_id)
-        except UnknownJob:
-            # Topics can be shared by deployments (or test runs) with their own databases:
-            # another one's trajectory is not ours to train on, nor a dead letter.
-            if message.job_id not in self._foreign_jobs:
-                self._foreign_jobs.add(message.job_id)
-                log_event(log, "trajectories of an unknown job ignored", job_id=message.job_id)
-            return
-        async with job.lock:
-            if message.job_id in self._closed_jobs:  # closed while this waited for the lock
-                await self._record_after_end(message)
-                return
-            if job.holds(message.episode_id):
-                return
-            if await ledger.has_row(self.db, message.episode_id):
-                return  # already buffered, trained on or skipped
-            raw = await self.store.get(message.trajectory_key)  # NotFound: retried, then dead-lettered
-            try:
-                trajectory = Trajectory.model_validate_json(raw)
-            except ValidationError as exc:
-                raise Poison(
-                    f"{message.trajectory_key} is not a trajectory: {exc.errors()[0]['msg']}"
-                ) from None
-            if trajectory.episode_id != message.episode_id or trajectory.job_id != message.job_id:
-                raise Poison(f"{message.trajectory_key} belongs to another episode or job")
-            row = TrainedTrajectory(
-                episode_id=trajectory.episode_id,
-                job_id=job.job_id,
-                trajectory_key=message.trajectory_key,
-                group_id=trajectory.group_id,
-            )
-            if not await ledger.add_row(self.db, row):
-                return  # a concurrent delivery of the same episode won
-            job.add(Buffered(trajectory, message.trajectory_key, time.time()))
-        self._wake.set()
-
-    async def _record_after_end(self, message: TrajectoryReady) -> None:
-        """A trajectory of a job already completed (a redelivery, or one scored after the
-        job's last step): its ledger row says so, and nothing is loaded for it. An episode
-        that already has a row keeps it."""
-        await ledger.add_row(
-            self.db,
-            TrainedTrajectory(
-                episode_id=message.episode_id,
-                job_id=message.job_id,
-                trajectory_key=message.trajectory_key,
-                group_id=message.group_id,
-                skipped=SKIP_JOB_ENDED,
-            ),
-        )
+        """Buffer one trajectory durably (a ledger row) and wake the training loop; several
+        handed over at once share a transaction (:mod:`services.trainer.receipts`). A
+        redelivered message is a no-op."""
+        await self.receipts.receive(message)
 
     # --- jobs ---------------------------------------------------------------------------
 
