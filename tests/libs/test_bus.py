@@ -490,3 +490,32 @@ def test_outage_errors_are_told_apart_from_errors_of_the_message():
     assert unavailable_dependency(IntegrityError("x", {}, Exception("duplicate key"))) is None
     assert unavailable_dependency(ValueError("bad json")) is None
     assert unavailable_dependency(FileNotFoundError(2, "no such file")) is None
+
+
+async def test_the_in_process_lag_counts_what_a_group_has_not_committed():
+    bus = InProcessBus(partitions=3)
+    await bus.create_topics(["t-lag"])
+    for i in range(5):
+        await bus.send("t-lag", str(i).encode(), key=f"k{i}")
+    assert bus.lag("t-lag", "nobody") == 5
+    await bus.start_group_at_end("late", ["t-lag"])
+    assert bus.lag("t-lag", "late") == 0
+    release = asyncio.Event()
+    handled: list[int] = []
+
+    async def handle(record: Record) -> None:
+        if record.value == b"4":
+            await release.wait()
+        handled.append(int(record.value))
+
+    consumer = await bus.subscribe(["t-lag"], "g", handle, concurrency=4)
+    await wait_for(lambda: len(handled) == 4)
+    await asyncio.sleep(0.05)
+    # the record still in hand is not committed, nor anything after it in its partition
+    assert 1 <= bus.lag("t-lag", "g") <= 2
+    release.set()
+    await wait_for(lambda: bus.lag("t-lag", "g") == 0)
+    await bus.send("t-lag", b"5", key="k5")
+    assert bus.lag("t-lag", "late") == 1
+    await wait_for(lambda: bus.lag("t-lag", "g") == 0 and 5 in handled)
+    await consumer.stop()

@@ -19,8 +19,16 @@ TopicPartition = tuple[str, int]
 class _Group:
     name: str
     committed: dict[TopicPartition, int] = field(default_factory=dict)
+    committed_total: dict[str, int] = field(default_factory=dict)  # each topic's, summed over partitions
     members: list[InProcessConsumer] = field(default_factory=list)
     generation: int = 0
+
+    def commit(self, tp: TopicPartition, offset: int) -> None:
+        """Move ``tp``'s committed offset forward to ``offset`` (never back)."""
+        before = self.committed.get(tp, 0)
+        if offset > before:
+            self.committed[tp] = offset
+            self.committed_total[tp[0]] = self.committed_total.get(tp[0], 0) + offset - before
 
 
 class InProcessBus(Bus):
@@ -33,6 +41,7 @@ class InProcessBus(Bus):
         self._changed = asyncio.Condition()
         self._partitioner = DefaultPartitioner()
         self._round_robin = itertools.count()
+        self._produced: dict[str, int] = {}  # records sent to each topic
 
     async def stop(self) -> None:
         for group in list(self._groups.values()):
@@ -50,7 +59,7 @@ class InProcessBus(Bus):
             return
         for topic in topics:
             for partition, log in enumerate(self.topics[topic]):
-                g.committed[(topic, partition)] = len(log)
+                g.commit((topic, partition), len(log))
 
     def _partition_for(self, topic: str, key: str | None) -> int:
         count = len(self.topics[topic])
@@ -76,6 +85,11 @@ class InProcessBus(Bus):
         log = self.topics[topic][partition]
         log.append(Record(topic, partition, len(log), key, value, dict(headers or {})))
         metrics.BUS_PRODUCED.labels(topic).inc()
+        self._produced[topic] = self._produced.get(topic, 0) + 1
+        for group in self._groups.values():
+            for member in group.members:
+                if (topic, partition) in member.assigned:
+                    member.pending.add((topic, partition))
         async with self._changed:
             self._changed.notify_all()
 
@@ -116,14 +130,14 @@ class InProcessBus(Bus):
                     member.assigned.add(tp)
         for m in group.members:
             m.positions = {tp: group.committed.get(tp, 0) for tp in m.assigned}
+            m.pending = set(m.assigned)
         async with self._changed:
             self._changed.notify_all()
 
     def lag(self, topic: str, group: str) -> int:
-        committed = self._groups[group].committed if group in self._groups else {}
-        return sum(
-            len(log) - committed.get((topic, p), 0) for p, log in enumerate(self.topics.get(topic, []))
-        )
+        """Records of ``topic`` that ``group`` has not committed, over every partition."""
+        g = self._groups.get(group)
+        return self._produced.get(topic, 0) - (g.committed_total.get(topic, 0) if g else 0)
 
 
 class InProcessConsumer(Consumer):
@@ -154,6 +168,9 @@ class InProcessConsumer(Consumer):
         self._slots = asyncio.Semaphore(self.concurrency)
         self.assigned: set[TopicPartition] = set()
         self.positions: dict[TopicPartition, int] = {}  # where each partition's next batch starts
+        # partitions that may have records no task handles: sent to since, or all of them
+        # after a rebalance or a resume (so a send costs a set insert, not a scan of them all)
+        self.pending: set[TopicPartition] = set()
         self._paused = False
         self._task: asyncio.Task[None] | None = None
         self._workers: dict[TopicPartition, asyncio.Task[None]] = {}
@@ -168,6 +185,7 @@ class InProcessConsumer(Consumer):
 
     def resume(self) -> None:
         self._paused = False
+        self.pending |= self.assigned
         for t in self.topics:
             metrics.BUS_PAUSED.labels(t, self.group).set(0)
         asyncio.get_running_loop().create_task(self._wake())
@@ -181,21 +199,29 @@ class InProcessConsumer(Consumer):
             self.bus._changed.notify_all()
 
     def _ready(self) -> list[TopicPartition]:
-        """Assigned partitions with records waiting and no task handling them."""
+        """Assigned partitions with records waiting and no task handling them (a running
+        task goes on to the records sent while it runs)."""
         if self._paused:
             return []
-        return [
-            tp
-            for tp in sorted(self.assigned)
-            if self.positions[tp] < len(self.bus.topics[tp[0]][tp[1]])
-            and (tp not in self._workers or self._workers[tp].done())
-        ]
+        ready = []
+        for tp in self.pending:
+            worker = self._workers.get(tp)
+            if (
+                tp in self.assigned
+                and (worker is None or worker.done())
+                and self.positions[tp] < len(self.bus.topics[tp[0]][tp[1]])
+            ):
+                ready.append(tp)
+        if not ready:
+            self.pending.clear()
+        return sorted(ready)
 
     async def _run(self) -> None:
         while True:
             async with self.bus._changed:
                 await self.bus._changed.wait_for(lambda: bool(self._ready()))
             for tp in self._ready():
+                self.pending.discard(tp)
                 self._workers[tp] = asyncio.create_task(
                     self._drain(tp), name=f"consumer-{self.group}-{tp[0]}-{tp[1]}"
                 )
@@ -227,7 +253,7 @@ class InProcessConsumer(Consumer):
             done = records[-1].offset + 1 if unhandled is None else unhandled
             if unhandled is not None:  # paused or failed: the next batch starts there
                 self.positions[tp] = unhandled
-            self._group.committed[tp] = max(done, self._group.committed.get(tp, 0))
+            self._group.commit(tp, done)
             metrics.BUS_CONSUMER_LAG.labels(tp[0], self.group).set(self.bus.lag(tp[0], self.group))
             if failed:
                 await asyncio.sleep(1)
