@@ -36,12 +36,7 @@ SKIP_TRAIN_ERROR = "train_error"  # the step raised (e.g. a token id outside the
 
 async def add_row(db: Database, row: TrainedTrajectory) -> bool:
     """Write one ledger row in its own transaction; False if the episode has one already."""
-    try:
-        async with db.session() as s:
-            s.add(row)
-    except IntegrityError:
-        return False
-    return True
+    return await add_rows(db, [row])
 
 
 async def add_rows(db: Database, rows: list[TrainedTrajectory]) -> bool:
