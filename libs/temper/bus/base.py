@@ -252,9 +252,8 @@ async def handle_records(
     there are two keys or more); what it takes is handled, and if it declines or raises,
     every record goes through ``delivery`` alone. ``go_on`` is asked before each record
     (a revoked partition or a paused consumer stops early); ``keep_trying`` is given to
-    :meth:`Delivery.run`. Kafka's consumer hands each fetched batch here (the in-process
-    bus handles a partition's records one at a time; docs/training.md says why it does not
-    use this yet)."""
+    :meth:`Delivery.run`. Both buses hand their batches here, so the embedded mode handles
+    a partition's records as Kafka's consumer does."""
     handled: set[int] = set()
     rest = records
     if batch_handler is not None and go_on():

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from aiokafka.partitioner import DefaultPartitioner
 
 from temper import metrics
-from temper.bus.base import BatchHandler, Bus, Consumer, Delivery, DependencyWait, Handler, Record
+from temper.bus.base import BatchHandler, Bus, Consumer, Delivery, Handler, Record, handle_records
 from temper.events import Message, Topics
 
 TopicPartition = tuple[str, int]
@@ -18,8 +19,16 @@ TopicPartition = tuple[str, int]
 class _Group:
     name: str
     committed: dict[TopicPartition, int] = field(default_factory=dict)
+    committed_total: dict[str, int] = field(default_factory=dict)  # each topic's, summed over partitions
     members: list[InProcessConsumer] = field(default_factory=list)
     generation: int = 0
+
+    def commit(self, tp: TopicPartition, offset: int) -> None:
+        """Move ``tp``'s committed offset forward to ``offset`` (never back)."""
+        before = self.committed.get(tp, 0)
+        if offset > before:
+            self.committed[tp] = offset
+            self.committed_total[tp[0]] = self.committed_total.get(tp[0], 0) + offset - before
 
 
 class InProcessBus(Bus):
@@ -32,6 +41,7 @@ class InProcessBus(Bus):
         self._changed = asyncio.Condition()
         self._partitioner = DefaultPartitioner()
         self._round_robin = itertools.count()
+        self._produced: dict[str, int] = {}  # records sent to each topic
 
     async def stop(self) -> None:
         for group in list(self._groups.values()):
@@ -49,7 +59,7 @@ class InProcessBus(Bus):
             return
         for topic in topics:
             for partition, log in enumerate(self.topics[topic]):
-                g.committed[(topic, partition)] = len(log)
+                g.commit((topic, partition), len(log))
 
     def _partition_for(self, topic: str, key: str | None) -> int:
         count = len(self.topics[topic])
@@ -75,6 +85,11 @@ class InProcessBus(Bus):
         log = self.topics[topic][partition]
         log.append(Record(topic, partition, len(log), key, value, dict(headers or {})))
         metrics.BUS_PRODUCED.labels(topic).inc()
+        self._produced[topic] = self._produced.get(topic, 0) + 1
+        for group in self._groups.values():
+            for member in group.members:
+                if (topic, partition) in member.assigned:
+                    member.pending.add((topic, partition))
         async with self._changed:
             self._changed.notify_all()
 
@@ -85,14 +100,14 @@ class InProcessBus(Bus):
         handler: Handler,
         *,
         concurrency: int = 1,
-        batch_handler: BatchHandler | None = None,  # records are handled one at a time here
+        batch_handler: BatchHandler | None = None,
     ) -> Consumer:
         topics = tuple(topics)
         missing = [t for t in topics if t not in self.topics]
         if missing:
             raise KeyError(f"topics {missing} do not exist; create them with create_topics()")
         g = self._groups.setdefault(group, _Group(group))
-        member = InProcessConsumer(self, g, topics, handler, concurrency)
+        member = InProcessConsumer(self, g, topics, handler, concurrency, batch_handler)
         g.members.append(member)
         await self._rebalance(g)
         member.start()
@@ -115,30 +130,50 @@ class InProcessBus(Bus):
                     member.assigned.add(tp)
         for m in group.members:
             m.positions = {tp: group.committed.get(tp, 0) for tp in m.assigned}
+            m.pending = set(m.assigned)
         async with self._changed:
             self._changed.notify_all()
 
     def lag(self, topic: str, group: str) -> int:
-        committed = self._groups[group].committed if group in self._groups else {}
-        return sum(
-            len(log) - committed.get((topic, p), 0) for p, log in enumerate(self.topics.get(topic, []))
-        )
+        """Records of ``topic`` that ``group`` has not committed, over every partition."""
+        g = self._groups.get(group)
+        return self._produced.get(topic, 0) - (g.committed_total.get(topic, 0) if g else 0)
 
 
 class InProcessConsumer(Consumer):
+    """A group member that handles each assigned partition in a task of its own, as
+    :class:`temper.bus.kafka.KafkaConsumer` does: a partition's records waiting now are its
+    next batch, handled by :func:`handle_records` (records of one key in order, of
+    different keys side by side up to ``concurrency``, the batch handler first), then
+    committed. A slow record holds back its own partition's next batch and nothing else."""
+
+    MAX_BATCH = 100  # records a partition's batch takes at most (Kafka's fetch takes as many)
+
     def __init__(
-        self, bus: InProcessBus, group: _Group, topics: tuple[str, ...], handler: Handler, concurrency: int
+        self,
+        bus: InProcessBus,
+        group: _Group,
+        topics: tuple[str, ...],
+        handler: Handler,
+        concurrency: int,
+        batch_handler: BatchHandler | None = None,
     ) -> None:
         self.bus = bus
         self._group = group
         self.group = group.name
         self.topics = topics
         self.delivery = Delivery(bus, group.name, handler, self.topics)
+        self.batch_handler = batch_handler
         self.concurrency = max(1, concurrency)
+        self._slots = asyncio.Semaphore(self.concurrency)
         self.assigned: set[TopicPartition] = set()
-        self.positions: dict[TopicPartition, int] = {}
+        self.positions: dict[TopicPartition, int] = {}  # where each partition's next batch starts
+        # partitions that may have records no task handles: sent to since, or all of them
+        # after a rebalance or a resume (so a send costs a set insert, not a scan of them all)
+        self.pending: set[TopicPartition] = set()
         self._paused = False
         self._task: asyncio.Task[None] | None = None
+        self._workers: dict[TopicPartition, asyncio.Task[None]] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"consumer-{self.group}")
@@ -150,6 +185,7 @@ class InProcessConsumer(Consumer):
 
     def resume(self) -> None:
         self._paused = False
+        self.pending |= self.assigned
         for t in self.topics:
             metrics.BUS_PAUSED.labels(t, self.group).set(0)
         asyncio.get_running_loop().create_task(self._wake())
@@ -163,42 +199,75 @@ class InProcessConsumer(Consumer):
             self.bus._changed.notify_all()
 
     def _ready(self) -> list[TopicPartition]:
+        """Assigned partitions with records waiting and no task handling them (a running
+        task goes on to the records sent while it runs)."""
         if self._paused:
             return []
-        return [tp for tp in sorted(self.assigned) if self.positions[tp] < len(self.bus.topics[tp[0]][tp[1]])]
+        ready = []
+        for tp in self.pending:
+            worker = self._workers.get(tp)
+            if (
+                tp in self.assigned
+                and (worker is None or worker.done())
+                and self.positions[tp] < len(self.bus.topics[tp[0]][tp[1]])
+            ):
+                ready.append(tp)
+        if not ready:
+            self.pending.clear()
+        return sorted(ready)
 
     async def _run(self) -> None:
         while True:
             async with self.bus._changed:
                 await self.bus._changed.wait_for(lambda: bool(self._ready()))
-            ready = self._ready()
-            for i in range(0, len(ready), self.concurrency):
-                await asyncio.gather(*(self._drain(tp) for tp in ready[i : i + self.concurrency]))
+            for tp in self._ready():
+                self.pending.discard(tp)
+                self._workers[tp] = asyncio.create_task(
+                    self._drain(tp), name=f"consumer-{self.group}-{tp[0]}-{tp[1]}"
+                )
 
     async def _drain(self, tp: TopicPartition) -> None:
+        """Handle ``tp``'s batches until it is caught up, paused or moved to another member."""
         generation = self._group.generation
         log = self.bus.topics[tp[0]][tp[1]]
-        while not self._paused and tp in self.assigned and self.positions[tp] < len(log):
-            record = log[self.positions[tp]]
-            try:
-                await self.delivery.run(record, keep_trying=lambda: tp in self.assigned)
-            except DependencyWait:
-                return  # revoked while waiting for a dependency: the next owner takes the record
-            if self._group.generation != generation and tp not in self.assigned:
-                return  # revoked while handling: like Kafka, the commit is refused and the record redelivered
-            self.positions[tp] = record.offset + 1
-            self._group.committed[tp] = record.offset + 1
+
+        def mine() -> bool:
+            return tp in self.assigned
+
+        while not self._paused and mine() and self.positions[tp] < len(log):
+            start = self.positions[tp]
+            records = log[start : start + self.MAX_BATCH]
+            self.positions[tp] = records[-1].offset + 1
+            handled, failed = await handle_records(
+                records,
+                self.delivery,
+                self._slots,
+                by_key=self.concurrency > 1,
+                batch_handler=self.batch_handler,
+                go_on=lambda: mine() and not self._paused,
+                keep_trying=mine,
+            )
+            if self._group.generation != generation and not mine():
+                return  # revoked while handling: like Kafka, the commit is refused and the records redelivered
+            unhandled = next((rec.offset for rec in records if rec.offset not in handled), None)
+            done = records[-1].offset + 1 if unhandled is None else unhandled
+            if unhandled is not None:  # paused or failed: the next batch starts there
+                self.positions[tp] = unhandled
+            self._group.commit(tp, done)
             metrics.BUS_CONSUMER_LAG.labels(tp[0], self.group).set(self.bus.lag(tp[0], self.group))
+            if failed:
+                await asyncio.sleep(1)
 
     async def stop(self) -> None:
         """Leave the group; a record being handled now is not committed and goes to another member."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        tasks = [t for t in (self._task, *self._workers.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._task = None
+        self._workers.clear()
         if self in self._group.members:
             self._group.members.remove(self)
             await self.bus._rebalance(self._group)

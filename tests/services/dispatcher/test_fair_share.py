@@ -28,6 +28,7 @@ from sqlalchemy import func, select, update
 
 from services.dispatcher.app import create_app
 from services.dispatcher.fairshare import Usage, tenant_usage
+from services.dispatcher.scheduler import Scheduler
 from temper.db import Database, Episode, Job, PolicyVersion, Step, Tenant
 from temper.db.migrate import upgrade
 from temper.events import InferenceRequest
@@ -54,10 +55,28 @@ async def tenant_with_job(db: Database, name: str, *, weight: float = 1.0, **spe
     return await submit_job(db, job_spec(tasks__taskset=f"ts-{name}", **spec), tenant=name)
 
 
+def pause_after_admitting(monkeypatch: pytest.MonkeyPatch, n: int) -> asyncio.Event:
+    """Stop the scheduler at the end of the tick in which its fleet admitted ``n`` episodes;
+    the event says it has. Counts read then hold whole ticks: a tick admits every tenant's
+    planned room in turn, one job's pass at a time, so counts read while one is under way
+    can hold one tenant's share of it and not yet the other's (up to a fleet's worth)."""
+    paused = asyncio.Event()
+    tick = Scheduler.tick
+
+    async def tick_then_pause(self: Scheduler) -> None:
+        await tick(self)
+        if sum(self.fleet.admitted.values()) >= n:
+            paused.set()
+            await asyncio.Event().wait()  # until the dispatcher stops
+
+    monkeypatch.setattr(Scheduler, "tick", tick_then_pause)
+    return paused
+
+
 @pytest.mark.parametrize(
     "database_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
-async def test_a_contended_fleet_admits_episodes_two_to_one_by_weight(tmp_path, database_url):
+async def test_a_contended_fleet_admits_episodes_two_to_one_by_weight(tmp_path, database_url, monkeypatch):
     await asyncio.to_thread(upgrade, database_url)
     db = Database(DatabaseSettings(url=database_url))
     u = uuid.uuid4().hex[:8]
@@ -69,6 +88,7 @@ async def test_a_contended_fleet_admits_episodes_two_to_one_by_weight(tmp_path, 
     heavy = await tenant_with_job(db, f"heavy-{u}", weight=2.0, **big)
     await db.dispose()
 
+    paused = pause_after_admitting(monkeypatch, ADMITTED)
     h = await start_harness(
         tmp_path,
         database_url,
@@ -81,17 +101,15 @@ async def test_a_contended_fleet_admits_episodes_two_to_one_by_weight(tmp_path, 
 
         async def admitted() -> bool:
             async with h.db.session() as s:
-                rows = dict(
-                    (
-                        await s.execute(
-                            select(Episode.state, func.count())
-                            .where(Episode.job_id.in_([light, heavy]))
-                            .group_by(Episode.state)
-                        )
-                    ).all()
+                in_flight_seen.append(
+                    await s.scalar(
+                        select(func.count())
+                        .select_from(Episode)
+                        .where(Episode.job_id.in_([light, heavy]), Episode.state.not_in(["scored", "failed"]))
+                    )
+                    or 0
                 )
-            in_flight_seen.append(sum(n for st, n in rows.items() if st not in ("scored", "failed")))
-            return sum(rows.values()) >= ADMITTED
+            return paused.is_set()
 
         await wait_for(admitted, limit_s=90, what=f"{ADMITTED} episodes admitted")
         per_job = {job: len(await episodes_of(h.db, job)) for job in (light, heavy)}
