@@ -28,6 +28,15 @@ figures are medians over the rounds; each ratio is the median of the rounds' rat
 - ``reward_at_equal_time``: the mean of the last 3 batches done by the time the fastest
   of the three sides of the round had finished.
 
+A side that never reaches 0.75 in its batches has a time to it longer than its RL time, so
+the time ratio of a round is bounded rather than unknown: if only TRL missed, Temper's
+ratio is below ``Temper's time / TRL's RL time`` (that bound is the round's figure, shown
+``<x``); if Temper missed, the round counts as infinitely slow (``never``), whatever TRL
+did. Each round's figure is thus no smaller than its true ratio, so their median is no
+smaller than the true median: a median at or below 1.0 says Temper was at least as fast.
+A side's own ``seconds_to_0_75`` median counts a miss as infinitely slow too; a median
+that lands on a miss is null.
+
 ``--profile`` runs one more Temper job under ``bench/learn_profile.py`` and prints where
 its CPU went (the table in docs/training.md); ``--policy DIR`` reuses a warm-started
 policy. Writes ``bench/results/learn.json`` (``--out``) and prints a table.
@@ -39,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sqlite3
@@ -241,24 +251,56 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(known) if len(known) == len(values) and known else None
 
 
+def median_of_times(values: list[float | None]) -> float | None:
+    """The median of times to 0.75, a miss (None) counting as infinitely long; null when the
+    median is a miss."""
+    m = statistics.median(math.inf if v is None else v for v in values) if values else math.inf
+    return None if math.isinf(m) else m
+
+
+def time_ratio(temper: dict[str, Any], other: dict[str, Any]) -> tuple[float, bool]:
+    """One round's Temper-over-other time to 0.75, as a value no smaller than the true
+    ratio, and whether it is a bound: exact when both reached it; below Temper's time over
+    the other's RL time when only the other missed (its time is longer than all it ran);
+    infinite when Temper missed."""
+    mine, theirs = temper["seconds_to_0_75"], other["seconds_to_0_75"]
+    if mine is None:
+        return math.inf, False
+    if theirs is None:
+        return mine / other["rl_s"], True
+    return mine / theirs, False
+
+
 def _rounds(values: list[float | None]) -> str:
     """Each round's figure, as one string: bench results are flat objects of scalars."""
     return ", ".join("null" if v is None else str(round(v, 3)) for v in values)
+
+
+def _bounded_rounds(values: list[tuple[float, bool]]) -> str:
+    return ", ".join(
+        "never" if math.isinf(v) else f"{'<' if bound else ''}{round(v, 3)}" for v, bound in values
+    )
 
 
 def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for side in SIDES:
         for key in ("samples_per_s", "seconds_to_0_75", "reward_at_equal_time", "rl_s", "last_3_batches"):
-            m = median([r[side][key] for r in rounds])
+            values = [r[side][key] for r in rounds]
+            m = median_of_times(values) if key == "seconds_to_0_75" else median(values)
             result[f"{side}_{key}"] = None if m is None else round(m, 3)
     for other in ("trl_bwrap", "trl_plain"):
         per = [ratio(r["temper"]["samples_per_s"], r[other]["samples_per_s"]) for r in rounds]
-        to = [ratio(r["temper"]["seconds_to_0_75"], r[other]["seconds_to_0_75"]) for r in rounds]
+        to = [time_ratio(r["temper"], r[other]) for r in rounds]
         result[f"samples_per_s_over_{other}"] = None if median(per) is None else round(median(per), 3)  # type: ignore[arg-type]
-        result[f"seconds_to_0_75_over_{other}"] = None if median(to) is None else round(median(to), 3)  # type: ignore[arg-type]
+        ordered = sorted(to)
+        middle = ordered[(len(to) - 1) // 2 : len(to) // 2 + 1]  # the one or two the median is of
+        m = statistics.fmean(v for v, _ in middle)
+        result[f"seconds_to_0_75_over_{other}"] = None if math.isinf(m) else round(m, 3)
+        # true when the median rests on a round whose figure is a bound (the ratio is below it)
+        result[f"seconds_to_0_75_over_{other}_is_bound"] = any(b for _, b in middle)
         result[f"rounds_samples_per_s_over_{other}"] = _rounds(per)
-        result[f"rounds_seconds_to_0_75_over_{other}"] = _rounds(to)
+        result[f"rounds_seconds_to_0_75_over_{other}"] = _bounded_rounds(to)
     return result
 
 
@@ -284,7 +326,8 @@ def print_table(result: dict[str, Any]) -> None:
         )
     print(
         f"Temper / TRL bwrap: samples/s {cell(result['samples_per_s_over_trl_bwrap'], '.2f')}, "
-        f"time to 0.75 {cell(result['seconds_to_0_75_over_trl_bwrap'], '.2f')}   "
+        f"time to 0.75 {'<' * result['seconds_to_0_75_over_trl_bwrap_is_bound']}"
+        f"{cell(result['seconds_to_0_75_over_trl_bwrap'], '.2f')} ({result['rounds_seconds_to_0_75_over_trl_bwrap']})   "
         f"(TRL plain: {cell(result['samples_per_s_over_trl_plain'], '.2f')}, "
         f"{cell(result['seconds_to_0_75_over_trl_plain'], '.2f')})"
     )
