@@ -251,10 +251,16 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(known) if len(known) == len(values) and known else None
 
 
+def middle(items: list[Any]) -> list[Any]:
+    """The one or two of ``items``, sorted, that their median is the mean of."""
+    ordered = sorted(items)
+    return ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]
+
+
 def median_of_times(values: list[float | None]) -> float | None:
     """The median of times to 0.75, a miss (None) counting as infinitely long; null when the
     median is a miss."""
-    m = statistics.median(math.inf if v is None else v for v in values) if values else math.inf
+    m = statistics.fmean(middle([math.inf if v is None else v for v in values]) or [math.inf])
     return None if math.isinf(m) else m
 
 
@@ -293,12 +299,11 @@ def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         per = [ratio(r["temper"]["samples_per_s"], r[other]["samples_per_s"]) for r in rounds]
         to = [time_ratio(r["temper"], r[other]) for r in rounds]
         result[f"samples_per_s_over_{other}"] = None if median(per) is None else round(median(per), 3)  # type: ignore[arg-type]
-        ordered = sorted(to)
-        middle = ordered[(len(to) - 1) // 2 : len(to) // 2 + 1]  # the one or two the median is of
-        m = statistics.fmean(v for v, _ in middle)
+        mid = middle(to)
+        m = statistics.fmean(v for v, _ in mid)
         result[f"seconds_to_0_75_over_{other}"] = None if math.isinf(m) else round(m, 3)
         # true when the median rests on a round whose figure is a bound (the ratio is below it)
-        result[f"seconds_to_0_75_over_{other}_is_bound"] = any(b for _, b in middle)
+        result[f"seconds_to_0_75_over_{other}_is_bound"] = any(b for _, b in mid)
         result[f"rounds_samples_per_s_over_{other}"] = _rounds(per)
         result[f"rounds_seconds_to_0_75_over_{other}"] = _bounded_rounds(to)
     return result

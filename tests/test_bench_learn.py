@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -14,10 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _learn() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_learn", ROOT / "bench" / "learn.py")
+    spec = importlib.util.spec_from_file_location("temper_bench_learn", ROOT / "bench" / "learn.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_learn", module)
     spec.loader.exec_module(module)
     return module
 
@@ -70,7 +68,7 @@ def test_a_median_that_rests_on_a_bound_says_so_and_one_on_misses_is_null():
             round_(side(60.0, 73.0), side(None, 300.0)),
             round_(side(70.0, 73.0), side(None, 350.0)),
             round_(side(None, 73.0), side(100.0, 300.0)),
-        ]  # fmt: skip
+        ]
     )
     assert bounded["seconds_to_0_75_over_trl_bwrap"] == 0.2  # max(60/300, 70/350)
     assert bounded["seconds_to_0_75_over_trl_bwrap_is_bound"] is True
