@@ -47,6 +47,9 @@ class TrainingJob:
     )  # the learner: one step or checkpoint at a time
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> groups
+    # zero-variance groups skipped since the last step: a policy that collapsed (every
+    # answer fails alike) makes only those, and with the skip no step comes to change it
+    flat_since_step: int = 0
     # A publish (checkpoint) that failed: retried by the loop with backoff until it succeeds.
     publish_error: str | None = None
     publish_failures: int = 0
@@ -100,6 +103,7 @@ class TrainingJob:
                 [b.trajectory.reward for b in items]
             ):
                 dropped.append((items, SKIP_ZERO_VARIANCE))
+                self.flat_since_step += 1
             elif max(self.learner.version - b.trajectory.behaviour_version for b in items) > (
                 self.spec.schedule.max_staleness
             ):
@@ -122,5 +126,6 @@ class TrainingJob:
             "publish_error": self.publish_error,
             "publish_failures": self.publish_failures,
             "skipped_groups": dict(self.skipped),
+            "zero_variance_since_step": self.flat_since_step,
             "last_step": self.history[-1] if self.history else None,
         }

@@ -312,6 +312,7 @@ class JobTrainer(SupervisedJobs):
         if not stats.updated:
             await self._mark_skipped(job, episodes, SKIP_NO_UPDATE, groups=len(batch))
             return stats
+        job.flat_since_step = 0
         job.uncheckpointed.update(dict.fromkeys(episodes, stats.step))
         job.steps_since_checkpoint += 1
         job.history.append(stats.as_dict())
@@ -358,6 +359,7 @@ class JobTrainer(SupervisedJobs):
                     await self._publish(job, StepStats(**last) if last else None)
 
     CLOSED_CHECK_S = 1.0  # how often a job's incomplete groups are looked up in the database
+    STALLED_STEPS = 2  # zero-variance groups worth this many steps in a row, none trained: warn
 
     async def _sweep(self, job: TrainingJob) -> None:
         """Drop what cannot be trained on (called with the job's lock held; see
@@ -369,8 +371,15 @@ class JobTrainer(SupervisedJobs):
         if job.groups and time.monotonic() - job.closed_checked_at >= self.CLOSED_CHECK_S:
             job.closed_checked_at = time.monotonic()
             closed = await ledger.closed_groups(self.db, job.job_id, list(job.groups))
+        flat = job.flat_since_step
         for items, reason in job.sweep(time.time(), self.settings.group_timeout_s, closed):
             await self._mark_skipped(job, [b.episode_id for b in items], reason, groups=1)
+        stalled = self.STALLED_STEPS * job.spec.algorithm.groups_per_step
+        if flat < stalled <= job.flat_since_step:
+            # said once per stall: the job goes on sampling, but nothing will train it
+            log_event(log, "no step: every group since the last one had zero reward variance",
+                      logging.WARNING, job_id=job.job_id, groups=job.flat_since_step,
+                      version=job.learner.version)  # fmt: skip
 
     async def _mark_skipped(
         self, job: TrainingJob, episodes: list[str], reason: str, *, groups: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
 import pytest
@@ -165,6 +166,60 @@ async def test_trains_publishes_policy_versions_and_skips_flat_groups(settings, 
         status = trainer.status()["jobs"]["job-a"]
         assert status["policy_version"] == 2 and status["buffered_trajectories"] == 0
         assert status["skipped_groups"] == {SKIP_ZERO_VARIANCE: 1}
+    finally:
+        await stop(runtime, component)
+
+
+async def test_a_run_of_flat_groups_with_no_step_is_counted_and_warned_once(settings, capsys):
+    # A collapsed policy (every answer fails alike) makes only zero-variance groups; with
+    # the skip, no step comes. The trainer says so once and counts them until a step.
+    runtime, component = await start(settings)
+    trainer = component.training
+    try:
+        assert runtime.db and runtime.bus and runtime.store
+        await add_job(runtime.db, "job-f", job_spec(group_size=4, groups_per_step=1, checkpoint_every=1))
+        f = TrajectoryFactory("job-f")
+
+        async def send(made: list) -> None:
+            await store_all(runtime.store, made)
+            await send_all(runtime.bus, made)
+
+        def flat_count() -> int:
+            return trainer.status()["jobs"]["job-f"]["zero_variance_since_step"]
+
+        await send(f.group("g1", [1, 0, 0, 1]))
+
+        async def stepped(n: int) -> bool:
+            return "job-f" in trainer.jobs and trainer.jobs["job-f"].learner.step_count == n
+
+        await wait_for(lambda: stepped(1), what="the first step")
+        assert flat_count() == 0
+        for i in range(3):
+            await send(f.group(f"flat{i}", [0.0] * 4))
+
+        err = ""
+
+        async def three_flat_and_warned() -> bool:  # the warning follows the ledger's writes
+            nonlocal err
+            err += capsys.readouterr().err
+            return flat_count() == 3 and "had zero reward variance" in err
+
+        await wait_for(three_flat_and_warned, what="three flat groups skipped, and the warning")
+        await asyncio.sleep(0.2)
+        err += capsys.readouterr().err
+        # said once, on reaching 2 steps' worth of groups (groups_per_step 1; one sweep may
+        # skip the third with them), with the job and the version that made them
+        warned = [json.loads(line) for line in err.splitlines() if "had zero reward variance" in line]
+        assert len(warned) == 1, err[-2000:]
+        assert warned[0]["job_id"] == "job-f" and warned[0]["version"] == 1 and warned[0]["groups"] in (2, 3)
+        assert trainer.jobs["job-f"].learner.step_count == 1
+        await send(f.group("g2", [0, 1, 1, 1]))
+
+        async def stepped_again() -> bool:  # the count is reset once the step has returned
+            return await stepped(2) and flat_count() == 0
+
+        await wait_for(stepped_again, what="the step after the flat groups, and the count reset")
+        assert trainer.status()["jobs"]["job-f"]["skipped_groups"] == {SKIP_ZERO_VARIANCE: 3}
     finally:
         await stop(runtime, component)
 
